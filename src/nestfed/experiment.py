@@ -1,0 +1,238 @@
+"""The recipe: config -> backbone + data -> partitions -> client datasets -> rounds -> run directory.
+
+A run directory is self-describing::
+
+    config.toml        the resolved config (re-run or resume from it)
+    metrics.jsonl      one line per round (round 0 = the backbone alone)
+    checkpoints/       round_NNN.safetensors: the global state after each round (atomic writes)
+    adapter/           the final global adapter in PEFT's format
+    plots/             eval_ppl.png, bytes.png
+    summary.json       written last: its presence marks a finished run
+
+Everything that can fail on bad input (config, data paths, malformed files, ranks) is checked in
+:func:`prepare`, before any directory is created.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from nestfed import config as C
+from nestfed.adapters.lora import inject_lora, module_shapes
+from nestfed.adapters.peft_export import export_peft_adapter
+from nestfed.backbone import Backbone, load_backbone
+from nestfed.data import partition, sources, tasks
+from nestfed.errors import ConfigError, DataError
+from nestfed.federation.client import ClientData, ClientTrainer
+from nestfed.federation.messages import ClientInfo
+from nestfed.federation.runner import RoundLoop
+from nestfed.frozen_prefix import first_adapted_layer
+from nestfed.strategies import make_strategy
+
+
+@dataclass
+class Prepared:
+    """What every method of one experiment shares: the backbone with LoRA layers, the clients' data."""
+
+    cfg: C.ExperimentConfig
+    backbone: Backbone
+    data: dict[int, ClientData]
+    clients: list[ClientInfo]
+    shapes: dict[str, tuple[int, int]]
+    prepare_time_s: float
+
+
+def _records(d: C.DataConfig) -> tuple[list[Any], list[str]]:
+    """Load the data source; return (records, one label per record)."""
+    if d.source == "bbc_news":
+        docs = sources.bbc_news(d.path or None)
+        return docs, [x.label for x in docs]
+    if d.source == "newsgroups":
+        docs = sources.newsgroups(d.path or None)
+        return docs, [x.label for x in docs]
+    if not d.path:
+        raise ConfigError(f"data.path: the source '{d.source}' needs a local path")
+    if not Path(d.path).exists():
+        raise DataError(f"data.path: {d.path} does not exist")
+    if d.source == "mmlu":
+        items = sources.mmlu(d.path, "test")
+        return items, [x.subject for x in items]
+    items = sources.instructions(d.path)
+    return items, [x.category or "all" for x in items]
+
+
+def _partition(labels: list[str], d: C.DataConfig) -> list[list[int]]:
+    if d.partition == "iid":
+        return partition.iid(len(labels), d.num_clients, d.seed)
+    if d.partition == "dirichlet":
+        return partition.dirichlet(labels, d.num_clients, d.dirichlet_alpha, d.seed)
+    client_labels = [list(x) for x in d.client_labels]
+    if not client_labels:
+        distinct = sorted(set(labels))
+        if len(distinct) < d.num_clients:
+            raise ConfigError(f"data.client_labels: {d.num_clients} clients but only {len(distinct)} labels "
+                              f"({', '.join(distinct)}); list the labels of each client")
+        client_labels = [[lab] for lab in distinct[: d.num_clients]]
+    if len(client_labels) != d.num_clients:
+        raise ConfigError(f"data.client_labels: {len(client_labels)} entries for data.num_clients = {d.num_clients}")
+    known = set(labels)
+    for i, labs in enumerate(client_labels):
+        for lab in labs:
+            if lab not in known:
+                raise ConfigError(f"data.client_labels: client {i} names label '{lab}', which the data does not have")
+    return partition.by_label(labels, client_labels, d.seed)
+
+
+def _tokenise(records: list[Any], idx: list[int], d: C.DataConfig, tokenizer, cap: int) -> tasks.TokenDataset:
+    items = [records[i] for i in idx]
+    if d.task == "causal_lm":
+        texts = [getattr(x, "text", None) or _as_text(x) for x in items]
+        return tasks.pack_causal_lm(texts, tokenizer, d.block_size, max_blocks=cap)
+    if d.task == "instruction":
+        return tasks.instruction_examples(items[:cap], tokenizer, d.block_size)
+    return tasks.multiple_choice_examples(items[:cap], tokenizer, d.block_size)
+
+
+def _as_text(x: Any) -> str:
+    if isinstance(x, sources.InstructionExample):
+        return tasks.alpaca_prompt(x.instruction, x.input) + x.output
+    if isinstance(x, sources.MultipleChoice):
+        return tasks.mc_prompt(x.question, x.choices)
+    return str(x)
+
+
+def load_partitions(d: C.DataConfig) -> tuple[list[Any], list[str], list[list[int]]]:
+    """Read the data source and partition it: (records, labels, record indices per client).
+
+    Raises DataError (missing or malformed data) or ConfigError (bad partition settings).
+    """
+    records, labels = _records(d)
+    if d.task == "multiple_choice" and d.source != "mmlu":
+        raise ConfigError("data.task: multiple_choice needs data.source = 'mmlu'")
+    try:
+        parts = _partition(labels, d)
+    except ValueError as exc:
+        raise ConfigError(f"data.partition: {exc}") from None
+    return records, labels, parts
+
+
+def build_client_data(cfg: C.ExperimentConfig, tokenizer, loaded=None) -> tuple[dict[int, ClientData], list[list[str]]]:
+    """Tokenised train/test data for every client, from the config's source, partition and task.
+
+    loaded: the result of :func:`load_partitions` (read here when None).
+    Raises DataError (missing or malformed data, a client left without examples) or ConfigError.
+    """
+    d = cfg.data
+    records, labels, parts = loaded or load_partitions(d)
+    letter_ids = tasks.letter_token_ids(tokenizer) if d.task == "multiple_choice" else None
+    out = {}
+    client_labels = []
+    for cid, idx in enumerate(parts):
+        train_idx, test_idx = partition.train_test_split(idx, d.test_fraction, d.seed + cid)
+        train = _tokenise(records, train_idx, d, tokenizer, d.max_train)
+        test = _tokenise(records, test_idx, d, tokenizer, d.max_test)
+        if len(train) == 0 or len(test) == 0:
+            raise DataError(f"client {cid}: no {'training' if len(train) == 0 else 'test'} examples after "
+                            f"partitioning ({len(idx)} records); lower data.block_size or add data")
+        names = sorted({labels[i] for i in idx})
+        client_labels.append(names)
+        out[cid] = ClientData(train.input_ids, train.labels, test.input_ids, test.labels,
+                              letter_ids=letter_ids, label="+".join(names) if len(names) <= 3 else f"{len(names)} labels")
+    return out, client_labels
+
+
+def prepare(cfg: C.ExperimentConfig, on_status: Callable[[str], None] | None = None) -> Prepared:
+    """Load the backbone, inject LoRA (rank r_max), build and cache every client's data.
+
+    Raises ConfigError / DataError on bad input; creates no files except the model cache.
+    """
+    t0 = time.perf_counter()
+    say = on_status or (lambda s: None)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    ranks = C.client_ranks(cfg)
+    say("loading data")
+    loaded = load_partitions(cfg.data)
+    say("loading the backbone")
+    backbone = load_backbone(cfg.model)
+    say("tokenising")
+    data, _ = build_client_data(cfg, backbone.tokenizer, loaded)
+    s = cfg.lora.lora_alpha / C.r_max(cfg)
+    try:
+        inject_lora(backbone.model, cfg.lora.target_modules, C.r_max(cfg), s, cfg.lora.layers)
+    except ValueError as exc:
+        raise ConfigError(f"lora: {exc}") from None
+    start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
+    if start > 0:
+        say(f"caching the frozen layers 0..{start - 1}")
+    for d in data.values():
+        d.cache_prefix(backbone.model, start, cfg.train.eval_batch_size)
+    clients = [ClientInfo(cid, ranks[cid], d.num_examples) for cid, d in data.items()]
+    return Prepared(cfg, backbone, data, clients, module_shapes(backbone.model), time.perf_counter() - t0)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write a text file via a temporary file and a rename (never half-written)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def new_run_dir(cfg: C.ExperimentConfig, parent: Path | None = None) -> Path:
+    """A fresh, not yet existing directory ``<output.dir>/<name>-<UTC time>`` (or under ``parent``)."""
+    name = cfg.output.name or cfg.strategy.name
+    if parent is not None:
+        return parent / name
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    path = Path(cfg.output.dir) / f"{name}-{stamp}"
+    i = 1
+    while path.exists():
+        path = Path(cfg.output.dir) / f"{name}-{stamp}-{i}"
+        i += 1
+    return path
+
+
+def run_experiment(prep: Prepared, cfg: C.ExperimentConfig, run_dir: Path, resume: bool = False,
+                   on_event: Callable[[str, dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """Run one method over the prepared clients into ``run_dir``; return the summary.
+
+    ``cfg`` may differ from ``prep.cfg`` only in the strategy, federation, train and output
+    sections (several methods share one preparation).
+    """
+    t0 = time.perf_counter()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if not resume:
+        write_text_atomic(run_dir / "config.toml", C.dumps_toml(cfg))
+    strategy = make_strategy(cfg)
+    for c in prep.clients:
+        if c.rank > C.r_max(cfg):
+            raise ConfigError(f"lora.ranks: client {c.cid} rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
+    trainer = ClientTrainer(prep.backbone.model, prep.data, cfg.train)
+    fed = cfg.federation
+    loop = RoundLoop(strategy, trainer, prep.clients, fed.rounds, run_dir, fed.fraction, fed.min_clients,
+                     fed.seed, on_event=on_event)
+    state = loop.run(prep.shapes, resume=resume)
+    arrays, scale = strategy.export(state)
+    export_peft_adapter(arrays, scale, run_dir / "adapter", prep.backbone.source)
+    from nestfed import report
+
+    if cfg.output.plots:
+        report.plot_run(run_dir)
+    lines = report.read_metrics(run_dir)
+    summary = report.summarise(lines, cfg)
+    summary.update({"run_dir": str(run_dir), "wall_time_s": time.perf_counter() - t0,
+                    "prepare_time_s": prep.prepare_time_s, "client_labels": {str(c): d.label for c, d in prep.data.items()},
+                    "rejections": loop.log, "frozen_prefix_layers": next(iter(prep.data.values())).start})
+    write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+    return summary

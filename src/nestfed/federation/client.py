@@ -1,0 +1,192 @@
+"""The client trainer: loads an instruction's arrays into the shared model, runs local steps of
+the method's objective on the client's partition, and returns its update.
+
+One trainer serves every client of an embedded run (clients run one after another on one model);
+a Flower ClientApp wraps the same trainer for one client. The trainer never knows which strategy
+made the instruction: the instruction's config names the objective and what trains.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from nestfed.adapters.lora import (PEFT_PREFIX, init_adapter_state, lora_modules, module_of, module_shapes,
+                                   peft_key)
+from nestfed.config import TrainConfig
+from nestfed.evaluate import evaluate_lm
+from nestfed.federation.messages import Arrays, Instruction, Reply
+from nestfed.federation.objectives import OBJECTIVES, Batch, tail_norm
+from nestfed.frozen_prefix import prefix_features
+
+
+@dataclass
+class ClientData:
+    """One client's tokenised partition.
+
+    train_ids / test_ids: [N, T] token ids; train_labels / test_labels: [N, T] (-100 = no loss).
+    train_hidden / test_hidden: the frozen prefix's outputs [N, T, d] entering layer ``start``
+    (None = run the whole model). letter_ids: the 4 answer-letter token ids for multiple choice.
+    """
+
+    train_ids: torch.Tensor
+    train_labels: torch.Tensor
+    test_ids: torch.Tensor
+    test_labels: torch.Tensor
+    train_hidden: torch.Tensor | None = None
+    test_hidden: torch.Tensor | None = None
+    start: int = 0
+    letter_ids: list[int] | None = None
+    label: str = ""
+
+    @property
+    def num_examples(self) -> int:
+        """n_k: training examples (blocks or prompts)."""
+        return int(self.train_ids.shape[0])
+
+    def cache_prefix(self, model: nn.Module, start: int, batch_size: int = 8) -> None:
+        """Compute and keep the frozen layers' outputs for train and test (see frozen_prefix)."""
+        self.start = start
+        if start > 0:
+            self.train_hidden = prefix_features(model, self.train_ids, start, batch_size)
+            self.test_hidden = prefix_features(model, self.test_ids, start, batch_size)
+
+
+def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
+    """Load a payload into the model's LoRA layers.
+
+    ``lora_A`` / ``lora_B`` keys set each layer's adapter (rank from the shapes); a layer without
+    them gets rank 0. ``merged_A`` / ``merged_B`` keys set FLoRA's frozen merged stack; without
+    them the stack is removed. Every layer's scale becomes ``scaling``.
+    Raises KeyError for a key that names no LoRA layer.
+    """
+    modules = lora_modules(model)
+    for key in arrays:
+        if module_of(key)[0] not in modules:
+            raise KeyError(f"payload key {key} names no LoRA layer of the model")
+    for name, m in modules.items():
+        a, b = arrays.get(peft_key(name, "lora_A")), arrays.get(peft_key(name, "lora_B"))
+        if a is None:
+            a, b = torch.zeros(0, m.in_features), torch.zeros(m.out_features, 0)
+        m.set_weights(a, b)
+        m.scaling = float(scaling)
+        ma, mb = arrays.get(f"{PEFT_PREFIX}{name}.merged_A"), arrays.get(f"{PEFT_PREFIX}{name}.merged_B")
+        m.set_merged(ma, mb)
+
+
+def _seed(*parts: int) -> int:
+    h = 0
+    for p in parts:
+        h = (h * 1_000_003 + int(p)) % (2**63 - 1)
+    return h
+
+
+@dataclass
+class ClientTrainer:
+    """Runs local training and evaluation for the clients of one model.
+
+    model: the backbone with LoRA layers injected; data: {cid: ClientData}; train: local settings
+    (steps, batch size, AdamW lr / weight decay, gradient clipping).
+    """
+
+    model: nn.Module
+    data: dict[int, ClientData]
+    train: TrainConfig
+    log: list[str] = field(default_factory=list)
+
+    def _batches(self, d: ClientData, steps: int, batch_size: int, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        n = d.num_examples
+        order = torch.randperm(n, generator=g)
+        pos = 0
+        for _ in range(steps):
+            idx = []
+            while len(idx) < min(batch_size, n):
+                if pos == n:
+                    order, pos = torch.randperm(n, generator=g), 0
+                idx.append(int(order[pos]))
+                pos += 1
+            idx_t = torch.tensor(idx)
+            if d.train_hidden is not None:
+                yield Batch(d.train_labels[idx_t], hidden=d.train_hidden[idx_t], start=d.start)
+            else:
+                yield Batch(d.train_labels[idx_t], input_ids=d.train_ids[idx_t])
+
+    def fit(self, cid: int, instruction: Instruction) -> Reply:
+        """Train client ``cid`` from the instruction's arrays; return trained arrays, n_k, metrics.
+
+        Metrics: ``train_loss`` (mean over steps, nats/token), ``train_time_s`` (seconds),
+        ``train_tokens`` (labelled tokens seen, counting each sub-rank pass once), ``rank``.
+        Raises KeyError for an unknown client or objective.
+        """
+        cfg: dict[str, Any] = instruction.config
+        d = self.data[cid]
+        t0 = time.perf_counter()
+        arrays = dict(instruction.arrays)
+        if "fresh_lora_seed" in cfg:  # FLoRA: a new LoRA of rank r_k each round
+            fresh = init_adapter_state(module_shapes(self.model), int(cfg["rank"]), int(cfg["fresh_lora_seed"]))
+            arrays.update(fresh)
+        apply_arrays(self.model, arrays, float(cfg["scaling"]))
+        objective = OBJECTIVES[cfg.get("objective", "plain")]
+        train_b_only = cfg.get("train", "AB") == "B"
+        params = []
+        for m in lora_modules(self.model).values():
+            m.lora_A.weight.requires_grad_(not train_b_only)
+            m.lora_B.weight.requires_grad_(True)
+            params += [m.lora_B.weight] if train_b_only else [m.lora_A.weight, m.lora_B.weight]
+        opt = torch.optim.AdamW(params, lr=self.train.lr, weight_decay=self.train.weight_decay)
+        losses, tokens = [], 0
+        self.model.train()
+        seed = _seed(int(cfg.get("seed", 0)), int(cfg.get("round", 0)), cid)
+        for batch in self._batches(d, self.train.local_steps, self.train.batch_size, seed):
+            opt.zero_grad(set_to_none=True)
+            losses.append(objective(self.model, batch, cfg))
+            tokens += int((batch.labels[:, 1:] != -100).sum())
+            if self.train.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
+            opt.step()
+        self.model.eval()
+        for p in params:
+            p.requires_grad_(False)
+        metrics: dict[str, float] = {"train_loss": sum(losses) / len(losses), "train_tokens": float(tokens)}
+        if cfg.get("objective") == "hetlora":
+            metrics.update(self._hetlora_prune(cfg))
+        out = {}
+        for name, m in lora_modules(self.model).items():
+            if not train_b_only:
+                out[peft_key(name, "lora_A")] = m.lora_A.weight.detach().clone()
+            out[peft_key(name, "lora_B")] = m.lora_B.weight.detach().clone()
+        metrics["rank"] = float(next(iter(lora_modules(self.model).values())).rank)
+        metrics["train_time_s"] = time.perf_counter() - t0
+        return Reply(out, d.num_examples, metrics)
+
+    def _hetlora_prune(self, cfg: dict[str, Any]) -> dict[str, float]:
+        """HetLoRA's rank self-pruning: shrink to floor(prune_ratio * r) when the tail norm fell."""
+        tail = float(cfg.get("hetlora_tail", 0.25))
+        with torch.no_grad():
+            norm = float(tail_norm(self.model, tail))
+        prev = float(cfg.get("hetlora_prev_tail", -1.0))
+        r = int(cfg["rank"])
+        pruned = 0.0
+        if cfg.get("hetlora_pruning", True) and prev >= 0 and norm < prev and r > 1:
+            new_r = max(1, math.floor(float(cfg.get("hetlora_prune_ratio", 0.9)) * r))
+            if new_r < r:
+                for m in lora_modules(self.model).values():
+                    m.set_weights(m.lora_A.weight[:new_r], m.lora_B.weight[:, :new_r])
+                with torch.no_grad():
+                    norm = float(tail_norm(self.model, tail))
+                pruned = float(r - new_r)
+        return {"tail_norm": norm, "pruned": pruned}
+
+    def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
+        """Held-out loss, perplexity (and accuracy for multiple choice) of client ``cid`` under ``arrays``."""
+        d = self.data[cid]
+        apply_arrays(self.model, arrays, scaling)
+        return evaluate_lm(self.model, d.test_labels, None if d.test_hidden is not None else d.test_ids,
+                           d.test_hidden, d.start, self.train.eval_batch_size, d.letter_ids)
+

@@ -1,0 +1,82 @@
+"""Serialise payloads, count their bytes, and validate client replies.
+
+The byte count of a payload is the length of its safetensors serialisation: what would cross
+the wire (Flower's ArrayRecord carries the same raw tensor bytes plus small headers).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from nestfed.errors import UpdateRejected
+from nestfed.federation.messages import Arrays, Instruction, Reply
+
+
+def encode(arrays: Arrays) -> bytes:
+    """The safetensors bytes of a payload (tensors made contiguous, on CPU)."""
+    return st_save({k: v.detach().contiguous().cpu() for k, v in arrays.items()})
+
+
+def decode(data: bytes) -> Arrays:
+    """Inverse of :func:`encode`."""
+    return st_load(data)
+
+
+def payload_stats(arrays: Arrays) -> dict:
+    """Size of a payload: ``bytes`` (serialised, bytes), ``params`` (elements), ``dtypes`` (names)."""
+    return {
+        "bytes": len(encode(arrays)),
+        "params": int(sum(v.numel() for v in arrays.values())),
+        "dtypes": sorted({str(v.dtype).replace("torch.", "") for v in arrays.values()}),
+    }
+
+
+def _rank_dim(key: str) -> int | None:
+    if re.search(r"lora_A\.weight$", key):
+        return 0
+    if re.search(r"lora_B\.weight$", key):
+        return 1
+    return None
+
+
+def validate_reply(instruction: Instruction, reply: Reply) -> None:
+    """Check a reply against what its instruction expects; raise UpdateRejected with the reason.
+
+    Rejected: missing or extra keys, a wrong shape, a rank above the instructed one (or any other
+    rank unless ``may_shrink_rank``), A and B of one layer with different ranks, NaN or Inf,
+    a non-positive number of examples.
+    """
+    expect = instruction.expect
+    got = set(reply.arrays)
+    missing, extra = sorted(set(expect) - got), sorted(got - set(expect))
+    if missing:
+        raise UpdateRejected(f"missing keys: {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    if extra:
+        raise UpdateRejected(f"unexpected keys: {extra[:3]}{' ...' if len(extra) > 3 else ''}")
+    if not isinstance(reply.num_examples, int) or reply.num_examples <= 0:
+        raise UpdateRejected(f"num_examples must be a positive integer, got {reply.num_examples!r}")
+    ranks: dict[str, int] = {}
+    for key, shape in expect.items():
+        t = reply.arrays[key]
+        if not isinstance(t, torch.Tensor):
+            raise UpdateRejected(f"{key}: not a tensor")
+        dim = _rank_dim(key)
+        if tuple(t.shape) != tuple(shape):
+            ok = (instruction.may_shrink_rank and dim is not None and t.dim() == len(shape)
+                  and all(a == b for i, (a, b) in enumerate(zip(t.shape, shape)) if i != dim)
+                  and 1 <= t.shape[dim] <= shape[dim])
+            if not ok:
+                if dim is not None and t.dim() == len(shape) and t.shape[dim] != shape[dim]:
+                    raise UpdateRejected(f"{key}: rank {t.shape[dim]} but the instructed rank is {shape[dim]}")
+                raise UpdateRejected(f"{key}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+        if not torch.isfinite(t).all():
+            raise UpdateRejected(f"{key}: contains NaN or Inf")
+        if dim is not None:
+            module = key.rsplit(".", 2)[0]
+            r = t.shape[dim]
+            if ranks.setdefault(module, r) != r:
+                raise UpdateRejected(f"{module}: lora_A and lora_B disagree on the rank")

@@ -1,0 +1,151 @@
+"""The strategy interface: configure a round per client, aggregate the replies.
+
+A strategy is pure: it sees tensors and numbers, never data or models (design.md). Each method
+is a small subclass of :class:`LoraStrategy` (Flower's shape: ``configure`` and ``aggregate`` as
+separate methods; the runner owns the only round loop).
+
+Instruction config keys the client trainer understands:
+``rank`` (r_k), ``scaling`` (s), ``objective`` (``plain`` | ``nested`` | ``hetlora``),
+``subranks`` (PreLort's R_k), ``train`` (``AB`` | ``B``: which LoRA matrices train and travel
+back), ``fresh_lora_seed`` (FLoRA: start from a new LoRA of rank r_k), ``hetlora_*``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from nestfed.adapters.lora import init_adapter_state
+from nestfed.federation.aggregation import rank_dim, truncate_rank
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
+
+
+class Strategy(Protocol):
+    """What the runners (embedded or Flower) need from a federated method."""
+
+    name: str
+
+    def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
+        """The round-0 global state for LoRA layers of shapes {module: (out, in)}."""
+
+    def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        """One instruction per sampled client for round ``rnd`` (1-based)."""
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """The new global state from the validated replies of round ``rnd``."""
+
+    def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
+        """The adapter client ``cid`` would run (its rank prefix; None = the full global), and its scale s."""
+
+    def export(self, state: GlobalState) -> tuple[Arrays, float]:
+        """The final global adapter as PEFT LoRA arrays (one rank for all layers) and its scale s."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """The numbers a LoRA strategy needs: r_max, lora_alpha, the scaling convention, seeds.
+
+    scaling ``fixed``: s = lora_alpha / r_max at every rank; ``rank``: s = lora_alpha / r_k.
+    """
+
+    r_max: int
+    lora_alpha: float
+    scaling: str = "fixed"
+    init_seed: int = 0
+    seed: int = 0
+
+    def scale(self, rank: int) -> float:
+        """The LoRA scale s used by a client of rank ``rank`` (and by the global model at r_max)."""
+        if self.scaling == "fixed":
+            return self.lora_alpha / self.r_max
+        return self.lora_alpha / rank
+
+
+class LoraStrategy:
+    """Shared behaviour of strategies whose global state is one LoRA adapter of rank r_max.
+
+    Subclasses implement :meth:`aggregate` and may override :meth:`client_config`. Global state
+    meta holds ``ranks``: {cid (str): current rank}.
+    """
+
+    name = "lora"
+    objective = "plain"
+    train = "AB"
+
+    def __init__(self, settings: LoraSettings, options: dict[str, Any] | None = None):
+        self.s = settings
+        self.options = dict(options or {})
+
+    # -- state ---------------------------------------------------------------------------------
+    def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
+        for c in clients:
+            if c.rank > self.s.r_max:
+                raise ValueError(f"client {c.cid}: rank {c.rank} is above the global maximum r_max = {self.s.r_max}")
+        arrays = init_adapter_state(shapes, self.s.r_max, self.s.init_seed)
+        return GlobalState(arrays, {"ranks": {str(c.cid): c.rank for c in clients}})
+
+    def rank_of(self, state: GlobalState, cid: int) -> int:
+        """The client's current rank (HetLoRA may have pruned it)."""
+        return int(state.meta["ranks"][str(cid)])
+
+    # -- configure -----------------------------------------------------------------------------
+    def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
+        """Method-specific instruction config for one client (override to add keys)."""
+        return {}
+
+    def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
+        """The payload sent to a client of this rank (default: the rank prefix of the global adapter)."""
+        return truncate_rank(state.arrays, rank)
+
+    def reply_keys(self, sent: Arrays) -> list[str]:
+        """Keys the client must send back (default: the LoRA matrices it trains)."""
+        if self.train == "B":
+            return [k for k in sent if k.endswith("lora_B.weight")]
+        return [k for k in sent if rank_dim(k) is not None]
+
+    def expected_shapes(self, sent: Arrays, rank: int) -> dict[str, tuple[int, ...]]:
+        """Shapes of the reply's arrays (default: those of the sent arrays with the reply keys)."""
+        return {k: tuple(sent[k].shape) for k in self.reply_keys(sent)}
+
+    def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        out = {}
+        for c in clients:
+            r = self.rank_of(state, c.cid)
+            sent = self.client_arrays(state, r)
+            config = {"rank": r, "scaling": self.s.scale(r), "objective": self.objective, "train": self.train,
+                      "round": rnd, "seed": self.s.seed}
+            config.update(self.client_config(rnd, state, c, r))
+            out[c.cid] = Instruction(sent, config, self.expected_shapes(sent, r), self.may_shrink_rank)
+        return out
+
+    may_shrink_rank = False
+
+    # -- aggregate -----------------------------------------------------------------------------
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        raise NotImplementedError
+
+    # -- deploy / export -----------------------------------------------------------------------
+    def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
+        r = self.s.r_max if cid is None else self.rank_of(state, cid)
+        return truncate_rank(state.arrays, r), self.s.scale(r)
+
+    def export(self, state: GlobalState) -> tuple[Arrays, float]:
+        return {k: v.clone() for k, v in state.arrays.items()}, self.s.scale(self.s.r_max)
+
+
+def lora_keys(arrays: Arrays) -> list[str]:
+    """The LoRA keys of a payload, sorted."""
+    return sorted(k for k in arrays if rank_dim(k) is not None)
+
+
+def examples(replies: dict[int, Reply]) -> dict[int, float]:
+    """n_k of each replying client, as floats (FedAvg weights)."""
+    return {cid: float(r.num_examples) for cid, r in replies.items()}
+
+
+def copy_state(state: GlobalState) -> GlobalState:
+    """A deep copy (aggregation never mutates the state it was given)."""
+    import copy
+
+    return GlobalState({k: v.clone() for k, v in state.arrays.items()}, copy.deepcopy(state.meta))
+

@@ -1,0 +1,81 @@
+"""Split a decoder-only LM at its first adapted layer and reuse the frozen prefix's outputs.
+
+When adapters sit only on the top decoder layers, the layers below them are frozen and their
+outputs for a fixed dataset never change: :func:`prefix_features` computes them once, and
+:func:`lm_logits` runs only the remaining layers, the final norm and the LM head. Backward stops
+at the first adapted layer. The logits equal the full model's (tested); this is a CPU speed-up
+to be reported as what it is (resources.md, "Performance facts"), not an approximation.
+
+Works for the Llama and Qwen2 families of transformers (``model.model.layers``,
+``model.model.rotary_emb``, ``model.model.norm``, ``model.lm_head``) with causal attention over
+right-padded sequences (no attention mask needed: padding only follows real tokens).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from nestfed.adapters.lora import _LAYER_INDEX, lora_modules
+
+
+def first_adapted_layer(model: nn.Module) -> int:
+    """Index of the lowest decoder layer that holds a LoRA layer (0 when none or non-layered)."""
+    idx = []
+    for name in lora_modules(model):
+        m = _LAYER_INDEX.search("." + name + ".")
+        if m is None:
+            return 0
+        idx.append(int(m.group(1)))
+    return min(idx) if idx else 0
+
+
+def _run_layers(model: nn.Module, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    inner = model.model
+    T = hidden.shape[1]
+    position_ids = torch.arange(T, device=hidden.device).unsqueeze(0)
+    position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+    for layer in inner.layers[start:stop]:
+        out = layer(hidden, attention_mask=None, position_ids=position_ids,
+                    position_embeddings=position_embeddings)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return hidden
+
+
+@torch.no_grad()
+def prefix_features(model: nn.Module, input_ids: torch.Tensor, start: int, batch_size: int = 8) -> torch.Tensor:
+    """Hidden states entering decoder layer ``start``: input_ids [N, T] -> [N, T, hidden].
+
+    start = 0 returns the token embeddings. Computed without gradients in batches of
+    ``batch_size`` sequences.
+    """
+    outs = []
+    for i in range(0, input_ids.shape[0], batch_size):
+        h = model.model.embed_tokens(input_ids[i:i + batch_size])
+        outs.append(_run_layers(model, h, 0, start))
+    return torch.cat(outs) if outs else torch.empty(0)
+
+
+def lm_logits(model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+              start: int = 0) -> torch.Tensor:
+    """Logits [B, T, vocab] from input_ids [B, T], or from ``hidden`` [B, T, d] entering layer ``start``.
+
+    Raises ValueError unless exactly one of input_ids and hidden is given.
+    """
+    if (input_ids is None) == (hidden is None):
+        raise ValueError("give exactly one of input_ids and hidden")
+    if hidden is None:
+        hidden = model.model.embed_tokens(input_ids)
+        start = 0
+    h = _run_layers(model, hidden, start, len(model.model.layers))
+    return model.lm_head(model.model.norm(h))
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy in nats: logits [B, T, V], labels [B, T] (HF convention, -100 ignored).
+
+    reduction ``mean`` (per labelled token) or ``sum``.
+    """
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction=reduction)

@@ -1,0 +1,430 @@
+"""The delta-rule linear-attention memory (FedNL's inner loop), in three interchangeable forms.
+
+The operator (Schlag, Irie and Schmidhuber 2021, "Linear Transformers Are Secretly Fast Weight
+Programmers"; Yang, Wang, Zhang, Shen and Kim 2024, "Parallelizing Linear Transformers with the
+Delta Rule over Sequence Length", NeurIPS 2024), in flash-linear-attention's layout and notation:
+
+    S_0 = initial_state (or zeros)                                   S_t: [K, V] per (batch, head)
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T
+        = (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+    o_t = scale * S_t^T q_t
+
+Each step is one gradient step of size beta_t on the regression loss 1/2 ||S^T k_t - v_t||^2:
+the memory maps keys to values, and writing v under a unit-norm key with beta = 1 makes reading
+that key return exactly v.
+
+All three functions share one signature, that of ``fla.ops.delta_rule.chunk_delta_rule``
+(non-head-first layout):
+
+    f(q, k, v, beta, scale=1.0, initial_state=None, output_final_state=True, chunk_size=64)
+        -> (o, final_state)
+
+    q, k:           [B, T, H, K]   queries and keys (the FedNL layer L2-normalises k per head)
+    v:              [B, T, H, V]   values
+    beta:           [B, T, H]      write strengths, in (0, 1) for a contraction (a sigmoid)
+    scale:          float          read-out scale, dimensionless
+    initial_state:  [B, H, K, V]   S_0, or None for zeros
+    o:              [B, T, H, V]   in the input dtype
+    final_state:    [B, H, K, V]   S_T, or None when ``output_final_state`` is False
+
+Units: every tensor is in the units of the activations it is built from; the operator is
+linear in v and in S_0, and beta and scale are dimensionless.
+
+Precision: bf16/fp16 inputs are computed in fp32 (``final_state`` is returned in that compute
+dtype, fp32, as flash-linear-attention does, so that a state carried across calls does not lose
+precision); fp32 and fp64 inputs are computed and returned in their own dtype.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["delta_rule", "delta_rule_chunkwise", "delta_rule_recurrent"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """fp32 for half-precision inputs, else the input's own (fp32 or fp64) dtype."""
+    return torch.float32 if dtype in _HALF else dtype
+
+
+def _validate(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor | None,
+    chunk_size: int,
+) -> tuple[int, int, int, int, int]:
+    """Check shapes, dtypes and chunk_size; return (B, T, H, K, V). Raise ValueError naming the
+    argument at fault."""
+    for name, x in (("q", q), ("k", k), ("v", v), ("beta", beta)):
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if not x.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got dtype {x.dtype}")
+    if q.dim() != 4:
+        raise ValueError(f"q must have shape [B, T, H, K] (4 dims), got shape {tuple(q.shape)}")
+    B, T, H, K = q.shape
+    if T < 1:
+        raise ValueError(f"q must have at least one token (T >= 1), got shape {tuple(q.shape)}")
+    if tuple(k.shape) != (B, T, H, K):
+        raise ValueError(
+            f"k must have the shape of q, [B, T, H, K] = {(B, T, H, K)}, got {tuple(k.shape)}"
+        )
+    if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+    V = v.shape[3]
+    if tuple(beta.shape) != (B, T, H):
+        raise ValueError(f"beta must have shape [B, T, H] = {(B, T, H)}, got {tuple(beta.shape)}")
+    if k.dtype != q.dtype or v.dtype != q.dtype:
+        raise ValueError(
+            f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}"
+        )
+    if initial_state is not None:
+        if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
+            raise ValueError("initial_state must be a floating-point torch.Tensor or None")
+        if tuple(initial_state.shape) != (B, H, K, V):
+            raise ValueError(
+                f"initial_state must have shape [B, H, K, V] = {(B, H, K, V)}, "
+                f"got {tuple(initial_state.shape)}"
+            )
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+    return B, T, H, K, V
+
+
+def delta_rule_recurrent(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The delta rule token by token: the reference (and the inference form, O(1) memory
+    without autograd).
+
+    S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = scale * S_t^T q_t
+    (Schlag et al. 2021; Yang et al. 2024, eq. 1), S_0 = ``initial_state`` or zeros.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (dimensionless, in (0, 1)).
+        scale: read-out scale (dimensionless).
+        initial_state: [B, H, K, V] or None (zeros).
+        output_final_state: return S_T when True, else None.
+        chunk_size: ignored; accepted so that the three forms share one signature.
+
+    Returns:
+        (o [B, T, H, V] in the input dtype, final_state [B, H, K, V] in the compute dtype or
+        None).
+
+    The loop splits the sequence once with ``unbind`` (indexing ``x[:, t]`` in the loop makes
+    backward O(T^2)). Under autograd it keeps one K x V state per token for backward
+    (T * B * H * K * V elements): use :func:`delta_rule_chunkwise` to train.
+
+    Raises:
+        ValueError: on a shape, dtype or chunk_size mismatch, naming the argument.
+    """
+    B, T, H, K, V = _validate(q, k, v, beta, initial_state, chunk_size)
+    cdt = _compute_dtype(q.dtype)
+    if initial_state is None:
+        S = q.new_zeros(B, H, K, V, dtype=cdt)
+    else:
+        S = initial_state.to(cdt)
+    outs = []
+    for q_t, k_t, v_t, b_t in zip(
+        q.to(cdt).unbind(1), k.to(cdt).unbind(1), v.to(cdt).unbind(1), beta.to(cdt).unbind(1)
+    ):
+        # q_t, k_t: [B, H, K]; v_t: [B, H, V]; b_t: [B, H]
+        v_old = (k_t.unsqueeze(-2) @ S).squeeze(-2)  # S^T k: [B, H, V]
+        u_t = b_t.unsqueeze(-1) * (v_t - v_old)  # [B, H, V]
+        S = S + k_t.unsqueeze(-1) * u_t.unsqueeze(-2)  # rank-1 write: [B, H, K, V]
+        outs.append((q_t.unsqueeze(-2) @ S).squeeze(-2))  # S^T q: [B, H, V]
+    o = torch.stack(outs, dim=1)
+    if scale != 1.0:
+        o = o * scale
+    return o.to(q.dtype), (S if output_final_state else None)
+
+
+def _to_chunks(x: torch.Tensor, N: int, C: int, dtype: torch.dtype) -> torch.Tensor:
+    """[B, T, H, D] -> [N, B*H, C, D] contiguous in ``dtype``, zero-padded along T to N * C."""
+    B, T, H, D = x.shape
+    x = x.to(dtype)
+    if N * C != T:
+        x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
+    return x.reshape(B, N, C, H, D).permute(1, 0, 3, 2, 4).reshape(N, B * H, C, D)
+
+
+def _from_chunks(x: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """[N, B*H, C, D] -> [B, T, H, D] in ``dtype``, dropping the padding."""
+    N, _, C, D = x.shape
+    x = x.reshape(N, B, H, C, D).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, D)
+    return x[:, :T].to(dtype)
+
+
+class _ChunkwiseDeltaRule(torch.autograd.Function):
+    """Forward and hand-derived backward of the chunkwise WY form (see delta_rule_chunkwise).
+
+    Layout inside: [N chunks, B*H, C, D], viewed as [N*B*H, C, D] for the batched matmuls, so
+    that chunk n is one contiguous batch of B*H matrices for the sequential sweeps. Every
+    tensor kept for backward goes through ``ctx.save_for_backward``. Not twice differentiable.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, beta, initial_state, scale: float, chunk_size: int):
+        B, T, H, K = q.shape
+        V = v.shape[-1]
+        cdt = _compute_dtype(q.dtype)
+        C = chunk_size
+        N = math.ceil(T / C)
+        BH = B * H
+        NB = N * BH
+        qc = _to_chunks(q, N, C, cdt).reshape(NB, C, K)
+        KV = torch.cat([_to_chunks(k, N, C, cdt), _to_chunks(v, N, C, cdt)], dim=-1)
+        KV = KV.reshape(NB, C, K + V)  # [K_c | V_c]
+        kc = KV[..., :K]
+        bc = _to_chunks(beta.unsqueeze(-1), N, C, cdt).reshape(NB, C, 1)  # 0 on padding
+        kcT = kc.transpose(-1, -2)
+
+        kk = torch.bmm(kc, kcT)  # K_c K_c^T, [NB, C, C]
+        P = torch.bmm(qc, kcT).tril_()  # causal read-out mask, diagonal included
+        # T_c = (I + tril(diag(beta) K K^T, -1))^{-1}; the solve never reads the diagonal
+        eye_c = torch.eye(C, dtype=cdt, device=q.device)
+        Tinv = torch.linalg.solve_triangular(
+            (bc * kk).tril_(-1), eye_c.expand(NB, C, C), upper=False, unitriangular=True
+        )
+        X = torch.bmm(Tinv, KV * bc)  # [W | U'], [NB, C, K + V]
+
+        # sequential over chunks only: U_n = U'_n - W_n S_n, S_{n+1} = S_n + K_n^T U_n
+        S = q.new_empty(N + 1, BH, K, V, dtype=cdt)  # S[n]: state at the start of chunk n
+        if initial_state is None:
+            S[0].zero_()
+        else:
+            S[0].copy_(initial_state.reshape(BH, K, V))
+        U = q.new_empty(N, BH, C, V, dtype=cdt)
+        Xn = X.view(N, BH, C, K + V)
+        kTn = kcT.reshape(N, BH, K, C)
+        for n in range(N):
+            torch.baddbmm(Xn[n, :, :, K:], Xn[n, :, :, :K], S[n], alpha=-1.0, out=U[n])
+            torch.baddbmm(S[n], kTn[n], U[n], out=S[n + 1])
+
+        U3 = U.view(NB, C, V)
+        O = torch.baddbmm(
+            torch.bmm(P, U3), qc, S[:N].view(NB, K, V), beta=scale, alpha=scale
+        )  # scale (Q_c S_n + P U_n)
+        o = _from_chunks(O.view(N, BH, C, V), B, T, H, q.dtype)
+        final = S[N].reshape(B, H, K, V).clone()
+
+        ctx.save_for_backward(qc, KV, bc, kk, P, Tinv, X, U3, S)
+        ctx.shape = (B, T, H, K, V, N, C)
+        ctx.scale = scale
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, beta.dtype,
+                      None if initial_state is None else initial_state.dtype)
+        ctx.set_materialize_grads(False)
+        return o, final
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        qc, KV, bc, kk, P, Tinv, X, U, S = ctx.saved_tensors
+        B, T, H, K, V, N, C = ctx.shape
+        BH = B * H
+        NB = N * BH
+        cdt = qc.dtype
+        kc = KV[..., :K]
+        SN = S[:N].view(NB, K, V)  # chunk-start states
+        if do is None:
+            dO = qc.new_zeros(NB, C, V)
+        else:
+            dO = _to_chunks(do, N, C, cdt).reshape(NB, C, V)
+            if ctx.scale != 1.0:
+                dO = dO * ctx.scale
+
+        # read-out O = Q S_n + P U_n
+        dP = torch.bmm(dO, U.transpose(-1, -2)).tril_()  # [NB, C, C]
+        dUo = torch.bmm(P.transpose(-1, -2), dO).view(N, BH, C, V)  # via O -> U_n
+        dSo = torch.bmm(qc.transpose(-1, -2), dO).view(N, BH, K, V)  # via O -> S_n
+
+        # reverse sweep over chunks: dS[n] = dL/dS_n, dU[n] = dL/dU_n
+        dS = qc.new_empty(N + 1, BH, K, V)
+        if dfinal is None:
+            dS[N].zero_()
+        else:
+            dS[N].copy_(dfinal.reshape(BH, K, V))
+        dU = torch.empty_like(dUo)
+        kn = kc.reshape(N, BH, C, K) if kc.is_contiguous() else KV.view(N, BH, C, K + V)[..., :K]
+        WTn = X.view(N, BH, C, K + V)[..., :K].transpose(-1, -2)
+        for n in range(N - 1, -1, -1):
+            torch.baddbmm(dUo[n], kn[n], dS[n + 1], out=dU[n])
+            torch.add(dS[n + 1], dSo[n], out=dS[n])
+            dS[n].baddbmm_(WTn[n], dU[n], alpha=-1.0)
+        dU = dU.view(NB, C, V)
+
+        SNT = SN.transpose(-1, -2)
+        dQ = torch.baddbmm(torch.bmm(dO, SNT), dP, kc)
+        # U = U' - W S: dW = -dU S^T, dU' = dU; X = [W | U'] = T_c R, R = diag(beta) [K | V]
+        dX = torch.cat([torch.bmm(dU, SNT).neg_(), dU], dim=-1)  # [NB, C, K + V]
+        dR = torch.bmm(Tinv.transpose(-1, -2), dX)
+        # T_c = (I + Lb)^{-1}: dLb = -tril(T^T dT T^T, -1) = -tril(dR X^T, -1); mLb = -dLb
+        mLb = torch.bmm(dR, X.transpose(-1, -2)).tril_(-1)
+        dbeta = (dR * KV).sum(-1) - (mLb * kk).sum(-1)  # [NB, C]
+        # Lb = tril(diag(beta) K K^T, -1): dK = (dkk + dkk^T) K with dkk = -beta mLb
+        mkk = bc * mLb
+        mkk = mkk + mkk.transpose(-1, -2)
+        dK = torch.bmm(dP.transpose(-1, -2), qc)  # via P = tril(Q K^T)
+        dK.baddbmm_(U, dS[1:].view(NB, K, V).transpose(-1, -2))  # via S_{n+1} = S_n + K^T U
+        dK.baddbmm_(mkk, kc, alpha=-1.0)
+        dRb = dR * bc  # via R = diag(beta) [K | V]
+        dK.add_(dRb[..., :K])
+
+        q_dt, k_dt, v_dt, b_dt, s_dt = ctx.dtypes
+        dq = _from_chunks(dQ.view(N, BH, C, K), B, T, H, q_dt)
+        dk = _from_chunks(dK.view(N, BH, C, K), B, T, H, k_dt)
+        dv = _from_chunks(dRb[..., K:].reshape(N, BH, C, V), B, T, H, v_dt)
+        dbeta = _from_chunks(dbeta.view(N, BH, C, 1), B, T, H, b_dt).squeeze(-1)
+        dh0 = None if s_dt is None else dS[0].reshape(B, H, K, V).to(s_dt)
+        return dq, dk, dv, dbeta, dh0, None, None
+
+
+def delta_rule_chunkwise(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The delta rule in chunkwise-parallel form (WY/UT transform), pure PyTorch, autograd.
+
+    Source: Yang et al. 2024, "Parallelizing Linear Transformers with the Delta Rule over
+    Sequence Length", section 3 (the WY representation of a product of Householder-like
+    matrices, Bischof and Van Loan 1987, and the UT transform of Joffrain et al. 2006).
+
+    Within a chunk of C tokens starting from state S_n (rows of K_c, V_c, Q_c are the chunk's
+    tokens, D = diag(beta_c)):
+
+        T_c    = (I + tril(D K_c K_c^T, -1))^{-1}                [C, C], unit lower triangular
+        [W|U'] = T_c [D K_c | D V_c]                             all chunks at once
+        U_n    = U' - W S_n          (row t: beta_t (v_t - S_{t-1}^T k_t), the written values)
+        S_{n+1} = S_n + K_c^T U_n
+        O_c    = scale * (Q_c S_n + tril(Q_c K_c^T) U_n)
+
+    T_c is one batched unitriangular solve for all chunks (against the identity, so that the
+    backward reuses it); only U_n and S_{n+1} (two batched [C, K] x [K, V]-sized matmuls per
+    chunk) run sequentially over the T / C chunks; everything else is a few large batched
+    matmuls over all chunks. The backward is derived by hand (a custom autograd.Function: one
+    reverse sweep over chunks for dS_n and dU_n, the rest batched); it is checked against
+    autograd through :func:`delta_rule_recurrent` in the tests. Not twice differentiable.
+
+    Works for any T and any ``chunk_size``: the last chunk is padded with q = k = v = 0 and
+    beta = 0 (a padded token writes nothing), and the output is sliced back to T.
+    Differentiable w.r.t. q, k, v, beta and initial_state.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (dimensionless, in (0, 1)).
+        scale: read-out scale (dimensionless).
+        initial_state: [B, H, K, V] or None (zeros).
+        output_final_state: return S_T when True, else None.
+        chunk_size: C, tokens per chunk (32-64 is fastest on CPU for K = V = 64).
+
+    Returns:
+        (o [B, T, H, V] in the input dtype, final_state [B, H, K, V] in the compute dtype or
+        None).
+
+    Memory kept for backward, in compute-dtype elements per (batch, head), with T' = T rounded
+    up to a multiple of C: the chunked q, k, v, beta (T' (2K + V + 1)), K K^T, tril(Q K^T) and
+    T_c (3 T' C), [W | U'] and U (T' (K + 2V)), and one state per chunk boundary
+    ((T' / C + 1) K V). All of it is linear in T, with no per-token state: at C = K = V = 64
+    it is about 11 K x V states' worth per chunk of 64 tokens, against one K x V state per
+    token (plus its temporaries) for autograd through the recurrence. (flash-linear-attention
+    goes further and recomputes the chunk states in backward.)
+
+    Raises:
+        ValueError: on a shape, dtype or chunk_size mismatch, naming the argument.
+    """
+    _validate(q, k, v, beta, initial_state, chunk_size)
+    o, final = _ChunkwiseDeltaRule.apply(q, k, v, beta, initial_state, float(scale), chunk_size)
+    return o, (final if output_final_state else None)
+
+
+@functools.lru_cache(maxsize=1)
+def _fla_chunk_delta_rule() -> Callable | None:
+    """``fla.ops.delta_rule.chunk_delta_rule`` if flash-linear-attention (the optional extra
+    ``fla-core``) imports, else None. Imported lazily, once; any import failure means absent."""
+    try:
+        from fla.ops.delta_rule import chunk_delta_rule
+    except Exception:  # noqa: BLE001 - ImportError, or a Triton/driver error at import time
+        return None
+    return chunk_delta_rule
+
+
+def _use_fla(q: torch.Tensor) -> bool:
+    """True when the fla kernel applies: CUDA tensors in bf16/fp16 and fla importable."""
+    return q.is_cuda and q.dtype in _HALF and _fla_chunk_delta_rule() is not None
+
+
+def delta_rule(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    beta: torch.Tensor,
+    scale: float = 1.0,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = True,
+    chunk_size: int = 64,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The delta rule (Schlag et al. 2021; Yang et al. 2024, WY representation), dispatched to
+    the fastest implementation available.
+
+    On CUDA with bf16/fp16 inputs, when flash-linear-attention (``pip install fla-core``)
+    imports, calls its Triton kernel ``fla.ops.delta_rule.chunk_delta_rule`` (layout
+    [B, T, H, K], chunk size fixed at 64 by the kernel, so ``chunk_size`` is ignored there;
+    fp32 is refused by that kernel). Otherwise (CPU, fp32/fp64, or fla absent) calls
+    :func:`delta_rule_chunkwise`. fla is imported lazily and its absence is never an error.
+
+    Args:
+        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (dimensionless, in (0, 1)).
+        scale: read-out scale (dimensionless).
+        initial_state: [B, H, K, V] or None (zeros).
+        output_final_state: return S_T when True, else None.
+        chunk_size: tokens per chunk for the PyTorch path.
+
+    Returns:
+        (o [B, T, H, V] in the input dtype, final_state [B, H, K, V] (fp32 for half inputs) or
+        None).
+
+    Raises:
+        ValueError: on a shape, dtype or chunk_size mismatch, naming the argument.
+    """
+    _validate(q, k, v, beta, initial_state, chunk_size)
+    if _use_fla(q):
+        fla_fn = _fla_chunk_delta_rule()
+        return fla_fn(
+            q,
+            k,
+            v,
+            beta.to(q.dtype),
+            scale=scale,
+            initial_state=initial_state,
+            output_final_state=output_final_state,
+        )
+    return delta_rule_chunkwise(
+        q,
+        k,
+        v,
+        beta,
+        scale=scale,
+        initial_state=initial_state,
+        output_final_state=output_final_state,
+        chunk_size=chunk_size,
+    )

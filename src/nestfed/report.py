@@ -1,0 +1,198 @@
+"""Read run directories back: summaries, a comparison table, and PNG plots (matplotlib, Agg)."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from nestfed.errors import DataError
+
+
+def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
+    """The metrics lines of a run, in round order. Raises DataError when missing or malformed."""
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.is_file():
+        raise DataError(f"{path}: not found (is {run_dir} a nestfed run directory?)")
+    lines = []
+    for i, text in enumerate(path.read_text().splitlines(), 1):
+        if text.strip():
+            try:
+                lines.append(json.loads(text))
+            except json.JSONDecodeError as exc:
+                raise DataError(f"{path}:{i}: malformed JSON line: {exc}") from None
+    return lines
+
+
+def summarise(lines: list[dict[str, Any]], cfg) -> dict[str, Any]:
+    """Final and initial held-out metrics per client, their means, and bytes per client per round.
+
+    ``mean_ppl`` is the mean over clients of exp(loss); bytes are serialised payload bytes.
+    """
+    first, last = lines[0]["eval"], lines[-1]["eval"]
+    rounds = [ln for ln in lines if ln["round"] > 0]
+    fits = [c for ln in rounds for c in ln["clients"].values()]
+    out: dict[str, Any] = {
+        "method": cfg.strategy.name,
+        "rounds": len(rounds),
+        "ranks": list(cfg.lora.ranks),
+        "final": last,
+        "initial": first,
+        "mean_ppl": sum(v["ppl"] for v in last.values()) / len(last),
+        "mean_loss": sum(v["loss"] for v in last.values()) / len(last),
+        "initial_mean_ppl": sum(v["ppl"] for v in first.values()) / len(first),
+        "bytes_down_total": sum(ln["bytes_down"] for ln in rounds),
+        "bytes_up_total": sum(ln["bytes_up"] for ln in rounds),
+        "bytes_down_per_client_round": sum(c["bytes_down"] for c in fits) / max(len(fits), 1),
+        "bytes_up_per_client_round": sum(c["bytes_up"] for c in fits) / max(len(fits), 1),
+        "rejected_updates": sum(len(ln["rejected"]) for ln in rounds),
+        "train_time_s": sum(c.get("train_time_s", 0.0) for c in fits),
+    }
+    if all("accuracy" in v for v in last.values()):
+        out["mean_accuracy"] = sum(v["accuracy"] for v in last.values()) / len(last)
+    return out
+
+
+def load_summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json of a finished run. Raises DataError when the run is unfinished or not a run."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        raise DataError(f"{run_dir}: no summary.json (not a finished nestfed run)")
+    return json.loads(path.read_text())
+
+
+def _plt():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """Write plots/eval_ppl.png (held-out perplexity per client per round) and plots/bytes.png
+    (bytes sent down and up per round). Returns the written paths."""
+    plt = _plt()
+    run_dir = Path(run_dir)
+    lines = read_metrics(run_dir)
+    out_dir = run_dir / "plots"
+    out_dir.mkdir(exist_ok=True)
+    cids = sorted(lines[0]["eval"], key=int)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for cid in cids:
+        xs = [ln["round"] for ln in lines if cid in ln["eval"]]
+        ys = [ln["eval"][cid]["ppl"] for ln in lines if cid in ln["eval"]]
+        ax.plot(xs, ys, marker="o", label=f"client {cid}")
+    ax.set_xlabel("round")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title(f"{run_dir.name}: perplexity per client")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    p1 = out_dir / "eval_ppl.png"
+    fig.tight_layout()
+    fig.savefig(p1, dpi=110)
+    plt.close(fig)
+    rounds = [ln for ln in lines if ln["round"] > 0]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    xs = [ln["round"] for ln in rounds]
+    ax.bar([x - 0.2 for x in xs], [ln["bytes_down"] / 1e6 for ln in rounds], width=0.4, label="server -> clients")
+    ax.bar([x + 0.2 for x in xs], [ln["bytes_up"] / 1e6 for ln in rounds], width=0.4, label="clients -> server")
+    ax.set_xlabel("round")
+    ax.set_ylabel("MB per round (all clients)")
+    ax.set_title(f"{run_dir.name}: communication")
+    ax.legend()
+    p2 = out_dir / "bytes.png"
+    fig.tight_layout()
+    fig.savefig(p2, dpi=110)
+    plt.close(fig)
+    return [p1, p2]
+
+
+def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
+    """One row per finished run: method, ranks, per-client and mean final perplexity, bytes, time."""
+    rows = []
+    for rd in run_dirs:
+        s = load_summary(rd)
+        cfg = tomllib.loads((Path(rd) / "config.toml").read_text())
+        rows.append({"run": Path(rd).name, "method": s["method"], "ranks": s["ranks"],
+                     "ppl": {c: v["ppl"] for c, v in s["final"].items()},
+                     "initial_ppl": {c: v["ppl"] for c, v in s["initial"].items()},
+                     "accuracy": {c: v["accuracy"] for c, v in s["final"].items() if "accuracy" in v},
+                     "mean_ppl": s["mean_ppl"], "initial_mean_ppl": s["initial_mean_ppl"],
+                     "mean_accuracy": s.get("mean_accuracy"),
+                     "bytes_per_client_round": s["bytes_down_per_client_round"] + s["bytes_up_per_client_round"],
+                     "wall_time_s": s.get("wall_time_s", 0.0), "labels": s.get("client_labels", {}),
+                     "rounds": cfg["federation"]["rounds"]})
+    return rows
+
+
+def comparison_table(rows: list[dict[str, Any]]):
+    """A rich Table: one column per client (final held-out perplexity), mean, bytes, time."""
+    from rich.table import Table
+
+    cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
+    labels = rows[0]["labels"] if rows else {}
+    table = Table(title="held-out perplexity per client (lower is better); backbone alone in the first row")
+    table.add_column("method")
+    table.add_column("ranks")
+    for c in cids:
+        table.add_column(f"c{c} {labels.get(c, '')[:13]}".strip(), justify="right")
+    table.add_column("mean", justify="right")
+    table.add_column("KB/client/round", justify="right")
+    table.add_column("time s", justify="right")
+    if rows:
+        r0 = rows[0]
+        table.add_row("backbone", "-", *[f"{r0['initial_ppl'][c]:.2f}" for c in cids],
+                      f"{r0['initial_mean_ppl']:.2f}", "-", "-")
+    best = min(r["mean_ppl"] for r in rows) if rows else math.inf
+    for r in rows:
+        mean = f"{r['mean_ppl']:.2f}" + (" *" if r["mean_ppl"] == best else "")
+        table.add_row(r["method"], ",".join(map(str, r["ranks"])), *[f"{r['ppl'][c]:.2f}" for c in cids], mean,
+                      f"{r['bytes_per_client_round'] / 1024:.1f}", f"{r['wall_time_s']:.0f}")
+    return table
+
+
+def comparison_markdown(rows: list[dict[str, Any]]) -> str:
+    """The comparison as a Markdown table (for notes and READMEs)."""
+    cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
+    labels = rows[0]["labels"] if rows else {}
+    head = ["method", "ranks"] + [f"c{c} {labels.get(c, '')}".strip() for c in cids] + ["mean ppl", "KB/client/round", "time s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if rows:
+        r0 = rows[0]
+        out.append("| backbone | - | " + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
+                   + f" | {r0['initial_mean_ppl']:.2f} | - | - |")
+    for r in rows:
+        out.append(f"| {r['method']} | {','.join(map(str, r['ranks']))} | "
+                   + " | ".join(f"{r['ppl'][c]:.2f}" for c in cids)
+                   + f" | {r['mean_ppl']:.2f} | {r['bytes_per_client_round'] / 1024:.1f} | {r['wall_time_s']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def comparison_plot(rows: list[dict[str, Any]], out: Path) -> Path:
+    """Grouped bars: final held-out perplexity per client for each method, the backbone as a line."""
+    plt = _plt()
+    cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
+    labels = rows[0]["labels"] if rows else {}
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    width = 0.8 / max(len(rows), 1)
+    for i, r in enumerate(rows):
+        ax.bar([j + i * width for j in range(len(cids))], [r["ppl"][c] for c in cids], width=width, label=r["method"])
+    if rows:
+        for j, c in enumerate(cids):
+            ax.hlines(rows[0]["initial_ppl"][c], j - width / 2, j + width * (len(rows) - 0.5), colors="k",
+                      linestyles="dashed", label="backbone" if j == 0 else None)
+    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(cids))])
+    ax.set_xticklabels([f"c{c}\n{labels.get(c, '')}" for c in cids])
+    ax.set_ylabel("held-out perplexity (final round)")
+    ax.set_title("methods compared per client")
+    ax.legend(fontsize=8)
+    ax.grid(axis="y", alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out

@@ -1,0 +1,102 @@
+"""Client partitions: disjoint, covering, sorted, seeded; Dirichlet skew follows alpha."""
+
+from __future__ import annotations
+
+from collections import Counter
+from itertools import combinations
+
+import numpy as np
+import pytest
+
+from nestfed.data.partition import by_label, dirichlet, iid, train_test_split
+
+
+def _check_disjoint_sorted(parts):
+    for p in parts:
+        assert p == sorted(p)
+    for a, b in combinations(parts, 2):
+        assert not set(a) & set(b)
+
+
+# 10 classes x 100 items, interleaved
+LABELS10 = [f"c{i % 10}" for i in range(1000)]
+
+
+def test_by_label_exclusive_and_shared():
+    labels = ["a"] * 4 + ["b"] * 3 + ["c"] * 7 + ["d"] * 2
+    parts = by_label(labels, [["a"], ["b", "c"], ["c"]], seed=0)
+    _check_disjoint_sorted(parts)
+    assert parts[0] == [0, 1, 2, 3]
+    assert set(range(4, 7)) <= set(parts[1])
+    c_items = set(range(7, 14))
+    c1, c2 = set(parts[1]) & c_items, set(parts[2])
+    assert c1 | c2 == c_items and {len(c1), len(c2)} == {3, 4}  # 7 split as evenly as possible
+    assert set().union(*parts) == set(range(14))  # the "d" items stay unassigned
+    assert by_label(labels, [["a"], ["b", "c"], ["c"]], seed=0) == parts
+    splits = {tuple(by_label(labels, [["c"], ["c"]], seed=s)[0]) for s in range(5)}
+    assert len(splits) > 1  # the shared label's split depends on the seed
+
+
+def test_by_label_unknown_label():
+    with pytest.raises(ValueError, match=r"client 1 .*'zzz'|'zzz'.*client 1"):
+        by_label(["a", "b"], [["a"], ["b", "zzz"]])
+
+
+def test_dirichlet_covers_and_is_seeded():
+    parts = dirichlet(LABELS10, num_clients=8, alpha=0.5, seed=3)
+    _check_disjoint_sorted(parts)
+    assert sorted(i for p in parts for i in p) == list(range(1000))
+    assert min(len(p) for p in parts) >= 1
+    assert dirichlet(LABELS10, 8, 0.5, seed=3) == parts
+    assert dirichlet(LABELS10, 8, 0.5, seed=4) != parts
+    big = dirichlet(LABELS10, 8, 0.5, seed=3, min_size=60)
+    assert min(len(p) for p in big) >= 60
+
+
+def _mean_top_label_share(parts, labels):
+    """Average over clients of the share of the client's most frequent label (1.0 = one label)."""
+    return float(np.mean([Counter(labels[i] for i in p).most_common(1)[0][1] / len(p) for p in parts]))
+
+
+def test_dirichlet_small_alpha_is_more_skewed():
+    skewed = np.mean([_mean_top_label_share(dirichlet(LABELS10, 10, 0.1, seed=s), LABELS10) for s in range(3)])
+    flat = np.mean([_mean_top_label_share(dirichlet(LABELS10, 10, 100.0, seed=s), LABELS10) for s in range(3)])
+    # IID would give about 0.1 + noise; alpha=0.1 puts most of a client's data in one or two labels
+    assert flat < 0.25
+    assert skewed > 0.5
+    assert skewed > flat + 0.3
+
+
+def test_dirichlet_impossible():
+    with pytest.raises(ValueError, match="exceeds"):
+        dirichlet(["a"] * 5, num_clients=3, alpha=1.0, min_size=2)
+    with pytest.raises(ValueError, match="alpha"):
+        dirichlet(["a"] * 5, num_clients=2, alpha=0.0)
+    # 2 labels x 5 items over 5 clients, each needing 2 of them, with near-one-hot proportions
+    with pytest.raises(ValueError, match="no draw in 3 tries"):
+        dirichlet(["a"] * 5 + ["b"] * 5, num_clients=5, alpha=0.001, min_size=2, max_tries=3)
+
+
+def test_iid():
+    parts = iid(103, 4, seed=1)
+    _check_disjoint_sorted(parts)
+    assert sorted(i for p in parts for i in p) == list(range(103))
+    assert sorted(len(p) for p in parts) == [25, 26, 26, 26]
+    assert iid(103, 4, seed=1) == parts and iid(103, 4, seed=2) != parts
+    with pytest.raises(ValueError):
+        iid(3, 4)
+
+
+def test_train_test_split():
+    idx = list(range(100, 150))
+    train, test = train_test_split(idx, 0.2, seed=0)
+    assert len(test) == 10 and len(train) == 40
+    assert sorted(train + test) == idx and train == sorted(train) and test == sorted(test)
+    assert train_test_split(idx, 0.2, seed=0) == (train, test)
+    assert train_test_split(idx, 0.2, seed=1) != (train, test)
+    assert [len(x) for x in train_test_split([7, 9], 0.01)] == [1, 1]  # at least one test item
+    assert train_test_split([7, 9, 11], 0.99)[0] != []  # at least one train item
+    assert train_test_split([5], 0.5) == ([5], [])
+    assert train_test_split([1, 2, 3], 0.0) == ([1, 2, 3], [])
+    with pytest.raises(ValueError):
+        train_test_split(idx, 1.0)

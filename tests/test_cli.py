@@ -1,0 +1,69 @@
+"""The command line: bad input is one line, exit code 2, and no run directory; a tiny run works."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+
+
+def nestfed(*args, cwd):
+    env = dict(os.environ, COLUMNS="200")
+    return subprocess.run([sys.executable, "-m", "nestfed.cli", *args], cwd=cwd, capture_output=True, text=True,
+                          env=env, timeout=600)
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "strategy.name=fedsgd"], "strategy.name: unknown method 'fedsgd'"),
+    (["--set", "lora.ranks=[2,4,x]"], "lora.ranks"),
+    (["--set", "lora.ranks=[2,4,4,8,64]", "--set", "lora.r_max=16"], "above the global maximum lora.r_max = 16"),
+    (["--set", "train.nonsense=1"], "unknown key 'train.nonsense'"),
+    (["--set", "data.source=mmlu", "--set", "data.path=/does/not/exist"], "data.path: /does/not/exist does not exist"),
+    (["--methods", "prelort,magic"], "--methods: unknown method 'magic'"),
+])
+def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, args, needle):
+    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert needle in r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_malformed_data_file_names_the_file(tmp_path):
+    bad = tmp_path / "alpaca.json"
+    bad.write_text('[{"instruction": "x", "output": "y"}, {"instruction": ')
+    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", "--set", "data.source=instructions",
+                "--set", f"data.path={bad}", "--set", "data.task=instruction", cwd=tmp_path)
+    assert r.returncode == 2 and "alpaca.json" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "runs").exists()
+
+
+def test_missing_config_file(tmp_path):
+    r = nestfed("run", str(tmp_path / "missing.toml"), cwd=tmp_path)
+    assert r.returncode == 2 and "missing.toml: config file not found" in r.stderr
+
+
+def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path):
+    runs = tmp_path / "runs"
+    r = nestfed("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1",
+                "--methods", "prelort,flora", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    parent = next(runs.iterdir())
+    for method in ("prelort", "flora"):
+        d = parent / method
+        for f in ("config.toml", "metrics.jsonl", "summary.json", "checkpoints/round_001.safetensors",
+                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "plots/eval_ppl.png",
+                  "plots/bytes.png"):
+            assert (d / f).is_file(), f"{method}/{f}"
+        s = json.loads((d / "summary.json").read_text())
+        assert s["method"] == method and s["rounds"] == 1
+    assert (parent / "comparison.png").is_file() and "prelort" in (parent / "comparison.md").read_text()
+    assert "prelort" in r.stdout and "flora" in r.stdout
+    c = nestfed("compare", str(parent / "prelort"), str(parent / "flora"), "--plot", str(tmp_path / "c.png"), cwd=tmp_path)
+    assert c.returncode == 0, c.stderr
+    assert (tmp_path / "c.png").is_file() and "backbone" in c.stdout
