@@ -51,9 +51,10 @@ def test_missing_config_file(tmp_path):
 def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path):
     runs = tmp_path / "runs"
     r = nestfed("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1",
-                "--methods", "prelort,flora", cwd=tmp_path)
+                "--set", "output.name=cmp", "--methods", "prelort,flora", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     parent = next(runs.iterdir())
+    assert parent.name.startswith("cmp-")
     for method in ("prelort", "flora"):
         d = parent / method
         for f in ("config.toml", "metrics.jsonl", "summary.json", "checkpoints/round_001.safetensors",
@@ -67,3 +68,49 @@ def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path)
     c = nestfed("compare", str(parent / "prelort"), str(parent / "flora"), "--plot", str(tmp_path / "c.png"), cwd=tmp_path)
     assert c.returncode == 0, c.stderr
     assert (tmp_path / "c.png").is_file() and "backbone" in c.stdout
+
+
+def test_resume_after_interruption_gives_the_same_adapter(tmp_path):
+    runs = tmp_path / "runs"
+    args = ["run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=2",
+            "--set", "data.num_clients=2", "--set", "lora.ranks=[2,4]", "--set", "strategy.name=hetlora"]
+    assert nestfed(*args, "--set", "output.name=full", cwd=tmp_path).returncode == 0
+    assert nestfed(*args, "--set", "output.name=cut", cwd=tmp_path).returncode == 0
+    full, cut = sorted(runs.glob("full-*"))[0], sorted(runs.glob("cut-*"))[0]
+    # make "cut" look interrupted during round 2: no round-2 checkpoint, adapter, summary or metrics line
+    (cut / "checkpoints" / "round_002.safetensors").unlink()
+    (cut / "summary.json").unlink()
+    import shutil
+    shutil.rmtree(cut / "adapter")
+    lines = (cut / "metrics.jsonl").read_text().splitlines()
+    (cut / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    r = nestfed("run", "--resume", str(cut), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    a = (full / "adapter" / "adapter_model.safetensors").read_bytes()
+    b = (cut / "adapter" / "adapter_model.safetensors").read_bytes()
+    assert a == b
+    assert len((cut / "metrics.jsonl").read_text().splitlines()) == 3
+
+
+def test_instruction_and_multiple_choice_tasks_run(tmp_path):
+    data = tmp_path / "dolly.jsonl"
+    rows = [{"instruction": f"Say the number {i}.", "context": "", "response": f"The number is {i}.",
+             "category": ["open_qa", "brainstorming"][i % 2]} for i in range(24)]
+    data.write_text("\n".join(json.dumps(r) for r in rows))
+    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'a'}", "--set", "data.source=instructions",
+                "--set", f"data.path={data}", "--set", "data.task=instruction", "--set", "data.num_clients=2",
+                "--set", "lora.ranks=[2,4]", "--set", "federation.rounds=1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(next((tmp_path / "a").glob("*/summary.json")).read_text())
+    assert set(s["client_labels"].values()) == {"brainstorming", "open_qa"}
+    mmlu = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
+    if not mmlu.is_dir():
+        pytest.skip("no MMLU copy")
+    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'b'}", "--set", "data.source=mmlu",
+                "--set", f"data.path={mmlu}", "--set", "data.task=multiple_choice", "--set", "data.num_clients=2",
+                "--set", 'data.client_labels=[["astronomy"], ["virology", "nutrition"]]', "--set", "data.block_size=256",
+                "--set", "lora.ranks=[2,4]", "--set", "federation.rounds=1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    s = json.loads(next((tmp_path / "b").glob("*/summary.json")).read_text())
+    assert 0.0 <= s["mean_accuracy"] <= 1.0 and "accuracy" in s["final"]["0"]
+    assert s["client_labels"] == {"0": "astronomy", "1": "nutrition+virology"}

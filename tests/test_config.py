@@ -52,3 +52,26 @@ def test_missing_file_and_bad_toml_name_the_file(tmp_path):
         C.load(write(tmp_path, "[lora\nranks=1"))
     with pytest.raises(ConfigError, match="expected section.key=value"):
         C.load(None, ["rounds"])
+
+
+def test_every_shipped_config_loads():
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1] / "configs"
+    files = sorted(root.rglob("*.toml"))
+    assert len(files) >= 8
+    names = {C.load(f).strategy.name for f in files}
+    assert names >= set(C.STRATEGIES)
+    hl = C.load(root / "methods" / "hetlora.toml")
+    assert hl.strategy.hetlora_weighting == "norm" and hl.lora.ranks == (2, 4, 4, 8, 16)
+    assert C.load(root / "methods" / "fedavg.toml").lora.ranks == (8,)
+
+
+def test_extends_merges_over_the_base_and_detects_loops(tmp_path):
+    (tmp_path / "base.toml").write_text('[lora]\nranks = [2, 4]\nlora_alpha = 4.0\n[data]\nnum_clients = 2\n')
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\n[lora]\nlora_alpha = 8.0\n')
+    cfg = C.load(tmp_path / "child.toml")
+    assert cfg.lora.ranks == (2, 4) and cfg.lora.lora_alpha == 8.0
+    (tmp_path / "loop.toml").write_text('extends = "loop.toml"\n')
+    with pytest.raises(ConfigError, match="loops back"):
+        C.load(tmp_path / "loop.toml")

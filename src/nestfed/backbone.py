@@ -148,7 +148,9 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
     Raises ConfigError when the name is neither.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.disable_progress_bar()
     dtype = getattr(torch, cfg.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise ConfigError(f"model.dtype: unknown dtype '{cfg.dtype}'")

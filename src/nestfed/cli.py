@@ -54,6 +54,10 @@ def _run_methods(cfg: C.ExperimentConfig, methods: list[str], parent: Path | Non
                     ev = info["line"]["eval"]
                     mean = sum(v["ppl"] for v in ev.values()) / len(ev)
                     progress.update(task, description=f"{method} round {info['round']}: mean ppl {mean:.2f}")
+                    if not console.is_terminal:  # logs and CI: one plain line per round
+                        console.print(f"{method} round {info['round']}/{mcfg.federation.rounds}: mean held-out ppl "
+                                      f"{mean:.2f}, {info['line']['time_s']:.0f} s, "
+                                      f"{len(info['line']['rejected'])} rejected")
 
             if resume:
                 from nestfed.federation.runner import latest_checkpoint, load_checkpoint

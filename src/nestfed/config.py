@@ -221,22 +221,41 @@ def from_dict(data: dict[str, Any], source: str = "<config>") -> ExperimentConfi
     return cfg
 
 
+def _read_toml(p: Path, seen: set[Path]) -> dict[str, Any]:
+    """Read a TOML file; a top-level ``extends = "other.toml"`` (relative to the file) is read
+    first and this file's tables are merged over it key by key."""
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    if p.resolve() in seen:
+        raise ConfigError(f"{p}: 'extends' loops back to itself")
+    try:
+        data = tomllib.loads(p.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{p}: extends must be a path string")
+    merged = _read_toml((p.parent / base), seen | {p.resolve()})
+    for section, table in data.items():
+        if isinstance(table, dict) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **table}
+        else:
+            merged[section] = table
+    return merged
+
+
 def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Read a TOML experiment file and apply ``section.key=value`` overrides.
+    """Read a TOML experiment file (following ``extends``) and apply ``section.key=value`` overrides.
 
     Raises ConfigError (file missing, TOML syntax, unknown section or key, bad type or value).
     """
     data: dict[str, Any] = {}
     source = "<defaults>"
     if path is not None:
-        p = Path(path)
-        source = str(p)
-        if not p.is_file():
-            raise ConfigError(f"{source}: config file not found")
-        try:
-            data = tomllib.loads(p.read_text())
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"{source}: invalid TOML: {exc}") from None
+        source = str(path)
+        data = _read_toml(Path(path), set())
     for text in overrides:
         key, value = parse_override(text)
         section, name = key.split(".")

@@ -190,10 +190,11 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 
 def new_run_dir(cfg: C.ExperimentConfig, parent: Path | None = None) -> Path:
-    """A fresh, not yet existing directory ``<output.dir>/<name>-<UTC time>`` (or under ``parent``)."""
-    name = cfg.output.name or cfg.strategy.name
+    """A fresh, not yet existing directory ``<output.dir>/<name>-<UTC time>``, or ``parent/<method>``
+    for one method of a multi-method run."""
     if parent is not None:
-        return parent / name
+        return parent / cfg.strategy.name
+    name = cfg.output.name or cfg.strategy.name
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     path = Path(cfg.output.dir) / f"{name}-{stamp}"
     i = 1

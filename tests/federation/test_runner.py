@@ -164,3 +164,18 @@ def test_flora_hetlora_ffa_run_end_to_end(tmp_path):
         lines = [json.loads(x) for x in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
         assert not lines[-1]["rejected"], (name, lines[-1]["rejected"])
         assert all(torch.isfinite(v).all() for v in state.arrays.values())
+
+
+def test_non_lora_parameters_in_a_payload_are_loaded_trained_and_returned():
+    _, trainer, _, _ = setup("fedavg")
+    model = trainer.model
+    norm_key = "base_model.model.model.layers.1.input_layernorm.weight"
+    before = model.get_parameter("model.layers.1.input_layernorm.weight").detach().clone()
+    from nestfed.federation.messages import Instruction
+    ins = Instruction({norm_key: torch.full_like(before, 2.0)}, {"rank": 0, "scaling": 1.0, "round": 1})
+    reply = trainer.fit(0, ins)
+    assert set(reply.arrays) == {norm_key}
+    assert not torch.equal(reply.arrays[norm_key], torch.full_like(before, 2.0))  # it trained from 2.0
+    assert (reply.arrays[norm_key] - 2.0).abs().max() < 0.1
+    with pytest.raises(KeyError, match="names no LoRA layer or parameter"):
+        trainer.fit(0, Instruction({"base_model.model.nope.weight": before}, {"rank": 0, "scaling": 1.0}))

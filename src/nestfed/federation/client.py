@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -57,19 +57,42 @@ class ClientData:
             self.test_hidden = prefix_features(model, self.test_ids, start, batch_size)
 
 
-def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
-    """Load a payload into the model's LoRA layers.
+def extra_parameters(model: nn.Module, arrays: Arrays) -> dict[str, nn.Parameter]:
+    """The payload keys that name a plain model parameter (not a LoRA matrix or FLoRA stack).
 
-    ``lora_A`` / ``lora_B`` keys set each layer's adapter (rank from the shapes); a layer without
-    them gets rank 0. ``merged_A`` / ``merged_B`` keys set FLoRA's frozen merged stack; without
-    them the stack is removed. Every layer's scale becomes ``scaling``.
-    Raises KeyError for a key that names no LoRA layer.
+    Key ``base_model.model.<parameter path>`` names ``model.get_parameter(<parameter path>)``:
+    how methods ship parameters other than LoRA (a memory gate, an SVD core). Raises KeyError for
+    a key that names neither a LoRA layer nor a parameter.
     """
     modules = lora_modules(model)
+    out = {}
     for key in arrays:
-        if module_of(key)[0] not in modules:
-            raise KeyError(f"payload key {key} names no LoRA layer of the model")
-    for name, m in modules.items():
+        try:
+            if module_of(key)[0] in modules:
+                continue
+        except KeyError:
+            pass
+        path = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else None
+        try:
+            out[key] = model.get_parameter(path) if path else None
+        except AttributeError:
+            out[key] = None
+        if out[key] is None:
+            raise KeyError(f"payload key {key} names no LoRA layer or parameter of the model")
+    return out
+
+
+def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
+    """Load a payload into the model.
+
+    ``lora_A`` / ``lora_B`` keys set each LoRA layer's adapter (rank from the shapes); a LoRA
+    layer without them gets rank 0. ``merged_A`` / ``merged_B`` keys set FLoRA's frozen merged
+    stack; without them the stack is removed. Every LoRA layer's scale becomes ``scaling``.
+    Any other key is copied into the parameter it names (:func:`extra_parameters`).
+    Raises KeyError for a key that names nothing, ValueError for a shape mismatch.
+    """
+    extras = extra_parameters(model, arrays)
+    for name, m in lora_modules(model).items():
         a, b = arrays.get(peft_key(name, "lora_A")), arrays.get(peft_key(name, "lora_B"))
         if a is None:
             a, b = torch.zeros(0, m.in_features), torch.zeros(m.out_features, 0)
@@ -77,6 +100,11 @@ def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
         m.scaling = float(scaling)
         ma, mb = arrays.get(f"{PEFT_PREFIX}{name}.merged_A"), arrays.get(f"{PEFT_PREFIX}{name}.merged_B")
         m.set_merged(ma, mb)
+    with torch.no_grad():
+        for key, param in extras.items():
+            if param.shape != arrays[key].shape:
+                raise ValueError(f"payload key {key}: shape {tuple(arrays[key].shape)}, parameter {tuple(param.shape)}")
+            param.copy_(arrays[key])
 
 
 def _seed(*parts: int) -> int:
@@ -97,7 +125,6 @@ class ClientTrainer:
     model: nn.Module
     data: dict[int, ClientData]
     train: TrainConfig
-    log: list[str] = field(default_factory=list)
 
     def _batches(self, d: ClientData, steps: int, batch_size: int, seed: int):
         g = torch.Generator().manual_seed(seed)
@@ -136,9 +163,15 @@ class ClientTrainer:
         train_b_only = cfg.get("train", "AB") == "B"
         params = []
         for m in lora_modules(self.model).values():
+            if m.rank == 0:
+                continue
             m.lora_A.weight.requires_grad_(not train_b_only)
             m.lora_B.weight.requires_grad_(True)
             params += [m.lora_B.weight] if train_b_only else [m.lora_A.weight, m.lora_B.weight]
+        extras = extra_parameters(self.model, arrays)  # other shipped parameters train too
+        for p in extras.values():
+            p.requires_grad_(True)
+        params += list(extras.values())
         opt = torch.optim.AdamW(params, lr=self.train.lr, weight_decay=self.train.weight_decay)
         losses, tokens = [], 0
         self.model.train()
@@ -158,10 +191,14 @@ class ClientTrainer:
             metrics.update(self._hetlora_prune(cfg))
         out = {}
         for name, m in lora_modules(self.model).items():
+            if m.rank == 0:
+                continue
             if not train_b_only:
                 out[peft_key(name, "lora_A")] = m.lora_A.weight.detach().clone()
             out[peft_key(name, "lora_B")] = m.lora_B.weight.detach().clone()
-        metrics["rank"] = float(next(iter(lora_modules(self.model).values())).rank)
+        out.update({k: p.detach().clone() for k, p in extras.items()})
+        ranks = [m.rank for m in lora_modules(self.model).values()]
+        metrics["rank"] = float(max(ranks)) if ranks else 0.0
         metrics["train_time_s"] = time.perf_counter() - t0
         return Reply(out, d.num_examples, metrics)
 

@@ -38,11 +38,11 @@ precision); fp32 and fp64 inputs are computed and returned in their own dtype.
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable
 
 import torch
-import torch.nn.functional as F
 
 __all__ = ["delta_rule", "delta_rule_chunkwise", "delta_rule_recurrent"]
 
@@ -155,20 +155,37 @@ def delta_rule_recurrent(
     return o.to(q.dtype), (S if output_final_state else None)
 
 
-def _to_chunks(x: torch.Tensor, N: int, C: int, dtype: torch.dtype) -> torch.Tensor:
-    """[B, T, H, D] -> [N, B*H, C, D] contiguous in ``dtype``, zero-padded along T to N * C."""
-    B, T, H, D = x.shape
-    x = x.to(dtype)
-    if N * C != T:
-        x = F.pad(x, (0, 0, 0, 0, 0, N * C - T))
-    return x.reshape(B, N, C, H, D).permute(1, 0, 3, 2, 4).reshape(N, B * H, C, D)
-
-
-def _from_chunks(x: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype) -> torch.Tensor:
-    """[N, B*H, C, D] -> [B, T, H, D] in ``dtype``, dropping the padding."""
+def _chunked_view(x: torch.Tensor, B: int, H: int) -> torch.Tensor:
+    """View a [N, B*H, C, D] buffer as [B, N, C, H, D] (no copy)."""
     N, _, C, D = x.shape
-    x = x.reshape(N, B, H, C, D).permute(1, 0, 3, 2, 4).reshape(B, N * C, H, D)
-    return x[:, :T].to(dtype)
+    return x.view(N, B, H, C, D).permute(1, 0, 3, 2, 4)
+
+
+def _chunk_into(dst: torch.Tensor, x: torch.Tensor) -> None:
+    """Copy x [B, T, H, D] into the chunked buffer dst [N, B*H, C, D] (any dtype, possibly a
+    column slice of a wider buffer), zero-filling the padded tail of the last chunk."""
+    B, T, H, D = x.shape
+    N, _, C, _ = dst.shape
+    d = _chunked_view(dst, B, H)  # [B, N, C, H, D]
+    full, rest = divmod(T, C)
+    if full:
+        d[:, :full].copy_(x[:, : full * C].view(B, full, C, H, D))
+    if rest:
+        d[:, full, :rest].copy_(x[:, full * C :])
+        d[:, full, rest:].zero_()
+
+
+def _unchunk(x: torch.Tensor, B: int, T: int, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """[N, B*H, C, D] -> a new [B, T, H, D] tensor in ``dtype``, dropping the padding."""
+    N, _, C, D = x.shape
+    out = x.new_empty(B, T, H, D, dtype=dtype)
+    src = _chunked_view(x, B, H)
+    full, rest = divmod(T, C)
+    if full:
+        out[:, : full * C].view(B, full, C, H, D).copy_(src[:, :full])
+    if rest:
+        out[:, full * C :].copy_(src[:, full, :rest])
+    return out
 
 
 class _ChunkwiseDeltaRule(torch.autograd.Function):
@@ -188,11 +205,18 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
         N = math.ceil(T / C)
         BH = B * H
         NB = N * BH
-        qc = _to_chunks(q, N, C, cdt).reshape(NB, C, K)
-        KV = torch.cat([_to_chunks(k, N, C, cdt), _to_chunks(v, N, C, cdt)], dim=-1)
-        KV = KV.reshape(NB, C, K + V)  # [K_c | V_c]
-        kc = KV[..., :K]
-        bc = _to_chunks(beta.unsqueeze(-1), N, C, cdt).reshape(NB, C, 1)  # 0 on padding
+        new = functools.partial(q.new_empty, dtype=cdt)
+        # WQ[n] = [W_n; Q_n] ([2C, K] per chunk and head), so that one matmul per chunk gives
+        # both W_n S_n (for U_n) and Q_n S_n (the inter-chunk read-out)
+        WQ = new(N, BH, 2 * C, K)
+        kc, vc, bc = new(N, BH, C, K), new(N, BH, C, V), new(N, BH, C, 1)
+        _chunk_into(WQ[:, :, C:], q)
+        _chunk_into(kc, k)
+        _chunk_into(vc, v)
+        _chunk_into(bc, beta.unsqueeze(-1))  # beta = 0 on padding: padded tokens write nothing
+        WQ3 = WQ.view(NB, 2 * C, K)
+        qc = WQ3[:, C:]
+        kc, vc, bc = kc.view(NB, C, K), vc.view(NB, C, V), bc.view(NB, C, 1)
         kcT = kc.transpose(-1, -2)
 
         kk = torch.bmm(kc, kcT)  # K_c K_c^T, [NB, C, C]
@@ -202,29 +226,33 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
         Tinv = torch.linalg.solve_triangular(
             (bc * kk).tril_(-1), eye_c.expand(NB, C, C), upper=False, unitriangular=True
         )
-        X = torch.bmm(Tinv, KV * bc)  # [W | U'], [NB, C, K + V]
+        Tb = Tinv * bc.transpose(-1, -2)  # T_c diag(beta)
+        WQ3[:, :C].copy_(torch.bmm(Tb, kc))  # W = T_c diag(beta) K_c
+        UpZ = new(N, BH, 2 * C, V)  # [U'_n; 0]
+        UpZ3 = UpZ.view(NB, 2 * C, V)
+        UpZ3[:, :C].copy_(torch.bmm(Tb, vc))  # U' = T_c diag(beta) V_c
+        UpZ3[:, C:].zero_()
 
-        # sequential over chunks only: U_n = U'_n - W_n S_n, S_{n+1} = S_n + K_n^T U_n
-        S = q.new_empty(N + 1, BH, K, V, dtype=cdt)  # S[n]: state at the start of chunk n
+        # sequential over chunks only: [U_n; -Q_n S_n] = [U'_n; 0] - [W_n; Q_n] S_n and
+        # S_{n+1} = S_n + K_n^T U_n, two batched matmuls per chunk
+        S = new(N + 1, BH, K, V)  # S[n]: state at the start of chunk n
         if initial_state is None:
             S[0].zero_()
         else:
             S[0].copy_(initial_state.reshape(BH, K, V))
-        U = q.new_empty(N, BH, C, V, dtype=cdt)
-        Xn = X.view(N, BH, C, K + V)
-        kTn = kcT.reshape(N, BH, K, C)
+        UQ = new(N, BH, 2 * C, V)  # [U_n; -Q_n S_n]
+        kTn = kcT.view(N, BH, K, C)
         for n in range(N):
-            torch.baddbmm(Xn[n, :, :, K:], Xn[n, :, :, :K], S[n], alpha=-1.0, out=U[n])
-            torch.baddbmm(S[n], kTn[n], U[n], out=S[n + 1])
+            torch.baddbmm(UpZ[n], WQ[n], S[n], alpha=-1.0, out=UQ[n])
+            torch.baddbmm(S[n], kTn[n], UQ[n, :, :C], out=S[n + 1])
 
-        U3 = U.view(NB, C, V)
-        O = torch.baddbmm(
-            torch.bmm(P, U3), qc, S[:N].view(NB, K, V), beta=scale, alpha=scale
-        )  # scale (Q_c S_n + P U_n)
-        o = _from_chunks(O.view(N, BH, C, V), B, T, H, q.dtype)
+        UQ3 = UQ.view(NB, 2 * C, V)
+        U = UQ3[:, :C]
+        O = torch.baddbmm(UQ3[:, C:], P, U, beta=-scale, alpha=scale)  # scale (Q S_n + P U_n)
+        o = _unchunk(O.view(N, BH, C, V), B, T, H, q.dtype)
         final = S[N].reshape(B, H, K, V).clone()
 
-        ctx.save_for_backward(qc, KV, bc, kk, P, Tinv, X, U3, S)
+        ctx.save_for_backward(WQ, kc, vc, bc, kk, P, Tinv, UpZ, UQ, S)
         ctx.shape = (B, T, H, K, V, N, C)
         ctx.scale = scale
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, beta.dtype,
@@ -234,62 +262,67 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        qc, KV, bc, kk, P, Tinv, X, U, S = ctx.saved_tensors
+        WQ, kc, vc, bc, kk, P, Tinv, UpZ, UQ, S = ctx.saved_tensors
         B, T, H, K, V, N, C = ctx.shape
         BH = B * H
         NB = N * BH
-        cdt = qc.dtype
-        kc = KV[..., :K]
+        WQ3 = WQ.view(NB, 2 * C, K)
+        W, qc = WQ3[:, :C], WQ3[:, C:]
+        Up = UpZ.view(NB, 2 * C, V)[:, :C]
+        U = UQ.view(NB, 2 * C, V)[:, :C]
         SN = S[:N].view(NB, K, V)  # chunk-start states
+        SNT = SN.transpose(-1, -2)
+        # G[n] = [-dU_n; dO_n], so that dS_n = dS_{n+1} + [W_n; Q_n]^T G[n] is one matmul
+        G = qc.new_empty(N, BH, 2 * C, V)
+        G3 = G.view(NB, 2 * C, V)
+        dO = G3[:, C:]
         if do is None:
-            dO = qc.new_zeros(NB, C, V)
+            dO.zero_()
         else:
-            dO = _to_chunks(do, N, C, cdt).reshape(NB, C, V)
+            _chunk_into(G[:, :, C:], do)
             if ctx.scale != 1.0:
-                dO = dO * ctx.scale
+                dO.mul_(ctx.scale)
 
         # read-out O = Q S_n + P U_n
         dP = torch.bmm(dO, U.transpose(-1, -2)).tril_()  # [NB, C, C]
         dUo = torch.bmm(P.transpose(-1, -2), dO).view(N, BH, C, V)  # via O -> U_n
-        dSo = torch.bmm(qc.transpose(-1, -2), dO).view(N, BH, K, V)  # via O -> S_n
 
-        # reverse sweep over chunks: dS[n] = dL/dS_n, dU[n] = dL/dU_n
+        # reverse sweep over chunks: dS[n] = dL/dS_n; dU_n = dUo_n + K_n dS_{n+1}
         dS = qc.new_empty(N + 1, BH, K, V)
         if dfinal is None:
             dS[N].zero_()
         else:
             dS[N].copy_(dfinal.reshape(BH, K, V))
-        dU = torch.empty_like(dUo)
-        kn = kc.reshape(N, BH, C, K) if kc.is_contiguous() else KV.view(N, BH, C, K + V)[..., :K]
-        WTn = X.view(N, BH, C, K + V)[..., :K].transpose(-1, -2)
+        kn = kc.view(N, BH, C, K)
+        WQTn = WQ.transpose(-1, -2)
         for n in range(N - 1, -1, -1):
-            torch.baddbmm(dUo[n], kn[n], dS[n + 1], out=dU[n])
-            torch.add(dS[n + 1], dSo[n], out=dS[n])
-            dS[n].baddbmm_(WTn[n], dU[n], alpha=-1.0)
-        dU = dU.view(NB, C, V)
+            torch.baddbmm(dUo[n], kn[n], dS[n + 1], beta=-1.0, alpha=-1.0, out=G[n, :, :C])
+            torch.baddbmm(dS[n + 1], WQTn[n], G[n], out=dS[n])
+        mdU = G3[:, :C]  # -dU
 
-        SNT = SN.transpose(-1, -2)
         dQ = torch.baddbmm(torch.bmm(dO, SNT), dP, kc)
-        # U = U' - W S: dW = -dU S^T, dU' = dU; X = [W | U'] = T_c R, R = diag(beta) [K | V]
-        dX = torch.cat([torch.bmm(dU, SNT).neg_(), dU], dim=-1)  # [NB, C, K + V]
-        dR = torch.bmm(Tinv.transpose(-1, -2), dX)
-        # T_c = (I + Lb)^{-1}: dLb = -tril(T^T dT T^T, -1) = -tril(dR X^T, -1); mLb = -dLb
-        mLb = torch.bmm(dR, X.transpose(-1, -2)).tril_(-1)
-        dbeta = (dR * KV).sum(-1) - (mLb * kk).sum(-1)  # [NB, C]
+        # U = U' - W S: dU' = dU, dW = -dU S^T; [W | U'] = T_c diag(beta) [K | V]:
+        # dR_V = T^T dU' = -Z, dR_K = T^T dW = Z S^T, with Z = T^T (-dU)
+        Z = torch.bmm(Tinv.transpose(-1, -2), mdU)
+        dR_K = torch.bmm(Z, SNT)
+        # T_c = (I + Lb)^{-1}: dLb = -tril(T^T dT T^T, -1) = -tril(dR [W | U']^T, -1) =: -mLb
+        mLb = torch.baddbmm(torch.bmm(dR_K, W.transpose(-1, -2)), Z, Up.transpose(-1, -2),
+                            alpha=-1.0).tril_(-1)
+        dbeta = (dR_K * kc).sum(-1) - (Z * vc).sum(-1) - (mLb * kk).sum(-1)  # [NB, C]
         # Lb = tril(diag(beta) K K^T, -1): dK = (dkk + dkk^T) K with dkk = -beta mLb
         mkk = bc * mLb
         mkk = mkk + mkk.transpose(-1, -2)
         dK = torch.bmm(dP.transpose(-1, -2), qc)  # via P = tril(Q K^T)
         dK.baddbmm_(U, dS[1:].view(NB, K, V).transpose(-1, -2))  # via S_{n+1} = S_n + K^T U
         dK.baddbmm_(mkk, kc, alpha=-1.0)
-        dRb = dR * bc  # via R = diag(beta) [K | V]
-        dK.add_(dRb[..., :K])
+        dK.addcmul_(dR_K, bc)  # via diag(beta) K
+        dV = Z.mul_(bc).neg_()  # via diag(beta) V
 
         q_dt, k_dt, v_dt, b_dt, s_dt = ctx.dtypes
-        dq = _from_chunks(dQ.view(N, BH, C, K), B, T, H, q_dt)
-        dk = _from_chunks(dK.view(N, BH, C, K), B, T, H, k_dt)
-        dv = _from_chunks(dRb[..., K:].reshape(N, BH, C, V), B, T, H, v_dt)
-        dbeta = _from_chunks(dbeta.view(N, BH, C, 1), B, T, H, b_dt).squeeze(-1)
+        dq = _unchunk(dQ.view(N, BH, C, K), B, T, H, q_dt)
+        dk = _unchunk(dK.view(N, BH, C, K), B, T, H, k_dt)
+        dv = _unchunk(dV.view(N, BH, C, V), B, T, H, v_dt)
+        dbeta = _unchunk(dbeta.view(N, BH, C, 1), B, T, H, b_dt).squeeze(-1)
         dh0 = None if s_dt is None else dS[0].reshape(B, H, K, V).to(s_dt)
         return dq, dk, dv, dbeta, dh0, None, None
 
@@ -320,11 +353,13 @@ def delta_rule_chunkwise(
         O_c    = scale * (Q_c S_n + tril(Q_c K_c^T) U_n)
 
     T_c is one batched unitriangular solve for all chunks (against the identity, so that the
-    backward reuses it); only U_n and S_{n+1} (two batched [C, K] x [K, V]-sized matmuls per
-    chunk) run sequentially over the T / C chunks; everything else is a few large batched
-    matmuls over all chunks. The backward is derived by hand (a custom autograd.Function: one
-    reverse sweep over chunks for dS_n and dU_n, the rest batched); it is checked against
-    autograd through :func:`delta_rule_recurrent` in the tests. Not twice differentiable.
+    backward reuses it). Only the state recurrence runs sequentially, over the T / C chunks, as
+    two batched matmuls per chunk: [U_n; -Q_c S_n] = [U'; 0] - [W; Q_c] S_n, then
+    S_{n+1} = S_n + K_c^T U_n. Everything else is a few large batched matmuls over all chunks.
+    The backward is derived by hand (a custom autograd.Function: one reverse sweep over the
+    chunks, two batched matmuls per chunk, for dS_n and dU_n; the rest batched) and is checked
+    against autograd through :func:`delta_rule_recurrent` in the tests. Not twice
+    differentiable.
 
     Works for any T and any ``chunk_size``: the last chunk is padded with q = k = v = 0 and
     beta = 0 (a padded token writes nothing), and the output is sliced back to T.
@@ -335,19 +370,20 @@ def delta_rule_chunkwise(
         scale: read-out scale (dimensionless).
         initial_state: [B, H, K, V] or None (zeros).
         output_final_state: return S_T when True, else None.
-        chunk_size: C, tokens per chunk (32-64 is fastest on CPU for K = V = 64).
+        chunk_size: C, tokens per chunk (on a 2-core AVX2 CPU at K = V = 64, C = 32 is the
+            fastest, about 1.2x faster than 64; see bench/delta_rule.py).
 
     Returns:
         (o [B, T, H, V] in the input dtype, final_state [B, H, K, V] in the compute dtype or
         None).
 
     Memory kept for backward, in compute-dtype elements per (batch, head), with T' = T rounded
-    up to a multiple of C: the chunked q, k, v, beta (T' (2K + V + 1)), K K^T, tril(Q K^T) and
-    T_c (3 T' C), [W | U'] and U (T' (K + 2V)), and one state per chunk boundary
-    ((T' / C + 1) K V). All of it is linear in T, with no per-token state: at C = K = V = 64
-    it is about 11 K x V states' worth per chunk of 64 tokens, against one K x V state per
-    token (plus its temporaries) for autograd through the recurrence. (flash-linear-attention
-    goes further and recomputes the chunk states in backward.)
+    up to a multiple of C: [W; Q] (2 T' K), K (T' K), V (T' V), beta (T'), K K^T, tril(Q K^T)
+    and T_c (3 T' C), [U'; 0] and [U; -Q S] (4 T' V), and one state per chunk boundary
+    ((T' / C + 1) K V). All of it is linear in T, with no per-token state: at C = 32 and
+    K = V = 64 it is about 740 elements per token and head, against about K V = 4096 (one
+    state per token) for autograd through the recurrence. bench/delta_rule.py measures both.
+    (flash-linear-attention goes further and recomputes the chunk states in backward.)
 
     Raises:
         ValueError: on a shape, dtype or chunk_size mismatch, naming the argument.
@@ -409,6 +445,12 @@ def delta_rule(
     _validate(q, k, v, beta, initial_state, chunk_size)
     if _use_fla(q):
         fla_fn = _fla_chunk_delta_rule()
+        extra = {}
+        try:
+            if "head_first" in inspect.signature(fla_fn).parameters:
+                extra["head_first"] = False  # old fla versions defaulted to [B, H, T, K]
+        except (TypeError, ValueError):  # no retrievable signature: rely on the default
+            pass
         return fla_fn(
             q,
             k,
@@ -417,6 +459,7 @@ def delta_rule(
             scale=scale,
             initial_state=initial_state,
             output_final_state=output_final_state,
+            **extra,
         )
     return delta_rule_chunkwise(
         q,

