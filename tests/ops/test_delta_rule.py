@@ -4,6 +4,9 @@ its defining property. Small shapes, float64 for tight tolerances; a few seconds
 from __future__ import annotations
 
 import functools
+import importlib.util
+import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -276,3 +279,18 @@ def test_fla_absent_is_not_an_error(monkeypatch):
         assert dr._fla_chunk_delta_rule() is None
     finally:
         dr._fla_chunk_delta_rule.cache_clear()
+
+
+def test_gpu_bench_script_cpu_dry_run(capsys):
+    """bench/gpu_delta_rule.py imports without a GPU and its CPU dry run passes its checks."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_delta_rule.py"
+    spec = importlib.util.spec_from_file_location("gpu_delta_rule_bench", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)  # import runs nothing
+    n = torch.get_num_threads()
+    try:
+        assert mod.main(["--cpu-dry-run"]) == 0
+    finally:
+        torch.set_num_threads(n)
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] and len(report["checks"]) == 2 and len(report["timings_fwd_bwd"]) == 2

@@ -79,7 +79,9 @@ def _validate(
             f"k must have the shape of q, [B, T, H, K] = {(B, T, H, K)}, got {tuple(k.shape)}"
         )
     if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
+        raise ValueError(
+            f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}"
+        )
     V = v.shape[3]
     if tuple(beta.shape) != (B, T, H):
         raise ValueError(f"beta must have shape [B, T, H] = {(B, T, H)}, got {tuple(beta.shape)}")
@@ -252,7 +254,7 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
         o = _unchunk(O.view(N, BH, C, V), B, T, H, q.dtype)
         final = S[N].reshape(B, H, K, V).clone()
 
-        ctx.save_for_backward(WQ, kc, vc, bc, kk, P, Tinv, UpZ, UQ, S)
+        ctx.save_for_backward(WQ, kc, vc, bc, kk, P, Tinv, UQ, S)
         ctx.shape = (B, T, H, K, V, N, C)
         ctx.scale = scale
         ctx.dtypes = (q.dtype, k.dtype, v.dtype, beta.dtype,
@@ -262,13 +264,12 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do, dfinal):
-        WQ, kc, vc, bc, kk, P, Tinv, UpZ, UQ, S = ctx.saved_tensors
+        WQ, kc, vc, bc, kk, P, Tinv, UQ, S = ctx.saved_tensors
         B, T, H, K, V, N, C = ctx.shape
         BH = B * H
         NB = N * BH
         WQ3 = WQ.view(NB, 2 * C, K)
-        W, qc = WQ3[:, :C], WQ3[:, C:]
-        Up = UpZ.view(NB, 2 * C, V)[:, :C]
+        qc = WQ3[:, C:]
         U = UQ.view(NB, 2 * C, V)[:, :C]
         SN = S[:N].view(NB, K, V)  # chunk-start states
         SNT = SN.transpose(-1, -2)
@@ -283,9 +284,8 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
             if ctx.scale != 1.0:
                 dO.mul_(ctx.scale)
 
-        # read-out O = Q S_n + P U_n
-        dP = torch.bmm(dO, U.transpose(-1, -2)).tril_()  # [NB, C, C]
-        dUo = torch.bmm(P.transpose(-1, -2), dO).view(N, BH, C, V)  # via O -> U_n
+        # read-out O = Q S_n + P U_n: dO -> U_n
+        dUo = torch.bmm(P.transpose(-1, -2), dO).view(N, BH, C, V)
 
         # reverse sweep over chunks: dS[n] = dL/dS_n; dU_n = dUo_n + K_n dS_{n+1}
         dS = qc.new_empty(N + 1, BH, K, V)
@@ -298,25 +298,29 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
         for n in range(N - 1, -1, -1):
             torch.baddbmm(dUo[n], kn[n], dS[n + 1], beta=-1.0, alpha=-1.0, out=G[n, :, :C])
             torch.baddbmm(dS[n + 1], WQTn[n], G[n], out=dS[n])
-        mdU = G3[:, :C]  # -dU
 
-        dQ = torch.baddbmm(torch.bmm(dO, SNT), dP, kc)
-        # U = U' - W S: dU' = dU, dW = -dU S^T; [W | U'] = T_c diag(beta) [K | V]:
-        # dR_V = T^T dU' = -Z, dR_K = T^T dW = Z S^T, with Z = T^T (-dU)
-        Z = torch.bmm(Tinv.transpose(-1, -2), mdU)
-        dR_K = torch.bmm(Z, SNT)
-        # T_c = (I + Lb)^{-1}: dLb = -tril(T^T dT T^T, -1) = -tril(dR [W | U']^T, -1) =: -mLb
-        mLb = torch.baddbmm(torch.bmm(dR_K, W.transpose(-1, -2)), Z, Up.transpose(-1, -2),
-                            alpha=-1.0).tril_(-1)
-        dbeta = (dR_K * kc).sum(-1) - (Z * vc).sum(-1) - (mLb * kk).sum(-1)  # [NB, C]
-        # Lb = tril(diag(beta) K K^T, -1): dK = (dkk + dkk^T) K with dkk = -beta mLb
-        mkk = bc * mLb
-        mkk = mkk + mkk.transpose(-1, -2)
+        # U = U' - W S and [W | U'] = T_c diag(beta) [K | V], so with Z = T^T (-dU):
+        # d(beta V) = T^T dU' = -Z and d(beta K) = T^T dW = T^T (-dU S^T) = Z S^T.
+        # G becomes [Z; dO], so that one matmul with S^T and one with U^T serve both halves.
+        G3[:, :C].copy_(torch.bmm(Tinv.transpose(-1, -2), G3[:, :C]))
+        Z = G3[:, :C]
+        Y = torch.bmm(G3, SNT)  # [Z S^T; dO S^T], [NB, 2C, K]
+        E = torch.bmm(G3, U.transpose(-1, -2))  # [Z U^T; dO U^T], [NB, 2C, C]
+        dR_K = Y[:, :C]
+        dP = E[:, C:].tril_()  # dL/dP, P = tril(Q K^T)
+        # T_c = (I + Lb)^{-1}: dLb = -tril(T^T dT T^T, -1) = -tril(dR [W | U']^T, -1)
+        #   = -tril(Z S^T W^T - Z U'^T, -1) = tril(Z U^T, -1) =: ZU   (as U' - W S = U)
+        ZU = E[:, :C].tril_(-1)
+        dQ = torch.baddbmm(Y[:, C:], dP, kc)
+        dbeta = (dR_K * kc).sum(-1) - (Z * vc).sum(-1) + (ZU * kk).sum(-1)  # [NB, C]
+        # Lb = tril(diag(beta) K K^T, -1): dK = (dkk + dkk^T) K with dkk = diag(beta) ZU
+        dkk = bc * ZU
+        dkk = dkk + dkk.transpose(-1, -2)
         dK = torch.bmm(dP.transpose(-1, -2), qc)  # via P = tril(Q K^T)
         dK.baddbmm_(U, dS[1:].view(NB, K, V).transpose(-1, -2))  # via S_{n+1} = S_n + K^T U
-        dK.baddbmm_(mkk, kc, alpha=-1.0)
+        dK.baddbmm_(dkk, kc)
         dK.addcmul_(dR_K, bc)  # via diag(beta) K
-        dV = Z.mul_(bc).neg_()  # via diag(beta) V
+        dV = (Z * bc).neg_()  # via diag(beta) V
 
         q_dt, k_dt, v_dt, b_dt, s_dt = ctx.dtypes
         dq = _unchunk(dQ.view(N, BH, C, K), B, T, H, q_dt)
@@ -379,11 +383,11 @@ def delta_rule_chunkwise(
 
     Memory kept for backward, in compute-dtype elements per (batch, head), with T' = T rounded
     up to a multiple of C: [W; Q] (2 T' K), K (T' K), V (T' V), beta (T'), K K^T, tril(Q K^T)
-    and T_c (3 T' C), [U'; 0] and [U; -Q S] (4 T' V), and one state per chunk boundary
-    ((T' / C + 1) K V). All of it is linear in T, with no per-token state: at C = 32 and
-    K = V = 64 it is about 740 elements per token and head, against about K V = 4096 (one
-    state per token) for autograd through the recurrence. bench/delta_rule.py measures both.
-    (flash-linear-attention goes further and recomputes the chunk states in backward.)
+    and T_c (3 T' C), [U; -Q S] (2 T' V), and one state per chunk boundary ((T' / C + 1) K V).
+    All of it is linear in T, with no per-token state: at C = 32 and K = V = 64 it is about
+    610 elements (2.4 KB in fp32) per token and head, against about 4,400 (one K x V state per
+    token plus its inputs) for autograd through the recurrence; bench/delta_rule.py measures
+    both. (flash-linear-attention goes further and recomputes the chunk states in backward.)
 
     Raises:
         ValueError: on a shape, dtype or chunk_size mismatch, naming the argument.
