@@ -150,8 +150,12 @@ def build_client_data(cfg: C.ExperimentConfig, tokenizer, loaded=None) -> tuple[
     return out, client_labels
 
 
-def prepare(cfg: C.ExperimentConfig, on_status: Callable[[str], None] | None = None) -> Prepared:
+def prepare(cfg: C.ExperimentConfig, on_status: Callable[[str], None] | None = None,
+            only_clients: list[int] | None = None) -> Prepared:
     """Load the backbone, inject LoRA (rank r_max), build and cache every client's data.
+
+    only_clients: keep (and cache the frozen prefix for) these client ids only, e.g. the one
+    partition a Flower SuperNode serves; None = every client.
 
     Raises ConfigError / DataError on bad input; creates no files except the model cache.
     """
@@ -166,6 +170,8 @@ def prepare(cfg: C.ExperimentConfig, on_status: Callable[[str], None] | None = N
     backbone = load_backbone(cfg.model)
     say("tokenising")
     data, _ = build_client_data(cfg, backbone.tokenizer, loaded)
+    if only_clients is not None:
+        data = {cid: data[cid] for cid in only_clients}
     s = cfg.lora.lora_alpha / C.r_max(cfg)
     try:
         inject_lora(backbone.model, cfg.lora.target_modules, C.r_max(cfg), s, cfg.lora.layers)

@@ -163,3 +163,12 @@ def test_hetlora_norm_weighting_equals_mean_when_norms_equal():
             2: Reply({A_KEY: T([[0.0, 1.0]]), B_KEY: T([[0.0], [1.0]])}, 9)}
     new = st.aggregate(1, state, reps)  # both updates have norm 1: plain mean, n_k ignored
     torch.testing.assert_close(new.arrays[A_KEY], T([[0.5, 0.5]]))
+
+
+def test_lowrank_norm_equals_the_dense_frobenius_norm():
+    from nestfed.federation.aggregation import lowrank_norm
+
+    torch.manual_seed(0)
+    B, A = torch.randn(7, 3, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
+    assert float(lowrank_norm(B, A)) == pytest.approx(float((B @ A).norm()), rel=1e-12)
+    assert float(lowrank_norm(B1, A1)) == pytest.approx(math.sqrt(50.0))

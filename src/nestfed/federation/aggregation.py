@@ -51,6 +51,15 @@ def pad_rank(t: torch.Tensor, dim: int, r_max: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
+def lowrank_norm(B: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
+    """||B @ A||_F for B: [out, r], A: [r, in] without forming the [out, in] product.
+
+    Uses ||BA||_F^2 = sum((B^T B) * (A A^T)), O(r^2 (in + out)) instead of O(r in out);
+    differentiable. Returns a 0-dim tensor.
+    """
+    return ((B.T @ B) * (A @ A.T)).sum().clamp_min(0).sqrt()
+
+
 def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
     """sum_k w_k t_k / sum_k w_k over same-shaped tensors, computed as one matmul over the stack.
 

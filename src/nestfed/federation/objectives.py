@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from nestfed.adapters.lora import active_rank, lora_modules
+from nestfed.federation.aggregation import lowrank_norm
 from nestfed.frozen_prefix import causal_lm_loss, lm_logits
 
 
@@ -69,7 +70,7 @@ def tail_norm(model: nn.Module, tail: float) -> torch.Tensor:
         if t == 0:
             continue
         A, B = m.lora_A.weight[m.rank - t:], m.lora_B.weight[:, m.rank - t:]
-        total = total + (m.scaling * B @ A).norm()
+        total = total + m.scaling * lowrank_norm(B, A)
     return total
 
 

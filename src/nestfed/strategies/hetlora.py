@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nestfed.federation.aggregation import pad_rank, rank_dim, weighted_mean
+from nestfed.federation.aggregation import lowrank_norm, pad_rank, rank_dim, weighted_mean
 from nestfed.federation.messages import ClientInfo, GlobalState, Reply
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
 
@@ -56,7 +56,7 @@ class HetLoRA(LoraStrategy):
                 norms = []
                 for c in cids:
                     A, B = replies[c].arrays[key], replies[c].arrays[b_key]
-                    norms.append(float((self.s.scale(A.shape[0]) * (B @ A)).norm()))
+                    norms.append(self.s.scale(A.shape[0]) * float(lowrank_norm(B, A)))
                 if sum(norms) > 0:
                     weights = norms
             for k in (key, b_key):

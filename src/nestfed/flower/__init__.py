@@ -1,0 +1,10 @@
+"""nestfed on Flower's deployment engine (flwr 1.42, the ``flower`` extra).
+
+- :mod:`nestfed.flower.records`: nestfed payloads and configs <-> Flower records.
+- :mod:`nestfed.flower.client_app`: the ClientApp (one partition per SuperNode, the core's
+  ``ClientTrainer`` unchanged).
+- :mod:`nestfed.flower.server_app`: the ServerApp (any nestfed strategy through the Message
+  API: a QUERY round, then per round one TRAIN message per node with its own arrays).
+
+The app bundle to launch with ``flwr run`` is the ``flower_app/`` directory of the repository.
+"""

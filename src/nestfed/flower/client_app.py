@@ -1,0 +1,186 @@
+"""The nestfed ClientApp: one partition per SuperNode, wrapping the core's ``ClientTrainer``.
+
+The node config (``flower-supernode --node-config``) names the node's partition:
+
+- ``partition-id`` (required): the nestfed client id this node trains (0-based);
+- ``num-partitions`` (optional): checked against the experiment's ``data.num_clients``;
+- ``rank`` (optional): the node's LoRA rank r_k; default: the experiment's rank of that client;
+- ``threads`` (optional): torch threads, when the experiment's ``train.threads`` is 0.
+
+Every message carries the resolved experiment config (TOML text, ``experiment`` record), so
+server and nodes always agree on it; each node rebuilds its backbone and its own client data
+from it (base weights and data must already be on the node: only adapters travel). What one
+process builds is cached by (config, partition), so a process that serves several messages
+builds once (flwr 1.42 starts a fresh ClientApp process per message, so each message pays it).
+
+Messages:
+
+- QUERY -> ``node`` ConfigRecord: partition-id, rank, num-examples, base-model, shapes (JSON
+  ``{module: [out, in]}``), prepare-s, process-age-s.
+- TRAIN (``arrays`` + ``config`` = one nestfed Instruction) -> ``arrays`` + ``metrics``
+  (the Reply of ``ClientTrainer.fit``; timings added as metrics).
+- EVALUATE (``arrays`` + ``config`` with ``scaling``) -> ``metrics`` (``ClientTrainer.evaluate``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import time
+import tomllib
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
+from flwr.clientapp import ClientApp
+
+from nestfed import config as C
+from nestfed.errors import ConfigError
+from nestfed.federation.client import ClientTrainer
+from nestfed.federation.messages import Instruction
+from nestfed.flower.records import (config_to_record, content_to_reply, record_to_arrays, record_to_config,
+                                    reply_to_content)
+
+EXPERIMENT = "experiment"  # ConfigRecord with "toml" (the resolved experiment) and, for TRAIN, "cid"
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux /proc), or -1 where unknown."""
+    try:
+        start_ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return -1.0
+
+
+@dataclass
+class NodeClient:
+    """What one node builds for one experiment: its trainer and what it reports in QUERY."""
+
+    cfg: C.ExperimentConfig
+    cid: int
+    rank: int
+    trainer: ClientTrainer
+    shapes: dict[str, tuple[int, int]]
+    base_model: str
+    prepare_s: float
+
+    @property
+    def num_examples(self) -> int:
+        return self.trainer.data[self.cid].num_examples
+
+
+_CACHE: dict[tuple[str, int, int | None], NodeClient] = {}
+
+
+def parse_experiment(text: str) -> C.ExperimentConfig:
+    """The experiment config from its resolved TOML text (as the server sends it)."""
+    try:
+        return C.from_dict(tomllib.loads(text), "<experiment sent by the server>")
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"experiment sent by the server: invalid TOML: {exc}") from None
+
+
+def node_settings(node_config: dict[str, Any], cfg: C.ExperimentConfig) -> tuple[int, int | None, int]:
+    """(partition id, rank override or None, threads) from a node config; raises ConfigError."""
+    if "partition-id" not in node_config:
+        raise ConfigError("node config: 'partition-id' is missing (flower-supernode --node-config 'partition-id=0')")
+    pid = node_config["partition-id"]
+    if isinstance(pid, bool) or not isinstance(pid, int) or not 0 <= pid < cfg.data.num_clients:
+        raise ConfigError(f"node config: partition-id = {pid!r}, expected an integer in [0, {cfg.data.num_clients})")
+    n = node_config.get("num-partitions")
+    if n is not None and n != cfg.data.num_clients:
+        raise ConfigError(f"node config: num-partitions = {n!r} but the experiment has data.num_clients = "
+                          f"{cfg.data.num_clients}")
+    rank = node_config.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= C.r_max(cfg)):
+        raise ConfigError(f"node config: rank = {rank!r}, expected an integer in [1, {C.r_max(cfg)}]")
+    threads = int(node_config.get("threads", 0) or 0)
+    return pid, rank, threads
+
+
+def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
+    """The (cached) NodeClient for this experiment and this node's partition."""
+    from nestfed.experiment import prepare
+
+    cfg = parse_experiment(cfg_text)
+    pid, rank_override, threads = node_settings(node_config, cfg)
+    key = (hashlib.sha256(cfg_text.encode()).hexdigest(), pid, rank_override)
+    if key in _CACHE:
+        return _CACHE[key]
+    if not cfg.train.threads and threads:
+        torch.set_num_threads(threads)
+    t0 = time.perf_counter()
+    prep = prepare(cfg, only_clients=[pid])  # sets train.threads itself when non-zero
+    rank = rank_override if rank_override is not None else prep.clients[0].rank
+    trainer = ClientTrainer(prep.backbone.model, prep.data, cfg.train)
+    nc = NodeClient(cfg, pid, rank, trainer, prep.shapes, prep.backbone.source, time.perf_counter() - t0)
+    _CACHE[key] = nc
+    return nc
+
+
+def _experiment_text(msg: Message) -> str:
+    return str(msg.content.config_records[EXPERIMENT]["toml"])
+
+
+def handle_query(msg: Message, context: Context) -> Message:
+    """QUERY: build (or reuse) this node's client; report its properties."""
+    entered = process_age_s()
+    nc = node_client(_experiment_text(msg), dict(context.node_config))
+    info = ConfigRecord({
+        "partition-id": nc.cid, "rank": nc.rank, "num-examples": nc.num_examples, "base-model": nc.base_model,
+        "shapes": json.dumps({k: list(v) for k, v in nc.shapes.items()}), "prepare-s": nc.prepare_s,
+        "process-age-s": entered, "torch-threads": torch.get_num_threads(),
+    })
+    return Message(RecordDict({"node": info}), reply_to=msg)
+
+
+def _check_cid(msg: Message, nc: NodeClient) -> None:
+    want = msg.content.config_records[EXPERIMENT].get("cid")
+    if want is not None and int(want) != nc.cid:
+        raise ConfigError(f"this node serves partition {nc.cid}, the message is for client {want}")
+
+
+def handle_train(msg: Message, context: Context) -> Message:
+    """TRAIN: ``ClientTrainer.fit`` on this node's partition; the reply carries timings as metrics."""
+    entered = process_age_s()
+    t_in = time.time()
+    nc = node_client(_experiment_text(msg), dict(context.node_config))
+    _check_cid(msg, nc)
+    t0 = time.perf_counter()
+    instruction = Instruction(record_to_arrays(msg.content.array_records["arrays"]),
+                              record_to_config(msg.content.config_records["config"]))
+    decode_s = time.perf_counter() - t0
+    reply = nc.trainer.fit(nc.cid, instruction)
+    t1 = time.perf_counter()
+    content = reply_to_content(reply)
+    mr = content.metric_records["metrics"]
+    mr["encode_s"] = time.perf_counter() - t1
+    mr["decode_s"] = decode_s
+    mr["prepare_s"] = nc.prepare_s
+    mr["process_age_s"] = entered
+    mr["handler_entered_at"] = t_in
+    mr["delivery_s"] = t_in - float(msg.metadata.created_at)
+    return Message(content, reply_to=msg)
+
+
+def handle_evaluate(msg: Message, context: Context) -> Message:
+    """EVALUATE: held-out metrics of this node's partition under the sent adapter."""
+    nc = node_client(_experiment_text(msg), dict(context.node_config))
+    _check_cid(msg, nc)
+    cfg = record_to_config(msg.content.config_records["config"])
+    arrays = record_to_arrays(msg.content.array_records["arrays"]) if "arrays" in msg.content.array_records else {}
+    metrics = nc.trainer.evaluate(nc.cid, arrays, float(cfg["scaling"]))
+    return Message(RecordDict({"metrics": MetricRecord({k: float(v) for k, v in metrics.items()})}), reply_to=msg)
+
+
+app = ClientApp()
+app.query()(handle_query)
+app.train()(handle_train)
+app.evaluate()(handle_evaluate)
+
+__all__ = ["app", "config_to_record", "content_to_reply", "handle_evaluate", "handle_query", "handle_train",
+           "node_client", "NodeClient"]

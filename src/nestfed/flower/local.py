@@ -1,0 +1,86 @@
+"""An in-process Flower grid: the ServerApp and ClientApps of one experiment in one process.
+
+``LocalGrid`` implements flwr's ``Grid`` by calling ClientApp objects directly (one ``Context``
+per simulated node, its own ``node_config``), in the order messages were pushed. It runs the
+exact code paths of the deployed apps (records, handlers, validation, aggregation) without a
+SuperLink, SuperNodes, process starts or polling: the fast test of the apps' logic, and the
+"no transport" baseline of ``bench/flower_vs_embedded.py``. ``fail`` lets a test make a node
+answer with an error or not at all.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.serverapp import Grid
+
+
+class LocalGrid(Grid):
+    """A Grid whose nodes are ClientApp calls in this process.
+
+    nodes: {node_id: node_config}. fail(node_id, message) -> None (answer normally), "error"
+    (answer with an error reply) or "silent" (never answer).
+    """
+
+    def __init__(self, client_app: ClientApp, nodes: dict[int, dict[str, Any]],
+                 fail: Callable[[int, Message], str | None] | None = None, run_config: dict[str, Any] | None = None):
+        self.client_app = client_app
+        self.nodes = dict(nodes)
+        self.fail = fail
+        self._run = None
+        self._replies: dict[str, Message] = {}
+        self._contexts = {n: Context(run_id=1, node_id=n, node_config=dict(cfg), state=RecordDict(),
+                                     run_config=dict(run_config or {})) for n, cfg in self.nodes.items()}
+        self.pushed: list[Message] = []
+        # Messages take their run, source node and task ids from the process's task identity,
+        # which Flower's runtime sets in a deployed ServerApp process; set it here when unset.
+        from flwr.supercore.task_identity import TaskIdentity
+
+        for attr, value in (("_run_id", 1), ("_node_id", 0), ("_task_id", 0)):
+            if getattr(TaskIdentity, attr) is None:
+                setattr(TaskIdentity, attr, value)
+
+    def set_run(self, run) -> None:  # noqa: ANN001 - flwr's Run
+        self._run = run
+
+    @property
+    def run(self):  # noqa: ANN201
+        return self._run
+
+    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
+                       ttl: float | None = None) -> Message:
+        return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        return list(self.nodes)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        ids = []
+        for msg in messages:
+            msg.metadata.__dict__["_message_id"] = msg.object_id
+            mid = msg.metadata.message_id
+            ids.append(mid)
+            self.pushed.append(msg)
+            node = msg.metadata.dst_node_id
+            mode = self.fail(node, msg) if self.fail is not None else None
+            if mode == "silent":
+                continue
+            if mode == "error":
+                reply = Message(Error(code=0, reason="simulated failure"), reply_to=msg)
+            else:
+                try:
+                    reply = self.client_app(message=msg, context=self._contexts[node])
+                except Exception as exc:  # noqa: BLE001 - what the deployed runtime does too
+                    reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)), reply_to=msg)
+            self._replies[mid] = reply
+        return ids
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        return [self._replies.pop(mid) for mid in list(message_ids) if mid in self._replies]
+
+    def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        return self.pull_messages(list(self.push_messages(messages)))
