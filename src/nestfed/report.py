@@ -173,23 +173,24 @@ def comparison_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def comparison_plot(rows: list[dict[str, Any]], out: Path) -> Path:
-    """Grouped bars: final held-out perplexity per client for each method, the backbone as a line."""
+    """Grouped bars: change of each client's held-out perplexity relative to the backbone alone
+    (percent; below zero is better), one bar per method, plus the mean over clients."""
     plt = _plt()
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     labels = rows[0]["labels"] if rows else {}
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    groups = cids + ["mean"]
+    fig, ax = plt.subplots(figsize=(9, 4.8))
     width = 0.8 / max(len(rows), 1)
     for i, r in enumerate(rows):
-        ax.bar([j + i * width for j in range(len(cids))], [r["ppl"][c] for c in cids], width=width, label=r["method"])
-    if rows:
-        for j, c in enumerate(cids):
-            ax.hlines(rows[0]["initial_ppl"][c], j - width / 2, j + width * (len(rows) - 0.5), colors="k",
-                      linestyles="dashed", label="backbone" if j == 0 else None)
-    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(cids))])
-    ax.set_xticklabels([f"c{c}\n{labels.get(c, '')}" for c in cids])
-    ax.set_ylabel("held-out perplexity (final round)")
-    ax.set_title("methods compared per client")
-    ax.legend(fontsize=8)
+        rel = [100.0 * (r["ppl"][c] / r["initial_ppl"][c] - 1.0) for c in cids]
+        rel.append(sum(rel) / len(rel))
+        ax.bar([j + i * width for j in range(len(groups))], rel, width=width, label=r["method"])
+    ax.axhline(0.0, color="k", linewidth=0.8)
+    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"c{c}\n{labels.get(c, '')}" for c in cids] + ["mean"])
+    ax.set_ylabel("held-out perplexity vs backbone (%)")
+    ax.set_title("final round, per client (lower is better)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     ax.grid(axis="y", alpha=0.3)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
