@@ -172,3 +172,12 @@ def test_lowrank_norm_equals_the_dense_frobenius_norm():
     B, A = torch.randn(7, 3, dtype=torch.float64), torch.randn(3, 5, dtype=torch.float64)
     assert float(lowrank_norm(B, A)) == pytest.approx(float((B @ A).norm()), rel=1e-12)
     assert float(lowrank_norm(B1, A1)) == pytest.approx(math.sqrt(50.0))
+
+
+def test_lowrank_norm_has_a_finite_gradient_at_zero():
+    from nestfed.federation.aggregation import lowrank_norm
+
+    B = torch.zeros(4, 2, requires_grad=True)
+    A = torch.randn(2, 3, requires_grad=True)
+    lowrank_norm(B, A).backward()
+    assert torch.isfinite(B.grad).all() and torch.isfinite(A.grad).all()

@@ -57,7 +57,9 @@ def lowrank_norm(B: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     Uses ||BA||_F^2 = sum((B^T B) * (A A^T)), O(r^2 (in + out)) instead of O(r in out);
     differentiable. Returns a 0-dim tensor.
     """
-    return ((B.T @ B) * (A @ A.T)).sum().clamp_min(0).sqrt()
+    sq = ((B.T @ B) * (A @ A.T)).sum()
+    # sqrt has an infinite slope at 0 (a zero-initialised B): give 0 there, and a finite gradient
+    return torch.where(sq > 0, sq.clamp_min(1e-30).sqrt(), sq * 0)
 
 
 def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
