@@ -156,6 +156,32 @@ def compare(
     out.print(f"wrote {png}")
 
 
+@app.command("fedslm")
+def fedslm(
+    config: Annotated[Path, typer.Argument(help="experiment TOML file (e.g. configs/fedslm_bbc_news.toml)")],
+    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override section.key=value")] = None,
+    methods: Annotated[str, typer.Option(help="comma-separated: fedslm, fedmkt, fedavg, hetlora")] = "fedslm,fedmkt,fedavg,hetlora",
+) -> None:
+    """FedSLM against FedMKT, FedAvg+LoRA and HetLoRA on the same clients: client and server
+    perplexity, client memory, bytes per round (nestfed/compressed_comparison.py)."""
+    from nestfed.compressed_comparison import compare
+
+    t0 = time.perf_counter()
+    cfg = C.load(config, set_ or [])
+
+    def on_event(kind, info):
+        if kind == "round_done":
+            ev = info["line"]["eval"]
+            console.print(f"  round {info['round']}: mean client held-out ppl "
+                          f"{sum(v['ppl'] for v in ev.values()) / len(ev):.2f}, {info['line']['time_s']:.0f} s")
+
+    parent = compare(cfg, [m.strip() for m in methods.split(",") if m.strip()],
+                     on_status=lambda s: console.print(s), on_event=on_event)
+    out.print((parent / "comparison.md").read_text())
+    out.print(f"run directory: {parent}")
+    out.print(f"total wall time {time.perf_counter() - t0:.0f} s")
+
+
 def main() -> None:
     """Entry point: run the Typer app, turning nestfed's input errors into one line and exit 2."""
     try:

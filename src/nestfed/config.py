@@ -78,6 +78,14 @@ class DataConfig:
     max_train: int = 16
     max_test: int = 4
     seed: int = 0
+    # niah: context lengths (tokens) of the training and test examples, the gold needle's depth
+    # fractions, the haystack corpus (wikipedia | austen | all), the templates (one per client;
+    # empty = the seven of methods.md in order)
+    niah_train_length: int = 512
+    niah_test_lengths: tuple[int, ...] = (512,)
+    niah_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
+    niah_haystack: str = "all"
+    niah_templates: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +100,12 @@ class TrainConfig:
     eval_batch_size: int = 8
     cache_frozen_prefix: bool = True
     threads: int = 0  # torch threads; 0 = leave torch's default
+    # evaluate each client's model right after its local training, on its own test set (metrics
+    # local_loss / local_accuracy): with the federated evaluation it gives the aggregation drop
+    eval_local: bool = False
+    # > 0: evaluate each test row streamed in chunks of this many tokens at constant memory
+    # (nestfed.streaming; softmax window = memory.window), for contexts a one-pass forward cannot hold
+    eval_stream_chunk: int = 0
 
 
 @dataclass(frozen=True)
@@ -109,6 +123,103 @@ class StrategyConfig:
     hetlora_prune_ratio: float = 0.9
     hetlora_weighting: str = "norm"
     hetlora_pruning: bool = True
+    # FedNL (arXiv 2605.16350): what travels -- "all" (LoRA on q, k, v plus the memory rules) or
+    # "rules" (only the memory rules, beta's projection and the gate; each client keeps its LoRA)
+    fednl_travel: str = "all"
+    # FedProx (Li et al., MLSys 2020): the proximal weight mu in mu/2 ||theta - theta_global||^2
+    fedprox_mu: float = 0.01
+    # FedALA (Zhang et al., AAAI 2023): top decoder layers mixed element-wise, ALA steps per round
+    # (batches of local data), the weights' learning rate eta
+    fedala_layers: int = 1
+    fedala_steps: int = 2
+    fedala_eta: float = 1.0
+    # FedSSI (Li et al., ICML 2025): regulariser weight c, surrogate mixing lambda in (0, 1],
+    # surrogate (PSM) steps per round, SI damping xi
+    fedssi_c: float = 0.1
+    fedssi_lambda: float = 0.5
+    fedssi_psm_steps: int = 2
+    fedssi_xi: float = 1e-3
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """FedNL's delta-rule memory beside attention (methods.md section 3; adapters/memory.py).
+
+    layers: decoder layers that get a memory (empty = the LoRA layers, ``lora.layers``).
+    gate: constant | learned | dynamic. alpha_init: the gate's start (learned, dynamic).
+    alpha_start / alpha_end / alpha_warmup_steps: the constant gate's schedule over local steps.
+    window: the softmax path's sliding window in tokens (0 = none). beta_window: tokens in
+    beta's causal average of k. dynamic_kernel: the dynamic gate's Conv1d width. chunk_size:
+    tokens per chunk of the chunkwise delta rule.
+    """
+
+    layers: tuple[int, ...] = ()
+    gate: str = "learned"
+    alpha_init: float = 0.05
+    alpha_start: float = 0.01
+    alpha_end: float = 0.5
+    alpha_warmup_steps: int = 10
+    window: int = 0
+    beta_window: int = 4
+    dynamic_kernel: int = 16
+    chunk_size: int = 32
+
+
+@dataclass(frozen=True)
+class CompressionConfig:
+    """FedSLM's compressed clients (arXiv 2607.29071 step 1; methods.md section 2), also FedMKT's
+    client models (adapters/svd.py, strategies/fedslm.py).
+
+    client_ratios: the compression ratio rho of each client (one value = every client); each
+    distinct value is a group. target: regex over module paths of the Linear layers factorised as
+    U Sigma V^T (default every attention and MLP projection of the decoder blocks). train_layers:
+    decoder layers whose cores train and travel (negative counts from the top; empty = every
+    compressed layer); the other cores stay diag(S). fusion: coverage | average. core_lr: AdamW
+    learning rate of the cores. server_blocks: blocks of unlabeled server text held out from
+    every client (elicitation's D_server, FedMKT's public set).
+    """
+
+    client_ratios: tuple[float, ...] = (0.5,)
+    target: str = r"(.*\.)?layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+    train_layers: tuple[int, ...] = ()
+    fusion: str = "coverage"
+    core_lr: float = 1e-2
+    server_blocks: int = 16
+
+
+@dataclass(frozen=True)
+class ElicitationConfig:
+    """FedSLM step 4: the full model (LoRA of ``rank`` on the [lora] layers) learns from the weak
+    fused model on the server text with L = (1 - a) CE(f_w, f_s) + a CE(hard(f_s), f_s).
+
+    alpha: a for the reported server model; compare_alphas: further values evaluated beside it
+    (and always "none", the pretrained model); steps / batch_size (blocks) / lr: AdamW.
+    """
+
+    alpha: float = 0.5
+    compare_alphas: tuple[float, ...] = (0.0,)
+    steps: int = 8
+    batch_size: int = 4
+    lr: float = 5e-3
+    rank: int = 8
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class FedMKTConfig:
+    """FedMKT (Fan et al., COLING 2025): mutual top-k logit distillation on the server text.
+
+    topk: logits kept per token; lm_weight: weight of the LM loss beside the distillation loss
+    (FedMKT's code: 0.9); client_steps / server_steps: distillation steps per round;
+    batch_size: public blocks per step; server_lr: AdamW rate of the server's LoRA.
+    """
+
+    topk: int = 10
+    lm_weight: float = 0.9
+    client_steps: int = 2
+    server_steps: int = 5
+    batch_size: int = 4
+    server_lr: float = 5e-3
 
 
 @dataclass(frozen=True)
@@ -141,10 +252,17 @@ class ExperimentConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    compression: CompressionConfig = field(default_factory=CompressionConfig)
+    elicitation: ElicitationConfig = field(default_factory=ElicitationConfig)
+    fedmkt: FedMKTConfig = field(default_factory=FedMKTConfig)
 
 
 STRATEGIES = ("fedavg", "zeropad", "hetlora", "flora", "ffa_lora", "prelort")
+STRATEGIES += ("fednl", "fedprox", "fedala", "fedssi")
+STRATEGIES += ("fedslm", "fedmkt")
 SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions")
+SOURCES += ("mmlu_domains", "niah", "long_texts")
 TASKS = ("causal_lm", "instruction", "multiple_choice")
 PARTITIONS = ("label", "dirichlet", "iid")
 
@@ -360,6 +478,66 @@ def validate(cfg: ExperimentConfig, source: str = "<config>") -> None:
     t = cfg.train
     if t.local_steps < 1 or t.batch_size < 1 or t.lr <= 0:
         raise ConfigError(f"{source}: train.local_steps, train.batch_size and train.lr must be positive")
+    _validate_fednl_and_baselines(cfg, source)
+    _validate_compression(cfg, source)
+
+
+def _validate_fednl_and_baselines(cfg: ExperimentConfig, source: str) -> None:
+    """Checks of the [memory] section, the FedNL / FedProx / FedALA / FedSSI options and the NIAH data."""
+    s, m, d = cfg.strategy, cfg.memory, cfg.data
+    if s.fednl_travel not in ("all", "rules"):
+        raise ConfigError(f"{source}: strategy.fednl_travel must be 'all' or 'rules', got '{s.fednl_travel}'")
+    if s.fedprox_mu < 0 or s.fedssi_c < 0 or s.fedssi_xi <= 0:
+        raise ConfigError(f"{source}: strategy.fedprox_mu and strategy.fedssi_c must be >= 0, strategy.fedssi_xi > 0")
+    if not 0 < s.fedssi_lambda <= 1:
+        raise ConfigError(f"{source}: strategy.fedssi_lambda must be in (0, 1]")
+    if s.fedala_layers < 0 or s.fedala_steps < 0 or s.fedssi_psm_steps < 0 or s.fedala_eta <= 0:
+        raise ConfigError(f"{source}: strategy.fedala_layers/fedala_steps/fedssi_psm_steps must be >= 0, fedala_eta > 0")
+    if m.gate not in ("constant", "learned", "dynamic"):
+        raise ConfigError(f"{source}: memory.gate: unknown gate '{m.gate}' (known: constant, learned, dynamic)")
+    for key in ("alpha_init", "alpha_start", "alpha_end"):
+        if not 0 <= getattr(m, key) <= 1:
+            raise ConfigError(f"{source}: memory.{key} must be in [0, 1]")
+    if m.window < 0 or m.alpha_warmup_steps < 0:
+        raise ConfigError(f"{source}: memory.window and memory.alpha_warmup_steps must be >= 0")
+    if m.beta_window < 1 or m.dynamic_kernel < 1 or m.chunk_size < 1:
+        raise ConfigError(f"{source}: memory.beta_window, memory.dynamic_kernel and memory.chunk_size must be >= 1")
+    if s.name in ("fednl", "fedprox", "fedala", "fedssi") and len(set(cfg.lora.ranks)) > 1:
+        raise ConfigError(f"{source}: lora.ranks: {s.name} needs equal ranks, got {list(cfg.lora.ranks)}")
+    if s.name == "fednl" and "o_proj" in cfg.lora.target_modules:
+        raise ConfigError(f"{source}: lora.target_modules: FedNL keeps o_proj frozen (LoRA on q_proj, k_proj, v_proj)")
+    if d.source == "niah":
+        if d.task != "multiple_choice":
+            raise ConfigError(f"{source}: data.task: the niah source is multiple choice (set task = 'multiple_choice')")
+        if d.niah_haystack not in ("wikipedia", "austen", "all"):
+            raise ConfigError(f"{source}: data.niah_haystack must be wikipedia, austen or all")
+        if d.niah_train_length < 64 or not d.niah_test_lengths or min(d.niah_test_lengths) < 64:
+            raise ConfigError(f"{source}: data.niah_train_length and data.niah_test_lengths must be >= 64 tokens")
+        if not d.niah_depths or not all(0 <= x <= 1 for x in d.niah_depths):
+            raise ConfigError(f"{source}: data.niah_depths must be fractions in [0, 1]")
+
+
+def _validate_compression(cfg: ExperimentConfig, source: str) -> None:
+    """Checks of the [compression], [elicitation] and [fedmkt] sections (FedSLM, FedMKT)."""
+    c, e, m = cfg.compression, cfg.elicitation, cfg.fedmkt
+    if not c.client_ratios or any(r <= 0 for r in c.client_ratios):
+        raise ConfigError(f"{source}: compression.client_ratios: every ratio must be > 0, got {list(c.client_ratios)}")
+    if len(c.client_ratios) not in (1, cfg.data.num_clients):
+        raise ConfigError(f"{source}: compression.client_ratios: {len(c.client_ratios)} ratios for "
+                          f"data.num_clients = {cfg.data.num_clients} clients")
+    if c.fusion not in ("coverage", "average"):
+        raise ConfigError(f"{source}: compression.fusion must be 'coverage' or 'average', got '{c.fusion}'")
+    if c.core_lr <= 0 or c.server_blocks < 1:
+        raise ConfigError(f"{source}: compression.core_lr must be > 0 and compression.server_blocks >= 1")
+    for a in (e.alpha, *e.compare_alphas):
+        if not 0 <= a <= 1:
+            raise ConfigError(f"{source}: elicitation.alpha / compare_alphas must be in [0, 1], got {a}")
+    if e.steps < 0 or e.batch_size < 1 or e.lr <= 0 or e.rank < 1:
+        raise ConfigError(f"{source}: elicitation.steps >= 0, batch_size >= 1, lr > 0 and rank >= 1 are required")
+    if m.topk < 1 or not 0 <= m.lm_weight <= 1 or m.client_steps < 0 or m.server_steps < 0 or m.batch_size < 1 \
+            or m.server_lr <= 0:
+        raise ConfigError(f"{source}: fedmkt: topk >= 1, lm_weight in [0, 1], steps >= 0, batch_size >= 1 "
+                          "and server_lr > 0 are required")
 
 
 def replace(cfg: ExperimentConfig, **sections: dict[str, Any]) -> ExperimentConfig:

@@ -59,6 +59,9 @@ def _records(d: C.DataConfig) -> tuple[list[Any], list[str]]:
     if d.source == "newsgroups":
         docs = sources.newsgroups(d.path or None)
         return docs, [x.label for x in docs]
+    if d.source == "long_texts":  # Wikipedia articles and Austen's novels (haystacks, streaming)
+        docs = sources.long_texts("all")
+        return docs, [x.source for x in docs]
     if not d.path:
         raise ConfigError(f"data.path: the source '{d.source}' needs a local path")
     if not Path(d.path).exists():
@@ -66,6 +69,10 @@ def _records(d: C.DataConfig) -> tuple[list[Any], list[str]]:
     if d.source == "mmlu":
         items = sources.mmlu(d.path, "test")
         return items, [x.subject for x in items]
+    if d.source == "mmlu_domains":  # FedNL's five MMLU domains (data/mmlu_domains.py)
+        from nestfed.data.mmlu_domains import domain_items
+
+        return domain_items(d.path, "test", d.seed)
     items = sources.instructions(d.path)
     return items, [x.category or "all" for x in items]
 
@@ -115,9 +122,12 @@ def load_partitions(d: C.DataConfig) -> tuple[list[Any], list[str], list[list[in
 
     Raises DataError (missing or malformed data) or ConfigError (bad partition settings).
     """
+    if d.source == "niah":  # generated per client (data/niah.py), no shared records
+        return [], [], []
     records, labels = _records(d)
     if d.task == "multiple_choice" and d.source != "mmlu":
-        raise ConfigError("data.task: multiple_choice needs data.source = 'mmlu'")
+        if d.source not in ("mmlu_domains", "niah"):
+            raise ConfigError("data.task: multiple_choice needs data.source = 'mmlu', 'mmlu_domains' or 'niah'")
     try:
         parts = _partition(labels, d)
     except ValueError as exc:
@@ -132,6 +142,8 @@ def build_client_data(cfg: C.ExperimentConfig, tokenizer, loaded=None) -> tuple[
     Raises DataError (missing or malformed data, a client left without examples) or ConfigError.
     """
     d = cfg.data
+    if d.source == "niah":
+        return _niah_client_data(cfg, tokenizer)
     records, labels, parts = loaded or load_partitions(d)
     letter_ids = tasks.letter_token_ids(tokenizer) if d.task == "multiple_choice" else None
     out = {}
@@ -148,6 +160,48 @@ def build_client_data(cfg: C.ExperimentConfig, tokenizer, loaded=None) -> tuple[
         out[cid] = ClientData(train.input_ids, train.labels, test.input_ids, test.labels,
                               letter_ids=letter_ids, label="+".join(names) if len(names) <= 3 else f"{len(names)} labels")
     return out, client_labels
+
+
+def _niah_client_data(cfg: C.ExperimentConfig, tokenizer) -> tuple[dict[int, ClientData], list[list[str]]]:
+    """NIAH clients (one template each) as ClientData with test groups per length and depth."""
+    from nestfed.data.niah import niah_clients
+
+    try:
+        clients = niah_clients(cfg.data, tokenizer)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    letter_ids = tasks.letter_token_ids(tokenizer)
+    out = {cid: ClientData(c["train"].input_ids, c["train"].labels, c["test"].input_ids, c["test"].labels,
+                           letter_ids=letter_ids, label=c["label"], test_groups=c["groups"])
+           for cid, c in enumerate(clients)}
+    return out, [[c["label"]] for c in clients]
+
+
+def install_fednl_memory(prep: Prepared, cfg: C.ExperimentConfig) -> dict[str, torch.Tensor]:
+    """Give the prepared backbone FedNL's memory layers (``[memory]``; default the LoRA layers)
+    if it has none yet, and return fresh initial memory rules for them (payload-keyed).
+
+    The memory layers must lie at or above the frozen prefix whose outputs were cached (a
+    disabled memory layer computes exactly the backbone, so installing it later is safe).
+    Raises ConfigError for a memory layer below the cached prefix or out of range.
+    """
+    from nestfed.adapters.memory import MemorySettings, fresh_rule_arrays, install_memory, resolve_layers
+
+    m = cfg.memory
+    model = prep.backbone.model
+    settings = MemorySettings(gate=m.gate, alpha_init=m.alpha_start if m.gate == "constant" else m.alpha_init,
+                              window=m.window, beta_window=m.beta_window, dynamic_kernel=m.dynamic_kernel,
+                              chunk_size=m.chunk_size)
+    try:
+        layers = resolve_layers(model, m.layers or cfg.lora.layers)
+    except ValueError as exc:
+        raise ConfigError(f"memory.layers: {exc}") from None
+    start = next(iter(prep.data.values())).start if prep.data else 0
+    if layers and min(layers) < start:
+        raise ConfigError(f"memory.layers: layer {min(layers)} lies in the frozen prefix cached up to layer {start}; "
+                          "put the memory on LoRA layers or set train.cache_frozen_prefix = false")
+    install_memory(model, settings, layers)
+    return fresh_rule_arrays(model, layers)
 
 
 def prepare(cfg: C.ExperimentConfig, on_status: Callable[[str], None] | None = None,
@@ -217,11 +271,21 @@ def run_experiment(prep: Prepared, cfg: C.ExperimentConfig, run_dir: Path, resum
     ``cfg`` may differ from ``prep.cfg`` only in the strategy, federation, train and output
     sections (several methods share one preparation).
     """
+    if cfg.strategy.name in ("fedslm", "fedmkt"):  # compressed clients: their own recipe
+        from nestfed.fedslm_experiment import run_compressed
+
+        return run_compressed(prep, cfg, run_dir, resume, on_event)
     t0 = time.perf_counter()
     run_dir.mkdir(parents=True, exist_ok=True)
     if not resume:
         write_text_atomic(run_dir / "config.toml", C.dumps_toml(cfg))
     strategy = make_strategy(cfg)
+    if cfg.strategy.name == "fednl":
+        strategy.options["memory_init"] = install_fednl_memory(prep, cfg)
+    if cfg.train.eval_stream_chunk > 0:  # streamed evaluation: every layer needs a (disabled) memory module
+        from nestfed.adapters.memory import MemorySettings, install_memory
+
+        install_memory(prep.backbone.model, MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window))
     for c in prep.clients:
         if c.rank > C.r_max(cfg):
             raise ConfigError(f"lora.ranks: client {c.cid} rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
@@ -231,7 +295,13 @@ def run_experiment(prep: Prepared, cfg: C.ExperimentConfig, run_dir: Path, resum
                      fed.seed, on_event=on_event)
     state = loop.run(prep.shapes, resume=resume)
     arrays, scale = strategy.export(state)
-    export_peft_adapter(arrays, scale, run_dir / "adapter", prep.backbone.source)
+    if arrays:  # FedNL with fednl_travel = "rules" has no global LoRA: each client keeps its own
+        export_peft_adapter(arrays, scale, run_dir / "adapter", prep.backbone.source)
+    if hasattr(strategy, "export_rules"):
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in strategy.export_rules(state).items()},
+                  str(run_dir / "memory_rules.safetensors"))
     from nestfed import report
 
     if cfg.output.plots:

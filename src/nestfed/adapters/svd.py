@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from nestfed.adapters.lora import _LAYER_INDEX
+from nestfed.adapters.lora import _LAYER_INDEX, LoraLinear
 
 #: Every attention and MLP projection of the decoder blocks (Llama and Qwen2 naming).
 DEFAULT_TARGET = r"(.*\.)?layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
@@ -86,8 +86,18 @@ def rank_for_ratio(out_features: int, in_features: int, ratio: float) -> int:
     return max(1, min(min(out_features, in_features), r))
 
 
+def base_linear(module: nn.Module) -> nn.Linear:
+    """The frozen ``nn.Linear`` of a module: itself, or a :class:`LoraLinear`'s ``base_layer``
+    (the SVD is of the pretrained W; a LoRA update on top is ignored). Raises TypeError otherwise."""
+    if isinstance(module, LoraLinear):
+        return module.base_layer
+    if isinstance(module, nn.Linear):
+        return module
+    raise TypeError(f"{type(module).__name__} is not a Linear layer")
+
+
 def target_linear_names(model: nn.Module, pattern: str = DEFAULT_TARGET) -> list[str]:
-    """Paths of the ``nn.Linear`` modules whose full path matches the regex ``pattern``.
+    """Paths of the Linear modules (``nn.Linear`` or LoRA-wrapped) whose full path matches ``pattern``.
 
     Raises ValueError for an invalid regex or when nothing matches.
     """
@@ -95,7 +105,9 @@ def target_linear_names(model: nn.Module, pattern: str = DEFAULT_TARGET) -> list
         rx = re.compile(pattern)
     except re.error as exc:
         raise ValueError(f"svd target pattern {pattern!r} is not a valid regex: {exc}") from None
-    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and rx.fullmatch(n)]
+    names = [n for n, m in model.named_modules()
+             if (isinstance(m, LoraLinear) or (isinstance(m, nn.Linear) and not n.endswith("base_layer")
+                                               and ".lora_" not in n)) and rx.fullmatch(n)]
     if not names:
         raise ValueError(f"svd target pattern {pattern!r} matched no Linear layer")
     return names
@@ -116,7 +128,7 @@ def compute_bases(model: nn.Module, ratios: list[float], pattern: str = DEFAULT_
         rank_for_ratio(1, 1, rho)  # validates
     out = {}
     for name in target_linear_names(model, pattern):
-        W = model.get_submodule(name).weight.detach()
+        W = base_linear(model.get_submodule(name)).weight.detach()
         R = rank_for_ratio(W.shape[0], W.shape[1], top)
         U, S, Vh = torch.linalg.svd(W.float(), full_matrices=False)
         out[name] = SVDFactors(U[:, :R].to(W.dtype).contiguous(), S[:R].to(W.dtype).contiguous(),
@@ -149,7 +161,7 @@ def derive_compressed(model: nn.Module, bases: dict[str, SVDFactors], ratio: flo
     Raises ValueError (ratio, core shape).
     """
     ranks = layer_ranks(bases, ratio)
-    replaced = {id(model.get_submodule(n).weight) for n in bases}
+    replaced = {id(base_linear(model.get_submodule(n)).weight) for n in bases}
     memo = {id(t): t for t in list(model.parameters()) + list(model.buffers())}
     shell = _copy_structure(model, memo)
     for name, f in bases.items():
@@ -160,7 +172,7 @@ def derive_compressed(model: nn.Module, bases: dict[str, SVDFactors], ratio: flo
         old = shell.get_submodule(name)
         parent_name, _, leaf = name.rpartition(".")
         parent = shell.get_submodule(parent_name) if parent_name else shell
-        setattr(parent, leaf, SVDLinear(f.U[:, :r], f.V[:, :r], sigma, old.bias))
+        setattr(parent, leaf, SVDLinear(f.U[:, :r], f.V[:, :r], sigma, base_linear(old).bias))
     assert not any(id(p) in replaced for p in shell.parameters())
     for p in shell.parameters():
         p.requires_grad_(False)

@@ -322,3 +322,144 @@ def instructions(path: str | Path) -> list[InstructionExample]:
             raise DataError(f"{file}: line {lineno}: invalid JSON ({exc.msg})") from exc
         out.append(_instruction_record(rec, f"{file}: line {lineno}"))
     return out
+
+
+# ----------------------------------------------------------------------------- long texts
+
+WIKI_FILE = "enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+AUSTEN_DIR = Path("/usr/lib/R/site-library/janeaustenr/data")
+AUSTEN_NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prideprejudice", "sensesensibility")
+
+
+@dataclass(frozen=True)
+class LongText:
+    """A long real document: ``title``, plain ``text`` (paragraphs separated by blank lines) and
+    its corpus ``source`` (``wikipedia`` or ``austen``)."""
+
+    title: str
+    text: str
+    source: str
+
+
+def wikipedia_path() -> Path:
+    """gensim's shortened English Wikipedia dump (103 articles) inside the installed gensim."""
+    pkg = _package_dir("gensim", "Wikipedia haystacks need it (pip install gensim==4.4.0, or nestfed[data])")
+    return pkg / "test" / "test_data" / WIKI_FILE
+
+
+def wikipedia_articles(path: str | Path | None = None, min_chars: int = 0) -> list[LongText]:
+    """The articles of a MediaWiki XML dump (bz2 or plain), markup stripped with gensim's
+    ``filter_wiki``, redirects and pages under ``min_chars`` characters (after stripping) left out.
+
+    path: default gensim's shortened dump (103 articles, 46 over 50k characters of markup).
+    Returns the articles in file order. Raises DataError when the file is missing, is not
+    MediaWiki XML, or holds no article.
+    """
+    import bz2
+    import re
+    import xml.etree.ElementTree as ET
+
+    file = Path(path) if path is not None else wikipedia_path()
+    if not file.is_file():
+        raise DataError(f"{file}: Wikipedia dump not found (pip install gensim==4.4.0)")
+    from gensim.corpora.wikicorpus import filter_wiki
+
+    opener = bz2.open if file.suffix == ".bz2" else open
+    out: list[LongText] = []
+    try:
+        with opener(file, "rb") as fh:
+            title = None
+            for _, el in ET.iterparse(fh, events=("end",)):
+                tag = el.tag.rsplit("}", 1)[-1]
+                if tag == "title":
+                    title = el.text or ""
+                elif tag == "text":
+                    raw = el.text or ""
+                    if raw.lstrip().lower().startswith("#redirect"):
+                        continue
+                    text = filter_wiki(raw)
+                    text = re.sub(r"'{2,}", "", text)  # bold / italic quotes left by filter_wiki
+                    text = re.sub(r"[ \t]+", " ", text)
+                    text = re.sub(r"\n\s*\n+", "\n\n", text).strip()
+                    if len(text) >= min_chars:
+                        out.append(LongText(title=title or f"article {len(out)}", text=text, source="wikipedia"))
+                elif tag == "page":
+                    el.clear()
+    except (ET.ParseError, OSError, EOFError) as exc:
+        raise DataError(f"{file}: not a readable MediaWiki XML dump ({exc})") from exc
+    if not out:
+        raise DataError(f"{file}: no article of at least {min_chars} characters")
+    return out
+
+
+def austen_novels(data_dir: str | Path | None = None) -> list[LongText]:
+    """Jane Austen's six novels from R's janeaustenr data (Debian ``r-cran-janeaustenr``), read
+    with the PyPI package ``rdata`` (no R needed): the lazy-load database ``Rdata.rdx`` (a gzip'd
+    serialised index of offsets) and ``Rdata.rdb`` (zlib-compressed serialised objects, each a
+    character vector of lines). Lines are joined; blank lines separate paragraphs.
+
+    Returns the novels in :data:`AUSTEN_NOVELS` order. Raises DataError when the folder, the
+    package ``rdata`` or a novel is missing, or a file cannot be decoded.
+    """
+    import gzip
+    import struct
+
+    folder = Path(data_dir) if data_dir is not None else AUSTEN_DIR
+    rdx, rdb = folder / "Rdata.rdx", folder / "Rdata.rdb"
+    if not rdx.is_file() or not rdb.is_file():
+        raise DataError(f"{folder}: janeaustenr's Rdata.rdx/Rdata.rdb not found "
+                        "(apt-get install r-cran-janeaustenr)")
+    try:
+        import warnings
+
+        import rdata
+    except ImportError:
+        raise DataError("reading janeaustenr needs the package rdata (pip install rdata==1.1.0)") from None
+
+    def parse(raw: bytes):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return rdata.conversion.convert(rdata.parser.parse_data(raw, expand_altrep=True))
+
+    try:
+        index = parse(gzip.decompress(rdx.read_bytes()))
+        variables = {str(k): v for k, v in index["variables"].items()}
+        blob = rdb.read_bytes()
+        out = []
+        for name in AUSTEN_NOVELS:
+            if name not in variables:
+                raise DataError(f"{rdx}: novel '{name}' not in the index (found: {', '.join(sorted(variables))})")
+            off, length = (int(x) for x in variables[name])
+            chunk = blob[off:off + length]
+            (size,) = struct.unpack(">I", chunk[:4])
+            raw = zlib.decompress(chunk[4:])
+            if len(raw) != size:
+                raise DataError(f"{rdb}: novel '{name}' decompressed to {len(raw)} bytes, index says {size}")
+            lines = [str(x) for x in parse(raw)]
+            paras, cur = [], []
+            for ln in lines:
+                if ln.strip():
+                    cur.append(ln.strip())
+                elif cur:
+                    paras.append(" ".join(cur))
+                    cur = []
+            if cur:
+                paras.append(" ".join(cur))
+            out.append(LongText(title=name, text="\n\n".join(paras), source="austen"))
+    except (OSError, zlib.error, struct.error, KeyError, TypeError, ValueError) as exc:
+        raise DataError(f"{folder}: cannot decode janeaustenr's data ({exc})") from exc
+    return out
+
+
+def long_texts(which: str = "all", min_chars: int = 50_000) -> list[LongText]:
+    """Long real documents for haystacks and streaming: ``wikipedia`` (gensim's articles of at
+    least ``min_chars`` characters), ``austen`` (the six novels) or ``all`` (both, Wikipedia
+    first). Raises DataError when a corpus is missing, ValueError for an unknown ``which``."""
+    if which not in ("wikipedia", "austen", "all"):
+        raise ValueError(f"long_texts: which must be wikipedia, austen or all, got '{which}'")
+    out: list[LongText] = []
+    if which in ("wikipedia", "all"):
+        out += wikipedia_articles(min_chars=min_chars)
+    if which in ("austen", "all"):
+        out += austen_novels()
+    return out

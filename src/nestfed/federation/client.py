@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,9 +18,11 @@ from torch import nn
 
 from nestfed.adapters.lora import (PEFT_PREFIX, init_adapter_state, lora_modules, module_of, module_shapes,
                                    peft_key)
+from nestfed.adapters.memory import sync_memory
 from nestfed.config import TrainConfig
 from nestfed.evaluate import evaluate_lm
 from nestfed.federation.messages import Arrays, Instruction, Reply
+from nestfed.federation import client_state as local
 from nestfed.federation.objectives import OBJECTIVES, Batch, tail_norm
 from nestfed.frozen_prefix import prefix_features
 
@@ -43,6 +45,9 @@ class ClientData:
     start: int = 0
     letter_ids: list[int] | None = None
     label: str = ""
+    # optional named groups of test rows ({name: row indices [n]}, e.g. NIAH's context lengths):
+    # evaluation adds accuracy@<name> / loss@<name> per group
+    test_groups: dict[str, torch.Tensor] | None = None
 
     @property
     def num_examples(self) -> int:
@@ -105,6 +110,7 @@ def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
             if param.shape != arrays[key].shape:
                 raise ValueError(f"payload key {key}: shape {tuple(arrays[key].shape)}, parameter {tuple(param.shape)}")
             param.copy_(arrays[key])
+    sync_memory(model, arrays)  # FedNL: memory layers run where the payload carries their rules
 
 
 def _seed(*parts: int) -> int:
@@ -125,6 +131,8 @@ class ClientTrainer:
     model: nn.Module
     data: dict[int, ClientData]
     train: TrainConfig
+    # per-client state kept between rounds (federation/client_state.py): {cid: {group: arrays}}
+    client_state: dict[int, dict[str, Arrays]] = field(default_factory=dict)
 
     def _batches(self, d: ClientData, steps: int, batch_size: int, seed: int):
         g = torch.Generator().manual_seed(seed)
@@ -151,14 +159,16 @@ class ClientTrainer:
         ``train_tokens`` (labelled tokens seen, counting each sub-rank pass once), ``rank``.
         Raises KeyError for an unknown client or objective.
         """
-        cfg: dict[str, Any] = instruction.config
+        cfg: dict[str, Any] = dict(instruction.config)  # a local copy: client-side keys start with "_"
         d = self.data[cid]
         t0 = time.perf_counter()
         arrays = dict(instruction.arrays)
         if "fresh_lora_seed" in cfg:  # FLoRA: a new LoRA of rank r_k each round
             fresh = init_adapter_state(module_shapes(self.model), int(cfg["rank"]), int(cfg["fresh_lora_seed"]))
             arrays.update(fresh)
+        arrays = local.with_kept_arrays(self, cid, cfg, arrays)  # FedNL "rules": the client's own LoRA
         apply_arrays(self.model, arrays, float(cfg["scaling"]))
+        local_metrics = local.adapt_local_aggregation(self, cid, cfg, arrays)  # FedALA
         objective = OBJECTIVES[cfg.get("objective", "plain")]
         train_b_only = cfg.get("train", "AB") == "B"
         params = []
@@ -172,11 +182,13 @@ class ClientTrainer:
         for p in extras.values():
             p.requires_grad_(True)
         params += list(extras.values())
+        self.model.train()
+        local_metrics.update(local.regulariser_inputs(self, cid, cfg, params))  # FedProx, FedSSI
         opt = torch.optim.AdamW(params, lr=self.train.lr, weight_decay=self.train.weight_decay)
         losses, tokens = [], 0
-        self.model.train()
         seed = _seed(int(cfg.get("seed", 0)), int(cfg.get("round", 0)), cid)
-        for batch in self._batches(d, self.train.local_steps, self.train.batch_size, seed):
+        for step, batch in enumerate(self._batches(d, self.train.local_steps, self.train.batch_size, seed)):
+            local.on_step(self.model, cfg, step)  # FedNL's constant-gate schedule
             opt.zero_grad(set_to_none=True)
             losses.append(objective(self.model, batch, cfg))
             tokens += int((batch.labels[:, 1:] != -100).sum())
@@ -187,8 +199,12 @@ class ClientTrainer:
         for p in params:
             p.requires_grad_(False)
         metrics: dict[str, float] = {"train_loss": sum(losses) / len(losses), "train_tokens": float(tokens)}
+        metrics.update(local_metrics)
         if cfg.get("objective") == "hetlora":
             metrics.update(self._hetlora_prune(cfg))
+        if self.train.eval_local:  # the client's own model before aggregation (the aggregation drop)
+            ev = self._evaluate_loaded(d)
+            metrics.update({f"local_{k}": v for k, v in ev.items()})
         out = {}
         for name, m in lora_modules(self.model).items():
             if m.rank == 0:
@@ -197,6 +213,8 @@ class ClientTrainer:
                 out[peft_key(name, "lora_A")] = m.lora_A.weight.detach().clone()
             out[peft_key(name, "lora_B")] = m.lora_B.weight.detach().clone()
         out.update({k: p.detach().clone() for k, p in extras.items()})
+        local.store_local_model(self, cid, cfg, out)  # FedALA's local model
+        out = local.store_kept_arrays(self, cid, cfg, out)  # FedNL "rules": LoRA stays here
         ranks = [m.rank for m in lora_modules(self.model).values()]
         metrics["rank"] = float(max(ranks)) if ranks else 0.0
         metrics["train_time_s"] = time.perf_counter() - t0
@@ -223,7 +241,69 @@ class ClientTrainer:
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
         """Held-out loss, perplexity (and accuracy for multiple choice) of client ``cid`` under ``arrays``."""
         d = self.data[cid]
-        apply_arrays(self.model, arrays, scaling)
-        return evaluate_lm(self.model, d.test_labels, None if d.test_hidden is not None else d.test_ids,
-                           d.test_hidden, d.start, self.train.eval_batch_size, d.letter_ids)
+        apply_arrays(self.model, local.evaluation_arrays(self, cid, arrays), scaling)
+        return self._evaluate_loaded(d)
+
+    def _evaluate_loaded(self, d: ClientData) -> dict[str, float]:
+        """evaluate_lm of the model as loaded on the client's test set; with ``test_groups``,
+        also ``loss@<group>`` and ``accuracy@<group>`` per group of rows (each group run alone,
+        so rows of one length are not padded to another's). With ``train.eval_stream_chunk`` > 0
+        each row streams through nestfed.streaming (constant memory, memory layers' window)."""
+        if self.train.eval_stream_chunk > 0:
+            return self._evaluate_streamed(d)
+        if not d.test_groups:
+            return evaluate_lm(self.model, d.test_labels, None if d.test_hidden is not None else d.test_ids,
+                               d.test_hidden, d.start, self.train.eval_batch_size, d.letter_ids)
+        out: dict[str, float] = {}
+        total = count = correct = rows = 0.0
+        for name, idx in d.test_groups.items():
+            lab = d.test_labels[idx]
+            keep = int((lab != -100).any(0).nonzero().max()) + 1 if (lab != -100).any() else lab.shape[1]
+            ev = evaluate_lm(self.model, lab[:, :keep], None if d.test_hidden is not None else d.test_ids[idx, :keep],
+                             None if d.test_hidden is None else d.test_hidden[idx, :keep], d.start,
+                             self.train.eval_batch_size, d.letter_ids)
+            out[f"loss@{name}"] = ev["loss"]
+            total += ev["loss"] * ev["tokens"]
+            count += ev["tokens"]
+            if "accuracy" in ev:
+                out[f"accuracy@{name}"] = ev["accuracy"]
+                correct += ev["accuracy"] * len(idx)
+                rows += len(idx)
+        loss = total / max(count, 1.0)
+        out.update({"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count})
+        if rows:
+            out["accuracy"] = correct / rows
+        return out
+
+    def _evaluate_streamed(self, d: ClientData) -> dict[str, float]:
+        """Streamed evaluation (long contexts): per group when ``test_groups`` is set, as above.
+        Raises ValueError when the frozen prefix is cached (streams need token ids) or a layer
+        lacks a memory module."""
+        from nestfed.adapters.memory import memory_rules
+        from nestfed.streaming import stream_evaluate
+
+        if d.test_hidden is not None:
+            raise ValueError("train.eval_stream_chunk needs train.cache_frozen_prefix = false (streams start from tokens)")
+        rules = memory_rules(self.model)
+        window = max((r.settings.window for r in rules.values()), default=0) or 1024
+        chunk = self.train.eval_stream_chunk
+        groups = d.test_groups or {"all": torch.arange(d.test_ids.shape[0])}
+        out: dict[str, float] = {}
+        total = count = correct = rows = 0.0
+        for name, idx in groups.items():
+            ev = stream_evaluate(self.model, d.test_ids[idx], d.test_labels[idx], chunk, window, d.letter_ids)
+            if d.test_groups:
+                out[f"loss@{name}"] = ev["loss"]
+                if "accuracy" in ev:
+                    out[f"accuracy@{name}"] = ev["accuracy"]
+            total += ev["loss"] * ev["tokens"]
+            count += ev["tokens"]
+            if "accuracy" in ev:
+                correct += ev["accuracy"] * len(idx)
+                rows += len(idx)
+        loss = total / max(count, 1.0)
+        out.update({"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count})
+        if rows:
+            out["accuracy"] = correct / rows
+        return out
 

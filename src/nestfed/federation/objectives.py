@@ -83,6 +83,40 @@ def hetlora(model: nn.Module, batch: Batch, config: dict[str, Any]) -> float:
     return loss.item()
 
 
+def prox(model: nn.Module, batch: Batch, config: dict[str, Any]) -> float:
+    """FedProx's local objective (Li et al., "Federated Optimization in Heterogeneous Networks",
+    MLSys 2020, eq. 2): CE + mu/2 * sum ||theta - theta_global||^2 over the trained parameters.
+
+    config["fedprox_mu"]: mu (>= 0); config["_anchor"]: [(parameter, its received global value)],
+    set on the client (federation/client_state.py). Returns the CE alone (nats per token).
+    Raises KeyError without ``_anchor``.
+    """
+    loss = batch.loss(model)
+    mu = float(config.get("fedprox_mu", 0.0))
+    total = loss
+    if mu > 0:
+        total = loss + 0.5 * mu * sum(((p - a) ** 2).sum() for p, a in config["_anchor"])
+    total.backward()
+    return loss.item()
+
+
+def ssi(model: nn.Module, batch: Batch, config: dict[str, Any]) -> float:
+    """FedSSI's local objective (Li et al., ICML 2025, eq. 2): CE + c * sum_i Omega_i
+    (theta_i - theta_global,i)^2, Omega the importance from the client's personalised surrogate
+    (federation/client_state.py, :func:`surrogate_importance`).
+
+    config["fedssi_c"]: c (>= 0); ``_anchor`` as for :func:`prox`; ``_importance``: [Omega per
+    parameter] aligned with ``_anchor``. Returns the CE alone. Raises KeyError without them.
+    """
+    loss = batch.loss(model)
+    c = float(config.get("fedssi_c", 0.0))
+    total = loss
+    if c > 0:
+        total = loss + c * sum((w * (p - a) ** 2).sum() for (p, a), w in zip(config["_anchor"], config["_importance"]))
+    total.backward()
+    return loss.item()
+
+
 OBJECTIVES: dict[str, Callable[[nn.Module, Batch, dict[str, Any]], float]] = {
-    "plain": plain, "nested": nested, "hetlora": hetlora,
+    "plain": plain, "nested": nested, "hetlora": hetlora, "prox": prox, "ssi": ssi,
 }

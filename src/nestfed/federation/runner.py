@@ -71,6 +71,40 @@ def load_checkpoint(path: Path) -> tuple[int, GlobalState]:
     return int(md["round"]), GlobalState(load_file(str(path)), json.loads(md["meta"]))
 
 
+def client_state_path(ckpt: Path) -> Path:
+    """Where the clients' kept state of a checkpoint lives: ``clients_NNN.safetensors`` beside
+    ``round_NNN.safetensors`` (written only when some client keeps state)."""
+    return ckpt.with_name(ckpt.name.replace("round_", "clients_", 1))
+
+
+def save_client_state(trainer: Any, ckpt: Path) -> None:
+    """Save ``trainer.client_state`` (FedALA's weights and local model, FedNL's kept LoRA) beside
+    the checkpoint ``ckpt``, atomically; nothing when the trainer keeps no state."""
+    from nestfed.federation.client_state import flatten_state
+
+    state = getattr(trainer, "client_state", None)
+    if not state:
+        return
+    path = client_state_path(ckpt)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
+    os.close(fd)
+    try:
+        save_file(flatten_state(state), tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_client_state(trainer: Any, ckpt: Path) -> None:
+    """Restore ``trainer.client_state`` from beside ``ckpt`` (left empty when there is no file)."""
+    from nestfed.federation.client_state import unflatten_state
+
+    path = client_state_path(ckpt)
+    if path.is_file() and hasattr(trainer, "client_state"):
+        trainer.client_state = unflatten_state(load_file(str(path)))
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The checkpoint of the highest round in ``run_dir/checkpoints`` (None when there is none)."""
     files = sorted((run_dir / "checkpoints").glob("round_*.safetensors"))
@@ -132,6 +166,7 @@ class RoundLoop:
             if ckpt is None:
                 raise RuntimeError(f"{self.run_dir}: no checkpoint to resume from")
             done, state = load_checkpoint(ckpt)
+            load_client_state(self.trainer, ckpt)
             start = done + 1
             self._truncate_metrics(done)
         else:
@@ -187,10 +222,12 @@ class RoundLoop:
                             f"{self.min_clients}; global state kept")
         ckpt = self.run_dir / "checkpoints" / f"round_{rnd:03d}.safetensors"
         save_checkpoint(ckpt, rnd, state)
+        save_client_state(self.trainer, ckpt)
         if not self.keep_checkpoints:
             for old in (self.run_dir / "checkpoints").glob("round_*.safetensors"):
                 if old != ckpt:
                     old.unlink()
+                    client_state_path(old).unlink(missing_ok=True)
         evaluation = self._evaluate(state)
         line = {"round": rnd, "sampled": [c.cid for c in sampled], "aggregated": aggregated,
                 "clients": per_client, "rejected": rejected, "eval": evaluation,

@@ -40,8 +40,7 @@ from nestfed import config as C
 from nestfed.errors import ConfigError
 from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Instruction
-from nestfed.flower.records import (config_to_record, content_to_reply, record_to_arrays, record_to_config,
-                                    reply_to_content)
+from nestfed.flower.records import record_to_arrays, record_to_config, reply_to_content
 
 EXPERIMENT = "experiment"  # ConfigRecord with "toml" (the resolved experiment) and, for TRAIN, "cid"
 
@@ -109,10 +108,10 @@ def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
     cfg = parse_experiment(cfg_text)
     pid, rank_override, threads = node_settings(node_config, cfg)
     key = (hashlib.sha256(cfg_text.encode()).hexdigest(), pid, rank_override)
+    if cfg.train.threads or threads:  # on every message: a process may serve several
+        torch.set_num_threads(cfg.train.threads or threads)
     if key in _CACHE:
         return _CACHE[key]
-    if not cfg.train.threads and threads:
-        torch.set_num_threads(threads)
     t0 = time.perf_counter()
     prep = prepare(cfg, only_clients=[pid])  # sets train.threads itself when non-zero
     rank = rank_override if rank_override is not None else prep.clients[0].rank
@@ -182,5 +181,4 @@ app.query()(handle_query)
 app.train()(handle_train)
 app.evaluate()(handle_evaluate)
 
-__all__ = ["app", "config_to_record", "content_to_reply", "handle_evaluate", "handle_query", "handle_train",
-           "node_client", "NodeClient"]
+__all__ = ["app", "handle_evaluate", "handle_query", "handle_train", "node_client", "NodeClient"]

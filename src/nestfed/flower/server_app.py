@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flwr.app import ArrayRecord, ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.serverapp import Grid, ServerApp
 
 from nestfed import config as C
@@ -51,6 +51,9 @@ from nestfed.federation.runner import latest_checkpoint, load_checkpoint, sample
 from nestfed.flower.client_app import EXPERIMENT
 from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply
 from nestfed.strategies import make_strategy
+
+# Timings the ClientApp adds to a TRAIN reply's metrics (see client_app.handle_train).
+TRANSPORT_METRICS = ("encode_s", "decode_s", "prepare_s", "process_age_s", "handler_entered_at", "delivery_s")
 
 DEFAULTS: dict[str, Any] = {
     "experiment": "experiment.toml",
@@ -131,6 +134,7 @@ class Exchange:
     pull_s: float
     received_at: dict[int, float]
     sent_at: float
+    unsent: list[int] = field(default_factory=list)
 
 
 def exchange(grid: Grid, messages: dict[int, Message], timeout_s: float, poll_s: float) -> Exchange:
@@ -143,9 +147,10 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout_s: float, poll_s:
     t0 = time.perf_counter()
     sent_at = time.time()
     ids = list(grid.push_messages([messages[n] for n in nodes]))
+    ids += [None] * (len(nodes) - len(ids))  # flwr returns [] when the push failed (e.g. too large)
     push_s = time.perf_counter() - t0
     pending = {mid: n for mid, n in zip(ids, nodes) if mid}
-    unsent = [n for mid, n in zip(ids, nodes) if not mid]
+    unsent = [n for mid, n in zip(ids, nodes) if not mid]  # reported as missing: dropped with a reason
     replies: dict[int, Message] = {}
     received_at: dict[int, float] = {}
     pull_s = 0.0
@@ -164,7 +169,8 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout_s: float, poll_s:
             break
         time.sleep(min(poll_s, max(0.0, deadline - time.perf_counter())))
     wait_s = time.perf_counter() - t0 - push_s
-    return Exchange(replies, sorted(list(pending.values()) + unsent), push_s, wait_s, pull_s, received_at, sent_at)
+    return Exchange(replies, sorted(list(pending.values()) + unsent), push_s, wait_s, pull_s, received_at, sent_at,
+                    sorted(unsent))
 
 
 def _experiment_record(cfg_text: str, cid: int | None = None) -> ConfigRecord:
@@ -226,9 +232,13 @@ class FlowerRun:
             if msg.has_error():
                 self.say(f"query: node {n} left out: {_error_text(msg)}")
                 continue
-            rec = dict(msg.content.config_records["node"])
-            cid, rank, n_k = int(rec["partition-id"]), int(rec["rank"]), int(rec["num-examples"])
-            node_shapes = {k: (int(v[0]), int(v[1])) for k, v in json.loads(str(rec["shapes"])).items()}
+            try:
+                rec = dict(msg.content.config_records["node"])
+                cid, rank, n_k = int(rec["partition-id"]), int(rec["rank"]), int(rec["num-examples"])
+                node_shapes = {k: (int(v[0]), int(v[1])) for k, v in json.loads(str(rec["shapes"])).items()}
+            except (KeyError, TypeError, ValueError, IndexError) as exc:
+                self.say(f"query: node {n} left out: malformed reply ({exc!r})")
+                continue
             if cid in node_of:
                 self.say(f"query: node {n} left out: partition {cid} is already served by node {node_of[cid]}")
                 continue
@@ -278,7 +288,8 @@ class FlowerRun:
         dropped: dict[str, str] = {}
         for n in ex.missing:
             cid = cid_of[n]
-            dropped[str(cid)] = f"no reply within {self.settings.round_timeout_s:g} s"
+            dropped[str(cid)] = ("the SuperLink did not accept the message" if n in ex.unsent
+                                 else f"no reply within {self.settings.round_timeout_s:g} s")
         decode_s = 0.0
         for n, msg in sorted(ex.replies.items()):
             cid = cid_of[n]
@@ -302,6 +313,9 @@ class FlowerRun:
                 per_client[str(cid)] = info
                 continue
             decode_s += time.perf_counter() - t
+            for k in TRANSPORT_METRICS:  # the ClientApp's timings: logged, never shown to the strategy
+                if k in reply.metrics:
+                    info[k] = reply.metrics.pop(k)
             up = payload_stats(reply.arrays)
             info.update({"bytes_up": up["bytes"], "params_up": up["params"], "dtypes_up": up["dtypes"],
                          "num_examples": reply.num_examples,

@@ -10,10 +10,15 @@ from nestfed.strategies.flora import FLoRA
 from nestfed.strategies.hetlora import HetLoRA
 from nestfed.strategies.prelort import PreLort
 from nestfed.strategies.zeropad import ZeroPad
+from nestfed.strategies.fedala import FedALA
+from nestfed.strategies.fednl import FedNL
+from nestfed.strategies.fedprox import FedProx
+from nestfed.strategies.fedssi import FedSSI
 
 REGISTRY: dict[str, type[LoraStrategy]] = {
     cls.name: cls for cls in (FedAvg, ZeroPad, HetLoRA, FLoRA, FFALoRA, PreLort)
 }
+REGISTRY.update({cls.name: cls for cls in (FedNL, FedProx, FedALA, FedSSI)})
 
 
 def make_strategy(cfg: ExperimentConfig) -> LoraStrategy:
@@ -28,4 +33,21 @@ def make_strategy(cfg: ExperimentConfig) -> LoraStrategy:
     if st.name == "hetlora":
         options = {"reg": st.hetlora_reg, "tail": st.hetlora_tail, "prune_ratio": st.hetlora_prune_ratio,
                    "weighting": st.hetlora_weighting, "pruning": st.hetlora_pruning}
+    options.update(_fednl_and_baseline_options(cfg))
     return REGISTRY[st.name](settings, options)
+
+
+def _fednl_and_baseline_options(cfg: ExperimentConfig) -> dict:
+    """Options of FedNL (its memory-rule initial arrays are added by the experiment, which owns
+    the model: ``options["memory_init"]``), FedProx, FedALA and FedSSI from the config."""
+    st, m = cfg.strategy, cfg.memory
+    if st.name == "fednl":
+        return {"travel": st.fednl_travel, "gate": m.gate, "alpha_start": m.alpha_start, "alpha_end": m.alpha_end,
+                "alpha_warmup_steps": m.alpha_warmup_steps, "local_steps": cfg.train.local_steps}
+    if st.name == "fedprox":
+        return {"mu": st.fedprox_mu}
+    if st.name == "fedala":
+        return {"layers": st.fedala_layers, "steps": st.fedala_steps, "eta": st.fedala_eta}
+    if st.name == "fedssi":
+        return {"c": st.fedssi_c, "lambda": st.fedssi_lambda, "psm_steps": st.fedssi_psm_steps, "xi": st.fedssi_xi}
+    return {}

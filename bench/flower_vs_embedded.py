@@ -1,0 +1,207 @@
+"""Wall time per round on Flower's deployment engine against the embedded runner, same work.
+
+The work: the Flower tests' experiment (tiny random Llama, BBC News, 3 clients with ranks
+2/4/8, PreLort, 2 rounds, 1 torch thread), per round configure -> 3 local fits -> validate ->
+aggregate -> checkpoint; no per-round evaluation on either side (the embedded runner's is
+switched off for the comparison by a no-op ``evaluate``).
+
+Three runs, in one invocation:
+
+- ``embedded``: ``RoundLoop`` in this process (clients one after another on one model);
+- ``in_process_apps``: the same ServerApp and ClientApp code on ``LocalGrid`` (records,
+  handlers, validation; no SuperLink, no processes, no polling): what the apps themselves cost;
+- ``deployment``: a SuperLink and 3 SuperNodes on 127.0.0.1, ``flwr run flower_app``.
+
+Where the deployment's round time goes, from timestamps taken on both sides (one host, one clock):
+``process_start_s`` (ClientApp process start to its handler: interpreter, flwr and torch
+imports, bundle install, fetching the message), ``rebuild_s`` (the fresh process rebuilds the
+backbone and its client data), ``fit_s``, ``to_node_s`` (message created on the server to the
+ClientApp process start: SuperLink -> SuperNode transfer plus the SuperNode's 3 s idle poll and
+SuperExec's 1 s task poll), ``to_server_s`` (reply created to reply pulled: SuperNode -> SuperLink
+transfer plus the ServerApp's poll), ``push_s`` / ``pull_s`` (the ServerApp's calls to the
+SuperLink). Prints one JSON object.
+
+Usage: ``.venv/bin/python bench/flower_vs_embedded.py [--keep DIR]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny.toml"
+APP_DIR = ROOT / "flower_app"
+OVERRIDES = ["data.num_clients=3", "lora.ranks=[2,4,8]", "strategy.name=prelort", "federation.rounds=2",
+             "train.threads=1", "output.plots=false"]
+
+
+class NoEval:
+    """The client trainer without per-round evaluation (the deployment run does none either)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+
+    def fit(self, cid, instruction):
+        return self.trainer.fit(cid, instruction)
+
+    def evaluate(self, cid, arrays, scaling):
+        return {}
+
+
+def lines(run_dir: Path) -> list[dict]:
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def mean(xs):
+    xs = list(xs)
+    return round(statistics.fmean(xs), 3) if xs else None
+
+
+def embedded(out: Path) -> dict:
+    from nestfed import config as C
+    from nestfed.experiment import prepare
+    from nestfed.federation.client import ClientTrainer
+    from nestfed.federation.runner import RoundLoop
+    from nestfed.strategies import make_strategy
+
+    cfg = C.load(TINY, OVERRIDES)
+    t0 = time.perf_counter()
+    prep = prepare(cfg)
+    prep_s = time.perf_counter() - t0
+    trainer = NoEval(ClientTrainer(prep.backbone.model, prep.data, cfg.train))
+    loop = RoundLoop(make_strategy(cfg), trainer, prep.clients, cfg.federation.rounds, out, seed=cfg.federation.seed)
+    t0 = time.perf_counter()
+    loop.run(prep.shapes)
+    total = time.perf_counter() - t0
+    rounds = [ln for ln in lines(out) if ln["round"] > 0]
+    return {"prepare_s": round(prep_s, 3), "rounds_s": [round(ln["time_s"], 3) for ln in rounds],
+            "mean_round_s": mean(ln["time_s"] for ln in rounds),
+            "fit_s_per_client": mean(c["train_time_s"] for ln in rounds for c in ln["clients"].values()),
+            "run_s": round(total, 3)}
+
+
+def in_process(out: Path) -> dict:
+    from nestfed.flower import client_app
+    from nestfed.flower.local import LocalGrid
+    from nestfed.flower.server_app import run_on_grid
+
+    client_app._CACHE.clear()
+    grid = LocalGrid(client_app.app, {101 + i: {"partition-id": i} for i in range(3)})
+    t0 = time.perf_counter()
+    run_on_grid(grid, {"experiment": str(TINY), "overrides": ";".join(OVERRIDES), "run-dir": str(out),
+                       "poll-interval-s": 0.01})
+    total = time.perf_counter() - t0
+    ls = lines(out)
+    rounds = [ln for ln in ls if ln["round"] > 0]
+    return {"query_s_incl_prepare": round(ls[0]["query_s"], 3), "rounds_s": [round(ln["time_s"], 3) for ln in rounds],
+            "mean_round_s": mean(ln["time_s"] for ln in rounds), "run_s": round(total, 3)}
+
+
+def deployment(work: Path) -> tuple[dict, Path]:
+    from nestfed.flower.deploy import LocalDeployment
+
+    run_dir = work / "deployment_run"
+    d = LocalDeployment(work / "flower")
+    try:
+        t0 = time.perf_counter()
+        d.start_superlink()
+        superlink_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        for i in range(3):
+            d.start_supernode({"partition-id": i})
+        deadline = time.monotonic() + 120
+        while len([n for n in d.nodes() if n.get("status") == "online"]) < 3:
+            if time.monotonic() > deadline:
+                raise TimeoutError("SuperNodes did not come online")
+            time.sleep(0.2)
+        supernodes_s = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        run_id = d.submit(APP_DIR, {"experiment": str(TINY), "overrides": ";".join(OVERRIDES), "run-dir": str(run_dir)})
+        submit_s = time.perf_counter() - t0
+        status = d.wait_run(run_id, 900, poll_s=1.0)
+        total = time.perf_counter() - t0
+        if status["status"] != "finished:completed":
+            raise RuntimeError(f"run {status['status']}:\n{d.logs(run_id)}")
+    finally:
+        d.stop()
+    ls = lines(run_dir)
+    rounds = [ln for ln in ls if ln["round"] > 0]
+    fits = [c for ln in rounds for c in ln["clients"].values()]
+
+    def per_client(key):
+        return mean(c[key] for c in fits)
+
+    to_node = mean(c["delivery_s"] - c["process_age_s"] for c in fits)
+    server_compute = mean(sum(ln["flower"][k] for k in ("configure_s", "encode_s", "decode_s", "aggregate_s",
+                                                         "checkpoint_s")) for ln in rounds)
+    slowest = []
+    for ln in rounds:  # the critical path: the client whose reply came last
+        c = max(ln["clients"].values(), key=lambda c: c["delivery_s"] + c.get("prepare_s", 0) + c["train_time_s"]
+                + c["reply_latency_s"])
+        slowest.append({"to_node_s": c["delivery_s"] - c["process_age_s"], "process_start_s": c["process_age_s"],
+                        "rebuild_s": c["prepare_s"], "fit_s": c["train_time_s"], "to_server_s": c["reply_latency_s"]})
+    out = {
+        "startup_s": {"superlink": round(superlink_s, 3), "three_supernodes_online": round(supernodes_s, 3),
+                      "flwr_run_submit": round(submit_s, 3),
+                      "query_round_incl_node_builds": round(ls[0]["query_s"], 3),
+                      "run_total_after_submit": round(total, 3)},
+        "rounds_s": [round(ln["time_s"], 3) for ln in rounds],
+        "mean_round_s": mean(ln["time_s"] for ln in rounds),
+        "per_client_mean_s": {"to_node_s": to_node, "process_start_s": per_client("process_age_s"),
+                              "rebuild_s": per_client("prepare_s"), "fit_s": per_client("train_time_s"),
+                              "to_server_s": per_client("reply_latency_s"),
+                              "decode_encode_on_node_s": mean(c["decode_s"] + c["encode_s"] for c in fits)},
+        "critical_path_mean_s": {k: mean(s[k] for s in slowest) for k in slowest[0]},
+        "server_per_round_s": {"push_s": mean(ln["flower"]["push_s"] for ln in rounds),
+                               "pull_s_total_over_polls": mean(ln["flower"]["pull_s"] for ln in rounds),
+                               "compute_s": server_compute},
+        "wire_bytes_per_round": {"down": mean(sum(c["wire_bytes_down"] for c in ln["clients"].values()) for ln in rounds),
+                                 "up": mean(sum(c["wire_bytes_up"] for c in ln["clients"].values()) for ln in rounds)},
+        "flwr_ls": {k: status.get(k) for k in ("elapsed", "network-traffic", "compute-time")},
+    }
+    return out, run_dir
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    args = ap.parse_args()
+    work = Path(tempfile.mkdtemp(prefix="nestfed-flower-bench-")) if args.keep is None else args.keep
+    work.mkdir(parents=True, exist_ok=True)
+    threads = torch.get_num_threads()
+    try:
+        import os
+
+        result = {"experiment": {"config": "configs/tiny.toml", "overrides": OVERRIDES,
+                                 "per_round_work": "configure, 3 fits (2 local steps each), validate, aggregate, checkpoint"},
+                  "machine": {"cpus": os.cpu_count(), "loadavg_at_start": list(os.getloadavg())}}
+        result["embedded"] = embedded(work / "embedded_run")
+        torch.set_num_threads(threads)
+        result["in_process_apps"] = in_process(work / "in_process_run")
+        torch.set_num_threads(threads)
+        result["deployment"], dep_dir = deployment(work)
+        from safetensors.torch import load_file
+
+        a = load_file(str(work / "in_process_run" / "adapter" / "adapter_model.safetensors"))
+        b = load_file(str(dep_dir / "adapter" / "adapter_model.safetensors"))
+        result["deployment_adapter_equals_in_process"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+        e, dep = result["embedded"]["mean_round_s"], result["deployment"]["mean_round_s"]
+        result["deployment_over_embedded_round_time"] = round(dep / e, 1) if e else None
+        result["machine"]["loadavg_at_end"] = list(os.getloadavg())
+        print(json.dumps(result, indent=2))
+    finally:
+        if args.keep is None:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

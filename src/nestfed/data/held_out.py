@@ -1,0 +1,84 @@
+"""Unlabeled server text held out from every client (FedSLM's D_server, FedMKT's public set).
+
+The clients' data come from :func:`nestfed.experiment.build_client_data`: each client's records
+are split into train and test; the test records are all used, and packing for language
+modelling consumes only the leading train records until ``max_train`` blocks are filled. The
+remaining train records of every client were never seen by anyone: they are the server's pool.
+Drawing it from each client's own partition keeps D_server in the clients' domains (the paper's
+setting, arXiv 2607.29071 step 4) while no record is shared with any client's train or test set.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+from nestfed.data import partition, tasks
+from nestfed.errors import ConfigError, DataError
+
+
+def consumed_texts(texts: Sequence[str], tokenizer, block_size: int, max_blocks: int) -> int:
+    """How many leading texts :func:`~nestfed.data.tasks.pack_causal_lm` uses for ``max_blocks``
+    blocks of ``block_size`` tokens: the smallest n with sum_{i<n} (tokens_i + 1 eos) >= the
+    tokens it keeps (all texts when they do not fill the blocks)."""
+    limit = max_blocks * block_size
+    total = 0
+    for n, text in enumerate(texts, 1):
+        total += len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1
+        if total >= limit:
+            return n
+    return len(texts)
+
+
+def server_pools(records: Sequence, parts: Sequence[Sequence[int]], test_fraction: float, seed: int,
+                 tokenizer, block_size: int, max_train: int) -> list[list[int]]:
+    """Per client, the indices of its records used by no client (neither train blocks nor test).
+
+    Mirrors build_client_data's split (seed + cid) and packing (causal_lm). Returns one index list
+    per client, in the split's order.
+    """
+    pools = []
+    for cid, idx in enumerate(parts):
+        train_idx, _ = partition.train_test_split(idx, test_fraction, seed + cid)
+        texts = [records[i].text for i in train_idx]
+        n = consumed_texts(texts, tokenizer, block_size, max_train)
+        pools.append(list(train_idx[n:]))
+    return pools
+
+
+def server_text(records: Sequence, pools: Sequence[Sequence[int]], tokenizer, block_size: int,
+                blocks: int) -> tasks.TokenDataset:
+    """``blocks`` blocks of ``block_size`` tokens drawn evenly from the clients' pools (ceil(blocks/K)
+    per client, packed per client, then cut to ``blocks``). input_ids/labels [blocks, block_size];
+    the labels are only for evaluation: elicitation never reads them.
+
+    Raises DataError when the pools cannot fill the blocks.
+    """
+    import torch
+
+    per = math.ceil(blocks / max(len(pools), 1))
+    parts = []
+    for cid, pool in enumerate(pools):
+        ds = tasks.pack_causal_lm([records[i].text for i in pool], tokenizer, block_size, max_blocks=per)
+        if len(ds) < per:
+            raise DataError(f"client {cid}: only {len(ds)} held-out blocks for the server text "
+                            f"({per} needed); lower fedslm server_blocks or data.max_train")
+        parts.append(ds.input_ids)
+    ids = torch.cat(parts)[:blocks]
+    return tasks.TokenDataset(ids, ids.clone())
+
+
+def load_server_text(cfg, tokenizer, blocks: int, loaded=None) -> tasks.TokenDataset:
+    """The server text of an experiment config (needs ``data.task = "causal_lm"``).
+
+    loaded: the result of :func:`nestfed.experiment.load_partitions` (read here when None).
+    Raises ConfigError (another task) or DataError (too little held-out text).
+    """
+    from nestfed.experiment import load_partitions
+
+    d = cfg.data
+    if d.task != "causal_lm":
+        raise ConfigError(f"data.task: FedSLM's server text needs 'causal_lm', got '{d.task}'")
+    records, _, parts = loaded or load_partitions(d)
+    pools = server_pools(records, parts, d.test_fraction, d.seed, tokenizer, d.block_size, d.max_train)
+    return server_text(records, pools, tokenizer, d.block_size, blocks)

@@ -1,0 +1,49 @@
+"""The server text: held out from every client's train blocks and test records."""
+
+import pytest
+import torch
+
+from nestfed import config as C
+from nestfed.backbone import byte_tokenizer
+from nestfed.data import partition
+from nestfed.data.held_out import consumed_texts, load_server_text, server_pools, server_text
+from nestfed.data.sources import Document
+from nestfed.errors import ConfigError, DataError
+from nestfed.experiment import build_client_data, load_partitions
+
+
+def test_consumed_texts_hand_computed():
+    tok = byte_tokenizer()  # one token per byte, plus one eos per text
+    texts = ["abcd", "efghij", "k", "lmnop"]  # 5, 7, 2, 6 tokens with eos: cumulative 5, 12, 14, 20
+    assert consumed_texts(texts, tok, block_size=4, max_blocks=1) == 1  # 4 tokens: the first text
+    assert consumed_texts(texts, tok, block_size=4, max_blocks=3) == 2  # 12 tokens exactly
+    assert consumed_texts(texts, tok, block_size=13, max_blocks=1) == 3
+    assert consumed_texts(texts, tok, block_size=100, max_blocks=1) == 4  # never filled: all used
+
+
+def test_pools_exclude_every_used_record_and_fill_blocks():
+    tok = byte_tokenizer()
+    records = [Document("x" * 30 + str(i), "a") for i in range(10)] + [Document("y" * 30 + str(i), "b") for i in range(10)]
+    parts = [list(range(10)), list(range(10, 20))]
+    pools = server_pools(records, parts, 0.2, 0, tok, block_size=16, max_train=4)  # 64 tokens: 2 texts of 31 + eos
+    for cid, (idx, pool) in enumerate(zip(parts, pools)):
+        train, test = partition.train_test_split(idx, 0.2, 0 + cid)
+        assert pool == train[2:]
+        assert not set(pool) & set(test)
+    ds = server_text(records, pools, tok, block_size=16, blocks=3)
+    assert tuple(ds.input_ids.shape) == (3, 16)
+    with pytest.raises(DataError, match="held-out blocks"):
+        server_text(records, pools, tok, block_size=16, blocks=40)
+
+
+def test_bbc_server_text_shares_no_block_with_any_client():
+    cfg = C.load(None, ["model.name='tiny-llama'", "data.block_size=32", "data.max_train=4", "data.max_test=2"])
+    tok = byte_tokenizer()
+    loaded = load_partitions(cfg.data)
+    data, _ = build_client_data(cfg, tok, loaded)
+    server = load_server_text(cfg, tok, blocks=10, loaded=loaded)
+    assert tuple(server.input_ids.shape) == (10, 32)
+    client_rows = {tuple(r.tolist()) for d in data.values() for t in (d.train_ids, d.test_ids) for r in t}
+    assert not any(tuple(r.tolist()) in client_rows for r in server.input_ids)
+    with pytest.raises(ConfigError, match="causal_lm"):
+        load_server_text(C.replace(cfg, data={"task": "instruction"}), tok, 4, loaded)

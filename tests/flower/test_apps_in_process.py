@@ -1,0 +1,166 @@
+"""The ServerApp and ClientApp objects in one process (LocalGrid: no SuperLink, no polling).
+
+Fast checks of the apps' logic: the same final adapter and evaluation as the embedded runner,
+dropped and rejected updates, the minimum of clients, the QUERY round's checks.
+"""
+
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flwr.app import Message  # noqa: E402
+from flwr.clientapp import ClientApp  # noqa: E402
+
+from nestfed import config as C  # noqa: E402
+from nestfed.errors import ConfigError  # noqa: E402
+from nestfed.federation.messages import ClientInfo  # noqa: E402
+from nestfed.federation.runner import load_checkpoint  # noqa: E402
+from nestfed.flower import client_app as CA  # noqa: E402
+from nestfed.flower.local import LocalGrid  # noqa: E402
+from nestfed.flower.records import content_to_reply, reply_to_content  # noqa: E402
+from nestfed.flower.server_app import RunSettings, resolve_experiment, run_on_grid  # noqa: E402
+from nestfed.strategies import make_strategy  # noqa: E402
+
+from flower_helpers import OVERRIDES, TINY, assert_same_adapter, embedded_run, expected_round_without  # noqa: E402
+
+NODES = {101: {"partition-id": 0, "num-partitions": 3}, 102: {"partition-id": 1}, 103: {"partition-id": 2}}
+
+
+def run_config(run_dir, **kw):
+    rc = {"experiment": str(TINY), "overrides": ";".join(OVERRIDES), "run-dir": str(run_dir), "round-timeout-s": 5.0,
+          "poll-interval-s": 0.01}
+    rc.update(kw)
+    return rc
+
+
+def lines(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_same_final_adapter_and_evaluation_as_the_embedded_runner(tmp_path, keep_threads):
+    emb = embedded_run(tmp_path / "embedded")
+    grid = LocalGrid(CA.app, NODES)
+    summary = run_on_grid(grid, run_config(tmp_path / "flower", evaluate=True))
+    assert_same_adapter(emb, tmp_path / "flower")
+    fl, em = lines(tmp_path / "flower"), lines(emb)
+    assert [ln["round"] for ln in fl] == [0, 1, 2]
+    for a, b in zip(fl, em):
+        assert a["eval"] == b["eval"]  # the same held-out metrics, bit for bit
+        if a["round"]:
+            assert a["bytes_down"] == b["bytes_down"] and a["bytes_up"] == b["bytes_up"]
+            assert {c: v["rank_sent"] for c, v in a["clients"].items()} == {"0": 2, "1": 4, "2": 8}
+    assert fl[0]["nodes"]["2"]["rank"] == 8 and fl[0]["nodes"]["0"]["node_id"] == 101
+    assert summary["engine"] == "flower" and summary["mean_ppl"] == json.loads(
+        (emb / "summary.json").read_text())["mean_ppl"]
+    # one QUERY per node, then one TRAIN per node per round, plus EVALUATE at rounds 0, 1, 2
+    kinds = [m.metadata.message_type for m in grid.pushed]
+    assert kinds.count("query") == 3 and kinds.count("train") == 6 and kinds.count("evaluate") == 9
+
+
+def test_silent_and_failing_nodes_are_dropped_and_rounds_aggregate_the_others(tmp_path, keep_threads):
+    def fail(node, msg):  # node 102 never answers in round 1; node 103 answers round 2 with an error
+        return {(102, "1"): "silent", (103, "2"): "error"}.get((node, msg.metadata.group_id))
+
+    run_on_grid(LocalGrid(CA.app, NODES, fail), run_config(tmp_path, **{"min-clients": 2, "round-timeout-s": 0.3}))
+    r1, r2 = lines(tmp_path)[1:]
+    assert r1["aggregated"] and list(r1["dropped"]) == ["1"] and "no reply within 0.3 s" in r1["dropped"]["1"]
+    assert r2["aggregated"] and list(r2["dropped"]) == ["2"] and "simulated failure" in r2["dropped"]["2"]
+    assert r2["clients"]["2"]["status"] == "dropped" and r2["clients"]["1"]["status"] == "accepted"
+    expected = expected_round_without(tmp_path, 2, {2})
+    _, got = load_checkpoint(tmp_path / "checkpoints" / "round_002.safetensors")
+    assert all(torch.equal(got.arrays[k], expected.arrays[k]) for k in expected.arrays)
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["dropped_updates"] == 2 and any("client 1 (node 102) dropped" in m for m in summary["rejections"])
+
+
+def test_below_min_clients_the_round_keeps_the_global_state(tmp_path, keep_threads):
+    def fail(node, msg):
+        return "error" if node == 103 and msg.metadata.message_type == "train" else None
+
+    run_on_grid(LocalGrid(CA.app, NODES, fail), run_config(tmp_path, **{"min-clients": 3}))
+    ln = lines(tmp_path)
+    assert not ln[1]["aggregated"] and not ln[2]["aggregated"]
+    _, s2 = load_checkpoint(tmp_path / "checkpoints" / "round_002.safetensors")
+    node = next(nc for nc in CA._CACHE.values() if nc.cid == 0)
+    clients = [ClientInfo(int(c), v["rank"], v["num_examples"]) for c, v in ln[0]["nodes"].items()]
+    init = make_strategy(C.load(TINY, list(OVERRIDES))).initialize(node.shapes, clients)
+    assert all(torch.equal(s2.arrays[k], init.arrays[k]) for k in init.arrays)
+
+
+def test_a_bad_update_is_rejected_with_its_reason(tmp_path, keep_threads):
+    bad = ClientApp()
+    bad.query()(CA.handle_query)
+
+    @bad.train()
+    def train(msg, context):
+        reply = CA.handle_train(msg, context)
+        if context.node_config["partition-id"] == 2:
+            r = content_to_reply(reply.content)
+            r.arrays = {k: v * float("nan") for k, v in r.arrays.items()}
+            return Message(reply_to_content(r), reply_to=msg)
+        return reply
+
+    run_on_grid(LocalGrid(bad, NODES), run_config(tmp_path, **{"min-clients": 2}))
+    ln = lines(tmp_path)[1]
+    assert list(ln["rejected"]) == ["2"] and "NaN" in ln["rejected"]["2"] and ln["aggregated"]
+    _, s = load_checkpoint(tmp_path / "checkpoints" / "round_002.safetensors")
+    assert all(torch.isfinite(v).all() for v in s.arrays.values())
+
+
+def test_query_leaves_out_duplicate_partitions_and_broken_nodes(tmp_path, keep_threads):
+    nodes = {**NODES, 104: {"partition-id": 1}, 105: {}}  # a second node for partition 1; one without id
+    grid = LocalGrid(CA.app, nodes)
+    summary = run_on_grid(grid, run_config(tmp_path, overrides=";".join(OVERRIDES + ("federation.rounds=1",))))
+    events = "\n".join(summary["events"])
+    assert "node 104 left out: partition 1 is already served by node 102" in events
+    assert "node 105 left out" in events and "partition-id" in events
+    assert summary["clients"] == [0, 1, 2]
+
+
+def test_node_config_and_run_config_are_checked():
+    cfg = C.load(TINY, list(OVERRIDES))
+    assert CA.node_settings({"partition-id": 2, "rank": 4, "threads": 2}, cfg) == (2, 4, 2)
+    for bad in ({}, {"partition-id": 3}, {"partition-id": "0"}, {"partition-id": 0, "num-partitions": 5},
+                {"partition-id": 0, "rank": 9}):
+        with pytest.raises(ConfigError):
+            CA.node_settings(bad, cfg)
+    s = RunSettings.from_run_config({"overrides": "a.b=1; c.d=[1,2] ;", "evaluate": True, "unknown": 1})
+    assert s.overrides == ("a.b=1", "c.d=[1,2]") and s.evaluate
+    with pytest.raises(ConfigError):
+        RunSettings.from_run_config({"poll-interval-s": 0})
+    assert resolve_experiment(str(TINY), None) == TINY
+    with pytest.raises(ConfigError):
+        resolve_experiment("no/such.toml", TINY.parent)
+
+
+def test_a_rank_from_the_node_config_reaches_the_strategy(tmp_path, keep_threads):
+    nodes = {101: {"partition-id": 0, "rank": 1}, 102: {"partition-id": 1}, 103: {"partition-id": 2}}
+    run_on_grid(LocalGrid(CA.app, nodes), run_config(tmp_path))
+    ln = lines(tmp_path)
+    assert ln[0]["nodes"]["0"]["rank"] == 1 and ln[1]["clients"]["0"]["rank_sent"] == 1
+    sd = json.loads((tmp_path / "summary.json").read_text())
+    assert sd["ranks"] == [1, 4, 8]
+
+
+@pytest.mark.parametrize("name,ranks", [("zeropad", "[2,4,8]"), ("hetlora", "[2,4,8]"), ("flora", "[2,4,8]"),
+                                        ("ffa_lora", "[2,4,8]"), ("fedavg", "[4]")])
+def test_every_strategy_runs_unchanged_and_matches_the_embedded_runner(tmp_path, keep_threads, name, ranks):
+    over = OVERRIDES + (f"strategy.name={name}", f"lora.ranks={ranks}")
+    emb = embedded_run(tmp_path / "embedded", over)
+    run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "flower", overrides=";".join(over)))
+    assert_same_adapter(emb, tmp_path / "flower")
+
+
+def test_resume_continues_from_the_latest_checkpoint_to_the_same_adapter(tmp_path, keep_threads):
+    full = tmp_path / "full"
+    run_on_grid(LocalGrid(CA.app, NODES), run_config(full))
+    part = tmp_path / "part"
+    run_on_grid(LocalGrid(CA.app, NODES), run_config(part, overrides=";".join(OVERRIDES + ("federation.rounds=1",))))
+    assert [ln["round"] for ln in lines(part)] == [0, 1]
+    summary = run_on_grid(LocalGrid(CA.app, NODES), run_config(part, resume=True))
+    assert [ln["round"] for ln in lines(part)] == [0, 1, 2]
+    assert any("resuming" in m for m in summary["events"])
+    assert_same_adapter(full, part)

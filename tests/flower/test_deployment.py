@@ -1,0 +1,150 @@
+"""nestfed on Flower's deployment engine for real: a SuperLink and SuperNodes on 127.0.0.1.
+
+Each test starts its own SuperLink (free port, private FLWR_HOME, telemetry and update checks
+off, runtime dependency installation disabled) and SuperNodes, submits the ``flower_app``
+bundle with ``flwr run``, and reads the outcome with ``flwr ls --format json`` (``flwr run``
+exits 0 even when the run fails). Every process is stopped by its PID in the fixture's
+teardown, on failure too. Flower starts a fresh ClientApp process per message (torch and the
+model built each time), so one exchange costs seconds to tens of seconds here.
+"""
+
+import json
+import time
+
+import pytest
+import torch
+
+pytest.importorskip("flwr")
+
+from flower_helpers import APP_DIR, OVERRIDES, TINY, assert_same_adapter, expected_round_without  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from nestfed.federation.runner import load_checkpoint  # noqa: E402
+from nestfed.flower.deploy import LocalDeployment, make_node_key, make_tls  # noqa: E402
+
+pytestmark = pytest.mark.flower
+
+RUN_TIMEOUT_S = 420
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    d = LocalDeployment(tmp_path / "flower")
+    try:
+        yield d
+    finally:
+        d.stop()
+
+
+def run_config(run_dir, **kw):
+    rc = {"experiment": str(TINY), "overrides": ";".join(OVERRIDES), "run-dir": str(run_dir),
+          "connect-timeout-s": 240.0, "round-timeout-s": 300.0}
+    rc.update(kw)
+    return rc
+
+
+def finish(d: LocalDeployment, run_id: int) -> dict:
+    """Wait for the run; fail with the run's and the processes' logs unless it completed."""
+    status = d.wait_run(run_id, RUN_TIMEOUT_S)
+    if status["status"] != "finished:completed":
+        tails = "\n".join(f"--- {p.name} (pid {p.pid})\n{p.tail(15)}" for p in d.procs)
+        pytest.fail(f"run {run_id}: {status['status']} ({status.get('status-details')})\n{d.logs(run_id)}\n{tails}")
+    return status
+
+
+def metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_two_rounds_of_prelort_on_three_supernodes_match_the_embedded_runner(deployment, tmp_path,
+                                                                              embedded_reference):
+    d = deployment
+    d.start_superlink()
+    nodes = [d.start_supernode({"partition-id": i, "num-partitions": 3}) for i in range(3)]
+    run_dir = tmp_path / "run"
+    status = finish(d, d.submit(APP_DIR, run_config(run_dir)))
+    assert status["status"] == "finished:completed"
+    # the final PEFT adapter is bit-identical to the embedded runner's (same seed, config, 1 thread)
+    assert_same_adapter(embedded_reference, run_dir)
+    lines = metrics(run_dir)
+    assert [ln["round"] for ln in lines] == [0, 1, 2]
+    assert {c: v["rank"] for c, v in lines[0]["nodes"].items()} == {"0": 2, "1": 4, "2": 8}
+    for ln in lines[1:]:
+        assert ln["aggregated"] and not ln["rejected"] and not ln["dropped"]
+        assert {c: v["status"] for c, v in ln["clients"].items()} == {"0": "accepted", "1": "accepted", "2": "accepted"}
+        assert {c: v["rank_sent"] for c, v in ln["clients"].items()} == {"0": 2, "1": 4, "2": 8}
+        assert all(v["torch_threads"] == 1 for v in lines[0]["nodes"].values())
+    emb = metrics(embedded_reference)
+    assert [ln["bytes_up"] for ln in lines[1:]] == [ln["bytes_up"] for ln in emb[1:]]
+    assert all(p.popen.poll() is None for p in nodes)  # every SuperNode still up
+    assert json.loads((run_dir / "summary.json").read_text())["engine"] == "flower"
+
+
+def test_a_supernode_killed_mid_run_is_dropped_and_nothing_is_corrupted(deployment, tmp_path):
+    d = deployment
+    d.start_superlink()
+    nodes = [d.start_supernode({"partition-id": i}) for i in range(3)]
+    run_dir = tmp_path / "run"
+    run_id = d.submit(APP_DIR, run_config(run_dir, **{"min-clients": 2}))
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (run_dir / "metrics.jsonl").exists():  # the QUERY round is over: round 1 starts now
+        assert time.monotonic() < deadline, "the QUERY round never finished"
+        assert not d.run_status(run_id)["status"].startswith("finished"), d.logs(run_id)
+        time.sleep(0.2)
+    d.kill(nodes[2])  # SIGKILL, no goodbye: the SuperLink notices by the missing heartbeats (<= 60 s)
+    finish(d, run_id)
+    lines = metrics(run_dir)
+    assert lines[0]["nodes"]["2"]["rank"] == 8  # node 2 answered the QUERY before it died
+    for ln in lines[1:]:  # round 1: killed while its message was in flight; round 2: known offline
+        assert ln["aggregated"] and list(ln["dropped"]) == ["2"], ln["dropped"]
+        assert "Node Unavailable" in ln["dropped"]["2"]
+        assert {c: v["status"] for c, v in ln["clients"].items()} == {"0": "accepted", "1": "accepted",
+                                                                       "2": "dropped"}
+    # nothing corrupted: checkpoints and the adapter load and are finite, no temporary files are
+    # left, and each round is exactly the aggregation of the two surviving clients' updates
+    for rnd in (1, 2):
+        done, state = load_checkpoint(run_dir / "checkpoints" / f"round_{rnd:03d}.safetensors")
+        assert done == rnd and all(torch.isfinite(v).all() for v in state.arrays.values())
+        expected = expected_round_without(run_dir, rnd, {2})
+        assert all(torch.equal(state.arrays[k], expected.arrays[k]) for k in expected.arrays), rnd
+    adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
+    assert adapter and all(torch.isfinite(v).all() for v in adapter.values())
+    assert not list((run_dir / "checkpoints").glob(".*"))
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["dropped_updates"] == 2 and nodes[0].popen.poll() is None
+
+
+def test_tls_and_supernode_authentication_admit_registered_nodes_only(tmp_path):
+    tls = make_tls(tmp_path / "certs")
+    good, good_pub = make_node_key(tmp_path / "keys", "registered")
+    bad, _ = make_node_key(tmp_path / "keys", "unregistered")
+    d = LocalDeployment(tmp_path / "flower", tls=tls, supernode_auth=True)
+    try:
+        d.start_superlink()  # HTTPS only: /health answered over TLS with our CA
+        node_id = int(d.register(good_pub)["node-id"])
+        joined = d.start_supernode({"partition-id": 0}, key=good, name="registered")
+        refused = d.start_supernode({"partition-id": 1}, key=bad, name="unregistered")
+        keyless = d.start_supernode({"partition-id": 2}, name="keyless")
+        deadline = time.monotonic() + 120
+        online = []
+        while time.monotonic() < deadline:
+            online = [int(n["node-id"]) for n in d.nodes() if n.get("status") == "online"]
+            if online and refused.popen.poll() is not None and keyless.popen.poll() is not None:
+                break
+            time.sleep(1)
+        assert online == [node_id], d.nodes()
+        assert joined.popen.poll() is None
+        for p in (refused, keyless):
+            assert p.popen.poll() not in (None, 0), p.tail()
+            assert "Failed to activate SuperNode" in p.log.read_text() or "305" in p.log.read_text(), p.tail()
+        assert "No SuperNode found with the given public key" in (d.root / "superlink.log").read_text()
+        # the registered node serves a nestfed run over TLS (one round, the other partitions absent)
+        run_dir = tmp_path / "run"
+        over = ";".join(OVERRIDES + ("federation.rounds=1", "federation.min_clients=1"))
+        finish(d, d.submit(APP_DIR, run_config(run_dir, overrides=over, **{"num-supernodes": 1,
+                                                                            "connect-timeout-s": 30.0})))
+        line = metrics(run_dir)[1]
+        assert line["aggregated"] and line["clients"]["0"]["status"] == "accepted" and line["sampled"] == [0]
+        assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
+    finally:
+        d.stop()

@@ -1,0 +1,121 @@
+"""Streaming: chunked equals one pass, the carried state is bounded by the window, the plain
+baseline's cache grows, and the binned-CE probe arithmetic."""
+
+import pytest
+import torch
+
+from nestfed.adapters.memory import MemorySettings, install_memory, memory_rules, set_memory_enabled
+from nestfed.frozen_prefix import lm_logits
+from nestfed.streaming import StreamStats, binned_ce, stream_nll, stream_nll_hf
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def one_pass_nll(model, ids):
+    logits = lm_logits(model, ids)
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                             ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
+
+
+def memory_model(tiny, gate="dynamic", window=0):
+    model = tiny.model.double()
+    install_memory(model, MemorySettings(gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3,
+                                         dynamic_kernel=5))
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for r in memory_rules(model).values():
+            r.beta_weight.copy_(0.3 * torch.randn(r.beta_weight.shape, generator=g, dtype=torch.float64))
+            if gate == "dynamic":
+                r.gate_conv.weight.copy_(0.05 * torch.randn(r.gate_conv.weight.shape, generator=g,
+                                                            dtype=torch.float64))
+    set_memory_enabled(model, True)
+    return model
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_chunked_stream_equals_one_pass(tiny, window):
+    """S, the KV cache, beta's key tail and the dynamic gate's input tail carried across chunks
+    give exactly the one-pass forward (same window, memory on)."""
+    model = memory_model(tiny, window=window)
+    ids = torch.randint(0, 250, (2, 29), generator=torch.Generator().manual_seed(2))
+    ref = one_pass_nll(model, ids)
+    for chunk in (1, 5, 29):
+        got = stream_nll(model, ids, chunk=chunk, mode="memory", window=window or 10_000)
+        assert got.shape == ref.shape
+        assert torch.allclose(got, ref, atol=1e-9, rtol=0), chunk
+
+
+def test_full_mode_equals_the_backbone_and_hf_cache(tiny_llama):
+    ids = torch.randint(0, 250, (1, 23), generator=torch.Generator().manual_seed(4))
+    model = tiny_llama.model
+    hf = stream_nll_hf(model, ids, chunk=7)
+    ref = one_pass_nll(model, ids)
+    assert torch.allclose(hf, ref, atol=1e-5)
+    install_memory(model, MemorySettings())  # disabled memory: the backbone
+    full = stream_nll(model, ids, chunk=7, mode="full")
+    assert torch.allclose(full, ref, atol=1e-5)
+
+
+def test_state_is_bounded_by_the_window_and_full_cache_grows(tiny_llama):
+    model = tiny_llama.model
+    install_memory(model, MemorySettings(gate="learned", alpha_init=0.2))
+    set_memory_enabled(model, True)
+    ids = torch.randint(0, 250, (1, 96), generator=torch.Generator().manual_seed(0))
+    st = StreamStats()
+    stream_nll(model, ids, chunk=8, mode="memory", window=16, stats=st)
+    cfg = model.config
+    D = cfg.hidden_size // cfg.num_attention_heads
+    kv = 2 * cfg.num_key_value_heads * 15 * D * 4  # window - 1 keys and values, fp32
+    S = cfg.num_attention_heads * D * D * 4
+    tail = 3 * cfg.num_key_value_heads * D * 4  # beta_window - 1 raw keys
+    per_layer = kv + S + tail
+    assert st.state_bytes[2:] == [per_layer * cfg.num_hidden_layers] * (len(st.state_bytes) - 2)
+    full = StreamStats()
+    set_memory_enabled(model, False)
+    stream_nll(model, ids, chunk=8, mode="full", stats=full)
+    grow = [b - a for a, b in zip(full.state_bytes, full.state_bytes[1:])]
+    assert grow == [8 * 2 * cfg.num_key_value_heads * D * 4 * cfg.num_hidden_layers] * len(grow)
+
+
+def test_streaming_refuses_layers_without_memory(tiny_llama):
+    install_memory(tiny_llama.model, MemorySettings(), layers=(1,))
+    with pytest.raises(ValueError, match="layer 0 has none"):
+        stream_nll(tiny_llama.model, torch.zeros(1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="stream mode"):
+        stream_nll(tiny_llama.model, torch.zeros(1, 4, dtype=torch.long), mode="sliding")
+
+
+def test_binned_ce():
+    nll = torch.tensor([2.0, 2.0, 1.0, 3.0, 1.0])
+    out = binned_ce(nll, 2)
+    assert out == {"ce": [2.0, 2.0, 1.0], "relative": [1.0, 1.0, 0.5], "tokens": [2, 2, 1]}
+    with pytest.raises(ValueError):
+        binned_ce(torch.tensor([]), 2)
+
+
+def test_stream_evaluate_equals_the_one_pass_evaluation(tiny_llama):
+    from nestfed.evaluate import evaluate_lm
+
+    model = memory_model(tiny_llama, gate="learned", window=6)
+    g = torch.Generator().manual_seed(8)
+    ids = torch.randint(0, 250, (3, 21), generator=g)
+    labels = torch.full_like(ids, -100)
+    ends = [21, 15, 9]  # right-padded rows of different lengths, one labelled letter each
+    letters = [65, 66, 67, 68]
+    for r, e in enumerate(ends):
+        ids[r, e - 1] = letters[r]
+        labels[r, e - 1] = letters[r]
+        ids[r, e:] = 0
+    ref = evaluate_lm(model, labels, ids, letter_ids=letters)
+    from nestfed.streaming import stream_evaluate
+
+    got = stream_evaluate(model, ids, labels, chunk=4, window=6, letter_ids=letters)
+    assert got["tokens"] == ref["tokens"] == 3
+    assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)  # evaluate_lm takes the CE in fp32
+    assert got["accuracy"] == ref["accuracy"]
