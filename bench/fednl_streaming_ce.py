@@ -58,6 +58,7 @@ def main() -> None:
     ap.add_argument("--bin", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--sink", type=int, default=None, help="attention-sink tokens (default: the FedNL run's memory.sink_tokens)")
     ap.add_argument("--streams", nargs="+", default=["fednl", "fedavg_window", "fedavg_full", "backbone_full"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fednl_streaming_ce.json")
     a = ap.parse_args()
@@ -80,18 +81,19 @@ def main() -> None:
     m = cfg_nl.memory
     install_memory(model, MemorySettings(gate=m.gate, alpha_init=m.alpha_init, window=m.window,
                                          beta_window=m.beta_window, dynamic_kernel=m.dynamic_kernel,
-                                         chunk_size=m.chunk_size))
+                                         chunk_size=m.chunk_size, sink=m.sink_tokens))
     ids, source = probe_text(bb.tokenizer, a.tokens + 1)
     window = m.window or 1024
+    sink = m.sink_tokens if a.sink is None else a.sink
     plans = {"fednl": (arrays_nl, cfg_nl, "memory"), "fedavg_window": (arrays_avg, cfg_avg, "window"),
              "fedavg_full": (arrays_avg, cfg_avg, "full"), "backbone_full": ({}, cfg_nl, "full")}
     res = {"bench": "fednl_streaming_ce", "text": source, "tokens": a.tokens, "bin": a.bin, "chunk": a.chunk,
-           "window": window, "fednl_run": str(a.fednl), "fedavg_run": str(a.fedavg), "streams": {}}
+           "window": window, "sink": sink, "fednl_run": str(a.fednl), "fedavg_run": str(a.fedavg), "streams": {}}
     for name in a.streams:
         arrays, cfg, mode = plans[name]
         apply_arrays(model, arrays, cfg.lora.lora_alpha / r_max(cfg))  # enables the memory where FedNL trained it
         t0 = time.perf_counter()
-        nll = stream_nll(model, ids, chunk=a.chunk, mode=mode, window=window)
+        nll = stream_nll(model, ids, chunk=a.chunk, mode=mode, window=window, sink=sink)
         curve = binned_ce(nll, a.bin)
         curve.update({"mode": mode, "time_s": round(time.perf_counter() - t0, 1),
                       "change_last_over_first_pct": round(100 * (curve["relative"][-1] - 1), 2),

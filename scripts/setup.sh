@@ -6,6 +6,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
+# Jane Austen's novels (FedNL's haystacks and streaming text) come from Debian's r-cran-janeaustenr;
+# installed when we are root and it is missing (tests that need it skip otherwise).
+if [ ! -f /usr/lib/R/site-library/janeaustenr/data/Rdata.rdb ] && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends r-cran-janeaustenr) >/dev/null 2>&1 \
+    || echo "note: could not install r-cran-janeaustenr (Austen haystacks unavailable)"
+fi
 if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi

@@ -14,7 +14,7 @@ from nestfed.data.mmlu_domains import DOMAINS, TEST_FRACTION, domain_items
 from nestfed.data.partition import train_test_split
 from nestfed.experiment import prepare, run_experiment
 
-from conftest import SHARED
+SHARED = Path(__file__).resolve().parents[2] / "shared"
 
 MMLU = SHARED / "data" / "mmlu"
 pytestmark = pytest.mark.skipif(not (MMLU / "test").is_dir(), reason="../shared/data/mmlu missing")

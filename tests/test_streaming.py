@@ -23,10 +23,13 @@ def one_pass_nll(model, ids):
                                              ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
 
 
-def memory_model(tiny, gate="dynamic", window=0):
+def memory_model(tiny, gate="dynamic", window=0, sink=0):
     model = tiny.model.double()
+    for r in memory_rules(model).values():  # rebuild: a second call on one model replaces the settings
+        r.settings = MemorySettings(gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3,
+                                    dynamic_kernel=5, sink=sink)
     install_memory(model, MemorySettings(gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3,
-                                         dynamic_kernel=5))
+                                         dynamic_kernel=5, sink=sink))
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for r in memory_rules(model).values():
@@ -38,15 +41,17 @@ def memory_model(tiny, gate="dynamic", window=0):
     return model
 
 
-@pytest.mark.parametrize("window", [0, 6])
-def test_chunked_stream_equals_one_pass(tiny, window):
-    """S, the KV cache, beta's key tail and the dynamic gate's input tail carried across chunks
-    give exactly the one-pass forward (same window, memory on)."""
-    model = memory_model(tiny, window=window)
+@pytest.mark.parametrize("window,sink", [(0, 0), (6, 0), (6, 2)])
+def test_chunked_stream_equals_one_pass(tiny, window, sink):
+    """S, the KV cache (with its attention sinks), beta's key tail and the dynamic gate's input
+    tail carried across chunks give exactly the one-pass forward (same window, memory on)."""
+    model = memory_model(tiny, window=window, sink=sink)
     ids = torch.randint(0, 250, (2, 29), generator=torch.Generator().manual_seed(2))
     ref = one_pass_nll(model, ids)
+    if sink:  # the sinks change the output (so the test below can fail)
+        assert not torch.allclose(ref, one_pass_nll(memory_model(tiny, window=window), ids))
     for chunk in (1, 5, 29):
-        got = stream_nll(model, ids, chunk=chunk, mode="memory", window=window or 10_000)
+        got = stream_nll(model, ids, chunk=chunk, mode="memory", window=window or 10_000, sink=sink)
         assert got.shape == ref.shape
         assert torch.allclose(got, ref, atol=1e-9, rtol=0), chunk
 
@@ -79,6 +84,12 @@ def test_state_is_bounded_by_the_window_and_full_cache_grows(tiny_llama):
     full = StreamStats()
     set_memory_enabled(model, False)
     stream_nll(model, ids, chunk=8, mode="full", stats=full)
+    sinks = StreamStats()
+    set_memory_enabled(model, True)
+    stream_nll(model, ids, chunk=8, mode="memory", window=16, stats=sinks, sink=3)
+    sink_kv = 2 * cfg.num_key_value_heads * 3 * D * 4 * cfg.num_hidden_layers
+    assert sinks.state_bytes[2:] == [per_layer * cfg.num_hidden_layers + sink_kv] * (len(sinks.state_bytes) - 2)
+    set_memory_enabled(model, False)
     grow = [b - a for a, b in zip(full.state_bytes, full.state_bytes[1:])]
     assert grow == [8 * 2 * cfg.num_key_value_heads * D * 4 * cfg.num_hidden_layers] * len(grow)
 

@@ -163,6 +163,8 @@ class MemoryConfig:
     beta_window: int = 4
     dynamic_kernel: int = 16
     chunk_size: int = 32
+    # attention sinks: the first tokens every windowed query keeps seeing (StreamingLLM); 0 = none
+    sink_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -498,8 +500,8 @@ def _validate_fednl_and_baselines(cfg: ExperimentConfig, source: str) -> None:
     for key in ("alpha_init", "alpha_start", "alpha_end"):
         if not 0 <= getattr(m, key) <= 1:
             raise ConfigError(f"{source}: memory.{key} must be in [0, 1]")
-    if m.window < 0 or m.alpha_warmup_steps < 0:
-        raise ConfigError(f"{source}: memory.window and memory.alpha_warmup_steps must be >= 0")
+    if m.window < 0 or m.alpha_warmup_steps < 0 or m.sink_tokens < 0:
+        raise ConfigError(f"{source}: memory.window, memory.sink_tokens and memory.alpha_warmup_steps must be >= 0")
     if m.beta_window < 1 or m.dynamic_kernel < 1 or m.chunk_size < 1:
         raise ConfigError(f"{source}: memory.beta_window, memory.dynamic_kernel and memory.chunk_size must be >= 1")
     if s.name in ("fednl", "fedprox", "fedala", "fedssi") and len(set(cfg.lora.ranks)) > 1:

@@ -191,7 +191,7 @@ def install_fednl_memory(prep: Prepared, cfg: C.ExperimentConfig) -> dict[str, t
     model = prep.backbone.model
     settings = MemorySettings(gate=m.gate, alpha_init=m.alpha_start if m.gate == "constant" else m.alpha_init,
                               window=m.window, beta_window=m.beta_window, dynamic_kernel=m.dynamic_kernel,
-                              chunk_size=m.chunk_size)
+                              chunk_size=m.chunk_size, sink=m.sink_tokens)
     try:
         layers = resolve_layers(model, m.layers or cfg.lora.layers)
     except ValueError as exc:
@@ -285,7 +285,8 @@ def run_experiment(prep: Prepared, cfg: C.ExperimentConfig, run_dir: Path, resum
     if cfg.train.eval_stream_chunk > 0:  # streamed evaluation: every layer needs a (disabled) memory module
         from nestfed.adapters.memory import MemorySettings, install_memory
 
-        install_memory(prep.backbone.model, MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window))
+        install_memory(prep.backbone.model, MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window,
+                                                           sink=cfg.memory.sink_tokens))
     for c in prep.clients:
         if c.rank > C.r_max(cfg):
             raise ConfigError(f"lora.ranks: client {c.cid} rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")

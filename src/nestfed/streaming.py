@@ -41,13 +41,16 @@ class StreamStats:
 
 
 @contextmanager
-def streaming(model: nn.Module, mode: str = "memory", window: int = 512) -> Iterator[dict[int, LayerStream]]:
+def streaming(model: nn.Module, mode: str = "memory", window: int = 512,
+              sink: int = 0) -> Iterator[dict[int, LayerStream]]:
     """Attach a fresh :class:`LayerStream` to every attention layer for the duration of a stream.
 
     mode: ``memory`` -- layers whose memory is enabled run it, every softmax path uses the window;
     ``window`` -- no memory, every softmax path windowed (a sliding-window baseline); ``full`` --
     no memory and no window (plain attention with an unbounded cache). window: tokens (>= 1 for
-    ``memory`` and ``window``). Yields {layer index: LayerStream}; detaches them on exit.
+    ``memory`` and ``window``). sink: the first tokens every windowed query keeps seeing
+    (attention sinks, adapters/memory.py; 0 = none). Yields {layer index: LayerStream};
+    detaches them on exit.
 
     Raises ValueError for an unknown mode, a bad window, or a layer without a memory module.
     """
@@ -62,7 +65,7 @@ def streaming(model: nn.Module, mode: str = "memory", window: int = 512) -> Iter
                          "(install_memory(model, settings) on all layers; disabled ones run plain attention)")
     streams = {}
     for i, rule in rules.items():
-        streams[i] = LayerStream(window=0 if mode == "full" else window, memory=mode == "memory")
+        streams[i] = LayerStream(window=0 if mode == "full" else window, memory=mode == "memory", sink=sink)
         rule.stream = streams[i]
     try:
         yield streams
@@ -99,7 +102,7 @@ def _nll_of_chunk(logits: torch.Tensor, prev_last: torch.Tensor | None, ids: tor
 
 @torch.no_grad()
 def stream_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, mode: str = "memory", window: int = 512,
-               stats: StreamStats | None = None,
+               stats: StreamStats | None = None, sink: int = 0,
                on_chunk: Callable[[int, StreamStats], None] | None = None) -> torch.Tensor:
     """Next-token NLL (nats; fp32, fp64 for an fp64 model) of tokens 1..N-1 of ``ids`` [B, N], streamed ``chunk`` tokens
     at a time through the model's memory layers (see :func:`streaming` for ``mode`` / ``window``).
@@ -116,7 +119,7 @@ def stream_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, mode: str
     stats = stats if stats is not None else StreamStats()
     out = []
     prev_last = None
-    with streaming(model, mode, window) as streams:
+    with streaming(model, mode, window, sink) as streams:
         for n, start in enumerate(range(0, ids.shape[1], chunk)):
             part = ids[:, start:start + chunk]
             logits = _chunk_logits(model, part, start)
@@ -182,7 +185,7 @@ def binned_ce(nll: torch.Tensor, bin_size: int = 1024) -> dict[str, list[float]]
 
 @torch.no_grad()
 def stream_evaluate(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk: int, window: int,
-                    letter_ids: list[int] | None = None) -> dict[str, float]:
+                    letter_ids: list[int] | None = None, sink: int = 0) -> dict[str, float]:
     """Held-out metrics of right-padded rows, each streamed alone at constant memory (mode
     ``memory``: enabled memory layers run their memory, every softmax path sees ``window``
     tokens). For contexts whose one-pass forward does not fit (NIAH at 8K/16K on a CPU).
@@ -208,7 +211,7 @@ def stream_evaluate(model: nn.Module, input_ids: torch.Tensor, labels: torch.Ten
         end = int(marked.max()) + 1
         ids = input_ids[r:r + 1, :end]
         want = set((marked - 1).clamp(min=0).tolist())  # positions whose logits predict a label
-        with streaming(model, "memory", window):
+        with streaming(model, "memory", window, sink):
             for start in range(0, end, chunk):
                 part = ids[:, start:start + chunk]
                 logits = _chunk_logits(model, part, start)[0]  # [t, V]

@@ -129,6 +129,9 @@ def test_window_mask_and_schedule():
     assert m.tolist() == [[False, True, True, True, False, False],
                           [False, False, True, True, True, False],
                           [False, False, False, True, True, True]]
+    s = window_mask(torch.arange(4, 6), torch.arange(0, 6), 2, sink=1)[0, 0]
+    assert s.tolist() == [[True, False, False, True, True, False],
+                          [True, False, False, False, True, True]]
     assert alpha_schedule(0, 0.01, 0.5, 10) == 0.01
     assert abs(alpha_schedule(5, 0.01, 0.5, 10) - 0.255) < 1e-12
     assert alpha_schedule(50, 0.01, 0.5, 10) == 0.5

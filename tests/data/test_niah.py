@@ -1,6 +1,8 @@
 """The NIAH generator: each template's gold answer is right and its negatives sit in the
 haystack, rendering is exact in length and depth, everything is seeded."""
 
+import importlib.util
+
 import random
 import re
 
@@ -109,7 +111,8 @@ def test_haystack_halves_are_disjoint():
     assert tr.docs[0] + te.docs[0] == full
 
 
-@pytest.mark.skipif(not (sources.AUSTEN_DIR / "Rdata.rdb").is_file(), reason="r-cran-janeaustenr not installed")
+@pytest.mark.skipif(not (sources.AUSTEN_DIR / "Rdata.rdb").is_file() or importlib.util.find_spec("rdata") is None,
+                    reason="r-cran-janeaustenr or rdata not installed")
 def test_real_haystacks_from_austen_and_wikipedia():
     novels = sources.austen_novels()
     assert [n.title for n in novels] == list(sources.AUSTEN_NOVELS)

@@ -34,6 +34,10 @@ Decisions where the sources are silent (written here and in the issue note):
 - The softmax path may use a sliding window of ``window`` tokens (0 = none): query t sees keys
   t - window + 1 .. t. The window applies while the memory is enabled, or in a stream that asks
   for it (see :mod:`nestfed.streaming`); a disabled layer without a stream is the backbone.
+  Optionally the first ``sink`` tokens of the sequence stay visible to every query (the
+  "attention sinks" of StreamingLLM, Xiao et al., ICLR 2024: a model trained with full attention
+  parks attention mass on the first tokens, and a window that drops them degrades it sharply);
+  the KV cache then holds ``sink + window - 1`` tokens, still constant. Default 0 (a plain window).
 
 Mechanics: :func:`install_memory` adds a :class:`MemoryRule` module as ``self_attn.memory`` and
 replaces that attention module's ``forward`` (the module itself and its q/k/v/o projections keep
@@ -71,6 +75,7 @@ class MemorySettings:
     dynamic_kernel: the dynamic gate's Conv1d width in tokens (methods.md: 16). chunk_size:
     tokens per chunk of the chunkwise delta rule in training (32 is fastest on a 2-core CPU).
     operator: ``chunkwise`` (training and streaming) or ``recurrent`` (the per-token reference).
+    sink: tokens at the start that every windowed query still sees (attention sinks; 0 = none).
     """
 
     gate: str = "learned"
@@ -80,14 +85,15 @@ class MemorySettings:
     dynamic_kernel: int = 16
     chunk_size: int = 32
     operator: str = "chunkwise"
+    sink: int = 0
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
             raise ValueError(f"memory.gate: unknown gate '{self.gate}' (known: {', '.join(GATES)})")
         if not 0.0 <= self.alpha_init <= 1.0:
             raise ValueError(f"memory.alpha_init must be in [0, 1], got {self.alpha_init}")
-        if self.window < 0:
-            raise ValueError(f"memory.window must be >= 0 tokens (0 = no window), got {self.window}")
+        if self.window < 0 or self.sink < 0:
+            raise ValueError(f"memory.window and memory.sink must be >= 0 tokens, got {self.window}, {self.sink}")
         if self.beta_window < 1 or self.dynamic_kernel < 1 or self.chunk_size < 1:
             raise ValueError("memory.beta_window, memory.dynamic_kernel and memory.chunk_size must be >= 1")
         if self.operator not in ("chunkwise", "recurrent"):
@@ -100,7 +106,8 @@ class LayerStream:
 
     pos: tokens already seen (the next chunk's first absolute position). k, v: the softmax
     path's KV cache [B, H_kv, c, D] after RoPE, at most ``window - 1`` tokens when window > 0
-    (unbounded when window = 0). window: this stream's softmax window (tokens, 0 = none).
+    (plus the first ``sink`` tokens; unbounded when window = 0). window: this stream's softmax
+    window (tokens, 0 = none). sink: attention-sink tokens kept visible (0 = none).
     memory: whether the linear path runs. S: the delta-rule state [B, H, D, D] (fp32; None
     before the first chunk). k_tail: the last ``beta_window - 1`` raw keys [B, n, H_kv, D];
     x_tail: the last ``dynamic_kernel - 1`` gate inputs [B, n, hidden].
@@ -108,12 +115,14 @@ class LayerStream:
 
     window: int = 0
     memory: bool = True
+    sink: int = 0
     pos: int = 0
     k: torch.Tensor | None = None
     v: torch.Tensor | None = None
     S: torch.Tensor | None = None
     k_tail: torch.Tensor | None = None
     x_tail: torch.Tensor | None = None
+    n_sink: int = 0  # how many of the cached keys are sinks (they come first)
 
     def nbytes(self) -> int:
         """Bytes held by this layer's stream state (KV cache, memory state, tails)."""
@@ -213,16 +222,17 @@ def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
-def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int = 0) -> torch.Tensor:
     """Boolean attention mask [1, 1, Tq, Tk], True = attend: causal, and within ``window``
-    tokens (query at p sees keys at p - window + 1 .. p; window 0 = causal only).
+    tokens (query at p sees keys at p - window + 1 .. p; window 0 = causal only), plus the keys
+    at positions below ``sink`` (attention sinks).
 
     q_pos: [Tq] absolute positions of the queries; k_pos: [Tk] of the keys (integers).
     """
     diff = q_pos.view(-1, 1) - k_pos.view(1, -1)
     ok = diff >= 0
     if window > 0:
-        ok = ok & (diff < window)
+        ok = ok & ((diff < window) | (k_pos.view(1, -1) < sink))
     return ok.view(1, 1, *ok.shape)
 
 
@@ -266,6 +276,7 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
     stream = mem.stream
     use_memory = mem.enabled if stream is None else (stream.memory and mem.enabled)
     window = stream.window if stream is not None else (mem.settings.window if mem.enabled else 0)
+    sink = stream.sink if stream is not None else mem.settings.sink
 
     # -- softmax path (the backbone's), with an optional window and a stream's bounded KV cache
     mask = attention_mask
@@ -282,11 +293,14 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
             keys = torch.cat([stream.k, k_rot], dim=2)
             values = torch.cat([stream.v, v_t], dim=2)
         q_pos = torch.arange(stream.pos, stream.pos + T, device=q.device)
-        k_pos = torch.arange(stream.pos + T - keys.shape[2], stream.pos + T, device=q.device)
-        mask = window_mask(q_pos, k_pos, window)
+        recent = keys.shape[2] - (0 if stream.k is None else stream.n_sink)
+        k_pos = torch.arange(stream.pos + T - recent, stream.pos + T, device=q.device)
+        if stream.k is not None and stream.n_sink:
+            k_pos = torch.cat([torch.arange(stream.n_sink, device=q.device), k_pos])
+        mask = window_mask(q_pos, k_pos, window, sink)
     elif window > 0 and T > window:
         pos = torch.arange(T, device=q.device)
-        mask = window_mask(pos, pos, window)
+        mask = window_mask(pos, pos, window, sink)
     if mask is not None and attention_mask is not None and mask is not attention_mask:
         mask = mask & attention_mask.bool() if attention_mask.dtype == torch.bool else \
             attention_mask.masked_fill(~mask, torch.finfo(attention_mask.dtype).min)
@@ -320,9 +334,12 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
                 xt = hidden_states.detach() if stream.x_tail is None else torch.cat([stream.x_tail, hidden_states.detach()], 1)
                 stream.x_tail = xt[:, xt.shape[1] - min(kern - 1, xt.shape[1]):]
     if stream is not None:
-        keep = keys.shape[2] if window == 0 else min(window - 1, keys.shape[2])
-        stream.k = keys[:, :, keys.shape[2] - keep:].detach()
-        stream.v = values[:, :, values.shape[2] - keep:].detach()
+        # keep the sinks (positions < sink) and the last window - 1 keys; everything when window = 0
+        keep_mask = torch.ones(keys.shape[2], dtype=torch.bool, device=keys.device) if window == 0 else \
+            (k_pos >= stream.pos + T - (window - 1)) | (k_pos < sink)
+        stream.k = keys[:, :, keep_mask].detach()
+        stream.v = values[:, :, keep_mask].detach()
+        stream.n_sink = int(((k_pos < sink) & keep_mask).sum()) if window > 0 else 0
         stream.pos += T
     attn_output = out.reshape(B, T, -1).contiguous()
     return self.o_proj(attn_output), None

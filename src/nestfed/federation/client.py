@@ -286,12 +286,13 @@ class ClientTrainer:
             raise ValueError("train.eval_stream_chunk needs train.cache_frozen_prefix = false (streams start from tokens)")
         rules = memory_rules(self.model)
         window = max((r.settings.window for r in rules.values()), default=0) or 1024
+        sink = max((r.settings.sink for r in rules.values()), default=0)
         chunk = self.train.eval_stream_chunk
         groups = d.test_groups or {"all": torch.arange(d.test_ids.shape[0])}
         out: dict[str, float] = {}
         total = count = correct = rows = 0.0
         for name, idx in groups.items():
-            ev = stream_evaluate(self.model, d.test_ids[idx], d.test_labels[idx], chunk, window, d.letter_ids)
+            ev = stream_evaluate(self.model, d.test_ids[idx], d.test_labels[idx], chunk, window, d.letter_ids, sink)
             if d.test_groups:
                 out[f"loss@{name}"] = ev["loss"]
                 if "accuracy" in ev:
