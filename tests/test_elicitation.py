@@ -51,6 +51,10 @@ def _setup(tiny_llama):
     model = tiny_llama.model
     bases = compute_bases(model, [0.3])
     weak = derive_compressed(model, bases, 0.3)
+    g = torch.Generator().manual_seed(5)  # a weak supervisor with peaked predictions, far from the student's
+    weak.lm_head = torch.nn.Linear(64, model.config.vocab_size, bias=False)
+    with torch.no_grad():
+        weak.lm_head.weight.copy_(torch.randn(model.config.vocab_size, 64, generator=g))
     inject_lora(model, ("q_proj", "v_proj", "o_proj"), rank=4, scaling=2.0)
     state = get_adapter_state(model)
     set_adapter_state(model, {k: torch.randn_like(v) * 0.1 if "lora_A" in k else v for k, v in state.items()})
@@ -64,11 +68,11 @@ def test_pure_imitation_moves_the_student_towards_the_weak_model(tiny_llama):
     idx = torch.arange(6)
     with torch.no_grad():
         before = float(confidence_loss(text.logits(model, idx), text.logits(weak, idx), 0.0))
-    info = elicit(model, params, weak, text, text, alpha=0.0, steps=15, batch_size=3, lr=1e-2)
+    info = elicit(model, params, weak, text, text, alpha=0.0, steps=8, batch_size=3, lr=1e-2)
     with torch.no_grad():
         after = float(confidence_loss(text.logits(model, idx), text.logits(weak, idx), 0.0))
-    assert after < before - 1e-3
-    assert info["steps"] == 15 and not any(p.requires_grad for p in params)
+    assert after < before - 0.05
+    assert info["steps"] == 8 and not any(p.requires_grad for p in params)
 
 
 def test_self_anchoring_sharpens_the_students_own_predictions(tiny_llama):
@@ -81,5 +85,5 @@ def test_self_anchoring_sharpens_the_students_own_predictions(tiny_llama):
         return float(-(logp.exp() * logp).sum(-1).mean())
 
     h0 = entropy()
-    elicit(model, params, weak, text, text, alpha=1.0, steps=15, batch_size=3, lr=1e-2)
+    elicit(model, params, weak, text, text, alpha=1.0, steps=8, batch_size=3, lr=1e-2)
     assert entropy() < h0 - 1e-3
