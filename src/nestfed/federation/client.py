@@ -20,6 +20,7 @@ from nestfed.adapters.lora import (PEFT_PREFIX, init_adapter_state, lora_modules
                                    peft_key)
 from nestfed.adapters.memory import sync_memory
 from nestfed.config import TrainConfig
+from nestfed.distillation import block_batches
 from nestfed.evaluate import evaluate_lm
 from nestfed.federation.messages import Arrays, Instruction, Reply
 from nestfed.federation import client_state as local
@@ -113,7 +114,8 @@ def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
     sync_memory(model, arrays)  # FedNL: memory layers run where the payload carries their rules
 
 
-def _seed(*parts: int) -> int:
+def derive_seed(*parts: int) -> int:
+    """A deterministic 63-bit seed from integers (seed, round, client, ...): resume stays exact."""
     h = 0
     for p in parts:
         h = (h * 1_000_003 + int(p)) % (2**63 - 1)
@@ -135,18 +137,7 @@ class ClientTrainer:
     client_state: dict[int, dict[str, Arrays]] = field(default_factory=dict)
 
     def _batches(self, d: ClientData, steps: int, batch_size: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        n = d.num_examples
-        order = torch.randperm(n, generator=g)
-        pos = 0
-        for _ in range(steps):
-            idx = []
-            while len(idx) < min(batch_size, n):
-                if pos == n:
-                    order, pos = torch.randperm(n, generator=g), 0
-                idx.append(int(order[pos]))
-                pos += 1
-            idx_t = torch.tensor(idx)
+        for idx_t in block_batches(d.num_examples, steps, batch_size, seed):
             if d.train_hidden is not None:
                 yield Batch(d.train_labels[idx_t], hidden=d.train_hidden[idx_t], start=d.start)
             else:
@@ -186,7 +177,7 @@ class ClientTrainer:
         local_metrics.update(local.regulariser_inputs(self, cid, cfg, params))  # FedProx, FedSSI
         opt = torch.optim.AdamW(params, lr=self.train.lr, weight_decay=self.train.weight_decay)
         losses, tokens = [], 0
-        seed = _seed(int(cfg.get("seed", 0)), int(cfg.get("round", 0)), cid)
+        seed = derive_seed(int(cfg.get("seed", 0)), int(cfg.get("round", 0)), cid)
         for step, batch in enumerate(self._batches(d, self.train.local_steps, self.train.batch_size, seed)):
             local.on_step(self.model, cfg, step)  # FedNL's constant-gate schedule
             opt.zero_grad(set_to_none=True)

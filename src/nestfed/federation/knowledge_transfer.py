@@ -17,7 +17,7 @@ from nestfed.adapters.lora import lora_modules, peft_key
 from nestfed.distillation import (CE, INDICES, VALUES, knowledge, merge_knowledge, mutual_loss, select_min_ce,
                                   train_on_blocks)
 from nestfed.elicitation import CachedText
-from nestfed.federation.client import ClientTrainer, apply_arrays, extra_parameters
+from nestfed.federation.client import ClientTrainer, apply_arrays, derive_seed, extra_parameters
 from nestfed.federation.messages import Arrays, Instruction, Reply
 
 KNOWLEDGE = (VALUES, INDICES, CE)
@@ -40,13 +40,6 @@ def text_knowledge(model: nn.Module, text: CachedText, labels: torch.Tensor, k: 
 
 def _rows(know: Arrays, idx: torch.Tensor) -> Arrays:
     return {key: know[key][idx] for key in KNOWLEDGE}
-
-
-def _seed(*parts: int) -> int:
-    h = 0
-    for p in parts:
-        h = (h * 1_000_003 + int(p)) % (2**63 - 1)
-    return h
 
 
 @dataclass
@@ -93,7 +86,7 @@ class ServerDistiller:
 
         self.model.train()
         losses = train_on_blocks(params, loss_of, self.labels.shape[0], self.steps, self.batch_size, self.lr,
-                                 _seed(self.seed, rnd, 7919))
+                                 derive_seed(self.seed, rnd, 7919))
         self.model.eval()
         out = {}
         for name, m in lora_modules(self.model).items():
@@ -149,7 +142,7 @@ class MutualClientTrainer:
 
         model.train()
         losses = train_on_blocks(params, loss_of, self.labels.shape[0], self.steps, self.batch_size, self.lr,
-                                 _seed(int(cfg.get("seed", 0)), int(cfg.get("round", 0)), cid, 104729))
+                                 derive_seed(int(cfg.get("seed", 0)), int(cfg.get("round", 0)), cid, 104729))
         model.eval()
         distilled = {k: p.detach().clone() for k, p in extra_parameters(model, own).items()}
         reply = self.base.fit(cid, Instruction(distilled, {"objective": "plain", "scaling": 1.0,
