@@ -1,7 +1,11 @@
 import torch
 
 from nestfed.adapters.lora import get_adapter_state, inject_lora, set_adapter_state
-from nestfed.frozen_prefix import causal_lm_loss, first_adapted_layer, lm_logits, prefix_features
+from torch.nn import functional as F
+
+from nestfed.evaluate import evaluate_lm
+from nestfed.federation.objectives import Batch
+from nestfed.frozen_prefix import causal_lm_loss, first_adapted_layer, labelled_logits, lm_logits, prefix_features
 
 
 def test_split_forward_equals_full_model(tiny):
@@ -24,3 +28,41 @@ def test_causal_lm_loss_matches_hf_and_ignores_masked(tiny_llama):
     labels[:, :5] = -100
     out = m(ids, labels=labels)
     torch.testing.assert_close(causal_lm_loss(out.logits, labels), out.loss, rtol=1e-5, atol=1e-6)
+
+
+def test_labelled_logits_equal_full_head_on_labelled_positions_and_same_loss_and_grads(tiny_llama):
+    m = tiny_llama.model
+    inject_lora(m, ("q_proj", "v_proj"), rank=4, scaling=1.0)
+    set_adapter_state(m, {k: torch.randn_like(v) for k, v in get_adapter_state(m).items()})
+    ids = torch.randint(0, 258, (3, 16))
+    labels = torch.full_like(ids, -100)
+    labels[0, 5] = ids[0, 5]                 # one answer token (multiple choice)
+    labels[1, 9:] = ids[1, 9:]               # a response (instruction tuning)
+    labels[2, 1:] = ids[2, 1:]               # every token (causal LM)
+    full = lm_logits(m, ids)
+    logits, targets, rows = labelled_logits(m, labels, ids)
+    assert logits.shape == (1 + 7 + 15, 258) and rows.tolist() == [0] + [1] * 7 + [2] * 15
+    sel = torch.cat([full[0, 4:5], full[1, 8:15], full[2, 0:15]])
+    torch.testing.assert_close(logits, sel, rtol=1e-5, atol=1e-5)
+    assert targets.tolist() == labels[0, 5:6].tolist() + labels[1, 9:].tolist() + labels[2, 1:].tolist()
+    # the training loss and its gradients equal the full-head cross-entropy's
+    params = [p for p in m.parameters() if p.requires_grad]
+    g_ref = torch.autograd.grad(causal_lm_loss(lm_logits(m, ids), labels), params)
+    loss = Batch(labels, ids).loss(m)
+    torch.testing.assert_close(loss, causal_lm_loss(full, labels), rtol=1e-5, atol=1e-6)
+    for a, b in zip(torch.autograd.grad(loss, params), g_ref):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_evaluate_accuracy_from_letter_logits_matches_a_hand_count(tiny_llama):
+    m = tiny_llama.model
+    ids = torch.randint(0, 258, (5, 10))
+    letters = [65, 66, 67, 68]
+    labels = torch.full_like(ids, -100)
+    gold = torch.tensor([65, 66, 67, 68, 65])
+    labels[:, 7] = gold
+    full = lm_logits(m, ids).detach()
+    want = (torch.tensor(letters)[full[:, 6, letters].argmax(1)] == gold).float().mean().item()
+    ce = F.cross_entropy(full[:, 6], gold).item()
+    out = evaluate_lm(m, labels, input_ids=ids, batch_size=2, letter_ids=letters)
+    assert abs(out["accuracy"] - want) < 1e-9 and abs(out["loss"] - ce) < 1e-5 and out["tokens"] == 5.0

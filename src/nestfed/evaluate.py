@@ -6,9 +6,10 @@ import math
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from nestfed.data.tasks import answer_positions, choice_logits
-from nestfed.frozen_prefix import causal_lm_loss, lm_logits
+from nestfed.data.tasks import answer_positions
+from nestfed.frozen_prefix import labelled_logits
 
 
 @torch.no_grad()
@@ -24,18 +25,18 @@ def evaluate_lm(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor 
     """
     total, count, correct, rows = 0.0, 0, 0, 0
     N = labels.shape[0]
+    letters = None if letter_ids is None else torch.as_tensor(letter_ids)
     for i in range(0, N, batch_size):
         sl = slice(i, i + batch_size)
-        logits = lm_logits(model, None if input_ids is None else input_ids[sl],
-                           None if hidden is None else hidden[sl], start)
         lab = labels[sl]
-        n_tok = int((lab[:, 1:] != -100).sum())
-        total += float(causal_lm_loss(logits, lab, reduction="sum"))
-        count += n_tok
-        if letter_ids is not None:
-            gold = lab.gather(1, (answer_positions(lab) + 1).unsqueeze(1)).squeeze(1)
-            pred = torch.as_tensor(letter_ids)[choice_logits(logits, lab, letter_ids).argmax(dim=1)]
-            correct += int((pred == gold).sum())
+        logits, targets, _ = labelled_logits(model, lab, None if input_ids is None else input_ids[sl],
+                                                 None if hidden is None else hidden[sl], start)
+        total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+        count += int(targets.numel())
+        if letters is not None:
+            answer_positions(lab)  # raises unless every row has exactly one labelled token
+            pred = letters[logits[:, letters].argmax(dim=1)]
+            correct += int((pred == targets).sum())
             rows += lab.shape[0]
     loss = total / max(count, 1)
     out = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(count)}

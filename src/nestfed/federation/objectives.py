@@ -13,10 +13,11 @@ from typing import Any, Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from nestfed.adapters.lora import active_rank, lora_modules
 from nestfed.federation.aggregation import lowrank_norm
-from nestfed.frozen_prefix import causal_lm_loss, lm_logits
+from nestfed.frozen_prefix import labelled_logits
 
 
 @dataclass
@@ -29,9 +30,10 @@ class Batch:
     start: int = 0
 
     def loss(self, model: nn.Module) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats per labelled token) of the model on this batch."""
-        logits = lm_logits(model, self.input_ids, self.hidden, self.start)
-        return causal_lm_loss(logits, self.labels)
+        """Mean next-token cross-entropy (nats per labelled token) of the model on this batch (the LM
+        head runs on the labelled positions only: frozen_prefix.labelled_logits)."""
+        logits, targets, _ = labelled_logits(model, self.labels, self.input_ids, self.hidden, self.start)
+        return F.cross_entropy(logits.float(), targets)
 
 
 def plain(model: nn.Module, batch: Batch, config: dict[str, Any]) -> float:
