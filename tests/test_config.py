@@ -22,6 +22,11 @@ def test_load_applies_overrides_and_roundtrips(tmp_path):
     assert C.r_max(cfg) == 4 and C.client_ranks(cfg) == [2, 4]
 
 
+def test_compression_whitening_defaults_to_activation_and_accepts_none():
+    assert C.from_dict({}).compression.whitening == "activation"
+    assert C.load(None, ["compression.whitening=none"]).compression.whitening == "none"
+
+
 def test_scalar_rank_is_broadcast():
     cfg = C.from_dict({"lora": {"ranks": 8}, "data": {"num_clients": 3}})
     assert C.client_ranks(cfg) == [8, 8, 8]
@@ -38,6 +43,8 @@ def test_scalar_rank_is_broadcast():
     ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
     ({"federation": {"fraction": 1.5}}, "federation.fraction"),
     ({"data": {"dirichlet_alpha": 0}}, "Dirichlet concentration"),
+    ({"compression": {"whitening": "pca"}}, "compression.whitening must be 'none' or 'activation', got 'pca'"),
+    ({"compression": {"whitening": 1}}, "compression.whitening: expected a string"),
 ])
 def test_bad_values_name_the_key(data, message):
     with pytest.raises(ConfigError) as exc:

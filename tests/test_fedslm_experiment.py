@@ -122,3 +122,46 @@ def test_top_layer_compression_shares_the_backbones_cached_prefix():
     assert nd.train_hidden is d.train_hidden  # no recomputation per group
     assert setup.public[0] is setup.public["strong"]
     assert setup.bytes[0] < setup.bytes[2] < setup.bytes["full"]
+
+
+def test_whitened_bases_are_cached_per_calibration_text(tmp_path):
+    """The cache key holds the whitening mode and the calibration tokens' hash; plain SVD keeps the
+    key of earlier versions; a second call with the same server text reads the cache."""
+    import hashlib
+
+    import torch
+
+    from nestfed import config as C
+    from nestfed.backbone import load_backbone
+    from nestfed.compressed_setup import bases_cache_key, cached_bases
+
+    cfg = C.load(TINY, [f"model.cache_dir={tmp_path}"])
+    plain = C.load(TINY, [f"model.cache_dir={tmp_path}", "compression.whitening=none"])
+    model = load_backbone(cfg.model).model
+    a = torch.randint(0, 200, (5, 32))
+    b = a.clone()
+    b[0, 0] += 1
+    legacy = hashlib.sha256(f"src|{cfg.compression.target}|0.7|{cfg.model.dtype}".encode()).hexdigest()[:16]
+    assert bases_cache_key("src", plain) == legacy == bases_cache_key("src", plain, a)
+    assert len({legacy, bases_cache_key("src", cfg, a), bases_cache_key("src", cfg, b)}) == 3
+    said = []
+    first = cached_bases(model, cfg, "src", said.append, a)
+    assert any("whitened SVD" in s for s in said)
+    assert (tmp_path / "svd" / f"{bases_cache_key('src', cfg, a)}.safetensors").is_file()
+    said.clear()
+    again = cached_bases(model, cfg, "src", said.append, a)
+    assert not said and all(torch.equal(again[n].D, first[n].D) for n in first)
+    other = cached_bases(model, cfg, "src", said.append, b)
+    assert said and not all(torch.equal(other[n].V, first[n].V) for n in first)
+    assert all(f.D is None for f in cached_bases(model, plain, "src", said.append).values())
+
+
+def test_too_little_calibration_text_names_compression_server_blocks():
+    """tiny.toml: blocks of 32 tokens, widest compressed input 128 (down_proj): 1 block is too few."""
+    from nestfed.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"compression\.server_blocks: .* 32 tokens, fewer than the 128 inputs.*"
+                                          r"server_blocks >= 4"):
+        _prepared(["compression.server_blocks=1"])
+    _, _, setup = _prepared(["compression.server_blocks=4", "compression.whitening=none"])
+    assert all(f.D is None for f in setup.bases.values())

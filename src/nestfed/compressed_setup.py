@@ -2,6 +2,12 @@
 (computed once, cached on disk), one compressed model per compression ratio, each client's data
 as its group's model sees it, and the unlabeled server text (methods.md section 2).
 
+Calibration (``compression.whitening = "activation"``, adapters/whitening.py): the whitened SVD
+needs the input second moment of every compressed layer, collected by running the backbone over
+the server text, the unlabeled blocks held out from every client (data/held_out.py). It uses
+only that server text: no client data leave the clients, and no client's train or test record is
+part of the calibration.
+
 Frozen-prefix reuse (nestfed/frozen_prefix.py): cores train only in ``compression.train_layers``;
 everything below the lowest of those layers is frozen in every group model. When no layer below
 it is compressed either, each group's prefix equals the backbone's, so the backbone's cached
@@ -19,8 +25,9 @@ import torch
 from torch import nn
 
 from nestfed import config as C
-from nestfed.adapters.svd import (SVDFactors, compute_bases, derive_compressed, layer_index, load_bases, save_bases,
-                                  select_layers)
+from nestfed.adapters.svd import (SVDFactors, base_linear, compute_bases, derive_compressed, layer_index, load_bases,
+                                  save_bases, select_layers, target_linear_names)
+from nestfed.adapters.whitening import DAMPING, second_moments, token_hash
 from nestfed.backbone import default_cache_dir
 from nestfed.data.held_out import load_server_text
 from nestfed.data.tasks import TokenDataset
@@ -91,40 +98,96 @@ def client_ratios(cfg: C.ExperimentConfig) -> list[float]:
     return r * cfg.data.num_clients if len(r) == 1 else r
 
 
-def cached_bases(model: nn.Module, cfg: C.ExperimentConfig, source: str, say) -> dict[str, SVDFactors]:
+def bases_cache_key(source: str, cfg: C.ExperimentConfig, calibration: torch.Tensor | None = None) -> str:
+    """16 hex digits naming a model's cached bases: source, target, largest ratio, dtype and, for
+    ``compression.whitening = "activation"``, the mode, the damping and a hash of the calibration
+    token ids (another server text gives other bases). Plain SVD keeps the key of earlier versions,
+    so existing caches stay valid. Raises ValueError when whitening needs calibration ids and gets none.
+    """
+    c = cfg.compression
+    text = f"{source}|{c.target}|{max(client_ratios(cfg))}|{cfg.model.dtype}"
+    if c.whitening != "none":
+        if calibration is None:
+            raise ValueError(f"compression.whitening = '{c.whitening}' needs the calibration token ids")
+        text += f"|{c.whitening}|{DAMPING}|{token_hash(calibration)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_calibration(model: nn.Module, cfg: C.ExperimentConfig, calibration: torch.Tensor) -> None:
+    """The whitened SVD needs at least as many calibration tokens as the widest compressed layer has
+    inputs (else C = X^T X / N is rank deficient and the damping alone decides the directions the
+    server text never shows). calibration: [B, T] server text ids. Raises ConfigError naming
+    ``compression.server_blocks`` (and ``compression.target`` for a regex matching nothing).
+    """
+    try:
+        names = target_linear_names(model, cfg.compression.target)
+    except ValueError as exc:
+        raise ConfigError(f"compression.target: {exc}") from None
+    need = max(base_linear(model.get_submodule(n)).in_features for n in names)
+    have = calibration.numel()
+    if have < need:
+        T = calibration.shape[-1]
+        raise ConfigError(f"compression.server_blocks: compression.whitening = 'activation' calibrates on the server "
+                          f"text, {calibration.shape[0]} blocks = {have} tokens, fewer than the {need} inputs of the "
+                          f"widest compressed layer; set compression.server_blocks >= {-(-need // T)} or "
+                          "compression.whitening = 'none'")
+
+
+def cached_bases(model: nn.Module, cfg: C.ExperimentConfig, source: str, say,
+                 calibration: torch.Tensor | None = None) -> dict[str, SVDFactors]:
     """The SVD bases at the largest ratio, read from the cache when a real model was computed before.
 
-    Cache: <model cache dir>/svd/<hash of model, target, ratio, dtype>.safetensors (only for models
-    loaded from a directory; tiny random models are recomputed: milliseconds).
-    Raises ConfigError for a bad target regex or ratio.
+    calibration: the server text's token ids [B, T] (data/held_out.py; held out from every client),
+    needed for ``compression.whitening = "activation"``: the input second moment of every compressed
+    layer is collected on it (:func:`nestfed.adapters.whitening.second_moments`) and the bases are
+    SVD-LLM's whitened SVD. Cache: <model cache dir>/svd/<:func:`bases_cache_key`>.safetensors
+    (only for models loaded from a directory; tiny random models are recomputed: milliseconds).
+    Raises ConfigError for a bad target regex or ratio, too little calibration text or a missing one.
     """
     c = cfg.compression
     top = max(client_ratios(cfg))
+    whiten = c.whitening == "activation"
+    if whiten:
+        if calibration is None:
+            raise ConfigError("compression.whitening: 'activation' needs the server text (compression.server_blocks)")
+        check_calibration(model, cfg, calibration)
     path = None
     if source:
-        key = hashlib.sha256(f"{source}|{c.target}|{top}|{cfg.model.dtype}".encode()).hexdigest()[:16]
+        key = bases_cache_key(source, cfg, calibration if whiten else None)
         path = (Path(cfg.model.cache_dir) if cfg.model.cache_dir else default_cache_dir()) / "svd" / f"{key}.safetensors"
         if path.is_file():
             return load_bases(path)[0]
-    say("computing the SVD of the compressed layers (once)")
+    moments = None
+    field = "compression.whitening" if whiten else "compression.target"  # the target was checked above
     try:
-        bases = compute_bases(model, [top], c.target)
+        if whiten:
+            say(f"collecting the compressed layers' input statistics on {calibration.numel()} server-text tokens")
+            moments = second_moments(model, calibration, pattern=c.target, batch_size=cfg.train.eval_batch_size)
+        say(f"computing the {'whitened ' if whiten else ''}SVD of the compressed layers (once)")
+        bases = compute_bases(model, [top], c.target, whitening=moments)
     except ValueError as exc:
-        raise ConfigError(f"compression.target: {exc}") from None
+        raise ConfigError(f"{field}: {exc}") from None
     if path is not None:
-        save_bases(bases, path, {"source": source, "target": c.target, "ratio": str(top)})
+        meta = {"source": source, "target": c.target, "ratio": str(top), "whitening": c.whitening}
+        if whiten:
+            meta.update({"damping": str(DAMPING), "calibration": token_hash(calibration),
+                         "calibration_tokens": str(calibration.numel())})
+        save_bases(bases, path, meta)
     return bases
 
 
 def prepare_compressed(prep, cfg: C.ExperimentConfig, say=None) -> CompressedSetup:
     """Build (once per preparation; memoised on ``prep``) the compressed side of an experiment.
 
-    prep: experiment.Prepared (the backbone with LoRA, every client's data). Raises ConfigError
-    (target, train_layers) or DataError (too little held-out server text).
+    prep: experiment.Prepared (the backbone with LoRA, every client's data). The server text is
+    loaded first: with ``compression.whitening = "activation"`` it is the calibration text of the
+    SVD (only server text, held out from every client; no client data leave the clients).
+    Raises ConfigError (target, train_layers, whitening, too little calibration text) or
+    DataError (too little held-out server text).
     """
     memo = prep.__dict__.setdefault("_compressed", {})
     key = (tuple(client_ratios(cfg)), cfg.compression.target, tuple(cfg.compression.train_layers),
-           cfg.compression.server_blocks)
+           cfg.compression.server_blocks, cfg.compression.whitening)
     if key in memo:
         return memo[key]
     say = say or (lambda s: None)
@@ -133,7 +196,9 @@ def prepare_compressed(prep, cfg: C.ExperimentConfig, say=None) -> CompressedSet
     per_client = client_ratios(cfg)
     ratios = sorted(set(per_client))
     client_group = {cid: ratios.index(per_client[cid]) for cid in prep.data}
-    bases = cached_bases(model, cfg, prep.backbone.source, say)
+    say("loading the server text (held out from every client)")
+    server = load_server_text(cfg, prep.backbone.tokenizer, cfg.compression.server_blocks)
+    bases = cached_bases(model, cfg, prep.backbone.source, say, server.input_ids)
     num_layers = model.config.num_hidden_layers
     try:
         trained = select_layers(sorted(bases), cfg.compression.train_layers, num_layers)
@@ -148,7 +213,6 @@ def prepare_compressed(prep, cfg: C.ExperimentConfig, say=None) -> CompressedSet
     start = min(layer_index(n) or 0 for n in trained) if cfg.train.cache_frozen_prefix else 0
     shared = start == prep_start and all((layer_index(n) or 0) >= start for n in bases)
     say("caching the server text and the compressed models' frozen layers")
-    server = load_server_text(cfg, prep.backbone.tokenizer, cfg.compression.server_blocks)
     bs = cfg.train.eval_batch_size
     strong_hidden = prefix_features(model, server.input_ids, prep_start, bs) if prep_start else None
     public: dict[str | int, CachedText] = {"strong": CachedText(server.input_ids, strong_hidden, prep_start)}

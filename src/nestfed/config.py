@@ -178,7 +178,14 @@ class CompressionConfig:
     decoder layers whose cores train and travel (negative counts from the top; empty = every
     compressed layer); the other cores stay diag(S). fusion: coverage | average. core_lr: AdamW
     learning rate of the cores. server_blocks: blocks of unlabeled server text held out from
-    every client (elicitation's D_server, FedMKT's public set).
+    every client (elicitation's D_server, FedMKT's public set, the whitening's calibration text).
+    whitening: how each Linear is factorised (adapters/whitening.py). ``"activation"`` (default,
+    our decision beyond the paper's plain SVD): SVD-LLM's truncation-aware data whitening (arXiv
+    2403.07378, section 3.1), the SVD of W L with L L^T the damped input second moment of the
+    layer on the server text, so that truncation minimises the output error on that text; needs
+    server_blocks * data.block_size >= the widest compressed layer's input size (checked when the
+    model is prepared; ConfigError naming compression.server_blocks). ``"none"``: the plain
+    truncated SVD of W.
     """
 
     client_ratios: tuple[float, ...] = (0.5,)
@@ -187,6 +194,7 @@ class CompressionConfig:
     fusion: str = "coverage"
     core_lr: float = 1e-2
     server_blocks: int = 16
+    whitening: str = "activation"
 
 
 @dataclass(frozen=True)
@@ -529,6 +537,8 @@ def _validate_compression(cfg: ExperimentConfig, source: str) -> None:
                           f"data.num_clients = {cfg.data.num_clients} clients")
     if c.fusion not in ("coverage", "average"):
         raise ConfigError(f"{source}: compression.fusion must be 'coverage' or 'average', got '{c.fusion}'")
+    if c.whitening not in ("none", "activation"):
+        raise ConfigError(f"{source}: compression.whitening must be 'none' or 'activation', got '{c.whitening}'")
     if c.core_lr <= 0 or c.server_blocks < 1:
         raise ConfigError(f"{source}: compression.core_lr must be > 0 and compression.server_blocks >= 1")
     for a in (e.alpha, *e.compare_alphas):

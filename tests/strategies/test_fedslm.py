@@ -59,6 +59,29 @@ def test_core_space_fusion_equals_the_dense_weighted_average_of_reconstructions(
         assert torch.allclose(project(dense, U[:, :r], V[:, :r]), M[:r, :r], atol=1e-12)
 
 
+def test_core_space_fusion_is_exact_for_whitened_bases():
+    """Whitened bases (V not orthonormal, dual D with D^T V = I; adapters/whitening.py): the fused
+    core still represents the dense weighted average of reconstructions, and projecting it onto
+    every group's prefixes with the dual basis returns the strategy's leading block M[:r, :r]."""
+    from nestfed.adapters.whitening import whitened_svd
+
+    g = torch.Generator().manual_seed(4)
+    X = torch.randn(50, 4, generator=g, dtype=torch.float64) @ torch.randn(4, 4, generator=g, dtype=torch.float64)
+    U, _, V, D = whitened_svd(torch.randn(5, 4, generator=g, dtype=torch.float64), X.T @ X, damping=0.0)
+    U, V, D = U[:, :3], V[:, :3], D[:, :3]
+    assert not torch.allclose(V.T @ V, torch.eye(3, dtype=torch.float64), atol=1e-3)
+    ranks, sizes = [1, 2, 3], [2.0, 5.0, 3.0]
+    cores = [torch.randn(r, r, generator=g, dtype=torch.float64) for r in ranks]
+    dense = sum(n * reconstruct(U[:, :r], s, V[:, :r]) for n, r, s in zip(sizes, ranks, cores)) / sum(sizes)
+    for rule in ("average", "coverage"):
+        M = fuse_cores(torch.zeros(3, 3, dtype=torch.float64), cores, sizes, rule)
+        if rule == "average":
+            assert torch.allclose(reconstruct(U, M, V), dense, atol=1e-12)
+        W = reconstruct(U, M, V)
+        for r in ranks:
+            assert torch.allclose(project(W, U[:, :r], V[:, :r], D[:, :r]), M[:r, :r], atol=1e-10)
+
+
 def test_equal_ranks_reduce_both_rules_to_fedavg():
     g = torch.Generator().manual_seed(2)
     cores = [torch.randn(3, 3, generator=g) for _ in range(3)]

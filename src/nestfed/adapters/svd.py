@@ -8,6 +8,15 @@ U_i = U[:, :r_i] and V_i = V[:, :r_i], and a trainable core Sigma_i [r_i, r_i] t
 diag(S[:r_i]). Every group's bases are prefixes of the bases of a larger group (nested truncation
 of the same SVD), which is what makes cross-group fusion well defined (strategies/fedslm.py).
 
+Two factorisations (``compression.whitening``): ``"none"``, the plain SVD above (U and V
+orthonormal, truncation minimises ||W - W_r||_F); ``"activation"`` (default), SVD-LLM's whitened
+SVD (adapters/whitening.py): W L = U S Vw^T with L L^T the damped input second moment on
+calibration text, V = L^{-T} Vw (not orthonormal) and a dual basis D = L Vw (D^T V = I), so that
+truncation minimises the layer's output error on the calibration activations. Both keep the
+nested-prefix property, so the strategy's core-space fusion is exact for either (checked against
+strategies/fedslm.py: reconstructions are linear in the cores, and the next round's M[:r, :r] is
+:func:`project` with the dual basis); only :func:`project` needs D.
+
 An :class:`SVDLinear` computes x -> ((x V) Sigma^T) U^T (+ bias): two thin matmuls and an
 r x r one; no [out, in] matrix is formed in forward or backward (tested through the shapes of
 every parameter, buffer and saved tensor).
@@ -24,6 +33,7 @@ import torch
 from torch import nn
 
 from nestfed.adapters.lora import _LAYER_INDEX, LoraLinear
+from nestfed.adapters.whitening import DAMPING, whitened_svd
 
 #: Every attention and MLP projection of the decoder blocks (Llama and Qwen2 naming).
 DEFAULT_TARGET = r"(.*\.)?layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
@@ -64,14 +74,21 @@ class SVDLinear(nn.Module):
 
 @dataclass
 class SVDFactors:
-    """The leading singular triplets of one Linear weight W [out, in]: U [out, R], S [R], V [in, R].
+    """The leading singular triplets of one Linear weight W [out, in]: U [out, R], S [R], V [in, R],
+    and, for whitened bases, the dual basis D [in, R] (D^T V = I; None for plain SVD, where D = V).
 
-    R is the largest rank any group uses at this layer; a group of rank r takes the prefixes.
+    R is the largest rank any group uses at this layer; a group of rank r takes the prefixes
+    (of D too: D[:, :r]^T V[:, :r] = I_r).
     """
 
     U: torch.Tensor
     S: torch.Tensor
     V: torch.Tensor
+    D: torch.Tensor | None = None
+
+    def dual(self) -> torch.Tensor:
+        """D [in, R]: the basis :func:`project` pairs with V (V itself when V is orthonormal)."""
+        return self.V if self.D is None else self.D
 
 
 def rank_for_ratio(out_features: int, in_features: int, ratio: float) -> int:
@@ -113,13 +130,21 @@ def target_linear_names(model: nn.Module, pattern: str = DEFAULT_TARGET) -> list
     return names
 
 
-def compute_bases(model: nn.Module, ratios: list[float], pattern: str = DEFAULT_TARGET) -> dict[str, SVDFactors]:
+def compute_bases(model: nn.Module, ratios: list[float], pattern: str = DEFAULT_TARGET,
+                  whitening: dict[str, torch.Tensor] | None = None, damping: float | None = None
+                  ) -> dict[str, SVDFactors]:
     """One SVD per selected Linear, truncated to the largest rank any ratio needs (server side, once).
 
-    Returns {module path: SVDFactors} with R = rank_for_ratio(out, in, max(ratios)). Computed in
-    float32 (float64 took 3-4x longer here: 197 s for SmolLM2's 210 projections on 2 busy
-    cores) and stored in the weight's dtype. Cost: a full SVD per layer; cache the result with
-    :func:`save_bases`. Raises ValueError (bad ratio, pattern matching nothing).
+    Returns {module path: SVDFactors} with R = rank_for_ratio(out, in, max(ratios)).
+    whitening: None for the plain SVD of W (U, V orthonormal, D None; computed in float32:
+    float64 took 3-4x longer here, 197 s for SmolLM2's 210 projections on 2 busy cores), or
+    {module path: C [in, in]}, the input second moments of every selected Linear on calibration
+    text (:func:`nestfed.adapters.whitening.second_moments`), for SVD-LLM's whitened SVD
+    (:func:`nestfed.adapters.whitening.whitened_svd`, float64; V not orthonormal, D its dual).
+    damping: eps of the whitening relative to C's mean diagonal (default
+    :data:`nestfed.adapters.whitening.DAMPING`). Stored in the weight's dtype. Cost: a full SVD per
+    layer; cache the result with :func:`save_bases`. Raises ValueError (bad ratio, pattern matching
+    nothing, a selected layer without its C, C of the wrong shape or not usable).
     """
     if not ratios:
         raise ValueError("no compression ratios given")
@@ -130,9 +155,17 @@ def compute_bases(model: nn.Module, ratios: list[float], pattern: str = DEFAULT_
     for name in target_linear_names(model, pattern):
         W = base_linear(model.get_submodule(name)).weight.detach()
         R = rank_for_ratio(W.shape[0], W.shape[1], top)
-        U, S, Vh = torch.linalg.svd(W.float(), full_matrices=False)
-        out[name] = SVDFactors(U[:, :R].to(W.dtype).contiguous(), S[:R].to(W.dtype).contiguous(),
-                               Vh[:R].T.to(W.dtype).contiguous())
+        if whitening is None:
+            U, S, Vh = torch.linalg.svd(W.float(), full_matrices=False)
+            V, D = Vh.T, None
+        elif name not in whitening:
+            raise ValueError(f"{name}: no input second moment for the whitened SVD")
+        else:
+            try:
+                U, S, V, D = whitened_svd(W, whitening[name], DAMPING if damping is None else damping)
+            except ValueError as exc:
+                raise ValueError(f"{name}: {exc}") from None
+        out[name] = SVDFactors(*(None if t is None else t[..., :R].to(W.dtype).contiguous() for t in (U, S, V, D)))
     return out
 
 
@@ -214,10 +247,17 @@ def reconstruct(U: torch.Tensor, sigma: torch.Tensor, V: torch.Tensor) -> torch.
     return U @ sigma @ V.T
 
 
-def project(W: torch.Tensor, U: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """Sigma = U^T W V [r, r]: the least-squares best core for W [out, in] given orthonormal bases
-    U [out, r], V [in, r] (methods.md section 2, the decision for the next round's start)."""
-    return U.T @ W @ V
+def project(W: torch.Tensor, U: torch.Tensor, V: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
+    """Sigma = U^T W D [r, r]: the least-squares best core for W [out, in] given bases U [out, r]
+    (orthonormal) and V [in, r] (methods.md section 2, the decision for the next round's start).
+
+    D: None when V is orthonormal (plain SVD; D = V, least squares in the Frobenius norm), else
+    the dual basis of whitened bases (``SVDFactors.D[:, :r]``, D = L L^T V with D^T V = I; least
+    squares in the activation norm ||(.) L||_F, L L^T the damped normalised input second moment,
+    adapters/whitening.py). Either way
+    W = U M V^T projects to M[:r, :r]. U^T W V with non-orthonormal V is NOT a least-squares core.
+    """
+    return U.T @ W @ (V if D is None else D)
 
 
 def parameter_bytes(model: nn.Module) -> dict[str, int]:
@@ -245,7 +285,8 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def save_bases(bases: dict[str, SVDFactors], path, metadata: dict[str, str] | None = None) -> None:
-    """Write bases to a safetensors file (keys ``<module>.U``, ``.S``, ``.V``), atomically."""
+    """Write bases to a safetensors file (keys ``<module>.U``, ``.S``, ``.V`` and, for whitened
+    bases, ``.D``), atomically."""
     import os
     import tempfile
     from pathlib import Path
@@ -257,6 +298,8 @@ def save_bases(bases: dict[str, SVDFactors], path, metadata: dict[str, str] | No
     tensors = {}
     for name, f in bases.items():
         tensors.update({f"{name}.U": f.U.contiguous(), f"{name}.S": f.S.contiguous(), f"{name}.V": f.V.contiguous()})
+        if f.D is not None:
+            tensors[f"{name}.D"] = f.D.contiguous()
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(fd)
     try:
@@ -268,7 +311,8 @@ def save_bases(bases: dict[str, SVDFactors], path, metadata: dict[str, str] | No
 
 
 def load_bases(path) -> tuple[dict[str, SVDFactors], dict[str, str]]:
-    """Read bases written by :func:`save_bases`: ({module path: SVDFactors}, metadata).
+    """Read bases written by :func:`save_bases`: ({module path: SVDFactors}, metadata); D is None
+    where the file holds none (plain SVD).
 
     Raises ValueError when a module lacks one of U, S, V.
     """
@@ -282,7 +326,7 @@ def load_bases(path) -> tuple[dict[str, SVDFactors], dict[str, str]]:
     out = {}
     for n in names:
         try:
-            out[n] = SVDFactors(raw[f"{n}.U"], raw[f"{n}.S"], raw[f"{n}.V"])
+            out[n] = SVDFactors(raw[f"{n}.U"], raw[f"{n}.S"], raw[f"{n}.V"], raw.get(f"{n}.D"))
         except KeyError:
             raise ValueError(f"{path}: bases of {n} lack one of U, S, V") from None
     return out, meta

@@ -2,8 +2,9 @@
 
 Every compressed layer l has server-side bases U_l [out, R_l], V_l [in, R_l] (one SVD, R_l the
 largest group rank); group g uses the prefixes U_l[:, :r_gl], V_l[:, :r_gl] and trains a core
-Sigma_gl [r_gl, r_gl]. Because all groups' bases are prefixes of the same orthonormal bases, every
-reconstruction W_gl = U_g Sigma_gl V_g^T lies in span(U_l) x span(V_l), so the server represents
+Sigma_gl [r_gl, r_gl]. Because all groups' bases are prefixes of the same bases (orthonormal for
+plain SVD; for the default whitened SVD U is orthonormal and V has a dual basis D with D^T V = I,
+adapters/whitening.py), every reconstruction W_gl = U_g Sigma_gl V_g^T lies in span(U_l) x span(V_l), so the server represents
 the fused weak model W_g = U_l M_l V_l^T by its core M_l [R_l, R_l] and never forms an [out, in]
 matrix (:func:`nestfed.adapters.svd.reconstruct` / :func:`~nestfed.adapters.svd.project` are the
 dense references the tests compare with).
