@@ -40,8 +40,8 @@ def test_labelled_logits_equal_full_head_on_labelled_positions_and_same_loss_and
     labels[1, 9:] = ids[1, 9:]               # a response (instruction tuning)
     labels[2, 1:] = ids[2, 1:]               # every token (causal LM)
     full = lm_logits(m, ids)
-    logits, targets, rows = labelled_logits(m, labels, ids)
-    assert logits.shape == (1 + 7 + 15, 258) and rows.tolist() == [0] + [1] * 7 + [2] * 15
+    logits, targets = labelled_logits(m, labels, ids)
+    assert logits.shape == (1 + 7 + 15, 258)
     sel = torch.cat([full[0, 4:5], full[1, 8:15], full[2, 0:15]])
     torch.testing.assert_close(logits, sel, rtol=1e-5, atol=1e-5)
     assert targets.tolist() == labels[0, 5:6].tolist() + labels[1, 9:].tolist() + labels[2, 1:].tolist()

@@ -29,7 +29,7 @@ def evaluate_lm(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor 
     for i in range(0, N, batch_size):
         sl = slice(i, i + batch_size)
         lab = labels[sl]
-        logits, targets, _ = labelled_logits(model, lab, None if input_ids is None else input_ids[sl],
+        logits, targets = labelled_logits(model, lab, None if input_ids is None else input_ids[sl],
                                                  None if hidden is None else hidden[sl], start)
         total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
         count += int(targets.numel())

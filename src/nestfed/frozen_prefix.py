@@ -82,20 +82,19 @@ def lm_logits(model: nn.Module, input_ids: torch.Tensor | None = None, hidden: t
 
 
 def labelled_logits(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor | None = None,
-                    hidden: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                    hidden: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """The LM head applied only where a next token is labelled: what every loss here needs.
 
     labels: [B, T] (HF convention: logits[t] predict labels[t + 1], -100 ignored); input_ids or
-    hidden as in :func:`lm_logits`. Returns (logits [N, vocab], targets [N], rows [N]) for the N
-    labelled next tokens in row-major order, ``rows`` holding each one's batch row. The same values
+    hidden as in :func:`lm_logits`. Returns (logits [N, vocab], targets [N]) for the N labelled
+    next tokens in row-major order. The same values
     as ``lm_logits`` at those positions; on multiple-choice or response-only batches (one or a few
     labelled tokens per row) it skips the [B, T, vocab] head, most of a step's cost on SmolLM2
     (49,152-word vocabulary). Raises ValueError as :func:`final_hidden`.
     """
     h = final_hidden(model, input_ids, hidden, start)
     mask = labels[:, 1:] != -100
-    rows = mask.nonzero()[:, 0]
-    return model.lm_head(h[:, :-1][mask]), labels[:, 1:][mask], rows
+    return model.lm_head(h[:, :-1][mask]), labels[:, 1:][mask]
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

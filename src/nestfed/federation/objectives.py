@@ -32,7 +32,7 @@ class Batch:
     def loss(self, model: nn.Module) -> torch.Tensor:
         """Mean next-token cross-entropy (nats per labelled token) of the model on this batch (the LM
         head runs on the labelled positions only: frozen_prefix.labelled_logits)."""
-        logits, targets, _ = labelled_logits(model, self.labels, self.input_ids, self.hidden, self.start)
+        logits, targets = labelled_logits(model, self.labels, self.input_ids, self.hidden, self.start)
         return F.cross_entropy(logits.float(), targets)
 
 
