@@ -15,6 +15,9 @@ nestfed.streaming:
   8,192-token training context after 8K);
 - ``backbone_full``: no adapter, plain attention.
 
+The windowed streams keep ``sink`` attention-sink tokens; by default at positions just before the
+window (StreamingLLM's cache positions), ``--sink-positions absolute`` keeps them at 0..sink-1.
+
     .venv/bin/python bench/fednl_streaming_ce.py --fednl runs/fednl_long_text-... --fedavg runs/fedavg_long-...
 """
 
@@ -59,6 +62,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--sink", type=int, default=None, help="attention-sink tokens (default: the FedNL run's memory.sink_tokens)")
+    ap.add_argument("--sink-positions", choices=["cache", "absolute"], default="cache",
+                    help="the sinks' RoPE positions: just before the window (StreamingLLM) or their own")
     ap.add_argument("--streams", nargs="+", default=["fednl", "fedavg_window", "fedavg_full", "backbone_full"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fednl_streaming_ce.json")
     a = ap.parse_args()
@@ -88,12 +93,14 @@ def main() -> None:
     plans = {"fednl": (arrays_nl, cfg_nl, "memory"), "fedavg_window": (arrays_avg, cfg_avg, "window"),
              "fedavg_full": (arrays_avg, cfg_avg, "full"), "backbone_full": ({}, cfg_nl, "full")}
     res = {"bench": "fednl_streaming_ce", "text": source, "tokens": a.tokens, "bin": a.bin, "chunk": a.chunk,
-           "window": window, "sink": sink, "fednl_run": str(a.fednl), "fedavg_run": str(a.fedavg), "streams": {}}
+           "window": window, "sink": sink, "sink_positions": a.sink_positions, "fednl_run": str(a.fednl),
+           "fedavg_run": str(a.fedavg), "streams": {}}
     for name in a.streams:
         arrays, cfg, mode = plans[name]
         apply_arrays(model, arrays, cfg.lora.lora_alpha / r_max(cfg))  # enables the memory where FedNL trained it
         t0 = time.perf_counter()
-        nll = stream_nll(model, ids, chunk=a.chunk, mode=mode, window=window, sink=sink)
+        nll = stream_nll(model, ids, chunk=a.chunk, mode=mode, window=window, sink=sink,
+                         sink_positions=a.sink_positions)
         curve = binned_ce(nll, a.bin)
         curve.update({"mode": mode, "time_s": round(time.perf_counter() - t0, 1),
                       "change_last_over_first_pct": round(100 * (curve["relative"][-1] - 1), 2),

@@ -5,7 +5,8 @@ from torch.nn import functional as F
 
 from nestfed.evaluate import evaluate_lm
 from nestfed.federation.objectives import Batch
-from nestfed.frozen_prefix import causal_lm_loss, first_adapted_layer, labelled_logits, lm_logits, prefix_features
+from nestfed.frozen_prefix import (causal_lm_loss, first_adapted_layer, labelled_length, labelled_logits, lm_logits,
+                                   prefix_features)
 
 
 def test_split_forward_equals_full_model(tiny):
@@ -66,3 +67,35 @@ def test_evaluate_accuracy_from_letter_logits_matches_a_hand_count(tiny_llama):
     ce = F.cross_entropy(full[:, 6], gold).item()
     out = evaluate_lm(m, labels, input_ids=ids, batch_size=2, letter_ids=letters)
     assert abs(out["accuracy"] - want) < 1e-9 and abs(out["loss"] - ce) < 1e-5 and out["tokens"] == 5.0
+
+
+def test_right_padding_after_the_last_label_is_never_computed(tiny_llama):
+    """labelled_length by hand; prefix_features with lengths runs each (longest-first) batch only to
+    its longest row and matches the full computation where it is read; labelled_logits on a batch
+    whose labels end early equals the full head's at the labelled positions."""
+    labels = torch.tensor([[-100, 5, -100, -100], [-100, -100, -100, -100], [1, 2, 3, 4]])
+    assert labelled_length(labels).tolist() == [2, 0, 4]
+    m = tiny_llama.model
+    inject_lora(m, ("q_proj", "v_proj"), rank=4, scaling=1.0, layers=(1,))
+    set_adapter_state(m, {k: torch.randn_like(v) for k, v in get_adapter_state(m).items()})
+    ids = torch.randint(0, 258, (5, 24))
+    lengths = torch.tensor([7, 24, 3, 11, 0])
+    full = prefix_features(m, ids, 1, batch_size=2)
+    calls = []
+    hook = m.model.layers[0].register_forward_hook(lambda mod, a, out: calls.append(a[0].shape[1]))
+    trimmed = prefix_features(m, ids, 1, batch_size=2, lengths=lengths)
+    hook.remove()
+    assert calls == [24, 7, 1]  # rows (1, 3), (0, 2), (4,): each batch to its longest row
+    for r, n in enumerate(lengths.tolist()):
+        torch.testing.assert_close(trimmed[r, :n], full[r, :n], rtol=1e-5, atol=1e-5)
+    lab = torch.full_like(ids, -100)
+    lab[0, 6] = ids[0, 6]
+    lab[1, 10] = ids[1, 10]
+    ref = lm_logits(m, hidden=full, start=1)
+    calls.clear()
+    hook = m.model.layers[1].register_forward_hook(lambda mod, a, out: calls.append(a[0].shape[1]))
+    logits, targets = labelled_logits(m, lab[:2], hidden=trimmed[:2], start=1)
+    hook.remove()
+    assert calls == [11]
+    torch.testing.assert_close(logits, torch.stack([ref[0, 5], ref[1, 9]]), rtol=1e-5, atol=1e-5)
+    assert targets.tolist() == [int(ids[0, 6]), int(ids[1, 10])]

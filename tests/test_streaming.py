@@ -51,7 +51,8 @@ def test_chunked_stream_equals_one_pass(tiny, window, sink):
     if sink:  # the sinks change the output (so the test below can fail)
         assert not torch.allclose(ref, one_pass_nll(memory_model(tiny, window=window), ids))
     for chunk in (1, 5, 29):
-        got = stream_nll(model, ids, chunk=chunk, mode="memory", window=window or 10_000, sink=sink)
+        got = stream_nll(model, ids, chunk=chunk, mode="memory", window=window or 10_000, sink=sink,
+                         sink_positions="absolute")
         assert got.shape == ref.shape
         assert torch.allclose(got, ref, atol=1e-9, rtol=0), chunk
 
@@ -130,3 +131,31 @@ def test_stream_evaluate_equals_the_one_pass_evaluation(tiny_llama):
     assert got["tokens"] == ref["tokens"] == 3
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)  # evaluate_lm takes the CE in fp32
     assert got["accuracy"] == ref["accuracy"]
+
+
+def test_cache_sink_positions_put_the_sinks_just_before_the_window():
+    """StreamingLLM's positions within the cache. In a one-layer model a token's key and value depend
+    only on the token (RoPE is relative), so a token-by-token stream with ``sink`` sinks and a
+    ``window`` predicts token p + 1 exactly as one pass over [the sinks, the window ending at p]
+    does at its last position. With absolute positions it does not (the sinks are p - j away).
+    Storing the shifted sinks in the cache would compound the shift token after token: caught too."""
+    from nestfed.backbone import freeze, tiny_model
+
+    model = freeze(tiny_model("llama", 256, seed=3, layers=1)).double()
+    install_memory(model, MemorySettings())  # disabled: the backbone's attention, windowed in the stream
+    W, S, N = 5, 2, 24
+    ids = torch.randint(0, 250, (1, N), generator=torch.Generator().manual_seed(9))
+    cache = stream_nll(model, ids, chunk=1, mode="window", window=W, sink=S)
+    absolute = stream_nll(model, ids, chunk=1, mode="window", window=W, sink=S, sink_positions="absolute")
+    for p in range(S + W - 1, N - 1):
+        packed = torch.cat([ids[:, :S], ids[:, p - W + 1:p + 1]], dim=1)  # [1, S + W]
+        ref = torch.nn.functional.cross_entropy(lm_logits(model, packed)[:, -1], ids[:, p + 1])
+        # RoPE's cos / sin come in fp32, so a composed rotation differs from a direct one by ~1e-9
+        assert cache[0, p] == pytest.approx(float(ref), abs=1e-7), p
+    late = slice(S + W + 2, N - 1)  # the sinks have moved by at least 3 positions
+    assert (cache[:, late] - absolute[:, late]).abs().min() > 1e-5  # 300x the tolerance above
+    # before the shift is positive both agree
+    assert torch.equal(cache[:, :S + W - 1], absolute[:, :S + W - 1])
+    with pytest.raises(ValueError, match="sink_positions"):
+        stream_nll(model, ids, chunk=1, mode="window", window=W, sink=S, sink_positions="relative")
+

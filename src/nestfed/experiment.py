@@ -34,7 +34,7 @@ from nestfed.data import partition, sources, tasks
 from nestfed.errors import ConfigError, DataError
 from nestfed.federation.client import ClientData, ClientTrainer
 from nestfed.federation.messages import ClientInfo
-from nestfed.federation.runner import RoundLoop
+from nestfed.federation.runner import RoundLoop, save_tensors_atomic
 from nestfed.frozen_prefix import first_adapted_layer
 from nestfed.strategies import make_strategy
 
@@ -204,6 +204,21 @@ def install_fednl_memory(prep: Prepared, cfg: C.ExperimentConfig) -> dict[str, t
     return fresh_rule_arrays(model, layers)
 
 
+def install_method_modules(prep: Prepared, cfg: C.ExperimentConfig) -> dict[str, torch.Tensor]:
+    """What a method adds to the prepared backbone before its first round, on the server's side
+    (embedded runner) and on every Flower node alike: FedNL's memory layers (returns their fresh
+    rules, payload-keyed; {} for other methods), and for a streamed evaluation
+    (``train.eval_stream_chunk > 0``) a disabled memory module on every layer.
+    Raises ConfigError as :func:`install_fednl_memory` does."""
+    memory_init = install_fednl_memory(prep, cfg) if cfg.strategy.name == "fednl" else {}
+    if cfg.train.eval_stream_chunk > 0:  # streamed evaluation: every layer needs a (disabled) memory module
+        from nestfed.adapters.memory import MemorySettings, install_memory
+
+        install_memory(prep.backbone.model, MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window,
+                                                           sink=cfg.memory.sink_tokens))
+    return memory_init
+
+
 def prepare(cfg: C.ExperimentConfig, on_status: Callable[[str], None] | None = None,
             only_clients: list[int] | None = None) -> Prepared:
     """Load the backbone, inject LoRA (rank r_max), build and cache every client's data.
@@ -280,13 +295,9 @@ def run_experiment(prep: Prepared, cfg: C.ExperimentConfig, run_dir: Path, resum
     if not resume:
         write_text_atomic(run_dir / "config.toml", C.dumps_toml(cfg))
     strategy = make_strategy(cfg)
+    memory_init = install_method_modules(prep, cfg)
     if cfg.strategy.name == "fednl":
-        strategy.options["memory_init"] = install_fednl_memory(prep, cfg)
-    if cfg.train.eval_stream_chunk > 0:  # streamed evaluation: every layer needs a (disabled) memory module
-        from nestfed.adapters.memory import MemorySettings, install_memory
-
-        install_memory(prep.backbone.model, MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window,
-                                                           sink=cfg.memory.sink_tokens))
+        strategy.options["memory_init"] = memory_init
     for c in prep.clients:
         if c.rank > C.r_max(cfg):
             raise ConfigError(f"lora.ranks: client {c.cid} rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
@@ -299,10 +310,7 @@ def run_experiment(prep: Prepared, cfg: C.ExperimentConfig, run_dir: Path, resum
     if arrays:  # FedNL with fednl_travel = "rules" has no global LoRA: each client keeps its own
         export_peft_adapter(arrays, scale, run_dir / "adapter", prep.backbone.source)
     if hasattr(strategy, "export_rules"):
-        from safetensors.torch import save_file
-
-        save_file({k: v.contiguous() for k, v in strategy.export_rules(state).items()},
-                  str(run_dir / "memory_rules.safetensors"))
+        save_tensors_atomic(strategy.export_rules(state), run_dir / "memory_rules.safetensors")
     from nestfed import report
 
     if cfg.output.plots:

@@ -43,18 +43,38 @@ def _run_layers(model: nn.Module, hidden: torch.Tensor, start: int, stop: int) -
     return hidden
 
 
+def labelled_length(labels: torch.Tensor) -> torch.Tensor:
+    """Per row of labels [N, T] (-100 = no loss): the positions its loss depends on, up to and
+    including its last labelled token ([N], tokens; 0 for a row without labels). A causal
+    model's outputs there never depend on the positions after them."""
+    positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
+    return ((labels != -100) * positions).amax(dim=1) if labels.numel() else labels.new_zeros(labels.shape[0])
+
+
 @torch.no_grad()
-def prefix_features(model: nn.Module, input_ids: torch.Tensor, start: int, batch_size: int = 8) -> torch.Tensor:
+def prefix_features(model: nn.Module, input_ids: torch.Tensor, start: int, batch_size: int = 8,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
     """Hidden states entering decoder layer ``start``: input_ids [N, T] -> [N, T, hidden].
 
     start = 0 returns the token embeddings. Computed without gradients in batches of
-    ``batch_size`` sequences.
+    ``batch_size`` sequences. lengths [N] (tokens, e.g. :func:`labelled_length`): only the
+    first ``lengths[i]`` positions of row i are needed; rows are then batched longest first and
+    each batch runs only to its longest row, so right padding costs nothing (MMLU prompts: about
+    half the positions). Positions at or past a row's length hold zeros or values nobody reads.
     """
-    outs = []
-    for i in range(0, input_ids.shape[0], batch_size):
-        h = model.model.embed_tokens(input_ids[i:i + batch_size])
-        outs.append(_run_layers(model, h, 0, start))
-    return torch.cat(outs) if outs else torch.empty(0)
+    N, T = input_ids.shape
+    if lengths is None:
+        outs = [_run_layers(model, model.model.embed_tokens(input_ids[i:i + batch_size]), 0, start)
+                for i in range(0, N, batch_size)]
+        return torch.cat(outs) if outs else torch.empty(0)
+    emb = model.model.embed_tokens.weight
+    out = torch.zeros(N, T, emb.shape[1], dtype=emb.dtype, device=emb.device)
+    order = torch.argsort(lengths.clamp(1, T), descending=True, stable=True)
+    for i in range(0, N, batch_size):
+        rows = order[i:i + batch_size]
+        t = int(lengths[rows].clamp(1, T).max())
+        out[rows, :t] = _run_layers(model, model.model.embed_tokens(input_ids[rows, :t]), 0, start)
+    return out
 
 
 def final_hidden(model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
@@ -90,8 +110,15 @@ def labelled_logits(model: nn.Module, labels: torch.Tensor, input_ids: torch.Ten
     next tokens in row-major order. The same values
     as ``lm_logits`` at those positions; on multiple-choice or response-only batches (one or a few
     labelled tokens per row) it skips the [B, T, vocab] head, most of a step's cost on SmolLM2
-    (49,152-word vocabulary). Raises ValueError as :func:`final_hidden`.
+    (49,152-word vocabulary), and the layers run only up to the batch's last labelled position
+    (:func:`labelled_length`: right padding after it costs nothing). Raises ValueError as
+    :func:`final_hidden`.
     """
+    t = max(int(labelled_length(labels).max()), 1) if labels.numel() else labels.shape[1]
+    if t < labels.shape[1]:
+        labels = labels[:, :t]
+        input_ids = None if input_ids is None else input_ids[:, :t]
+        hidden = None if hidden is None else hidden[:, :t]
     h = final_hidden(model, input_ids, hidden, start)
     mask = labels[:, 1:] != -100
     return model.lm_head(h[:, :-1][mask]), labels[:, 1:][mask]

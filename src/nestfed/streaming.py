@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from nestfed.adapters.memory import LayerStream, attention_modules, memory_rules
 
 MODES = ("memory", "window", "full")
+SINK_POSITIONS = ("cache", "absolute")
 
 
 @dataclass
@@ -42,20 +43,28 @@ class StreamStats:
 
 @contextmanager
 def streaming(model: nn.Module, mode: str = "memory", window: int = 512,
-              sink: int = 0) -> Iterator[dict[int, LayerStream]]:
+              sink: int = 0, sink_positions: str = "cache") -> Iterator[dict[int, LayerStream]]:
     """Attach a fresh :class:`LayerStream` to every attention layer for the duration of a stream.
 
     mode: ``memory`` -- layers whose memory is enabled run it, every softmax path uses the window;
     ``window`` -- no memory, every softmax path windowed (a sliding-window baseline); ``full`` --
     no memory and no window (plain attention with an unbounded cache). window: tokens (>= 1 for
     ``memory`` and ``window``). sink: the first tokens every windowed query keeps seeing
-    (attention sinks, adapters/memory.py; 0 = none). Yields {layer index: LayerStream};
-    detaches them on exit.
+    (attention sinks, adapters/memory.py; 0 = none). sink_positions: ``cache`` -- before each
+    chunk the sinks move to the positions just before the window (StreamingLLM's positions
+    within the cache, Xiao et al., ICLR 2024, section 3.2; :func:`shift_sinks`), so no query
+    is ever further than ``sink + window + chunk`` tokens from a key it sees, whatever the
+    stream's length; ``absolute`` -- sink j stays at position j (past the backbone's trained
+    context once the stream is long enough). Yields {layer index: LayerStream}; detaches them
+    on exit.
 
-    Raises ValueError for an unknown mode, a bad window, or a layer without a memory module.
+    Raises ValueError for an unknown mode or sink_positions, a bad window, or a layer without a
+    memory module.
     """
     if mode not in MODES:
         raise ValueError(f"stream mode must be one of {', '.join(MODES)}, got '{mode}'")
+    if sink_positions not in SINK_POSITIONS:
+        raise ValueError(f"sink_positions must be one of {', '.join(SINK_POSITIONS)}, got '{sink_positions}'")
     if mode != "full" and window < 1:
         raise ValueError(f"stream mode '{mode}' needs a window >= 1 token, got {window}")
     rules = memory_rules(model)
@@ -65,7 +74,8 @@ def streaming(model: nn.Module, mode: str = "memory", window: int = 512,
                          "(install_memory(model, settings) on all layers; disabled ones run plain attention)")
     streams = {}
     for i, rule in rules.items():
-        streams[i] = LayerStream(window=0 if mode == "full" else window, memory=mode == "memory", sink=sink)
+        streams[i] = LayerStream(window=0 if mode == "full" else window, memory=mode == "memory", sink=sink,
+                                 sink_positions=sink_positions)
         rule.stream = streams[i]
     try:
         yield streams
@@ -74,9 +84,30 @@ def streaming(model: nn.Module, mode: str = "memory", window: int = 512,
             rule.stream = None
 
 
-def _chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:
-    """Logits [B, T, V] of one chunk ids [B, T] whose first token sits at absolute position ``pos``."""
+def shift_sinks(model: nn.Module, pos: int) -> None:
+    """Before a chunk whose first token sits at position ``pos``: give every attached stream whose
+    sinks use cache positions the RoPE rotation that moves sink j to ``pos - window + 1 - sink + j``
+    (just before the first window key the chunk's first query sees), or none while that shift is
+    <= 0 (the sinks are still in place). StreamingLLM (Xiao et al., ICLR 2024), section 3.2."""
     inner = model.model
+    for rule in memory_rules(model).values():
+        st = rule.stream
+        if st is None:
+            continue
+        delta = pos - st.window + 1 - st.sink
+        if st.sink_positions != "cache" or st.window < 1 or st.sink < 1 or delta <= 0:
+            st.sink_rotation = None
+            continue
+        ref = inner.embed_tokens.weight
+        cos, sin = inner.rotary_emb(ref[:1].unsqueeze(0), position_ids=torch.tensor([[delta]], device=ref.device))
+        st.sink_rotation = (cos, sin)  # each [1, 1, D]
+
+
+def _chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:
+    """Logits [B, T, V] of one chunk ids [B, T] whose first token sits at absolute position ``pos``
+    (the streams' sinks shifted first, :func:`shift_sinks`)."""
+    inner = model.model
+    shift_sinks(model, pos)
     h = inner.embed_tokens(ids)
     position_ids = torch.arange(pos, pos + ids.shape[1], device=ids.device).unsqueeze(0)
     pe = inner.rotary_emb(h, position_ids=position_ids)
@@ -103,9 +134,11 @@ def _nll_of_chunk(logits: torch.Tensor, prev_last: torch.Tensor | None, ids: tor
 @torch.no_grad()
 def stream_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, mode: str = "memory", window: int = 512,
                stats: StreamStats | None = None, sink: int = 0,
-               on_chunk: Callable[[int, StreamStats], None] | None = None) -> torch.Tensor:
+               on_chunk: Callable[[int, StreamStats], None] | None = None,
+               sink_positions: str = "cache") -> torch.Tensor:
     """Next-token NLL (nats; fp32, fp64 for an fp64 model) of tokens 1..N-1 of ``ids`` [B, N], streamed ``chunk`` tokens
-    at a time through the model's memory layers (see :func:`streaming` for ``mode`` / ``window``).
+    at a time through the model's memory layers (see :func:`streaming` for ``mode``, ``window``,
+    ``sink`` and ``sink_positions``; with sinks at cache positions the NLL depends on ``chunk``).
 
     Returns [B, N - 1]. Only one chunk's activations and logits live at a time; the state carried
     between chunks is bounded by the window (mode ``memory`` / ``window``). stats, when given, is
@@ -119,7 +152,7 @@ def stream_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, mode: str
     stats = stats if stats is not None else StreamStats()
     out = []
     prev_last = None
-    with streaming(model, mode, window, sink) as streams:
+    with streaming(model, mode, window, sink, sink_positions) as streams:
         for n, start in enumerate(range(0, ids.shape[1], chunk)):
             part = ids[:, start:start + chunk]
             logits = _chunk_logits(model, part, start)
@@ -185,7 +218,8 @@ def binned_ce(nll: torch.Tensor, bin_size: int = 1024) -> dict[str, list[float]]
 
 @torch.no_grad()
 def stream_evaluate(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk: int, window: int,
-                    letter_ids: list[int] | None = None, sink: int = 0) -> dict[str, float]:
+                    letter_ids: list[int] | None = None, sink: int = 0,
+                    sink_positions: str = "cache") -> dict[str, float]:
     """Held-out metrics of right-padded rows, each streamed alone at constant memory (mode
     ``memory``: enabled memory layers run their memory, every softmax path sees ``window``
     tokens). For contexts whose one-pass forward does not fit (NIAH at 8K/16K on a CPU).
@@ -194,7 +228,8 @@ def stream_evaluate(model: nn.Module, input_ids: torch.Tensor, labels: torch.Ten
     token). Returns ``loss`` (nats per labelled token), ``ppl``, ``tokens`` and, with
     ``letter_ids`` (4 ids, one labelled token per row), ``accuracy`` from the 4 letter logits at
     the answer position -- the same numbers :func:`nestfed.evaluate.evaluate_lm` gives when the
-    one-pass forward uses the same window (tested).
+    one-pass forward uses the same window (tested; with sinks, for ``sink_positions="absolute"``,
+    the one-pass forward's).
     Raises ValueError as :func:`streaming` does, or for mismatched shapes.
     """
     import math
@@ -211,7 +246,7 @@ def stream_evaluate(model: nn.Module, input_ids: torch.Tensor, labels: torch.Ten
         end = int(marked.max()) + 1
         ids = input_ids[r:r + 1, :end]
         want = set((marked - 1).clamp(min=0).tolist())  # positions whose logits predict a label
-        with streaming(model, "memory", window, sink):
+        with streaming(model, "memory", window, sink, sink_positions):
             for start in range(0, end, chunk):
                 part = ids[:, start:start + chunk]
                 logits = _chunk_logits(model, part, start)[0]  # [t, V]

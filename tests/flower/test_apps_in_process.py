@@ -164,3 +164,56 @@ def test_resume_continues_from_the_latest_checkpoint_to_the_same_adapter(tmp_pat
     assert [ln["round"] for ln in lines(part)] == [0, 1, 2]
     assert any("resuming" in m for m in summary["events"])
     assert_same_adapter(full, part)
+
+
+def fresh_process(node, msg):
+    """What flwr 1.42's process isolation does: every message meets a fresh ClientApp process, so
+    nothing a node built in memory survives from one message to the next (only Context.state)."""
+    CA._CACHE.clear()
+    return None
+
+
+@pytest.mark.parametrize("name,extra", [("fednl", ("strategy.fednl_travel=rules",)), ("fednl", ()),
+                                        ("fedala", ())])
+def test_client_state_survives_fresh_processes_through_the_context(tmp_path, keep_threads, name, extra):
+    """FedNL rules-only (each client's own LoRA) and FedALA (its weights and local model) keep
+    per-client state between rounds; FedNL with everything travelling keeps none. Through
+    Context.state, a fresh process per message ends with the embedded runner's client state and
+    gives its evaluations and exports bit for bit; with the state wiped before every message the
+    rules-only evaluations differ (so the comparison can fail)."""
+    from safetensors.torch import load_file
+
+    over = OVERRIDES + (f"strategy.name={name}", "lora.ranks=[4]", "lora.target_modules=[\"q_proj\",\"v_proj\"]") + extra
+    emb = embedded_run(tmp_path / "embedded", over)
+    grid = LocalGrid(CA.app, NODES, fail=fresh_process)
+    run_on_grid(grid, run_config(tmp_path / "flower", overrides=";".join(over), evaluate=True))
+    fl, em = lines(tmp_path / "flower"), lines(emb)
+    assert [a["eval"] for a in fl] == [b["eval"] for b in em]
+    kept = emb / "checkpoints" / "clients_002.safetensors"
+    want = load_file(str(kept)) if kept.exists() else {}
+    assert bool(want) == (name == "fedala" or bool(extra))
+    got = {}
+    for node, ctx in grid._contexts.items():
+        rec = ctx.state.array_records.get(CA.CLIENT_STATE)
+        pid = NODES[node]["partition-id"]
+        got.update({f"{pid}/{k}": torch.from_numpy(a.numpy()) for k, a in (rec or {}).items()})
+    assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
+    if name == "fednl":
+        ra, rb = (load_file(str(d / "memory_rules.safetensors")) for d in (emb, tmp_path / "flower"))
+        assert sorted(ra) == sorted(rb) and all(torch.equal(ra[k], rb[k]) for k in ra)
+    rules_only = "strategy.fednl_travel=rules" in extra
+    assert (tmp_path / "flower" / "adapter").exists() == (not rules_only)
+    if not rules_only:
+        assert_same_adapter(emb, tmp_path / "flower")
+        return
+    amnesiac = LocalGrid(CA.app, NODES)
+
+    def amnesia(node, msg):
+        fresh_process(node, msg)
+        amnesiac._contexts[node].state = type(amnesiac._contexts[node].state)()
+
+    amnesiac.fail = amnesia
+    run_on_grid(amnesiac, run_config(tmp_path / "amnesia", overrides=";".join(over), evaluate=True))
+    lost = lines(tmp_path / "amnesia")
+    assert lost[0]["eval"] == em[0]["eval"]  # before any training nothing was kept
+    assert lost[2]["eval"] != em[2]["eval"]

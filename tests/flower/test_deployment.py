@@ -148,3 +148,24 @@ def test_tls_and_supernode_authentication_admit_registered_nodes_only(tmp_path):
         assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
     finally:
         d.stop()
+
+
+def test_fednl_rules_only_keeps_each_clients_lora_across_fresh_processes(deployment, tmp_path):
+    """FedNL with only the memory rules travelling: each client's own LoRA lives in its SuperNode's
+    Context.state between messages (every message meets a fresh ClientApp process), so two rounds
+    evaluate and export exactly as the embedded runner does."""
+    from flower_helpers import embedded_run
+
+    over = OVERRIDES + ("strategy.name=fednl", "strategy.fednl_travel=rules", "lora.ranks=[4]",
+                        "lora.target_modules=[\"q_proj\",\"v_proj\"]")
+    emb = embedded_run(tmp_path / "embedded", over)
+    d = deployment
+    d.start_superlink()
+    for i in range(3):
+        d.start_supernode({"partition-id": i, "num-partitions": 3})
+    run_dir = tmp_path / "run"
+    finish(d, d.submit(APP_DIR, run_config(run_dir, overrides=";".join(over), evaluate=True)))
+    assert [ln["eval"] for ln in metrics(run_dir)] == [ln["eval"] for ln in metrics(emb)]
+    ra, rb = (load_file(str(p / "memory_rules.safetensors")) for p in (emb, run_dir))
+    assert sorted(ra) == sorted(rb) and all(torch.equal(ra[k], rb[k]) for k in ra)
+    assert not (run_dir / "adapter").exists()  # rules only: no global LoRA

@@ -110,7 +110,13 @@ class LayerStream:
     window (tokens, 0 = none). sink: attention-sink tokens kept visible (0 = none).
     memory: whether the linear path runs. S: the delta-rule state [B, H, D, D] (fp32; None
     before the first chunk). k_tail: the last ``beta_window - 1`` raw keys [B, n, H_kv, D];
-    x_tail: the last ``dynamic_kernel - 1`` gate inputs [B, n, hidden].
+    x_tail: the last ``dynamic_kernel - 1`` gate inputs [B, n, hidden]. sink_rotation: RoPE
+    (cos, sin), each [1, 1, D], of a shift delta (tokens) applied to the cached sinks for the next
+    chunk only, so that sink j sits at position j + delta just before the window (StreamingLLM's
+    positions within the cache, Xiao et al., ICLR 2024, section 3.2) rather than at j, thousands of
+    tokens away from the queries; None = the sinks keep their absolute positions. The cache keeps
+    the sinks rotated at their own positions; the shift is applied per chunk (RoPE rotations
+    compose: R(j + delta) = R(delta) R(j)).
     """
 
     window: int = 0
@@ -123,6 +129,8 @@ class LayerStream:
     k_tail: torch.Tensor | None = None
     x_tail: torch.Tensor | None = None
     n_sink: int = 0  # how many of the cached keys are sinks (they come first)
+    sink_positions: str = "absolute"  # "cache": nestfed.streaming.shift_sinks sets sink_rotation per chunk
+    sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def nbytes(self) -> int:
         """Bytes held by this layer's stream state (KV cache, memory state, tails)."""
@@ -243,6 +251,18 @@ def _attention_interface(attn: nn.Module):
     return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, module.eager_attention_forward)
 
 
+def _shift_sinks(stream: LayerStream, keys: torch.Tensor) -> torch.Tensor:
+    """keys [B, H_kv, c, D] with the first ``stream.n_sink`` (the cached sinks) rotated on by
+    ``stream.sink_rotation`` (cos, sin [1, 1, D]); unchanged when there is no rotation or no sink."""
+    if stream.sink_rotation is None or not stream.n_sink:
+        return keys
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    cos, sin = (t.to(keys.dtype).unsqueeze(1) for t in stream.sink_rotation)  # [1, 1, 1, D]
+    sinks = keys[:, :, :stream.n_sink]
+    return torch.cat([sinks * cos + rotate_half(sinks) * sin, keys[:, :, stream.n_sink:]], dim=2)
+
+
 def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
                              position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
                              attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
@@ -288,9 +308,11 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
         if keys.shape[2] > T and use_memory:
             raise ValueError(f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the FedNL memory "
                              "state across calls; stream with nestfed.streaming instead")
+    cache_keys = keys  # what a stream carries on: the sinks at their own positions
     if stream is not None:
         if stream.k is not None:
-            keys = torch.cat([stream.k, k_rot], dim=2)
+            cache_keys = torch.cat([stream.k, k_rot], dim=2)
+            keys = _shift_sinks(stream, cache_keys)
             values = torch.cat([stream.v, v_t], dim=2)
         q_pos = torch.arange(stream.pos, stream.pos + T, device=q.device)
         recent = keys.shape[2] - (0 if stream.k is None else stream.n_sink)
@@ -337,7 +359,7 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
         # keep the sinks (positions < sink) and the last window - 1 keys; everything when window = 0
         keep_mask = torch.ones(keys.shape[2], dtype=torch.bool, device=keys.device) if window == 0 else \
             (k_pos >= stream.pos + T - (window - 1)) | (k_pos < sink)
-        stream.k = keys[:, :, keep_mask].detach()
+        stream.k = cache_keys[:, :, keep_mask].detach()
         stream.v = values[:, :, keep_mask].detach()
         stream.n_sink = int(((k_pos < sink) & keep_mask).sum()) if window > 0 else 0
         stream.pos += T

@@ -25,7 +25,7 @@ from nestfed.evaluate import evaluate_lm
 from nestfed.federation.messages import Arrays, Instruction, Reply
 from nestfed.federation import client_state as local
 from nestfed.federation.objectives import OBJECTIVES, Batch, tail_norm
-from nestfed.frozen_prefix import prefix_features
+from nestfed.frozen_prefix import labelled_length, prefix_features
 
 
 @dataclass
@@ -56,11 +56,14 @@ class ClientData:
         return int(self.train_ids.shape[0])
 
     def cache_prefix(self, model: nn.Module, start: int, batch_size: int = 8) -> None:
-        """Compute and keep the frozen layers' outputs for train and test (see frozen_prefix)."""
+        """Compute and keep the frozen layers' outputs for train and test (see frozen_prefix),
+        each row only up to its last labelled token (what every loss and metric here reads)."""
         self.start = start
         if start > 0:
-            self.train_hidden = prefix_features(model, self.train_ids, start, batch_size)
-            self.test_hidden = prefix_features(model, self.test_ids, start, batch_size)
+            self.train_hidden = prefix_features(model, self.train_ids, start, batch_size,
+                                                labelled_length(self.train_labels))
+            self.test_hidden = prefix_features(model, self.test_ids, start, batch_size,
+                                               labelled_length(self.test_labels))
 
 
 def extra_parameters(model: nn.Module, arrays: Arrays) -> dict[str, nn.Parameter]:

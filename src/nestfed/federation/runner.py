@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
+import torch
 from safetensors.torch import load_file, save_file
 
 from nestfed.errors import UpdateRejected
@@ -48,18 +49,23 @@ def sample_clients(clients: list[ClientInfo], fraction: float, seed: int, rnd: i
     return [clients[i] for i in chosen]
 
 
-def save_checkpoint(path: Path, rnd: int, state: GlobalState) -> None:
-    """Write the global state after round ``rnd`` to ``path`` (safetensors + JSON metadata), atomically."""
+def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
+    """Write ``tensors`` to the safetensors file ``path`` via a temporary file and a rename (never
+    half-written; the temporary file is removed on failure)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(fd)
     try:
-        save_file({k: v.contiguous() for k, v in state.arrays.items()}, tmp,
-                  metadata={"round": str(rnd), "meta": json.dumps(state.meta)})
+        save_file({k: v.contiguous() for k, v in tensors.items()}, tmp, metadata=metadata)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def save_checkpoint(path: Path, rnd: int, state: GlobalState) -> None:
+    """Write the global state after round ``rnd`` to ``path`` (safetensors + JSON metadata), atomically."""
+    save_tensors_atomic(state.arrays, path, {"round": str(rnd), "meta": json.dumps(state.meta)})
 
 
 def load_checkpoint(path: Path) -> tuple[int, GlobalState]:
@@ -85,15 +91,7 @@ def save_client_state(trainer: Any, ckpt: Path) -> None:
     state = getattr(trainer, "client_state", None)
     if not state:
         return
-    path = client_state_path(ckpt)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
-    os.close(fd)
-    try:
-        save_file(flatten_state(state), tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    save_tensors_atomic(flatten_state(state), client_state_path(ckpt))
 
 
 def load_client_state(trainer: Any, ckpt: Path) -> None:

@@ -13,10 +13,19 @@ from it (base weights and data must already be on the node: only adapters travel
 process builds is cached by (config, partition), so a process that serves several messages
 builds once (flwr 1.42 starts a fresh ClientApp process per message, so each message pays it).
 
+What a client keeps between rounds (``ClientTrainer.client_state``: FedNL's own LoRA when only
+the rules travel, FedALA's weights and local model) lives in the node's ``Context.state`` under
+``nestfed-client-state``: restored before every TRAIN and EVALUATE, stored after every TRAIN. The
+SuperNode keeps a run's context across messages (and across ClientApp processes), and it never
+leaves the node, so a fresh process per message trains exactly as the embedded runner's one
+process does (tested). It lasts as long as the SuperNode's run: a ``resume`` after the SuperNodes
+restarted starts the clients' state afresh (the embedded runner's checkpoints keep it).
+
 Messages:
 
 - QUERY -> ``node`` ConfigRecord: partition-id, rank, num-examples, base-model, shapes (JSON
-  ``{module: [out, in]}``), prepare-s, process-age-s.
+  ``{module: [out, in]}``), prepare-s, process-age-s; for FedNL also ``memory-init`` (an
+  ArrayRecord: the fresh memory rules of the node's model, which the server's strategy starts from).
 - TRAIN (``arrays`` + ``config`` = one nestfed Instruction) -> ``arrays`` + ``metrics``
   (the Reply of ``ClientTrainer.fit``; timings added as metrics).
 - EVALUATE (``arrays`` + ``config`` with ``scaling``) -> ``metrics`` (``ClientTrainer.evaluate``).
@@ -40,9 +49,12 @@ from nestfed import config as C
 from nestfed.errors import ConfigError
 from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Instruction
-from nestfed.flower.records import record_to_arrays, record_to_config, reply_to_content
+from nestfed.federation.client_state import flatten_state, unflatten_state
+from nestfed.flower.records import arrays_to_record, record_to_arrays, record_to_config, reply_to_content
 
 EXPERIMENT = "experiment"  # ConfigRecord with "toml" (the resolved experiment) and, for TRAIN, "cid"
+CLIENT_STATE = "nestfed-client-state"  # ArrayRecord in Context.state: "<group>/<payload key>" -> tensor
+MEMORY_INIT = "memory-init"  # ArrayRecord in the QUERY reply (FedNL)
 
 
 def process_age_s() -> float:
@@ -66,6 +78,7 @@ class NodeClient:
     shapes: dict[str, tuple[int, int]]
     base_model: str
     prepare_s: float
+    memory_init: dict[str, torch.Tensor]
 
     @property
     def num_examples(self) -> int:
@@ -103,7 +116,7 @@ def node_settings(node_config: dict[str, Any], cfg: C.ExperimentConfig) -> tuple
 
 def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
     """The (cached) NodeClient for this experiment and this node's partition."""
-    from nestfed.experiment import prepare
+    from nestfed.experiment import install_method_modules, prepare
 
     cfg = parse_experiment(cfg_text)
     pid, rank_override, threads = node_settings(node_config, cfg)
@@ -115,8 +128,9 @@ def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
     t0 = time.perf_counter()
     prep = prepare(cfg, only_clients=[pid])  # sets train.threads itself when non-zero
     rank = rank_override if rank_override is not None else prep.clients[0].rank
+    memory_init = install_method_modules(prep, cfg)
     trainer = ClientTrainer(prep.backbone.model, prep.data, cfg.train)
-    nc = NodeClient(cfg, pid, rank, trainer, prep.shapes, prep.backbone.source, time.perf_counter() - t0)
+    nc = NodeClient(cfg, pid, rank, trainer, prep.shapes, prep.backbone.source, time.perf_counter() - t0, memory_init)
     _CACHE[key] = nc
     return nc
 
@@ -134,7 +148,24 @@ def handle_query(msg: Message, context: Context) -> Message:
         "shapes": json.dumps({k: list(v) for k, v in nc.shapes.items()}), "prepare-s": nc.prepare_s,
         "process-age-s": entered, "torch-threads": torch.get_num_threads(),
     })
-    return Message(RecordDict({"node": info}), reply_to=msg)
+    content = RecordDict({"node": info})
+    if nc.memory_init:
+        content[MEMORY_INIT] = arrays_to_record(nc.memory_init)
+    return Message(content, reply_to=msg)
+
+
+def restore_client_state(context: Context, nc: NodeClient) -> None:
+    """Put the state this node's client kept from earlier rounds (``context.state``) into its
+    trainer; an empty one when there is none yet (the first round, or a restarted SuperNode)."""
+    rec = context.state.array_records.get(CLIENT_STATE)
+    flat = {} if rec is None else record_to_arrays(rec)
+    nc.trainer.client_state[nc.cid] = unflatten_state({f"{nc.cid}/{k}": t for k, t in flat.items()}).get(nc.cid, {})
+
+
+def store_client_state(context: Context, nc: NodeClient) -> None:
+    """Keep this node's client state (after a TRAIN) in ``context.state`` for its next message."""
+    flat = flatten_state({nc.cid: nc.trainer.client_state.get(nc.cid, {})})
+    context.state[CLIENT_STATE] = arrays_to_record({k.split("/", 1)[1]: t for k, t in flat.items()})
 
 
 def _check_cid(msg: Message, nc: NodeClient) -> None:
@@ -153,7 +184,9 @@ def handle_train(msg: Message, context: Context) -> Message:
     instruction = Instruction(record_to_arrays(msg.content.array_records["arrays"]),
                               record_to_config(msg.content.config_records["config"]))
     decode_s = time.perf_counter() - t0
+    restore_client_state(context, nc)
     reply = nc.trainer.fit(nc.cid, instruction)
+    store_client_state(context, nc)
     t1 = time.perf_counter()
     content = reply_to_content(reply)
     mr = content.metric_records["metrics"]
@@ -172,6 +205,7 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
     _check_cid(msg, nc)
     cfg = record_to_config(msg.content.config_records["config"])
     arrays = record_to_arrays(msg.content.array_records["arrays"]) if "arrays" in msg.content.array_records else {}
+    restore_client_state(context, nc)
     metrics = nc.trainer.evaluate(nc.cid, arrays, float(cfg["scaling"]))
     return Message(RecordDict({"metrics": MetricRecord({k: float(v) for k, v in metrics.items()})}), reply_to=msg)
 
@@ -181,4 +215,5 @@ app.query()(handle_query)
 app.train()(handle_train)
 app.evaluate()(handle_evaluate)
 
-__all__ = ["app", "handle_evaluate", "handle_query", "handle_train", "node_client", "NodeClient"]
+__all__ = ["app", "handle_evaluate", "handle_query", "handle_train", "node_client", "NodeClient", "restore_client_state",
+           "store_client_state"]

@@ -27,7 +27,9 @@ Run config (``[tool.flwr.app.config]`` of ``flower_app/pyproject.toml``, overrid
 Round: sample -> ``strategy.configure`` -> one TRAIN message per sampled node with its own
 ArrayRecord (its rank's shapes) and ConfigRecord -> pull replies until all arrived or the
 timeout -> ``validate_reply`` each -> ``strategy.aggregate`` (if at least min-clients were
-accepted) -> atomic checkpoint -> [evaluate] -> one metrics line. Finally the PEFT adapter.
+accepted) -> atomic checkpoint -> [evaluate] -> one metrics line. Finally the PEFT adapter (none
+for FedNL when only the rules travel) and, for FedNL, ``memory_rules.safetensors``; the strategy
+starts FedNL from the fresh memory rules a node reported in its QUERY reply.
 """
 
 from __future__ import annotations
@@ -47,9 +49,10 @@ from nestfed.errors import ConfigError, UpdateRejected
 from nestfed.experiment import new_run_dir, write_text_atomic
 from nestfed.federation.messages import ClientInfo, GlobalState, Instruction, Reply
 from nestfed.federation.payload import payload_stats, validate_reply
-from nestfed.federation.runner import latest_checkpoint, load_checkpoint, sample_clients, save_checkpoint
-from nestfed.flower.client_app import EXPERIMENT
-from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply
+from nestfed.federation.runner import (latest_checkpoint, load_checkpoint, sample_clients, save_checkpoint,
+                                      save_tensors_atomic)
+from nestfed.flower.client_app import EXPERIMENT, MEMORY_INIT
+from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply, record_to_arrays
 from nestfed.strategies import make_strategy
 
 # Timings the ClientApp adds to a TRAIN reply's metrics (see client_app.handle_train).
@@ -192,6 +195,7 @@ class FlowerRun:
     settings: RunSettings
     app_dir: Path | None = None
     log: list[str] = field(default_factory=list)
+    memory_init: dict[str, Any] = field(default_factory=dict)  # FedNL: the fresh rules a node reported
 
     def say(self, text: str) -> None:
         from logging import INFO
@@ -225,6 +229,7 @@ class FlowerRun:
         clients: list[ClientInfo] = []
         node_of: dict[int, int] = {}
         shapes: dict[str, tuple[int, int]] | None = None
+        memory_init: dict[str, Any] = {}
         base_model = ""
         info: dict[str, dict[str, Any]] = {}
         for n in sorted(ex.replies):
@@ -246,6 +251,8 @@ class FlowerRun:
                 self.say(f"query: node {n} left out: its LoRA layer shapes differ from the other nodes'")
                 continue
             shapes = node_shapes
+            if MEMORY_INIT in msg.content.array_records and not memory_init:
+                memory_init = record_to_arrays(msg.content.array_records[MEMORY_INIT])
             base_model = str(rec.get("base-model", ""))
             node_of[cid] = n
             clients.append(ClientInfo(cid, rank, n_k))
@@ -257,6 +264,7 @@ class FlowerRun:
         missing = sorted(set(range(cfg.data.num_clients)) - set(node_of))
         if missing:
             self.say(f"query: no node serves partitions {missing}; the federation runs without them")
+        self.memory_init = memory_init
         return clients, node_of, shapes or {}, base_model, info, ex
 
     # -- one round -----------------------------------------------------------------------------
@@ -395,6 +403,11 @@ class FlowerRun:
             if c.rank > C.r_max(cfg):
                 raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
         strategy = make_strategy(cfg)
+        if cfg.strategy.name == "fednl":
+            if not self.memory_init:
+                raise RuntimeError("fednl: no node reported its memory rules ('memory-init' in the QUERY reply); "
+                                   "are the SuperNodes running this nestfed version?")
+            strategy.options["memory_init"] = self.memory_init
         run_dir.mkdir(parents=True, exist_ok=True)
         metrics_path = run_dir / "metrics.jsonl"
         start = 1
@@ -429,7 +442,10 @@ class FlowerRun:
             self.say(f"round {rnd}: {sum(c['status'] == 'accepted' for c in line['clients'].values())} accepted, "
                      f"{len(line['rejected'])} rejected, {len(line['dropped'])} dropped, {line['time_s']:.1f} s")
         arrays, scale = strategy.export(state)
-        export_peft_adapter(arrays, scale, run_dir / "adapter", base_model)
+        if arrays:  # FedNL with fednl_travel = "rules" has no global LoRA: each client keeps its own
+            export_peft_adapter(arrays, scale, run_dir / "adapter", base_model)
+        if hasattr(strategy, "export_rules"):
+            save_tensors_atomic(strategy.export_rules(state), run_dir / "memory_rules.safetensors")
         summary = self._summary(run_dir, cfg, clients, time.perf_counter() - t_start)
         write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
         self.say(f"done: {run_dir}")
