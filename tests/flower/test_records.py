@@ -100,3 +100,18 @@ def test_a_reply_message_carries_the_records():
     reply = Message(reply_to_content(Reply(adapter(2), 3)), reply_to=msg)
     assert reply.metadata.reply_to_message_id == msg.metadata.message_id
     assert content_to_reply(reply.content).num_examples == 3
+
+
+def test_run_config_values_survive_flwrs_command_line_parser():
+    """``flwr run --run-config`` reads a quoted value up to the next quote of its kind: overrides
+    holding double quotes travel in single quotes; a string with both kinds is refused."""
+    from flwr.common.config import parse_config_args
+
+    from nestfed.flower.deploy import toml_value
+
+    rc = {"overrides": 'train.threads=1;lora.target_modules=["q_proj","v_proj"]', "run-dir": "/tmp/a b",
+          "evaluate": True, "round-timeout-s": 2.5, "min-clients": 2}
+    line = " ".join(f"{k}={toml_value(v)}" for k, v in rc.items())
+    assert parse_config_args([line]) == rc
+    with pytest.raises(ValueError, match="both"):
+        toml_value("""a'b"c""")

@@ -45,12 +45,24 @@ def flwr_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def toml_value(v: Any) -> str:
-    """A run-config value as TOML (for ``flwr run --run-config``)."""
+    """A run-config value as TOML (for ``flwr run --run-config``).
+
+    flwr reads a quoted value up to the next quote of its kind (no escapes), so a string holding
+    double quotes (an override such as ``lora.target_modules=["q_proj","v_proj"]``) travels as a
+    TOML literal string in single quotes. Raises ValueError for a string holding both kinds of
+    quote, which that command line cannot carry.
+    """
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
-    return json.dumps(str(v))
+    s = str(v)
+    if '"' not in s:
+        return json.dumps(s)
+    if "'" in s or "\n" in s:
+        raise ValueError(f"run-config value {s!r}: flwr run --run-config cannot carry a string with both ' and \" "
+                         "(or a newline); use the other quote inside it")
+    return f"'{s}'"
 
 
 @dataclass
