@@ -111,10 +111,13 @@ def test_binned_ce():
         binned_ce(torch.tensor([]), 2)
 
 
-def test_stream_evaluate_equals_the_one_pass_evaluation(tiny_llama):
+@pytest.mark.parametrize("sink", [0, 2])
+def test_stream_evaluate_equals_the_one_pass_evaluation(tiny_llama, sink):
+    """Streamed held-out metrics equal the one-pass ones under the same window (and, with sinks
+    at their own positions, the same sinks)."""
     from nestfed.evaluate import evaluate_lm
 
-    model = memory_model(tiny_llama, gate="learned", window=6)
+    model = memory_model(tiny_llama, gate="learned", window=6, sink=sink)
     g = torch.Generator().manual_seed(8)
     ids = torch.randint(0, 250, (3, 21), generator=g)
     labels = torch.full_like(ids, -100)
@@ -127,7 +130,8 @@ def test_stream_evaluate_equals_the_one_pass_evaluation(tiny_llama):
     ref = evaluate_lm(model, labels, ids, letter_ids=letters)
     from nestfed.streaming import stream_evaluate
 
-    got = stream_evaluate(model, ids, labels, chunk=4, window=6, letter_ids=letters)
+    got = stream_evaluate(model, ids, labels, chunk=4, window=6, letter_ids=letters, sink=sink,
+                          sink_positions="absolute")
     assert got["tokens"] == ref["tokens"] == 3
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)  # evaluate_lm takes the CE in fp32
     assert got["accuracy"] == ref["accuracy"]
@@ -159,3 +163,14 @@ def test_cache_sink_positions_put_the_sinks_just_before_the_window():
     with pytest.raises(ValueError, match="sink_positions"):
         stream_nll(model, ids, chunk=1, mode="window", window=W, sink=S, sink_positions="relative")
 
+
+
+def test_cache_sink_positions_refuse_position_dependent_rope(tiny_llama):
+    model = tiny_llama.model
+    install_memory(model, MemorySettings())
+    ids = torch.randint(0, 250, (1, 12), generator=torch.Generator().manual_seed(1))
+    model.model.rotary_emb.rope_type = "dynamic"
+    with pytest.raises(ValueError, match="rope_type is 'dynamic'"):
+        stream_nll(model, ids, chunk=4, mode="window", window=4, sink=1)
+    absolute = stream_nll(model, ids, chunk=4, mode="window", window=4, sink=1, sink_positions="absolute")
+    assert absolute.shape == (1, 11)

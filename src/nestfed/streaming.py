@@ -29,6 +29,7 @@ from nestfed.adapters.memory import LayerStream, attention_modules, memory_rules
 
 MODES = ("memory", "window", "full")
 SINK_POSITIONS = ("cache", "absolute")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies independent of the position
 
 
 @dataclass
@@ -88,7 +89,13 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
     """Before a chunk whose first token sits at position ``pos``: give every attached stream whose
     sinks use cache positions the RoPE rotation that moves sink j to ``pos - window + 1 - sink + j``
     (just before the first window key the chunk's first query sees), or none while that shift is
-    <= 0 (the sinks are still in place). StreamingLLM (Xiao et al., ICLR 2024), section 3.2."""
+    <= 0 (the sinks are still in place). StreamingLLM (Xiao et al., ICLR 2024), section 3.2.
+
+    The shift composes with the sinks' own rotation, so the RoPE frequencies must not depend on
+    the position (``rope_type`` default, linear, llama3 or yarn; yarn's attention scaling is
+    divided out so the sinks are not scaled twice). Raises ValueError for another rope_type
+    (dynamic, longrope): stream those with ``sink_positions = "absolute"``.
+    """
     inner = model.model
     for rule in memory_rules(model).values():
         st = rule.stream
@@ -98,9 +105,15 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
         if st.sink_positions != "cache" or st.window < 1 or st.sink < 1 or delta <= 0:
             st.sink_rotation = None
             continue
+        rope = inner.rotary_emb
+        if getattr(rope, "rope_type", "default") not in STATIC_ROPE:
+            raise ValueError(f"sink_positions 'cache' needs position-independent RoPE frequencies "
+                             f"({', '.join(STATIC_ROPE)}); this model's rope_type is '{rope.rope_type}': "
+                             "use sink_positions 'absolute'")
         ref = inner.embed_tokens.weight
-        cos, sin = inner.rotary_emb(ref[:1].unsqueeze(0), position_ids=torch.tensor([[delta]], device=ref.device))
-        st.sink_rotation = (cos, sin)  # each [1, 1, D]
+        cos, sin = rope(ref[:1].unsqueeze(0), position_ids=torch.tensor([[delta]], device=ref.device))
+        scale = float(getattr(rope, "attention_scaling", 1.0))
+        st.sink_rotation = (cos / scale, sin / scale)  # each [1, 1, D]
 
 
 def _chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:

@@ -190,6 +190,8 @@ def test_client_state_survives_fresh_processes_through_the_context(tmp_path, kee
     fl, em = lines(tmp_path / "flower"), lines(emb)
     assert [a["eval"] for a in fl] == [b["eval"] for b in em]
     kept = emb / "checkpoints" / "clients_002.safetensors"
+    restored = [{c: v["client_state_arrays"] for c, v in ln["clients"].items()} for ln in fl[1:]]
+    assert restored[0] == {"0": 0, "1": 0, "2": 0} and (min(restored[1].values()) > 0) == kept.exists()
     want = load_file(str(kept)) if kept.exists() else {}
     assert bool(want) == (name == "fedala" or bool(extra))
     got = {}
@@ -215,5 +217,6 @@ def test_client_state_survives_fresh_processes_through_the_context(tmp_path, kee
     amnesiac.fail = amnesia
     run_on_grid(amnesiac, run_config(tmp_path / "amnesia", overrides=";".join(over), evaluate=True))
     lost = lines(tmp_path / "amnesia")
+    assert all(v["client_state_arrays"] == 0 for ln in lost[1:] for v in ln["clients"].values())
     assert lost[0]["eval"] == em[0]["eval"]  # before any training nothing was kept
     assert lost[2]["eval"] != em[2]["eval"]

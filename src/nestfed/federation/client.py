@@ -271,6 +271,9 @@ class ClientTrainer:
 
     def _evaluate_streamed(self, d: ClientData) -> dict[str, float]:
         """Streamed evaluation (long contexts): per group when ``test_groups`` is set, as above.
+        With ``memory.sink_tokens`` > 0 the sinks sit at cache positions (nestfed.streaming's
+        default, what keeps contexts past the backbone's trained length usable), so the numbers
+        then differ from a one-pass evaluation, which keeps them at their own positions.
         Raises ValueError when the frozen prefix is cached (streams need token ids) or a layer
         lacks a memory module."""
         from nestfed.adapters.memory import memory_rules

@@ -154,12 +154,15 @@ def handle_query(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-def restore_client_state(context: Context, nc: NodeClient) -> None:
+def restore_client_state(context: Context, nc: NodeClient) -> int:
     """Put the state this node's client kept from earlier rounds (``context.state``) into its
-    trainer; an empty one when there is none yet (the first round, or a restarted SuperNode)."""
+    trainer; an empty one when there is none yet (the first round, or a restarted SuperNode).
+    Returns how many arrays were restored (logged per client and round as ``client_state_arrays``:
+    0 after round 1 for FedALA or FedNL rules-only means the node lost its state)."""
     rec = context.state.array_records.get(CLIENT_STATE)
     flat = {} if rec is None else record_to_arrays(rec)
     nc.trainer.client_state[nc.cid] = unflatten_state({f"{nc.cid}/{k}": t for k, t in flat.items()}).get(nc.cid, {})
+    return len(flat)
 
 
 def store_client_state(context: Context, nc: NodeClient) -> None:
@@ -184,7 +187,7 @@ def handle_train(msg: Message, context: Context) -> Message:
     instruction = Instruction(record_to_arrays(msg.content.array_records["arrays"]),
                               record_to_config(msg.content.config_records["config"]))
     decode_s = time.perf_counter() - t0
-    restore_client_state(context, nc)
+    restored = restore_client_state(context, nc)
     reply = nc.trainer.fit(nc.cid, instruction)
     store_client_state(context, nc)
     t1 = time.perf_counter()
@@ -196,6 +199,7 @@ def handle_train(msg: Message, context: Context) -> Message:
     mr["process_age_s"] = entered
     mr["handler_entered_at"] = t_in
     mr["delivery_s"] = t_in - float(msg.metadata.created_at)
+    mr["client_state_arrays"] = restored
     return Message(content, reply_to=msg)
 
 

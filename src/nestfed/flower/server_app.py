@@ -56,7 +56,8 @@ from nestfed.flower.records import arrays_to_record, config_to_record, content_t
 from nestfed.strategies import make_strategy
 
 # Timings the ClientApp adds to a TRAIN reply's metrics (see client_app.handle_train).
-TRANSPORT_METRICS = ("encode_s", "decode_s", "prepare_s", "process_age_s", "handler_entered_at", "delivery_s")
+TRANSPORT_METRICS = ("encode_s", "decode_s", "prepare_s", "process_age_s", "handler_entered_at", "delivery_s",
+                     "client_state_arrays")
 
 DEFAULTS: dict[str, Any] = {
     "experiment": "experiment.toml",
