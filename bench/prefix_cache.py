@@ -44,12 +44,14 @@ def main() -> None:
     t0 = time.perf_counter()
     full = prefix_features(model, ids, start, bs)
     t_full = time.perf_counter() - t0
+    seen = []  # [rows, positions] of every batch the first layer runs
+    hook = model.model.layers[0].register_forward_hook(lambda mod, args, out: seen.append(args[0].shape[:2]))
     t0 = time.perf_counter()
     trimmed = prefix_features(model, ids, start, bs, lengths)
     t_trim = time.perf_counter() - t0
+    hook.remove()
     diff = max(float((trimmed[r, :n] - full[r, :n]).abs().max()) for r, n in enumerate(lengths.tolist()) if n)
-    order = torch.argsort(lengths, descending=True, stable=True)
-    computed = sum(int(lengths[order[i:i + bs]].max()) * len(order[i:i + bs]) for i in range(0, len(order), bs))
+    computed = sum(int(b) * int(t) for b, t in seen)
     res = {"bench": "prefix_cache", "config": str(a.config.relative_to(ROOT)), "client": d.label, "rows": int(ids.shape[0]),
            "block": int(ids.shape[1]), "frozen_layers": start, "batch_size": bs, "threads": a.threads,
            "mean_labelled_length": round(float(lengths.float().mean()), 1),

@@ -256,11 +256,12 @@ def _shift_sinks(stream: LayerStream, keys: torch.Tensor) -> torch.Tensor:
     ``stream.sink_rotation`` (cos, sin [1, 1, D]); unchanged when there is no rotation or no sink."""
     if stream.sink_rotation is None or not stream.n_sink:
         return keys
-    from transformers.models.llama.modeling_llama import rotate_half
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-    cos, sin = (t.to(keys.dtype).unsqueeze(1) for t in stream.sink_rotation)  # [1, 1, 1, D]
+    cos, sin = (t.to(keys.dtype) for t in stream.sink_rotation)
     sinks = keys[:, :, :stream.n_sink]
-    return torch.cat([sinks * cos + rotate_half(sinks) * sin, keys[:, :, stream.n_sink:]], dim=2)
+    _, shifted = apply_rotary_pos_emb(sinks, sinks, cos, sin)  # the backbone's own rotation, by delta
+    return torch.cat([shifted, keys[:, :, stream.n_sink:]], dim=2)
 
 
 def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,

@@ -50,8 +50,10 @@ def sample_clients(clients: list[ClientInfo], fraction: float, seed: int, rnd: i
 
 
 def save_tensors_atomic(tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None) -> None:
-    """Write ``tensors`` to the safetensors file ``path`` via a temporary file and a rename (never
-    half-written; the temporary file is removed on failure)."""
+    """Write ``tensors`` ({name: tensor}, any shapes) to the safetensors file ``path`` with string
+    ``metadata`` via a temporary file in the same folder and a rename: ``path`` is never
+    half-written. Raises what writing raises (OSError, safetensors' errors), after removing the
+    temporary file; an existing ``path`` is then left as it was."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", dir=path.parent)
     os.close(fd)

@@ -53,7 +53,7 @@ from nestfed.federation.client_state import flatten_state, unflatten_state
 from nestfed.flower.records import arrays_to_record, record_to_arrays, record_to_config, reply_to_content
 
 EXPERIMENT = "experiment"  # ConfigRecord with "toml" (the resolved experiment) and, for TRAIN, "cid"
-CLIENT_STATE = "nestfed-client-state"  # ArrayRecord in Context.state: "<group>/<payload key>" -> tensor
+CLIENT_STATE = "nestfed-client-state"  # ArrayRecord in Context.state: client_state.flatten_state's keys
 MEMORY_INIT = "memory-init"  # ArrayRecord in the QUERY reply (FedNL)
 
 
@@ -161,14 +161,13 @@ def restore_client_state(context: Context, nc: NodeClient) -> int:
     0 after round 1 for FedALA or FedNL rules-only means the node lost its state)."""
     rec = context.state.array_records.get(CLIENT_STATE)
     flat = {} if rec is None else record_to_arrays(rec)
-    nc.trainer.client_state[nc.cid] = unflatten_state({f"{nc.cid}/{k}": t for k, t in flat.items()}).get(nc.cid, {})
+    nc.trainer.client_state[nc.cid] = unflatten_state(flat).get(nc.cid, {})
     return len(flat)
 
 
 def store_client_state(context: Context, nc: NodeClient) -> None:
     """Keep this node's client state (after a TRAIN) in ``context.state`` for its next message."""
-    flat = flatten_state({nc.cid: nc.trainer.client_state.get(nc.cid, {})})
-    context.state[CLIENT_STATE] = arrays_to_record({k.split("/", 1)[1]: t for k, t in flat.items()})
+    context.state[CLIENT_STATE] = arrays_to_record(flatten_state({nc.cid: nc.trainer.client_state.get(nc.cid, {})}))
 
 
 def _check_cid(msg: Message, nc: NodeClient) -> None:
