@@ -36,8 +36,8 @@ def smollm2_shaped(layers: int = 30):
 
 
 def account(rank: int, lora_layers: tuple[int, ...], gate: str) -> dict:
-    from nestfed.adapters.lora import inject_lora, module_shapes
-    from nestfed.adapters.memory import MemorySettings, fresh_rule_arrays, install_memory
+    from nestfed.nn.lora import inject_lora, module_shapes
+    from nestfed.nn.memory import MemorySettings, fresh_rule_arrays, install_memory
     from nestfed.federation.messages import ClientInfo
     from nestfed.federation.payload import payload_stats
     from nestfed.federation.strategy import LoraSettings

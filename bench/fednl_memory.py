@@ -89,10 +89,10 @@ def one(method: str, length: int, chunk: int, window: int, threads: int) -> dict
     import torch
 
     torch.set_num_threads(threads)
-    from nestfed.adapters.memory import MemorySettings, install_memory, set_memory_enabled
-    from nestfed.backbone import load_backbone
+    from nestfed.nn.memory import MemorySettings, install_memory, set_memory_enabled
+    from nestfed.nn.backbone import load_backbone
     from nestfed.config import ModelConfig
-    from nestfed.streaming import StreamStats, stream_nll, stream_nll_hf
+    from nestfed.evaluation.streaming import StreamStats, stream_nll, stream_nll_hf
 
     bb = load_backbone(ModelConfig(name="smollm2-135m"))
     ids, corpus = text_ids(bb.tokenizer, length)

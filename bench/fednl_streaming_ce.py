@@ -6,7 +6,7 @@ The models are the final global states of two finished runs of configs/fednl/lon
 (``--set strategy.name=fedavg`` for the second), read from their run directories. The stream is
 the last N+1 tokens of the longest Austen novel (training packs blocks from the starts of the
 clients' documents, so the end of a novel is unseen). Everything streams chunk by chunk through
-nestfed.streaming:
+nestfed.evaluation.streaming:
 
 - ``fednl``: the memory on the layers FedNL trained, every softmax path windowed
   (``memory.window`` of the run) -- constant memory;
@@ -68,12 +68,12 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fednl_streaming_ce.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
-    from nestfed.adapters.lora import inject_lora
-    from nestfed.adapters.memory import MemorySettings, install_memory
-    from nestfed.backbone import load_backbone
+    from nestfed.nn.lora import inject_lora
+    from nestfed.nn.memory import MemorySettings, install_memory
+    from nestfed.nn.backbone import load_backbone
     from nestfed.config import r_max
     from nestfed.federation.client import apply_arrays
-    from nestfed.streaming import binned_ce, stream_nll
+    from nestfed.evaluation.streaming import binned_ce, stream_nll
 
     cfg_nl, arrays_nl = load_run(a.fednl)
     cfg_avg, arrays_avg = load_run(a.fedavg)

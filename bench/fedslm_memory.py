@@ -85,7 +85,7 @@ def build_compressed(model_dir: Path, bases_path: Path, ratio: float, target: st
     from safetensors import safe_open
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from nestfed.adapters.svd import SVDLinear, rank_for_ratio
+    from nestfed.nn.svd import SVDLinear, rank_for_ratio
 
     config = AutoConfig.from_pretrained(model_dir)
     with torch.device("meta"):
@@ -155,9 +155,9 @@ def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, 
     import transformers  # noqa: F401  (imported before the baseline RSS on purpose)
 
     torch.set_num_threads(threads)
-    from nestfed.adapters.lora import inject_lora, lora_modules
-    from nestfed.adapters.svd import svd_modules
-    from nestfed.frozen_prefix import causal_lm_loss
+    from nestfed.nn.lora import inject_lora, lora_modules
+    from nestfed.nn.svd import svd_modules
+    from nestfed.nn.frozen_prefix import causal_lm_loss
 
     rss0 = rss()
     if setting.startswith("full+lora"):
@@ -266,8 +266,8 @@ def main() -> None:
         return
     import torch
 
-    from nestfed.adapters.svd import compute_bases, save_bases
-    from nestfed.backbone import convert_smollm2, default_cache_dir, load_backbone
+    from nestfed.nn.svd import compute_bases, save_bases
+    from nestfed.nn.backbone import convert_smollm2, default_cache_dir, load_backbone
     from nestfed.config import ModelConfig
 
     model_dir = convert_smollm2(default_cache_dir())

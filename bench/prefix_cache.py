@@ -32,7 +32,7 @@ def main() -> None:
     a = ap.parse_args()
     from nestfed import config as C
     from nestfed.experiment import prepare
-    from nestfed.frozen_prefix import first_adapted_layer, labelled_length, prefix_features
+    from nestfed.nn.frozen_prefix import first_adapted_layer, labelled_length, prefix_features
 
     cfg = C.replace(C.load(a.config), train={"cache_frozen_prefix": False, "threads": a.threads})
     prep = prepare(cfg, only_clients=[a.client])

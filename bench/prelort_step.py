@@ -19,11 +19,11 @@ import time
 
 import torch
 
-from nestfed.adapters.lora import get_adapter_state, inject_lora, set_adapter_state
-from nestfed.backbone import load_backbone
+from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
+from nestfed.nn.backbone import load_backbone
 from nestfed.config import ModelConfig
 from nestfed.federation.objectives import Batch, nested, plain
-from nestfed.frozen_prefix import first_adapted_layer, prefix_features
+from nestfed.nn.frozen_prefix import first_adapted_layer, prefix_features
 
 SUBRANKS = {1: [16], 2: [8, 16], 3: [4, 8, 16], 4: [2, 4, 8, 16]}
 

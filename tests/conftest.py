@@ -1,19 +1,43 @@
-"""Shared fixtures: seeds and tiny random models (hidden 64, 2 layers)."""
+"""Shared fixtures: seeds, thread counts, tiny random models (hidden 64, 2 layers).
+
+Builders of a whole tiny federation (any registered method, set up through its home) live in
+``tiny_federation.py`` beside this file.
+"""
 
 from pathlib import Path
 
 import pytest
 import torch
 
-from nestfed.backbone import load_backbone
 from nestfed.config import ModelConfig
+from nestfed.nn.backbone import load_backbone
 
 SHARED = Path(__file__).resolve().parents[2] / "shared"
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny matmuls on one intra-op thread: on a shared 2-core machine two OpenMP threads on small
+    ops can run 50x slower when another process holds a core; exact comparisons also want one
+    thread count. Restores the count afterwards."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture
+def keep_threads():
+    """Restore torch's thread count after a test that runs an experiment (which may set it)."""
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
 
 
 @pytest.fixture(params=["tiny-llama", "tiny-qwen2"])

@@ -114,3 +114,50 @@ def test_instruction_and_multiple_choice_tasks_run(tmp_path):
     s = json.loads(next((tmp_path / "b").glob("*/summary.json")).read_text())
     assert 0.0 <= s["mean_accuracy"] <= 1.0 and "accuracy" in s["final"]["0"]
     assert s["client_labels"] == {"0": "astronomy", "1": "nutrition+virology"}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--set", "lora.ranks=[a,b]"], "lora.ranks[0]: expected an integer, got '[a,b]'"),
+    (["--set", "federaton.rounds=2"], "unknown section '[federaton]'"),
+    (["--set", "federation.min_clients=6"], "federation.min_clients = 6 is above the 5 clients sampled per round"),
+    (["--set", "strategy.name=fednl", "--set", "lora.ranks=[4]", "--set", 'lora.target_modules=["q_proj"]',
+      "--set", "memory.layers=[7]"], "memory.layers: index 7 out of range for 2 layers"),
+])
+def test_errors_keep_their_words_and_model_checks_come_before_any_file(tmp_path, args, needle):
+    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    errors = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:")]
+    assert "Traceback" not in r.stderr and len(errors) == 1 and errors[0] == r.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "runs").exists()
+
+
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
+    bad = tmp_path / "latin.toml"
+    bad.write_bytes("[output]\nname = 'caf\xe9'\n".encode("latin-1"))
+    r = nestfed("run", str(bad), cwd=tmp_path)
+    assert r.returncode == 2 and "latin.toml: not UTF-8 text" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path):
+    runs = tmp_path / "runs"
+    r = nestfed("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = next(runs.iterdir())
+    (run_dir / "summary.json").unlink()  # unfinished again
+    r = nestfed("run", "--resume", str(run_dir), "--set", "train.lr=0.5", cwd=tmp_path)
+    assert r.returncode == 2 and "a resumed run keeps its config; these differ: train.lr: 0.001 -> 0.5" in r.stderr
+    more = nestfed("run", "--resume", str(run_dir), "--set", "train.lr=0.001", "--set", "federation.rounds=2",
+                   cwd=tmp_path)  # restating a value is fine, and so is extending the run
+    assert more.returncode == 0, more.stderr[-2000:]
+    assert "config.toml now has federation.rounds: 1 -> 2" in more.stderr
+    assert "rounds = 2" in (run_dir / "config.toml").read_text()
+    assert [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
+    (run_dir / "summary.json").unlink()
+    for p in (run_dir / "checkpoints").iterdir():
+        p.unlink()
+    r = nestfed("run", "--resume", str(run_dir), cwd=tmp_path)
+    assert r.returncode == 2 and "no checkpoint to resume from" in r.stderr and "Traceback" not in r.stderr
+    (run_dir / "checkpoints" / "round_001.safetensors").write_bytes(b"\x00" * 40)
+    r = nestfed("run", "--resume", str(run_dir), cwd=tmp_path)
+    assert r.returncode == 2 and "round_001.safetensors: not a readable nestfed checkpoint" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1

@@ -12,11 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from nestfed.adapters.lora import get_adapter_state, inject_lora, set_adapter_state
-from nestfed.adapters.peft_export import export_peft_adapter
-from nestfed.backbone import load_backbone
+from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
+from nestfed.nn.peft_export import export_peft_adapter
+from nestfed.nn.backbone import load_backbone
 from nestfed.config import ModelConfig
-from nestfed.frozen_prefix import lm_logits
+from nestfed.nn.frozen_prefix import lm_logits
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,27 +1,43 @@
-"""The ``nestfed`` command line: ``run`` an experiment (one or several methods), ``compare`` runs.
+"""The ``nestfed`` command line: ``run`` an experiment (one or several methods), ``compare`` runs,
+``fedslm`` (FedSLM against its baselines), ``methods`` (the registry).
 
-Bad input (unknown method or key, bad ranks, missing or malformed data) prints one line naming
-the key or file and exits with code 2, before any run directory is created.
+Bad input (unknown method, section or key, bad ranks, missing or malformed data, a run directory
+that cannot be resumed) prints one line naming the key or file and exits with code 2, before any
+run directory is created.
 """
 
 from __future__ import annotations
 
-import json
+import logging
 import sys
 import time
 from pathlib import Path
 from typing import Annotated, Optional
 
+import click
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from nestfed import config as C
+from nestfed import methods
+from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
+from nestfed.experiments import report
+from nestfed.experiments.compressed_comparison import compare as compare_compressed
+from nestfed.experiments.prepare import prepare
+from nestfed.experiments.run import check_method, new_run_dir, run_method
+from nestfed.federation.run_dir import RunDir
+from nestfed.io import atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated fine-tuning of LLMs under heterogeneity.")
-console = Console(stderr=True)
-out = Console(width=max(Console().width, 132))
+console = Console(stderr=True, highlight=False)
+out = Console(width=max(Console().width, 132), highlight=False)
+
+
+def say(text: str) -> None:
+    """One plain line on stderr (no rich markup: text in square brackets is printed as it is)."""
+    console.print(text, markup=False, soft_wrap=True)
 
 
 def _progress() -> Progress:
@@ -29,112 +45,115 @@ def _progress() -> Progress:
                     console=console, transient=False)
 
 
-def _run_methods(cfg: C.ExperimentConfig, methods: list[str], parent: Path | None,
-                 resume_dirs: dict[str, Path] | None = None) -> list[Path]:
-    from nestfed.experiment import new_run_dir, prepare, run_experiment
-
+def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], resume: bool) -> None:
+    """Prepare once (from the first config), check every method against the model, then run each."""
+    first = next(iter(cfgs.values()))
     with console.status("preparing") as status:
-        prep = prepare(cfg, on_status=lambda s: status.update(s))
-    console.print(f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s: "
-                  + ", ".join(f"c{c.cid} rank {c.rank} n={c.num_examples} ({prep.data[c.cid].label})"
-                              for c in prep.clients))
-    run_dirs = []
+        prep = prepare(first, on_status=lambda s: status.update(s))
+    say(f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s: "
+        + ", ".join(f"c{c.cid} rank {c.rank} n={c.num_examples} ({prep.data[c.cid].label})" for c in prep.clients))
+    for cfg in cfgs.values():  # nothing is written before every method's settings fit the model
+        check_method(prep, cfg)
     with _progress() as progress:
-        for method in methods:
-            mcfg = C.replace(cfg, strategy={"name": method})
-            resume = resume_dirs is not None and method in resume_dirs
-            run_dir = resume_dirs[method] if resume else new_run_dir(mcfg, parent)
-            k = max(1, round(mcfg.federation.fraction * len(prep.clients)))
-            task = progress.add_task(f"{method}", total=mcfg.federation.rounds * k)
+        for name, cfg in cfgs.items():
+            k = C.sampled_per_round(cfg)
+            task = progress.add_task(name, total=cfg.federation.rounds * k)
+            if resume:
+                done = RunDir(run_dirs[name]).checkpoints()
+                progress.update(task, completed=(done[-1][0] if done else 0) * k)
 
-            def on_event(kind, info, task=task, method=method):
+            def on_event(kind, info, task=task, name=name, rounds=cfg.federation.rounds):
                 if kind == "client_done":
-                    progress.update(task, advance=1, description=f"{method} round {info['round']} client {info['cid']}")
-                elif kind == "round_done":
+                    progress.update(task, advance=1, description=f"{name} round {info['round']} client {info['cid']}")
+                elif kind == "log":
+                    progress.console.print(info["text"], markup=False)
+                elif kind == "round_done" and "eval" in info["line"]:
                     ev = info["line"]["eval"]
                     mean = sum(v["ppl"] for v in ev.values()) / len(ev)
-                    progress.update(task, description=f"{method} round {info['round']}: mean ppl {mean:.2f}")
+                    progress.update(task, description=f"{name} round {info['round']}: mean ppl {mean:.2f}")
                     if not console.is_terminal:  # logs and CI: one plain line per round
-                        console.print(f"{method} round {info['round']}/{mcfg.federation.rounds}: mean held-out ppl "
-                                      f"{mean:.2f}, {info['line']['time_s']:.0f} s, "
-                                      f"{len(info['line']['rejected'])} rejected")
+                        progress.console.print(f"{name} round {info['round']}/{rounds}: mean held-out ppl {mean:.2f}, "
+                                               f"{info['line']['time_s']:.0f} s, {len(info['line']['rejected'])} rejected",
+                                               markup=False)
 
-            if resume:
-                from nestfed.federation.runner import latest_checkpoint, load_checkpoint
-
-                ck = latest_checkpoint(run_dir)
-                done = load_checkpoint(ck)[0] if ck else 0
-                progress.update(task, completed=done * k)
-            summary = run_experiment(prep, mcfg, run_dir, resume=resume, on_event=on_event)
-            for msg in summary["rejections"]:
-                console.print(f"[yellow]{msg}[/]")
-            run_dirs.append(run_dir)
-    return run_dirs
+            run_method(prep, cfg, run_dirs[name], resume=resume, on_event=on_event)
 
 
 def _report(run_dirs: list[Path], parent: Path | None) -> None:
-    from nestfed import report
-    from nestfed.experiment import write_text_atomic
-
     rows = report.comparison_rows(run_dirs)
     out.print(report.comparison_table(rows))
     if parent is not None:
-        write_text_atomic(parent / "comparison.md", report.comparison_markdown(rows))
-        write_text_atomic(parent / "comparison.json", json.dumps(rows, indent=2))
-        png = report.comparison_plot(rows, parent / "comparison.png")
-        out.print(f"wrote {parent}/comparison.md, comparison.json and {png.name}")
+        atomic.write_text(parent / "comparison.md", report.comparison_markdown(rows))
+        atomic.write_json(parent / "comparison.json", rows)
+        atomic.write_bytes(parent / "comparison.png", report.comparison_plot(rows))
+        out.print(f"wrote {parent}/comparison.md, comparison.json and comparison.png", markup=False)
     for rd in run_dirs:
-        out.print(f"run directory: {rd}")
+        out.print(f"run directory: {rd}", markup=False)
+
+
+def _resumable(path: Path) -> tuple[dict[str, Path], Path | None]:
+    """Unfinished method runs under ``path`` (a run directory, or a multi-method parent)."""
+    if (path / "config.toml").is_file():
+        if RunDir(path).finished:
+            raise NestfedError(f"--resume: {path} has finished (summary.json exists)")
+        return {methods.load_config(path / "config.toml").strategy.name: path}, None
+    subs = sorted(p.parent for p in path.glob("*/config.toml"))
+    if not subs:
+        raise NestfedError(f"--resume: {path} is not a nestfed run directory (no config.toml)")
+    todo = {methods.load_config(p / "config.toml").strategy.name: p for p in subs if not RunDir(p).finished}
+    if not todo:
+        raise NestfedError(f"--resume: every run under {path} has finished")
+    return todo, path if len(subs) > 1 else None
+
+
+def _resume_configs(todo: dict[str, Path], overrides: list[str]) -> dict[str, ExperimentConfig]:
+    """The config of every run to resume: the stored one. ``--set`` may restate it or raise
+    ``federation.rounds`` (config.toml is rewritten, the change printed); any other difference is
+    refused, naming the keys; so is a run without a readable checkpoint, or without the per-client
+    state its method needs."""
+    cfgs = {}
+    for name, d in todo.items():
+        rd = RunDir(d)
+        stored = methods.load_config(rd.config_path)
+        wanted = methods.load_config(rd.config_path, overrides)
+        rd.latest_checkpoint(methods.get(name).keeps_client_state(wanted))  # fails here, before any work
+        for change in rd.accept_config(stored, wanted, C.dumps_toml(wanted)):
+            say(f"resume {d}: config.toml now has {change}")
+        cfgs[name] = wanted
+    return cfgs
 
 
 @app.command()
 def run(
     config: Annotated[Optional[Path], typer.Argument(help="experiment TOML file")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override section.key=value")] = None,
-    methods: Annotated[Optional[str], typer.Option(help="comma-separated methods run on the same clients, then compared")] = None,
+    methods_: Annotated[Optional[str], typer.Option("--methods", help="comma-separated methods run on the same clients, then compared")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="continue an interrupted run directory")] = None,
 ) -> None:
     """Run an experiment: federated rounds, checkpoints, PEFT adapter, plots, a comparison table."""
     t0 = time.perf_counter()
     if resume is not None:
-        resume_dirs, parent = _resumable(resume)
-        cfg = C.load(next(iter(resume_dirs.values())) / "config.toml", set_ or [])
-        method_list = list(resume_dirs)
-        run_dirs = _run_methods(cfg, method_list, parent, resume_dirs)
-        if parent is not None:
-            run_dirs = sorted(p.parent for p in parent.glob("*/summary.json"))
+        todo, parent = _resumable(resume)
+        cfgs = _resume_configs(todo, set_ or [])
+        _run_methods(cfgs, todo, resume=True)
+        run_dirs = sorted(p.parent for p in parent.glob("*/summary.json")) if parent is not None else list(todo.values())
     else:
         if config is None:
             raise NestfedError("give a CONFIG.toml (or --resume RUN_DIR)")
-        cfg = C.load(config, set_ or [])
-        method_list = [m.strip() for m in methods.split(",")] if methods else [cfg.strategy.name]
-        for m in method_list:
-            if m not in C.STRATEGIES:
-                raise C.ConfigError(f"--methods: unknown method '{m}' (known: {', '.join(C.STRATEGIES)})")
-            C.replace(cfg, strategy={"name": m})  # validates e.g. fedavg with unequal ranks
+        cfg = methods.load_config(config, set_ or [])
+        names = [m.strip() for m in methods_.split(",") if m.strip()] if methods_ else [cfg.strategy.name]
+        for m in names:
+            if m not in methods.REGISTRY:
+                raise NestfedError(f"--methods: unknown method '{m}' (known: {', '.join(methods.REGISTRY)})")
+        cfgs = {m: methods.with_method(cfg, m) for m in names}  # validates e.g. fedavg with unequal ranks
         parent = None
-        if len(method_list) > 1:
-            from nestfed.experiment import new_run_dir
-
-            parent = new_run_dir(C.replace(cfg, output={"name": cfg.output.name or "compare"}))
-        run_dirs = _run_methods(cfg, method_list, parent)
+        if len(names) > 1:
+            parent = new_run_dir(methods.replace_config(cfg, output={"name": cfg.output.name or "compare"}))
+        dirs = {m: new_run_dir(c, parent) for m, c in cfgs.items()}
+        _run_methods(cfgs, dirs, resume=False)
+        run_dirs = list(dirs.values())
     _report(run_dirs, parent)
     out.print(f"total wall time {time.perf_counter() - t0:.0f} s")
-
-
-def _resumable(path: Path) -> tuple[dict[str, Path], Path | None]:
-    """Unfinished method runs under ``path`` (a run directory, or a multi-method parent)."""
-    if (path / "config.toml").is_file():
-        cfg = C.load(path / "config.toml")
-        return {cfg.strategy.name: path}, None
-    subs = sorted(p.parent for p in path.glob("*/config.toml"))
-    if not subs:
-        raise NestfedError(f"--resume: {path} is not a nestfed run directory (no config.toml)")
-    todo = {C.load(p / "config.toml").strategy.name: p for p in subs if not (p / "summary.json").is_file()}
-    finished = {C.load(p / "config.toml").strategy.name for p in subs if (p / "summary.json").is_file()}
-    if not todo:
-        raise NestfedError(f"--resume: every run under {path} has finished")
-    return todo, path if finished or len(todo) > 1 or len(subs) > 1 else None
 
 
 @app.command()
@@ -143,8 +162,6 @@ def compare(
     plot: Annotated[Optional[Path], typer.Option(help="write the comparison plot here")] = None,
 ) -> None:
     """Print a side-by-side table of finished runs and write one comparison plot."""
-    from nestfed import report
-
     dirs = []
     for d in run_dirs:
         dirs += sorted(p.parent for p in d.glob("*/summary.json")) if not (d / "summary.json").exists() else [d]
@@ -152,54 +169,60 @@ def compare(
         raise NestfedError(f"no finished run directory among {', '.join(map(str, run_dirs))}")
     rows = report.comparison_rows(dirs)
     out.print(report.comparison_table(rows))
-    png = report.comparison_plot(rows, plot or Path(dirs[0]).parent / "comparison.png")
-    out.print(f"wrote {png}")
+    png = atomic.write_bytes(plot or Path(dirs[0]).parent / "comparison.png", report.comparison_plot(rows))
+    out.print(f"wrote {png}", markup=False)
 
 
 @app.command("fedslm")
 def fedslm(
     config: Annotated[Path, typer.Argument(help="experiment TOML file (e.g. configs/fedslm_bbc_news.toml)")],
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override section.key=value")] = None,
-    methods: Annotated[str, typer.Option(help="comma-separated: fedslm, fedmkt, fedavg, hetlora")] = "fedslm,fedmkt,fedavg,hetlora",
+    methods_: Annotated[str, typer.Option("--methods", help="comma-separated: fedslm, fedmkt, fedavg, hetlora")] = "fedslm,fedmkt,fedavg,hetlora",
 ) -> None:
     """FedSLM against FedMKT, FedAvg+LoRA and HetLoRA on the same clients: client and server
-    perplexity, client memory, bytes per round (nestfed/compressed_comparison.py)."""
-    from nestfed.compressed_comparison import compare
-
+    perplexity, client memory, bytes per round (nestfed/experiments/compressed_comparison.py)."""
     t0 = time.perf_counter()
-    cfg = C.load(config, set_ or [])
+    cfg = methods.load_config(config, set_ or [])
 
     def on_event(kind, info):
-        if kind == "round_done":
+        if kind == "round_done" and "eval" in info["line"]:
             ev = info["line"]["eval"]
-            console.print(f"  round {info['round']}: mean client held-out ppl "
-                          f"{sum(v['ppl'] for v in ev.values()) / len(ev):.2f}, {info['line']['time_s']:.0f} s")
+            say(f"  round {info['round']}: mean client held-out ppl "
+                f"{sum(v['ppl'] for v in ev.values()) / len(ev):.2f}, {info['line']['time_s']:.0f} s")
+        elif kind == "log":
+            say(info["text"])
 
-    parent = compare(cfg, [m.strip() for m in methods.split(",") if m.strip()],
-                     on_status=lambda s: console.print(s), on_event=on_event)
-    out.print((parent / "comparison.md").read_text())
-    out.print(f"run directory: {parent}")
+    parent = compare_compressed(cfg, [m.strip() for m in methods_.split(",") if m.strip()], on_status=say,
+                                on_event=on_event)
+    out.print((parent / "comparison.md").read_text(), markup=False)
+    out.print(f"run directory: {parent}", markup=False)
     out.print(f"total wall time {time.perf_counter() - t0:.0f} s")
+
+
+@app.command("methods")
+def list_methods() -> None:
+    """The registered methods: name, the config sections they own, whether they run on Flower."""
+    for m in methods.REGISTRY.values():
+        sections = ", ".join(f"[{s}]" for s in m.sections) or "-"
+        out.print(f"{m.name:10s} {sections:30s} {'flower' if m.on_flower else 'embedded only':14s} {m.summary}",
+                  markup=False)
 
 
 def main() -> None:
     """Entry point: run the Typer app, turning nestfed's input errors into one line and exit 2."""
+    logging.basicConfig(level=logging.WARNING, format="warning: %(message)s")
     try:
         app(standalone_mode=False)
     except NestfedError as exc:
-        console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+        console.print(f"error: {exc}", markup=False, highlight=False, soft_wrap=True)
         sys.exit(2)
     except typer.Exit as exc:
         sys.exit(exc.exit_code)
     except typer.Abort:
         sys.exit(130)
-    except Exception as exc:  # click usage errors
-        import click
-
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            sys.exit(exc.exit_code)
-        raise
+    except click.ClickException as exc:  # usage errors
+        exc.show()
+        sys.exit(exc.exit_code)
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 import pytest
 import torch
 
-from nestfed import config as C
-from nestfed.backbone import byte_tokenizer
+from nestfed import methods
+from nestfed.nn.backbone import byte_tokenizer
 from nestfed.data import partition
 from nestfed.data.held_out import consumed_texts, load_server_text, server_pools, server_text
 from nestfed.data.sources import Document
 from nestfed.errors import ConfigError, DataError
-from nestfed.experiment import build_client_data, load_partitions
+from nestfed.data.clients import build_client_data, load_partitions
 
 
 def test_consumed_texts_hand_computed():
@@ -37,7 +37,7 @@ def test_pools_exclude_every_used_record_and_fill_blocks():
 
 
 def test_bbc_server_text_shares_no_block_with_any_client():
-    cfg = C.load(None, ["model.name='tiny-llama'", "data.block_size=32", "data.max_train=4", "data.max_test=2"])
+    cfg = methods.load_config(None, ["model.name='tiny-llama'", "data.block_size=32", "data.max_train=4", "data.max_test=2"])
     tok = byte_tokenizer()
     loaded = load_partitions(cfg.data)
     data, _ = build_client_data(cfg, tok, loaded)
@@ -46,4 +46,4 @@ def test_bbc_server_text_shares_no_block_with_any_client():
     client_rows = {tuple(r.tolist()) for d in data.values() for t in (d.train_ids, d.test_ids) for r in t}
     assert not any(tuple(r.tolist()) in client_rows for r in server.input_ids)
     with pytest.raises(ConfigError, match="causal_lm"):
-        load_server_text(C.replace(cfg, data={"task": "instruction"}), tok, 4, loaded)
+        load_server_text(methods.replace_config(cfg, data={"task": "instruction"}), tok, 4, loaded)

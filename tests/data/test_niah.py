@@ -9,7 +9,7 @@ import re
 import pytest
 import torch
 
-from nestfed.backbone import byte_tokenizer
+from nestfed.nn.backbone import byte_tokenizer
 from nestfed.data import sources
 from nestfed.data.niah import EVENT_DEPTHS, TEMPLATES, Haystack, group_rows, make_item, niah_dataset, render
 

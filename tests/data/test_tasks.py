@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nestfed.backbone import byte_tokenizer
+from nestfed.nn.backbone import byte_tokenizer
 from nestfed.data.sources import InstructionExample, MultipleChoice
 from nestfed.data.tasks import (IGNORE_INDEX, TokenDataset, alpaca_prompt, answer_positions,
                                 choice_logits, instruction_examples, letter_token_ids,

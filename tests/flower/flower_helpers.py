@@ -15,13 +15,14 @@ OVERRIDES = ("data.num_clients=3", "lora.ranks=[2,4,8]", "strategy.name=prelort"
 
 def embedded_run(run_dir: Path, overrides=OVERRIDES) -> Path:
     """The embedded runner on the same experiment; returns the run directory."""
-    from nestfed import config as C
-    from nestfed.experiment import prepare, run_experiment
+    from nestfed import methods
+    from nestfed.experiments.prepare import prepare
+    from nestfed.experiments.run import run_method
 
     n = torch.get_num_threads()
     try:
-        cfg = C.load(TINY, list(overrides))
-        run_experiment(prepare(cfg), cfg, run_dir)
+        cfg = methods.load_config(TINY, list(overrides))
+        run_method(prepare(cfg), cfg, run_dir)
     finally:
         torch.set_num_threads(n)
     return run_dir
@@ -48,24 +49,19 @@ def assert_same_adapter(a: Path, b: Path) -> None:
 
 def expected_round_without(run_dir: Path, rnd: int, missing: set[int], overrides=OVERRIDES):
     """The global state after round ``rnd`` aggregated without ``missing`` clients, from the run's
-    checkpoint of round ``rnd - 1`` (the initial state for round 1), computed in this process with
-    the core pieces."""
-    from nestfed import config as C
-    from nestfed.experiment import prepare
-    from nestfed.federation.client import ClientTrainer
-    from nestfed.federation.runner import load_checkpoint
-    from nestfed.strategies import make_strategy
+    checkpoint of round ``rnd - 1`` (round 0 holds the initial state), computed in this process
+    with the method's own strategy and trainer."""
+    from nestfed import methods
+    from nestfed.experiments.prepare import prepare
+    from nestfed.federation.run_dir import RunDir
 
     n = torch.get_num_threads()
     try:
-        cfg = C.load(TINY, list(overrides))
+        cfg = methods.load_config(TINY, list(overrides))
         prep = prepare(cfg)
-        trainer = ClientTrainer(prep.backbone.model, prep.data, cfg.train)
-        strategy = make_strategy(cfg)
-        if rnd == 1:
-            state = strategy.initialize(prep.shapes, prep.clients)
-        else:
-            _, state = load_checkpoint(run_dir / "checkpoints" / f"round_{rnd - 1:03d}.safetensors")
+        mr = methods.get(cfg.strategy.name).build(prep, cfg)
+        strategy, trainer = mr.strategy, mr.trainer
+        state = RunDir(run_dir).load_checkpoint(run_dir / "checkpoints" / f"round_{rnd - 1:03d}.safetensors").state
         ins = strategy.configure(rnd, state, prep.clients)
         return strategy.aggregate(rnd, state, {c: trainer.fit(c, ins[c]) for c in ins if c not in missing})
     finally:

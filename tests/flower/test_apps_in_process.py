@@ -14,15 +14,14 @@ pytest.importorskip("flwr")
 from flwr.app import Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
-from nestfed import config as C  # noqa: E402
-from nestfed.errors import ConfigError  # noqa: E402
+from nestfed import methods  # noqa: E402
+from nestfed.errors import ConfigError, NestfedError  # noqa: E402
 from nestfed.federation.messages import ClientInfo  # noqa: E402
-from nestfed.federation.runner import load_checkpoint  # noqa: E402
+from nestfed.federation.run_dir import RunDir  # noqa: E402
 from nestfed.flower import client_app as CA  # noqa: E402
 from nestfed.flower.local import LocalGrid  # noqa: E402
 from nestfed.flower.records import content_to_reply, reply_to_content  # noqa: E402
 from nestfed.flower.server_app import RunSettings, resolve_experiment, run_on_grid  # noqa: E402
-from nestfed.strategies import make_strategy  # noqa: E402
 
 from flower_helpers import OVERRIDES, TINY, assert_same_adapter, embedded_run, expected_round_without  # noqa: E402
 
@@ -38,6 +37,10 @@ def run_config(run_dir, **kw):
 
 def lines(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def state_of(run_dir, rnd):
+    return RunDir(run_dir).load_checkpoint(run_dir / "checkpoints" / f"round_{rnd:03d}.safetensors").state
 
 
 def test_same_final_adapter_and_evaluation_as_the_embedded_runner(tmp_path, keep_threads):
@@ -70,10 +73,10 @@ def test_silent_and_failing_nodes_are_dropped_and_rounds_aggregate_the_others(tm
     assert r2["aggregated"] and list(r2["dropped"]) == ["2"] and "simulated failure" in r2["dropped"]["2"]
     assert r2["clients"]["2"]["status"] == "dropped" and r2["clients"]["1"]["status"] == "accepted"
     expected = expected_round_without(tmp_path, 2, {2})
-    _, got = load_checkpoint(tmp_path / "checkpoints" / "round_002.safetensors")
+    got = state_of(tmp_path, 2)
     assert all(torch.equal(got.arrays[k], expected.arrays[k]) for k in expected.arrays)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["dropped_updates"] == 2 and any("client 1 (node 102) dropped" in m for m in summary["rejections"])
+    assert summary["dropped_updates"] == 2 and any("client 1 dropped: node 102: no reply" in m for m in summary["rejections"])
 
 
 def test_below_min_clients_the_round_keeps_the_global_state(tmp_path, keep_threads):
@@ -83,11 +86,13 @@ def test_below_min_clients_the_round_keeps_the_global_state(tmp_path, keep_threa
     run_on_grid(LocalGrid(CA.app, NODES, fail), run_config(tmp_path, **{"min-clients": 3}))
     ln = lines(tmp_path)
     assert not ln[1]["aggregated"] and not ln[2]["aggregated"]
-    _, s2 = load_checkpoint(tmp_path / "checkpoints" / "round_002.safetensors")
+    s2 = state_of(tmp_path, 2)
     node = next(nc for nc in CA._CACHE.values() if nc.cid == 0)
     clients = [ClientInfo(int(c), v["rank"], v["num_examples"]) for c, v in ln[0]["nodes"].items()]
-    init = make_strategy(C.load(TINY, list(OVERRIDES))).initialize(node.shapes, clients)
+    cfg = methods.load_config(TINY, list(OVERRIDES))
+    init = methods.get("prelort").server(cfg, {}).initialize(node.shapes, clients)
     assert all(torch.equal(s2.arrays[k], init.arrays[k]) for k in init.arrays)
+    assert all(torch.equal(s2.arrays[k], v) for k, v in state_of(tmp_path, 0).arrays.items())
 
 
 def test_a_bad_update_is_rejected_with_its_reason(tmp_path, keep_threads):
@@ -106,7 +111,7 @@ def test_a_bad_update_is_rejected_with_its_reason(tmp_path, keep_threads):
     run_on_grid(LocalGrid(bad, NODES), run_config(tmp_path, **{"min-clients": 2}))
     ln = lines(tmp_path)[1]
     assert list(ln["rejected"]) == ["2"] and "NaN" in ln["rejected"]["2"] and ln["aggregated"]
-    _, s = load_checkpoint(tmp_path / "checkpoints" / "round_002.safetensors")
+    s = state_of(tmp_path, 2)
     assert all(torch.isfinite(v).all() for v in s.arrays.values())
 
 
@@ -121,7 +126,7 @@ def test_query_leaves_out_duplicate_partitions_and_broken_nodes(tmp_path, keep_t
 
 
 def test_node_config_and_run_config_are_checked():
-    cfg = C.load(TINY, list(OVERRIDES))
+    cfg = methods.load_config(TINY, list(OVERRIDES))
     assert CA.node_settings({"partition-id": 2, "rank": 4, "threads": 2}, cfg) == (2, 4, 2)
     for bad in ({}, {"partition-id": 3}, {"partition-id": "0"}, {"partition-id": 0, "num-partitions": 5},
                 {"partition-id": 0, "rank": 9}):
@@ -131,6 +136,9 @@ def test_node_config_and_run_config_are_checked():
     assert s.overrides == ("a.b=1", "c.d=[1,2]") and s.evaluate
     with pytest.raises(ConfigError):
         RunSettings.from_run_config({"poll-interval-s": 0})
+    for key, bad in (("resume", "false"), ("evaluate", 1), ("min-clients", 1.5), ("round-timeout-s", "9")):
+        with pytest.raises(ConfigError, match=f"run config: {key} = "):
+            RunSettings.from_run_config({key: bad})
     assert resolve_experiment(str(TINY), None) == TINY
     with pytest.raises(ConfigError):
         resolve_experiment("no/such.toml", TINY.parent)
@@ -173,7 +181,7 @@ def fresh_process(node, msg):
     return None
 
 
-@pytest.mark.parametrize("name,extra", [("fednl", ("strategy.fednl_travel=rules",)), ("fednl", ()),
+@pytest.mark.parametrize("name,extra", [("fednl", ("fednl.travel=rules",)), ("fednl", ()),
                                         ("fedala", ())])
 def test_client_state_survives_fresh_processes_through_the_context(tmp_path, keep_threads, name, extra):
     """FedNL rules-only (each client's own LoRA) and FedALA (its weights and local model) keep
@@ -189,10 +197,12 @@ def test_client_state_survives_fresh_processes_through_the_context(tmp_path, kee
     run_on_grid(grid, run_config(tmp_path / "flower", overrides=";".join(over), evaluate=True))
     fl, em = lines(tmp_path / "flower"), lines(emb)
     assert [a["eval"] for a in fl] == [b["eval"] for b in em]
-    kept = emb / "checkpoints" / "clients_002.safetensors"
+    from nestfed.federation.run_dir import flatten_client_state
+
+    kept = RunDir(emb).load_checkpoint(emb / "checkpoints" / "round_002.safetensors").client_state
+    want = flatten_client_state(kept)
     restored = [{c: v["client_state_arrays"] for c, v in ln["clients"].items()} for ln in fl[1:]]
-    assert restored[0] == {"0": 0, "1": 0, "2": 0} and (min(restored[1].values()) > 0) == kept.exists()
-    want = load_file(str(kept)) if kept.exists() else {}
+    assert restored[0] == {"0": 0, "1": 0, "2": 0} and (min(restored[1].values()) > 0) == bool(want)
     assert bool(want) == (name == "fedala" or bool(extra))
     got = {}
     for node, ctx in grid._contexts.items():
@@ -204,7 +214,7 @@ def test_client_state_survives_fresh_processes_through_the_context(tmp_path, kee
     if name == "fednl":
         ra, rb = (load_file(str(d / "memory_rules.safetensors")) for d in (emb, tmp_path / "flower"))
         assert sorted(ra) == sorted(rb) and all(torch.equal(ra[k], rb[k]) for k in ra)
-    rules_only = "strategy.fednl_travel=rules" in extra
+    rules_only = "fednl.travel=rules" in extra
     assert (tmp_path / "flower" / "adapter").exists() == (not rules_only)
     if not rules_only:
         assert_same_adapter(emb, tmp_path / "flower")
@@ -221,3 +231,34 @@ def test_client_state_survives_fresh_processes_through_the_context(tmp_path, kee
     assert all(v["client_state_arrays"] == 0 for ln in lost[1:] for v in ln["clients"].values())
     assert lost[0]["eval"] == em[0]["eval"]  # before any training nothing was kept
     assert lost[2]["eval"] != em[2]["eval"]
+
+
+def test_a_run_is_never_overwritten_and_embedded_only_methods_are_refused(tmp_path, keep_threads):
+    (tmp_path / "used").mkdir()
+    (tmp_path / "used" / "metrics.jsonl").write_text("{}\n")
+    with pytest.raises(NestfedError, match="exists and is not empty; set resume = true"):
+        run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "used"))
+    assert (tmp_path / "used" / "metrics.jsonl").read_text() == "{}\n"
+    fedslm = ";".join(OVERRIDES + ("strategy.name=fedslm",))
+    with pytest.raises(ConfigError, match="'fedslm' runs only embedded"):
+        run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "slm", overrides=fedslm))
+    assert not (tmp_path / "slm").exists()
+    with pytest.raises(ConfigError, match="run config: resume = 'false', expected true or false"):
+        run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "x", resume="false"))
+
+
+def test_resume_of_a_method_whose_clients_keep_state_is_refused(tmp_path, keep_threads):
+    over = OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]", "federation.rounds=1")
+    run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path, overrides=";".join(over)))
+    (tmp_path / "summary.json").unlink()
+    more = ";".join(OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]", "federation.rounds=2"))
+    before = (tmp_path / "config.toml").read_text()
+    with pytest.raises(NestfedError, match="keeps per-client state, which this checkpoint does not hold"):
+        run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path, overrides=more, resume=True))
+    assert (tmp_path / "config.toml").read_text() == before
+    other = ";".join(OVERRIDES + ("strategy.name=prelort", "federation.rounds=1"))
+    run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "p", overrides=other))
+    (tmp_path / "p" / "summary.json").unlink()
+    with pytest.raises(NestfedError, match="a resumed run keeps its config; these differ: lora.lora_alpha"):
+        run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "p", overrides=other + ";lora.lora_alpha=4.0",
+                                                         resume=True))

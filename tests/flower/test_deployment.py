@@ -19,7 +19,7 @@ pytest.importorskip("flwr")
 from flower_helpers import APP_DIR, OVERRIDES, TINY, assert_same_adapter, expected_round_without  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from nestfed.federation.runner import load_checkpoint  # noqa: E402
+from nestfed.federation.run_dir import RunDir  # noqa: E402
 from nestfed.flower.deploy import LocalDeployment, make_node_key, make_tls  # noqa: E402
 
 pytestmark = pytest.mark.flower
@@ -103,8 +103,9 @@ def test_a_supernode_killed_mid_run_is_dropped_and_nothing_is_corrupted(deployme
     # nothing corrupted: checkpoints and the adapter load and are finite, no temporary files are
     # left, and each round is exactly the aggregation of the two surviving clients' updates
     for rnd in (1, 2):
-        done, state = load_checkpoint(run_dir / "checkpoints" / f"round_{rnd:03d}.safetensors")
-        assert done == rnd and all(torch.isfinite(v).all() for v in state.arrays.values())
+        ck = RunDir(run_dir).load_checkpoint(run_dir / "checkpoints" / f"round_{rnd:03d}.safetensors")
+        done, state = ck.round, ck.state
+        assert done == rnd and ck.client_state is None and all(torch.isfinite(v).all() for v in state.arrays.values())
         expected = expected_round_without(run_dir, rnd, {2})
         assert all(torch.equal(state.arrays[k], expected.arrays[k]) for k in expected.arrays), rnd
     adapter = load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
@@ -156,7 +157,7 @@ def test_fednl_rules_only_keeps_each_clients_lora_across_fresh_processes(deploym
     evaluate and export exactly as the embedded runner does."""
     from flower_helpers import embedded_run
 
-    over = OVERRIDES + ("strategy.name=fednl", "strategy.fednl_travel=rules", "lora.ranks=[4]",
+    over = OVERRIDES + ("strategy.name=fednl", "fednl.travel=rules", "lora.ranks=[4]",
                         "lora.target_modules=[\"q_proj\",\"v_proj\"]")
     emb = embedded_run(tmp_path / "embedded", over)
     d = deployment

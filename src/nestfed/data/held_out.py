@@ -1,6 +1,6 @@
 """Unlabeled server text held out from every client (FedSLM's D_server, FedMKT's public set).
 
-The clients' data come from :func:`nestfed.experiment.build_client_data`: each client's records
+The clients' data come from :func:`nestfed.data.clients.build_client_data`: each client's records
 are split into train and test; the test records are all used, and packing for language
 modelling consumes only the leading train records until ``max_train`` blocks are filled. The
 remaining train records of every client were never seen by anyone: they are the server's pool.
@@ -13,7 +13,10 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import torch
+
 from nestfed.data import partition, tasks
+from nestfed.data.clients import load_partitions
 from nestfed.errors import ConfigError, DataError
 
 
@@ -54,15 +57,13 @@ def server_text(records: Sequence, pools: Sequence[Sequence[int]], tokenizer, bl
 
     Raises DataError when the pools cannot fill the blocks.
     """
-    import torch
-
     per = math.ceil(blocks / max(len(pools), 1))
     parts = []
     for cid, pool in enumerate(pools):
         ds = tasks.pack_causal_lm([records[i].text for i in pool], tokenizer, block_size, max_blocks=per)
         if len(ds) < per:
             raise DataError(f"client {cid}: only {len(ds)} held-out blocks for the server text "
-                            f"({per} needed); lower fedslm server_blocks or data.max_train")
+                            f"({per} needed); lower compression.server_blocks or data.max_train")
         parts.append(ds.input_ids)
     ids = torch.cat(parts)[:blocks]
     return tasks.TokenDataset(ids, ids.clone())
@@ -71,14 +72,12 @@ def server_text(records: Sequence, pools: Sequence[Sequence[int]], tokenizer, bl
 def load_server_text(cfg, tokenizer, blocks: int, loaded=None) -> tasks.TokenDataset:
     """The server text of an experiment config (needs ``data.task = "causal_lm"``).
 
-    loaded: the result of :func:`nestfed.experiment.load_partitions` (read here when None).
+    loaded: the result of :func:`nestfed.data.clients.load_partitions` (read here when None).
     Raises ConfigError (another task) or DataError (too little held-out text).
     """
-    from nestfed.experiment import load_partitions
-
     d = cfg.data
     if d.task != "causal_lm":
-        raise ConfigError(f"data.task: FedSLM's server text needs 'causal_lm', got '{d.task}'")
+        raise ConfigError(f"data.task: the server text is packed for language modelling and needs 'causal_lm', got '{d.task}'")
     records, _, parts = loaded or load_partitions(d)
     pools = server_pools(records, parts, d.test_fraction, d.seed, tokenizer, d.block_size, d.max_train)
     return server_text(records, pools, tokenizer, d.block_size, blocks)

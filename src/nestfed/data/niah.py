@@ -42,7 +42,8 @@ from dataclasses import dataclass
 
 import torch
 
-from nestfed.data.tasks import IGNORE_INDEX, TokenDataset, _answer_tokens, _encode, _pad, mc_prompt
+from nestfed.data.sources import long_texts
+from nestfed.data.tasks import IGNORE_INDEX, TokenDataset, _answer_tokens, _encode, _pad, _pad_id, mc_prompt
 
 TEMPLATES = ("passkey", "uuid_code", "name_date", "phrase_code", "counter_state", "mk_niah", "mv_niah")
 EVENT_DEPTHS = (0.10, 0.30, 0.50, 0.70)
@@ -286,14 +287,12 @@ def niah_dataset(template: str, n: int, length: int, depths: Sequence[float], to
         ids, labels, actual = render(item, tokenizer, haystack, length, rng)
         rows.append((ids, labels))
         meta.append({"depth": depth, "actual_depth": actual, "answer": item.answer, "length": length})
-    from nestfed.data.tasks import _pad_id
-
     return _pad(rows, _pad_id(tokenizer)), meta
 
 
 def group_rows(meta: Sequence[dict]) -> dict[str, torch.Tensor]:
     """Disjoint row groups ``"<length>@<depth>"`` -> row indices, for per-length and per-depth
-    accuracy (:class:`nestfed.federation.client.ClientData.test_groups`)."""
+    accuracy (:class:`nestfed.data.clients.ClientData.test_groups`)."""
     groups: dict[str, list[int]] = {}
     for i, m in enumerate(meta):
         groups.setdefault(f"{m['length']}@{m['depth']:g}", []).append(i)
@@ -311,8 +310,6 @@ def niah_clients(d, tokenizer) -> list[dict]:
     "<length>@<depth>"), ``label`` (the template). Raises ValueError for an unknown template or
     when the number of templates differs from ``d.num_clients``; DataError when a corpus is missing.
     """
-    from nestfed.data.sources import long_texts
-
     templates = list(d.niah_templates) or list(TEMPLATES)
     if len(templates) != d.num_clients:
         raise ValueError(f"data.niah_templates: {len(templates)} templates for data.num_clients = {d.num_clients} "
@@ -333,8 +330,6 @@ def niah_clients(d, tokenizer) -> list[dict]:
             parts.append(ds)
             meta += m
         width = max(p.input_ids.shape[1] for p in parts)
-        from nestfed.data.tasks import _pad_id
-
         pad = _pad_id(tokenizer)
         ids = torch.cat([torch.nn.functional.pad(p.input_ids, (0, width - p.input_ids.shape[1]), value=pad)
                          for p in parts])

@@ -1,5 +1,5 @@
-"""Aggregation arithmetic shared by the strategies: rank truncation, zero-padding, weighted means,
-and PreLort's segment-wise average. Pure functions of tensors and numbers (no model, no data).
+"""Aggregation arithmetic shared by the strategies: rank truncation, zero-padding, weighted means
+and low-rank norms. Pure functions of tensors and numbers (no model, no data).
 
 Rank dimension: dim 0 of ``lora_A`` [r, in], dim 1 of ``lora_B`` [out, r].
 """
@@ -11,15 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from nestfed.federation.messages import Arrays
-
-
-def rank_dim(key: str) -> int | None:
-    """The rank dimension of a PEFT key: 0 for ``lora_A``, 1 for ``lora_B``, None otherwise."""
-    if key.endswith("lora_A.weight"):
-        return 0
-    if key.endswith("lora_B.weight"):
-        return 1
-    return None
+from nestfed.nn.keys import rank_dim
 
 
 def truncate_rank(arrays: Arrays, r: int) -> Arrays:
@@ -75,33 +67,3 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     w = (w / w.sum()).to(tensors[0].dtype)
     stacked = torch.stack([t.reshape(-1) for t in tensors])  # [K, numel]
     return (w @ stacked).reshape(tensors[0].shape)
-
-
-def segments(ranks: Sequence[int]) -> list[tuple[int, int]]:
-    """PreLort's rank segments [r_{l-1}, r_l) of the sorted distinct ranks, r_0 = 0.
-
-    ``segments([4, 2, 8, 4]) == [(0, 2), (2, 4), (4, 8)]``.
-    """
-    bounds = sorted(set(int(r) for r in ranks))
-    return list(zip([0] + bounds[:-1], bounds))
-
-
-def segment_average(global_t: torch.Tensor, client_ts: Sequence[torch.Tensor], client_ranks: Sequence[int],
-                    weights: Sequence[float], dim: int, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
-    """PreLort's segment-wise aggregation in update space (arXiv 2606.15963, section 2.3).
-
-    global_t: the global matrix, rank r_max along ``dim``; client_ts[k]: client k's trained
-    matrix of rank client_ranks[k] along ``dim`` (started from global_t's prefix). For each
-    segment [lo, hi) the update of the clients with r_k >= hi is averaged with weights n_k and
-    added to the global segment; a segment no participating client reaches is left unchanged.
-    Returns the new global matrix (same shape as global_t).
-    """
-    out = global_t.clone()
-    for lo, hi in bounds:
-        members = [k for k, r in enumerate(client_ranks) if r >= hi]
-        if not members:
-            continue
-        g = global_t.narrow(dim, lo, hi - lo)
-        deltas = [client_ts[k].narrow(dim, lo, hi - lo) - g for k in members]
-        out.narrow(dim, lo, hi - lo).copy_(g + weighted_mean(deltas, [weights[k] for k in members]))
-    return out

@@ -6,14 +6,13 @@ the wire (Flower's ArrayRecord carries the same raw tensor bytes plus small head
 
 from __future__ import annotations
 
-import re
-
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from nestfed.errors import UpdateRejected
 from nestfed.federation.messages import Arrays, Instruction, Reply
+from nestfed.nn.keys import rank_dim
 
 
 def encode(arrays: Arrays) -> bytes:
@@ -33,14 +32,6 @@ def payload_stats(arrays: Arrays) -> dict:
         "params": int(sum(v.numel() for v in arrays.values())),
         "dtypes": sorted({str(v.dtype).replace("torch.", "") for v in arrays.values()}),
     }
-
-
-def _rank_dim(key: str) -> int | None:
-    if re.search(r"lora_A\.weight$", key):
-        return 0
-    if re.search(r"lora_B\.weight$", key):
-        return 1
-    return None
 
 
 def validate_reply(instruction: Instruction, reply: Reply) -> None:
@@ -64,7 +55,7 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
         t = reply.arrays[key]
         if not isinstance(t, torch.Tensor):
             raise UpdateRejected(f"{key}: not a tensor")
-        dim = _rank_dim(key)
+        dim = rank_dim(key)
         if tuple(t.shape) != tuple(shape):
             ok = (instruction.may_shrink_rank and dim is not None and t.dim() == len(shape)
                   and all(a == b for i, (a, b) in enumerate(zip(t.shape, shape)) if i != dim)

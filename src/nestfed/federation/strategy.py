@@ -1,23 +1,25 @@
 """The strategy interface: configure a round per client, aggregate the replies.
 
-A strategy is pure: it sees tensors and numbers, never data or models (design.md). Each method
-is a small subclass of :class:`LoraStrategy` (Flower's shape: ``configure`` and ``aggregate`` as
-separate methods; the runner owns the only round loop).
+A strategy is pure: it sees tensors and numbers, never data or models (docs/architecture.md).
+Each LoRA method is a small subclass of :class:`LoraStrategy` that overrides one or two hooks
+(Flower's shape: ``configure`` and ``aggregate`` as separate methods; nestfed.federation.loop owns
+the only round loop).
 
-Instruction config keys the client trainer understands:
-``rank`` (r_k), ``scaling`` (s), ``objective`` (``plain`` | ``nested`` | ``hetlora``),
-``subranks`` (PreLort's R_k), ``train`` (``AB`` | ``B``: which LoRA matrices train and travel
-back), ``fresh_lora_seed`` (FLoRA: start from a new LoRA of rank r_k), ``hetlora_*``.
+Instruction config keys every LoRA strategy sends: ``rank`` (r_k), ``scaling`` (s), ``round``,
+``seed`` (the federation's); a method adds its own in :meth:`LoraStrategy.client_config`, read by
+its client hooks (nestfed.federation.hooks).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nestfed.adapters.lora import init_adapter_state
-from nestfed.federation.aggregation import rank_dim, truncate_rank
+from nestfed.federation.aggregation import truncate_rank
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
+from nestfed.nn.keys import rank_dim
+from nestfed.nn.lora import init_adapter_state
 
 
 class Strategy(Protocol):
@@ -39,6 +41,9 @@ class Strategy(Protocol):
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
         """The final global adapter as PEFT LoRA arrays (one rank for all layers) and its scale s."""
+
+    def export_files(self, state: GlobalState) -> dict[str, Arrays]:
+        """Further arrays the run directory keeps, {file name: arrays} (e.g. memory rules)."""
 
 
 @dataclass(frozen=True)
@@ -64,17 +69,16 @@ class LoraSettings:
 class LoraStrategy:
     """Shared behaviour of strategies whose global state is one LoRA adapter of rank r_max.
 
-    Subclasses implement :meth:`aggregate` and may override :meth:`client_config`. Global state
-    meta holds ``ranks``: {cid (str): current rank}.
+    Subclasses implement :meth:`aggregate` and may override :meth:`client_config`. ``options``:
+    the method's options dataclass (nestfed.methods), or None. Global state meta holds ``ranks``:
+    {cid (str): current rank}.
     """
 
     name = "lora"
-    objective = "plain"
-    train = "AB"
 
-    def __init__(self, settings: LoraSettings, options: dict[str, Any] | None = None):
+    def __init__(self, settings: LoraSettings, options: Any = None):
         self.s = settings
-        self.options = dict(options or {})
+        self.options = options
 
     # -- state ---------------------------------------------------------------------------------
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
@@ -98,9 +102,7 @@ class LoraStrategy:
         return truncate_rank(state.arrays, rank)
 
     def reply_keys(self, sent: Arrays) -> list[str]:
-        """Keys the client must send back (default: the LoRA matrices it trains)."""
-        if self.train == "B":
-            return [k for k in sent if k.endswith("lora_B.weight")]
+        """Keys the client must send back (default: the LoRA matrices it trains, A and B)."""
         return [k for k in sent if rank_dim(k) is not None]
 
     def expected_shapes(self, sent: Arrays, rank: int) -> dict[str, tuple[int, ...]]:
@@ -112,8 +114,7 @@ class LoraStrategy:
         for c in clients:
             r = self.rank_of(state, c.cid)
             sent = self.client_arrays(state, r)
-            config = {"rank": r, "scaling": self.s.scale(r), "objective": self.objective, "train": self.train,
-                      "round": rnd, "seed": self.s.seed}
+            config = {"rank": r, "scaling": self.s.scale(r), "round": rnd, "seed": self.s.seed}
             config.update(self.client_config(rnd, state, c, r))
             out[c.cid] = Instruction(sent, config, self.expected_shapes(sent, r), self.may_shrink_rank)
         return out
@@ -132,6 +133,9 @@ class LoraStrategy:
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
         return {k: v.clone() for k, v in state.arrays.items()}, self.s.scale(self.s.r_max)
 
+    def export_files(self, state: GlobalState) -> dict[str, Arrays]:
+        return {}
+
 
 def lora_keys(arrays: Arrays) -> list[str]:
     """The LoRA keys of a payload, sorted."""
@@ -145,7 +149,5 @@ def examples(replies: dict[int, Reply]) -> dict[int, float]:
 
 def copy_state(state: GlobalState) -> GlobalState:
     """A deep copy (aggregation never mutates the state it was given)."""
-    import copy
-
     return GlobalState({k: v.clone() for k, v in state.arrays.items()}, copy.deepcopy(state.meta))
 

@@ -1,4 +1,4 @@
-"""The nestfed ClientApp: one partition per SuperNode, wrapping the core's ``ClientTrainer``.
+"""The nestfed ClientApp: one partition per SuperNode, the method's client (its ClientTrainer and hooks).
 
 The node config (``flower-supernode --node-config``) names the node's partition:
 
@@ -18,14 +18,14 @@ the rules travel, FedALA's weights and local model) lives in the node's ``Contex
 ``nestfed-client-state``: restored before every TRAIN and EVALUATE, stored after every TRAIN. The
 SuperNode keeps a run's context across messages (and across ClientApp processes), and it never
 leaves the node, so a fresh process per message trains exactly as the embedded runner's one
-process does (tested). It lasts as long as the SuperNode's run: a ``resume`` after the SuperNodes
-restarted starts the clients' state afresh (the embedded runner's checkpoints keep it).
+process does (tested). It lasts as long as the Flower run: the ServerApp refuses to resume such a
+method (a new run starts the nodes' state afresh; the embedded runner's checkpoints keep it).
 
 Messages:
 
 - QUERY -> ``node`` ConfigRecord: partition-id, rank, num-examples, base-model, shapes (JSON
-  ``{module: [out, in]}``), prepare-s, process-age-s; for FedNL also ``memory-init`` (an
-  ArrayRecord: the fresh memory rules of the node's model, which the server's strategy starts from).
+  ``{module: [out, in]}``), prepare-s, process-age-s; and, for a method whose setup gives them,
+  ``initial-arrays`` (an ArrayRecord the server's strategy starts from: FedNL's fresh memory rules).
 - TRAIN (``arrays`` + ``config`` = one nestfed Instruction) -> ``arrays`` + ``metrics``
   (the Reply of ``ClientTrainer.fit``; timings added as metrics).
 - EVALUATE (``arrays`` + ``config`` with ``scaling``) -> ``metrics`` (``ClientTrainer.evaluate``).
@@ -45,16 +45,21 @@ import torch
 from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
-from nestfed import config as C
+from nestfed import methods
+from nestfed.config import ExperimentConfig, r_max
 from nestfed.errors import ConfigError
+from nestfed.experiments.prepare import install_stream_modules, prepare
 from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Instruction
-from nestfed.federation.client_state import flatten_state, unflatten_state
+from nestfed.federation.run_dir import flatten_client_state, unflatten_client_state
 from nestfed.flower.records import arrays_to_record, record_to_arrays, record_to_config, reply_to_content
 
 EXPERIMENT = "experiment"  # ConfigRecord with "toml" (the resolved experiment) and, for TRAIN, "cid"
-CLIENT_STATE = "nestfed-client-state"  # ArrayRecord in Context.state: client_state.flatten_state's keys
-MEMORY_INIT = "memory-init"  # ArrayRecord in the QUERY reply (FedNL)
+CLIENT_STATE = "nestfed-client-state"  # ArrayRecord in Context.state: run_dir.flatten_client_state's keys
+INITIAL_ARRAYS = "initial-arrays"  # ArrayRecord in the QUERY reply (e.g. FedNL's fresh memory rules)
+# Timings a TRAIN reply carries as metrics (handle_train); the ServerApp moves them to the metrics line.
+TRANSPORT_METRICS = ("encode_s", "decode_s", "prepare_s", "process_age_s", "handler_entered_at", "delivery_s",
+                     "client_state_arrays")
 
 
 def process_age_s() -> float:
@@ -71,14 +76,14 @@ def process_age_s() -> float:
 class NodeClient:
     """What one node builds for one experiment: its trainer and what it reports in QUERY."""
 
-    cfg: C.ExperimentConfig
+    cfg: ExperimentConfig
     cid: int
     rank: int
     trainer: ClientTrainer
     shapes: dict[str, tuple[int, int]]
     base_model: str
     prepare_s: float
-    memory_init: dict[str, torch.Tensor]
+    initial_arrays: dict[str, torch.Tensor]
 
     @property
     def num_examples(self) -> int:
@@ -88,15 +93,15 @@ class NodeClient:
 _CACHE: dict[tuple[str, int, int | None], NodeClient] = {}
 
 
-def parse_experiment(text: str) -> C.ExperimentConfig:
-    """The experiment config from its resolved TOML text (as the server sends it)."""
+def parse_experiment(text: str) -> ExperimentConfig:
+    """The experiment config from its resolved TOML text (as the server sends it). Raises ConfigError."""
     try:
-        return C.from_dict(tomllib.loads(text), "<experiment sent by the server>")
+        return methods.config_from_dict(tomllib.loads(text), "<experiment sent by the server>")
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"experiment sent by the server: invalid TOML: {exc}") from None
 
 
-def node_settings(node_config: dict[str, Any], cfg: C.ExperimentConfig) -> tuple[int, int | None, int]:
+def node_settings(node_config: dict[str, Any], cfg: ExperimentConfig) -> tuple[int, int | None, int]:
     """(partition id, rank override or None, threads) from a node config; raises ConfigError."""
     if "partition-id" not in node_config:
         raise ConfigError("node config: 'partition-id' is missing (flower-supernode --node-config 'partition-id=0')")
@@ -108,17 +113,19 @@ def node_settings(node_config: dict[str, Any], cfg: C.ExperimentConfig) -> tuple
         raise ConfigError(f"node config: num-partitions = {n!r} but the experiment has data.num_clients = "
                           f"{cfg.data.num_clients}")
     rank = node_config.get("rank")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= C.r_max(cfg)):
-        raise ConfigError(f"node config: rank = {rank!r}, expected an integer in [1, {C.r_max(cfg)}]")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= r_max(cfg)):
+        raise ConfigError(f"node config: rank = {rank!r}, expected an integer in [1, {r_max(cfg)}]")
     threads = int(node_config.get("threads", 0) or 0)
     return pid, rank, threads
 
 
 def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
-    """The (cached) NodeClient for this experiment and this node's partition."""
-    from nestfed.experiment import install_method_modules, prepare
-
+    """The (cached) NodeClient for this experiment and this node's partition: the prepared
+    partition, the method's client side (its setup, trainer and hooks). Raises ConfigError."""
     cfg = parse_experiment(cfg_text)
+    method = methods.get(cfg.strategy.name)
+    if not method.on_flower:
+        raise ConfigError(f"strategy.name: '{method.name}' runs only embedded")
     pid, rank_override, threads = node_settings(node_config, cfg)
     key = (hashlib.sha256(cfg_text.encode()).hexdigest(), pid, rank_override)
     if cfg.train.threads or threads:  # on every message: a process may serve several
@@ -128,9 +135,10 @@ def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
     t0 = time.perf_counter()
     prep = prepare(cfg, only_clients=[pid])  # sets train.threads itself when non-zero
     rank = rank_override if rank_override is not None else prep.clients[0].rank
-    memory_init = install_method_modules(prep, cfg)
-    trainer = ClientTrainer(prep.backbone.model, prep.data, cfg.train)
-    nc = NodeClient(cfg, pid, rank, trainer, prep.shapes, prep.backbone.source, time.perf_counter() - t0, memory_init)
+    side = method.client(prep, cfg)
+    install_stream_modules(prep, cfg)
+    nc = NodeClient(cfg, pid, rank, side.trainer, prep.shapes, prep.backbone.source, time.perf_counter() - t0,
+                    side.initial_arrays)
     _CACHE[key] = nc
     return nc
 
@@ -149,8 +157,8 @@ def handle_query(msg: Message, context: Context) -> Message:
         "process-age-s": entered, "torch-threads": torch.get_num_threads(),
     })
     content = RecordDict({"node": info})
-    if nc.memory_init:
-        content[MEMORY_INIT] = arrays_to_record(nc.memory_init)
+    if nc.initial_arrays:
+        content[INITIAL_ARRAYS] = arrays_to_record(nc.initial_arrays)
     return Message(content, reply_to=msg)
 
 
@@ -161,13 +169,13 @@ def restore_client_state(context: Context, nc: NodeClient) -> int:
     0 after round 1 for FedALA or FedNL rules-only means the node lost its state)."""
     rec = context.state.array_records.get(CLIENT_STATE)
     flat = {} if rec is None else record_to_arrays(rec)
-    nc.trainer.client_state[nc.cid] = unflatten_state(flat).get(nc.cid, {})
+    nc.trainer.client_state[nc.cid] = unflatten_client_state(flat).get(nc.cid, {})
     return len(flat)
 
 
 def store_client_state(context: Context, nc: NodeClient) -> None:
     """Keep this node's client state (after a TRAIN) in ``context.state`` for its next message."""
-    context.state[CLIENT_STATE] = arrays_to_record(flatten_state({nc.cid: nc.trainer.client_state.get(nc.cid, {})}))
+    context.state[CLIENT_STATE] = arrays_to_record(flatten_client_state({nc.cid: nc.trainer.client_state.get(nc.cid, {})}))
 
 
 def _check_cid(msg: Message, nc: NodeClient) -> None:

@@ -1,19 +1,17 @@
-"""The nestfed ServerApp: any nestfed strategy driven through Flower's Message API.
+"""The nestfed ServerApp: any Flower-capable nestfed method driven through Flower's Message API.
 
-It replaces the embedded runner's round loop (``federation/runner.py``) and nothing else: the
-strategy (``make_strategy``), client sampling (``sample_clients``), reply validation
-(``validate_reply``), payload byte counts (``payload_stats``), atomic checkpoints
-(``save_checkpoint``), the metrics line format, the PEFT export and the run directory are the
-embedded runner's own. Only the transport differs: one Flower message per node.
+It is a transport of the one round loop (nestfed.federation.loop): sampling, validation,
+aggregation, the metrics line, checkpoints, resume and the run directory are the embedded runner's
+own. Only the exchange differs: one Flower message per node (:class:`FlowerTransport`).
 
 Run config (``[tool.flwr.app.config]`` of ``flower_app/pyproject.toml``, overridable with
-``flwr run --run-config``):
+``flwr run --run-config``); types are checked (a boolean must be ``true`` or ``false``, not a string):
 
 - ``experiment``: the experiment TOML on the SuperLink host: absolute, or relative to the
   installed app bundle (where ``flower_app/experiment.toml`` lands) or to the working directory;
 - ``overrides``: ``section.key=value`` overrides separated by ``;``;
-- ``run-dir``: the run directory ("" = a new ``<output.dir>/<name>-<time>``); ``resume``: continue
-  from its latest checkpoint;
+- ``run-dir``: the run directory ("" = a new ``<output.dir>/<name>-<time>``); it must not exist
+  or be empty unless ``resume`` is true, which continues it from its latest checkpoint;
 - ``num-supernodes``: nodes to wait for before the QUERY round (0 = data.num_clients);
   ``connect-timeout-s``: how long to wait for them and for their QUERY replies;
 - ``round-timeout-s``: how long a round waits for TRAIN replies; a node that has not replied by
@@ -24,40 +22,38 @@ Run config (``[tool.flwr.app.config]`` of ``flower_app/pyproject.toml``, overrid
 - ``evaluate``: also send EVALUATE messages (round 0 and after every round), so that
   metrics.jsonl and summary.json carry held-out metrics as in an embedded run.
 
-Round: sample -> ``strategy.configure`` -> one TRAIN message per sampled node with its own
-ArrayRecord (its rank's shapes) and ConfigRecord -> pull replies until all arrived or the
-timeout -> ``validate_reply`` each -> ``strategy.aggregate`` (if at least min-clients were
-accepted) -> atomic checkpoint -> [evaluate] -> one metrics line. Finally the PEFT adapter (none
-for FedNL when only the rules travel) and, for FedNL, ``memory_rules.safetensors``; the strategy
-starts FedNL from the fresh memory rules a node reported in its QUERY reply.
+Before the rounds: a QUERY message to every node (its partition, rank, n_k, LoRA shapes, base
+model and, for a method that needs them, the initial arrays only a model gives, e.g. FedNL's fresh
+memory rules). Clients' kept state stays on the nodes (Context.state), so a method whose clients
+keep state cannot be resumed on Flower (a new ``flwr run`` starts the nodes' state afresh): such a
+resume is refused with one line.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.common.config import get_project_dir
+from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
 from nestfed import config as C
-from nestfed.adapters.peft_export import export_peft_adapter
-from nestfed.errors import ConfigError, UpdateRejected
-from nestfed.experiment import new_run_dir, write_text_atomic
-from nestfed.federation.messages import ClientInfo, GlobalState, Instruction, Reply
-from nestfed.federation.payload import payload_stats, validate_reply
-from nestfed.federation.runner import (latest_checkpoint, load_checkpoint, sample_clients, save_checkpoint,
-                                      save_tensors_atomic)
-from nestfed.flower.client_app import EXPERIMENT, MEMORY_INIT
+from nestfed import methods
+from nestfed.config import ExperimentConfig
+from nestfed.errors import ConfigError, NestfedError
+from nestfed.experiments.run import new_run_dir
+from nestfed.federation.loop import FitResults, RoundLoop
+from nestfed.federation.messages import Arrays, ClientInfo, Instruction
+from nestfed.federation.run_dir import ClientState, Exports, RunDir
+from nestfed.flower.client_app import EXPERIMENT, INITIAL_ARRAYS, TRANSPORT_METRICS
 from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply, record_to_arrays
-from nestfed.strategies import make_strategy
-
-# Timings the ClientApp adds to a TRAIN reply's metrics (see client_app.handle_train).
-TRANSPORT_METRICS = ("encode_s", "decode_s", "prepare_s", "process_age_s", "handler_entered_at", "delivery_s",
-                     "client_state_arrays")
 
 DEFAULTS: dict[str, Any] = {
     "experiment": "experiment.toml",
@@ -71,6 +67,22 @@ DEFAULTS: dict[str, Any] = {
     "poll-interval-s": 0.5,
     "evaluate": False,
 }
+
+
+def _typed(key: str, value: Any, kind: type) -> Any:
+    """A run-config value of the declared kind; raises ConfigError naming the key."""
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif kind is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        want = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}[kind]
+        raise ConfigError(f"run config: {key} = {value!r}, expected {want}")
+    return kind(value)
 
 
 @dataclass(frozen=True)
@@ -90,17 +102,17 @@ class RunSettings:
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:
-        """Read Flower's run config; unknown keys are ignored, wrong types raise ConfigError."""
+        """Read Flower's run config; unknown keys are ignored, wrong types and ranges raise ConfigError."""
         rc = {**DEFAULTS, **{k: v for k, v in run_config.items() if k in DEFAULTS}}
-        try:
-            overrides = tuple(s.strip() for s in str(rc["overrides"]).split(";") if s.strip())
-            out = cls(str(rc["experiment"]), overrides, str(rc["run-dir"]), bool(rc["resume"]),
-                      int(rc["num-supernodes"]), float(rc["connect-timeout-s"]), float(rc["round-timeout-s"]),
-                      int(rc["min-clients"]), float(rc["poll-interval-s"]), bool(rc["evaluate"]))
-        except (TypeError, ValueError) as exc:
-            raise ConfigError(f"run config: {exc}") from None
+        kinds = {k: type(v) for k, v in DEFAULTS.items()}
+        v = {k: _typed(k, rc[k], kinds[k]) for k in DEFAULTS}
+        overrides = tuple(s.strip() for s in v["overrides"].split(";") if s.strip())
+        out = cls(v["experiment"], overrides, v["run-dir"], v["resume"], v["num-supernodes"], v["connect-timeout-s"],
+                  v["round-timeout-s"], v["min-clients"], v["poll-interval-s"], v["evaluate"])
         if out.poll_interval_s <= 0 or out.round_timeout_s <= 0 or out.connect_timeout_s <= 0:
             raise ConfigError("run config: poll-interval-s, round-timeout-s and connect-timeout-s must be > 0")
+        if out.num_supernodes < 0 or out.min_clients < 0:
+            raise ConfigError("run config: num-supernodes and min-clients must be >= 0")
         return out
 
 
@@ -119,8 +131,6 @@ def resolve_experiment(path: str, app_dir: Path | None) -> Path:
 def app_dir_of(grid: Grid) -> Path | None:
     """Where the SuperLink installed this run's app bundle (None when unknown)."""
     try:
-        from flwr.common.config import get_project_dir
-
         run = grid.run
         return get_project_dir(run.fab_id, run.fab_version, run.fab_hash)
     except Exception:  # noqa: BLE001 - an in-process grid has no bundle
@@ -189,6 +199,112 @@ def _error_text(msg: Message) -> str:
 
 
 @dataclass
+class QueryResult:
+    """What the QUERY round found: clients (rank r_k, n_k), {cid: node id}, the LoRA shapes, the base
+    model, per-node info for the round-0 line, the initial arrays a node reported."""
+
+    clients: list[ClientInfo]
+    node_of: dict[int, int]
+    shapes: dict[str, tuple[int, int]]
+    base_model: str
+    info: dict[str, dict[str, Any]]
+    initial_arrays: Arrays
+    seconds: float
+
+
+@dataclass
+class FlowerTransport:
+    """The round loop's exchange as Flower messages: one TRAIN / EVALUATE message per node.
+
+    grid: the Flower grid; settings: the run settings; node_of: {cid: node id}; cfg_text: the
+    resolved experiment (sent with every message, so server and nodes agree on it); query: the
+    QUERY round's result (its node info goes into the round-0 line); say: logging.
+    """
+
+    grid: Grid
+    settings: RunSettings
+    node_of: dict[int, int]
+    cfg_text: str
+    query: QueryResult
+    say: Callable[[str], None]
+
+    def open(self) -> dict[str, Any]:
+        return {"nodes": self.query.info, "query_s": self.query.seconds}
+
+    def _message(self, cid: int, content: RecordDict, kind: str, group: str) -> Message:
+        content[EXPERIMENT] = _experiment_record(self.cfg_text, cid)
+        return Message(content, dst_node_id=self.node_of[cid], message_type=kind, group_id=group,
+                       ttl=self.settings.round_timeout_s + 60)
+
+    def fit(self, rnd: int, instructions: dict[int, Instruction],
+            on_reply: Callable[[int], None] | None = None) -> FitResults:
+        """TRAIN messages with each node's own ArrayRecord (its rank's shapes) and ConfigRecord."""
+        t0 = time.perf_counter()
+        out = FitResults()
+        msgs, cid_of = {}, {}
+        for cid, ins in instructions.items():
+            arr = arrays_to_record(ins.arrays)
+            out.info[cid] = {"node_id": self.node_of[cid], "wire_bytes_down": arr.count_bytes()}
+            msgs[self.node_of[cid]] = self._message(cid, RecordDict({"arrays": arr, "config": config_to_record(ins.config)}),
+                                                    MessageType.TRAIN, str(rnd))
+            cid_of[self.node_of[cid]] = cid
+        t_enc = time.perf_counter()
+        ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
+        t_ex = time.perf_counter()
+        for n in ex.missing:
+            out.dropped[cid_of[n]] = (f"node {n}: the SuperLink did not accept the message" if n in ex.unsent
+                                      else f"node {n}: no reply within {self.settings.round_timeout_s:g} s")
+        for n, msg in sorted(ex.replies.items()):
+            cid = cid_of[n]
+            if msg.has_error():
+                out.dropped[cid] = f"node {n}: {_error_text(msg)}"
+                continue
+            try:
+                reply = content_to_reply(msg.content)
+                out.info[cid]["wire_bytes_up"] = msg.content.array_records["arrays"].count_bytes()
+            except (KeyError, TypeError, ValueError) as exc:
+                out.dropped[cid] = f"node {n}: malformed reply: {exc!r}"
+                continue
+            for k in TRANSPORT_METRICS:  # the ClientApp's timings: logged, never shown to the strategy
+                if k in reply.metrics:
+                    out.info[cid][k] = reply.metrics.pop(k)
+            out.info[cid]["reply_latency_s"] = ex.received_at[n] - float(msg.metadata.created_at)
+            out.replies[cid] = reply
+            if on_reply is not None:
+                on_reply(cid)
+        out.round_info = {"flower": {"encode_s": t_enc - t0, "push_s": ex.push_s, "wait_s": ex.wait_s,
+                                     "pull_s": ex.pull_s, "exchange_s": t_ex - t_enc,
+                                     "decode_s": time.perf_counter() - t_ex}}
+        return out
+
+    def evaluate(self, rnd: int, deployments: dict[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
+        """EVALUATE messages (only with the run config's ``evaluate``)."""
+        if not self.settings.evaluate:
+            return None
+        msgs, cid_of = {}, {}
+        for cid, (arrays, scale) in deployments.items():
+            content = RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale})})
+            msgs[self.node_of[cid]] = self._message(cid, content, MessageType.EVALUATE, f"eval-{rnd}")
+            cid_of[self.node_of[cid]] = cid
+        ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
+        out = {}
+        for n, msg in sorted(ex.replies.items()):
+            if msg.has_error():
+                self.say(f"evaluation {rnd}: client {cid_of[n]} failed: {_error_text(msg)}")
+                continue
+            out[str(cid_of[n])] = {k: float(v) for k, v in msg.content.metric_records["metrics"].items()}
+        for n in ex.missing:
+            self.say(f"evaluation {rnd}: client {cid_of[n]} did not answer")
+        return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+
+    def client_state(self) -> ClientState | None:
+        return None  # the nodes keep their clients' state (Context.state)
+
+    def restore_client_state(self, state: ClientState | None) -> None:
+        return None
+
+
+@dataclass
 class FlowerRun:
     """One nestfed experiment on a Flower grid (see the module docstring)."""
 
@@ -196,20 +312,20 @@ class FlowerRun:
     settings: RunSettings
     app_dir: Path | None = None
     log: list[str] = field(default_factory=list)
-    memory_init: dict[str, Any] = field(default_factory=dict)  # FedNL: the fresh rules a node reported
 
     def say(self, text: str) -> None:
-        from logging import INFO
-
-        from flwr.common.logger import log
-
-        log(INFO, "[nestfed] %s", text)
+        log(logging.INFO, "[nestfed] %s", text)
         self.log.append(text)
 
     # -- setup ---------------------------------------------------------------------------------
-    def load_config(self) -> C.ExperimentConfig:
+    def load_config(self) -> ExperimentConfig:
+        """The experiment, validated, and its method checked for Flower. Raises ConfigError."""
         path = resolve_experiment(self.settings.experiment, self.app_dir)
-        return C.load(path, list(self.settings.overrides))
+        cfg = methods.load_config(path, list(self.settings.overrides))
+        if not methods.get(cfg.strategy.name).on_flower:
+            raise ConfigError(f"{path}: strategy.name: '{cfg.strategy.name}' runs only embedded (its clients hold "
+                              "compressed models the ServerApp cannot set up); use nestfed run")
+        return cfg
 
     def wait_for_nodes(self, want: int) -> list[int]:
         deadline = time.perf_counter() + self.settings.connect_timeout_s
@@ -219,8 +335,9 @@ class FlowerRun:
                 return nodes
             time.sleep(self.settings.poll_interval_s)
 
-    def query(self, nodes: list[int], cfg: C.ExperimentConfig, cfg_text: str):
-        """QUERY every node; return (clients, {cid: node_id}, shapes, base model, per-node info)."""
+    def query(self, nodes: list[int], cfg: ExperimentConfig, cfg_text: str) -> QueryResult:
+        """QUERY every node; nodes that fail, repeat a partition or disagree on shapes are left out."""
+        t0 = time.perf_counter()
         msgs = {n: Message(RecordDict({EXPERIMENT: _experiment_record(cfg_text)}), dst_node_id=n,
                            message_type=MessageType.QUERY, group_id="query",
                            ttl=self.settings.connect_timeout_s + 60) for n in nodes}
@@ -230,7 +347,7 @@ class FlowerRun:
         clients: list[ClientInfo] = []
         node_of: dict[int, int] = {}
         shapes: dict[str, tuple[int, int]] | None = None
-        memory_init: dict[str, Any] = {}
+        initial: Arrays = {}
         base_model = ""
         info: dict[str, dict[str, Any]] = {}
         for n in sorted(ex.replies):
@@ -252,8 +369,8 @@ class FlowerRun:
                 self.say(f"query: node {n} left out: its LoRA layer shapes differ from the other nodes'")
                 continue
             shapes = node_shapes
-            if MEMORY_INIT in msg.content.array_records and not memory_init:
-                memory_init = record_to_arrays(msg.content.array_records[MEMORY_INIT])
+            if INITIAL_ARRAYS in msg.content.array_records and not initial:
+                initial = record_to_arrays(msg.content.array_records[INITIAL_ARRAYS])
             base_model = str(rec.get("base-model", ""))
             node_of[cid] = n
             clients.append(ClientInfo(cid, rank, n_k))
@@ -265,217 +382,50 @@ class FlowerRun:
         missing = sorted(set(range(cfg.data.num_clients)) - set(node_of))
         if missing:
             self.say(f"query: no node serves partitions {missing}; the federation runs without them")
-        self.memory_init = memory_init
-        return clients, node_of, shapes or {}, base_model, info, ex
-
-    # -- one round -----------------------------------------------------------------------------
-    def train_round(self, rnd: int, state: GlobalState, strategy, clients: list[ClientInfo], node_of: dict[int, int],
-                    cfg: C.ExperimentConfig, cfg_text: str, min_clients: int) -> tuple[GlobalState, dict[str, Any]]:
-        t0 = time.perf_counter()
-        fed = cfg.federation
-        sampled = sample_clients(clients, fed.fraction, fed.seed, rnd)
-        instructions: dict[int, Instruction] = strategy.configure(rnd, state, sampled)
-        t_conf = time.perf_counter()
-        msgs: dict[int, Message] = {}
-        cid_of: dict[int, int] = {}
-        wire_down: dict[int, int] = {}
-        for cid, ins in instructions.items():
-            arr = arrays_to_record(ins.arrays)
-            wire_down[cid] = arr.count_bytes()
-            content = RecordDict({"arrays": arr, "config": config_to_record(ins.config),
-                                  EXPERIMENT: _experiment_record(cfg_text, cid)})
-            n = node_of[cid]
-            cid_of[n] = cid
-            msgs[n] = Message(content, dst_node_id=n, message_type=MessageType.TRAIN, group_id=str(rnd),
-                              ttl=self.settings.round_timeout_s + 60)
-        t_enc = time.perf_counter()
-        ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
-        t_ex = time.perf_counter()
-        accepted: dict[int, Reply] = {}
-        per_client: dict[str, dict[str, Any]] = {}
-        rejected: dict[str, str] = {}
-        dropped: dict[str, str] = {}
-        for n in ex.missing:
-            cid = cid_of[n]
-            dropped[str(cid)] = ("the SuperLink did not accept the message" if n in ex.unsent
-                                 else f"no reply within {self.settings.round_timeout_s:g} s")
-        decode_s = 0.0
-        for n, msg in sorted(ex.replies.items()):
-            cid = cid_of[n]
-            ins = instructions[cid]
-            down = payload_stats(ins.arrays)
-            info: dict[str, Any] = {"bytes_down": down["bytes"], "params_down": down["params"],
-                                    "dtypes_down": down["dtypes"], "wire_bytes_down": wire_down[cid],
-                                    "rank_sent": ins.config.get("rank"), "node_id": n}
-            if msg.has_error():
-                dropped[str(cid)] = _error_text(msg)
-                info["status"] = "dropped"
-                per_client[str(cid)] = info
-                continue
-            t = time.perf_counter()
-            try:
-                reply = content_to_reply(msg.content)
-                info["wire_bytes_up"] = msg.content.array_records["arrays"].count_bytes()
-            except (KeyError, TypeError, ValueError) as exc:
-                dropped[str(cid)] = f"malformed reply: {exc!r}"
-                info["status"] = "dropped"
-                per_client[str(cid)] = info
-                continue
-            decode_s += time.perf_counter() - t
-            for k in TRANSPORT_METRICS:  # the ClientApp's timings: logged, never shown to the strategy
-                if k in reply.metrics:
-                    info[k] = reply.metrics.pop(k)
-            up = payload_stats(reply.arrays)
-            info.update({"bytes_up": up["bytes"], "params_up": up["params"], "dtypes_up": up["dtypes"],
-                         "num_examples": reply.num_examples,
-                         "reply_latency_s": ex.received_at[n] - float(msg.metadata.created_at)})
-            try:
-                validate_reply(ins, reply)
-                accepted[cid] = reply
-                info["status"] = "accepted"
-            except UpdateRejected as exc:
-                rejected[str(cid)] = str(exc)
-                info["status"] = "rejected"
-            info.update({k: v for k, v in reply.metrics.items() if isinstance(v, (int, float))})
-            per_client[str(cid)] = info
-        for cid, reason in sorted(dropped.items()):
-            self.say(f"round {rnd}: client {cid} (node {node_of[int(cid)]}) dropped: {reason}")
-            per_client.setdefault(cid, {"status": "dropped", "node_id": node_of[int(cid)], "bytes_down": 0,
-                                        "bytes_up": 0})
-        for cid, reason in sorted(rejected.items()):
-            self.say(f"round {rnd}: client {cid} update rejected: {reason}")
-        for c in per_client.values():
-            c.setdefault("bytes_up", 0)
-        aggregated = len(accepted) >= min_clients
-        t_agg0 = time.perf_counter()
-        if aggregated:
-            state = strategy.aggregate(rnd, state, accepted)
-        else:
-            self.say(f"round {rnd}: {len(accepted)} accepted updates < min_clients {min_clients}; global state kept")
-        t_agg = time.perf_counter() - t_agg0
-        return state, {"round": rnd, "sampled": [c.cid for c in sampled], "aggregated": aggregated,
-                       "clients": per_client, "rejected": rejected, "dropped": dropped,
-                       "bytes_down": sum(c.get("bytes_down", 0) for c in per_client.values()),
-                       "bytes_up": sum(c.get("bytes_up", 0) for c in per_client.values()),
-                       "flower": {"configure_s": t_conf - t0, "encode_s": t_enc - t_conf, "push_s": ex.push_s,
-                                  "wait_s": ex.wait_s, "pull_s": ex.pull_s, "decode_s": decode_s,
-                                  "exchange_s": t_ex - t_enc, "aggregate_s": t_agg}}
-
-    def evaluate(self, state: GlobalState | None, strategy, clients: list[ClientInfo], node_of: dict[int, int],
-                 cfg_text: str, rnd: int) -> dict[str, dict[str, float]]:
-        msgs: dict[int, Message] = {}
-        cid_of: dict[int, int] = {}
-        for c in clients:
-            arrays, scale = ({}, 1.0) if state is None else strategy.deploy(state, c.cid)
-            n = node_of[c.cid]
-            cid_of[n] = c.cid
-            msgs[n] = Message(RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale}),
-                                          EXPERIMENT: _experiment_record(cfg_text, c.cid)}),
-                              dst_node_id=n, message_type=MessageType.EVALUATE, group_id=f"eval-{rnd}",
-                              ttl=self.settings.round_timeout_s + 60)
-        ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
-        out = {}
-        for n, msg in sorted(ex.replies.items()):
-            if msg.has_error():
-                self.say(f"evaluation {rnd}: client {cid_of[n]} failed: {_error_text(msg)}")
-                continue
-            out[str(cid_of[n])] = {k: float(v) for k, v in msg.content.metric_records["metrics"].items()}
-        for n in ex.missing:
-            self.say(f"evaluation {rnd}: client {cid_of[n]} did not answer")
-        return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
+        return QueryResult(clients, node_of, shapes or {}, base_model, info, initial, time.perf_counter() - t0)
 
     # -- the run -------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        """Validate, query the nodes, run the rounds through the loop, finish the run directory."""
         t_start = time.perf_counter()
-        cfg = self.load_config()
-        cfg_text = C.dumps_toml(cfg)
         s = self.settings
+        cfg = self.load_config()
+        method = methods.get(cfg.strategy.name)
+        cfg_text = C.dumps_toml(cfg)
         run_dir = Path(s.run_dir).expanduser() if s.run_dir else new_run_dir(cfg)
+        if s.resume:
+            rd = RunDir.open(run_dir)
+            rd.latest_checkpoint(method.keeps_client_state(cfg))  # refuses before any message is sent
+            for change in rd.accept_config(methods.load_config(rd.config_path), cfg, cfg_text):
+                self.say(f"resume: config.toml now has {change}")
+        elif run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+            raise NestfedError(f"run config: run-dir {run_dir} exists and is not empty; set resume = true to continue it")
         min_clients = s.min_clients or cfg.federation.min_clients
         want = s.num_supernodes or cfg.data.num_clients
         nodes = self.wait_for_nodes(want)
         self.say(f"{len(nodes)} nodes connected (waited for {want})")
-        t_q = time.perf_counter()
-        clients, node_of, shapes, base_model, node_info, qex = self.query(nodes, cfg, cfg_text)
-        query_s = time.perf_counter() - t_q
-        if len(clients) < min_clients:
-            raise RuntimeError(f"only {len(clients)} nodes answered the query; min-clients is {min_clients}")
-        for c in clients:
+        q = self.query(nodes, cfg, cfg_text)
+        if len(q.clients) < min_clients:
+            raise NestfedError(f"only {len(q.clients)} nodes answered the query; min-clients is {min_clients}")
+        for c in q.clients:
             if c.rank > C.r_max(cfg):
                 raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
-        strategy = make_strategy(cfg)
-        if cfg.strategy.name == "fednl":
-            if not self.memory_init:
-                raise RuntimeError("fednl: no node reported its memory rules ('memory-init' in the QUERY reply); "
-                                   "are the SuperNodes running this nestfed version?")
-            strategy.options["memory_init"] = self.memory_init
-        run_dir.mkdir(parents=True, exist_ok=True)
-        metrics_path = run_dir / "metrics.jsonl"
-        start = 1
-        if s.resume and latest_checkpoint(run_dir) is not None:
-            done, state = load_checkpoint(latest_checkpoint(run_dir))
-            start = done + 1
-            if metrics_path.exists():
-                keep = [ln for ln in metrics_path.read_text().splitlines()
-                        if ln.strip() and json.loads(ln)["round"] <= done]
-                metrics_path.write_text("".join(ln + "\n" for ln in keep))
-            self.say(f"resuming {run_dir} after round {done}")
+        strategy = method.server(cfg, q.initial_arrays)
+        keeps_state = method.keeps_client_state(cfg)
+        if s.resume:
+            self.say(f"resuming {run_dir}")
         else:
-            write_text_atomic(run_dir / "config.toml", cfg_text)
-            state = strategy.initialize(shapes, clients)
-            metrics_path.unlink(missing_ok=True)
-            line0: dict[str, Any] = {"round": 0, "nodes": node_info, "query_s": query_s}
-            if s.evaluate:
-                line0["eval"] = self.evaluate(None, strategy, clients, node_of, cfg_text, 0)
-            self._append(metrics_path, line0)
-        for rnd in range(start, cfg.federation.rounds + 1):
-            t0 = time.perf_counter()
-            state, line = self.train_round(rnd, state, strategy, clients, node_of, cfg, cfg_text, min_clients)
-            t = time.perf_counter()
-            save_checkpoint(run_dir / "checkpoints" / f"round_{rnd:03d}.safetensors", rnd, state)
-            line["flower"]["checkpoint_s"] = time.perf_counter() - t
-            if s.evaluate:
-                t = time.perf_counter()
-                line["eval"] = self.evaluate(state, strategy, clients, node_of, cfg_text, rnd)
-                line["flower"]["evaluate_s"] = time.perf_counter() - t
-            line["time_s"] = time.perf_counter() - t0
-            self._append(metrics_path, line)
-            self.say(f"round {rnd}: {sum(c['status'] == 'accepted' for c in line['clients'].values())} accepted, "
-                     f"{len(line['rejected'])} rejected, {len(line['dropped'])} dropped, {line['time_s']:.1f} s")
-        arrays, scale = strategy.export(state)
-        if arrays:  # FedNL with fednl_travel = "rules" has no global LoRA: each client keeps its own
-            export_peft_adapter(arrays, scale, run_dir / "adapter", base_model)
-        if hasattr(strategy, "export_rules"):
-            save_tensors_atomic(strategy.export_rules(state), run_dir / "memory_rules.safetensors")
-        summary = self._summary(run_dir, cfg, clients, time.perf_counter() - t_start)
-        write_text_atomic(run_dir / "summary.json", json.dumps(summary, indent=2))
+            rd = RunDir.create(run_dir, cfg_text)
+        transport = FlowerTransport(self.grid, s, q.node_of, cfg_text, q, self.say)
+        loop = RoundLoop(strategy, transport, q.clients, cfg.federation.rounds, rd, cfg.federation.fraction,
+                         min_clients, cfg.federation.seed, keeps_state,
+                         on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None)
+        state = loop.run(q.shapes, resume=s.resume)
+        exports = Exports(strategy.export(state), q.base_model, strategy.export_files(state))
+        extra = {"engine": "flower", "wall_time_s": time.perf_counter() - t_start, "clients": [c.cid for c in q.clients],
+                 "ranks": [c.rank for c in q.clients], "rejections": list(loop.log), "events": list(self.log)}
+        summary = rd.finish(cfg, exports, extra)
         self.say(f"done: {run_dir}")
-        return summary
-
-    @staticmethod
-    def _append(path: Path, line: dict[str, Any]) -> None:
-        with open(path, "a") as f:
-            f.write(json.dumps(line) + "\n")
-
-    def _summary(self, run_dir: Path, cfg: C.ExperimentConfig, clients: list[ClientInfo], wall: float) -> dict[str, Any]:
-        from nestfed import report
-
-        lines = report.read_metrics(run_dir)
-        rounds = [ln for ln in lines if ln["round"] > 0]
-        if self.settings.evaluate and all(ln.get("eval") for ln in lines):
-            summary = report.summarise(lines, cfg)
-            if cfg.output.plots:
-                report.plot_run(run_dir)
-        else:
-            summary = {"method": cfg.strategy.name, "rounds": len(rounds), "ranks": [c.rank for c in clients],
-                       "bytes_down_total": sum(ln["bytes_down"] for ln in rounds),
-                       "bytes_up_total": sum(ln["bytes_up"] for ln in rounds),
-                       "rejected_updates": sum(len(ln["rejected"]) for ln in rounds)}
-        summary.update({"engine": "flower", "run_dir": str(run_dir), "wall_time_s": wall,
-                        "clients": [c.cid for c in clients],
-                        "dropped_updates": sum(len(ln.get("dropped", {})) for ln in rounds),
-                        "rejections": [m for m in self.log if any(w in m for w in ("rejected", "dropped", "min_clients"))],
-                        "events": self.log})
         return summary
 
 

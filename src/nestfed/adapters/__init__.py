@@ -1,1 +1,0 @@
-"""Adapters: prefix-truncatable LoRA layers and their PEFT export."""

@@ -1,0 +1,261 @@
+"""Read, override, validate and write experiment configs (TOML <-> frozen dataclasses).
+
+An experiment is a TOML file whose tables map onto the core sections (nestfed.config.schema) and
+the sections method homes declare (a :class:`Schema`, built by the registry in nestfed.methods).
+Command-line overrides use dotted keys, ``--set lora.ranks=[2,4,8]``. An unknown section or key,
+a value of the wrong type and a value out of range raise :class:`ConfigError` naming the file and
+the dotted key at fault; nothing is read from or written to a run directory here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import tomllib
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from nestfed.config.schema import CORE_SECTIONS, ExperimentConfig, check_core
+from nestfed.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Schema:
+    """What a config may hold beyond the core sections.
+
+    sections: {section name: options dataclass} declared by method homes (each dataclass checks
+    its own values in ``__post_init__``, raising ValueError("<key>: <reason>")); methods: the
+    names ``strategy.name`` accepts; check: cross-section checks of the named method, called with
+    the whole config, raising ValueError("<section.key>: <reason>").
+    """
+
+    sections: Mapping[str, type] = field(default_factory=dict)
+    methods: tuple[str, ...] = ()
+    check: Callable[[ExperimentConfig], None] | None = None
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Convert a TOML value to the annotated type ``tp``; raise ConfigError naming ``where``."""
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)):
+            value = [value]  # a scalar broadcast to a one-element list
+        inner = typing.get_args(tp)[0]
+        return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true/false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
+    raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover
+
+
+def _hint(word: str, known: list[str]) -> str:
+    close = difflib.get_close_matches(word, known, n=1)
+    return f"; did you mean '{close[0]}'?" if close else ""
+
+
+def _section(cls: type, table: dict[str, Any], name: str, source: str, schema: Schema) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in table.items():
+        if key not in known:
+            moved = next((s for s in schema.sections if key.startswith(s + "_")), None)
+            where = f" (a method's options live in its own section: [{moved}] {key[len(moved) + 1:]})" if moved else ""
+            raise ConfigError(f"{source}: unknown key '{name}.{key}' (known: {', '.join(sorted(known))})"
+                              f"{where or _hint(key, known)}")
+        kwargs[key] = _coerce(value, hints[key], f"{source}: {name}.{key}")
+    try:
+        return cls(**kwargs)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {name}.{exc}") from None
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """Parse ``section.key=value``; the value is read as TOML, else kept as a plain string.
+
+    Raises ConfigError when there is no '=' or no dotted key.
+    """
+    if "=" not in text:
+        raise ConfigError(f"override '{text}': expected section.key=value")
+    key, raw = text.split("=", 1)
+    key = key.strip()
+    if key.count(".") != 1:
+        raise ConfigError(f"override '{text}': the key must be section.key")
+    try:
+        value = tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = raw.strip()
+    return key, value
+
+
+def from_dict(data: Mapping[str, Any], source: str = "<config>", schema: Schema = Schema()) -> ExperimentConfig:
+    """Build and validate an ExperimentConfig from nested dicts (a parsed TOML document).
+
+    Raises ConfigError naming ``source`` and the section or key at fault.
+    """
+    hints = typing.get_type_hints(ExperimentConfig)
+    core, extra = {}, {name: cls() for name, cls in schema.sections.items()}
+    known = list(CORE_SECTIONS) + list(schema.sections)
+    for name, table in data.items():
+        if name not in known:
+            raise ConfigError(f"{source}: unknown section '[{name}]' (known: {', '.join(known)}){_hint(name, known)}")
+        if not isinstance(table, dict):
+            raise ConfigError(f"{source}: '{name}' must be a table")
+        if name in CORE_SECTIONS:
+            core[name] = _section(hints[name], table, name, source, schema)
+        else:
+            extra[name] = _section(schema.sections[name], table, name, source, schema)
+    cfg = ExperimentConfig(**core, sections=MappingProxyType(extra))
+    validate(cfg, source, schema)
+    return cfg
+
+
+def validate(cfg: ExperimentConfig, source: str, schema: Schema) -> None:
+    """The core checks, the method's name, then the method's own cross-section checks.
+    Raises ConfigError("<source>: <section.key>: <reason>")."""
+    if schema.methods and cfg.strategy.name not in schema.methods:
+        raise ConfigError(f"{source}: strategy.name: unknown method '{cfg.strategy.name}' "
+                          f"(known: {', '.join(schema.methods)})")
+    try:
+        check_core(cfg)
+        if schema.check is not None:
+            schema.check(cfg)
+    except ValueError as exc:
+        raise ConfigError(f"{source}: {exc}") from None
+
+
+def _read_toml(p: Path, seen: set[Path]) -> dict[str, Any]:
+    """Read a TOML file; a top-level ``extends = "other.toml"`` (relative to the file) is read
+    first and this file's tables are merged over it key by key."""
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    if p.resolve() in seen:
+        raise ConfigError(f"{p}: 'extends' loops back to itself")
+    try:
+        data = tomllib.loads(p.read_bytes().decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{p}: not UTF-8 text (byte {exc.start}: {exc.reason})") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{p}: invalid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read: {exc.strerror}") from None
+    base = data.pop("extends", None)
+    if base is None:
+        return data
+    if not isinstance(base, str):
+        raise ConfigError(f"{p}: extends must be a path string")
+    merged = _read_toml((p.parent / base), seen | {p.resolve()})
+    for section, table in data.items():
+        if isinstance(table, dict) and isinstance(merged.get(section), dict):
+            merged[section] = {**merged[section], **table}
+        else:
+            merged[section] = table
+    return merged
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """``data`` (parsed TOML tables) with ``section.key=value`` overrides set. Raises ConfigError."""
+    for text in overrides:
+        key, value = parse_override(text)
+        section, name = key.split(".")
+        table = data.setdefault(section, {})
+        if not isinstance(table, dict):
+            raise ConfigError(f"override '{text}': '{section}' is not a table")
+        table[name] = value
+    return data
+
+
+def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), schema: Schema = Schema()
+         ) -> ExperimentConfig:
+    """Read a TOML experiment file (following ``extends``) and apply ``section.key=value`` overrides.
+
+    Raises ConfigError (file missing or unreadable, not UTF-8, TOML syntax, unknown section or
+    key, bad type or value).
+    """
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        data = _read_toml(Path(path), set())
+    return from_dict(apply_overrides(data, overrides), source, schema)
+
+
+def to_dict(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:
+    """The resolved config as nested plain dicts (tuples become lists), core sections first."""
+
+    def plain(v: Any) -> Any:
+        return [plain(x) for x in v] if isinstance(v, tuple) else v
+
+    out = {name: {k: plain(v) for k, v in dataclasses.asdict(getattr(cfg, name)).items()} for name in CORE_SECTIONS}
+    for name, options in cfg.sections.items():
+        out[name] = {k: plain(v) for k, v in dataclasses.asdict(options).items()}
+    return out
+
+
+def dumps_toml(cfg: ExperimentConfig) -> str:
+    """Serialise the resolved config to TOML text (reloadable by :func:`load`)."""
+    lines = []
+    for section, table in to_dict(cfg).items():
+        lines.append(f"[{section}]")
+        for key, value in table.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(v)  # pragma: no cover
+
+
+def replace(cfg: ExperimentConfig, schema: Schema, **sections: dict[str, Any]) -> ExperimentConfig:
+    """A validated copy of ``cfg`` with fields of named sections replaced:
+    ``replace(cfg, schema, strategy={'name': 'flora'})``. Raises ConfigError."""
+    core, extra = {}, dict(cfg.sections)
+    for name, values in sections.items():
+        try:
+            if name in CORE_SECTIONS:
+                core[name] = dataclasses.replace(getattr(cfg, name), **values)
+            else:
+                extra[name] = dataclasses.replace(cfg.section(name), **values)
+        except ValueError as exc:
+            raise ConfigError(f"<override>: {name}.{exc}") from None
+    out = dataclasses.replace(cfg, **core, sections=MappingProxyType(extra))
+    validate(out, "<override>", schema)
+    return out
+
+
+def differences(old: ExperimentConfig, new: ExperimentConfig) -> list[str]:
+    """The dotted keys whose values differ, as ``section.key: old -> new`` (sorted)."""
+    a, b = to_dict(old), to_dict(new)
+    out = []
+    for section in sorted(set(a) | set(b)):
+        for key in sorted(set(a.get(section, {})) | set(b.get(section, {}))):
+            x, y = a.get(section, {}).get(key), b.get(section, {}).get(key)
+            if x != y:
+                out.append(f"{section}.{key}: {x!r} -> {y!r}")
+    return out

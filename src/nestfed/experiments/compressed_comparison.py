@@ -1,0 +1,124 @@
+"""FedSLM against its baselines on one preparation (docs/methods.md, FedSLM's baselines):
+FedAvg+LoRA (every client hosts the full model, rank lora.r_max), HetLoRA (the full model at the
+heterogeneous ranks lora.ranks), FedMKT and FedSLM (compressed clients, compression.client_ratios).
+
+Every method reports the same four figures: the clients' models' held-out perplexity (each
+client's own test set), the server model's held-out perplexity on the same test sets, the client
+model's memory relative to the full model (parameters and buffers), and the bytes per client per
+round (serialised payloads, both directions). ``comparison.md`` / ``comparison.json`` hold them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nestfed import methods
+from nestfed.config import ExperimentConfig, client_ranks, r_max
+from nestfed.config import ConfigError
+from nestfed.experiments.prepare import prepare
+from nestfed.experiments.run import new_run_dir, run_method
+from nestfed.federation.loop import OnEvent
+from nestfed.federation.messages import GlobalState
+from nestfed.federation.prepared import Prepared
+from nestfed.io import atomic
+from nestfed.methods.compressed.evaluation import evaluate_server, mean_ppl
+from nestfed.methods.compressed.setup import model_bytes, prepare_compressed
+from nestfed.methods.method import MethodRun
+
+METHODS = ("fedslm", "fedmkt", "fedavg", "hetlora")
+COMPRESSED = ("fedslm", "fedmkt")
+
+
+def baseline_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
+    """The config of one method: FedAvg at rank lora.r_max for every client; others as given."""
+    if method == "fedavg":
+        return methods.replace_config(cfg, strategy={"name": method}, lora={"ranks": (r_max(cfg),), "r_max": r_max(cfg)})
+    return methods.with_method(cfg, method)
+
+
+def lora_client_memory(prep: Prepared, cfg: ExperimentConfig) -> dict[str, Any]:
+    """Client model bytes of a LoRA method: the full backbone plus an fp32 LoRA of rank r_k."""
+    full = model_bytes(prep.backbone.model)
+    ranks = client_ranks(cfg)
+    per = {str(c): (full + 4 * ranks[c] * sum(o + i for o, i in prep.shapes.values())) / full
+           for c in range(len(ranks))}
+    return {"full_model_bytes": full, "clients": per, "mean_ratio_to_full": sum(per.values()) / len(per)}
+
+
+def run_lora_baseline(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, on_event: OnEvent | None = None
+                      ) -> dict[str, Any]:
+    """A LoRA method's run, with its global adapter on the full model (the server model) evaluated
+    on every client's test set and its clients' memory in summary.json."""
+
+    def report(mr: MethodRun, state: GlobalState) -> dict[str, Any]:
+        arrays, scale = mr.strategy.deploy(state, None)
+        ev = evaluate_server(prep, cfg, arrays, scale)
+        return {"server_eval": ev, "server_mean_ppl": mean_ppl(ev), "client_memory": lora_client_memory(prep, cfg)}
+
+    return run_method(prep, cfg, run_dir, on_event=on_event, report=report)
+
+
+def rows_of(summaries: dict[str, dict[str, Any]], backbone_ppl: float) -> list[dict[str, Any]]:
+    """One comparison row per method (and per elicitation variant of FedSLM). backbone_ppl: the
+    pretrained full model's mean held-out perplexity."""
+    rows = []
+    for method, s in summaries.items():
+        base = {"method": method, "client_mean_ppl": s["mean_ppl"], "client_round0_mean_ppl": s["initial_mean_ppl"],
+                "backbone_mean_ppl": backbone_ppl,
+                "server_mean_ppl": s.get("server_mean_ppl"),
+                "client_memory_ratio": s["client_memory"]["mean_ratio_to_full"],
+                "kb_per_client_round": (s["bytes_down_per_client_round"] + s["bytes_up_per_client_round"]) / 1024,
+                "wall_time_s": s.get("wall_time_s", 0.0)}
+        if method == "fedslm":
+            for variant, info in s["elicitation"].items():
+                rows.append({**base, "method": f"fedslm ({variant})", "server_mean_ppl": info["mean_ppl"],
+                             "weak_mean_ppl": s["weak_mean_ppl"]})
+        else:
+            rows.append(base)
+    return rows
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The comparison as a Markdown table."""
+    head = ["method", "client ppl (round 0)", "client ppl", "server ppl", "weak W_g ppl", "client memory / full",
+            "KB/client/round", "time s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if rows:
+        b = rows[0]["backbone_mean_ppl"]
+        out.append(f"| backbone (no training) | {b:.2f} | {b:.2f} | {b:.2f} | - | 1.000 | - | - |")
+    for r in rows:
+        weak = f"{r['weak_mean_ppl']:.2f}" if r.get("weak_mean_ppl") is not None else "-"
+        out.append(f"| {r['method']} | {r['client_round0_mean_ppl']:.2f} | {r['client_mean_ppl']:.2f} | "
+                   f"{r['server_mean_ppl']:.2f} | {weak} | "
+                   f"{r['client_memory_ratio']:.3f} | {r['kb_per_client_round']:.1f} | {r['wall_time_s']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def compare(cfg: ExperimentConfig, names: list[str] | tuple[str, ...] = METHODS,
+            on_status: Callable[[str], None] | None = None, on_event: OnEvent | None = None) -> Path:
+    """Prepare once, run every method into ``<output.dir>/<name>-<time>/<method>``, write the
+    comparison there; return that directory. Raises ConfigError for an unknown method."""
+    for m in names:
+        if m not in METHODS:
+            raise ConfigError(f"--methods: unknown method '{m}' (known here: {', '.join(METHODS)})")
+    cfgs = {m: baseline_config(cfg, m) for m in names}  # validates every method before any work
+    say = on_status or (lambda s: None)
+    prep = prepare(cfg, on_status=say)
+    if any(m in COMPRESSED for m in names):
+        prepare_compressed(prep, cfg, say)
+    parent = new_run_dir(methods.replace_config(cfg, output={"name": cfg.output.name or "fedslm_compare"}))
+    backbone = mean_ppl(evaluate_server(prep, cfg, {}, 1.0))
+    summaries = {}
+    for m in names:
+        say(f"running {m}")
+        run_dir = parent / m
+        if m in COMPRESSED:
+            summaries[m] = run_method(prep, cfgs[m], run_dir, on_event=on_event)
+        else:
+            summaries[m] = run_lora_baseline(prep, cfgs[m], run_dir, on_event=on_event)
+    rows = rows_of(summaries, backbone)
+    atomic.write_text(parent / "comparison.md", markdown(rows))
+    atomic.write_json(parent / "comparison.json", rows)
+    return parent

@@ -1,0 +1,65 @@
+"""Prepare an experiment once for every method it compares: load the backbone, inject LoRA, build
+and cache every client's data (nestfed.data.clients), and, for a streamed evaluation, give every
+attention layer a (disabled) memory module."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from nestfed.config import ConfigError, ExperimentConfig, client_ranks, r_max
+from nestfed.data.clients import build_client_data, load_partitions
+from nestfed.federation.messages import ClientInfo
+from nestfed.federation.prepared import Prepared
+from nestfed.nn.backbone import load_backbone
+from nestfed.nn.frozen_prefix import first_adapted_layer
+from nestfed.nn.lora import inject_lora, module_shapes
+from nestfed.nn.memory import MemorySettings, install_memory
+
+
+def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = None,
+            only_clients: list[int] | None = None) -> Prepared:
+    """Load the backbone, inject LoRA (rank r_max), build and cache every client's data.
+
+    only_clients: keep (and cache the frozen prefix for) these client ids only, e.g. the one
+    partition a Flower SuperNode serves; None = every client.
+
+    Raises ConfigError / DataError on bad input; creates no files except the model cache.
+    """
+    t0 = time.perf_counter()
+    say = on_status or (lambda s: None)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    ranks = client_ranks(cfg)
+    say("loading data")
+    loaded = load_partitions(cfg.data)
+    say("loading the backbone")
+    backbone = load_backbone(cfg.model)
+    say("tokenising")
+    data, _ = build_client_data(cfg, backbone.tokenizer, loaded)
+    if only_clients is not None:
+        data = {cid: data[cid] for cid in only_clients}
+    s = cfg.lora.lora_alpha / r_max(cfg)
+    try:
+        inject_lora(backbone.model, cfg.lora.target_modules, r_max(cfg), s, cfg.lora.layers)
+    except ValueError as exc:
+        raise ConfigError(f"lora: {exc}") from None
+    start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
+    if start > 0:
+        say(f"caching the frozen layers 0..{start - 1}")
+    for d in data.values():
+        d.cache_prefix(backbone.model, start, cfg.train.eval_batch_size)
+    clients = [ClientInfo(cid, ranks[cid], d.num_examples) for cid, d in data.items()]
+    return Prepared(cfg, backbone, data, clients, module_shapes(backbone.model), time.perf_counter() - t0)
+
+
+def install_stream_modules(prep: Prepared, cfg: ExperimentConfig) -> None:
+    """For a streamed evaluation (``train.eval_stream_chunk > 0``) every attention layer needs a
+    memory module to carry its stream state: add a disabled one (it computes exactly the backbone's
+    attention) where a method installed none. Called after the method's setup, on the server's
+    model and on every Flower node alike."""
+    if cfg.train.eval_stream_chunk > 0:
+        install_memory(prep.backbone.model, MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window,
+                                                           sink=cfg.memory.sink_tokens))

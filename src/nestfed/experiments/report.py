@@ -1,0 +1,107 @@
+"""Read finished run directories back and set them side by side: rows, a terminal table, a Markdown
+table and one comparison plot (PNG bytes, written atomically by the caller's run directory)."""
+
+from __future__ import annotations
+
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+
+from nestfed.errors import DataError
+from nestfed.federation.plots import plt, png
+
+
+def load_summary(run_dir: Path) -> dict[str, Any]:
+    """summary.json of a finished run. Raises DataError when the run is unfinished or not a run."""
+    path = Path(run_dir) / "summary.json"
+    if not path.is_file():
+        raise DataError(f"{run_dir}: no summary.json (not a finished nestfed run)")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{path}: malformed JSON: {exc}") from None
+
+
+def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
+    """One row per finished run: method, ranks, per-client and mean final perplexity, bytes, time."""
+    rows = []
+    for rd in run_dirs:
+        s = load_summary(rd)
+        cfg = tomllib.loads((Path(rd) / "config.toml").read_text())
+        rows.append({"run": Path(rd).name, "method": s["method"], "ranks": s["ranks"],
+                     "ppl": {c: v["ppl"] for c, v in s["final"].items()},
+                     "initial_ppl": {c: v["ppl"] for c, v in s["initial"].items()},
+                     "accuracy": {c: v["accuracy"] for c, v in s["final"].items() if "accuracy" in v},
+                     "mean_ppl": s["mean_ppl"], "initial_mean_ppl": s["initial_mean_ppl"],
+                     "mean_accuracy": s.get("mean_accuracy"),
+                     "bytes_per_client_round": s["bytes_down_per_client_round"] + s["bytes_up_per_client_round"],
+                     "wall_time_s": s.get("wall_time_s", 0.0), "labels": s.get("client_labels", {}),
+                     "rounds": cfg["federation"]["rounds"]})
+    return rows
+
+
+def comparison_table(rows: list[dict[str, Any]]):
+    """A rich Table: one column per client (final held-out perplexity), mean, bytes, time."""
+    cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
+    labels = rows[0]["labels"] if rows else {}
+    table = Table(title="held-out perplexity per client (lower is better); backbone alone in the first row")
+    table.add_column("method")
+    table.add_column("ranks")
+    for c in cids:
+        table.add_column(f"c{c} {labels.get(c, '')[:13]}".strip(), justify="right")
+    table.add_column("mean", justify="right")
+    table.add_column("KB/client/round", justify="right")
+    table.add_column("time s", justify="right")
+    if rows:
+        r0 = rows[0]
+        table.add_row("backbone", "-", *[f"{r0['initial_ppl'][c]:.2f}" for c in cids],
+                      f"{r0['initial_mean_ppl']:.2f}", "-", "-")
+    best = min(r["mean_ppl"] for r in rows) if rows else math.inf
+    for r in rows:
+        mean = f"{r['mean_ppl']:.2f}" + (" *" if r["mean_ppl"] == best else "")
+        table.add_row(r["method"], ",".join(map(str, r["ranks"])), *[f"{r['ppl'][c]:.2f}" for c in cids], mean,
+                      f"{r['bytes_per_client_round'] / 1024:.1f}", f"{r['wall_time_s']:.0f}")
+    return table
+
+
+def comparison_markdown(rows: list[dict[str, Any]]) -> str:
+    """The comparison as a Markdown table (for notes and READMEs)."""
+    cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
+    labels = rows[0]["labels"] if rows else {}
+    head = ["method", "ranks"] + [f"c{c} {labels.get(c, '')}".strip() for c in cids] + ["mean ppl", "KB/client/round", "time s"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    if rows:
+        r0 = rows[0]
+        out.append("| backbone | - | " + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
+                   + f" | {r0['initial_mean_ppl']:.2f} | - | - |")
+    for r in rows:
+        out.append(f"| {r['method']} | {','.join(map(str, r['ranks']))} | "
+                   + " | ".join(f"{r['ppl'][c]:.2f}" for c in cids)
+                   + f" | {r['mean_ppl']:.2f} | {r['bytes_per_client_round'] / 1024:.1f} | {r['wall_time_s']:.0f} |")
+    return "\n".join(out) + "\n"
+
+
+def comparison_plot(rows: list[dict[str, Any]]) -> bytes:
+    """Grouped bars (PNG bytes): change of each client's held-out perplexity relative to the
+    backbone alone (percent; below zero is better), one bar per method, plus the mean over clients."""
+    cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
+    labels = rows[0]["labels"] if rows else {}
+    groups = cids + ["mean"]
+    fig, ax = plt.subplots(figsize=(9, 4.8))
+    width = 0.8 / max(len(rows), 1)
+    for i, r in enumerate(rows):
+        rel = [100.0 * (r["ppl"][c] / r["initial_ppl"][c] - 1.0) for c in cids]
+        rel.append(sum(rel) / len(rel))
+        ax.bar([j + i * width for j in range(len(groups))], rel, width=width, label=r["method"])
+    ax.axhline(0.0, color="k", linewidth=0.8)
+    ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(groups))])
+    ax.set_xticklabels([f"c{c}\n{labels.get(c, '')}" for c in cids] + ["mean"])
+    ax.set_ylabel("held-out perplexity vs backbone (%)")
+    ax.set_title("final round, per client (lower is better)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    ax.grid(axis="y", alpha=0.3)
+    return png(fig)

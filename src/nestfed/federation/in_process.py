@@ -1,0 +1,59 @@
+"""The embedded transport: clients run one after another in this process.
+
+Every payload is serialised and read back in both directions (nestfed.federation.payload), so
+the bytes counted are the bytes a wire would carry and a client never shares a tensor with the
+server.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from nestfed.federation.loop import FitResults
+from nestfed.federation.messages import Arrays, Instruction, Reply
+from nestfed.federation.payload import decode, encode
+from nestfed.federation.run_dir import ClientState
+
+
+class Trainer(Protocol):
+    """The client side of an embedded run: nestfed.federation.client.ClientTrainer, or a method's
+    own (clients of several model groups, knowledge-distilling clients)."""
+
+    client_state: ClientState
+
+    def fit(self, cid: int, instruction: Instruction) -> Reply: ...
+
+    def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]: ...
+
+
+@dataclass
+class InProcessTransport:
+    """Deliver instructions to ``trainer`` in client-id order; evaluate every client in process."""
+
+    trainer: Trainer
+
+    def open(self) -> dict[str, Any]:
+        return {}
+
+    def fit(self, rnd: int, instructions: dict[int, Instruction],
+            on_reply: Callable[[int], None] | None = None) -> FitResults:
+        """Each client trains on what crossed the (simulated) wire and replies through it."""
+        out = FitResults()
+        for cid, ins in instructions.items():
+            sent = Instruction(decode(encode(ins.arrays)), dict(ins.config))
+            reply = self.trainer.fit(cid, sent)
+            out.replies[cid] = Reply(decode(encode(reply.arrays)), reply.num_examples, reply.metrics)
+            if on_reply is not None:
+                on_reply(cid)
+        return out
+
+    def evaluate(self, rnd: int, deployments: dict[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]]:
+        return {str(cid): self.trainer.evaluate(cid, arrays, scale) for cid, (arrays, scale) in deployments.items()}
+
+    def client_state(self) -> ClientState:
+        return self.trainer.client_state
+
+    def restore_client_state(self, state: ClientState | None) -> None:
+        self.trainer.client_state = state or {}

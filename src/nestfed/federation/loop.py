@@ -1,0 +1,195 @@
+"""The round loop: the only one. The embedded runner and Flower's ServerApp are two transports of it.
+
+Per round: sample clients (fraction; seeded by round) -> ``strategy.configure`` -> the transport
+delivers each instruction and brings the replies back -> every reply is validated (keys, shapes,
+rank, NaN/Inf, n_k; a bad update is rejected with its reason and never reaches the global model)
+-> ``strategy.aggregate`` when at least ``min_clients`` updates were accepted -> held-out
+evaluation of what each client now runs -> commit: the metrics line, then the checkpoint with the
+clients' kept state (nestfed.federation.run_dir). Like Flower's ``Strategy.start(grid)``, the loop
+talks to a :class:`Transport` and never to a client directly.
+
+Every random choice derives from (seed, round, client, stream) (nestfed.seeds), so a run resumed
+from the checkpoint of round t reaches the same final state as an uninterrupted run (exactly, on
+the same CPU and thread count).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+
+from nestfed.errors import UpdateRejected
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
+from nestfed.federation.payload import payload_stats, validate_reply
+from nestfed.federation.run_dir import ClientState, RunDir
+from nestfed.federation.strategy import Strategy
+
+OnEvent = Callable[[str, dict[str, Any]], None]
+
+
+@dataclass
+class FitResults:
+    """What a transport brings back from one round's instructions.
+
+    replies: {cid: Reply} as received (decoded); dropped: {cid: reason} for clients that gave no
+    usable reply; info: {cid: transport fields for the metrics line (bytes on the wire, node id,
+    timings)}; round_info: transport fields for the round's line.
+    """
+
+    replies: dict[int, Reply] = field(default_factory=dict)
+    dropped: dict[int, str] = field(default_factory=dict)
+    info: dict[int, dict[str, Any]] = field(default_factory=dict)
+    round_info: dict[str, Any] = field(default_factory=dict)
+
+
+class Transport(Protocol):
+    """How instructions reach clients and replies come back (in process, or Flower messages)."""
+
+    def open(self) -> dict[str, Any]:
+        """Fields for the round-0 metrics line (e.g. the nodes that answered)."""
+
+    def fit(self, rnd: int, instructions: dict[int, Instruction],
+            on_reply: Callable[[int], None] | None = None) -> FitResults:
+        """Deliver one instruction per client and collect the replies; ``on_reply(cid)`` after each."""
+
+    def evaluate(self, rnd: int, deployments: dict[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
+        """Held-out metrics {cid: metrics} of each client under its (arrays, scale s); None when
+        this transport does not evaluate."""
+
+    def client_state(self) -> ClientState | None:
+        """The clients' kept state to checkpoint; None when the clients keep it themselves."""
+
+    def restore_client_state(self, state: ClientState | None) -> None:
+        """Give the clients the kept state of a resumed checkpoint."""
+
+
+def sample_clients(clients: list[ClientInfo], fraction: float, seed: int, rnd: int) -> list[ClientInfo]:
+    """Seeded client sampling: max(1, round(fraction * K)) clients without replacement, sorted by id."""
+    k = max(1, round(fraction * len(clients)))
+    if k >= len(clients):
+        return list(clients)
+    rng = np.random.default_rng([seed, rnd])
+    chosen = sorted(rng.choice(len(clients), size=k, replace=False).tolist())
+    return [clients[i] for i in chosen]
+
+
+@dataclass
+class RoundLoop:
+    """Drive ``strategy`` through ``transport`` for ``rounds`` rounds, committing into ``run_dir``.
+
+    min_clients: the fewest accepted updates a round needs to aggregate (else the global state is
+    kept). keeps_client_state: the method's clients keep state between rounds (a resume then needs
+    it in the checkpoint). on_event(kind, info): progress (``client_done``, ``round_done``).
+    log: what happened that a user should read (rejections, drops, repairs on resume).
+    """
+
+    strategy: Strategy
+    transport: Transport
+    clients: list[ClientInfo]
+    rounds: int
+    run_dir: RunDir
+    fraction: float = 1.0
+    min_clients: int = 1
+    seed: int = 0
+    keeps_client_state: bool = False
+    keep_checkpoints: bool = True
+    on_event: OnEvent | None = None
+    log: list[str] = field(default_factory=list)
+
+    def _emit(self, kind: str, **info: Any) -> None:
+        if self.on_event is not None:
+            self.on_event(kind, info)
+
+    def _say(self, text: str) -> None:
+        self.log.append(text)
+        self._emit("log", text=text)
+
+    def run(self, shapes: dict[str, tuple[int, int]], resume: bool = False) -> GlobalState:
+        """Run (or resume) the federation; return the final global state.
+
+        Without ``resume``: round 0 (the initial state, evaluated) is committed first. With it:
+        continue after the latest checkpoint (RunDir.resume; its errors propagate).
+        """
+        if resume:
+            ck, notes = self.run_dir.resume(self.keeps_client_state)
+            for n in notes:
+                self._say(f"resume: {n}")
+            self.transport.restore_client_state(ck.client_state)
+            state, start = ck.state, ck.round + 1
+        else:
+            state = self.strategy.initialize(shapes, self.clients)
+            line: dict[str, Any] = {"round": 0, **self.transport.open()}
+            evaluation = self.transport.evaluate(0, {c.cid: ({}, 1.0) for c in self.clients})
+            if evaluation is not None:
+                line["eval"] = evaluation
+            self.run_dir.commit(0, state, self.transport.client_state(), line, self.keep_checkpoints)
+            start = 1
+        for rnd in range(start, self.rounds + 1):
+            state = self.run_round(rnd, state)
+        return state
+
+    def run_round(self, rnd: int, state: GlobalState) -> GlobalState:
+        """One round: configure, exchange, validate, aggregate, evaluate, commit."""
+        t0 = time.perf_counter()
+        sampled = sample_clients(self.clients, self.fraction, self.seed, rnd)
+        instructions = self.strategy.configure(rnd, state, sampled)
+        t_conf = time.perf_counter()
+        res = self.transport.fit(rnd, instructions, lambda cid: self._emit("client_done", round=rnd, cid=cid))
+        t_fit = time.perf_counter()
+        accepted: dict[int, Reply] = {}
+        per_client: dict[str, dict[str, Any]] = {}
+        rejected: dict[str, str] = {}
+        dropped: dict[str, str] = {}
+        for cid, ins in instructions.items():
+            down = payload_stats(ins.arrays)
+            info: dict[str, Any] = {"bytes_down": down["bytes"], "params_down": down["params"],
+                                    "dtypes_down": down["dtypes"], "rank_sent": ins.config.get("rank")}
+            info.update(res.info.get(cid, {}))
+            if cid not in res.replies:
+                reason = res.dropped.get(cid, "no reply")
+                dropped[str(cid)] = reason
+                info.update({"status": "dropped", "bytes_up": 0})
+                self._say(f"round {rnd}: client {cid} dropped: {reason}")
+            else:
+                reply = res.replies[cid]
+                up = payload_stats(reply.arrays)
+                info.update({"bytes_up": up["bytes"], "params_up": up["params"], "dtypes_up": up["dtypes"],
+                             "num_examples": reply.num_examples})
+                try:
+                    validate_reply(ins, reply)
+                    accepted[cid] = reply
+                    info["status"] = "accepted"
+                except UpdateRejected as exc:
+                    rejected[str(cid)] = str(exc)
+                    info["status"] = "rejected"
+                    self._say(f"round {rnd}: client {cid} update rejected: {exc}")
+                # a client's metrics never overwrite the server's fields of its line
+                info.update({k: v for k, v in reply.metrics.items() if isinstance(v, (int, float)) and k not in info})
+            per_client[str(cid)] = info
+        t_val = time.perf_counter()
+        aggregated = len(accepted) >= self.min_clients
+        if aggregated:
+            state = self.strategy.aggregate(rnd, state, accepted)
+        else:
+            self._say(f"round {rnd}: {len(accepted)} accepted updates < min_clients {self.min_clients}; "
+                      "global state kept")
+        t_agg = time.perf_counter()
+        evaluation = self.transport.evaluate(rnd, {c.cid: self.strategy.deploy(state, c.cid) for c in self.clients})
+        t_eval = time.perf_counter()
+        line: dict[str, Any] = {"round": rnd, "sampled": [c.cid for c in sampled], "aggregated": aggregated,
+                                "clients": per_client, "rejected": rejected, "dropped": dropped}
+        if evaluation is not None:
+            line["eval"] = evaluation
+        line.update({"bytes_down": sum(c["bytes_down"] for c in per_client.values()),
+                     "bytes_up": sum(c["bytes_up"] for c in per_client.values())})
+        line.update(res.round_info)
+        line["timing"] = {"configure_s": t_conf - t0, "exchange_s": t_fit - t_conf, "validate_s": t_val - t_fit,
+                          "aggregate_s": t_agg - t_val, "evaluate_s": t_eval - t_agg}
+        line["time_s"] = time.perf_counter() - t0
+        self.run_dir.commit(rnd, state, self.transport.client_state(), line, self.keep_checkpoints)
+        self._emit("round_done", round=rnd, line=line)
+        return state

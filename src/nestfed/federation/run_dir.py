@@ -1,0 +1,327 @@
+"""The run directory: the one object that writes what a run leaves, crash-consistent at every step.
+
+::
+
+    config.toml        the resolved config (written first, after the whole config was validated)
+    metrics.jsonl      one JSON line per round, round 0 = before any training
+    checkpoints/       round_NNN.safetensors: the global state after round NNN and, as one unit in
+                       the same file, every client's kept state (FedALA's weights, FedNL's own LoRA)
+    adapter/           the final global adapter in PEFT's format (only when some round aggregated)
+    <name>.safetensors further arrays a method keeps (memory rules, fused cores)
+    plots/             PNGs
+    summary.json       written last: its presence marks a finished run
+
+Commit order of a round: its metrics line is appended (fsynced), then its checkpoint is written
+atomically. A crash between the two leaves a line without a checkpoint; :meth:`RunDir.resume`
+drops lines after the latest checkpoint (the round is redone and writes its line again), and a torn
+last line (a crash mid-append) is dropped with a warning. So every finished round keeps exactly one
+line, and a resumed run reaches the same state as an uninterrupted one (the seed rule,
+nestfed.seeds). Every file is written atomically with the user's umask (nestfed.io.atomic).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import load_file
+
+from nestfed.config import ExperimentConfig, differences
+from nestfed.errors import DataError, NestfedError
+from nestfed.federation.messages import Arrays, GlobalState
+from nestfed.federation.plots import run_plots
+from nestfed.federation.summary import summarise
+from nestfed.io import atomic
+from nestfed.nn.peft_export import export_peft_adapter
+
+log = logging.getLogger("nestfed")
+
+FORMAT = "nestfed-checkpoint/2"
+KEPT, ON_NODES = "kept", "on-nodes"
+_ROUND_FILE = re.compile(r"round_(\d+)\.safetensors")
+
+ClientState = dict[int, dict[str, Arrays]]
+
+
+def flatten_client_state(state: ClientState) -> dict[str, torch.Tensor]:
+    """{cid: {group: {key: t}}} -> {"<cid>/<group>/<key>": t} (for one safetensors file or record)."""
+    return {f"{cid}/{g}/{k}": t.contiguous() for cid, groups in state.items()
+            for g, arrays in groups.items() for k, t in arrays.items()}
+
+
+def unflatten_client_state(flat: dict[str, torch.Tensor]) -> ClientState:
+    """Inverse of :func:`flatten_client_state`. Raises ValueError for a malformed key."""
+    out: ClientState = {}
+    for name, t in flat.items():
+        parts = name.split("/", 2)
+        if len(parts) != 3 or not parts[0].isdigit() or not parts[1]:
+            raise ValueError(f"client state key '{name}' is not <cid>/<group>/<payload key>")
+        out.setdefault(int(parts[0]), {}).setdefault(parts[1], {})[parts[2]] = t
+    return out
+
+
+@dataclass
+class Checkpoint:
+    """A round's committed state: round (0 = before training), the global state, and the clients'
+    kept state (None when the clients keep it themselves, as Flower nodes do)."""
+
+    round: int
+    state: GlobalState
+    client_state: ClientState | None
+    path: Path
+
+
+@dataclass
+class Exports:
+    """What a finished run exports besides its metrics: ``adapter`` (PEFT arrays and their scale s;
+    None or empty for none), ``base_model`` (the adapter's base_model_name_or_path), ``files``
+    ({file name: arrays} written as safetensors) and ``summary`` (the method's extra summary fields)."""
+
+    adapter: tuple[Arrays, float] | None = None
+    base_model: str = ""
+    files: dict[str, Arrays] = field(default_factory=dict)
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+class RunDir:
+    """A run directory (see the module docstring). Create it with :meth:`create` (refuses a
+    non-empty folder) or reopen one with :meth:`open`."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    @classmethod
+    def create(cls, path: str | Path, config_text: str) -> RunDir:
+        """A new run directory holding ``config.toml``. Raises NestfedError when ``path`` exists
+        and is not empty (a run is never overwritten)."""
+        path = Path(path)
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise NestfedError(f"{path}: the run directory exists and is not empty; resume it or choose another")
+        path.mkdir(parents=True, exist_ok=True)
+        rd = cls(path)
+        atomic.write_text(rd.config_path, config_text)
+        return rd
+
+    @classmethod
+    def open(cls, path: str | Path) -> RunDir:
+        """An existing run directory. Raises NestfedError when it holds no config.toml."""
+        rd = cls(path)
+        if not rd.config_path.is_file():
+            raise NestfedError(f"{rd.path}: not a nestfed run directory (no config.toml)")
+        return rd
+
+    @property
+    def config_path(self) -> Path:
+        return self.path / "config.toml"
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / "metrics.jsonl"
+
+    @property
+    def finished(self) -> bool:
+        """Whether the run finished (summary.json exists)."""
+        return (self.path / "summary.json").is_file()
+
+    # -- metrics -------------------------------------------------------------------------------
+    def read_metrics(self) -> list[dict[str, Any]]:
+        """The metrics lines in file order. A torn last line (no newline, not JSON: a crash
+        mid-append) is skipped with a warning. Raises DataError for a missing file or a malformed
+        line elsewhere."""
+        lines, _ = self._read_lines()
+        return lines
+
+    def _read_lines(self) -> tuple[list[dict[str, Any]], bool]:
+        path = self.metrics_path
+        if not path.is_file():
+            raise DataError(f"{path}: not found (is {self.path} a nestfed run directory?)")
+        text = path.read_text(encoding="utf-8")
+        raw = text.split("\n")
+        out, torn = [], False
+        for i, line in enumerate(raw, 1):
+            if not line.strip():
+                continue
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                if i == len(raw) and not text.endswith("\n"):
+                    log.warning("%s: dropped a torn last line (%d bytes): an append was interrupted", path, len(line))
+                    torn = True
+                    continue
+                raise DataError(f"{path}:{i}: malformed JSON line: {exc}") from None
+        return out, torn
+
+    def append_metrics(self, line: dict[str, Any]) -> None:
+        """Append one metrics line, durably (fsync)."""
+        atomic.append_line(self.metrics_path, json.dumps(line))
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def checkpoint_path(self, rnd: int) -> Path:
+        return self.path / "checkpoints" / f"round_{rnd:03d}.safetensors"
+
+    def checkpoints(self) -> list[tuple[int, Path]]:
+        """Every checkpoint as (round, path), sorted by round number (not by name)."""
+        folder = self.path / "checkpoints"
+        found = [(int(m.group(1)), p) for p in folder.glob("round_*.safetensors")
+                 if (m := _ROUND_FILE.fullmatch(p.name))] if folder.is_dir() else []
+        return sorted(found)
+
+    def save_checkpoint(self, rnd: int, state: GlobalState, client_state: ClientState | None) -> Path:
+        """Write round ``rnd``'s global state and the clients' kept state (None: kept on the
+        clients) as one safetensors file, atomically."""
+        tensors = {f"global/{k}": v for k, v in state.arrays.items()}
+        if client_state:
+            tensors.update({f"client/{k}": v for k, v in flatten_client_state(client_state).items()})
+        meta = {"format": FORMAT, "round": str(rnd), "meta": json.dumps(state.meta),
+                "client_state": KEPT if client_state is not None else ON_NODES}
+        return atomic.write_tensors(self.checkpoint_path(rnd), tensors, meta)
+
+    def load_checkpoint(self, path: Path) -> Checkpoint:
+        """Read a checkpoint (this format or the earlier one: round_NNN plus clients_NNN files).
+        Raises DataError naming the file when it is unreadable or corrupted."""
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                md = dict(f.metadata() or {})
+            raw = load_file(str(path))
+            rnd, meta = int(md["round"]), json.loads(md["meta"])
+        except (SafetensorError, OSError, KeyError, ValueError) as exc:
+            raise DataError(f"{path}: not a readable nestfed checkpoint ({type(exc).__name__}: {exc})") from None
+        if md.get("format") != FORMAT:  # before nestfed-checkpoint/2: client state in a file beside it
+            side = path.with_name(path.name.replace("round_", "clients_", 1))
+            try:
+                clients = unflatten_client_state(load_file(str(side))) if side.is_file() else None
+            except (SafetensorError, OSError, ValueError) as exc:
+                raise DataError(f"{side}: not a readable client-state file ({exc})") from None
+            return Checkpoint(rnd, GlobalState(raw, meta), clients, path)
+        arrays = {k[len("global/"):]: v for k, v in raw.items() if k.startswith("global/")}
+        clients = None
+        if md.get("client_state") == KEPT:
+            try:
+                clients = unflatten_client_state({k[len("client/"):]: v for k, v in raw.items() if k.startswith("client/")})
+            except ValueError as exc:
+                raise DataError(f"{path}: {exc}") from None
+        return Checkpoint(rnd, GlobalState(arrays, meta), clients, path)
+
+    def commit(self, rnd: int, state: GlobalState, client_state: ClientState | None, line: dict[str, Any],
+               keep_checkpoints: bool = True) -> None:
+        """Commit round ``rnd``: its metrics line, then its checkpoint (see the module docstring).
+        Without ``keep_checkpoints`` the earlier checkpoints are removed afterwards."""
+        self.append_metrics(line)
+        self.save_checkpoint(rnd, state, client_state)
+        if not keep_checkpoints:
+            for r, p in self.checkpoints():
+                if r != rnd:
+                    p.unlink(missing_ok=True)
+
+    def latest_checkpoint(self, keeps_client_state: bool = False) -> Checkpoint:
+        """The checkpoint of the highest round, read and checked for a resume.
+
+        Raises NestfedError (no checkpoint; the method keeps per-client state and the checkpoint
+        has none, e.g. one written on Flower, whose nodes kept it) or DataError (a corrupted
+        checkpoint), each one line naming the file.
+        """
+        found = self.checkpoints()
+        if not found:
+            raise NestfedError(f"{self.path}: no checkpoint to resume from (checkpoints/round_NNN.safetensors)")
+        ck = self.load_checkpoint(found[-1][1])
+        if keeps_client_state and ck.client_state is None and ck.round > 0:
+            raise NestfedError(f"{ck.path}: this method keeps per-client state, which this checkpoint does not hold "
+                               "(written on Flower, or its clients_NNN file is gone); it cannot be resumed exactly")
+        return ck
+
+    def resume(self, keeps_client_state: bool) -> tuple[Checkpoint, list[str]]:
+        """The latest checkpoint (:meth:`latest_checkpoint`), with metrics.jsonl made to hold exactly
+        rounds 0..its round (a torn last line and lines of rounds after it dropped, rewritten
+        atomically). Returns it and notes of what was repaired. Raises as
+        :meth:`latest_checkpoint`, and DataError for a metrics file that lacks a committed round.
+        """
+        ck = self.latest_checkpoint(keeps_client_state)
+        lines, torn = self._read_lines() if self.metrics_path.is_file() else ([], False)
+        notes = []
+        if torn:
+            notes.append(f"{self.metrics_path}: dropped a torn last line")
+        keep = [ln for ln in lines if int(ln.get("round", -1)) <= ck.round]
+        if len(keep) != len(lines):
+            later = sorted({int(ln["round"]) for ln in lines if int(ln.get("round", -1)) > ck.round})
+            notes.append(f"{self.metrics_path}: dropped the lines of rounds {later}, after the checkpoint of round "
+                         f"{ck.round} (they are redone)")
+        rounds = [int(ln["round"]) for ln in keep]
+        if rounds != list(range(ck.round + 1)):
+            raise DataError(f"{self.metrics_path}: holds rounds {rounds}, expected 0..{ck.round} once each "
+                            f"for the checkpoint {ck.path.name}")
+        if torn or len(keep) != len(lines):
+            atomic.write_text(self.metrics_path, "".join(json.dumps(ln) + "\n" for ln in keep))
+        for n in notes:
+            log.warning("%s", n)
+        return ck, notes
+
+    def accept_config(self, stored: ExperimentConfig, wanted: ExperimentConfig, config_text: str) -> list[str]:
+        """Check a resume's config against the one the run directory holds. Only
+        ``federation.rounds`` may change (to extend a run, never below its latest checkpoint);
+        config.toml is then rewritten so the directory describes what runs, and the changes are
+        returned (``section.key: old -> new``) for the run's log. Raises NestfedError naming any
+        other key that differs."""
+        diff = differences(stored, wanted)
+        other = [d for d in diff if not d.startswith("federation.rounds:")]
+        if other:
+            raise NestfedError(f"{self.config_path}: a resumed run keeps its config; these differ: {'; '.join(other)} "
+                               "(start a new run instead)")
+        found = self.checkpoints()
+        if diff and found and wanted.federation.rounds < found[-1][0]:
+            raise NestfedError(f"{self.config_path}: federation.rounds = {wanted.federation.rounds} is below the "
+                               f"{found[-1][0]} rounds already committed")
+        if diff:
+            atomic.write_text(self.config_path, config_text)
+        return diff
+
+    # -- exports and the summary ---------------------------------------------------------------
+    def write_adapter(self, arrays: Arrays, scaling: float, base_model: str = "") -> Path:
+        """The PEFT adapter directory ``adapter/`` (nestfed.nn.peft_export), atomically."""
+        return export_peft_adapter(arrays, scaling, self.path / "adapter", base_model)
+
+    def write_tensors(self, name: str, arrays: Arrays) -> Path:
+        """``<name>`` (a safetensors file in the run directory), atomically."""
+        return atomic.write_tensors(self.path / name, arrays)
+
+    def write_json(self, name: str, obj: Any) -> Path:
+        return atomic.write_json(self.path / name, obj)
+
+    def write_text(self, name: str, text: str) -> Path:
+        return atomic.write_text(self.path / name, text)
+
+    def write_plots(self, lines: list[dict[str, Any]]) -> list[Path]:
+        """plots/eval_ppl.png and plots/bytes.png (nestfed.federation.plots), atomically."""
+        return [atomic.write_bytes(self.path / "plots" / name, data)
+                for name, data in run_plots(lines, self.path.name).items()]
+
+    def finish(self, cfg: ExperimentConfig, exports: Exports, extra: dict[str, Any]) -> dict[str, Any]:
+        """Finalise a run whose rounds are all committed: the adapter (only when some round
+        aggregated: a run that never aggregated has no adapter PEFT could load), the method's
+        files, the plots (``output.plots``), then summary.json (last): the run's summary
+        (nestfed.federation.summary), then ``extra`` (the entry point's fields), then the method's
+        own fields (``exports.summary``). Returns the summary."""
+        lines = self.read_metrics()
+        summary = summarise(lines, cfg)
+        arrays, scale = exports.adapter or ({}, 1.0)
+        summary["adapter"] = None
+        if arrays and summary["aggregated_rounds"] > 0:
+            self.write_adapter(arrays, scale, exports.base_model)
+            summary["adapter"] = "adapter"
+        elif arrays:
+            log.warning("%s: no round aggregated, so no adapter is exported", self.path)
+        for name, tensors in exports.files.items():
+            self.write_tensors(name, tensors)
+        if cfg.output.plots:
+            self.write_plots(lines)
+        summary.update(extra)
+        summary.update(exports.summary)
+        summary["run_dir"] = str(self.path)
+        self.write_json("summary.json", summary)
+        return summary

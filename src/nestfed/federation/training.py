@@ -1,0 +1,82 @@
+"""Local training primitives every method shares: a batch, seeded batch orders, AdamW steps.
+
+A :class:`Batch` holds labels and either token ids or the frozen prefix's cached outputs
+(nestfed.nn.frozen_prefix); its :meth:`Batch.loss` is the causal-LM cross-entropy with the LM
+head run only where a next token is labelled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from nestfed.data.clients import ClientData
+from nestfed.nn.frozen_prefix import labelled_logits
+
+
+@dataclass
+class Batch:
+    """A training batch: labels [B, T] (-100 = no loss); input_ids [B, T] or hidden [B, T, d]
+    entering decoder layer ``start``."""
+
+    labels: torch.Tensor
+    input_ids: torch.Tensor | None = None
+    hidden: torch.Tensor | None = None
+    start: int = 0
+
+    def loss(self, model: nn.Module) -> torch.Tensor:
+        """Mean next-token cross-entropy (nats per labelled token) of the model on this batch (the LM
+        head runs on the labelled positions only: nestfed.nn.frozen_prefix.labelled_logits)."""
+        logits, targets = labelled_logits(model, self.labels, self.input_ids, self.hidden, self.start)
+        return F.cross_entropy(logits.float(), targets)
+
+
+def block_batches(n: int, steps: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
+    """Seeded batches of row indices [min(batch_size, n)]: a permutation of 0..n-1 consumed in
+    order and redrawn when exhausted (every row once per epoch). Yields ``steps`` LongTensors."""
+    g = torch.Generator().manual_seed(seed)
+    order, pos = torch.randperm(n, generator=g), 0
+    for _ in range(steps):
+        idx = []
+        while len(idx) < min(batch_size, n):
+            if pos == n:
+                order, pos = torch.randperm(n, generator=g), 0
+            idx.append(int(order[pos]))
+            pos += 1
+        yield torch.tensor(idx)
+
+
+def client_batches(d: ClientData, steps: int, batch_size: int, seed: int) -> Iterator[Batch]:
+    """``steps`` training batches of client data ``d`` in the seeded order of :func:`block_batches`
+    (from the cached frozen-prefix outputs when ``d`` holds them, else from token ids)."""
+    for idx in block_batches(d.num_examples, steps, batch_size, seed):
+        if d.train_hidden is not None:
+            yield Batch(d.train_labels[idx], hidden=d.train_hidden[idx], start=d.start)
+        else:
+            yield Batch(d.train_labels[idx], input_ids=d.train_ids[idx])
+
+
+def train_on_blocks(params: list[nn.Parameter], loss_of: Callable[[torch.Tensor], torch.Tensor], n: int, steps: int,
+                    batch_size: int, lr: float, seed: int, max_grad_norm: float = 1.0) -> list[float]:
+    """``steps`` AdamW steps (no weight decay) of ``loss_of(idx) -> scalar loss`` over seeded batches of
+    the n rows (:func:`block_batches`), with gradient-norm clipping. ``params`` train only here
+    (requires_grad is switched on, then off). Returns the loss of every step (nats)."""
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    losses = []
+    for idx in block_batches(n, steps, batch_size, seed):
+        loss = loss_of(idx)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        if max_grad_norm > 0:
+            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+        opt.step()
+        losses.append(loss.item())
+    for p in params:
+        p.requires_grad_(False)
+    return losses

@@ -1,0 +1,1 @@
+"""Files that never tear: atomic writes with the user's umask (:mod:`nestfed.io.atomic`)."""

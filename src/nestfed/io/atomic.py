@@ -1,0 +1,123 @@
+"""Atomic, durable file writes that respect the user's umask.
+
+Every file nestfed leaves behind is written here: to a temporary file in the target's folder,
+flushed and fsynced, given the mode a plain ``open(path, "w")`` would have given it (0666 minus
+the umask; :func:`tempfile.mkstemp` alone leaves 0600), renamed over the target, and the folder
+fsynced so the rename survives a power cut. A failure at any point removes the temporary file and
+leaves an existing target as it was. Directories (a PEFT adapter) are built beside their target
+and renamed into place the same way (mode 0777 minus the umask).
+
+Appends (:func:`append_line`) are the one non-atomic write: a crash mid-append can leave a torn
+last line, which readers of such files drop (``federation.run_dir``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save as st_save
+
+
+def current_umask() -> int:
+    """The process's umask (read by setting and restoring it; e.g. 0o022)."""
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - platforms without directory fds
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_bytes(path: str | Path, data: bytes) -> Path:
+    """Write ``data`` to ``path`` atomically and durably, mode 0666 & ~umask; create parent folders.
+
+    Raises OSError from the file system (the temporary file is removed first).
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o666 & ~current_umask())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def write_text(path: str | Path, text: str) -> Path:
+    """:func:`write_bytes` of ``text`` encoded as UTF-8."""
+    return write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: str | Path, obj: Any) -> Path:
+    """:func:`write_text` of ``obj`` as indented JSON. Raises TypeError for what JSON cannot hold."""
+    return write_text(path, json.dumps(obj, indent=2) + "\n")
+
+
+def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
+    """Write ``{name: tensor}`` (any shapes and dtypes, moved to CPU) as a safetensors file with
+    string ``metadata``, atomically (:func:`write_bytes`). Raises what safetensors raises for
+    unsupported tensors, and OSError."""
+    data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
+    return write_bytes(path, data)
+
+
+def write_dir(path: str | Path, build: Callable[[Path], None]) -> Path:
+    """Create the directory ``path`` atomically: ``build(tmp)`` fills a fresh folder beside it,
+    which is then renamed into place (an existing ``path`` is replaced: moved aside, then removed).
+    The folder gets mode 0777 & ~umask. Raises what ``build`` raises, after removing the folder."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent))
+    try:
+        os.chmod(tmp, 0o777 & ~current_umask())
+        build(tmp)
+        for f in tmp.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        old = None
+        if path.exists():
+            old = path.with_name(f".{path.name}-old-{os.getpid()}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    _fsync_dir(path.parent)
+    return path
+
+
+def append_line(path: str | Path, line: str) -> None:
+    """Append one line (a newline is added) to ``path`` and fsync it. A crash mid-append can leave
+    a torn last line (no trailing newline): readers must drop it. Raises OSError."""
+    path = Path(path)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(line.rstrip("\n") + "\n")
+        f.flush()
+        os.fsync(f.fileno())

@@ -1,0 +1,90 @@
+"""The methods, one home each, and the registry that drives the CLI's list and config validation.
+
+Adding a method is one new home (a module or package here that defines ``METHOD``, a
+:class:`~nestfed.methods.method.Method`) plus one line in :data:`REGISTRY`. Every entry point
+loads configs through :data:`SCHEMA` (the registry's sections, names and checks), so a method's
+options are validated, with the file and key named, before anything is written.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from nestfed import config as C
+from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.methods import fedala, fedavg, fedmkt, fednl, fedprox, fedslm, fedssi, ffa_lora, flora, hetlora, prelort
+from nestfed.methods import zeropad
+from nestfed.methods.method import Method
+
+REGISTRY: dict[str, Method] = {m.name: m for m in (
+    prelort.METHOD,
+    zeropad.METHOD,
+    hetlora.METHOD,
+    flora.METHOD,
+    ffa_lora.METHOD,
+    fedavg.METHOD,
+    fednl.METHOD,
+    fedprox.METHOD,
+    fedala.METHOD,
+    fedssi.METHOD,
+    fedslm.METHOD,
+    fedmkt.METHOD,
+)}
+
+
+def get(name: str) -> Method:
+    """The registered method ``name``. Raises ConfigError listing the known ones."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ConfigError(f"unknown method '{name}' (known: {', '.join(REGISTRY)})") from None
+
+
+def _sections() -> dict[str, type]:
+    out: dict[str, type] = {}
+    for m in REGISTRY.values():
+        for name, cls in m.sections.items():
+            if out.setdefault(name, cls) is not cls:
+                raise TypeError(f"section [{name}] is declared with two different options classes")
+    return out
+
+
+def _check(cfg: ExperimentConfig) -> None:
+    """The running method's cross-section checks. Raises ValueError("<section.key>: <reason>")."""
+    m = REGISTRY[cfg.strategy.name]
+    if m.equal_ranks and len(set(cfg.lora.ranks)) > 1:
+        raise ValueError(f"lora.ranks: {m.name} needs equal ranks, got {list(cfg.lora.ranks)} "
+                         "(heterogeneous ranks: zeropad, hetlora, flora, ffa_lora or prelort)")
+    if m.check_config is not None:
+        m.check_config(cfg)
+
+
+#: What configs may hold beyond the core sections: every home's sections, names and checks.
+SCHEMA = C.Schema(sections=_sections(), methods=tuple(REGISTRY), check=_check)
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """Read and validate an experiment TOML (``extends`` followed) with ``section.key=value``
+    overrides. Raises ConfigError naming the file and key at fault."""
+    return C.load(path, overrides, SCHEMA)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "<config>") -> ExperimentConfig:
+    """Validate a parsed TOML document (e.g. the resolved config a Flower server sends)."""
+    return C.from_dict(data, source, SCHEMA)
+
+
+def with_method(cfg: ExperimentConfig, name: str) -> ExperimentConfig:
+    """``cfg`` running method ``name`` (validated: e.g. fedavg with unequal ranks is refused)."""
+    get(name)
+    return C.replace(cfg, SCHEMA, strategy={"name": name})
+
+
+def replace_config(cfg: ExperimentConfig, **sections: dict[str, Any]) -> ExperimentConfig:
+    """A validated copy with fields of named sections replaced (nestfed.config.replace)."""
+    return C.replace(cfg, SCHEMA, **sections)
+
+
+__all__ = ["REGISTRY", "SCHEMA", "Method", "config_from_dict", "get", "load_config", "replace_config", "with_method"]

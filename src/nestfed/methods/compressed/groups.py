@@ -1,0 +1,58 @@
+"""Clients that run different models: route each client to the trainer of its model group.
+
+Compressed clients hold one model per compression ratio (a group); each group's trainer trains
+that group's model. The transport sees one trainer; :class:`GroupedTrainer` dispatches by client
+id and merges the groups' kept client state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from nestfed.federation.in_process import Trainer
+from nestfed.federation.messages import Arrays, Instruction, Reply
+from nestfed.federation.run_dir import ClientState
+
+
+@dataclass
+class GroupedTrainer:
+    """One trainer per model group.
+
+    trainers: {group: Trainer}; group_of: {cid: group}; initial: {group: payload} loaded when an
+    evaluation receives an empty payload (round 0: each group's initial model, e.g. its cores
+    diag(S)), so a group model left trained by an earlier run is never evaluated as "initial".
+    Raises KeyError naming the client when it has no group.
+    """
+
+    trainers: dict[int, Trainer]
+    group_of: dict[int, int]
+    initial: dict[int, Arrays] = field(default_factory=dict)
+
+    def _group(self, cid: int) -> int:
+        if cid not in self.group_of:
+            raise KeyError(f"client {cid}: no model group assigned")
+        return self.group_of[cid]
+
+    @property
+    def client_state(self) -> ClientState:
+        """Every group's clients' kept state, merged ({cid: {group name: arrays}})."""
+        out: ClientState = {}
+        for t in self.trainers.values():
+            out.update(t.client_state)
+        return out
+
+    @client_state.setter
+    def client_state(self, state: ClientState) -> None:
+        for g, t in self.trainers.items():
+            t.client_state = {cid: s for cid, s in state.items() if self.group_of.get(cid) == g}
+
+    def fit(self, cid: int, instruction: Instruction) -> Reply:
+        """Train client ``cid`` on its group's model."""
+        return self.trainers[self._group(cid)].fit(cid, instruction)
+
+    def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
+        """Held-out metrics of client ``cid`` on its group's model under ``arrays`` (empty: initial)."""
+        g = self._group(cid)
+        if not arrays:
+            arrays = self.initial.get(g, {})
+        return self.trainers[g].evaluate(cid, arrays, scaling)

@@ -1,0 +1,242 @@
+"""What FedSLM and FedMKT share on top of a prepared LoRA experiment: the SVD of the backbone
+(computed once, cached on disk), one compressed model per compression ratio, each client's data
+as its group's model sees it, and the unlabeled server text (methods.md section 2).
+
+Calibration (``compression.whitening = "activation"``, nn/whitening.py): the whitened SVD
+needs the input second moment of every compressed layer, collected by running the backbone over
+the server text, the unlabeled blocks held out from every client (data/held_out.py). It uses
+only that server text: no client data leave the clients, and no client's train or test record is
+part of the calibration.
+
+Frozen-prefix reuse (nestfed/frozen_prefix.py): cores train only in ``compression.train_layers``;
+everything below the lowest of those layers is frozen in every group model. When no layer below
+it is compressed either, each group's prefix equals the backbone's, so the backbone's cached
+outputs are shared instead of being recomputed per group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.nn.svd import (SVDFactors, base_linear, compute_bases, core_key, derive_compressed, load_bases,
+                                  save_bases, select_layers, target_linear_names)
+from nestfed.nn.whitening import DAMPING, second_moments, token_hash
+from nestfed.nn.backbone import default_cache_dir
+from nestfed.data.clients import ClientData
+from nestfed.data.held_out import load_server_text
+from nestfed.data.tasks import TokenDataset
+from nestfed.federation.messages import Arrays
+from nestfed.federation.prepared import Prepared
+from nestfed.nn.frozen_prefix import CachedText, prefix_features
+from nestfed.nn.keys import layer_of
+
+
+@dataclass
+class CompressedSetup:
+    """The compressed side of an experiment.
+
+    ratios: the distinct compression ratios, sorted (group g has ratios[g]); client_group:
+    {cid: g}; bases: {module: SVDFactors} at the largest rank; trained: module paths whose cores
+    train and travel; models: {g: compressed model}; data: {g: {cid: ClientData}} for the group's
+    clients, prefix cached from layer ``start``; server_text: [N, T] blocks held out from every
+    client; public: {g: CachedText} the server text as group g's model sees it, plus "strong" (the
+    backbone); initial: {g: {core key: diag(S[:r])}}; bytes: {"full": backbone bytes, g: group
+    model bytes} (parameters and buffers, LoRA excluded, shared tensors once).
+    """
+
+    ratios: list[float]
+    client_group: dict[int, int]
+    bases: dict[str, SVDFactors]
+    trained: list[str]
+    models: dict[int, nn.Module]
+    data: dict[int, dict[int, ClientData]]
+    server_text: TokenDataset
+    public: dict[str | int, CachedText]
+    initial: dict[int, Arrays]
+    bytes: dict[str | int, int]
+    start: int
+    shared_prefix: bool
+    prepare_time_s: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+    def ranks(self, g: int) -> dict[str, int]:
+        """{module: r_gl} of the trained layers of group g."""
+        return {n: self.models[g].get_submodule(n).rank for n in self.trained}
+
+    def group_examples(self) -> dict[int, float]:
+        """N_g: training examples of every group (all its clients)."""
+        out = {g: 0.0 for g in range(len(self.ratios))}
+        for g, d in self.data.items():
+            out[g] += float(sum(x.num_examples for x in d.values()))
+        return out
+
+
+def model_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers, LoRA matrices excluded, each storage counted once."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".lora_" in name:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def client_ratios(cfg: ExperimentConfig) -> list[float]:
+    """rho of every client: ``compression.client_ratios`` broadcast to data.num_clients."""
+    r = list(cfg.section('compression').client_ratios)
+    return r * cfg.data.num_clients if len(r) == 1 else r
+
+
+def bases_cache_key(source: str, cfg: ExperimentConfig, calibration: torch.Tensor | None = None) -> str:
+    """16 hex digits naming a model's cached bases: source, target, largest ratio, dtype and, for
+    ``compression.whitening = "activation"``, the mode, the damping and a hash of the calibration
+    token ids (another server text gives other bases). Plain SVD keeps the key of earlier versions,
+    so existing caches stay valid. Raises ValueError when whitening needs calibration ids and gets none.
+    """
+    c = cfg.section('compression')
+    text = f"{source}|{c.target}|{max(client_ratios(cfg))}|{cfg.model.dtype}"
+    if c.whitening != "none":
+        if calibration is None:
+            raise ValueError(f"compression.whitening = '{c.whitening}' needs the calibration token ids")
+        text += f"|{c.whitening}|{DAMPING}|{token_hash(calibration)}"
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def check_calibration(model: nn.Module, cfg: ExperimentConfig, calibration: torch.Tensor) -> None:
+    """The whitened SVD needs at least as many calibration tokens as the widest compressed layer has
+    inputs (else C = X^T X / N is rank deficient and the damping alone decides the directions the
+    server text never shows). calibration: [B, T] server text ids. Raises ConfigError naming
+    ``compression.server_blocks`` (and ``compression.target`` for a regex matching nothing).
+    """
+    try:
+        names = target_linear_names(model, cfg.section('compression').target)
+    except ValueError as exc:
+        raise ConfigError(f"compression.target: {exc}") from None
+    need = max(base_linear(model.get_submodule(n)).in_features for n in names)
+    have = calibration.numel()
+    if have < need:
+        T = calibration.shape[-1]
+        raise ConfigError(f"compression.server_blocks: compression.whitening = 'activation' calibrates on the server "
+                          f"text, {calibration.shape[0]} blocks = {have} tokens, fewer than the {need} inputs of the "
+                          f"widest compressed layer; set compression.server_blocks >= {-(-need // T)} or "
+                          "compression.whitening = 'none'")
+
+
+def cached_bases(model: nn.Module, cfg: ExperimentConfig, source: str, say,
+                 calibration: torch.Tensor | None = None) -> dict[str, SVDFactors]:
+    """The SVD bases at the largest ratio, read from the cache when a real model was computed before.
+
+    calibration: the server text's token ids [B, T] (data/held_out.py; held out from every client),
+    needed for ``compression.whitening = "activation"``: the input second moment of every compressed
+    layer is collected on it (:func:`nestfed.nn.whitening.second_moments`) and the bases are
+    SVD-LLM's whitened SVD. Cache: <model cache dir>/svd/<:func:`bases_cache_key`>.safetensors
+    (only for models loaded from a directory; tiny random models are recomputed: milliseconds).
+    Raises ConfigError for a bad target regex or ratio, too little calibration text or a missing one.
+    """
+    c = cfg.section('compression')
+    top = max(client_ratios(cfg))
+    whiten = c.whitening == "activation"
+    if whiten:
+        if calibration is None:
+            raise ConfigError("compression.whitening: 'activation' needs the server text (compression.server_blocks)")
+        check_calibration(model, cfg, calibration)
+    path = None
+    if source:
+        key = bases_cache_key(source, cfg, calibration if whiten else None)
+        path = (Path(cfg.model.cache_dir) if cfg.model.cache_dir else default_cache_dir()) / "svd" / f"{key}.safetensors"
+        if path.is_file():
+            return load_bases(path)[0]
+    moments = None
+    field = "compression.whitening" if whiten else "compression.target"  # the target was checked above
+    try:
+        if whiten:
+            say(f"collecting the compressed layers' input statistics on {calibration.numel()} server-text tokens")
+            moments = second_moments(model, calibration, pattern=c.target, batch_size=cfg.train.eval_batch_size)
+        say(f"computing the {'whitened ' if whiten else ''}SVD of the compressed layers (once)")
+        bases = compute_bases(model, [top], c.target, whitening=moments)
+    except ValueError as exc:
+        raise ConfigError(f"{field}: {exc}") from None
+    if path is not None:
+        meta = {"source": source, "target": c.target, "ratio": str(top), "whitening": c.whitening}
+        if whiten:
+            meta.update({"damping": str(DAMPING), "calibration": token_hash(calibration),
+                         "calibration_tokens": str(calibration.numel())})
+        save_bases(bases, path, meta)
+    return bases
+
+
+def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> CompressedSetup:
+    """Build (once per preparation; memoised in ``prep.cache``) the compressed side of an experiment.
+
+    prep: the prepared experiment (the backbone with LoRA, every client's data). The server text is
+    loaded first: with ``compression.whitening = "activation"`` it is the calibration text of the
+    SVD (only server text, held out from every client; no client data leave the clients).
+    Raises ConfigError (target, train_layers, whitening, too little calibration text) or
+    DataError (too little held-out server text).
+    """
+    memo = prep.cache.setdefault("compressed", {})
+    key = (tuple(client_ratios(cfg)), cfg.section('compression').target, tuple(cfg.section('compression').train_layers),
+           cfg.section('compression').server_blocks, cfg.section('compression').whitening)
+    if key in memo:
+        return memo[key]
+    say = say or (lambda s: None)
+    t0 = time.perf_counter()
+    model = prep.backbone.model
+    per_client = client_ratios(cfg)
+    ratios = sorted(set(per_client))
+    client_group = {cid: ratios.index(per_client[cid]) for cid in prep.data}
+    say("loading the server text (held out from every client)")
+    server = load_server_text(cfg, prep.backbone.tokenizer, cfg.section('compression').server_blocks)
+    bases = cached_bases(model, cfg, prep.backbone.source, say, server.input_ids)
+    num_layers = model.config.num_hidden_layers
+    try:
+        trained = select_layers(sorted(bases), cfg.section('compression').train_layers, num_layers)
+    except ValueError as exc:
+        raise ConfigError(f"compression.train_layers: {exc}") from None
+    if not trained:
+        raise ConfigError(f"compression.train_layers {list(cfg.section('compression').train_layers)}: no compressed layer "
+                          "lies there (check compression.target)")
+    say("deriving the compressed client models")
+    models = {g: derive_compressed(model, bases, rho) for g, rho in enumerate(ratios)}
+    prep_start = prep.frozen_prefix_layers
+    start = min(layer_of(n) or 0 for n in trained) if cfg.train.cache_frozen_prefix else 0
+    shared = start == prep_start and all((layer_of(n) or 0) >= start for n in bases)
+    say("caching the server text and the compressed models' frozen layers")
+    bs = cfg.train.eval_batch_size
+    strong_hidden = prefix_features(model, server.input_ids, prep_start, bs) if prep_start else None
+    public: dict[str | int, CachedText] = {"strong": CachedText(server.input_ids, strong_hidden, prep_start)}
+    data: dict[int, dict[int, ClientData]] = {}
+    for g, m in models.items():
+        if shared or not start:
+            public[g] = public["strong"] if shared else CachedText(server.input_ids)
+        else:
+            public[g] = CachedText(server.input_ids, prefix_features(m, server.input_ids, start, bs), start)
+        data[g] = {}
+        for cid, d in prep.data.items():
+            if client_group[cid] != g:
+                continue
+            if shared:
+                nd = ClientData(d.train_ids, d.train_labels, d.test_ids, d.test_labels, d.train_hidden,
+                                d.test_hidden, d.start, d.letter_ids, d.label)
+            else:
+                nd = ClientData(d.train_ids, d.train_labels, d.test_ids, d.test_labels, letter_ids=d.letter_ids,
+                                label=d.label)
+                nd.cache_prefix(m, start, bs)
+            data[g][cid] = nd
+    initial = {g: {core_key(n): m.get_submodule(n).sigma.detach().clone() for n in trained} for g, m in models.items()}
+    sizes: dict[str | int, int] = {"full": model_bytes(model)}
+    sizes.update({g: model_bytes(m) for g, m in models.items()})
+    setup = CompressedSetup(ratios, client_group, bases, trained, models, data, server, public, initial, sizes,
+                            start, shared, time.perf_counter() - t0)
+    memo[key] = setup
+    return setup

@@ -1,0 +1,133 @@
+"""FedALA (Zhang, Hua, Wang, Song, Xue, Ma and Guan, "FedALA: Adaptive Local Aggregation for
+Personalized Federated Learning", AAAI 2023): FedAvg on the server; each client starts a round
+from theta_local + (theta_global - theta_local) * W on its top layers, with element-wise weights
+W in [0, 1] it learns on local data (section 4, eq. 5-7). W and the local model never travel:
+they are the client's kept state (``ala_weights``, ``ala_local``), checkpointed with the round.
+
+Applied here to the trained parameters (LoRA A and B): ``layers`` = how many of the top decoder
+layers holding LoRA are mixed (FedALA's p), ``steps`` = local batches spent learning W per round
+(FedALA trains W to convergence in the first round it applies and one epoch after; a fixed step
+count fits CPU budgets), ``eta`` = W's learning rate (FedALA's default 1.0).
+
+Options: section ``[fedala]`` (:class:`FedALAOptions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.hooks import ClientHooks, FitContext
+from nestfed.federation.messages import Arrays
+from nestfed.methods.fedavg import FedAvg
+from nestfed.methods.method import lora_method, lora_settings
+from nestfed.nn.keys import layer_of, module_of, rank_dim
+from nestfed.nn.lora import lora_modules
+
+ALA_W, ALA_LOCAL = "ala_weights", "ala_local"
+
+
+@dataclass(frozen=True)
+class FedALAOptions:
+    """layers: top decoder layers mixed element-wise (>= 0); steps: ALA batches per round (>= 0);
+    eta: the weights' learning rate (> 0)."""
+
+    layers: int = 1
+    steps: int = 2
+    eta: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.layers < 0 or self.steps < 0:
+            raise ValueError(f"layers and steps must be >= 0, got {self.layers}, {self.steps}")
+        if self.eta <= 0:
+            raise ValueError(f"eta must be > 0, got {self.eta}")
+
+
+class FedALA(FedAvg):
+    """FedAvg on the server; the adaptive local aggregation is the clients' (:class:`ALAHooks`)."""
+
+    name = "fedala"
+
+
+def ala_keys(arrays: Arrays, layers: int) -> list[str]:
+    """LoRA keys of the top ``layers`` decoder layers that hold LoRA (FedALA's mixed part), sorted."""
+    lora = [k for k in arrays if rank_dim(k) is not None and layer_of(k) is not None]
+    top = sorted({layer_of(k) for k in lora}, reverse=True)[:max(layers, 0)]
+    return sorted(k for k in lora if layer_of(k) in top)
+
+
+def ala_mix(global_arrays: Arrays, local: Arrays, weights: Arrays) -> Arrays:
+    """theta_hat = theta_local + (theta_global - theta_local) * W on the keys of ``weights``,
+    theta_global elsewhere (FedALA eq. 5). Shapes of W equal those of the arrays."""
+    out = dict(global_arrays)
+    for k, w in weights.items():
+        out[k] = torch.lerp(local[k], global_arrays[k], w)  # exact at W = 0 and W = 1
+    return out
+
+
+class ALAHooks(ClientHooks):
+    """Learn W after the global arrays are loaded, remember the trained LoRA as the local model,
+    and evaluate the mixed model."""
+
+    keeps_state = True
+
+    def __init__(self, options: FedALAOptions):
+        self.o = options
+
+    def after_load(self, ctx: FitContext, arrays: Arrays) -> dict[str, float]:
+        """W <- clip(W - eta * dL/dtheta_hat * (theta_global - theta_local), 0, 1) over ``steps``
+        batches of the seed rule's stream ``fedala`` (eq. 6), then theta_hat is loaded. The first
+        round a client takes part it has no local model yet and starts from the global one.
+        Returns ``ala_loss`` (mean loss over the ALA steps, nats/token; absent when skipped)."""
+        local = ctx.state.get(ALA_LOCAL)
+        keys = ala_keys(arrays, self.o.layers)
+        if local is None or not keys:
+            return {}
+        weights = ctx.state.get(ALA_W) or {k: torch.ones_like(arrays[k]) for k in keys}
+        modules = lora_modules(ctx.model)
+        params = {}
+        for k in keys:
+            name, kind = module_of(k)
+            params[k] = getattr(modules[name], kind).weight
+        losses = []
+        for p in params.values():
+            p.requires_grad_(True)
+        for batch in ctx.batches(self.o.steps, "fedala"):
+            with torch.no_grad():
+                for k, p in params.items():
+                    p.copy_(torch.lerp(local[k], arrays[k], weights[k]))
+                    p.grad = None
+            loss = batch.loss(ctx.model)
+            loss.backward()
+            losses.append(loss.item())
+            with torch.no_grad():
+                for k, p in params.items():
+                    weights[k] = (weights[k] - self.o.eta * p.grad * (arrays[k] - local[k])).clamp(0.0, 1.0)
+        with torch.no_grad():
+            for k, p in params.items():
+                p.copy_(torch.lerp(local[k], arrays[k], weights[k]))
+                p.grad = None
+                p.requires_grad_(False)
+        ctx.state[ALA_W] = weights
+        return {"ala_loss": sum(losses) / len(losses)} if losses else {}
+
+    def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
+        ctx.state[ALA_LOCAL] = {k: v.clone() for k, v in out.items() if rank_dim(k) is not None}
+        return out
+
+    def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
+        if not arrays or ALA_W not in state or ALA_LOCAL not in state:
+            return arrays
+        return ala_mix(arrays, state[ALA_LOCAL], state[ALA_W])
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedALA:
+    return FedALA(lora_settings(cfg), cfg.section("fedala"))
+
+
+METHOD = lora_method("fedala", "FedAvg; each client mixes the global and its local model on its top layers with "
+                     "element-wise weights it learns (Zhang et al. 2023)", _strategy,
+                     hooks=lambda cfg: ALAHooks(cfg.section("fedala")), sections={"fedala": FedALAOptions},
+                     equal_ranks=True)

@@ -1,0 +1,31 @@
+"""FedAvg on homogeneous LoRA (McMahan et al., 2017): the n_k-weighted mean of every client's A and B."""
+
+from __future__ import annotations
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.aggregation import weighted_mean
+from nestfed.federation.messages import Arrays, GlobalState, Reply
+from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
+from nestfed.methods.method import lora_method, lora_settings
+
+
+class FedAvg(LoraStrategy):
+    """Homogeneous-rank LoRA averaged with weights n_k / N. Requires equal client ranks."""
+
+    name = "fedavg"
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        new = copy_state(state)
+        n = examples(replies)
+        cids = sorted(replies)
+        for key in lora_keys(next(iter(replies.values())).arrays):
+            new.arrays[key] = weighted_mean([replies[c].arrays[key] for c in cids], [n[c] for c in cids])
+        return new
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedAvg:
+    return FedAvg(lora_settings(cfg))
+
+
+METHOD = lora_method("fedavg", "homogeneous LoRA averaged with n_k weights (McMahan et al. 2017)", _strategy,
+                     equal_ranks=True)

@@ -1,0 +1,92 @@
+"""Logit knowledge on a shared public text, as FedMKT exchanges it (Fan et al., COLING 2025,
+"FedMKT: Federated Mutual Knowledge Transfer for Large and Small Language Models", section 3).
+
+Knowledge of a model on public blocks [N, T] = its top-k next-token log-probabilities
+(``values`` [N, T, k] float16, ``indices`` [N, T, k] int32; FuseLLM/FedMKT keep the top logits
+only) plus its per-block cross-entropy on the public text (``ce`` [N] float32, nats/token).
+One tokenizer everywhere, so no token alignment is needed (methods.md section 2).
+
+Selection (FedMKT's DualMinCE, as in its public code: ``distill_strategy = "greater"`` picks,
+per block, the distribution of the candidate with the largest reward exp(-CE)): for each block
+the target is the candidate with the lowest CE, the learner's own knowledge included, so a learner
+never distils from a teacher worse than itself on that block.
+Loss: lm_weight * CE(labels) + (1 - lm_weight) * CE(target distribution, learner) (FedMKT's code:
+lm_loss_weight = 0.9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch.nn import functional as F
+
+from nestfed.nn.frozen_prefix import causal_lm_loss
+
+VALUES, INDICES, CE = "public.values", "public.indices", "public.ce"
+
+
+@torch.no_grad()
+def knowledge(logits: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
+    """Top-k knowledge of logits [N, T, V] on blocks with labels [N, T] (-100 ignored).
+
+    Returns {VALUES: [N, T, k] float16 log-probs, INDICES: [N, T, k] int32, CE: [N] float32}.
+    Raises ValueError for k < 1 or k > V.
+    """
+    V = logits.shape[-1]
+    if not 1 <= k <= V:
+        raise ValueError(f"topk must be in [1, {V}], got {k}")
+    logp = F.log_softmax(logits.float(), dim=-1)
+    values, indices = logp.topk(k, dim=-1)
+    ce = torch.stack([causal_lm_loss(logits[i:i + 1], labels[i:i + 1]) for i in range(logits.shape[0])])
+    return {VALUES: values.to(torch.float16), INDICES: indices.to(torch.int32), CE: ce.float()}
+
+
+def merge_knowledge(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Concatenate knowledge computed batch by batch along the block dimension."""
+    return {key: torch.cat([p[key] for p in parts]) for key in (VALUES, INDICES, CE)}
+
+
+def select_min_ce(candidates: Sequence[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """DualMinCE: per block, the knowledge of the candidate with the lowest CE.
+
+    candidates[c]: knowledge dicts over the same N blocks. Returns (selected knowledge over the
+    N blocks, chosen candidate index per block [N] long; ties go to the first candidate).
+    Raises ValueError when there is no candidate or the shapes differ.
+    """
+    if not candidates:
+        raise ValueError("no knowledge to select from")
+    shapes = {tuple(c[VALUES].shape) for c in candidates}
+    if len(shapes) != 1:
+        raise ValueError(f"knowledge of different shapes: {sorted(shapes)}")
+    ce = torch.stack([c[CE] for c in candidates])  # [C, N]
+    choice = ce.argmin(0)  # [N]
+    out = {}
+    for key in (VALUES, INDICES, CE):
+        stacked = torch.stack([c[key] for c in candidates])  # [C, N, ...]
+        out[key] = stacked[choice, torch.arange(choice.shape[0])]
+    return out, choice
+
+
+def dense_target(values: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
+    """The top-k distribution as a dense [B, T, V] probability tensor (renormalised over the k kept
+    tokens, zero elsewhere). values: [B, T, k] log-probs; indices: [B, T, k]."""
+    p = torch.softmax(values.float(), dim=-1)
+    out = torch.zeros(*values.shape[:-1], vocab, dtype=p.dtype)
+    return out.scatter_(-1, indices.long(), p)
+
+
+def mutual_loss(logits: torch.Tensor, labels: torch.Tensor, target: dict[str, torch.Tensor],
+                lm_weight: float) -> torch.Tensor:
+    """FedMKT's objective on public blocks: lm_weight * CE(labels) + (1 - lm_weight) * soft CE.
+
+    logits: [B, T, V]; labels: [B, T]; target: knowledge of the same B blocks (VALUES, INDICES);
+    the soft CE is -sum_v p_target(v) log q(v), averaged over positions. Raises ValueError for
+    lm_weight outside [0, 1].
+    """
+    if not 0.0 <= lm_weight <= 1.0:
+        raise ValueError(f"lm_weight must be in [0, 1], got {lm_weight}")
+    lm = causal_lm_loss(logits, labels)
+    p = dense_target(target[VALUES], target[INDICES], logits.shape[-1])
+    soft = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
+    return lm_weight * lm + (1.0 - lm_weight) * soft

@@ -1,0 +1,37 @@
+"""FedNL (Federated Nested Learning, arXiv 2605.16350): the home of the method.
+
+options.py (``[fednl]``), setup.py (the memory layers), hooks.py (the client side), strategy.py
+(the server: FedAvg of the rules that write each client's memory). The memory layer itself is
+model surgery (nestfed.nn.memory) and the delta rule an operator (nestfed.ops.delta_rule).
+"""
+
+from __future__ import annotations
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.messages import Arrays
+from nestfed.methods.fednl.hooks import FedNLHooks
+from nestfed.methods.fednl.options import FedNLOptions
+from nestfed.methods.fednl.setup import install, memory_layers
+from nestfed.methods.fednl.strategy import FedNL
+from nestfed.methods.method import lora_method, lora_settings
+
+
+def _check(cfg: ExperimentConfig) -> None:
+    if "o_proj" in cfg.lora.target_modules:
+        raise ValueError("lora.target_modules: FedNL keeps o_proj frozen (LoRA on q_proj, k_proj, v_proj)")
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedNL:
+    return FedNL(lora_settings(cfg), cfg.section("fednl"), initial, cfg.memory, cfg.train.local_steps)
+
+
+def _hooks(cfg: ExperimentConfig) -> FedNLHooks:
+    return FedNLHooks(cfg.section("fednl").travel == "rules", cfg.memory, cfg.train.local_steps, cfg.lora.init_seed)
+
+
+METHOD = lora_method("fednl", "a delta-rule memory beside attention; clients learn the rules that write it, the "
+                     "server averages the rules (arXiv 2605.16350)", _strategy, hooks=_hooks, setup=install,
+                     sections={"fednl": FedNLOptions}, check_config=_check,
+                     check_model=lambda prep, cfg: memory_layers(prep, cfg) and None, equal_ranks=True)
+
+__all__ = ["METHOD", "FedNL", "FedNLHooks", "FedNLOptions"]

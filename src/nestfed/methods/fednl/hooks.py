@@ -1,0 +1,60 @@
+"""FedNL's client side (arXiv 2605.16350, sections 3-4): the constant gate's schedule per local
+step, and, when only the rules travel, the client's own LoRA kept between rounds.
+
+Kept state: ``kept`` = the client's own LoRA on q, k, v (``travel = "rules"``), initialised once
+from the run's LoRA seed exactly as the global adapter would be, then trained and kept.
+"""
+
+from __future__ import annotations
+
+from nestfed.config import MemoryConfig
+from nestfed.federation.hooks import ClientHooks, FitContext
+from nestfed.federation.messages import Arrays
+from nestfed.nn.keys import rank_dim
+from nestfed.nn.lora import init_adapter_state, module_shapes
+from nestfed.nn.memory import alpha_schedule, set_constant_alpha
+
+KEPT = "kept"
+
+
+class FedNLHooks(ClientHooks):
+    """keep_lora: the client keeps its LoRA (``travel = "rules"``); memory: the [memory] section
+    (a ``constant`` gate follows alpha_start -> alpha_end over alpha_warmup_steps local steps of
+    the run); local_steps: train.local_steps; init_seed: lora.init_seed."""
+
+    def __init__(self, keep_lora: bool, memory: MemoryConfig, local_steps: int, init_seed: int):
+        self.keep_lora = keep_lora
+        self.keeps_state = keep_lora
+        self.memory = memory
+        self.local_steps = local_steps
+        self.init_seed = init_seed
+
+    def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
+        """The received rules plus the client's own LoRA (from its last round, or fresh at rank
+        ``rank``: A Kaiming-uniform, B = 0)."""
+        if not self.keep_lora:
+            return arrays
+        if KEPT not in ctx.state:
+            ctx.state[KEPT] = init_adapter_state(module_shapes(ctx.model), int(ctx.config["rank"]), self.init_seed)
+        return {**arrays, **{k: v.clone() for k, v in ctx.state[KEPT].items()}}
+
+    def before_step(self, ctx: FitContext, step: int) -> None:
+        """A constant gate takes the schedule's value at the run's local step (round - 1) *
+        local_steps + step (methods.md: scheduled from 0.01 to 0.5 over the first steps)."""
+        m = self.memory
+        if m.gate == "constant":
+            done = (ctx.round - 1) * self.local_steps + step
+            set_constant_alpha(ctx.model, alpha_schedule(done, m.alpha_start, m.alpha_end, m.alpha_warmup_steps))
+
+    def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
+        """With ``keep_lora`` the trained LoRA stays here and only the rules are sent."""
+        if not self.keep_lora:
+            return out
+        kept = {k: v for k, v in out.items() if rank_dim(k) is not None}
+        ctx.state[KEPT] = kept
+        return {k: v for k, v in out.items() if k not in kept}
+
+    def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
+        if not arrays or KEPT not in state:
+            return arrays
+        return {**arrays, **state[KEPT]}

@@ -1,0 +1,20 @@
+"""FedNL's options: section ``[fednl]``. The memory layer itself is configured by the core
+``[memory]`` section (nestfed.config.schema.MemoryConfig)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+TRAVEL = ("all", "rules")
+
+
+@dataclass(frozen=True)
+class FedNLOptions:
+    """travel: what crosses the wire, ``all`` (LoRA on q, k, v plus the memory rules) or ``rules``
+    (only the memory rules: beta's projection and the gate; each client keeps its LoRA)."""
+
+    travel: str = "all"
+
+    def __post_init__(self) -> None:
+        if self.travel not in TRAVEL:
+            raise ValueError(f"travel must be 'all' or 'rules', got '{self.travel}'")

@@ -1,0 +1,93 @@
+"""FedNL (Federated Nested Learning, arXiv 2605.16350, sections 3-4): the server averages the
+rules that build each client's memory, never the memory itself.
+
+theta = LoRA on q, k, v + every memory layer's beta projection and gate (nn/memory.py).
+Level 0 (this class): FedAvg of theta weighted by n_k. Level 1 (the client): theta trained by
+backpropagation through the memory trajectory (the chunkwise delta rule) with the causal-LM
+loss. Level 2 (inference): S_t updated online by the delta rule; it never leaves the client.
+
+``travel`` chooses what crosses the wire, so that both of the paper's communication accounts
+can be measured (section 4.4): ``all`` -- LoRA and the rules; ``rules`` -- only the memory
+rules (beta projections and gates), each client keeping its own LoRA (initialised from the
+run's LoRA seed, as the global adapter would be; nestfed.methods.fednl.hooks).
+
+The constant gate (methods.md section 3: "scheduled from 0.01 to 0.5 over the first steps")
+is set per local step on the client from ``alpha_schedule``; the global state carries the
+schedule's value at the end of the last round, which the deployed model runs with.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nestfed.config import MemoryConfig
+from nestfed.federation.aggregation import weighted_mean
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
+from nestfed.federation.strategy import LoraSettings, LoraStrategy, copy_state, examples
+from nestfed.methods.fednl.options import FedNLOptions
+from nestfed.nn.keys import rank_dim
+from nestfed.nn.memory import alpha_schedule, is_constant_alpha_key, is_memory_key
+
+
+class FedNL(LoraStrategy):
+    """FedAvg of theta. memory_init: the memory rules' starting arrays, payload-keyed (from
+    :func:`nestfed.nn.memory.fresh_rule_arrays`); memory: the [memory] section (the constant
+    gate's schedule); local_steps: train.local_steps (the schedule counts local steps).
+
+    Raises ValueError at :meth:`initialize` without memory rules.
+    """
+
+    name = "fednl"
+
+    def __init__(self, settings: LoraSettings, options: FedNLOptions, memory_init: Arrays,
+                 memory: MemoryConfig = MemoryConfig(), local_steps: int = 1):
+        super().__init__(settings, options)
+        self.travel = options.travel
+        self.memory_init = memory_init
+        self.memory = memory
+        self.local_steps = local_steps
+
+    def alpha_at(self, step: int) -> float:
+        """The constant gate's scheduled alpha after ``step`` local steps of the run."""
+        m = self.memory
+        return alpha_schedule(step, m.alpha_start, m.alpha_end, m.alpha_warmup_steps)
+
+    def _set_alpha(self, arrays: Arrays, step: int) -> None:
+        for k in arrays:
+            if is_constant_alpha_key(k):
+                arrays[k] = torch.full_like(arrays[k], self.alpha_at(step))
+
+    def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
+        travel = self.travel
+        state = super().initialize(shapes, clients)
+        rules = self.memory_init or {}
+        if not rules or not all(is_memory_key(k) for k in rules):
+            raise ValueError("fednl: no memory rules to start from (the model needs memory layers: "
+                             "nestfed.nn.memory.install_memory, configured by the [memory] section)")
+        arrays = {} if travel == "rules" else dict(state.arrays)
+        arrays.update({k: v.detach().clone() for k, v in sorted(rules.items())})
+        self._set_alpha(arrays, 0)
+        return GlobalState(arrays, {**state.meta, "travel": travel})
+
+    def reply_keys(self, sent: Arrays) -> list[str]:
+        """Everything sent trains and comes back (LoRA when it travels, and the rules)."""
+        return sorted(sent)
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        new = copy_state(state)
+        n = examples(replies)
+        cids = sorted(replies)
+        for key in sorted(state.arrays):
+            new.arrays[key] = weighted_mean([replies[c].arrays[key] for c in cids], [n[c] for c in cids])
+        self._set_alpha(new.arrays, rnd * self.local_steps)
+        return new
+
+    def export(self, state: GlobalState) -> tuple[Arrays, float]:
+        """The LoRA part as a PEFT adapter (empty when only the rules travel: each client's LoRA
+        is its own); the rules go to memory_rules.safetensors (:meth:`export_files`)."""
+        return ({k: v.clone() for k, v in state.arrays.items() if rank_dim(k) is not None},
+                self.s.scale(self.s.r_max))
+
+    def export_files(self, state: GlobalState) -> dict[str, Arrays]:
+        """``memory_rules.safetensors``: the global memory rules (beta projections and gates), payload-keyed."""
+        return {"memory_rules.safetensors": {k: v.clone() for k, v in state.arrays.items() if is_memory_key(k)}}

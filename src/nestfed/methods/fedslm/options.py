@@ -1,0 +1,31 @@
+"""FedSLM's ``[elicitation]`` section (step 4, weak-to-strong elicitation on the server)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ElicitationOptions:
+    """The full model (LoRA of ``rank`` on the [lora] layers) learns from the weak fused model on
+    the server text with L = (1 - a) CE(f_w, f_s) + a CE(hard(f_s), f_s).
+
+    alpha: a for the reported server model, in [0, 1]; compare_alphas: further values evaluated
+    beside it (and always "none", the pretrained model); steps (>= 0) / batch_size (blocks) / lr:
+    AdamW; rank: the student LoRA's rank; seed: the order of the server text's batches.
+    """
+
+    alpha: float = 0.5
+    compare_alphas: tuple[float, ...] = (0.0,)
+    steps: int = 8
+    batch_size: int = 4
+    lr: float = 5e-3
+    rank: int = 8
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for a in (self.alpha, *self.compare_alphas):
+            if not 0 <= a <= 1:
+                raise ValueError(f"alpha / compare_alphas must be in [0, 1], got {a}")
+        if self.steps < 0 or self.batch_size < 1 or self.lr <= 0 or self.rank < 1:
+            raise ValueError("steps >= 0, batch_size >= 1, lr > 0 and rank >= 1 are required")

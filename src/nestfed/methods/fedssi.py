@@ -1,0 +1,131 @@
+"""FedSSI (Li et al., "Rehearsal-Free Continual Federated Learning with Synergistic Synaptic
+Intelligence", ICML 2025) as a baseline: FedAvg on the server; each client first runs a
+personalised surrogate model from the global theta (eq. 5, mixing local and global knowledge
+with lambda), takes its synaptic-intelligence parameter importance Omega along that path
+(eq. 6-7), then trains with CE + c * sum Omega (theta - theta_global)^2 (eq. 2).
+
+Options: section ``[fedssi]`` (:class:`FedSSIOptions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.hooks import ClientHooks, FitContext
+from nestfed.federation.messages import Arrays
+from nestfed.federation.training import Batch
+from nestfed.methods.fedavg import FedAvg
+from nestfed.methods.method import lora_method, lora_settings
+
+
+@dataclass(frozen=True)
+class FedSSIOptions:
+    """c: the regulariser's weight (>= 0); psm_lambda: the surrogate's mixing lambda in (0, 1]
+    (1: purely local); psm_steps: surrogate (PSM) steps per round (>= 0; 0: Omega = 1, a plain
+    proximal term); xi: the synaptic-intelligence damping (> 0)."""
+
+    c: float = 0.1
+    psm_lambda: float = 0.5
+    psm_steps: int = 2
+    xi: float = 1e-3
+
+    def __post_init__(self) -> None:
+        if self.c < 0:
+            raise ValueError(f"c must be >= 0, got {self.c}")
+        if not 0 < self.psm_lambda <= 1:
+            raise ValueError(f"psm_lambda must be in (0, 1], got {self.psm_lambda}")
+        if self.psm_steps < 0:
+            raise ValueError(f"psm_steps must be >= 0, got {self.psm_steps}")
+        if self.xi <= 0:
+            raise ValueError(f"xi must be > 0, got {self.xi}")
+
+
+class FedSSI(FedAvg):
+    """FedAvg on the server; the surrogate and the importance-weighted term are the clients'."""
+
+    name = "fedssi"
+
+
+def surrogate_importance(ctx: FitContext, params: list[nn.Parameter], anchors: list[torch.Tensor],
+                         o: FedSSIOptions) -> tuple[list[torch.Tensor], dict[str, float]]:
+    """FedSSI's parameter importance from a personalised surrogate model (PSM).
+
+    The surrogate starts at the global theta (``anchors``, one per parameter) and takes
+    ``psm_steps`` AdamW steps (lr = train.lr) on CE + q(lambda)/2 ||v - theta_global||^2 with
+    q(lambda) = (1 - lambda) / (2 lambda) (eq. 5), over batches of the seed rule's stream
+    ``fedssi``. Along its path the synaptic-intelligence contribution s_i = sum_steps -g_i * dv_i
+    (g the CE gradient, eq. 6) gives Omega_i = max(s_i, 0) / ((v_i - theta_global,i)^2 + xi)
+    (eq. 7; Zenke et al. 2017). Decision: Omega is rescaled to mean 1 over all parameters
+    (AdamW's step sizes make the raw magnitudes depend on the learning rate), so ``c`` weighs a
+    mean-one importance; with zero steps Omega = 1. The parameters are restored to the anchors.
+    Returns (Omega per parameter, {"psm_loss": mean CE over the surrogate steps}).
+    """
+    if o.psm_steps <= 0:
+        return [torch.ones_like(a) for a in anchors], {}
+    q = (1.0 - o.psm_lambda) / (2.0 * o.psm_lambda)
+    opt = torch.optim.AdamW(params, lr=ctx.train.lr, weight_decay=0.0)
+    s = [torch.zeros_like(a) for a in anchors]
+    losses = []
+    for batch in ctx.batches(o.psm_steps, "fedssi"):
+        opt.zero_grad(set_to_none=True)
+        loss = batch.loss(ctx.model)
+        loss.backward()
+        losses.append(loss.item())
+        grads = [p.grad.detach().clone() for p in params]
+        before = [p.detach().clone() for p in params]
+        with torch.no_grad():
+            for p, a in zip(params, anchors):
+                p.grad.add_(q * (p - a))
+        opt.step()
+        with torch.no_grad():
+            for i, p in enumerate(params):
+                s[i] -= grads[i] * (p - before[i])
+    with torch.no_grad():
+        omega = [si.clamp(min=0) / ((p - a) ** 2 + o.xi) for si, p, a in zip(s, params, anchors)]
+        total = sum(float(w.sum()) for w in omega)
+        count = sum(w.numel() for w in omega)
+        mean = total / max(count, 1)
+        omega = [w / mean if mean > 0 else torch.ones_like(w) for w in omega]
+        for p, a in zip(params, anchors):
+            p.copy_(a)
+            p.grad = None
+    return omega, {"psm_loss": sum(losses) / len(losses)}
+
+
+class SSIHooks(ClientHooks):
+    """The surrogate's importance before the steps, then CE + c * sum_i Omega_i (theta_i -
+    theta_global,i)^2 (eq. 2) at every step."""
+
+    def __init__(self, options: FedSSIOptions):
+        self.o = options
+
+    def before_steps(self, ctx: FitContext, params: list[nn.Parameter]) -> dict[str, float]:
+        anchors = [p.detach().clone() for p in params]
+        ctx.scratch["anchor"] = list(zip(params, anchors))
+        omega, metrics = surrogate_importance(ctx, params, anchors, self.o)
+        ctx.scratch["importance"] = omega
+        return metrics
+
+    def step_loss(self, ctx: FitContext, batch: Batch) -> float:
+        """Backpropagates the regularised loss; returns the CE alone (nats per token)."""
+        loss = batch.loss(ctx.model)
+        total = loss
+        if self.o.c > 0:
+            total = loss + self.o.c * sum((w * (p - a) ** 2).sum()
+                                          for (p, a), w in zip(ctx.scratch["anchor"], ctx.scratch["importance"]))
+        total.backward()
+        return loss.item()
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedSSI:
+    return FedSSI(lora_settings(cfg), cfg.section("fedssi"))
+
+
+METHOD = lora_method("fedssi", "FedAvg with a synaptic-intelligence importance-weighted proximal term from a "
+                     "personalised surrogate (Li et al. 2025)", _strategy,
+                     hooks=lambda cfg: SSIHooks(cfg.section("fedssi")), sections={"fedssi": FedSSIOptions},
+                     equal_ranks=True)

@@ -1,0 +1,47 @@
+"""FFA-LoRA (Sun et al., ICLR 2024): A frozen at its random initialisation, only B trained and averaged.
+
+With A shared and fixed, averaging B averages B A exactly. Heterogeneous ranks are handled by
+zero-padding B (the rows of A beyond a client's rank are simply unused by it).
+"""
+
+from __future__ import annotations
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.aggregation import pad_rank, weighted_mean
+from nestfed.federation.hooks import ClientHooks
+from nestfed.federation.messages import Arrays, GlobalState, Reply
+from nestfed.federation.strategy import LoraStrategy, copy_state, examples
+from nestfed.methods.method import lora_method, lora_settings
+
+
+class FFALoRA(LoraStrategy):
+    """Clients receive A and B, train and send only B; the server averages B with n_k weights."""
+
+    name = "ffa_lora"
+
+    def reply_keys(self, sent: Arrays) -> list[str]:
+        """Only B comes back."""
+        return [k for k in sent if k.endswith("lora_B.weight")]
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        new = copy_state(state)
+        n = examples(replies)
+        cids = sorted(replies)
+        for key in sorted(k for k in state.arrays if k.endswith("lora_B.weight")):
+            padded = [pad_rank(replies[c].arrays[key], 1, self.s.r_max) for c in cids]
+            new.arrays[key] = weighted_mean(padded, [n[c] for c in cids])
+        return new
+
+
+class FFALoRAHooks(ClientHooks):
+    """A stays frozen: only B trains and travels back."""
+
+    train_a = False
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FFALoRA:
+    return FFALoRA(lora_settings(cfg))
+
+
+METHOD = lora_method("ffa_lora", "A frozen at its random init, only B trained and averaged (Sun et al. 2024)",
+                     _strategy, hooks=lambda cfg: FFALoRAHooks())

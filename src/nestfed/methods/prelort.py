@@ -1,0 +1,109 @@
+"""PreLort: prefix-nested LoRA with segment-wise aggregation (arXiv 2606.15963, sections 2.1-2.3).
+
+Local objective (section 2.2): client k minimises the mean over its sub-ranks
+R_k = {r in R_fed : r <= r_k} of the causal-LM loss with the adapter truncated to r, where R_fed
+is the sorted set of distinct ranks in the federation. Aggregation (section 2.3): for each
+segment [r_{l-1}, r_l) the n_k-weighted mean update of the clients with r_k >= r_l is added to
+the global segment (:func:`segment_average`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.aggregation import weighted_mean
+from nestfed.federation.hooks import ClientHooks, FitContext
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
+from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
+from nestfed.federation.training import Batch
+from nestfed.methods.method import lora_method, lora_settings
+from nestfed.nn.keys import rank_dim
+from nestfed.nn.lora import active_rank
+
+
+def segments(ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """The rank segments [r_{l-1}, r_l) of the sorted distinct ranks, r_0 = 0.
+
+    ``segments([4, 2, 8, 4]) == [(0, 2), (2, 4), (4, 8)]``.
+    """
+    bounds = sorted(set(int(r) for r in ranks))
+    return list(zip([0] + bounds[:-1], bounds))
+
+
+def segment_average(global_t: torch.Tensor, client_ts: Sequence[torch.Tensor], client_ranks: Sequence[int],
+                    weights: Sequence[float], dim: int, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+    """Segment-wise aggregation in update space (arXiv 2606.15963, section 2.3).
+
+    global_t: the global matrix, rank r_max along ``dim``; client_ts[k]: client k's trained
+    matrix of rank client_ranks[k] along ``dim`` (started from global_t's prefix). For each
+    segment [lo, hi) the update of the clients with r_k >= hi is averaged with weights n_k and
+    added to the global segment; a segment no participating client reaches is left unchanged.
+    Returns the new global matrix (same shape as global_t).
+    """
+    out = global_t.clone()
+    for lo, hi in bounds:
+        members = [k for k, r in enumerate(client_ranks) if r >= hi]
+        if not members:
+            continue
+        g = global_t.narrow(dim, lo, hi - lo)
+        deltas = [client_ts[k].narrow(dim, lo, hi - lo) - g for k in members]
+        out.narrow(dim, lo, hi - lo).copy_(g + weighted_mean(deltas, [weights[k] for k in members]))
+    return out
+
+
+class PreLort(LoraStrategy):
+    """Nested sub-rank training plus segment-wise aggregation over R_fed."""
+
+    name = "prelort"
+
+    def federation_ranks(self, state: GlobalState) -> list[int]:
+        """R_fed: the sorted distinct ranks of every client in the federation."""
+        return sorted({int(r) for r in state.meta["ranks"].values()})
+
+    def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
+        return {"subranks": [r for r in self.federation_ranks(state) if r <= rank]}
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        new = copy_state(state)
+        n = examples(replies)
+        cids = sorted(replies)
+        ranks = [self.rank_of(state, c) for c in cids]
+        bounds = segments(self.federation_ranks(state))
+        for key in lora_keys(state.arrays):
+            new.arrays[key] = segment_average(state.arrays[key], [replies[c].arrays[key] for c in cids], ranks,
+                                              [n[c] for c in cids], rank_dim(key), bounds)
+        return new
+
+
+def nested_loss(model: torch.nn.Module, batch: Batch, subranks: Sequence[int]) -> float:
+    """PreLort's local objective (arXiv 2606.15963, section 2.2):
+    L_k = 1/|R_k| sum_{r in R_k} CE(f(.; theta, r)), one forward/backward per sub-rank r
+    (each pass's graph is freed before the next). Returns L_k (nats per labelled token)."""
+    ranks = list(subranks)
+    total = 0.0
+    for r in ranks:
+        with active_rank(model, r):
+            loss = batch.loss(model) / len(ranks)
+            loss.backward()
+        total += loss.item()
+    return total
+
+
+class PreLortHooks(ClientHooks):
+    """The nested objective over the sub-ranks R_k the strategy sends (``subranks``)."""
+
+    def step_loss(self, ctx: FitContext, batch: Batch) -> float:
+        return nested_loss(ctx.model, batch, ctx.config["subranks"])
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> PreLort:
+    return PreLort(lora_settings(cfg))
+
+
+METHOD = lora_method("prelort", "clients train every prefix sub-rank r in R_k; the server averages each rank "
+                     "segment over the clients that hold it (arXiv 2606.15963)", _strategy,
+                     hooks=lambda cfg: PreLortHooks())

@@ -1,0 +1,37 @@
+"""ZeroPad: heterogeneous ranks zero-padded to r_max and averaged over all clients with n_k weights.
+
+The baseline PreLort (arXiv 2606.15963) is measured against (docs/methods.md, PreLort): client
+A/B are padded with zeros to r_max and averaged in parameter space, which dilutes the high-rank rows.
+"""
+
+from __future__ import annotations
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.aggregation import pad_rank, weighted_mean
+from nestfed.federation.messages import Arrays, GlobalState, Reply
+from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
+from nestfed.methods.method import lora_method, lora_settings
+from nestfed.nn.keys import rank_dim
+
+
+class ZeroPad(LoraStrategy):
+    """global[key] = sum_k n_k pad(client_k[key]) / N for every LoRA matrix."""
+
+    name = "zeropad"
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        new = copy_state(state)
+        n = examples(replies)
+        cids = sorted(replies)
+        for key in lora_keys(state.arrays):
+            d = rank_dim(key)
+            padded = [pad_rank(replies[c].arrays[key], d, self.s.r_max) for c in cids]
+            new.arrays[key] = weighted_mean(padded, [n[c] for c in cids])
+        return new
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> ZeroPad:
+    return ZeroPad(lora_settings(cfg))
+
+
+METHOD = lora_method("zeropad", "zero-pad every client adapter to r_max, average with n_k weights", _strategy)

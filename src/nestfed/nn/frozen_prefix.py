@@ -1,0 +1,152 @@
+"""Split a decoder-only LM at its first adapted layer and reuse the frozen prefix's outputs.
+
+When adapters sit only on the top decoder layers, the layers below them are frozen and their
+outputs for a fixed dataset never change: :func:`prefix_features` computes them once, and
+:func:`lm_logits` runs only the remaining layers, the final norm and the LM head. Backward stops
+at the first adapted layer. The logits equal the full model's (tested); this is a CPU speed-up
+to be reported as what it is (resources.md, "Performance facts"), not an approximation.
+
+Works for the Llama and Qwen2 families of transformers (``model.model.layers``,
+``model.model.rotary_emb``, ``model.model.norm``, ``model.lm_head``) with causal attention over
+right-padded sequences (no attention mask needed: padding only follows real tokens).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from nestfed.nn.keys import layer_of
+from nestfed.nn.lora import lora_modules
+
+
+def first_adapted_layer(model: nn.Module) -> int:
+    """Index of the lowest decoder layer that holds a LoRA layer (0 when none or non-layered)."""
+    idx = []
+    for name in lora_modules(model):
+        i = layer_of(name)
+        if i is None:
+            return 0
+        idx.append(i)
+    return min(idx) if idx else 0
+
+
+def _run_layers(model: nn.Module, hidden: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+    inner = model.model
+    T = hidden.shape[1]
+    position_ids = torch.arange(T, device=hidden.device).unsqueeze(0)
+    position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
+    for layer in inner.layers[start:stop]:
+        out = layer(hidden, attention_mask=None, position_ids=position_ids,
+                    position_embeddings=position_embeddings)
+        hidden = out[0] if isinstance(out, tuple) else out
+    return hidden
+
+
+def labelled_length(labels: torch.Tensor) -> torch.Tensor:
+    """Per row of labels [N, T] (-100 = no loss): the positions its loss depends on, up to and
+    including its last labelled token ([N], tokens; 0 for a row without labels). A causal
+    model's outputs there never depend on the positions after them."""
+    positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
+    return ((labels != -100) * positions).amax(dim=1) if labels.numel() else labels.new_zeros(labels.shape[0])
+
+
+@torch.no_grad()
+def prefix_features(model: nn.Module, input_ids: torch.Tensor, start: int, batch_size: int = 8,
+                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+    """Hidden states entering decoder layer ``start``: input_ids [N, T] -> [N, T, hidden].
+
+    start = 0 returns the token embeddings. Computed without gradients in batches of
+    ``batch_size`` sequences. lengths [N] (tokens, e.g. :func:`labelled_length`): only the
+    first ``lengths[i]`` positions of row i are needed; rows are then batched longest first and
+    each batch runs only to its longest row, so right padding costs nothing (MMLU prompts: about
+    half the positions). Positions at or past a row's length hold zeros or values nobody reads.
+    """
+    N, T = input_ids.shape
+    if lengths is None:
+        outs = [_run_layers(model, model.model.embed_tokens(input_ids[i:i + batch_size]), 0, start)
+                for i in range(0, N, batch_size)]
+        return torch.cat(outs) if outs else torch.empty(0)
+    emb = model.model.embed_tokens.weight
+    out = torch.zeros(N, T, emb.shape[1], dtype=emb.dtype, device=emb.device)
+    order = torch.argsort(lengths.clamp(1, T), descending=True, stable=True)
+    for i in range(0, N, batch_size):
+        rows = order[i:i + batch_size]
+        t = int(lengths[rows].clamp(1, T).max())
+        out[rows, :t] = _run_layers(model, model.model.embed_tokens(input_ids[rows, :t]), 0, start)
+    return out
+
+
+def final_hidden(model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+                 start: int = 0) -> torch.Tensor:
+    """The normed last hidden states [B, T, d] (what the LM head reads) from input_ids [B, T], or
+    from ``hidden`` [B, T, d] entering layer ``start``.
+
+    Raises ValueError unless exactly one of input_ids and hidden is given.
+    """
+    if (input_ids is None) == (hidden is None):
+        raise ValueError("give exactly one of input_ids and hidden")
+    if hidden is None:
+        hidden = model.model.embed_tokens(input_ids)
+        start = 0
+    return model.model.norm(_run_layers(model, hidden, start, len(model.model.layers)))
+
+
+def lm_logits(model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+              start: int = 0) -> torch.Tensor:
+    """Logits [B, T, vocab] from input_ids [B, T], or from ``hidden`` [B, T, d] entering layer ``start``.
+
+    Raises ValueError unless exactly one of input_ids and hidden is given.
+    """
+    return model.lm_head(final_hidden(model, input_ids, hidden, start))
+
+
+def labelled_logits(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor | None = None,
+                    hidden: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The LM head applied only where a next token is labelled: what every loss here needs.
+
+    labels: [B, T] (HF convention: logits[t] predict labels[t + 1], -100 ignored); input_ids or
+    hidden as in :func:`lm_logits`. Returns (logits [N, vocab], targets [N]) for the N labelled
+    next tokens in row-major order. The same values
+    as ``lm_logits`` at those positions; on multiple-choice or response-only batches (one or a few
+    labelled tokens per row) it skips the [B, T, vocab] head, most of a step's cost on SmolLM2
+    (49,152-word vocabulary), and the layers run only up to the batch's last labelled position
+    (:func:`labelled_length`: right padding after it costs nothing). Raises ValueError as
+    :func:`final_hidden`.
+    """
+    t = max(int(labelled_length(labels).max()), 1) if labels.numel() else labels.shape[1]
+    if t < labels.shape[1]:
+        labels = labels[:, :t]
+        input_ids = None if input_ids is None else input_ids[:, :t]
+        hidden = None if hidden is None else hidden[:, :t]
+    h = final_hidden(model, input_ids, hidden, start)
+    mask = labels[:, 1:] != -100
+    return model.lm_head(h[:, :-1][mask]), labels[:, 1:][mask]
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    """Next-token cross-entropy in nats: logits [B, T, V], labels [B, T] (HF convention, -100 ignored).
+
+    reduction ``mean`` (per labelled token) or ``sum``.
+    """
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
+                           ignore_index=-100, reduction=reduction)
+
+
+@dataclass
+class CachedText:
+    """Token blocks as one model sees them: input_ids [N, T] and, when the model's layers below
+    ``start`` are frozen, their outputs hidden [N, T, d] (the frozen prefix above)."""
+
+    input_ids: torch.Tensor
+    hidden: torch.Tensor | None = None
+    start: int = 0
+
+    def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+        """Logits [len(idx), T, V] of ``model`` on the blocks ``idx``."""
+        if self.hidden is not None:
+            return lm_logits(model, hidden=self.hidden[idx], start=self.start)
+        return lm_logits(model, self.input_ids[idx])

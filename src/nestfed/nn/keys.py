@@ -1,0 +1,53 @@
+"""Payload key naming, shared by every layer that ships parameters (PEFT's saved names).
+
+A payload is a flat ``{key: tensor}`` dict. LoRA matrices use PEFT's keys,
+``base_model.model.<module path>.lora_A.weight`` (A: [r, in]) and ``...lora_B.weight``
+(B: [out, r]); a layer's frozen low-rank residual uses ``...<module>.merged_A`` / ``merged_B``;
+any other parameter of the model travels as ``base_model.model.<parameter path>``.
+"""
+
+from __future__ import annotations
+
+import re
+
+PEFT_PREFIX = "base_model.model."
+LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
+_MODULE_KEY = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.(?:(lora_A|lora_B)\.weight|(merged_A|merged_B))")
+
+
+def peft_key(module_name: str, which: str) -> str:
+    """PEFT's saved key of a LoRA matrix: ``base_model.model.<module>.lora_A.weight`` (which =
+    ``lora_A`` or ``lora_B``)."""
+    return f"{PEFT_PREFIX}{module_name}.{which}.weight"
+
+
+def merged_key(module_name: str, which: str) -> str:
+    """Key of a layer's frozen residual factor: ``base_model.model.<module>.merged_A`` (which =
+    ``A``: [R, in]) or ``merged_B`` (which = ``B``: [out, R])."""
+    return f"{PEFT_PREFIX}{module_name}.merged_{which}"
+
+
+def module_of(key: str) -> tuple[str, str]:
+    """Split a payload key into (module path, kind), kind one of ``lora_A``, ``lora_B``,
+    ``merged_A``, ``merged_B``. Raises KeyError when the key is none of these."""
+    m = _MODULE_KEY.fullmatch(key)
+    if m is None:
+        raise KeyError(f"not a LoRA payload key: {key}")
+    return m.group(1), m.group(2) or m.group(3)
+
+
+def rank_dim(key: str) -> int | None:
+    """The rank dimension of a payload key: 0 for ``lora_A`` [r, in], 1 for ``lora_B`` [out, r],
+    None for any other key."""
+    if key.endswith("lora_A.weight"):
+        return 0
+    if key.endswith("lora_B.weight"):
+        return 1
+    return None
+
+
+def layer_of(name: str) -> int | None:
+    """The decoder-layer index in a module path or payload key (``...layers.3.self_attn...`` -> 3),
+    None when it names no layer."""
+    m = LAYER_INDEX.search("." + name + ".")
+    return int(m.group(1)) if m else None

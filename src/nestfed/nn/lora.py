@@ -1,0 +1,238 @@
+"""LoRA Linear layers evaluable at any prefix sub-rank, injected by name pattern.
+
+A :class:`LoraLinear` wraps a frozen ``base_layer`` and adds ``s * B[:, :r] A[:r] x``
+(Hu et al., 2021), where ``lora_A.weight`` is A: [rank, in] and ``lora_B.weight`` is
+B: [out, rank], named as in PEFT, so a module path ``model.layers.0.self_attn.q_proj`` carries
+the state keys ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``.
+
+The active sub-rank r <= rank selects the prefix A[:r], B[:, :r] (PreLort, arXiv 2606.15963,
+section 2.1). The scale s is fixed per layer when it is built (methods.md section 1: by default
+s = lora_alpha / r_max at every sub-rank and client), so a prefix of a high-rank adapter computes
+exactly what a low-rank adapter with the same rows computes.
+
+Optionally a layer carries a frozen low-rank residual ``merged_B @ merged_A`` (FLoRA's merge of
+the stacked global update into the base weights, kept factorised: exact and cheap).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from nestfed.nn.keys import LAYER_INDEX, PEFT_PREFIX, module_of, peft_key
+from nestfed.seeds import stream_seed
+
+__all__ = ["PEFT_PREFIX", "LoraLinear", "active_rank", "get_adapter_state", "init_adapter_state", "inject_lora",
+           "lora_modules", "module_of", "module_shapes", "peft_key", "set_active_rank", "set_adapter_state",
+           "target_module_names"]
+
+
+class LoraLinear(nn.Module):
+    """A frozen Linear plus a prefix-truncatable LoRA update.
+
+    base_layer: the frozen ``nn.Linear`` (weight [out, in]). rank: number of LoRA rows held.
+    scaling: s, multiplied into the LoRA path at every sub-rank. forward: x [..., in] -> [..., out].
+    """
+
+    def __init__(self, base_layer: nn.Linear, rank: int, scaling: float):
+        super().__init__()
+        if rank < 0:
+            raise ValueError(f"rank must be >= 0, got {rank}")
+        self.base_layer = base_layer
+        self.in_features = base_layer.in_features
+        self.out_features = base_layer.out_features
+        self.scaling = float(scaling)
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False)
+        self.active_rank: int | None = None  # None = the full held rank
+        self.register_buffer("merged_A", None, persistent=False)
+        self.register_buffer("merged_B", None, persistent=False)
+        dev, dtype = base_layer.weight.device, base_layer.weight.dtype
+        self.to(device=dev, dtype=dtype)
+        with torch.no_grad():
+            self.lora_B.weight.zero_()
+
+    @property
+    def rank(self) -> int:
+        """Number of LoRA rows currently held (the client's rank r_k)."""
+        return self.lora_A.weight.shape[0]
+
+    def set_weights(self, A: torch.Tensor, B: torch.Tensor) -> None:
+        """Replace the adapter by A: [r, in] and B: [out, r] (copies; r may differ from before).
+
+        Raises ValueError on shapes that do not fit the base layer or each other.
+        """
+        r = A.shape[0]
+        if A.shape != (r, self.in_features) or B.shape != (self.out_features, r):
+            raise ValueError(f"LoRA shapes A {tuple(A.shape)}, B {tuple(B.shape)} do not fit "
+                             f"in={self.in_features}, out={self.out_features}")
+        w = self.base_layer.weight
+        self.lora_A.weight = nn.Parameter(A.detach().to(w.device, w.dtype).clone())
+        self.lora_B.weight = nn.Parameter(B.detach().to(w.device, w.dtype).clone())
+        self.lora_A.out_features = self.lora_B.in_features = r
+        self.active_rank = None
+
+    def set_merged(self, A: torch.Tensor | None, B: torch.Tensor | None) -> None:
+        """Set the frozen residual delta W = B @ A (A: [R, in], B: [out, R]); None removes it."""
+        if A is None:
+            self.merged_A = self.merged_B = None
+            return
+        w = self.base_layer.weight
+        self.merged_A = A.detach().to(w.device, w.dtype)
+        self.merged_B = B.detach().to(w.device, w.dtype)
+
+    def delta_weight(self, r: int | None = None) -> torch.Tensor:
+        """The LoRA update s * B[:, :r] @ A[:r] as a dense [out, in] matrix (for tests and merges)."""
+        r = self.rank if r is None else r
+        return self.scaling * self.lora_B.weight[:, :r] @ self.lora_A.weight[:r]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.base_layer(x)
+        if self.merged_A is not None:
+            out = out + (x @ self.merged_A.T) @ self.merged_B.T
+        r = self.rank if self.active_rank is None else self.active_rank
+        if r > 0:
+            A = self.lora_A.weight[:r]  # [r, in]
+            B = self.lora_B.weight[:, :r]  # [out, r]
+            out = out + ((x @ A.T) @ B.T) * self.scaling
+        return out
+
+
+def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
+    """All LoRA layers of a model by module path (``model.layers.0.self_attn.q_proj``)."""
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
+
+
+def target_module_names(model: nn.Module, target_modules: tuple[str, ...] | list[str],
+                        layers: tuple[int, ...] | list[int] = ()) -> list[str]:
+    """Paths of the ``nn.Linear`` modules to adapt.
+
+    target_modules: names matched against the last path component (``q_proj``) or, when a name
+    contains a regex character, as a regex fully matching the whole path. layers: decoder-layer
+    indices to keep (negative counts from the top); empty = every layer.
+    Raises ValueError when nothing matches or a layer index is out of range.
+    """
+    num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    wanted_layers: set[int] | None = None
+    if layers:
+        if num_layers is None:
+            raise ValueError("lora.layers needs a model with config.num_hidden_layers")
+        wanted_layers = set()
+        for i in layers:
+            j = i + num_layers if i < 0 else i
+            if not 0 <= j < num_layers:
+                raise ValueError(f"lora.layers: index {i} out of range for {num_layers} layers")
+            wanted_layers.add(j)
+    names = []
+    for name, module in model.named_modules():
+        if not isinstance(module, nn.Linear) or isinstance(module, LoraLinear):
+            continue
+        if name.endswith("base_layer") or ".lora_" in name:
+            continue
+        leaf = name.rsplit(".", 1)[-1]
+        ok = any((re.fullmatch(t, name) if re.search(r"[\\^$*+?\[\](){}|]", t) else leaf == t)
+                 for t in target_modules)
+        if not ok:
+            continue
+        if wanted_layers is not None:
+            m = LAYER_INDEX.search("." + name + ".")
+            if m is None or int(m.group(1)) not in wanted_layers:
+                continue
+        names.append(name)
+    if not names:
+        raise ValueError(f"lora.target_modules {list(target_modules)} matched no Linear layer")
+    return names
+
+
+def inject_lora(model: nn.Module, target_modules, rank: int, scaling: float, layers=()) -> list[str]:
+    """Replace each target ``nn.Linear`` by a :class:`LoraLinear` of the given rank (B = 0).
+
+    Returns the adapted module paths. A zero-initialised B leaves the outputs unchanged.
+    Raises ValueError as :func:`target_module_names` does.
+    """
+    names = target_module_names(model, target_modules, layers)
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, leaf, LoraLinear(getattr(parent, leaf), rank, scaling))
+    return names
+
+
+def set_active_rank(model: nn.Module, r: int | None) -> None:
+    """Evaluate every LoRA layer at prefix sub-rank r (None = each layer's full rank).
+
+    Raises ValueError when r exceeds a layer's held rank.
+    """
+    for name, m in lora_modules(model).items():
+        if r is not None and r > m.rank:
+            raise ValueError(f"sub-rank {r} exceeds the rank {m.rank} held by {name}")
+        m.active_rank = r
+
+
+@contextmanager
+def active_rank(model: nn.Module, r: int | None) -> Iterator[None]:
+    """Context manager form of :func:`set_active_rank`, restoring the full rank on exit."""
+    set_active_rank(model, r)
+    try:
+        yield
+    finally:
+        set_active_rank(model, None)
+
+
+def get_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter as a flat ``{PEFT key: tensor}`` dict (detached CPU copies).
+
+    lora_A keys hold [r, in], lora_B keys hold [out, r].
+    """
+    state = {}
+    for name, m in lora_modules(model).items():
+        state[peft_key(name, "lora_A")] = m.lora_A.weight.detach().cpu().clone()
+        state[peft_key(name, "lora_B")] = m.lora_B.weight.detach().cpu().clone()
+    return state
+
+
+def set_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load ``{PEFT key: tensor}`` into the LoRA layers; the rank follows the tensors' shapes.
+
+    Raises KeyError when a layer's A or B is missing or a key names no LoRA layer.
+    """
+    modules = lora_modules(model)
+    seen = set()
+    for key in state:
+        name, kind = module_of(key)
+        if not kind.startswith("lora_"):
+            raise KeyError(f"adapter state key {key} is not a LoRA matrix")
+        if name not in modules:
+            raise KeyError(f"adapter key {key} names no LoRA layer of the model")
+        seen.add(name)
+    for name, m in modules.items():
+        a, b = peft_key(name, "lora_A"), peft_key(name, "lora_B")
+        if a not in state or b not in state:
+            raise KeyError(f"adapter state lacks {a} or {b}")
+        m.set_weights(state[a], state[b])
+
+
+def init_adapter_state(shapes: dict[str, tuple[int, int]], rank: int, seed: int) -> dict[str, torch.Tensor]:
+    """A fresh global adapter: A ~ PEFT's Kaiming-uniform(a=sqrt(5)) init, B = 0.
+
+    shapes: {module path: (out, in)}. Returns PEFT-keyed tensors, A: [rank, in], B: [out, rank],
+    deterministic for a seed (each module draws from its own generator, seeded by the seed rule's
+    stream ``lora_init/<module path>``: nestfed.seeds).
+    """
+    state = {}
+    for name, (out_f, in_f) in sorted(shapes.items()):
+        g = torch.Generator().manual_seed(stream_seed(seed, 0, 0, f"lora_init/{name}"))
+        bound = 1.0 / math.sqrt(in_f)  # kaiming_uniform_(a=sqrt(5)) on [rank, in]
+        state[peft_key(name, "lora_A")] = (torch.rand(rank, in_f, generator=g) * 2 - 1) * bound
+        state[peft_key(name, "lora_B")] = torch.zeros(out_f, rank)
+    return state
+
+
+def module_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
+    """{module path: (out, in)} of every LoRA layer."""
+    return {n: (m.out_features, m.in_features) for n, m in lora_modules(model).items()}

@@ -1,0 +1,46 @@
+"""Write a global LoRA adapter as a PEFT adapter directory that ``PeftModel.from_pretrained`` loads.
+
+The directory holds ``adapter_config.json`` (written by ``peft.LoraConfig.save_pretrained``) and
+``adapter_model.safetensors`` with PEFT's saved key names
+(``base_model.model.<module>.lora_A.weight``). nestfed's scale s becomes PEFT's
+``lora_alpha / r`` by setting ``lora_alpha = s * r``, so the loaded model computes the same logits.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+from peft import LoraConfig
+from safetensors.torch import save_file
+
+from nestfed.io import atomic
+from nestfed.nn.keys import module_of
+
+
+def export_peft_adapter(state: dict[str, torch.Tensor], scaling: float, out_dir: str | Path,
+                        base_model: str = "") -> Path:
+    """Write ``state`` ({PEFT key: tensor}, one rank r for every layer) to ``out_dir``.
+
+    scaling: the s that multiplies B @ A in nestfed (exported as lora_alpha = s * r).
+    The directory is written beside its target and renamed into place (never half-written), with
+    the user's umask. Raises ValueError when layers disagree on the rank, the rank is 0 (PEFT cannot
+    load it) or a key is not a LoRA key.
+    """
+    modules = sorted({module_of(k)[0] for k in state})
+    ranks = {state[k].shape[0] for k in state if k.endswith("lora_A.weight")}
+    if len(ranks) != 1:
+        raise ValueError(f"every layer must share one rank to export, got ranks {sorted(ranks)}")
+    r = ranks.pop()
+    if r < 1:
+        raise ValueError("the adapter has rank 0 (nothing was aggregated into it); PEFT cannot load it")
+    pattern = "^(" + "|".join(re.escape(m) for m in modules) + ")$"
+    config = LoraConfig(r=r, lora_alpha=scaling * r, target_modules=pattern, lora_dropout=0.0,
+                        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
+
+    def build(tmp: Path) -> None:
+        config.save_pretrained(tmp)
+        save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, tmp / "adapter_model.safetensors")
+
+    return atomic.write_dir(Path(out_dir), build)

@@ -1,0 +1,39 @@
+"""Which Linear layers of a model a pattern selects, and the frozen Linear behind a wrapped one."""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+from nestfed.nn.lora import LoraLinear
+
+#: Every attention and MLP projection of the decoder blocks (Llama and Qwen2 naming).
+DEFAULT_TARGET = r"(.*\.)?layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+
+
+def base_linear(module: nn.Module) -> nn.Linear:
+    """The frozen ``nn.Linear`` of a module: itself, or a :class:`LoraLinear`'s ``base_layer``
+    (the SVD is of the pretrained W; a LoRA update on top is ignored). Raises TypeError otherwise."""
+    if isinstance(module, LoraLinear):
+        return module.base_layer
+    if isinstance(module, nn.Linear):
+        return module
+    raise TypeError(f"{type(module).__name__} is not a Linear layer")
+
+
+def target_linear_names(model: nn.Module, pattern: str = DEFAULT_TARGET) -> list[str]:
+    """Paths of the Linear modules (``nn.Linear`` or LoRA-wrapped) whose full path matches ``pattern``.
+
+    Raises ValueError for an invalid regex or when nothing matches.
+    """
+    try:
+        rx = re.compile(pattern)
+    except re.error as exc:
+        raise ValueError(f"svd target pattern {pattern!r} is not a valid regex: {exc}") from None
+    names = [n for n, m in model.named_modules()
+             if (isinstance(m, LoraLinear) or (isinstance(m, nn.Linear) and not n.endswith("base_layer")
+                                               and ".lora_" not in n)) and rx.fullmatch(n)]
+    if not names:
+        raise ValueError(f"svd target pattern {pattern!r} matched no Linear layer")
+    return names

@@ -1,0 +1,116 @@
+"""Configs: overrides, round trips, the registry's sections, and one line naming the key at fault."""
+
+from pathlib import Path
+
+import pytest
+
+from nestfed import config as C
+from nestfed import methods
+from nestfed.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def write(tmp_path, text, name="exp.toml", raw=None):
+    p = tmp_path / name
+    if raw is not None:
+        p.write_bytes(raw)
+    else:
+        p.write_text(text)
+    return p
+
+
+def test_load_applies_overrides_and_roundtrips(tmp_path):
+    p = write(tmp_path, '[lora]\nranks = [2, 4]\n[data]\nnum_clients = 2\n[strategy]\nname = "zeropad"\n')
+    cfg = methods.load_config(p, ["federation.rounds=5", "lora.lora_alpha=8", "lora.target_modules=[\"q_proj\"]",
+                                  "strategy.name=hetlora", "hetlora.reg=0.5"])
+    assert cfg.federation.rounds == 5 and cfg.lora.lora_alpha == 8.0
+    assert cfg.lora.ranks == (2, 4) and cfg.lora.target_modules == ("q_proj",)
+    assert cfg.strategy.name == "hetlora" and cfg.section("hetlora").reg == 0.5
+    again = methods.load_config(write(tmp_path, C.dumps_toml(cfg), "again.toml"))
+    assert again == cfg
+    assert C.r_max(cfg) == 4 and C.client_ranks(cfg) == [2, 4]
+    assert C.differences(cfg, again) == []
+    assert C.differences(cfg, methods.replace_config(cfg, federation={"rounds": 6})) == ["federation.rounds: 5 -> 6"]
+
+
+def test_every_methods_section_has_its_defaults_once():
+    cfg = methods.load_config(None)
+    assert cfg.section("compression").whitening == "activation"
+    assert cfg.section("fedala").steps == 2 and cfg.section("fedssi").psm_steps == 2  # one default, everywhere
+    assert cfg.section("hetlora").reg == 0.01 and cfg.section("fedprox").mu == 0.01
+    assert methods.load_config(None, ["compression.whitening=none"]).section("compression").whitening == "none"
+    with pytest.raises(KeyError, match="no \\[nope\\] section"):
+        cfg.section("nope")
+
+
+def test_scalar_rank_is_broadcast():
+    cfg = methods.config_from_dict({"lora": {"ranks": 8}, "data": {"num_clients": 3}})
+    assert C.client_ranks(cfg) == [8, 8, 8]
+
+
+@pytest.mark.parametrize("data,message", [
+    ({"strategy": {"name": "fedsgd"}}, "strategy.name: unknown method 'fedsgd'"),
+    ({"lora": {"rankz": [1]}}, "unknown key 'lora.rankz'"),
+    ({"lorra": {}}, "unknown section '[lorra]'"),
+    ({"federaton": {}}, "unknown section '[federaton]' (known: model, lora, data, train, strategy, federation"),
+    ({"federaton": {}}, "did you mean 'federation'?"),
+    ({"strategy": {"hetlora_reg": 0.1}}, "a method's options live in its own section: [hetlora] reg"),
+    ({"lora": {"ranks": [2, 0, 4]}, "data": {"num_clients": 3}}, "lora.ranks: every rank must be a positive"),
+    ({"lora": {"ranks": [2, 4]}, "data": {"num_clients": 3}}, "lora.ranks: 2 ranks for data.num_clients = 3"),
+    ({"lora": {"ranks": [2, 32], "r_max": 16}, "data": {"num_clients": 2}}, "above the global maximum lora.r_max = 16"),
+    ({"lora": {"ranks": [2, 4]}, "data": {"num_clients": 2}, "strategy": {"name": "fedavg"}}, "fedavg needs equal ranks"),
+    ({"lora": {"ranks": [2, 4]}, "data": {"num_clients": 2}, "strategy": {"name": "fedala"}}, "fedala needs equal ranks"),
+    ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
+    ({"federation": {"fraction": 1.5}}, "federation.fraction"),
+    ({"federation": {"min_clients": 6}}, "federation.min_clients = 6 is above the 5 clients sampled per round"),
+    ({"federation": {"min_clients": 3, "fraction": 0.4}}, "above the 2 clients sampled per round"),
+    ({"data": {"dirichlet_alpha": 0}}, "Dirichlet concentration"),
+    ({"compression": {"whitening": "pca"}}, "compression.whitening must be 'none' or 'activation', got 'pca'"),
+    ({"compression": {"whitening": 1}}, "compression.whitening: expected a string"),
+    ({"compression": {"client_ratios": [0.5, 0.5]}, "strategy": {"name": "fedslm"}}, "compression.client_ratios: 2 ratios"),
+    ({"hetlora": {"weighting": "loss"}}, "hetlora.weighting must be 'norm' or 'examples'"),
+    ({"fedssi": {"psm_lambda": 0.0}}, "fedssi.psm_lambda must be in (0, 1]"),
+    ({"fednl": {"travel": "some"}}, "fednl.travel must be 'all' or 'rules'"),
+    ({"fedmkt": {"topk": 0}}, "fedmkt.topk >= 1"),
+    ({"elicitation": {"alpha": 2.0}}, "elicitation.alpha / compare_alphas must be in [0, 1]"),
+    ({"memory": {"gate": "open"}}, "memory.gate: unknown gate 'open'"),
+])
+def test_bad_values_name_the_key(data, message):
+    with pytest.raises(ConfigError) as exc:
+        methods.config_from_dict(data, "exp.toml")
+    assert message in str(exc.value) and str(exc.value).startswith("exp.toml")
+
+
+def test_missing_unreadable_and_bad_files_name_the_file(tmp_path):
+    with pytest.raises(ConfigError, match="nope.toml: config file not found"):
+        methods.load_config(tmp_path / "nope.toml")
+    with pytest.raises(ConfigError, match="exp.toml: invalid TOML"):
+        methods.load_config(write(tmp_path, "[lora\nranks=1"))
+    with pytest.raises(ConfigError, match="latin.toml: not UTF-8 text"):
+        methods.load_config(write(tmp_path, "", "latin.toml", raw="[data]\nsource = 'caf\xe9'\n".encode("latin-1")))
+    with pytest.raises(ConfigError, match="expected section.key=value"):
+        methods.load_config(None, ["rounds"])
+    with pytest.raises(ConfigError, match=r"lora.ranks\[0\]: expected an integer, got '\[a,b\]'"):
+        methods.load_config(None, ["lora.ranks=[a,b]"])
+
+
+def test_every_shipped_config_loads():
+    files = sorted((ROOT / "configs").rglob("*.toml"))
+    assert len(files) >= 8
+    names = {methods.load_config(f).strategy.name for f in files}
+    assert names >= set(methods.REGISTRY)
+    hl = methods.load_config(ROOT / "configs" / "methods" / "hetlora.toml")
+    assert hl.section("hetlora").weighting == "norm" and hl.lora.ranks == (2, 4, 4, 8, 16)
+    assert methods.load_config(ROOT / "configs" / "methods" / "fedavg.toml").lora.ranks == (8,)
+    assert methods.load_config(ROOT / "configs" / "fednl" / "mmlu_rules_only.toml").section("fednl").travel == "rules"
+
+
+def test_extends_merges_over_the_base_and_detects_loops(tmp_path):
+    (tmp_path / "base.toml").write_text('[lora]\nranks = [2, 4]\nlora_alpha = 4.0\n[data]\nnum_clients = 2\n')
+    (tmp_path / "child.toml").write_text('extends = "base.toml"\n[lora]\nlora_alpha = 8.0\n')
+    cfg = methods.load_config(tmp_path / "child.toml")
+    assert cfg.lora.ranks == (2, 4) and cfg.lora.lora_alpha == 8.0
+    (tmp_path / "loop.toml").write_text('extends = "loop.toml"\n')
+    with pytest.raises(ConfigError, match="loops back"):
+        methods.load_config(tmp_path / "loop.toml")

@@ -1,0 +1,162 @@
+"""FedNL through its home on the tiny federation: what travels in each mode (and its bytes),
+FedAvg of theta by n_k, the kept LoRA and an exact resume, the constant gate's schedule."""
+
+import pytest
+import torch
+
+from nestfed import methods
+from nestfed.config import ConfigError
+from nestfed.federation.messages import ClientInfo
+from nestfed.federation.run_dir import RunDir
+from nestfed.federation.strategy import LoraSettings
+from nestfed.methods.fednl import FedNL, FedNLOptions
+from nestfed.nn.memory import memory_rules
+from tiny_federation import lines, tiny_config, tiny_prepared, tiny_run
+
+RULE = "base_model.model.model.layers.1.self_attn.memory."
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    yield
+
+
+def cfg_of(travel="all", gate="learned", *extra):
+    return tiny_config("strategy.name=fednl", f"fednl.travel={travel}", "lora.ranks=[4]", "lora.lora_alpha=8.0",
+                       'lora.target_modules=["q_proj","k_proj","v_proj"]', "memory.layers=[1]", f"memory.gate={gate}",
+                       "memory.alpha_init=0.2", "memory.chunk_size=4", "memory.alpha_start=0.0", "memory.alpha_end=0.6",
+                       "memory.alpha_warmup_steps=6", "train.local_steps=3", "federation.rounds=2", *extra)
+
+
+def setup(travel="all", gate="learned", n_examples=(6, 6, 6)):
+    cfg = cfg_of(travel, gate)
+    return methods.get("fednl").build(tiny_prepared(cfg, n_examples), cfg)
+
+
+def run(tmp, rounds=2, travel="all", resume=False, wrap=None, gate="learned"):
+    state, loop, mr = tiny_run(tmp, cfg_of(travel, gate, f"federation.rounds={rounds}"), resume=resume, wrap=wrap)
+    return state, mr.trainer, mr.strategy
+
+
+def test_what_travels_in_each_mode_and_its_bytes(tmp_path):
+    s_all, _, _ = run(tmp_path / "all", travel="all")
+    s_rules, trainer, _ = run(tmp_path / "rules", travel="rules")
+    rules = {RULE + n for n in ("beta_bias", "beta_weight", "gate_logit")}
+    lora = {k for k in s_all.arrays if "lora_" in k}
+    assert len(lora) == 6 and set(s_all.arrays) == lora | rules  # LoRA on q, k, v of layer 1 + the rules
+    assert set(s_rules.arrays) == rules
+    la, lr = lines(tmp_path / "all")[-1], lines(tmp_path / "rules")[-1]
+    H, D = 4, 16
+    assert lr["clients"]["0"]["params_down"] == lr["clients"]["0"]["params_up"] == H * D + H + 1
+    lora_params = 4 * (64 + 64) + 2 * 4 * (64 + 32)  # q: 64 -> 64, k and v: 64 -> 32
+    assert la["clients"]["0"]["params_down"] == lora_params + H * D + H + 1
+    assert la["clients"]["0"]["bytes_up"] > 5 * lr["clients"]["0"]["bytes_up"]
+    assert lr["bytes_down"] == sum(c["bytes_down"] for c in lr["clients"].values())
+    # the rules trained (beta's projection moved off its zero start) and every update was accepted
+    assert s_rules.arrays[RULE + "beta_weight"].abs().max() > 0
+    assert not la["rejected"] and not lr["rejected"]
+    # rules mode: each client keeps its own LoRA, and they differ between clients
+    kept = [trainer.client_state[c]["kept"] for c in range(3)]
+    key = next(k for k in kept[0] if k.endswith("q_proj.lora_B.weight"))
+    assert not torch.equal(kept[0][key], kept[1][key]) and kept[0][key].abs().max() > 0
+
+
+def test_aggregation_is_fedavg_of_theta_by_examples():
+    mr = setup("all", n_examples=(2, 4, 6))
+    state = mr.strategy.initialize(mr.shapes, mr.clients)
+    ins = mr.strategy.configure(1, state, mr.clients)
+    replies = {c: mr.trainer.fit(c, ins[c]) for c in range(3)}
+    new = mr.strategy.aggregate(1, state, replies)
+    for k in state.arrays:
+        expect = (2 * replies[0].arrays[k] + 4 * replies[1].arrays[k] + 6 * replies[2].arrays[k]) / 12
+        assert torch.allclose(new.arrays[k], expect, atol=1e-6), k
+    assert set(replies[0].arrays) == set(ins[0].arrays)  # everything sent trains and comes back
+
+
+def test_kept_lora_makes_a_resumed_run_exact(tmp_path):
+    full, t_full, _ = run(tmp_path / "full", rounds=3, travel="rules")
+
+    class Crash(Exception):
+        pass
+
+    def crash(trainer):
+        real = trainer.fit
+
+        def fit(cid, ins):
+            if ins.config["round"] == 3 and cid == 2:
+                raise Crash()
+            return real(cid, ins)
+        trainer.fit = fit
+        return trainer
+
+    with pytest.raises(Crash):
+        run(tmp_path / "part", rounds=3, travel="rules", wrap=crash)
+    kept = RunDir(tmp_path / "part").load_checkpoint(tmp_path / "part" / "checkpoints" / "round_002.safetensors")
+    assert sorted(kept.client_state) == [0, 1, 2] and all("kept" in kept.client_state[c] for c in range(3))
+    resumed, t_res, _ = run(tmp_path / "part", rounds=3, travel="rules", resume=True)
+    for k in full.arrays:
+        assert torch.equal(resumed.arrays[k], full.arrays[k]), k
+    for c in range(3):
+        for k, v in t_full.client_state[c]["kept"].items():
+            assert torch.equal(t_res.client_state[c]["kept"][k], v), (c, k)
+    assert [ln["eval"] for ln in lines(tmp_path / "part")] == [ln["eval"] for ln in lines(tmp_path / "full")]
+
+
+def test_constant_gate_follows_its_schedule(tmp_path):
+    seen = []
+
+    def spy(trainer):
+        real = trainer.fit
+
+        def fit(cid, ins):
+            rule = memory_rules(trainer.model)[1]
+            orig = rule.gate
+
+            def gate(x, tail=None):
+                seen.append((ins.config["round"], round(float(rule.alpha.detach()), 6)))
+                return orig(x, tail)
+            rule.gate = gate
+            try:
+                return real(cid, ins)
+            finally:
+                del rule.gate
+        trainer.fit = fit
+        return trainer
+
+    state, _, strategy = run(tmp_path, rounds=2, gate="constant", wrap=spy)
+    # alpha = 0.6 * step / 6 over the run's local steps (3 per round), the same for every client
+    train_alphas = sorted({a for r, a in seen})
+    assert train_alphas == [0.0, 0.1, 0.2, 0.3, 0.4, 0.5]
+    assert float(state.arrays[RULE + "alpha"]) == pytest.approx(0.6)  # after 6 steps: the schedule's end
+    assert strategy.alpha_at(3) == pytest.approx(0.3)
+    # evaluation after round 1 ran with alpha 0.3 (the value the global state carried)
+    ck = RunDir(tmp_path).load_checkpoint(tmp_path / "checkpoints" / "round_001.safetensors")
+    assert float(ck.state.arrays[RULE + "alpha"]) == pytest.approx(0.3)
+
+
+def test_lora_only_payload_switches_the_memory_off():
+    mr = setup("all")
+    trainer = mr.trainer
+    state = mr.strategy.initialize(mr.shapes, mr.clients)
+    ev_mem = trainer.evaluate(0, *mr.strategy.deploy(state, 0))
+    rule = memory_rules(trainer.model)[1]
+    assert rule.enabled
+    lora_only = {k: v for k, v in state.arrays.items() if "lora_" in k}
+    ev_plain = trainer.evaluate(0, lora_only, 2.0)
+    assert not rule.enabled
+    assert ev_mem["loss"] != ev_plain["loss"]
+
+
+def test_fednl_refuses_a_model_without_memory_and_bad_options():
+    strategy = FedNL(LoraSettings(r_max=4, lora_alpha=8.0), FedNLOptions("all"), {})
+    with pytest.raises(ValueError, match="no memory rules"):
+        strategy.initialize({"m": (4, 4)}, [ClientInfo(0, 4, 1)])
+    with pytest.raises(ValueError, match="travel must be 'all' or 'rules'"):
+        FedNLOptions("some")
+    with pytest.raises(ConfigError, match="fednl.travel must be"):
+        cfg_of("some")
+    with pytest.raises(ConfigError, match="FedNL keeps o_proj frozen"):
+        tiny_config("strategy.name=fednl", "lora.ranks=[4]", 'lora.target_modules=["q_proj","o_proj"]')
+    cfg = cfg_of("all", "learned", "memory.layers=[5]")
+    with pytest.raises(ConfigError, match="memory.layers: index 5 out of range for 2 layers"):
+        methods.get("fednl").check_model(tiny_prepared(cfg), cfg)

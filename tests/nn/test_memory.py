@@ -1,0 +1,149 @@
+"""The FedNL dual-path layer: alpha = 0 is the backbone bit for bit, gradients reach theta (LoRA
+on q, k, v, beta's projection, the gate) and nothing else, chunkwise and recurrent agree."""
+
+import pytest
+import torch
+
+from nestfed.nn.lora import inject_lora, lora_modules
+from nestfed.nn.memory import (MemorySettings, alpha_schedule, install_memory, memory_arrays, memory_rules,
+                                     set_constant_alpha, set_memory_enabled, window_mask)
+from nestfed.nn.frozen_prefix import causal_lm_loss, lm_logits
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def ids(T=40, B=2, seed=1):
+    return torch.randint(0, 250, (B, T), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("window", [0, 8])
+def test_alpha_zero_reproduces_the_backbone_exactly(tiny, window):
+    model = tiny.model
+    x = ids()
+    ref_hf = model(x).logits
+    ref = lm_logits(model, x)
+    inject_lora(model, ("q_proj", "k_proj", "v_proj"), rank=4, scaling=2.0)
+    install_memory(model, MemorySettings(gate="constant", alpha_init=0.0, window=window if window else 0))
+    set_memory_enabled(model, True)
+    if window:  # a window longer than the sequence changes nothing
+        for r in memory_rules(model).values():
+            r.settings = MemorySettings(gate="constant", alpha_init=0.0, window=x.shape[1])
+    assert torch.equal(lm_logits(model, x), ref)
+    assert torch.equal(model(x).logits, ref_hf)
+    set_memory_enabled(model, False)
+    assert torch.equal(lm_logits(model, x), ref)
+    # and alpha > 0 does change the output (the linear path is really there)
+    set_memory_enabled(model, True)
+    set_constant_alpha(model, 0.3)
+    assert (lm_logits(model, x) - ref).abs().max() > 1e-4
+
+
+def test_gradients_reach_theta_only(tiny_llama):
+    model = tiny_llama.model
+    inject_lora(model, ("q_proj", "k_proj", "v_proj"), rank=4, scaling=2.0)
+    install_memory(model, MemorySettings(gate="learned", alpha_init=0.3))
+    set_memory_enabled(model, True)
+    theta = {}
+    for name, m in lora_modules(model).items():
+        torch.nn.init.normal_(m.lora_B.weight, std=0.02)  # B = 0 would zero A's gradient
+        theta[f"{name}.lora_A.weight"] = m.lora_A.weight
+        theta[f"{name}.lora_B.weight"] = m.lora_B.weight
+    for name, p in model.named_parameters():
+        if ".memory." in name:
+            theta[name] = p
+    for p in theta.values():
+        p.requires_grad_(True)
+    frozen = [n for n, p in model.named_parameters() if p.requires_grad and n not in theta]
+    assert frozen == []  # the backbone stays frozen: o_proj, MLPs, norms, embeddings, head
+    x = ids()
+    causal_lm_loss(lm_logits(model, x), x).backward()
+    names = {n for n, p in model.named_parameters() if p.grad is not None}
+    assert names == set(theta)  # every theta parameter gets a gradient, nothing else does
+    for n in theta:
+        assert theta[n].grad.abs().max() > 0, n
+    # theta per layer: LoRA on q, k, v (6 matrices), beta_weight, beta_bias, gate_logit
+    assert sum(".memory." in n for n in theta) == 3 * len(memory_rules(model))
+
+
+@pytest.mark.parametrize("gate", ["constant", "learned", "dynamic"])
+def test_chunkwise_and_recurrent_agree_inside_the_layer(tiny_llama, gate):
+    model = tiny_llama.model.double()
+    x = ids(T=37)
+    install_memory(model, MemorySettings(gate=gate, alpha_init=0.5, chunk_size=8))
+    set_memory_enabled(model, True)
+    g = torch.Generator().manual_seed(3)
+    for r in memory_rules(model).values():
+        with torch.no_grad():
+            r.beta_weight.copy_(0.3 * torch.randn(r.beta_weight.shape, generator=g, dtype=torch.float64))
+            if gate == "dynamic":
+                r.gate_conv.weight.copy_(0.05 * torch.randn(r.gate_conv.weight.shape, generator=g, dtype=torch.float64))
+        for p in r.parameters():
+            p.requires_grad_(True)
+    outs, grads = [], []
+    for op in ("chunkwise", "recurrent"):
+        for r in memory_rules(model).values():
+            r.settings = MemorySettings(gate=gate, alpha_init=0.5, chunk_size=8, operator=op)
+            r.zero_grad(set_to_none=True)
+        logits = lm_logits(model, x)
+        causal_lm_loss(logits, x).backward()
+        outs.append(logits.detach())
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert torch.allclose(outs[0], outs[1], atol=1e-10, rtol=0)
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 0
+    for n in grads[0]:
+        assert torch.allclose(grads[0][n], grads[1][n], atol=1e-10, rtol=1e-8), n
+
+
+def test_beta_average_and_gate_ranges(tiny_llama):
+    model = tiny_llama.model
+    install_memory(model, MemorySettings(gate="dynamic", alpha_init=0.3, beta_window=3))
+    rule = memory_rules(model)[0]
+    k = torch.randn(1, 6, rule.num_kv_heads, rule.head_dim)
+    with torch.no_grad():
+        rule.beta_weight.fill_(1.0)
+    beta = rule.beta(k)
+    # token 4's beta reads the mean of keys 2, 3, 4 of its group
+    kbar = k[:, 2:5].mean(1)  # [1, Hkv, D]
+    G = rule.num_heads // rule.num_kv_heads
+    expect = torch.sigmoid(kbar.repeat_interleave(G, dim=1).sum(-1))  # [1, H]
+    assert torch.allclose(beta[:, 4], expect, atol=1e-6)
+    # the chunked form with a tail equals the one-pass form
+    assert torch.allclose(rule.beta(k[:, 4:], tail=k[:, 2:4]), beta[:, 4:], atol=1e-6)
+    x = torch.randn(2, 5, rule.hidden)
+    a = rule.gate(x)
+    assert a.shape == (2, 5, 1, 1) and torch.allclose(a, torch.full_like(a, 0.3), atol=1e-5)
+    with torch.no_grad():
+        rule.gate_conv.weight.normal_(std=10.0)
+    a = rule.gate(x)
+    assert a.min() >= 0.1 - 1e-6 and a.max() <= 0.9 + 1e-6 and a.max() - a.min() > 0.1
+
+
+def test_window_mask_and_schedule():
+    m = window_mask(torch.arange(3, 6), torch.arange(0, 6), 3)[0, 0]
+    assert m.tolist() == [[False, True, True, True, False, False],
+                          [False, False, True, True, True, False],
+                          [False, False, False, True, True, True]]
+    s = window_mask(torch.arange(4, 6), torch.arange(0, 6), 2, sink=1)[0, 0]
+    assert s.tolist() == [[True, False, False, True, True, False],
+                          [True, False, False, False, True, True]]
+    assert alpha_schedule(0, 0.01, 0.5, 10) == 0.01
+    assert abs(alpha_schedule(5, 0.01, 0.5, 10) - 0.255) < 1e-12
+    assert alpha_schedule(50, 0.01, 0.5, 10) == 0.5
+    with pytest.raises(ValueError, match="memory.gate"):
+        MemorySettings(gate="static")
+
+
+def test_memory_arrays_name_parameters(tiny_llama):
+    model = tiny_llama.model
+    install_memory(model, MemorySettings(gate="learned"), layers=(-1,))
+    arrays = memory_arrays(model)
+    assert sorted(arrays) == [f"base_model.model.model.layers.1.self_attn.memory.{n}"
+                              for n in ("beta_bias", "beta_weight", "gate_logit")]
+    for k, v in arrays.items():
+        assert torch.equal(model.get_parameter(k[len("base_model.model."):]).detach(), v)
