@@ -17,9 +17,15 @@ import time
 
 import torch
 
+from nestfed import methods
 from nestfed.federation.messages import ClientInfo, Reply
-from nestfed.federation.strategy import LoraSettings
-from nestfed.strategies import REGISTRY
+
+
+def strategy(name: str, ranks: list[int], lora_alpha: float, *overrides: str, initial=None):
+    """The server strategy of ``name`` as its home builds it, for these client ranks."""
+    cfg = methods.load_config(None, [f"strategy.name={name}", f"data.num_clients={len(ranks)}",
+                                     f"lora.ranks={list(ranks)}", f"lora.lora_alpha={lora_alpha}", *overrides])
+    return methods.get(name).server(cfg, initial or {})
 
 
 def shapes(layers: int) -> dict[str, tuple[int, int]]:
@@ -32,8 +38,7 @@ def shapes(layers: int) -> dict[str, tuple[int, int]]:
 
 
 def bench(name: str, ranks: list[int], layers: int, repeats: int) -> dict:
-    settings = LoraSettings(r_max=max(ranks), lora_alpha=2.0 * max(ranks))
-    st = REGISTRY[name](settings, {"pruning": False} if name == "hetlora" else {})
+    st = strategy(name, ranks, 2.0 * max(ranks), "hetlora.pruning=false")
     clients = [ClientInfo(i, r, 10 + i) for i, r in enumerate(ranks)]
     state = st.initialize(shapes(layers), clients)
     ins = st.configure(1, state, clients)

@@ -15,10 +15,16 @@ import json
 
 import torch
 
+from nestfed import methods
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.payload import payload_stats
-from nestfed.federation.strategy import LoraSettings
-from nestfed.strategies import REGISTRY
+
+
+def strategy(name: str, ranks: list[int], lora_alpha: float, *overrides: str, initial=None):
+    """The server strategy of ``name`` as its home builds it, for these client ranks."""
+    cfg = methods.load_config(None, [f"strategy.name={name}", f"data.num_clients={len(ranks)}",
+                                     f"lora.ranks={list(ranks)}", f"lora.lora_alpha={lora_alpha}", *overrides])
+    return methods.get(name).server(cfg, initial or {})
 
 RANKS = [2, 4, 4, 8, 16]
 FULL_PARAMS = 134_515_008  # SmolLM2-135M (tied embeddings), counted from the loaded model
@@ -35,7 +41,7 @@ def shapes(layers: list[int]) -> dict[str, tuple[int, int]]:
 
 def method_bytes(name: str, layer_ids: list[int], rounds: int = 3) -> dict:
     ranks = RANKS if name != "fedavg" else [8] * len(RANKS)
-    st = REGISTRY[name](LoraSettings(r_max=max(ranks), lora_alpha=16.0), {"pruning": False})
+    st = strategy(name, ranks, 16.0, "hetlora.pruning=false")
     clients = [ClientInfo(i, r, 24) for i, r in enumerate(ranks)]
     state = st.initialize(shapes(layer_ids), clients)
     per_round = []

@@ -1,5 +1,5 @@
 """FedNL's bytes per client per round on SmolLM2-135M's shapes, for both things that can travel
-(strategy.fednl_travel): ``all`` (LoRA on q, k, v plus the memory rules) and ``rules`` (beta
+(fednl.travel): ``all`` (LoRA on q, k, v plus the memory rules) and ``rules`` (beta
 projections and gates only), beside FedAvg's LoRA and the whole model.
 
 Counted exactly as the runner counts them: the safetensors serialisation of the payload
@@ -36,12 +36,11 @@ def smollm2_shaped(layers: int = 30):
 
 
 def account(rank: int, lora_layers: tuple[int, ...], gate: str) -> dict:
-    from nestfed.nn.lora import inject_lora, module_shapes
-    from nestfed.nn.memory import MemorySettings, fresh_rule_arrays, install_memory
+    from nestfed import methods
     from nestfed.federation.messages import ClientInfo
     from nestfed.federation.payload import payload_stats
-    from nestfed.federation.strategy import LoraSettings
-    from nestfed.strategies import REGISTRY
+    from nestfed.nn.lora import inject_lora, module_shapes
+    from nestfed.nn.memory import MemorySettings, fresh_rule_arrays, install_memory
 
     model, n_params = smollm2_shaped()
     inject_lora(model, ("q_proj", "k_proj", "v_proj"), rank, 2.0, lora_layers)
@@ -50,12 +49,14 @@ def account(rank: int, lora_layers: tuple[int, ...], gate: str) -> dict:
     shapes = module_shapes(model)
     out = {"rank": rank, "layers": len(layers), "gate": gate}
     clients = [ClientInfo(0, rank, 1)]
+    base = ["data.num_clients=1", f"lora.ranks=[{rank}]", f"lora.lora_alpha={2.0 * rank}", f"memory.gate={gate}",
+            'lora.target_modules=["q_proj","k_proj","v_proj"]']
     for travel in ("all", "rules"):
-        st = REGISTRY["fednl"](LoraSettings(r_max=rank, lora_alpha=2.0 * rank), {"travel": travel, "memory_init": rules,
-                                                                                 "gate": gate})
+        cfg = methods.load_config(None, base + ["strategy.name=fednl", f"fednl.travel={travel}"])
+        st = methods.get("fednl").server(cfg, rules)
         sent = st.configure(1, st.initialize(shapes, clients), clients)[0].arrays
         out[f"fednl_{travel}"] = payload_stats(sent)
-    avg = REGISTRY["fedavg"](LoraSettings(r_max=rank, lora_alpha=2.0 * rank), {})
+    avg = methods.get("fedavg").server(methods.load_config(None, base + ["strategy.name=fedavg"]), {})
     out["fedavg_lora"] = payload_stats(avg.configure(1, avg.initialize(shapes, clients), clients)[0].arrays)
     out["full_model_fp32_bytes"] = 4 * n_params
     out["full_model_params"] = n_params

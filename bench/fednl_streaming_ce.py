@@ -33,13 +33,11 @@ import torch
 
 def load_run(run_dir: Path):
     """(config, final global arrays) of a finished or interrupted run directory."""
-    from nestfed import config as C
-    from nestfed.federation.runner import latest_checkpoint, load_checkpoint
+    from nestfed import methods
+    from nestfed.federation.run_dir import RunDir
 
-    ckpt = latest_checkpoint(run_dir)
-    if ckpt is None:
-        raise SystemExit(f"{run_dir}: no checkpoint")
-    return C.load(run_dir / "config.toml"), load_checkpoint(ckpt)[1].arrays
+    rd = RunDir.open(run_dir)
+    return methods.load_config(rd.config_path), rd.latest_checkpoint().state.arrays
 
 
 def probe_text(tokenizer, n: int) -> tuple[torch.Tensor, str]:
@@ -72,7 +70,7 @@ def main() -> None:
     from nestfed.nn.memory import MemorySettings, install_memory
     from nestfed.nn.backbone import load_backbone
     from nestfed.config import r_max
-    from nestfed.federation.client import apply_arrays
+    from nestfed.nn.arrays import apply_arrays
     from nestfed.evaluation.streaming import binned_ce, stream_nll
 
     cfg_nl, arrays_nl = load_run(a.fednl)

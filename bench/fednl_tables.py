@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import tomllib
 from pathlib import Path
 
 
@@ -26,7 +27,9 @@ def tables(dirs: list[Path]) -> dict:
         cfg_travel = ""
         cfg = (d / "config.toml").read_text()
         if s["method"] == "fednl":
-            cfg_travel = "rules" if 'fednl_travel = "rules"' in cfg else "all"
+            table = tomllib.loads(cfg)  # [fednl] travel (runs before the spine redesign: strategy.fednl_travel)
+            travel = table.get("fednl", {}).get("travel") or table.get("strategy", {}).get("fednl_travel", "all")
+            cfg_travel = "rules" if travel == "rules" else "all"
         rows.append({"run": str(d), "method": s["method"] + (f" ({cfg_travel})" if cfg_travel else ""),
                      "labels": s.get("client_labels", {}),
                      "federated": {c: v.get("accuracy") for c, v in s["final"].items()},

@@ -2,7 +2,7 @@
 
 The work: the Flower tests' experiment (tiny random Llama, BBC News, 3 clients with ranks
 2/4/8, PreLort, 2 rounds, 1 torch thread), per round configure -> 3 local fits -> validate ->
-aggregate -> checkpoint; no per-round evaluation on either side (the embedded runner's is
+aggregate -> commit; no per-round evaluation on either side (the embedded runner's is
 switched off for the comparison by a no-op ``evaluate``).
 
 Three runs, in one invocation:
@@ -44,17 +44,15 @@ OVERRIDES = ["data.num_clients=3", "lora.ranks=[2,4,8]", "strategy.name=prelort"
              "train.threads=1", "output.plots=false"]
 
 
-class NoEval:
-    """The client trainer without per-round evaluation (the deployment run does none either)."""
+def no_eval_transport(trainer):
+    """The in-process transport without per-round evaluation (the deployment run does none either)."""
+    from nestfed.federation.in_process import InProcessTransport
 
-    def __init__(self, trainer):
-        self.trainer = trainer
+    class NoEval(InProcessTransport):
+        def evaluate(self, rnd, deployments):
+            return None
 
-    def fit(self, cid, instruction):
-        return self.trainer.fit(cid, instruction)
-
-    def evaluate(self, cid, arrays, scaling):
-        return {}
+    return NoEval(trainer)
 
 
 def lines(run_dir: Path) -> list[dict]:
@@ -68,17 +66,18 @@ def mean(xs):
 
 def embedded(out: Path) -> dict:
     from nestfed import config as C
-    from nestfed.experiment import prepare
-    from nestfed.federation.client import ClientTrainer
-    from nestfed.federation.runner import RoundLoop
-    from nestfed.strategies import make_strategy
+    from nestfed import methods
+    from nestfed.experiments.prepare import prepare
+    from nestfed.federation.loop import RoundLoop
+    from nestfed.federation.run_dir import RunDir
 
-    cfg = C.load(TINY, OVERRIDES)
+    cfg = methods.load_config(TINY, OVERRIDES)
     t0 = time.perf_counter()
     prep = prepare(cfg)
     prep_s = time.perf_counter() - t0
-    trainer = NoEval(ClientTrainer(prep.backbone.model, prep.data, cfg.train))
-    loop = RoundLoop(make_strategy(cfg), trainer, prep.clients, cfg.federation.rounds, out, seed=cfg.federation.seed)
+    mr = methods.get(cfg.strategy.name).build(prep, cfg)
+    loop = RoundLoop(mr.strategy, no_eval_transport(mr.trainer), mr.clients, cfg.federation.rounds,
+                     RunDir.create(out, C.dumps_toml(cfg)), seed=cfg.federation.seed)
     t0 = time.perf_counter()
     loop.run(prep.shapes)
     total = time.perf_counter() - t0
@@ -141,8 +140,8 @@ def deployment(work: Path) -> tuple[dict, Path]:
         return mean(c[key] for c in fits)
 
     to_node = mean(c["delivery_s"] - c["process_age_s"] for c in fits)
-    server_compute = mean(sum(ln["flower"][k] for k in ("configure_s", "encode_s", "decode_s", "aggregate_s",
-                                                         "checkpoint_s")) for ln in rounds)
+    server_compute = mean(ln["flower"]["encode_s"] + ln["flower"]["decode_s"] + ln["timing"]["configure_s"]
+                          + ln["timing"]["validate_s"] + ln["timing"]["aggregate_s"] for ln in rounds)
     slowest = []
     for ln in rounds:  # the critical path: the client whose reply came last
         c = max(ln["clients"].values(), key=lambda c: c["delivery_s"] + c.get("prepare_s", 0) + c["train_time_s"]

@@ -30,11 +30,11 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "prefix_cache.json")
     a = ap.parse_args()
-    from nestfed import config as C
-    from nestfed.experiment import prepare
+    from nestfed import methods
+    from nestfed.experiments.prepare import prepare
     from nestfed.nn.frozen_prefix import first_adapted_layer, labelled_length, prefix_features
 
-    cfg = C.replace(C.load(a.config), train={"cache_frozen_prefix": False, "threads": a.threads})
+    cfg = methods.replace_config(methods.load_config(a.config), train={"cache_frozen_prefix": False, "threads": a.threads})
     prep = prepare(cfg, only_clients=[a.client])
     torch.set_num_threads(a.threads)
     d, model = prep.data[a.client], prep.backbone.model

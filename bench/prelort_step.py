@@ -19,11 +19,24 @@ import time
 
 import torch
 
-from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
-from nestfed.nn.backbone import load_backbone
 from nestfed.config import ModelConfig
-from nestfed.federation.objectives import Batch, nested, plain
+from nestfed.federation.training import Batch
+from nestfed.methods.prelort import nested_loss
+from nestfed.nn.backbone import load_backbone
 from nestfed.nn.frozen_prefix import first_adapted_layer, prefix_features
+from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
+
+
+def plain(model, batch, cfg) -> float:
+    """A plain LoRA step's loss at the full rank (what the default client hooks compute)."""
+    loss = batch.loss(model)
+    loss.backward()
+    return loss.item()
+
+
+def nested(model, batch, cfg) -> float:
+    """PreLort's nested objective over ``cfg["subranks"]``."""
+    return nested_loss(model, batch, cfg["subranks"])
 
 SUBRANKS = {1: [16], 2: [8, 16], 3: [4, 8, 16], 4: [2, 4, 8, 16]}
 

@@ -4,10 +4,12 @@ through its home exactly as ``nestfed run`` sets it up, driven by the one round 
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
 
 from nestfed import methods
 from nestfed.config import ExperimentConfig, client_ranks, dumps_toml, r_max
@@ -72,3 +74,24 @@ def lines(run_dir: Path) -> list[dict]:
 def same_arrays(a: dict, b: dict) -> bool:
     """Same keys and bit-identical tensors."""
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def state_digest(run_dir: Path) -> str:
+    """sha256 over the exported adapter (keys, dtypes, shapes, raw bytes; r and lora_alpha), the
+    memory rules and the fused cores that a run directory holds."""
+    h = hashlib.sha256()
+    for name in ("adapter/adapter_model.safetensors", "memory_rules.safetensors", "weak_model_cores.safetensors"):
+        p = run_dir / name
+        if not p.is_file():
+            continue
+        h.update(name.encode())
+        tensors = load_file(str(p))
+        for k in sorted(tensors):
+            t = tensors[k].contiguous()
+            h.update(f"{k}|{t.dtype}|{tuple(t.shape)}".encode())
+            h.update(t.view(torch.uint8).numpy().tobytes())
+    config = run_dir / "adapter" / "adapter_config.json"
+    if config.is_file():
+        c = json.loads(config.read_text())
+        h.update(f"r={c['r']} alpha={c['lora_alpha']!r}".encode())
+    return h.hexdigest()

@@ -116,7 +116,7 @@ def _resume_configs(todo: dict[str, Path], overrides: list[str]) -> dict[str, Ex
         rd = RunDir(d)
         stored = methods.load_config(rd.config_path)
         wanted = methods.load_config(rd.config_path, overrides)
-        rd.latest_checkpoint(methods.get(name).keeps_client_state(wanted))  # fails here, before any work
+        rd.check_resume(methods.get(name).keeps_client_state(wanted))  # fails here, before any work
         for change in rd.accept_config(stored, wanted, C.dumps_toml(wanted)):
             say(f"resume {d}: config.toml now has {change}")
         cfgs[name] = wanted

@@ -16,9 +16,9 @@ def _legacy(seed: int, rnd: int, client: int, stream: str) -> int:
     """The formulas written by hand before the seed rule, kept until the commit that replaces them."""
     if stream == "batches":
         return ((seed * _P + rnd) * _P + client) % _M
-    if stream == "fedala":
+    if stream == "ala_weights":
         return (seed * _P + rnd * 7_919 + client * 31 + 17) % _M
-    if stream == "fedssi":
+    if stream == "surrogate":
         return (seed * _P + rnd * 7_919 + client * 31 + 29) % _M
     if stream == "fresh_lora":
         return (seed * _P + rnd * 10_007 + client) % 2**31

@@ -12,17 +12,15 @@ bit on any machine.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import platform
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from nestfed.cli import app
+from tiny_federation import state_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 PINNED_ON = ("x86_64", "AVX2")
@@ -44,27 +42,6 @@ CASES = {  # name: (config, method, extra overrides, sha256)
     "fedslm": ("configs/fedslm/tiny.toml", "fedslm", [], "f8eb2dbfbac5632083be5255128823e981a65f58f0405e12e508695f2995991b"),
     "fedmkt": ("configs/fedslm/tiny.toml", "fedmkt", [], "ace568b71de3cfffb6d1a88b64692a5e318f99ded1b73dca4594bcd6bf63838e"),
 }
-
-
-def state_digest(run_dir: Path) -> str:
-    """sha256 over the exported adapter (keys, dtypes, shapes, raw bytes; r and lora_alpha), the
-    memory rules and the fused cores that a run directory holds."""
-    h = hashlib.sha256()
-    for name in ("adapter/adapter_model.safetensors", "memory_rules.safetensors", "weak_model_cores.safetensors"):
-        p = run_dir / name
-        if not p.is_file():
-            continue
-        h.update(name.encode())
-        tensors = load_file(str(p))
-        for k in sorted(tensors):
-            t = tensors[k].contiguous()
-            h.update(f"{k}|{t.dtype}|{tuple(t.shape)}".encode())
-            h.update(t.view(torch.uint8).numpy().tobytes())
-    config = run_dir / "adapter" / "adapter_config.json"
-    if config.is_file():
-        c = json.loads(config.read_text())
-        h.update(f"r={c['r']} alpha={c['lora_alpha']!r}".encode())
-    return h.hexdigest()
 
 
 @pytest.fixture

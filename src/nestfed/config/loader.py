@@ -19,7 +19,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from nestfed.config.schema import CORE_SECTIONS, ExperimentConfig, check_core
+from nestfed.config.schema import CORE_SECTIONS, ExperimentConfig, StrategyConfig, check_core
 from nestfed.errors import ConfigError
 
 
@@ -122,6 +122,8 @@ def from_dict(data: Mapping[str, Any], source: str = "<config>", schema: Schema 
             core[name] = _section(hints[name], table, name, source, schema)
         else:
             extra[name] = _section(schema.sections[name], table, name, source, schema)
+    if schema.methods and not core.get("strategy", StrategyConfig()).name:
+        core["strategy"] = StrategyConfig(schema.methods[0])  # the registry's first method is the default
     cfg = ExperimentConfig(**core, sections=MappingProxyType(extra))
     validate(cfg, source, schema)
     return cfg

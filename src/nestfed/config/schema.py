@@ -36,7 +36,7 @@ class LoraConfig:
 
     ranks: one rank r_k per client (a single value is broadcast to every client).
     r_max: the global adapter's rank (0 = max(ranks)); a client rank above it is an error.
-    scaling: ``fixed`` uses s = lora_alpha / r_max at every sub-rank and client (methods.md
+    scaling: ``fixed`` uses s = lora_alpha / r_max at every sub-rank and client (docs/methods.md
     section 1, the PreLort decision); ``rank`` uses PEFT's s = lora_alpha / r_k.
     layers: decoder-layer indices that receive adapters; empty = all; negative indices count
     from the top (``[-4, -3, -2, -1]`` = the top four layers).
@@ -77,7 +77,7 @@ class DataConfig:
     seed: int = 0
     # niah: context lengths (tokens) of the training and test examples, the gold needle's depth
     # fractions, the haystack corpus (wikipedia | austen | all), the templates (one per client;
-    # empty = the seven of methods.md in order)
+    # empty = the seven of docs/methods.md in order)
     niah_train_length: int = 512
     niah_test_lengths: tuple[int, ...] = (512,)
     niah_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
@@ -107,15 +107,16 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class StrategyConfig:
-    """The federated method: ``name`` is one of the registry's methods (nestfed.methods); its own
-    options are in the section its home declares (e.g. ``[hetlora]``)."""
+    """The federated method: ``name`` is one of the registry's methods (nestfed.methods; empty = the
+    registry's first, PreLort); its own options are in the section its home declares (e.g.
+    ``[hetlora]``)."""
 
-    name: str = "prelort"
+    name: str = ""
 
 
 @dataclass(frozen=True)
 class MemoryConfig:
-    """FedNL's delta-rule memory beside attention (methods.md section 3; nn/memory.py).
+    """FedNL's delta-rule memory beside attention (docs/methods.md section 3; nn/memory.py).
 
     layers: decoder layers that get a memory (empty = the LoRA layers, ``lora.layers``).
     gate: constant | learned | dynamic. alpha_init: the gate's start (learned, dynamic).

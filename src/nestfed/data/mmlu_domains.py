@@ -1,7 +1,7 @@
-"""Non-IID MMLU by domain: FedNL's five clients (arXiv 2605.16350, section 5.1; methods.md
+"""Non-IID MMLU by domain: FedNL's five clients (arXiv 2605.16350, section 5.1; docs/methods.md
 section 3), each holding the questions of one domain, capped at 2000 train / 200 test.
 
-methods.md names the domains' subjects in words; the mapping to MMLU's 57 subject files is ours
+docs/methods.md names the domains' subjects in words; the mapping to MMLU's 57 subject files is ours
 where the words are a family ("history", "politics", "economics", "religion", "biology",
 "chemistry", "physics"): history = high-school European, US and world history and prehistory;
 politics = high-school government and politics and US foreign policy; economics = high-school

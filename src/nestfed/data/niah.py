@@ -1,6 +1,6 @@
 """Non-IID needle-in-a-haystack: a seeded generator of FedNL's seven retrieval templates.
 
-Source: FedNL (arXiv 2605.16350), section 5.2 and methods.md section 3: seven clients, one
+Source: FedNL (arXiv 2605.16350), section 5.2 and docs/methods.md section 3: seven clients, one
 template each; haystacks cut from real long text (gensim's Wikipedia articles, Austen's novels);
 a 4-option multiple-choice question whose wrong options are hard negatives drawn from the same
 haystack; controlled needle depths and context lengths.
@@ -19,7 +19,7 @@ Templates (the gold answer in brackets):
 Decisions where the sources are silent:
 
 - Every template inserts four events at the depth fractions 0.10/0.30/0.50/0.70 of the
-  haystack (methods.md's four-event placement). The single-fact templates (passkey, UUID code,
+  haystack (docs/methods.md's four-event placement). The single-fact templates (passkey, UUID code,
   name-date, phrase code) put the gold fact at the requested depth and three facts of the same
   form about other entities (officers, devices, missions) at the other three event depths (all
   but the one nearest it): those are the hard negatives, present in the same haystack. For MK- and MV-NIAH the

@@ -1,6 +1,6 @@
 """Streaming inference at constant memory: a token stream of any length, one chunk at a time.
 
-FedNL's inference (arXiv 2605.16350, section 4.3; methods.md section 3): the softmax path of each
+FedNL's inference (arXiv 2605.16350, section 4.3; docs/methods.md section 3): the softmax path of each
 layer keeps a KV cache bounded by its sliding window, the delta-rule memory S carries everything
 older, so the state carried from chunk to chunk has a fixed size whatever the stream's length.
 

@@ -112,12 +112,15 @@ class RoundLoop:
         """Run (or resume) the federation; return the final global state.
 
         Without ``resume``: round 0 (the initial state, evaluated) is committed first. With it:
-        continue after the latest checkpoint (RunDir.resume; its errors propagate).
+        continue after the latest checkpoint (RunDir.resume; its errors propagate), or from round 0
+        when the run crashed before committing it.
         """
+        ck = None
         if resume:
             ck, notes = self.run_dir.resume(self.keeps_client_state)
             for n in notes:
                 self._say(f"resume: {n}")
+        if ck is not None:
             self.transport.restore_client_state(ck.client_state)
             state, start = ck.state, ck.round + 1
         else:

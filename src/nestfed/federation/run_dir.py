@@ -49,6 +49,12 @@ _ROUND_FILE = re.compile(r"round_(\d+)\.safetensors")
 ClientState = dict[int, dict[str, Arrays]]
 
 
+def _stray(p: Path) -> bool:
+    """A temporary file an interrupted atomic write left behind (nestfed.io.atomic names them
+    ``.<name>-<random>.tmp``)."""
+    return p.name.startswith(".") and p.name.endswith(".tmp")
+
+
 def flatten_client_state(state: ClientState) -> dict[str, torch.Tensor]:
     """{cid: {group: {key: t}}} -> {"<cid>/<group>/<key>": t} (for one safetensors file or record)."""
     return {f"{cid}/{g}/{k}": t.contiguous() for cid, groups in state.items()
@@ -102,7 +108,7 @@ class RunDir:
         """A new run directory holding ``config.toml``. Raises NestfedError when ``path`` exists
         and is not empty (a run is never overwritten)."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        if path.exists() and (not path.is_dir() or any(not _stray(p) for p in path.iterdir())):
             raise NestfedError(f"{path}: the run directory exists and is not empty; resume it or choose another")
         path.mkdir(parents=True, exist_ok=True)
         rd = cls(path)
@@ -236,17 +242,33 @@ class RunDir:
                                "(written on Flower, or its clients_NNN file is gone); it cannot be resumed exactly")
         return ck
 
-    def resume(self, keeps_client_state: bool) -> tuple[Checkpoint, list[str]]:
-        """The latest checkpoint (:meth:`latest_checkpoint`), with metrics.jsonl made to hold exactly
-        rounds 0..its round (a torn last line and lines of rounds after it dropped, rewritten
-        atomically). Returns it and notes of what was repaired. Raises as
-        :meth:`latest_checkpoint`, and DataError for a metrics file that lacks a committed round.
+    def check_resume(self, keeps_client_state: bool) -> None:
+        """What :meth:`resume` checks, without writing anything: call it before any work.
+        Raises as :meth:`resume` does."""
+        lines, _ = self._read_lines() if self.metrics_path.is_file() else ([], False)
+        if self.checkpoints() or any(int(ln.get("round", -1)) > 0 for ln in lines):
+            self.latest_checkpoint(keeps_client_state)
+
+    def resume(self, keeps_client_state: bool) -> tuple[Checkpoint | None, list[str]]:
+        """Where a resumed run continues: the latest checkpoint (:meth:`latest_checkpoint`), with
+        metrics.jsonl made to hold exactly rounds 0..its round (a torn last line and the lines of
+        later rounds dropped, rewritten atomically), and notes of what was repaired.
+
+        A run that crashed before its round-0 checkpoint (only config.toml and at most the round-0
+        line exist) has no checkpoint: (None, notes) with the metrics emptied, and it starts from
+        round 0 again (the initial state is deterministic). Raises as :meth:`latest_checkpoint`
+        otherwise, and DataError for a metrics file that lacks a committed round.
         """
-        ck = self.latest_checkpoint(keeps_client_state)
         lines, torn = self._read_lines() if self.metrics_path.is_file() else ([], False)
-        notes = []
-        if torn:
-            notes.append(f"{self.metrics_path}: dropped a torn last line")
+        notes = [f"{self.metrics_path}: dropped a torn last line"] if torn else []
+        if not self.checkpoints() and all(int(ln.get("round", -1)) <= 0 for ln in lines):
+            if lines or torn:
+                atomic.write_text(self.metrics_path, "")
+                notes.append(f"{self.metrics_path}: no round was committed yet; starting from round 0")
+            for n in notes:
+                log.warning("%s", n)
+            return None, notes
+        ck = self.latest_checkpoint(keeps_client_state)
         keep = [ln for ln in lines if int(ln.get("round", -1)) <= ck.round]
         if len(keep) != len(lines):
             later = sorted({int(ln["round"]) for ln in lines if int(ln.get("round", -1)) > ck.round})

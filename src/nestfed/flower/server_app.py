@@ -395,7 +395,7 @@ class FlowerRun:
         run_dir = Path(s.run_dir).expanduser() if s.run_dir else new_run_dir(cfg)
         if s.resume:
             rd = RunDir.open(run_dir)
-            rd.latest_checkpoint(method.keeps_client_state(cfg))  # refuses before any message is sent
+            rd.check_resume(method.keeps_client_state(cfg))  # refuses before any message is sent
             for change in rd.accept_config(methods.load_config(rd.config_path), cfg, cfg_text):
                 self.say(f"resume: config.toml now has {change}")
         elif run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):

@@ -88,7 +88,7 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: 
 def write_dir(path: str | Path, build: Callable[[Path], None]) -> Path:
     """Create the directory ``path`` atomically: ``build(tmp)`` fills a fresh folder beside it,
     which is then renamed into place (an existing ``path`` is replaced: moved aside, then removed).
-    The folder gets mode 0777 & ~umask. Raises what ``build`` raises, after removing the folder."""
+    The folder gets mode 0777 & ~umask and its files 0666 & ~umask. Raises what ``build`` raises, after removing the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent))
@@ -96,7 +96,8 @@ def write_dir(path: str | Path, build: Callable[[Path], None]) -> Path:
         os.chmod(tmp, 0o777 & ~current_umask())
         build(tmp)
         for f in tmp.iterdir():
-            if f.is_file():
+            if f.is_file():  # what the builder wrote, at the mode a plain open() gives (some writers use 0600)
+                os.chmod(f, 0o666 & ~current_umask())
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         old = None

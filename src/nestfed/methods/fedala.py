@@ -78,7 +78,7 @@ class ALAHooks(ClientHooks):
 
     def after_load(self, ctx: FitContext, arrays: Arrays) -> dict[str, float]:
         """W <- clip(W - eta * dL/dtheta_hat * (theta_global - theta_local), 0, 1) over ``steps``
-        batches of the seed rule's stream ``fedala`` (eq. 6), then theta_hat is loaded. The first
+        batches of the seed rule's stream ``ala_weights`` (eq. 6), then theta_hat is loaded. The first
         round a client takes part it has no local model yet and starts from the global one.
         Returns ``ala_loss`` (mean loss over the ALA steps, nats/token; absent when skipped)."""
         local = ctx.state.get(ALA_LOCAL)
@@ -94,7 +94,7 @@ class ALAHooks(ClientHooks):
         losses = []
         for p in params.values():
             p.requires_grad_(True)
-        for batch in ctx.batches(self.o.steps, "fedala"):
+        for batch in ctx.batches(self.o.steps, "ala_weights"):
             with torch.no_grad():
                 for k, p in params.items():
                     p.copy_(torch.lerp(local[k], arrays[k], weights[k]))

@@ -57,7 +57,7 @@ def surrogate_importance(ctx: FitContext, params: list[nn.Parameter], anchors: l
     The surrogate starts at the global theta (``anchors``, one per parameter) and takes
     ``psm_steps`` AdamW steps (lr = train.lr) on CE + q(lambda)/2 ||v - theta_global||^2 with
     q(lambda) = (1 - lambda) / (2 lambda) (eq. 5), over batches of the seed rule's stream
-    ``fedssi``. Along its path the synaptic-intelligence contribution s_i = sum_steps -g_i * dv_i
+    ``surrogate``. Along its path the synaptic-intelligence contribution s_i = sum_steps -g_i * dv_i
     (g the CE gradient, eq. 6) gives Omega_i = max(s_i, 0) / ((v_i - theta_global,i)^2 + xi)
     (eq. 7; Zenke et al. 2017). Decision: Omega is rescaled to mean 1 over all parameters
     (AdamW's step sizes make the raw magnitudes depend on the learning rate), so ``c`` weighs a
@@ -70,7 +70,7 @@ def surrogate_importance(ctx: FitContext, params: list[nn.Parameter], anchors: l
     opt = torch.optim.AdamW(params, lr=ctx.train.lr, weight_decay=0.0)
     s = [torch.zeros_like(a) for a in anchors]
     losses = []
-    for batch in ctx.batches(o.psm_steps, "fedssi"):
+    for batch in ctx.batches(o.psm_steps, "surrogate"):
         opt.zero_grad(set_to_none=True)
         loss = batch.loss(ctx.model)
         loss.backward()

@@ -4,7 +4,7 @@ When adapters sit only on the top decoder layers, the layers below them are froz
 outputs for a fixed dataset never change: :func:`prefix_features` computes them once, and
 :func:`lm_logits` runs only the remaining layers, the final norm and the LM head. Backward stops
 at the first adapted layer. The logits equal the full model's (tested); this is a CPU speed-up
-to be reported as what it is (resources.md, "Performance facts"), not an approximation.
+to be reported as what it is (docs/methods.md section 4, "the frozen prefix"), not an approximation.
 
 Works for the Llama and Qwen2 families of transformers (``model.model.layers``,
 ``model.model.rotary_emb``, ``model.model.norm``, ``model.lm_head``) with causal attention over

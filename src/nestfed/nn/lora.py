@@ -6,7 +6,7 @@ B: [out, rank], named as in PEFT, so a module path ``model.layers.0.self_attn.q_
 the state keys ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``.
 
 The active sub-rank r <= rank selects the prefix A[:r], B[:, :r] (PreLort, arXiv 2606.15963,
-section 2.1). The scale s is fixed per layer when it is built (methods.md section 1: by default
+section 2.1). The scale s is fixed per layer when it is built (docs/methods.md section 1: by default
 s = lora_alpha / r_max at every sub-rank and client), so a prefix of a high-rank adapter computes
 exactly what a low-rank adapter with the same rows computes.
 

@@ -1,10 +1,10 @@
 """FedNL's dual-path attention: a delta-rule memory beside each frozen softmax attention layer.
 
-Source: FedNL, "Federated Nested Learning" (arXiv 2605.16350), sections 3-4 (methods.md section
+Source: FedNL, "Federated Nested Learning" (arXiv 2605.16350), sections 3-4 (docs/methods.md section
 3): every backbone weight stays frozen; each wrapped attention layer keeps its softmax path and
 gains a linear path that shares its q, k, v projections (frozen weights plus LoRA). The layer
 follows TPTT's LiZAttention (Furfaro 2025, "TPTT: Transforming Pretrained Transformers into
-Titans"), with methods.md's decisions:
+Titans"), with docs/methods.md's decisions:
 
     q_lin = l2norm(silu(q)), k_lin = l2norm(silu(k)) per head     (before RoPE)   [B, T, H, D]
     v_lin = v * D^-0.5                                                              [B, T, H, D]
@@ -27,7 +27,7 @@ Decisions where the sources are silent (written here and in the issue note):
   raised the next-token CE on Austen from 2.77 to 7.08 nats, which the constant schedule's
   0.01 -> 0.5 ramp could not survive.
 - The gate (``gate``): ``constant`` -- alpha is a one-element parameter that forward detaches
-  (never trained; the strategy's schedule sets it, methods.md "scheduled from 0.01 to 0.5 over
+  (never trained; the strategy's schedule sets it, docs/methods.md "scheduled from 0.01 to 0.5 over
   the first steps"); ``learned`` -- alpha = sigmoid(a) per layer, a an nn.Parameter;
   ``dynamic`` -- alpha_t = 0.1 + 0.8 * sigmoid(Conv1d(hidden -> 1, kernel 16, causal)(x)_t),
   weight 0 and bias set so that alpha starts at ``alpha_init``.
@@ -61,7 +61,7 @@ from nestfed.nn.keys import PEFT_PREFIX, layer_of
 from nestfed.ops.delta_rule import delta_rule, delta_rule_recurrent
 
 GATES = ("constant", "learned", "dynamic")
-DYNAMIC_RANGE = (0.1, 0.9)  # methods.md: the dynamic gate is rescaled to [0.1, 0.9]
+DYNAMIC_RANGE = (0.1, 0.9)  # docs/methods.md: the dynamic gate is rescaled to [0.1, 0.9]
 MEMORY_KEY = ".memory."
 
 
@@ -72,7 +72,7 @@ class MemorySettings:
     gate: ``constant`` | ``learned`` | ``dynamic`` (see the module docstring). alpha_init: the
     gate's starting value in [0, 1] (dynamic: clipped into (0.1, 0.9)). window: softmax sliding
     window in tokens (0 = unbounded). beta_window: tokens in beta's causal average of k (>= 1).
-    dynamic_kernel: the dynamic gate's Conv1d width in tokens (methods.md: 16). chunk_size:
+    dynamic_kernel: the dynamic gate's Conv1d width in tokens (docs/methods.md: 16). chunk_size:
     tokens per chunk of the chunkwise delta rule in training (32 is fastest on a 2-core CPU).
     operator: ``chunkwise`` (training and streaming) or ``recurrent`` (the per-token reference).
     sink: tokens at the start that every windowed query still sees (attention sinks; 0 = none).
@@ -464,7 +464,7 @@ def set_constant_alpha(model: nn.Module, alpha: float) -> None:
 
 
 def alpha_schedule(step: int, start: float, end: float, warmup_steps: int) -> float:
-    """The constant gate's schedule (TPTT, methods.md section 3): linear from ``start`` at step 0
+    """The constant gate's schedule (TPTT, docs/methods.md section 3): linear from ``start`` at step 0
     to ``end`` at ``warmup_steps``, then ``end``. step: local steps done so far in the run."""
     if warmup_steps <= 0:
         return float(end)

@@ -1,9 +1,9 @@
 """FedSLM's compressed client models: Linear layers factorised as U Sigma V^T from one SVD of the
-backbone (arXiv 2607.29071, step 1 "SVD-based model derivation"; methods.md section 2).
+backbone (arXiv 2607.29071, step 1 "SVD-based model derivation"; docs/methods.md section 2).
 
 For each selected Linear W [out, in] the server computes W = U S V^T once. Group i (compression
 ratio rho_i) gets, per layer, rank r_i = min(min(out, in), floor(rho_i * out * in / (out + in)))
-(methods.md decision: the U/V storage r (out + in) is then rho_i times that of W), frozen bases
+(docs/methods.md decision: the U/V storage r (out + in) is then rho_i times that of W), frozen bases
 U_i = U[:, :r_i] and V_i = V[:, :r_i], and a trainable core Sigma_i [r_i, r_i] that starts as
 diag(S[:r_i]). Every group's bases are prefixes of the bases of a larger group (nested truncation
 of the same SVD), which is what makes cross-group fusion well defined (strategies/fedslm.py).
@@ -107,7 +107,7 @@ class SVDFactors:
 
 
 def rank_for_ratio(out_features: int, in_features: int, ratio: float) -> int:
-    """r = min(min(out, in), floor(ratio * out * in / (out + in))), at least 1 (methods.md section 2).
+    """r = min(min(out, in), floor(ratio * out * in / (out + in))), at least 1 (docs/methods.md section 2).
 
     ratio: rho, the fraction of W's parameter count the bases U, V may use; a ratio of
     (out + in) / min(out, in) or more gives full rank. Raises ValueError for ratio <= 0.
@@ -231,7 +231,7 @@ def reconstruct(U: torch.Tensor, sigma: torch.Tensor, V: torch.Tensor) -> torch.
 
 def project(W: torch.Tensor, U: torch.Tensor, V: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
     """Sigma = U^T W D [r, r]: the least-squares best core for W [out, in] given bases U [out, r]
-    (orthonormal) and V [in, r] (methods.md section 2, the decision for the next round's start).
+    (orthonormal) and V [in, r] (docs/methods.md section 2, the decision for the next round's start).
 
     D: None when V is orthonormal (plain SVD; D = V, least squares in the Frobenius norm), else
     the dual basis of whitened bases (``SVDFactors.D[:, :r]``, D = L L^T V with D^T V = I; least

@@ -1,6 +1,6 @@
 """Activation-aware ("whitened") SVD of a Linear layer: SVD-LLM's truncation-aware data whitening
 (Wang et al. 2024, arXiv 2403.07378, section 3.1), our documented decision beyond FedSLM's plain
-SVD (methods.md section 2 leaves the factorisation implicit).
+SVD (docs/methods.md section 2 leaves the factorisation implicit).
 
 Plain truncated SVD minimises ||W - W_r||_F, which treats every input direction alike; an LLM's
 inputs are far from isotropic, so that error says little about the layer's outputs. Whitening
@@ -26,7 +26,7 @@ U M V^T onto the rank-r prefixes is M[:r, :r]), so FedSLM's nested groups and it
 aggregation (strategies/fedslm.py: the fused W_g = U M V^T is represented by M, and group g's next
 core is M[:r_g, :r_g]) stay exact without any change: fusion averages reconstructions, which are
 linear in the cores whatever the bases, and M[:r_g, :r_g] is U_g^T W_g D_g, the least-squares core
-under the activation norm (the methods.md decision, with that norm in place of Frobenius).
+under the activation norm (the docs/methods.md decision, with that norm in place of Frobenius).
 
 Scale. C is normalised to unit mean diagonal before damping: the bases' subspaces and the product
 U S V^T do not depend on the scale of C, but S does, and S is where the cores start and what AdamW

@@ -1,6 +1,6 @@
 """What FedSLM and FedMKT share on top of a prepared LoRA experiment: the SVD of the backbone
 (computed once, cached on disk), one compressed model per compression ratio, each client's data
-as its group's model sees it, and the unlabeled server text (methods.md section 2).
+as its group's model sees it, and the unlabeled server text (docs/methods.md section 2).
 
 Calibration (``compression.whitening = "activation"``, nn/whitening.py): the whitened SVD
 needs the input second moment of every compressed layer, collected by running the backbone over

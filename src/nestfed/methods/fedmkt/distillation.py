@@ -4,7 +4,7 @@
 Knowledge of a model on public blocks [N, T] = its top-k next-token log-probabilities
 (``values`` [N, T, k] float16, ``indices`` [N, T, k] int32; FuseLLM/FedMKT keep the top logits
 only) plus its per-block cross-entropy on the public text (``ce`` [N] float32, nats/token).
-One tokenizer everywhere, so no token alignment is needed (methods.md section 2).
+One tokenizer everywhere, so no token alignment is needed (docs/methods.md section 2).
 
 Selection (FedMKT's DualMinCE, as in its public code: ``distill_strategy = "greater"`` picks,
 per block, the distribution of the candidate with the largest reward exp(-CE)): for each block

@@ -1,5 +1,5 @@
 """FedMKT (Fan et al., "FedMKT: Federated Mutual Knowledge Transfer for Large and Small Language
-Models", COLING 2025, section 3; methods.md section 2's baseline for FedSLM).
+Models", COLING 2025, section 3; docs/methods.md section 2's baseline for FedSLM).
 
 No parameters travel: the server's LLM (here the full backbone with LoRA) and the clients' small
 models (here the same SVD-compressed client models as FedSLM's groups, nestfed.methods.compressed, trained through their cores)

@@ -40,7 +40,7 @@ class FedNLHooks(ClientHooks):
 
     def before_step(self, ctx: FitContext, step: int) -> None:
         """A constant gate takes the schedule's value at the run's local step (round - 1) *
-        local_steps + step (methods.md: scheduled from 0.01 to 0.5 over the first steps)."""
+        local_steps + step (docs/methods.md: scheduled from 0.01 to 0.5 over the first steps)."""
         m = self.memory
         if m.gate == "constant":
             done = (ctx.round - 1) * self.local_steps + step

@@ -11,7 +11,7 @@ can be measured (section 4.4): ``all`` -- LoRA and the rules; ``rules`` -- only 
 rules (beta projections and gates), each client keeping its own LoRA (initialised from the
 run's LoRA seed, as the global adapter would be; nestfed.methods.fednl.hooks).
 
-The constant gate (methods.md section 3: "scheduled from 0.01 to 0.5 over the first steps")
+The constant gate (docs/methods.md section 3: "scheduled from 0.01 to 0.5 over the first steps")
 is set per local step on the client from ``alpha_schedule``; the global state carries the
 schedule's value at the end of the last round, which the deployed model runs with.
 """

@@ -1,4 +1,4 @@
-"""FedSLM step 4, weak-to-strong elicitation on the server (arXiv 2607.29071; methods.md section 2).
+"""FedSLM step 4, weak-to-strong elicitation on the server (arXiv 2607.29071; docs/methods.md section 2).
 
 The strong student f_s (the full pretrained model, trainable through LoRA) learns from the weak
 supervisor f_w (the compressed model holding the fused W_g) on unlabeled server text with the

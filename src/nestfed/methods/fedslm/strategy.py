@@ -1,4 +1,4 @@
-"""FedSLM's two-stage aggregation of SVD cores (arXiv 2607.29071, steps 2 and 3; methods.md section 2).
+"""FedSLM's two-stage aggregation of SVD cores (arXiv 2607.29071, steps 2 and 3; docs/methods.md section 2).
 
 Every compressed layer l has server-side bases U_l [out, R_l], V_l [in, R_l] (one SVD, R_l the
 largest group rank); group g uses the prefixes U_l[:, :r_gl], V_l[:, :r_gl] and trains a core
@@ -16,7 +16,7 @@ dense references the tests compare with).
   ``fusion = "coverage"`` (default, our decision, see below): entry (a, b) of M is the N_g-weighted
   mean over only the groups whose rank covers it (r_g > max(a, b)); an entry no replying group
   covers keeps its previous value.
-- Next round (methods.md decision): Sigma_g <- U_g^T W_g V_g, which for nested bases is exactly
+- Next round (docs/methods.md decision): Sigma_g <- U_g^T W_g V_g, which for nested bases is exactly
   the leading block M[:r_g, :r_g].
 
 Why ``coverage`` is the default: under ``average`` a coordinate that only large groups hold is

@@ -1,0 +1,99 @@
+"""The architecture holds: the layer contract (import-linter), no import cycles, a core that names no
+method, no function-local import of nestfed, and a registry that is the one place methods are listed."""
+
+import ast
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nestfed import methods
+
+ROOT = Path(__file__).resolve().parents[1]
+SRC = ROOT / "src" / "nestfed"
+HOMES = {"methods", "experiments", "flower"}  # and cli.py: the places that may name methods
+
+
+def modules():
+    return sorted(SRC.rglob("*.py"))
+
+
+def test_the_layer_and_acyclic_contracts_hold():
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent))
+    assert exe, "import-linter is part of the test extra"
+    r = subprocess.run([exe, "--no-cache"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "0 broken" in r.stdout and "nestfed's layers point one way KEPT" in r.stdout
+
+
+def _code_names(tree: ast.AST):
+    docs = {id(n.body[0].value) for n in ast.walk(tree)
+            if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
+            yield n.lineno, n.value
+        elif isinstance(n, ast.Name):
+            yield n.lineno, n.id
+        elif isinstance(n, ast.Attribute):
+            yield n.lineno, n.attr
+        elif isinstance(n, (ast.FunctionDef, ast.ClassDef)):
+            yield n.lineno, n.name
+        elif isinstance(n, ast.ImportFrom) and n.module:
+            yield n.lineno, n.module
+
+
+def test_the_core_names_no_method():
+    """Prose in docstrings may name a method; code (names, strings, imports) outside the homes may not."""
+    names = sorted(methods.REGISTRY, key=len, reverse=True) + ["fedsa", "fedex", "flexlora"]
+    pattern = re.compile("|".join(re.escape(n) for n in names), re.I)
+    hits = []
+    for f in modules():
+        rel = f.relative_to(SRC)
+        if set(rel.parts[:-1]) & HOMES or rel.name == "cli.py":
+            continue
+        hits += [f"{rel}:{ln}: {s[:40]!r}" for ln, s in _code_names(ast.parse(f.read_text())) if pattern.search(s)]
+    assert not hits, "\n".join(hits)
+
+
+def test_no_function_imports_nestfed_locally():
+    """A function-local import of nestfed is how cycles used to be dodged; none is left."""
+    hits = []
+    for f in modules():
+        for fn in ast.walk(ast.parse(f.read_text())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for n in ast.walk(fn):
+                    if isinstance(n, ast.ImportFrom) and (n.module or "").startswith("nestfed"):
+                        hits.append(f"{f.relative_to(SRC)}:{n.lineno}")
+                    elif isinstance(n, ast.Import) and any(a.name.startswith("nestfed") for a in n.names):
+                        hits.append(f"{f.relative_to(SRC)}:{n.lineno}")
+    assert not hits, hits
+
+
+def test_modules_stay_small():
+    sizes = {str(f.relative_to(SRC)): len(f.read_text().splitlines()) for f in modules()}
+    assert max(sizes.values()) <= 600, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_every_method_is_listed_once_and_the_cli_and_schema_follow_the_registry():
+    assert list(methods.REGISTRY) == [m.name for m in methods.REGISTRY.values()]
+    assert methods.SCHEMA.methods == tuple(methods.REGISTRY)
+    for m in methods.REGISTRY.values():
+        for section, cls in m.sections.items():
+            assert methods.SCHEMA.sections[section] is cls
+    r = subprocess.run([sys.executable, "-m", "nestfed.cli", "methods"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and [ln.split()[0] for ln in r.stdout.splitlines() if ln.strip() and not ln.startswith(" ")
+                                  and ln.split()[0] in methods.REGISTRY] == list(methods.REGISTRY)
+
+
+@pytest.mark.parametrize("doc", ["docs/architecture.md", "docs/methods.md"])
+def test_the_docs_the_code_cites_exist_and_are_cited(doc):
+    assert (ROOT / doc).is_file()
+    cited = sum(doc in f.read_text() for f in modules())
+    assert cited >= 1
+    stale = [str(f.relative_to(SRC)) for f in modules()
+             if re.search(r"(?<![/\w])(methods|design|resources)\.md", f.read_text())]
+    assert not stale, stale
