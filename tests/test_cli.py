@@ -1,21 +1,55 @@
-"""The command line: bad input is one line, exit code 2, and no run directory; a tiny run works."""
+"""The command line: bad input is one line, exit code 2, and no run directory; a tiny run works.
+
+Most cases call the entry point in this process (``cli`` fixture: the same ``main`` the installed
+command runs, its exit code and output captured); a few run the real command in a subprocess."""
 
 import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from nestfed.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 
 
 def nestfed(*args, cwd):
+    """The installed command in a subprocess."""
     env = dict(os.environ, COLUMNS="200")
     return subprocess.run([sys.executable, "-m", "nestfed.cli", *args], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=600)
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys, keep_threads):
+    """``cli(*args, cwd=...)``: ``nestfed.cli.main`` in this process with these arguments."""
+
+    def call(*args, cwd):
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["nestfed", *map(str, args)])
+        monkeypatch.setenv("COLUMNS", "200")
+        capsys.readouterr()
+        code = 0
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code or 0
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+
+    return call
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -26,18 +60,18 @@ def nestfed(*args, cwd):
     (["--set", "data.source=mmlu", "--set", "data.path=/does/not/exist"], "data.path: /does/not/exist does not exist"),
     (["--methods", "prelort,magic"], "--methods: unknown method 'magic'"),
 ])
-def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, args, needle):
-    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
+def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, cli, args, needle):
+    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
     assert needle in r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "runs").exists()
 
 
-def test_malformed_data_file_names_the_file(tmp_path):
+def test_malformed_data_file_names_the_file(tmp_path, cli):
     bad = tmp_path / "alpaca.json"
     bad.write_text('[{"instruction": "x", "output": "y"}, {"instruction": ')
-    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", "--set", "data.source=instructions",
+    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", "--set", "data.source=instructions",
                 "--set", f"data.path={bad}", "--set", "data.task=instruction", cwd=tmp_path)
     assert r.returncode == 2 and "alpaca.json" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "runs").exists()
@@ -48,7 +82,7 @@ def test_missing_config_file(tmp_path):
     assert r.returncode == 2 and "missing.toml: config file not found" in r.stderr
 
 
-def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path):
+def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path, cli):
     runs = tmp_path / "runs"
     r = nestfed("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1",
                 "--set", "output.name=cmp", "--methods", "prelort,flora", cwd=tmp_path)
@@ -65,17 +99,17 @@ def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path)
         assert s["method"] == method and s["rounds"] == 1
     assert (parent / "comparison.png").is_file() and "prelort" in (parent / "comparison.md").read_text()
     assert "prelort" in r.stdout and "flora" in r.stdout
-    c = nestfed("compare", str(parent / "prelort"), str(parent / "flora"), "--plot", str(tmp_path / "c.png"), cwd=tmp_path)
+    c = cli("compare", str(parent / "prelort"), str(parent / "flora"), "--plot", str(tmp_path / "c.png"), cwd=tmp_path)
     assert c.returncode == 0, c.stderr
     assert (tmp_path / "c.png").is_file() and "backbone" in c.stdout
 
 
-def test_resume_after_interruption_gives_the_same_adapter(tmp_path):
+def test_resume_after_interruption_gives_the_same_adapter(tmp_path, cli):
     runs = tmp_path / "runs"
     args = ["run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=2",
             "--set", "data.num_clients=2", "--set", "lora.ranks=[2,4]", "--set", "strategy.name=hetlora"]
-    assert nestfed(*args, "--set", "output.name=full", cwd=tmp_path).returncode == 0
-    assert nestfed(*args, "--set", "output.name=cut", cwd=tmp_path).returncode == 0
+    assert cli(*args, "--set", "output.name=full", cwd=tmp_path).returncode == 0
+    assert cli(*args, "--set", "output.name=cut", cwd=tmp_path).returncode == 0
     full, cut = sorted(runs.glob("full-*"))[0], sorted(runs.glob("cut-*"))[0]
     # make "cut" look interrupted during round 2: no round-2 checkpoint, adapter, summary or metrics line
     (cut / "checkpoints" / "round_002.safetensors").unlink()
@@ -84,7 +118,7 @@ def test_resume_after_interruption_gives_the_same_adapter(tmp_path):
     shutil.rmtree(cut / "adapter")
     lines = (cut / "metrics.jsonl").read_text().splitlines()
     (cut / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
-    r = nestfed("run", "--resume", str(cut), cwd=tmp_path)
+    r = cli("run", "--resume", str(cut), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     a = (full / "adapter" / "adapter_model.safetensors").read_bytes()
     b = (cut / "adapter" / "adapter_model.safetensors").read_bytes()
@@ -92,12 +126,12 @@ def test_resume_after_interruption_gives_the_same_adapter(tmp_path):
     assert len((cut / "metrics.jsonl").read_text().splitlines()) == 3
 
 
-def test_instruction_and_multiple_choice_tasks_run(tmp_path):
+def test_instruction_and_multiple_choice_tasks_run(tmp_path, cli):
     data = tmp_path / "dolly.jsonl"
     rows = [{"instruction": f"Say the number {i}.", "context": "", "response": f"The number is {i}.",
              "category": ["open_qa", "brainstorming"][i % 2]} for i in range(24)]
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'a'}", "--set", "data.source=instructions",
+    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'a'}", "--set", "data.source=instructions",
                 "--set", f"data.path={data}", "--set", "data.task=instruction", "--set", "data.num_clients=2",
                 "--set", "lora.ranks=[2,4]", "--set", "federation.rounds=1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -106,7 +140,7 @@ def test_instruction_and_multiple_choice_tasks_run(tmp_path):
     mmlu = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
     if not mmlu.is_dir():
         pytest.skip("no MMLU copy")
-    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'b'}", "--set", "data.source=mmlu",
+    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'b'}", "--set", "data.source=mmlu",
                 "--set", f"data.path={mmlu}", "--set", "data.task=multiple_choice", "--set", "data.num_clients=2",
                 "--set", 'data.client_labels=[["astronomy"], ["virology", "nutrition"]]', "--set", "data.block_size=256",
                 "--set", "lora.ranks=[2,4]", "--set", "federation.rounds=1", cwd=tmp_path)
@@ -123,30 +157,30 @@ def test_instruction_and_multiple_choice_tasks_run(tmp_path):
     (["--set", "strategy.name=fednl", "--set", "lora.ranks=[4]", "--set", 'lora.target_modules=["q_proj"]',
       "--set", "memory.layers=[7]"], "memory.layers: index 7 out of range for 2 layers"),
 ])
-def test_errors_keep_their_words_and_model_checks_come_before_any_file(tmp_path, args, needle):
-    r = nestfed("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
+def test_errors_keep_their_words_and_model_checks_come_before_any_file(tmp_path, cli, args, needle):
+    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
     errors = [ln for ln in r.stderr.strip().splitlines() if ln.startswith("error:")]
     assert "Traceback" not in r.stderr and len(errors) == 1 and errors[0] == r.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "runs").exists()
 
 
-def test_a_config_that_is_not_utf8_is_one_line(tmp_path):
+def test_a_config_that_is_not_utf8_is_one_line(tmp_path, cli):
     bad = tmp_path / "latin.toml"
     bad.write_bytes("[output]\nname = 'caf\xe9'\n".encode("latin-1"))
-    r = nestfed("run", str(bad), cwd=tmp_path)
+    r = cli("run", str(bad), cwd=tmp_path)
     assert r.returncode == 2 and "latin.toml: not UTF-8 text" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path):
+def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path, cli):
     runs = tmp_path / "runs"
-    r = nestfed("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1", cwd=tmp_path)
+    r = cli("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     run_dir = next(runs.iterdir())
     (run_dir / "summary.json").unlink()  # unfinished again
-    r = nestfed("run", "--resume", str(run_dir), "--set", "train.lr=0.5", cwd=tmp_path)
+    r = cli("run", "--resume", str(run_dir), "--set", "train.lr=0.5", cwd=tmp_path)
     assert r.returncode == 2 and "a resumed run keeps its config; these differ: train.lr: 0.001 -> 0.5" in r.stderr
-    more = nestfed("run", "--resume", str(run_dir), "--set", "train.lr=0.001", "--set", "federation.rounds=2",
+    more = cli("run", "--resume", str(run_dir), "--set", "train.lr=0.001", "--set", "federation.rounds=2",
                    cwd=tmp_path)  # restating a value is fine, and so is extending the run
     assert more.returncode == 0, more.stderr[-2000:]
     assert "config.toml now has federation.rounds: 1 -> 2" in more.stderr
@@ -155,9 +189,9 @@ def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path):
     (run_dir / "summary.json").unlink()
     for p in (run_dir / "checkpoints").iterdir():
         p.unlink()
-    r = nestfed("run", "--resume", str(run_dir), cwd=tmp_path)
+    r = cli("run", "--resume", str(run_dir), cwd=tmp_path)
     assert r.returncode == 2 and "no checkpoint to resume from" in r.stderr and "Traceback" not in r.stderr
     (run_dir / "checkpoints" / "round_001.safetensors").write_bytes(b"\x00" * 40)
-    r = nestfed("run", "--resume", str(run_dir), cwd=tmp_path)
+    r = cli("run", "--resume", str(run_dir), cwd=tmp_path)
     assert r.returncode == 2 and "round_001.safetensors: not a readable nestfed checkpoint" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
