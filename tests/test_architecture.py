@@ -80,10 +80,10 @@ def test_modules_stay_small():
 
 def test_every_method_is_listed_once_and_the_cli_and_schema_follow_the_registry():
     assert list(methods.REGISTRY) == [m.name for m in methods.REGISTRY.values()]
-    assert methods.SCHEMA.methods == tuple(methods.REGISTRY)
+    assert methods.schema().methods == tuple(methods.REGISTRY)
     for m in methods.REGISTRY.values():
         for section, cls in m.sections.items():
-            assert methods.SCHEMA.sections[section] is cls
+            assert methods.schema().sections[section] is cls
     r = subprocess.run([sys.executable, "-m", "nestfed.cli", "methods"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and [ln.split()[0] for ln in r.stdout.splitlines() if ln.strip() and not ln.startswith(" ")
                                   and ln.split()[0] in methods.REGISTRY] == list(methods.REGISTRY)

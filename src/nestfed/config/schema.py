@@ -177,7 +177,7 @@ class ExperimentConfig:
 
     def section(self, name: str) -> Any:
         """The options dataclass of a method's section. Raises KeyError naming the section when the
-        config was built without it (nestfed.methods.SCHEMA builds every registered one)."""
+        config was built without it (nestfed.methods.schema() builds every registered one)."""
         try:
             return self.sections[name]
         except KeyError:

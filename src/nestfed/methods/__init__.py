@@ -2,7 +2,7 @@
 
 Adding a method is one new home (a module or package here that defines ``METHOD``, a
 :class:`~nestfed.methods.method.Method`) plus one line in :data:`REGISTRY`. Every entry point
-loads configs through :data:`SCHEMA` (the registry's sections, names and checks), so a method's
+loads configs through :func:`schema` (the registry's sections, names and checks), so a method's
 options are validated, with the file and key named, before anything is written.
 """
 
@@ -61,30 +61,33 @@ def _check(cfg: ExperimentConfig) -> None:
         m.check_config(cfg)
 
 
-#: What configs may hold beyond the core sections: every home's sections, names and checks.
-SCHEMA = C.Schema(sections=_sections(), methods=tuple(REGISTRY), check=_check)
+def schema() -> C.Schema:
+    """What configs may hold beyond the core sections: every registered home's sections, the
+    names ``strategy.name`` accepts and the cross-section checks (built from :data:`REGISTRY`
+    on each call, so a home registered later is known at once)."""
+    return C.Schema(sections=_sections(), methods=tuple(REGISTRY), check=_check)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
     """Read and validate an experiment TOML (``extends`` followed) with ``section.key=value``
     overrides. Raises ConfigError naming the file and key at fault."""
-    return C.load(path, overrides, SCHEMA)
+    return C.load(path, overrides, schema())
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "<config>") -> ExperimentConfig:
     """Validate a parsed TOML document (e.g. the resolved config a Flower server sends)."""
-    return C.from_dict(data, source, SCHEMA)
+    return C.from_dict(data, source, schema())
 
 
 def with_method(cfg: ExperimentConfig, name: str) -> ExperimentConfig:
     """``cfg`` running method ``name`` (validated: e.g. fedavg with unequal ranks is refused)."""
     get(name)
-    return C.replace(cfg, SCHEMA, strategy={"name": name})
+    return C.replace(cfg, schema(), strategy={"name": name})
 
 
 def replace_config(cfg: ExperimentConfig, **sections: dict[str, Any]) -> ExperimentConfig:
     """A validated copy with fields of named sections replaced (nestfed.config.replace)."""
-    return C.replace(cfg, SCHEMA, **sections)
+    return C.replace(cfg, schema(), **sections)
 
 
-__all__ = ["REGISTRY", "SCHEMA", "Method", "config_from_dict", "get", "load_config", "replace_config", "with_method"]
+__all__ = ["REGISTRY", "Method", "config_from_dict", "get", "load_config", "replace_config", "schema", "with_method"]
