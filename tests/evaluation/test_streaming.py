@@ -9,12 +9,10 @@ from nestfed.nn.frozen_prefix import lm_logits
 from nestfed.evaluation.streaming import StreamStats, binned_ce, stream_nll, stream_nll_hf
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (the shared fixture in conftest.py)."""
     yield
-    torch.set_num_threads(n)
 
 
 def one_pass_nll(model, ids):

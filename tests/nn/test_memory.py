@@ -10,12 +10,10 @@ from nestfed.nn.memory import (MemorySettings, alpha_schedule, install_memory, m
 from nestfed.nn.frozen_prefix import causal_lm_loss, lm_logits
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (the shared fixture in conftest.py)."""
     yield
-    torch.set_num_threads(n)
 
 
 def ids(T=40, B=2, seed=1):

@@ -18,14 +18,10 @@ from nestfed.ops.delta_rule import delta_rule, delta_rule_chunkwise, delta_rule_
 ALL = [delta_rule_recurrent, delta_rule_chunkwise, delta_rule]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny matmuls: one intra-op thread. On a shared 2-core machine, two OpenMP threads on
-    small ops can run 50x slower when another process holds a core."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+@pytest.fixture(autouse=True)
+def _one_thread(one_thread):
+    """Every test here on one torch thread (the shared fixture in conftest.py)."""
     yield
-    torch.set_num_threads(n)
 
 
 def make_inputs(B, T, H, K, V, *, dtype=torch.float64, seed=0, init=False):

