@@ -1,39 +1,21 @@
 """The one seed rule: every random choice of a run derives from (seed, round, client, stream).
 
-``stream`` names what the random numbers are for (``"batches"``, ``"lora_init/<module>"``, ...),
-so two choices of one client in one round never share a generator, and a run resumed after round
-t draws exactly what an uninterrupted run draws (the exact-resume guarantee rests on this).
-Round 0 and client 0 stand for "not tied to a round / a client" (initialisation, the server).
+``stream`` names what the random numbers are for (``"batches"``, ``"lora_init/<module>"``,
+``"fresh_lora"``, ``"sampling"``, ...), so two choices of one client in one round never share a
+generator, and a run resumed after round t draws exactly what an uninterrupted run draws (the
+exact-resume guarantee rests on this). Round 0 and client 0 stand for "not tied to a round / a
+client" (initialisation, the server's own draws).
+
+The four numbers go through NumPy's ``SeedSequence`` (a hash designed for exactly this: distinct
+inputs give statistically independent streams); the stream's name enters as its CRC-32, which,
+unlike Python's ``hash``, is the same in every process.
 """
 
 from __future__ import annotations
 
-_P = 1_000_003
-_M = 2**63 - 1
+import zlib
 
-
-def _legacy(seed: int, rnd: int, client: int, stream: str) -> int:
-    """The formulas written by hand before the seed rule, kept until the commit that replaces them."""
-    if stream == "batches":
-        return ((seed * _P + rnd) * _P + client) % _M
-    if stream == "ala_weights":
-        return (seed * _P + rnd * 7_919 + client * 31 + 17) % _M
-    if stream == "surrogate":
-        return (seed * _P + rnd * 7_919 + client * 31 + 29) % _M
-    if stream == "fresh_lora":
-        return (seed * _P + rnd * 10_007 + client) % 2**31
-    if stream == "distill_server":
-        return ((seed * _P + rnd) * _P + 7919) % _M
-    if stream == "distill_client":
-        return (((seed * _P + rnd) * _P + client) * _P + 104729) % _M
-    if stream.startswith("lora_init/"):
-        h = 0
-        for ch in stream[len("lora_init/"):].encode():
-            h = (h * 131 + ch) % 2_147_483_647
-        return seed * _P + h
-    if stream == "elicitation":
-        return seed
-    raise KeyError(f"unknown seed stream {stream!r}")
+import numpy as np
 
 
 def stream_seed(seed: int, rnd: int, client: int, stream: str) -> int:
@@ -41,6 +23,10 @@ def stream_seed(seed: int, rnd: int, client: int, stream: str) -> int:
 
     seed: the run's seed (``federation.seed``, ``lora.init_seed``, ...); rnd: the round (1-based;
     0 = before the first round); client: the client id (0 for server-side choices); stream: what
-    the numbers are for. Raises KeyError for a stream this rule does not know.
+    the numbers are for. Raises ValueError for a negative seed, round or client.
     """
-    return _legacy(int(seed), int(rnd), int(client), stream)
+    parts = (int(seed), int(rnd), int(client))
+    if min(parts) < 0:
+        raise ValueError(f"seed, round and client must be >= 0, got {parts}")
+    state = np.random.SeedSequence([*parts, zlib.crc32(stream.encode("utf-8"))]).generate_state(1, dtype=np.uint64)
+    return int(state[0] >> np.uint64(1))

@@ -27,6 +27,7 @@ from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruc
 from nestfed.federation.payload import payload_stats, validate_reply
 from nestfed.federation.run_dir import ClientState, RunDir
 from nestfed.federation.strategy import Strategy
+from nestfed.seeds import stream_seed
 
 OnEvent = Callable[[str, dict[str, Any]], None]
 
@@ -68,11 +69,12 @@ class Transport(Protocol):
 
 
 def sample_clients(clients: list[ClientInfo], fraction: float, seed: int, rnd: int) -> list[ClientInfo]:
-    """Seeded client sampling: max(1, round(fraction * K)) clients without replacement, sorted by id."""
+    """Seeded client sampling: max(1, round(fraction * K)) clients without replacement, sorted by id
+    (the seed rule's stream ``sampling`` of round ``rnd``)."""
     k = max(1, round(fraction * len(clients)))
     if k >= len(clients):
         return list(clients)
-    rng = np.random.default_rng([seed, rnd])
+    rng = np.random.default_rng(stream_seed(seed, rnd, 0, "sampling"))
     chosen = sorted(rng.choice(len(clients), size=k, replace=False).tolist())
     return [clients[i] for i in chosen]
 
