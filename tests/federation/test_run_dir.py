@@ -198,3 +198,27 @@ def test_a_run_in_which_no_round_aggregated_exports_no_adapter(tmp_path):
     with pytest.raises(ValueError, match="rank 0"):
         export_peft_adapter({"base_model.model.m.lora_A.weight": torch.zeros(0, 2),
                              "base_model.model.m.lora_B.weight": torch.zeros(2, 0)}, 1.0, tmp_path / "a")
+
+
+@pytest.mark.parametrize("method", ["fedslm", "fedmkt"])
+def test_compressed_methods_resume_exactly_after_a_crash_in_a_later_round(tmp_path, monkeypatch, method):
+    """FedMKT's clients keep their own models (their kept state, checkpointed with each round) and
+    FedSLM's server recipe runs after the last round: both resume to the uninterrupted state."""
+    from nestfed import methods
+    from nestfed.experiments.prepare import prepare
+
+    root = Path(__file__).resolve().parents[2]
+    cfg = methods.load_config(root / "configs" / "fedslm" / "tiny.toml",
+                              [f"strategy.name={method}", "federation.rounds=3", "output.plots=false"])
+    seen: list[str] = []
+    inject(monkeypatch, 10**9, seen)
+    run_method(prepare(cfg), cfg, tmp_path / "ref")
+    monkeypatch.undo()
+    at = seen.index("round_002.safetensors") + 1  # its metrics line is written, its checkpoint is not
+    inject(monkeypatch, at, [])
+    with pytest.raises(Crash):
+        run_method(prepare(cfg), cfg, tmp_path / "cut")
+    monkeypatch.undo()
+    run_method(prepare(cfg), cfg, tmp_path / "cut", resume=True)
+    assert state_digest(tmp_path / "cut") == state_digest(tmp_path / "ref")
+    assert [ln["round"] for ln in lines(tmp_path / "cut")] == [0, 1, 2, 3]

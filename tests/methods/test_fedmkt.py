@@ -72,3 +72,16 @@ def test_grouped_trainer_routes_by_client_and_uses_initial_arrays_for_empty_payl
     assert gt.evaluate(1, {"z": torch.zeros(1)}, 1.0)["loss"] == 1.0
     with pytest.raises(KeyError, match="client 9"):
         gt.fit(9, None)
+
+
+def test_grouped_trainer_merges_and_splits_the_clients_kept_state():
+    class Holder:
+        def __init__(self, state):
+            self.client_state = state
+
+    x, y, z = ({"own": {"k": torch.full((1,), float(v))}} for v in (1, 2, 3))
+    g0, g1 = Holder({0: x}), Holder({2: z})
+    gt = GroupedTrainer({0: g0, 1: g1}, {0: 0, 1: 1, 2: 1})
+    assert gt.client_state == {0: x, 2: z}
+    gt.client_state = {0: x, 1: y, 2: z}  # what a resumed checkpoint hands back
+    assert g0.client_state == {0: x} and g1.client_state == {1: y, 2: z}

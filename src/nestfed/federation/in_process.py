@@ -35,6 +35,7 @@ class InProcessTransport:
     trainer: Trainer
 
     def open(self) -> dict[str, Any]:
+        """Nothing to add to the round-0 line."""
         return {}
 
     def fit(self, rnd: int, instructions: dict[int, Instruction],
@@ -50,10 +51,13 @@ class InProcessTransport:
         return out
 
     def evaluate(self, rnd: int, deployments: dict[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]]:
+        """Every client's held-out metrics under its (arrays, scale s), in this process."""
         return {str(cid): self.trainer.evaluate(cid, arrays, scale) for cid, (arrays, scale) in deployments.items()}
 
     def client_state(self) -> ClientState:
+        """The trainer's kept client state (checkpointed with the round)."""
         return self.trainer.client_state
 
     def restore_client_state(self, state: ClientState | None) -> None:
+        """Hand a resumed checkpoint's client state back to the trainer."""
         self.trainer.client_state = state or {}

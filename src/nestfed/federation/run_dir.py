@@ -125,10 +125,12 @@ class RunDir:
 
     @property
     def config_path(self) -> Path:
+        """The resolved config: ``config.toml``."""
         return self.path / "config.toml"
 
     @property
     def metrics_path(self) -> Path:
+        """One JSON line per committed round: ``metrics.jsonl``."""
         return self.path / "metrics.jsonl"
 
     @property
@@ -170,6 +172,7 @@ class RunDir:
 
     # -- checkpoints ---------------------------------------------------------------------------
     def checkpoint_path(self, rnd: int) -> Path:
+        """``checkpoints/round_NNN.safetensors`` of round ``rnd`` (at least three digits)."""
         return self.path / "checkpoints" / f"round_{rnd:03d}.safetensors"
 
     def checkpoints(self) -> list[tuple[int, Path]]:
@@ -313,9 +316,11 @@ class RunDir:
         return atomic.write_tensors(self.path / name, arrays)
 
     def write_json(self, name: str, obj: Any) -> Path:
+        """``<name>`` as indented JSON, atomically."""
         return atomic.write_json(self.path / name, obj)
 
     def write_text(self, name: str, text: str) -> Path:
+        """``<name>`` as UTF-8 text, atomically."""
         return atomic.write_text(self.path / name, text)
 
     def write_plots(self, lines: list[dict[str, Any]]) -> list[Path]:

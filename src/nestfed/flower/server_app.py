@@ -229,6 +229,7 @@ class FlowerTransport:
     say: Callable[[str], None]
 
     def open(self) -> dict[str, Any]:
+        """The QUERY round's node info and duration for the round-0 line."""
         return {"nodes": self.query.info, "query_s": self.query.seconds}
 
     def _message(self, cid: int, content: RecordDict, kind: str, group: str) -> Message:
@@ -298,9 +299,11 @@ class FlowerTransport:
         return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
     def client_state(self) -> ClientState | None:
+        """None: the nodes keep their clients' state (Context.state), never the server."""
         return None  # the nodes keep their clients' state (Context.state)
 
     def restore_client_state(self, state: ClientState | None) -> None:
+        """Nothing to restore on the server (see :meth:`client_state`)."""
         return None
 
 

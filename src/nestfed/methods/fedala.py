@@ -114,10 +114,12 @@ class ALAHooks(ClientHooks):
         return {"ala_loss": sum(losses) / len(losses)} if losses else {}
 
     def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
+        """Remember the trained LoRA as the client's local model for its next round; send it all."""
         ctx.state[ALA_LOCAL] = {k: v.clone() for k, v in out.items() if rank_dim(k) is not None}
         return out
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
+        """The global arrays mixed with the client's local model by its last weights (FedALA eq. 5)."""
         if not arrays or ALA_W not in state or ALA_LOCAL not in state:
             return arrays
         return ala_mix(arrays, state[ALA_LOCAL], state[ALA_W])

@@ -44,6 +44,7 @@ class ProxHooks(ClientHooks):
         self.mu = mu
 
     def before_steps(self, ctx: FitContext, params: list[nn.Parameter]) -> dict[str, float]:
+        """Keep the received values of the trained parameters as the anchors."""
         ctx.scratch["anchor"] = [(p, p.detach().clone()) for p in params]
         return {}
 

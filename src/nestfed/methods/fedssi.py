@@ -104,6 +104,7 @@ class SSIHooks(ClientHooks):
         self.o = options
 
     def before_steps(self, ctx: FitContext, params: list[nn.Parameter]) -> dict[str, float]:
+        """The anchors and the surrogate's importance; returns ``psm_loss``."""
         anchors = [p.detach().clone() for p in params]
         ctx.scratch["anchor"] = list(zip(params, anchors))
         omega, metrics = surrogate_importance(ctx, params, anchors, self.o)

@@ -89,6 +89,7 @@ class FLoRAHooks(ClientHooks):
         self.init_seed = init_seed
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
+        """The received stack plus a fresh LoRA of rank ``rank`` (A [r, in] random, B [out, r] = 0)."""
         seed = stream_seed(self.init_seed, ctx.round, ctx.cid, "fresh_lora")
         arrays.update(init_adapter_state(module_shapes(ctx.model), int(ctx.config["rank"]), seed))
         return arrays

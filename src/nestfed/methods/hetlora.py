@@ -91,6 +91,7 @@ class HetLoRA(LoraStrategy):
         return self.o.pruning
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
+        """``hetlora_prev_tail``: the client's tail norm after its last round (-1 before its first)."""
         prev = state.meta.get("tail_norms", {}).get(str(client.cid))
         return {"hetlora_prev_tail": -1.0 if prev is None else float(prev)}
 
@@ -130,6 +131,7 @@ class HetLoRAHooks(ClientHooks):
         self.o = options
 
     def step_loss(self, ctx: FitContext, batch: Batch) -> float:
+        """Backpropagates CE + lambda * tail norm; returns the CE alone (nats per token)."""
         loss = batch.loss(ctx.model)
         total = loss + self.o.reg * tail_norm(ctx.model, self.o.tail) if self.o.reg > 0 else loss
         total.backward()

@@ -65,6 +65,7 @@ class PreLort(LoraStrategy):
         return sorted({int(r) for r in state.meta["ranks"].values()})
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
+        """``subranks``: R_k, the federation's ranks up to the client's."""
         return {"subranks": [r for r in self.federation_ranks(state) if r <= rank]}
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
@@ -97,6 +98,7 @@ class PreLortHooks(ClientHooks):
     """The nested objective over the sub-ranks R_k the strategy sends (``subranks``)."""
 
     def step_loss(self, ctx: FitContext, batch: Batch) -> float:
+        """:func:`nested_loss` over the instruction's ``subranks``."""
         return nested_loss(ctx.model, batch, ctx.config["subranks"])
 
 

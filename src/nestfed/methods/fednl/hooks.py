@@ -55,6 +55,7 @@ class FedNLHooks(ClientHooks):
         return {k: v for k, v in out.items() if k not in kept}
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
+        """The deployed rules plus the client's own LoRA (rules mode)."""
         if not arrays or KEPT not in state:
             return arrays
         return {**arrays, **state[KEPT]}
