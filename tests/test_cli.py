@@ -154,6 +154,8 @@ def test_instruction_and_multiple_choice_tasks_run(tmp_path, cli):
     (["--set", "lora.ranks=[a,b]"], "lora.ranks[0]: expected an integer, got '[a,b]'"),
     (["--set", "federaton.rounds=2"], "unknown section '[federaton]'"),
     (["--set", "federation.min_clients=6"], "federation.min_clients = 6 is above the 5 clients sampled per round"),
+    (["--set", "lora.ranks=[100000]"], "lora.ranks: rank 100000 exceeds 32, the smallest adapted layer's min(out, in)"),
+    (["--set", "train.lr=nan"], "train.lr: expected a finite number, got nan"),
     (["--set", "strategy.name=fednl", "--set", "lora.ranks=[4]", "--set", 'lora.target_modules=["q_proj"]',
       "--set", "memory.layers=[7]"], "memory.layers: index 7 out of range for 2 layers"),
 ])
@@ -195,3 +197,28 @@ def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path, cli):
     r = cli("run", "--resume", str(run_dir), cwd=tmp_path)
     assert r.returncode == 2 and "round_001.safetensors: not a readable nestfed checkpoint" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--methods", ","], "--methods: unknown method ''"),
+    (["--methods", "prelort,prelort"], "--methods: 'prelort' is listed twice"),
+    (["--set", "model.dtype=int8"], "model.dtype: 'int8' is not a floating dtype"),
+    (["--set", "lora.lora_alpha=0"], "lora.lora_alpha must be > 0"),
+    (["--set", "data.max_train=0"], "data.max_train and data.max_test must be >= 1"),
+    (["--set", "federation.rounds=0"], "federation.rounds=0: federation.rounds must be >= 1"),
+])
+def test_more_bad_input_found_by_trying_it(tmp_path, cli, args, needle):
+    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
+    assert r.returncode == 2 and needle in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_resume_refuses_a_config_or_methods_beside_it_and_compare_dedupes(tmp_path, cli):
+    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", "--set", "federation.rounds=1", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    run_dir = next((tmp_path / "runs").iterdir())
+    for extra in (["--methods", "zeropad"], [str(TINY)]):
+        r = cli("run", *extra, "--resume", str(run_dir), cwd=tmp_path)
+        assert r.returncode == 2 and "--resume runs the run directory's own config" in r.stderr
+    c = cli("compare", str(run_dir), str(run_dir), cwd=tmp_path)
+    assert c.returncode == 0 and c.stdout.count("prelort") == 1 and (tmp_path / "comparison.png").is_file()

@@ -30,7 +30,8 @@ from nestfed.experiments.run import check_method, new_run_dir, run_method
 from nestfed.federation.run_dir import RunDir
 from nestfed.io import atomic
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="Federated fine-tuning of LLMs under heterogeneity.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
+                  help="Federated fine-tuning of LLMs under heterogeneity.")
 console = Console(stderr=True, highlight=False)
 out = Console(width=max(Console().width, 132), highlight=False)
 
@@ -50,10 +51,10 @@ def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], r
     first = next(iter(cfgs.values()))
     with console.status("preparing") as status:
         prep = prepare(first, on_status=lambda s: status.update(s))
-    say(f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s: "
-        + ", ".join(f"c{c.cid} rank {c.rank} n={c.num_examples} ({prep.data[c.cid].label})" for c in prep.clients))
     for cfg in cfgs.values():  # nothing is written before every method's settings fit the model
         check_method(prep, cfg)
+    say(f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s: "
+        + ", ".join(f"c{c.cid} rank {c.rank} n={c.num_examples} ({prep.data[c.cid].label})" for c in prep.clients))
     with _progress() as progress:
         for name, cfg in cfgs.items():
             k = C.sampled_per_round(cfg)
@@ -133,6 +134,9 @@ def run(
     """Run an experiment: federated rounds, checkpoints, PEFT adapter, plots, a comparison table."""
     t0 = time.perf_counter()
     if resume is not None:
+        if config is not None or methods_:
+            raise NestfedError("--resume runs the run directory's own config and methods; drop CONFIG and --methods "
+                               "(--set may restate a value or raise federation.rounds)")
         todo, parent = _resumable(resume)
         cfgs = _resume_configs(todo, set_ or [])
         _run_methods(cfgs, todo, resume=True)
@@ -141,10 +145,12 @@ def run(
         if config is None:
             raise NestfedError("give a CONFIG.toml (or --resume RUN_DIR)")
         cfg = methods.load_config(config, set_ or [])
-        names = [m.strip() for m in methods_.split(",") if m.strip()] if methods_ else [cfg.strategy.name]
+        names = [m.strip() for m in methods_.split(",")] if methods_ is not None else [cfg.strategy.name]
         for m in names:
             if m not in methods.REGISTRY:
                 raise NestfedError(f"--methods: unknown method '{m}' (known: {', '.join(methods.REGISTRY)})")
+            if names.count(m) > 1:
+                raise NestfedError(f"--methods: '{m}' is listed twice")
         cfgs = {m: methods.with_method(cfg, m) for m in names}  # validates e.g. fedavg with unequal ranks
         parent = None
         if len(names) > 1:
@@ -159,17 +165,26 @@ def run(
 @app.command()
 def compare(
     run_dirs: Annotated[list[Path], typer.Argument(help="finished run directories (or a multi-method parent)")],
-    plot: Annotated[Optional[Path], typer.Option(help="write the comparison plot here")] = None,
+    plot: Annotated[Path, typer.Option(help="write the comparison plot here")] = Path("comparison.png"),
 ) -> None:
-    """Print a side-by-side table of finished runs and write one comparison plot."""
-    dirs = []
+    """Print a side-by-side table of finished runs and write one comparison plot (default
+    ./comparison.png). Runs of different experiments ([model] or [data] differ) are compared with
+    a warning: the first row is the first run's round 0."""
+    dirs: list[Path] = []
     for d in run_dirs:
-        dirs += sorted(p.parent for p in d.glob("*/summary.json")) if not (d / "summary.json").exists() else [d]
+        for p in sorted(p.parent for p in d.glob("*/summary.json")) if not (d / "summary.json").exists() else [d]:
+            if p.resolve() not in [x.resolve() for x in dirs]:
+                dirs.append(p)
     if not dirs:
         raise NestfedError(f"no finished run directory among {', '.join(map(str, run_dirs))}")
+    experiments = {(str(C.to_dict(c)["model"]), str(C.to_dict(c)["data"]))
+                   for c in (methods.load_config(d / "config.toml") for d in dirs)}
+    if len(experiments) > 1:
+        say("warning: these runs differ in [model] or [data]: their perplexities are not on one test set, and the "
+            f"first row is {dirs[0]}'s round 0")
     rows = report.comparison_rows(dirs)
     out.print(report.comparison_table(rows))
-    png = atomic.write_bytes(plot or Path(dirs[0]).parent / "comparison.png", report.comparison_plot(rows))
+    png = atomic.write_bytes(plot, report.comparison_plot(rows))
     out.print(f"wrote {png}", markup=False)
 
 
@@ -202,10 +217,9 @@ def fedslm(
 @app.command("methods")
 def list_methods() -> None:
     """The registered methods: name, the config sections they own, whether they run on Flower."""
-    for m in methods.REGISTRY.values():
+    for m in methods.REGISTRY.values():  # plain lines: one per method, whatever the terminal's width
         sections = ", ".join(f"[{s}]" for s in m.sections) or "-"
-        out.print(f"{m.name:10s} {sections:30s} {'flower' if m.on_flower else 'embedded only':14s} {m.summary}",
-                  markup=False)
+        print(f"{m.name:10s} {sections:30s} {'flower' if m.on_flower else 'embedded only':14s} {m.summary}")
 
 
 def main() -> None:

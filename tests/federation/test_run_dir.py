@@ -117,6 +117,9 @@ def test_the_latest_checkpoint_is_found_by_round_number(tmp_path):
         rd.save_checkpoint(rnd, GlobalState({"x": torch.tensor([float(rnd)])}, {}), {})
     assert [r for r, _ in rd.checkpoints()] == [2, 999, 1000]
     assert rd.latest_checkpoint().round == 1000 and float(rd.latest_checkpoint().state.arrays["x"]) == 1000.0
+    (tmp_path / "r" / "checkpoints" / "round_1001.safetensors").write_bytes(rd.checkpoint_path(2).read_bytes())
+    with pytest.raises(DataError, match="round_1001.safetensors: holds the state of round 2, not of round 1001"):
+        rd.latest_checkpoint()
 
 
 def test_a_torn_last_line_is_dropped_with_a_warning_and_a_torn_middle_line_is_an_error(tmp_path, caplog):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
@@ -57,6 +58,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise ConfigError(f"{where}: expected a number, got {value!r}")
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):
@@ -114,10 +117,11 @@ def from_dict(data: Mapping[str, Any], source: str = "<config>", schema: Schema 
     core, extra = {}, {name: cls() for name, cls in schema.sections.items()}
     known = list(CORE_SECTIONS) + list(schema.sections)
     for name, table in data.items():
+        if not isinstance(table, dict):
+            what = "section" if name in known else "top-level key"
+            raise ConfigError(f"{source}: {what} '{name}' must be a table of keys ([{name}] ...), got {table!r}")
         if name not in known:
             raise ConfigError(f"{source}: unknown section '[{name}]' (known: {', '.join(known)}){_hint(name, known)}")
-        if not isinstance(table, dict):
-            raise ConfigError(f"{source}: '{name}' must be a table")
         if name in CORE_SECTIONS:
             core[name] = _section(hints[name], table, name, source, schema)
         else:
@@ -146,6 +150,8 @@ def validate(cfg: ExperimentConfig, source: str, schema: Schema) -> None:
 def _read_toml(p: Path, seen: set[Path]) -> dict[str, Any]:
     """Read a TOML file; a top-level ``extends = "other.toml"`` (relative to the file) is read
     first and this file's tables are merged over it key by key."""
+    if p.is_dir():
+        raise ConfigError(f"{p}: is a directory, not a config file")
     if not p.is_file():
         raise ConfigError(f"{p}: config file not found")
     if p.resolve() in seen:
@@ -196,6 +202,8 @@ def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), s
     if path is not None:
         source = str(path)
         data = _read_toml(Path(path), set())
+    if overrides:  # a value at fault may come from either
+        source = f"{source} with --set {' '.join(overrides)}" if path is not None else f"--set {' '.join(overrides)}"
     return from_dict(apply_overrides(data, overrides), source, schema)
 
 

@@ -212,11 +212,16 @@ def sampled_per_round(cfg: ExperimentConfig) -> int:
     return max(1, round(cfg.federation.fraction * cfg.data.num_clients))
 
 
+DTYPES = ("float32", "float64", "bfloat16", "float16")
+
+
 def check_core(cfg: ExperimentConfig) -> None:
     """Check the core sections' values that types cannot (names, ranks, ranges, combinations).
 
     Raises ValueError("<section.key>: <reason>") for the first value at fault.
     """
+    if cfg.model.dtype not in DTYPES:
+        raise ValueError(f"model.dtype: '{cfg.model.dtype}' is not a floating dtype (known: {', '.join(DTYPES)})")
     d = cfg.data
     if d.source not in SOURCES:
         raise ValueError(f"data.source: unknown source '{d.source}' (known: {', '.join(SOURCES)})")
@@ -232,6 +237,8 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("data.test_fraction must be in (0, 1)")
     if d.block_size < 8:
         raise ValueError("data.block_size must be >= 8 tokens")
+    if d.max_train < 1 or d.max_test < 1:
+        raise ValueError("data.max_train and data.max_test must be >= 1 (blocks or examples per client)")
     if d.source == "niah":
         if d.task != "multiple_choice":
             raise ValueError("data.task: the niah source is multiple choice (set task = 'multiple_choice')")
@@ -250,6 +257,8 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("lora.r_max must be >= 0")
     if lo.r_max and max(lo.ranks) > lo.r_max:
         raise ValueError(f"lora.ranks: rank {max(lo.ranks)} is above the global maximum lora.r_max = {lo.r_max}")
+    if lo.lora_alpha <= 0:
+        raise ValueError(f"lora.lora_alpha must be > 0, got {lo.lora_alpha}")
     if lo.scaling not in ("fixed", "rank"):
         raise ValueError("lora.scaling must be 'fixed' or 'rank'")
     if not lo.target_modules:
@@ -268,6 +277,8 @@ def check_core(cfg: ExperimentConfig) -> None:
     t = cfg.train
     if t.local_steps < 1 or t.batch_size < 1 or t.lr <= 0:
         raise ValueError("train.local_steps, train.batch_size and train.lr must be positive")
+    if t.weight_decay < 0 or t.max_grad_norm < 0:
+        raise ValueError("train.weight_decay and train.max_grad_norm must be >= 0")
     if t.threads < 0 or t.eval_stream_chunk < 0 or t.eval_batch_size < 1:
         raise ValueError("train.threads and train.eval_stream_chunk must be >= 0, train.eval_batch_size >= 1")
     m = cfg.memory

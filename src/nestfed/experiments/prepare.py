@@ -15,7 +15,7 @@ from nestfed.federation.messages import ClientInfo
 from nestfed.federation.prepared import Prepared
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.frozen_prefix import first_adapted_layer
-from nestfed.nn.lora import inject_lora, module_shapes
+from nestfed.nn.lora import inject_lora, module_shapes, target_module_names
 from nestfed.nn.memory import MemorySettings, install_memory
 
 
@@ -26,7 +26,8 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
     only_clients: keep (and cache the frozen prefix for) these client ids only, e.g. the one
     partition a Flower SuperNode serves; None = every client.
 
-    Raises ConfigError / DataError on bad input; creates no files except the model cache.
+    Raises ConfigError / DataError on bad input (a rank above an adapted layer's min(out, in)
+    among them); creates no files except the model cache.
     """
     t0 = time.perf_counter()
     say = on_status or (lambda s: None)
@@ -41,18 +42,23 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
     data, _ = build_client_data(cfg, backbone.tokenizer, loaded)
     if only_clients is not None:
         data = {cid: data[cid] for cid in only_clients}
-    s = cfg.lora.lora_alpha / r_max(cfg)
     try:
-        inject_lora(backbone.model, cfg.lora.target_modules, r_max(cfg), s, cfg.lora.layers)
+        names = target_module_names(backbone.model, cfg.lora.target_modules, cfg.lora.layers)
     except ValueError as exc:
-        raise ConfigError(f"lora: {exc}") from None
+        raise ConfigError(str(exc)) from None  # names lora.layers or lora.target_modules
+    smallest = min(min(backbone.model.get_submodule(n).weight.shape) for n in names)
+    if r_max(cfg) > smallest:  # checked before any [r, in] matrix is allocated
+        raise ConfigError(f"lora.ranks: rank {r_max(cfg)} exceeds {smallest}, the smallest adapted layer's min(out, in) "
+                          "(a LoRA update of a [out, in] layer has rank at most min(out, in))")
+    inject_lora(backbone.model, cfg.lora.target_modules, r_max(cfg), cfg.lora.lora_alpha / r_max(cfg), cfg.lora.layers)
+    shapes = module_shapes(backbone.model)
     start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
     if start > 0:
         say(f"caching the frozen layers 0..{start - 1}")
     for d in data.values():
         d.cache_prefix(backbone.model, start, cfg.train.eval_batch_size)
     clients = [ClientInfo(cid, ranks[cid], d.num_examples) for cid, d in data.items()]
-    return Prepared(cfg, backbone, data, clients, module_shapes(backbone.model), time.perf_counter() - t0)
+    return Prepared(cfg, backbone, data, clients, shapes, time.perf_counter() - t0)
 
 
 def install_stream_modules(prep: Prepared, cfg: ExperimentConfig) -> None:

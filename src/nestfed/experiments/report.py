@@ -32,7 +32,9 @@ def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
     for rd in run_dirs:
         s = load_summary(rd)
         cfg = tomllib.loads((Path(rd) / "config.toml").read_text())
-        rows.append({"run": Path(rd).name, "method": s["method"], "ranks": s["ranks"],
+        ranks = (f"rho {','.join(f'{x:g}' for x in s['client_ratio'].values())}" if "client_ratio" in s
+                 else ",".join(map(str, s["ranks"])))
+        rows.append({"run": Path(rd).name, "method": s["method"], "ranks": ranks, "round0": s.get("round0", "backbone"),
                      "ppl": {c: v["ppl"] for c, v in s["final"].items()},
                      "initial_ppl": {c: v["ppl"] for c, v in s["initial"].items()},
                      "accuracy": {c: v["accuracy"] for c, v in s["final"].items() if "accuracy" in v},
@@ -48,7 +50,7 @@ def comparison_table(rows: list[dict[str, Any]]):
     """A rich Table: one column per client (final held-out perplexity), mean, bytes, time."""
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     labels = rows[0]["labels"] if rows else {}
-    table = Table(title="held-out perplexity per client (lower is better); backbone alone in the first row")
+    table = Table(title="held-out perplexity per client (lower is better); the first run's round 0 in the first row")
     table.add_column("method")
     table.add_column("ranks")
     for c in cids:
@@ -58,12 +60,12 @@ def comparison_table(rows: list[dict[str, Any]]):
     table.add_column("time s", justify="right")
     if rows:
         r0 = rows[0]
-        table.add_row("backbone", "-", *[f"{r0['initial_ppl'][c]:.2f}" for c in cids],
+        table.add_row(r0["round0"], "-", *[f"{r0['initial_ppl'][c]:.2f}" for c in cids],
                       f"{r0['initial_mean_ppl']:.2f}", "-", "-")
     best = min(r["mean_ppl"] for r in rows) if rows else math.inf
     for r in rows:
         mean = f"{r['mean_ppl']:.2f}" + (" *" if r["mean_ppl"] == best else "")
-        table.add_row(r["method"], ",".join(map(str, r["ranks"])), *[f"{r['ppl'][c]:.2f}" for c in cids], mean,
+        table.add_row(r["method"], r["ranks"], *[f"{r['ppl'][c]:.2f}" for c in cids], mean,
                       f"{r['bytes_per_client_round'] / 1024:.1f}", f"{r['wall_time_s']:.0f}")
     return table
 
@@ -76,10 +78,10 @@ def comparison_markdown(rows: list[dict[str, Any]]) -> str:
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if rows:
         r0 = rows[0]
-        out.append("| backbone | - | " + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
+        out.append(f"| {r0['round0']} | - | " + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
                    + f" | {r0['initial_mean_ppl']:.2f} | - | - |")
     for r in rows:
-        out.append(f"| {r['method']} | {','.join(map(str, r['ranks']))} | "
+        out.append(f"| {r['method']} | {r['ranks']} | "
                    + " | ".join(f"{r['ppl'][c]:.2f}" for c in cids)
                    + f" | {r['mean_ppl']:.2f} | {r['bytes_per_client_round'] / 1024:.1f} | {r['wall_time_s']:.0f} |")
     return "\n".join(out) + "\n"

@@ -143,7 +143,9 @@ class RunDir:
         """The metrics lines in file order. A torn last line (no newline, not JSON: a crash
         mid-append) is skipped with a warning. Raises DataError for a missing file or a malformed
         line elsewhere."""
-        lines, _ = self._read_lines()
+        lines, torn = self._read_lines()
+        if torn:
+            log.warning("%s: skipped a torn last line: an append was interrupted", self.metrics_path)
         return lines
 
     def _read_lines(self) -> tuple[list[dict[str, Any]], bool]:
@@ -160,8 +162,7 @@ class RunDir:
                 out.append(json.loads(line))
             except json.JSONDecodeError as exc:
                 if i == len(raw) and not text.endswith("\n"):
-                    log.warning("%s: dropped a torn last line (%d bytes): an append was interrupted", path, len(line))
-                    torn = True
+                    torn = True  # an append was interrupted
                     continue
                 raise DataError(f"{path}:{i}: malformed JSON line: {exc}") from None
         return out, torn
@@ -240,17 +241,39 @@ class RunDir:
         if not found:
             raise NestfedError(f"{self.path}: no checkpoint to resume from (checkpoints/round_NNN.safetensors)")
         ck = self.load_checkpoint(found[-1][1])
+        if ck.round != found[-1][0]:
+            raise DataError(f"{ck.path}: holds the state of round {ck.round}, not of round {found[-1][0]} "
+                            "(a renamed or copied checkpoint)")
         if keeps_client_state and ck.client_state is None and ck.round > 0:
             raise NestfedError(f"{ck.path}: this method keeps per-client state, which this checkpoint does not hold "
                                "(written on Flower, or its clients_NNN file is gone); it cannot be resumed exactly")
         return ck
 
+    def _resume_plan(self, keeps_client_state: bool) -> tuple[Checkpoint | None, list[dict[str, Any]], list[str], bool]:
+        """(checkpoint or None, the metrics lines to keep, notes, whether metrics.jsonl must be
+        rewritten): what :meth:`resume` does, computed without writing. Raises as :meth:`resume`."""
+        lines, torn = self._read_lines() if self.metrics_path.is_file() else ([], False)
+        notes = [f"{self.metrics_path}: dropped a torn last line (an append was interrupted)"] if torn else []
+        if not self.checkpoints() and all(int(ln.get("round", -1)) <= 0 for ln in lines):
+            if lines or torn:
+                notes.append(f"{self.metrics_path}: no round was committed yet; starting from round 0")
+            return None, [], notes, bool(lines or torn)
+        ck = self.latest_checkpoint(keeps_client_state)
+        keep = [ln for ln in lines if int(ln.get("round", -1)) <= ck.round]
+        if len(keep) != len(lines):
+            later = sorted({int(ln["round"]) for ln in lines if int(ln.get("round", -1)) > ck.round})
+            notes.append(f"{self.metrics_path}: dropped the lines of rounds {later}, after the checkpoint of round "
+                         f"{ck.round} (they are redone)")
+        rounds = [int(ln["round"]) for ln in keep]
+        if rounds != list(range(ck.round + 1)):
+            raise DataError(f"{self.metrics_path}: holds rounds {rounds}, expected 0..{ck.round} once each "
+                            f"for the checkpoint {ck.path.name}")
+        return ck, keep, notes, torn or len(keep) != len(lines)
+
     def check_resume(self, keeps_client_state: bool) -> None:
         """What :meth:`resume` checks, without writing anything: call it before any work.
         Raises as :meth:`resume` does."""
-        lines, _ = self._read_lines() if self.metrics_path.is_file() else ([], False)
-        if self.checkpoints() or any(int(ln.get("round", -1)) > 0 for ln in lines):
-            self.latest_checkpoint(keeps_client_state)
+        self._resume_plan(keeps_client_state)
 
     def resume(self, keeps_client_state: bool) -> tuple[Checkpoint | None, list[str]]:
         """Where a resumed run continues: the latest checkpoint (:meth:`latest_checkpoint`), with
@@ -262,29 +285,9 @@ class RunDir:
         round 0 again (the initial state is deterministic). Raises as :meth:`latest_checkpoint`
         otherwise, and DataError for a metrics file that lacks a committed round.
         """
-        lines, torn = self._read_lines() if self.metrics_path.is_file() else ([], False)
-        notes = [f"{self.metrics_path}: dropped a torn last line"] if torn else []
-        if not self.checkpoints() and all(int(ln.get("round", -1)) <= 0 for ln in lines):
-            if lines or torn:
-                atomic.write_text(self.metrics_path, "")
-                notes.append(f"{self.metrics_path}: no round was committed yet; starting from round 0")
-            for n in notes:
-                log.warning("%s", n)
-            return None, notes
-        ck = self.latest_checkpoint(keeps_client_state)
-        keep = [ln for ln in lines if int(ln.get("round", -1)) <= ck.round]
-        if len(keep) != len(lines):
-            later = sorted({int(ln["round"]) for ln in lines if int(ln.get("round", -1)) > ck.round})
-            notes.append(f"{self.metrics_path}: dropped the lines of rounds {later}, after the checkpoint of round "
-                         f"{ck.round} (they are redone)")
-        rounds = [int(ln["round"]) for ln in keep]
-        if rounds != list(range(ck.round + 1)):
-            raise DataError(f"{self.metrics_path}: holds rounds {rounds}, expected 0..{ck.round} once each "
-                            f"for the checkpoint {ck.path.name}")
-        if torn or len(keep) != len(lines):
+        ck, keep, notes, rewrite = self._resume_plan(keeps_client_state)
+        if rewrite:
             atomic.write_text(self.metrics_path, "".join(json.dumps(ln) + "\n" for ln in keep))
-        for n in notes:
-            log.warning("%s", n)
         return ck, notes
 
     def accept_config(self, stored: ExperimentConfig, wanted: ExperimentConfig, config_text: str) -> list[str]:

@@ -52,7 +52,8 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
         ev = evaluate_server(prep, cfg, adapter, s)
         extra = {"server_eval": ev, "server_mean_ppl": mean_ppl(ev), "client_memory": client_memory(setup),
                  "ratios": setup.ratios, "client_ratio": {str(k): setup.ratios[g] for k, g in setup.client_group.items()},
-                 "public_blocks": int(labels.shape[0]), "server_last_round": state.meta.get("server", {})}
+                 "public_blocks": int(labels.shape[0]), "server_last_round": state.meta.get("server", {}),
+                 "round0": "compressed clients"}
         return Exports((adapter, s), prep.backbone.source, {}, extra)
 
     return MethodRun(strategy, GroupedTrainer(trainers, setup.client_group), compressed_clients(prep), {}, True, finish)

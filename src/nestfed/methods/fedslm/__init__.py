@@ -93,7 +93,8 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
                       "client_ratio": {str(k): setup.ratios[g] for k, g in setup.client_group.items()},
                       "trained_layers": len(setup.trained),
                       "server_text_blocks": int(setup.server_text.input_ids.shape[0]),
-                      "prefix_shared_with_backbone": setup.shared_prefix, "frozen_prefix_layers": setup.start})
+                      "prefix_shared_with_backbone": setup.shared_prefix, "frozen_prefix_layers": setup.start,
+                      "round0": "compressed clients"})
         return Exports((adapter, scale), prep.backbone.source,
                        {"weak_model_cores.safetensors": {k: v.clone() for k, v in state.arrays.items()}}, extra)
 
