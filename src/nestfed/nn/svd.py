@@ -6,7 +6,7 @@ ratio rho_i) gets, per layer, rank r_i = min(min(out, in), floor(rho_i * out * i
 (docs/methods.md decision: the U/V storage r (out + in) is then rho_i times that of W), frozen bases
 U_i = U[:, :r_i] and V_i = V[:, :r_i], and a trainable core Sigma_i [r_i, r_i] that starts as
 diag(S[:r_i]). Every group's bases are prefixes of the bases of a larger group (nested truncation
-of the same SVD), which is what makes cross-group fusion well defined (strategies/fedslm.py).
+of the same SVD), which is what makes cross-group fusion well defined (nestfed.methods.fedslm.strategy).
 
 Two factorisations (``compression.whitening``): ``"none"``, the plain SVD above (U and V
 orthonormal, truncation minimises ||W - W_r||_F); ``"activation"`` (default), SVD-LLM's whitened
@@ -14,7 +14,7 @@ SVD (nn/whitening.py): W L = U S Vw^T with L L^T the damped input second moment 
 calibration text, V = L^{-T} Vw (not orthonormal) and a dual basis D = L Vw (D^T V = I), so that
 truncation minimises the layer's output error on the calibration activations. Both keep the
 nested-prefix property, so the strategy's core-space fusion is exact for either (checked against
-strategies/fedslm.py: reconstructions are linear in the cores, and the next round's M[:r, :r] is
+nestfed.methods.fedslm.strategy: reconstructions are linear in the cores, and the next round's M[:r, :r] is
 :func:`project` with the dual basis); only :func:`project` needs D.
 
 An :class:`SVDLinear` computes x -> ((x V) Sigma^T) U^T (+ bias): two thin matmuls and an

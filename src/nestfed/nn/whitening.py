@@ -23,7 +23,7 @@ Dual basis. Because V is not orthonormal, the least-squares core of a dense W fo
 not U^T W V. Under the activation norm ||(.) L||_F it is U^T W D with D = L Vw = L L^T V
 [in, k] (D^T V = I). Every prefix keeps both properties (D[:, :r]^T V[:, :r] = I_r and the projection of
 U M V^T onto the rank-r prefixes is M[:r, :r]), so FedSLM's nested groups and its core-space
-aggregation (strategies/fedslm.py: the fused W_g = U M V^T is represented by M, and group g's next
+aggregation (nestfed.methods.fedslm.strategy: the fused W_g = U M V^T is represented by M, and group g's next
 core is M[:r_g, :r_g]) stay exact without any change: fusion averages reconstructions, which are
 linear in the cores whatever the bases, and M[:r_g, :r_g] is U_g^T W_g D_g, the least-squares core
 under the activation norm (the docs/methods.md decision, with that norm in place of Frobenius).

@@ -8,7 +8,7 @@ the server text, the unlabeled blocks held out from every client (data/held_out.
 only that server text: no client data leave the clients, and no client's train or test record is
 part of the calibration.
 
-Frozen-prefix reuse (nestfed/frozen_prefix.py): cores train only in ``compression.train_layers``;
+Frozen-prefix reuse (nestfed.nn.frozen_prefix): cores train only in ``compression.train_layers``;
 everything below the lowest of those layers is frozen in every group model. When no layer below
 it is compressed either, each group's prefix equals the backbone's, so the backbone's cached
 outputs are shared instead of being recomputed per group.
