@@ -66,6 +66,27 @@ def tiny_run(run_dir: Path, cfg: ExperimentConfig, prep: Prepared | None = None,
     return loop.run(mr.shapes, resume=resume), loop, mr
 
 
+class Interrupt(Exception):
+    """A crash injected into a client's fit."""
+
+
+def crash_at(rnd: int, cid: int):
+    """A ``wrap`` for :func:`tiny_run`: client ``cid`` raises :class:`Interrupt` in round ``rnd``."""
+
+    def wrap(trainer):
+        real = trainer.fit
+
+        def fit(c, ins):
+            if ins.config["round"] == rnd and c == cid:
+                raise Interrupt(f"round {rnd}, client {cid}")
+            return real(c, ins)
+
+        trainer.fit = fit
+        return trainer
+
+    return wrap
+
+
 def lines(run_dir: Path) -> list[dict]:
     """The metrics lines of a run directory."""
     return [json.loads(x) for x in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]

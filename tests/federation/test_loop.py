@@ -8,7 +8,7 @@ from nestfed.federation.messages import ClientInfo, Instruction, Reply
 from nestfed.federation.payload import encode
 from nestfed.federation.loop import sample_clients
 from nestfed.federation.run_dir import RunDir
-from tiny_federation import lines, same_arrays, tiny_config, tiny_prepared, tiny_run
+from tiny_federation import Interrupt, crash_at, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 RANKS = [2, 4, 8]
 
@@ -31,26 +31,12 @@ def test_runs_are_deterministic_and_training_lowers_loss(tmp_path):
     assert [r for r, _ in RunDir(tmp_path / "a").checkpoints()] == [0, 1, 2, 3]  # round 0 is committed too
 
 
-class Interrupt(Exception):
-    pass
-
-
 def test_resume_reaches_the_same_final_adapter_exactly(tmp_path):
     cfg = tiny_config()
     full, _, _ = tiny_run(tmp_path / "full", cfg)
 
-    def crash_in_round_2(trainer):
-        real = trainer.fit
-
-        def fit(cid, ins):
-            if ins.config["round"] == 2 and cid == 1:
-                raise Interrupt()
-            return real(cid, ins)
-        trainer.fit = fit
-        return trainer
-
     with pytest.raises(Interrupt):
-        tiny_run(tmp_path / "part", cfg, wrap=crash_in_round_2)
+        tiny_run(tmp_path / "part", cfg, wrap=crash_at(2, 1))
     assert [r for r, _ in RunDir(tmp_path / "part").checkpoints()] == [0, 1]
     resumed, _, _ = tiny_run(tmp_path / "part", cfg, resume=True)
     assert same_arrays(resumed.arrays, full.arrays)

@@ -11,7 +11,7 @@ from nestfed.federation.run_dir import RunDir
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fednl import FedNL, FedNLOptions
 from nestfed.nn.memory import memory_rules
-from tiny_federation import lines, tiny_config, tiny_prepared, tiny_run
+from tiny_federation import Interrupt, crash_at, lines, tiny_config, tiny_prepared, tiny_run
 
 RULE = "base_model.model.model.layers.1.self_attn.memory."
 
@@ -76,21 +76,8 @@ def test_aggregation_is_fedavg_of_theta_by_examples():
 def test_kept_lora_makes_a_resumed_run_exact(tmp_path):
     full, t_full, _ = run(tmp_path / "full", rounds=3, travel="rules")
 
-    class Crash(Exception):
-        pass
-
-    def crash(trainer):
-        real = trainer.fit
-
-        def fit(cid, ins):
-            if ins.config["round"] == 3 and cid == 2:
-                raise Crash()
-            return real(cid, ins)
-        trainer.fit = fit
-        return trainer
-
-    with pytest.raises(Crash):
-        run(tmp_path / "part", rounds=3, travel="rules", wrap=crash)
+    with pytest.raises(Interrupt):
+        run(tmp_path / "part", rounds=3, travel="rules", wrap=crash_at(3, 2))
     kept = RunDir(tmp_path / "part").load_checkpoint(tmp_path / "part" / "checkpoints" / "round_002.safetensors")
     assert sorted(kept.client_state) == [0, 1, 2] and all("kept" in kept.client_state[c] for c in range(3))
     resumed, t_res, _ = run(tmp_path / "part", rounds=3, travel="rules", resume=True)

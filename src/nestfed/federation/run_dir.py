@@ -322,10 +322,6 @@ class RunDir:
         """``<name>`` as indented JSON, atomically."""
         return atomic.write_json(self.path / name, obj)
 
-    def write_text(self, name: str, text: str) -> Path:
-        """``<name>`` as UTF-8 text, atomically."""
-        return atomic.write_text(self.path / name, text)
-
     def write_plots(self, lines: list[dict[str, Any]]) -> list[Path]:
         """plots/eval_ppl.png and plots/bytes.png (nestfed.federation.plots), atomically."""
         return [atomic.write_bytes(self.path / "plots" / name, data)

@@ -46,6 +46,19 @@ def rank_dim(key: str) -> int | None:
     return None
 
 
+def layer_indices(indices: tuple[int, ...] | list[int], num_layers: int, field: str) -> list[int]:
+    """Decoder-layer indices made absolute (negative counts from the top: -1 is layer
+    num_layers - 1), deduplicated and sorted. Raises ValueError("<field>: index i out of range for
+    n layers") for an index outside [-num_layers, num_layers)."""
+    out = set()
+    for i in indices:
+        j = i + num_layers if i < 0 else i
+        if not 0 <= j < num_layers:
+            raise ValueError(f"{field}: index {i} out of range for {num_layers} layers")
+        out.add(j)
+    return sorted(out)
+
+
 def layer_of(name: str) -> int | None:
     """The decoder-layer index in a module path or payload key (``...layers.3.self_attn...`` -> 3),
     None when it names no layer."""

@@ -24,7 +24,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
-from nestfed.nn.keys import LAYER_INDEX, PEFT_PREFIX, module_of, peft_key
+from nestfed.nn.keys import LAYER_INDEX, PEFT_PREFIX, layer_indices, module_of, peft_key
 from nestfed.seeds import stream_seed
 
 __all__ = ["PEFT_PREFIX", "LoraLinear", "active_rank", "get_adapter_state", "init_adapter_state", "inject_lora",
@@ -122,12 +122,7 @@ def target_module_names(model: nn.Module, target_modules: tuple[str, ...] | list
     if layers:
         if num_layers is None:
             raise ValueError("lora.layers needs a model with config.num_hidden_layers")
-        wanted_layers = set()
-        for i in layers:
-            j = i + num_layers if i < 0 else i
-            if not 0 <= j < num_layers:
-                raise ValueError(f"lora.layers: index {i} out of range for {num_layers} layers")
-            wanted_layers.add(j)
+        wanted_layers = set(layer_indices(layers, num_layers, "lora.layers"))
     names = []
     for name, module in model.named_modules():
         if not isinstance(module, nn.Linear) or isinstance(module, LoraLinear):

@@ -59,7 +59,7 @@ from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from nestfed.nn.keys import PEFT_PREFIX, layer_of
+from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
 from nestfed.ops.delta_rule import delta_rule, delta_rule_recurrent
 
 GATES = ("constant", "learned", "dynamic")
@@ -385,15 +385,7 @@ def resolve_layers(model: nn.Module, layers: tuple[int, ...] | list[int] = ()) -
     Raises ValueError for an index out of range.
     """
     n = len(attention_modules(model))
-    if not layers:
-        return list(range(n))
-    out = set()
-    for i in layers:
-        j = i + n if i < 0 else i
-        if not 0 <= j < n:
-            raise ValueError(f"memory.layers: index {i} out of range for {n} layers")
-        out.add(j)
-    return sorted(out)
+    return layer_indices(layers, n, "memory.layers") if layers else list(range(n))
 
 
 def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int, ...] | list[int] = ()) -> list[int]:

@@ -36,7 +36,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from nestfed.io import atomic
-from nestfed.nn.keys import PEFT_PREFIX, layer_of
+from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
 from nestfed.nn.targets import DEFAULT_TARGET, base_linear, target_linear_names
 from nestfed.nn.whitening import DAMPING, whitened_svd
 
@@ -215,12 +215,7 @@ def select_layers(names: list[str], layers: tuple[int, ...] | list[int], num_lay
     empty = all). Raises ValueError for an index out of range."""
     if not layers:
         return list(names)
-    wanted = set()
-    for i in layers:
-        j = i + num_layers if i < 0 else i
-        if not 0 <= j < num_layers:
-            raise ValueError(f"layer index {i} out of range for {num_layers} layers")
-        wanted.add(j)
+    wanted = set(layer_indices(layers, num_layers, "compression.train_layers"))
     return [n for n in names if layer_of(n) in wanted]
 
 

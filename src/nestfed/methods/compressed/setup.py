@@ -202,7 +202,7 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
     try:
         trained = select_layers(sorted(bases), cfg.section('compression').train_layers, num_layers)
     except ValueError as exc:
-        raise ConfigError(f"compression.train_layers: {exc}") from None
+        raise ConfigError(str(exc)) from None  # names compression.train_layers
     if not trained:
         raise ConfigError(f"compression.train_layers {list(cfg.section('compression').train_layers)}: no compressed layer "
                           "lies there (check compression.target)")

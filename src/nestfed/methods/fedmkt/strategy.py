@@ -57,7 +57,6 @@ class FedMKT:
         self.client_group = client_group
         self.ratios = ratios
         self.seed = seed
-        self.last_metrics: dict[str, float] = {}
 
     def initialize(self, shapes: Any, clients: list[ClientInfo]) -> GlobalState:
         """The initial server adapter and its knowledge. Raises ValueError for a client without a group."""
@@ -91,7 +90,6 @@ class FedMKT:
         arrays.update(self.server.knowledge(adapter))
         meta = dict(state.meta)
         meta["server"] = metrics
-        self.last_metrics = metrics
         return GlobalState(arrays, meta)
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
