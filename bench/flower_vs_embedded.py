@@ -55,6 +55,11 @@ def no_eval_transport(trainer):
     return NoEval(trainer)
 
 
+def flat(client: dict) -> dict:
+    """A client's entry of a metrics line with its own metrics (train_time_s) beside the server's fields."""
+    return {**client.get("metrics", {}), **client}
+
+
 def lines(run_dir: Path) -> list[dict]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -84,7 +89,7 @@ def embedded(out: Path) -> dict:
     rounds = [ln for ln in lines(out) if ln["round"] > 0]
     return {"prepare_s": round(prep_s, 3), "rounds_s": [round(ln["time_s"], 3) for ln in rounds],
             "mean_round_s": mean(ln["time_s"] for ln in rounds),
-            "fit_s_per_client": mean(c["train_time_s"] for ln in rounds for c in ln["clients"].values()),
+            "fit_s_per_client": mean(c["metrics"]["train_time_s"] for ln in rounds for c in ln["clients"].values()),
             "run_s": round(total, 3)}
 
 
@@ -134,7 +139,7 @@ def deployment(work: Path) -> tuple[dict, Path]:
         d.stop()
     ls = lines(run_dir)
     rounds = [ln for ln in ls if ln["round"] > 0]
-    fits = [c for ln in rounds for c in ln["clients"].values()]
+    fits = [flat(c) for ln in rounds for c in ln["clients"].values()]
 
     def per_client(key):
         return mean(c[key] for c in fits)
@@ -144,7 +149,7 @@ def deployment(work: Path) -> tuple[dict, Path]:
                           + ln["timing"]["validate_s"] + ln["timing"]["aggregate_s"] for ln in rounds)
     slowest = []
     for ln in rounds:  # the critical path: the client whose reply came last
-        c = max(ln["clients"].values(), key=lambda c: c["delivery_s"] + c.get("prepare_s", 0) + c["train_time_s"]
+        c = max(map(flat, ln["clients"].values()), key=lambda c: c["delivery_s"] + c.get("prepare_s", 0) + c["train_time_s"]
                 + c["reply_latency_s"])
         slowest.append({"to_node_s": c["delivery_s"] - c["process_age_s"], "process_start_s": c["process_age_s"],
                         "rebuild_s": c["prepare_s"], "fit_s": c["train_time_s"], "to_server_s": c["reply_latency_s"]})

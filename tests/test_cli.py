@@ -59,6 +59,11 @@ def cli(monkeypatch, capsys, keep_threads):
     (["--set", "train.nonsense=1"], "unknown key 'train.nonsense'"),
     (["--set", "data.source=mmlu", "--set", "data.path=/does/not/exist"], "data.path: /does/not/exist does not exist"),
     (["--methods", "prelort,magic"], "--methods: unknown method 'magic'"),
+    (["--set", "robust.rule=trimmed_mean", "--set", "robust.trim_fraction=0.6"], "robust.trim_fraction must be in [0, 0.5)"),
+    (["--set", "robust.rule=krum", "--set", "robust.byzantine=2"], "robust.byzantine: Krum tolerates f byzantine"),
+    (["--set", "privacy.mode=central"], "privacy.clip_norm: differential privacy needs a clip norm"),
+    (["--set", "attack.kind=scale", "--set", "attack.clients=[9]"], "attack.clients: client 9 does not exist"),
+    (["--set", "strategy.name=flora", "--set", "robust.rule=median"], "robust.rule: flora cannot aggregate robustly"),
 ])
 def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, cli, args, needle):
     r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)

@@ -19,6 +19,7 @@ from nestfed.federation.loop import RoundLoop
 from nestfed.federation.messages import ClientInfo
 from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import RunDir
+from nestfed.federation.safeguards import Safeguards
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.frozen_prefix import first_adapted_layer
 from nestfed.nn.lora import inject_lora, module_shapes
@@ -62,7 +63,8 @@ def tiny_run(run_dir: Path, cfg: ExperimentConfig, prep: Prepared | None = None,
     rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, dumps_toml(cfg))
     fed = cfg.federation
     loop = RoundLoop(mr.strategy, InProcessTransport(trainer), mr.clients, fed.rounds, rd, fed.fraction,
-                     fed.min_clients, fed.seed, mr.keeps_client_state)
+                     fed.min_clients, fed.seed, mr.keeps_client_state, safeguards=Safeguards.from_config(cfg),
+                     sampling=fed.sampling)
     return loop.run(mr.shapes, resume=resume), loop, mr
 
 
@@ -116,3 +118,19 @@ def state_digest(run_dir: Path) -> str:
         c = json.loads(config.read_text())
         h.update(f"r={c['r']} alpha={c['lora_alpha']!r}".encode())
     return h.hexdigest()
+
+
+def crash_and_resume(tmp_path: Path, cfg: ExperimentConfig, rnd: int = 2, cid: int = 1):
+    """Run ``cfg`` uninterrupted into tmp_path/full; run it again into tmp_path/part with client
+    ``cid`` crashing in round ``rnd``, then resume it. Checks that the crash left checkpoints
+    0..rnd-1; returns (full final state, resumed final state)."""
+    full, _, _ = tiny_run(tmp_path / "full", cfg)
+    try:
+        tiny_run(tmp_path / "part", cfg, wrap=crash_at(rnd, cid))
+    except Interrupt:
+        pass
+    else:
+        raise AssertionError("the injected crash did not happen")
+    assert [r for r, _ in RunDir(tmp_path / "part").checkpoints()] == list(range(rnd))
+    resumed, _, _ = tiny_run(tmp_path / "part", cfg, resume=True)
+    return full, resumed

@@ -77,7 +77,7 @@ def test_baselines_run_through_the_recipe(tmp_path, name):
     summary = run_method(prepare(cfg), cfg, tmp_path / name)
     rd = RunDir(tmp_path / name)
     last = rd.read_metrics()[-1]
-    drops = [last["clients"][c]["local_accuracy"] - last["eval"][c]["accuracy"] for c in "01234"]
+    drops = [last["clients"][c]["metrics"]["local_accuracy"] - last["eval"][c]["accuracy"] for c in "01234"]
     assert summary["mean_aggregation_drop"] == pytest.approx(sum(drops) / 5)
     assert summary["mean_accuracy"] == pytest.approx(sum(last["eval"][c]["accuracy"] for c in "01234") / 5)
     kept = rd.load_checkpoint(rd.checkpoints()[-1][1]).client_state

@@ -79,7 +79,7 @@ def test_fedmkt_exchanges_topk_knowledge_on_the_server_text(run):
     line = [json.loads(x) for x in (parent / "fedmkt" / "metrics.jsonl").read_text().splitlines()][1]
     n, T, k = s["public_blocks"], 32, 10
     assert line["clients"]["0"]["params_down"] == n * T * k * 2 + n == line["clients"]["0"]["params_up"]
-    assert 0.0 <= line["clients"]["0"]["server_share"] <= 1.0
+    assert 0.0 <= line["clients"]["0"]["metrics"]["server_share"] <= 1.0
 
 
 def _prepared(overrides):

@@ -4,6 +4,8 @@ import pytest
 import torch
 from flower_helpers import embedded_run
 
+from nestfed.flower.deploy import LocalDeployment
+
 
 @pytest.fixture
 def keep_threads():
@@ -17,3 +19,13 @@ def keep_threads():
 def embedded_reference(tmp_path_factory):
     """The embedded run of the Flower tests' experiment (a run directory), computed once per session."""
     return embedded_run(tmp_path_factory.mktemp("embedded") / "run")
+
+
+@pytest.fixture
+def deployment(tmp_path):
+    """A LocalDeployment (SuperLink and SuperNodes on 127.0.0.1) under tmp_path, stopped after the test."""
+    d = LocalDeployment(tmp_path / "flower")
+    try:
+        yield d
+    finally:
+        d.stop()

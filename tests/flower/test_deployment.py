@@ -27,15 +27,6 @@ pytestmark = pytest.mark.flower
 RUN_TIMEOUT_S = 420
 
 
-@pytest.fixture
-def deployment(tmp_path):
-    d = LocalDeployment(tmp_path / "flower")
-    try:
-        yield d
-    finally:
-        d.stop()
-
-
 def run_config(run_dir, **kw):
     rc = {"experiment": str(TINY), "overrides": ";".join(OVERRIDES), "run-dir": str(run_dir),
           "connect-timeout-s": 240.0, "round-timeout-s": 300.0}

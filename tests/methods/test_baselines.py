@@ -40,7 +40,7 @@ def test_off_switches_reduce_to_fedavg_exactly(tmp_path):
     assert same_arrays(prox_state.arrays, ref.arrays)
     assert same_arrays(ssi_state.arrays, ref.arrays)
     assert same_arrays(ala_state.arrays, ref.arrays)
-    assert lines(tmp_path / "ssi")[-1]["clients"]["0"]["psm_loss"] > 0
+    assert lines(tmp_path / "ssi")[-1]["clients"]["0"]["metrics"]["psm_loss"] > 0
 
 
 def update_norm(name, *options):

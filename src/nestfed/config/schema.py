@@ -2,7 +2,8 @@
 
 ``[model]`` -> :class:`ModelConfig`, ``[lora]``, ``[data]``, ``[train]``, ``[strategy]`` (only the
 method's name), ``[federation]``, ``[output]`` and ``[memory]`` (the delta-rule memory layer of
-nestfed.nn.memory). A method's own options live in sections its home declares (``[hetlora]``,
+nestfed.nn.memory), and the trust sections ``[validation]``, ``[robust]``, ``[privacy]``,
+``[attack]`` (nestfed.config.trust). A method's own options live in sections its home declares (``[hetlora]``,
 ``[compression]``, ...; nestfed.methods), held in :attr:`ExperimentConfig.sections`. Values that
 types cannot check are checked by :func:`check_core`, which raises ValueError("<section.key>:
 <reason>"); the loader (nestfed.config.loader) prefixes the file.
@@ -14,6 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
+
+from nestfed.config.trust import (AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig, check_trust)
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -142,12 +145,15 @@ class MemoryConfig:
 
 @dataclass(frozen=True)
 class FederationConfig:
-    """The round loop of the embedded runner."""
+    """The round loop. sampling: ``fixed`` (max(1, round(fraction * K)) clients without
+    replacement) or ``poisson`` (each client independently with probability ``fraction``, what
+    differential privacy's accountant assumes)."""
 
     rounds: int = 3
     fraction: float = 1.0
     min_clients: int = 1
     seed: int = 0
+    sampling: str = "fixed"
 
 
 @dataclass(frozen=True)
@@ -173,6 +179,10 @@ class ExperimentConfig:
     federation: FederationConfig = field(default_factory=FederationConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
     memory: MemoryConfig = field(default_factory=MemoryConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
     sections: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def section(self, name: str) -> Any:
@@ -185,7 +195,8 @@ class ExperimentConfig:
 
 
 #: The core sections, in the order a resolved config is written.
-CORE_SECTIONS = ("model", "lora", "data", "train", "strategy", "federation", "output", "memory")
+CORE_SECTIONS = ("model", "lora", "data", "train", "strategy", "federation", "output", "memory", "validation",
+                 "robust", "privacy", "attack")
 SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts")
 TASKS = ("causal_lm", "instruction", "multiple_choice")
 PARTITIONS = ("label", "dirichlet", "iid")
@@ -270,6 +281,8 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("federation.fraction must be in (0, 1]")
     if f.min_clients < 1:
         raise ValueError("federation.min_clients must be >= 1")
+    if f.sampling not in ("fixed", "poisson"):
+        raise ValueError(f"federation.sampling must be 'fixed' or 'poisson', got '{f.sampling}'")
     if f.min_clients > sampled_per_round(cfg):
         raise ValueError(f"federation.min_clients = {f.min_clients} is above the {sampled_per_round(cfg)} clients "
                          f"sampled per round (federation.fraction = {f.fraction:g} of data.num_clients = "
@@ -281,6 +294,8 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("train.weight_decay and train.max_grad_norm must be >= 0")
     if t.threads < 0 or t.eval_stream_chunk < 0 or t.eval_batch_size < 1:
         raise ValueError("train.threads and train.eval_stream_chunk must be >= 0, train.eval_batch_size >= 1")
+    check_trust(cfg.validation, cfg.robust, cfg.privacy, cfg.attack, d.num_clients, sampled_per_round(cfg),
+                f.fraction, f.sampling)
     m = cfg.memory
     if m.gate not in GATES:
         raise ValueError(f"memory.gate: unknown gate '{m.gate}' (known: {', '.join(GATES)})")

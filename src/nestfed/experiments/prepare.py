@@ -10,13 +10,16 @@ from collections.abc import Callable
 import torch
 
 from nestfed.config import ConfigError, ExperimentConfig, client_ranks, r_max
+from nestfed.config.trust import DATA_ATTACKS
 from nestfed.data.clients import build_client_data, load_partitions
+from nestfed.data.poisoning import poison_client
 from nestfed.federation.messages import ClientInfo
 from nestfed.federation.prepared import Prepared
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.frozen_prefix import first_adapted_layer
 from nestfed.nn.lora import inject_lora, module_shapes, target_module_names
 from nestfed.nn.memory import MemorySettings, install_memory
+from nestfed.seeds import stream_seed
 
 
 def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = None,
@@ -42,6 +45,11 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
     data, _ = build_client_data(cfg, backbone.tokenizer, loaded)
     if only_clients is not None:
         data = {cid: data[cid] for cid in only_clients}
+    if cfg.attack.kind in DATA_ATTACKS:  # an attacking client trains on its poisoned text (docs/trust.md)
+        for cid in cfg.attack.clients:
+            if cid in data:
+                poison_client(data[cid], cfg.attack.kind, backbone.model.config.vocab_size,
+                              stream_seed(cfg.federation.seed, 0, cid, "poison"))
     try:
         names = target_module_names(backbone.model, cfg.lora.target_modules, cfg.lora.layers)
     except ValueError as exc:

@@ -17,6 +17,7 @@ from nestfed import methods
 from nestfed.config import ExperimentConfig
 from nestfed.experiments.prepare import install_stream_modules
 from nestfed.federation.in_process import InProcessTransport
+from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import OnEvent, RoundLoop
 from nestfed.federation.messages import GlobalState
 from nestfed.federation.prepared import Prepared
@@ -65,7 +66,8 @@ def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: boo
     rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, C.dumps_toml(cfg))
     fed = cfg.federation
     loop = RoundLoop(mr.strategy, InProcessTransport(mr.trainer), mr.clients, fed.rounds, rd, fed.fraction,
-                     fed.min_clients, fed.seed, mr.keeps_client_state, on_event=on_event)
+                     fed.min_clients, fed.seed, mr.keeps_client_state, safeguards=Safeguards.from_config(cfg),
+                     sampling=fed.sampling, on_event=on_event)
     state = loop.run(mr.shapes, resume=resume)
     exports = mr.finish(state)
     extra = {"engine": "embedded", "wall_time_s": time.perf_counter() - t0, "prepare_time_s": prep.prepare_time_s,

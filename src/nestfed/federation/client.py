@@ -16,13 +16,16 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from nestfed.config import TrainConfig
+from nestfed.config import AttackConfig, PrivacyConfig, TrainConfig
 from nestfed.data.clients import ClientData
 from nestfed.evaluation.client import evaluate_client
+from nestfed.federation.attacks import attacked_reply, attacks
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays, Instruction, Reply
+from nestfed.federation.privacy import local_dp
 from nestfed.nn.arrays import apply_arrays, extra_parameters, lora_arrays, lora_parameters
 from nestfed.nn.lora import lora_modules
+from nestfed.seeds import stream_seed
 
 
 @dataclass
@@ -39,6 +42,8 @@ class ClientTrainer:
     train: TrainConfig
     hooks: ClientHooks = field(default_factory=ClientHooks)
     client_state: dict[int, dict[str, Arrays]] = field(default_factory=dict)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    attack: AttackConfig = field(default_factory=AttackConfig)
 
     def fit(self, cid: int, instruction: Instruction) -> Reply:
         """Train client ``cid`` from the instruction's arrays; return trained arrays, n_k, metrics.
@@ -64,7 +69,9 @@ class ClientTrainer:
         local_metrics.update(hooks.before_steps(ctx, params))
         opt = torch.optim.AdamW(params, lr=self.train.lr, weight_decay=self.train.weight_decay)
         losses, tokens = [], 0
-        for step, batch in enumerate(ctx.batches(self.train.local_steps, "batches")):
+        attack = attacks(self.attack, cid)
+        steps = 0 if attack == "free_rider" else self.train.local_steps  # a free rider trains nothing
+        for step, batch in enumerate(ctx.batches(steps, "batches")):
             hooks.before_step(ctx, step)
             opt.zero_grad(set_to_none=True)
             losses.append(hooks.step_loss(ctx, batch))
@@ -75,7 +82,7 @@ class ClientTrainer:
         self.model.eval()
         for p in params:
             p.requires_grad_(False)
-        metrics: dict[str, float] = {"train_loss": sum(losses) / len(losses), "train_tokens": float(tokens)}
+        metrics: dict[str, float] = {"train_loss": sum(losses) / max(len(losses), 1), "train_tokens": float(tokens)}
         metrics.update(local_metrics)
         metrics.update(hooks.after_steps(ctx))
         if self.train.eval_local:  # the client's own model before aggregation (the aggregation drop)
@@ -84,6 +91,12 @@ class ClientTrainer:
         out = lora_arrays(self.model, hooks.train_a)
         out.update({k: p.detach().clone() for k, p in extras.items()})
         out = hooks.reply_arrays(ctx, out)
+        if self.privacy.mode == "local":
+            g = torch.Generator().manual_seed(stream_seed(ctx.seed, ctx.round, cid, "dp_local"))
+            out, metrics["update_norm_before_dp"] = local_dp(instruction.arrays, out, self.privacy, g)
+        if attack is not None:
+            g = torch.Generator().manual_seed(stream_seed(ctx.seed, ctx.round, cid, "attack"))
+            out = attacked_reply(attack, instruction.arrays, out, self.attack, g)
         ranks = [m.rank for m in lora_modules(self.model).values()]
         metrics["rank"] = float(max(ranks)) if ranks else 0.0
         metrics["train_time_s"] = time.perf_counter() - t0

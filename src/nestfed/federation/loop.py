@@ -2,11 +2,15 @@
 
 Per round: sample clients (fraction; seeded by round) -> ``strategy.configure`` -> the transport
 delivers each instruction and brings the replies back -> every reply is validated (keys, shapes,
-rank, NaN/Inf, n_k; a bad update is rejected with its reason and never reaches the global model)
--> ``strategy.aggregate`` when at least ``min_clients`` updates were accepted -> held-out
+rank, dtype, NaN/Inf, n_k against the declared, the update's norm; a bad update is rejected with
+its reason and never reaches the global model) -> ``strategy.aggregate`` (or its robust / DP form)
+when at least ``min_clients`` updates were accepted; a non-finite aggregate is refused -> held-out
 evaluation of what each client now runs -> commit: the metrics line, then the checkpoint with the
 clients' kept state (nestfed.federation.run_dir). Like Flower's ``Strategy.start(grid)``, the loop
-talks to a :class:`Transport` and never to a client directly.
+talks to a :class:`Transport` and never to a client directly. Under secure aggregation (Flower's
+SecAgg+, nestfed.flower.secure) the transport brings back only sums (``FitResults.secure``): no
+reply can be validated (each client validates and clips its own), and the strategy's
+``aggregate_secure`` rebuilds its rule from the sums (nestfed.federation.secure_sum).
 
 Every random choice derives from (seed, round, client, stream) (nestfed.seeds), so a run resumed
 from the checkpoint of round t reaches the same final state as an uninterrupted run (exactly, on
@@ -23,9 +27,10 @@ from typing import Any, Protocol
 import numpy as np
 
 from nestfed.errors import UpdateRejected
-from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.payload import payload_stats, validate_reply
 from nestfed.federation.run_dir import ClientState, RunDir
+from nestfed.federation.safeguards import Safeguards, non_finite_keys
 from nestfed.federation.strategy import Strategy
 from nestfed.seeds import stream_seed
 
@@ -45,6 +50,7 @@ class FitResults:
     dropped: dict[int, str] = field(default_factory=dict)
     info: dict[int, dict[str, Any]] = field(default_factory=dict)
     round_info: dict[str, Any] = field(default_factory=dict)
+    secure: SecureSum | None = None  # secure aggregation: only the sums came back, no reply
 
 
 class Transport(Protocol):
@@ -68,13 +74,19 @@ class Transport(Protocol):
         """Give the clients the kept state of a resumed checkpoint."""
 
 
-def sample_clients(clients: list[ClientInfo], fraction: float, seed: int, rnd: int) -> list[ClientInfo]:
-    """Seeded client sampling: max(1, round(fraction * K)) clients without replacement, sorted by id
-    (the seed rule's stream ``sampling`` of round ``rnd``)."""
+def sample_clients(clients: list[ClientInfo], fraction: float, seed: int, rnd: int,
+                   sampling: str = "fixed") -> list[ClientInfo]:
+    """Seeded client sampling (the seed rule's stream ``sampling`` of round ``rnd``), sorted by id.
+
+    ``fixed``: max(1, round(fraction * K)) clients without replacement; ``poisson``: each client
+    independently with probability ``fraction`` (possibly none).
+    """
+    rng = np.random.default_rng(stream_seed(seed, rnd, 0, "sampling"))
+    if sampling == "poisson":
+        return list(clients) if fraction >= 1 else [c for c in clients if rng.random() < fraction]
     k = max(1, round(fraction * len(clients)))
     if k >= len(clients):
         return list(clients)
-    rng = np.random.default_rng(stream_seed(seed, rnd, 0, "sampling"))
     chosen = sorted(rng.choice(len(clients), size=k, replace=False).tolist())
     return [clients[i] for i in chosen]
 
@@ -85,8 +97,10 @@ class RoundLoop:
 
     min_clients: the fewest accepted updates a round needs to aggregate (else the global state is
     kept). keeps_client_state: the method's clients keep state between rounds (a resume then needs
-    it in the checkpoint). on_event(kind, info): progress (``client_done``, ``round_done``).
-    log: what happened that a user should read (rejections, drops, repairs on resume).
+    it in the checkpoint). safeguards: what an update must satisfy beyond its shapes (n_k, norm
+    bound, DP clipping), the aggregation rule (robust or DP) and the privacy accountant
+    (nestfed.federation.safeguards). on_event(kind, info): progress (``client_done``,
+    ``round_done``). log: what happened that a user should read (rejections, drops, repairs).
     """
 
     strategy: Strategy
@@ -99,6 +113,8 @@ class RoundLoop:
     seed: int = 0
     keeps_client_state: bool = False
     keep_checkpoints: bool = True
+    safeguards: Safeguards = field(default_factory=Safeguards)
+    sampling: str = "fixed"
     on_event: OnEvent | None = None
     log: list[str] = field(default_factory=list)
 
@@ -140,7 +156,8 @@ class RoundLoop:
     def run_round(self, rnd: int, state: GlobalState) -> GlobalState:
         """One round: configure, exchange, validate, aggregate, evaluate, commit."""
         t0 = time.perf_counter()
-        sampled = sample_clients(self.clients, self.fraction, self.seed, rnd)
+        sampled = sample_clients(self.clients, self.fraction, self.seed, rnd, self.sampling)
+        declared = {c.cid: c.num_examples for c in self.clients}
         instructions = self.strategy.configure(rnd, state, sampled)
         t_conf = time.perf_counter()
         res = self.transport.fit(rnd, instructions, lambda cid: self._emit("client_done", round=rnd, cid=cid))
@@ -154,7 +171,10 @@ class RoundLoop:
             info: dict[str, Any] = {"bytes_down": down["bytes"], "params_down": down["params"],
                                     "dtypes_down": down["dtypes"], "rank_sent": ins.config.get("rank")}
             info.update(res.info.get(cid, {}))
-            if cid not in res.replies:
+            if res.secure is not None and cid in res.secure.clients:  # in the secure sum: nothing to validate
+                info.setdefault("bytes_up", 0)
+                info["status"] = "secure"
+            elif cid not in res.replies:
                 reason = res.dropped.get(cid, "no reply")
                 dropped[str(cid)] = reason
                 info.update({"status": "dropped", "bytes_up": 0})
@@ -166,22 +186,38 @@ class RoundLoop:
                              "num_examples": reply.num_examples})
                 try:
                     validate_reply(ins, reply)
+                    reply, checks = self.safeguards.screen(ins, reply, declared[cid])
+                    info.update(checks)
                     accepted[cid] = reply
                     info["status"] = "accepted"
                 except UpdateRejected as exc:
                     rejected[str(cid)] = str(exc)
                     info["status"] = "rejected"
                     self._say(f"round {rnd}: client {cid} update rejected: {exc}")
-                # a client's metrics never overwrite the server's fields of its line
-                info.update({k: v for k, v in reply.metrics.items() if isinstance(v, (int, float)) and k not in info})
+                # the client's own metrics, in their own namespace: they never touch the server's fields
+                info["metrics"] = {k: v for k, v in reply.metrics.items() if isinstance(v, (int, float))}
             per_client[str(cid)] = info
         t_val = time.perf_counter()
-        aggregated = len(accepted) >= self.min_clients
+        aggregated = len(res.secure.clients if res.secure is not None else accepted) >= self.min_clients
+        trust: dict[str, Any] = {}
+        if aggregated and res.secure is not None:  # the strategy rebuilds its rule from the sums alone
+            new_state = self.strategy.aggregate_secure(rnd, state, res.secure)  # type: ignore[attr-defined]
+        elif aggregated:
+            new_state, trust = self.safeguards.aggregate(self.strategy, rnd, state, accepted)
         if aggregated:
-            state = self.strategy.aggregate(rnd, state, accepted)
+            bad = non_finite_keys(new_state.arrays)
+            if bad:  # never accepted as the global state: the round keeps the old one
+                aggregated = False
+                trust["aggregate_rejected"] = f"non-finite values in {bad[:3]}{' ...' if len(bad) > 3 else ''}"
+                self._say(f"round {rnd}: the aggregate has non-finite values in {len(bad)} arrays "
+                          f"({bad[0]}, ...); global state kept")
+            else:
+                state = new_state
         else:
-            self._say(f"round {rnd}: {len(accepted)} accepted updates < min_clients {self.min_clients}; "
+            self._say(f"round {rnd}: {len(res.secure.clients if res.secure is not None else accepted)} accepted "
+                      f"updates < min_clients {self.min_clients}; "
                       "global state kept")
+        trust.update(self.safeguards.privacy_spent(rnd, self.fraction))
         t_agg = time.perf_counter()
         evaluation = self.transport.evaluate(rnd, {c.cid: self.strategy.deploy(state, c.cid) for c in self.clients})
         t_eval = time.perf_counter()
@@ -189,6 +225,7 @@ class RoundLoop:
                                 "clients": per_client, "rejected": rejected, "dropped": dropped}
         if evaluation is not None:
             line["eval"] = evaluation
+        line.update(trust)
         line.update({"bytes_down": sum(c["bytes_down"] for c in per_client.values()),
                      "bytes_up": sum(c["bytes_up"] for c in per_client.values())})
         line.update(res.round_info)

@@ -54,3 +54,18 @@ class GlobalState:
 
     arrays: Arrays
     meta: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class SecureSum:
+    """What secure aggregation reveals of one round: sums over the contributing clients, never a
+    single client's vector (nestfed.federation.secure_sum; docs/secure_aggregation.md).
+
+    sums: {LoRA key: sum_k n_k pad(reply_k - sent_k)}, zero-padded along the rank dimension to the
+    round's common rank r, float64; counts: [r] float64, sum_k n_k [j < r_k] (counts[0] = N, the
+    total n_k); clients: the ids whose vectors are in the sums (the server learns who took part).
+    """
+
+    sums: Arrays
+    counts: torch.Tensor
+    clients: list[int]

@@ -39,7 +39,7 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
 
     Rejected: missing or extra keys, a wrong shape, a rank above the instructed one (or any other
     rank unless ``may_shrink_rank``), A and B of one layer with different ranks, NaN or Inf,
-    a non-positive number of examples.
+    a dtype other than the sent array's, a non-positive number of examples.
     """
     expect = instruction.expect
     got = set(reply.arrays)
@@ -64,6 +64,10 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
                 if dim is not None and t.dim() == len(shape) and t.shape[dim] != shape[dim]:
                     raise UpdateRejected(f"{key}: rank {t.shape[dim]} but the instructed rank is {shape[dim]}")
                 raise UpdateRejected(f"{key}: shape {tuple(t.shape)}, expected {tuple(shape)}")
+        sent = instruction.arrays.get(key)
+        if sent is not None and t.dtype != sent.dtype:
+            raise UpdateRejected(f"{key}: dtype {str(t.dtype).replace('torch.', '')}, but "
+                                 f"{str(sent.dtype).replace('torch.', '')} was sent")
         if not torch.isfinite(t).all():
             raise UpdateRejected(f"{key}: contains NaN or Inf")
         if dim is not None:

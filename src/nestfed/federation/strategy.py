@@ -16,8 +16,9 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nestfed.federation.aggregation import truncate_rank
+from nestfed.federation.aggregation import pad_rank, truncate_rank, weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
+from nestfed.federation.robust import Block, BlockRule
 from nestfed.nn.keys import rank_dim
 from nestfed.nn.lora import init_adapter_state
 
@@ -35,6 +36,10 @@ class Strategy(Protocol):
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
         """The new global state from the validated replies of round ``rnd``."""
+
+    def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
+        """Optional (strategies that can cut their replies into rank blocks, nestfed.federation.robust):
+        the new global state with each block combined by ``rule`` (a robust rule or central DP)."""
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
         """The adapter client ``cid`` would run (its rank prefix; None = the full global), and its scale s."""
@@ -124,6 +129,35 @@ class LoraStrategy:
     # -- aggregate -----------------------------------------------------------------------------
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
         raise NotImplementedError
+
+    def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
+        """One block of zero-padded updates, every replying client a member (ZeroPad's and HetLoRA's
+        padding; at equal ranks plain FedAvg's update space).
+
+        A reply's update is its array minus the global array's prefix of the same rank, padded with
+        zeros to r_max; ``base`` is the n_k-weighted mean of the padded prefixes the clients started
+        from (what ZeroPad averages besides the updates: with the ``mean`` rule this is exactly the
+        padded parameter mean), the global values for arrays without a rank dimension.
+        """
+        new = copy_state(state)
+        n = examples(replies)
+        cids = sorted(replies)
+        deltas: dict[int, Arrays] = {c: {} for c in cids}
+        base: Arrays = {}
+        for key in sorted(replies[cids[0]].arrays):
+            g = state.arrays[key]
+            d = rank_dim(key)
+            starts = []
+            for c in cids:
+                v = replies[c].arrays[key]
+                o = g if d is None else g.narrow(d, 0, v.shape[d])
+                deltas[c][key] = (v - o) if d is None else pad_rank(v - o, d, g.shape[d])
+                starts.append(o if d is None else pad_rank(o, d, g.shape[d]))
+            base[key] = weighted_mean(starts, [n[c] for c in cids])
+        block = Block("all", deltas, n, len(state.meta.get("ranks", {})) or len(cids), base,
+                      {k: state.arrays[k] for k in base})
+        new.arrays.update(rule(block))
+        return new
 
     # -- deploy / export -----------------------------------------------------------------------
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:

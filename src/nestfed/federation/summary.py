@@ -28,8 +28,11 @@ def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, A
         "bytes_up_per_client_round": sum(c.get("bytes_up", 0) for c in fits) / max(len(fits), 1),
         "rejected_updates": sum(len(ln["rejected"]) for ln in rounds),
         "dropped_updates": sum(len(ln.get("dropped", {})) for ln in rounds),
-        "train_time_s": sum(c.get("train_time_s", 0.0) for c in fits),
+        "train_time_s": sum(c.get("metrics", {}).get("train_time_s", 0.0) for c in fits),
     }
+    out["aggregates_refused"] = sum(1 for ln in rounds if "aggregate_rejected" in ln)
+    if rounds and "privacy" in rounds[-1]:  # the privacy spent by the whole run
+        out["privacy"] = rounds[-1]["privacy"]
     if not lines or not all(ln.get("eval") for ln in lines):
         return out
     first, last = lines[0]["eval"], lines[-1]["eval"]
@@ -56,7 +59,8 @@ def aggregation_drop(lines: list[dict[str, Any]]) -> dict[str, Any]:
     if not rounds:
         return {}
     last = rounds[-1]
-    local = {c: v["local_accuracy"] for c, v in last["clients"].items() if "local_accuracy" in v}
+    local = {c: v["metrics"]["local_accuracy"] for c, v in last["clients"].items()
+             if "local_accuracy" in v.get("metrics", {})}
     fed = {c: last["eval"][c]["accuracy"] for c in local if "accuracy" in last["eval"].get(c, {})}
     if not fed:
         return {}

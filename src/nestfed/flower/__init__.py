@@ -5,6 +5,7 @@
   ``ClientTrainer`` unchanged).
 - :mod:`nestfed.flower.server_app`: the ServerApp (any nestfed strategy through the Message
   API: a QUERY round, then per round one TRAIN message per node with its own arrays).
+- :mod:`nestfed.flower.secure`: secure aggregation with Flower's SecAgg+ (workflow and mod).
 
 The app bundle to launch with ``flwr run`` is the ``flower_app/`` directory of the repository.
 """

@@ -29,6 +29,9 @@ Messages:
 - TRAIN (``arrays`` + ``config`` = one nestfed Instruction) -> ``arrays`` + ``metrics``
   (the Reply of ``ClientTrainer.fit``; timings added as metrics).
 - EVALUATE (``arrays`` + ``config`` with ``scaling``) -> ``metrics`` (``ClientTrainer.evaluate``).
+- TRAIN carrying SecAgg+ configs (secure aggregation): Flower's ``secaggplus_mod`` answers the
+  protocol's stages; in its collect stage the handler trains, validates and clips its own update and
+  replies with the encoded vectors (:func:`handle_secure_train`, nestfed.flower.secure).
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ from nestfed.experiments.prepare import install_stream_modules, prepare
 from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Instruction
 from nestfed.federation.run_dir import flatten_client_state, unflatten_client_state
+from nestfed.federation.secure_sum import encode
 from nestfed.flower.records import arrays_to_record, record_to_arrays, record_to_config, reply_to_content
+from nestfed.flower.secure import fit_reply, is_secure, read_fit_instruction, secure_mod
 
 EXPERIMENT = "experiment"  # ConfigRecord with "toml" (the resolved experiment) and, for TRAIN, "cid"
 CLIENT_STATE = "nestfed-client-state"  # ArrayRecord in Context.state: run_dir.flatten_client_state's keys
@@ -184,8 +189,31 @@ def _check_cid(msg: Message, nc: NodeClient) -> None:
         raise ConfigError(f"this node serves partition {nc.cid}, the message is for client {want}")
 
 
+def handle_secure_train(msg: Message, context: Context) -> Message:
+    """TRAIN inside SecAgg+'s collect stage (nestfed.flower.secure): train as :func:`handle_train`
+    does, then validate and clip the update here (the server will never see it) and reply with its
+    encoded vectors (nestfed.federation.secure_sum.encode) for ``secaggplus_mod`` to mask. A bad
+    update raises: this node then drops out of the round's sum."""
+    entered = process_age_s()
+    fi = read_fit_instruction(msg.content)
+    nc = node_client(fi.cfg_text, dict(context.node_config))
+    if fi.cid != nc.cid:
+        raise ConfigError(f"this node serves partition {nc.cid}, the message is for client {fi.cid}")
+    restored = restore_client_state(context, nc)
+    reply = nc.trainer.fit(nc.cid, fi.instruction)
+    store_client_state(context, nc)
+    vectors, facts = encode(fi.instruction.arrays, reply.arrays, reply.num_examples, fi.layout, fi.scale, fi.clip)
+    metrics = {k: float(v) for k, v in reply.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+    metrics.update(facts)
+    metrics.update({"prepare_s": nc.prepare_s, "process_age_s": entered, "client_state_arrays": float(restored)})
+    return Message(fit_reply(vectors, metrics), reply_to=msg)
+
+
 def handle_train(msg: Message, context: Context) -> Message:
-    """TRAIN: ``ClientTrainer.fit`` on this node's partition; the reply carries timings as metrics."""
+    """TRAIN: ``ClientTrainer.fit`` on this node's partition; the reply carries timings as metrics.
+    SecAgg+'s collect stage goes to :func:`handle_secure_train`."""
+    if is_secure(msg.content):
+        return handle_secure_train(msg, context)
     entered = process_age_s()
     t_in = time.time()
     nc = node_client(_experiment_text(msg), dict(context.node_config))
@@ -223,7 +251,7 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
 
 app = ClientApp()
 app.query()(handle_query)
-app.train()(handle_train)
+app.train(mods=[secure_mod])(handle_train)  # SecAgg+ only for the messages that carry its configs
 app.evaluate()(handle_evaluate)
 
 __all__ = ["app", "handle_evaluate", "handle_query", "handle_train", "node_client", "NodeClient", "restore_client_state",

@@ -10,13 +10,22 @@ answer with an error or not at all.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.serverapp import Grid
+
+
+def _delivered(msg: Message) -> Message:
+    """The message as a node receives it: its own metadata and config records (a mod such as
+    Flower's ``secaggplus_mod`` edits them in place; the sender's copy must not change)."""
+    content = RecordDict({name: ConfigRecord(dict(rec)) if isinstance(rec, ConfigRecord) else rec
+                          for name, rec in msg.content.items()})
+    return Message(metadata=copy.copy(msg.metadata), content=content)
 
 
 class LocalGrid(Grid):
@@ -72,8 +81,8 @@ class LocalGrid(Grid):
             if mode == "error":
                 reply = Message(Error(code=0, reason="simulated failure"), reply_to=msg)
             else:
-                try:
-                    reply = self.client_app(message=msg, context=self._contexts[node])
+                try:  # a copy, as a wire would deliver: a node's mods may change what they receive
+                    reply = self.client_app(message=_delivered(msg), context=self._contexts[node])
                 except Exception as exc:  # noqa: BLE001 - what the deployed runtime does too
                     reply = Message(Error(code=ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason=repr(exc)), reply_to=msg)
             self._replies[mid] = reply

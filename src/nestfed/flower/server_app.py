@@ -20,7 +20,12 @@ Run config (``[tool.flwr.app.config]`` of ``flower_app/pyproject.toml``, overrid
   the round keeps the global state;
 - ``poll-interval-s``: how often replies are pulled from the SuperLink;
 - ``evaluate``: also send EVALUATE messages (round 0 and after every round), so that
-  metrics.jsonl and summary.json carry held-out metrics as in an embedded run.
+  metrics.jsonl and summary.json carry held-out metrics as in an embedded run;
+- ``secure-aggregation``: run every TRAIN round through Flower's SecAgg+ (the server sees only
+  sums; nestfed.flower.secure, docs/secure_aggregation.md), with ``secagg-num-shares`` (0 = every
+  sampled node), ``secagg-reconstruction-threshold`` (0 = a majority of the shares),
+  ``secagg-clipping-range`` (c >= 1) and ``secagg-quantization-range`` (Q); a method whose
+  aggregation needs individual updates is refused before anything is written.
 
 Before the rounds: a QUERY message to every node (its partition, rank, n_k, LoRA shapes, base
 model and, for a method that needs them, the initial arrays only a model gives, e.g. FedNL's fresh
@@ -49,11 +54,14 @@ from nestfed import methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import ConfigError, NestfedError
 from nestfed.experiments.run import new_run_dir
+from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import FitResults, RoundLoop
 from nestfed.federation.messages import Arrays, ClientInfo, Instruction
 from nestfed.federation.run_dir import ClientState, Exports, RunDir
+from nestfed.federation.secure_sum import supports_secure_aggregation
 from nestfed.flower.client_app import EXPERIMENT, INITIAL_ARRAYS, TRANSPORT_METRICS
 from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply, record_to_arrays
+from nestfed.flower.secure import SecAggSettings, secure_fit
 
 DEFAULTS: dict[str, Any] = {
     "experiment": "experiment.toml",
@@ -66,6 +74,11 @@ DEFAULTS: dict[str, Any] = {
     "min-clients": 0,
     "poll-interval-s": 0.5,
     "evaluate": False,
+    "secure-aggregation": False,
+    "secagg-num-shares": 0,
+    "secagg-reconstruction-threshold": 0,
+    "secagg-clipping-range": 1.0,
+    "secagg-quantization-range": 2**24,
 }
 
 
@@ -99,6 +112,8 @@ class RunSettings:
     min_clients: int = 0
     poll_interval_s: float = 0.5
     evaluate: bool = False
+    secure_aggregation: bool = False
+    secagg: SecAggSettings = SecAggSettings()
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:
@@ -108,7 +123,10 @@ class RunSettings:
         v = {k: _typed(k, rc[k], kinds[k]) for k in DEFAULTS}
         overrides = tuple(s.strip() for s in v["overrides"].split(";") if s.strip())
         out = cls(v["experiment"], overrides, v["run-dir"], v["resume"], v["num-supernodes"], v["connect-timeout-s"],
-                  v["round-timeout-s"], v["min-clients"], v["poll-interval-s"], v["evaluate"])
+                  v["round-timeout-s"], v["min-clients"], v["poll-interval-s"], v["evaluate"], v["secure-aggregation"],
+                  SecAggSettings(v["secagg-num-shares"], v["secagg-reconstruction-threshold"],
+                                 v["secagg-clipping-range"], v["secagg-quantization-range"]))
+        out.secagg.check()
         if out.poll_interval_s <= 0 or out.round_timeout_s <= 0 or out.connect_timeout_s <= 0:
             raise ConfigError("run config: poll-interval-s, round-timeout-s and connect-timeout-s must be > 0")
         if out.num_supernodes < 0 or out.min_clients < 0:
@@ -239,7 +257,12 @@ class FlowerTransport:
 
     def fit(self, rnd: int, instructions: dict[int, Instruction],
             on_reply: Callable[[int], None] | None = None) -> FitResults:
-        """TRAIN messages with each node's own ArrayRecord (its rank's shapes) and ConfigRecord."""
+        """TRAIN messages with each node's own ArrayRecord (its rank's shapes) and ConfigRecord; under
+        ``secure-aggregation``, Flower's SecAgg+ workflow instead (nestfed.flower.secure)."""
+        if self.settings.secure_aggregation:
+            return secure_fit(self.grid, exchange, rnd, instructions, self.node_of, self.cfg_text, self.settings.secagg,
+                              max(c.num_examples for c in self.query.clients), self.settings.round_timeout_s,
+                              self.settings.poll_interval_s, self.say)
         t0 = time.perf_counter()
         out = FitResults()
         msgs, cid_of = {}, {}
@@ -414,6 +437,14 @@ class FlowerRun:
             if c.rank > C.r_max(cfg):
                 raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
         strategy = method.server(cfg, q.initial_arrays)
+        if s.secure_aggregation:  # refused before anything is written
+            if not supports_secure_aggregation(strategy):
+                raise ConfigError(f"run config: secure-aggregation: strategy.name '{cfg.strategy.name}' cannot aggregate "
+                                  "from sums alone (its rule needs individual updates); docs/secure_aggregation.md")
+            if Safeguards.from_config(cfg).rule.active:
+                raise ConfigError("run config: secure-aggregation: a robust rule or central DP needs individual "
+                                  "updates, which secure aggregation hides; docs/secure_aggregation.md")
+            s.secagg.check_clients(max(1, round(cfg.federation.fraction * len(q.clients))))
         keeps_state = method.keeps_client_state(cfg)
         if s.resume:
             self.say(f"resuming {run_dir}")
@@ -422,6 +453,7 @@ class FlowerRun:
         transport = FlowerTransport(self.grid, s, q.node_of, cfg_text, q, self.say)
         loop = RoundLoop(strategy, transport, q.clients, cfg.federation.rounds, rd, cfg.federation.fraction,
                          min_clients, cfg.federation.seed, keeps_state,
+                         safeguards=Safeguards.from_config(cfg), sampling=cfg.federation.sampling,
                          on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None)
         state = loop.run(q.shapes, resume=s.resume)
         exports = Exports(strategy.export(state), q.base_model, strategy.export_files(state))

@@ -57,6 +57,9 @@ def _check(cfg: ExperimentConfig) -> None:
     if m.equal_ranks and len(set(cfg.lora.ranks)) > 1:
         raise ValueError(f"lora.ranks: {m.name} needs equal ranks, got {list(cfg.lora.ranks)} "
                          "(heterogeneous ranks: zeropad, hetlora, flora, ffa_lora or prelort)")
+    if m.robust_aggregation and (cfg.robust.rule != "mean" or cfg.privacy.mode == "central"):
+        field = "robust.rule" if cfg.robust.rule != "mean" else "privacy.mode"
+        raise ValueError(f"{field}: {m.name} cannot aggregate robustly or with central DP: {m.robust_aggregation}")
     if m.check_config is not None:
         m.check_config(cfg)
 

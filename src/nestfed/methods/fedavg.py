@@ -5,8 +5,10 @@ from __future__ import annotations
 from nestfed.config import ExperimentConfig
 from nestfed.federation.aggregation import weighted_mean
 from nestfed.federation.messages import Arrays, GlobalState, Reply
+from nestfed.federation.secure_sum import SecureSum, padded_mean
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
 from nestfed.methods.method import lora_method, lora_settings
+from nestfed.nn.keys import rank_dim
 
 
 class FedAvg(LoraStrategy):
@@ -20,6 +22,13 @@ class FedAvg(LoraStrategy):
         cids = sorted(replies)
         for key in lora_keys(next(iter(replies.values())).arrays):
             new.arrays[key] = weighted_mean([replies[c].arrays[key] for c in cids], [n[c] for c in cids])
+        return new
+
+    def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
+        """:meth:`aggregate` from secure sums alone: at one rank, G + S / N (nestfed.federation.secure_sum)."""
+        new = copy_state(state)
+        for key, s in secure.sums.items():
+            new.arrays[key] = padded_mean(state.arrays[key], s, secure.counts, rank_dim(key))
         return new
 
 

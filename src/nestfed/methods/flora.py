@@ -101,4 +101,7 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FLoRA:
 
 METHOD = lora_method("flora", "stack the clients' p_k s_k B_k A_k exactly, merge into the base every round, "
                      "fresh LoRA per round (Wang et al. 2024)", _strategy,
-                     hooks=lambda cfg: FLoRAHooks(cfg.lora.init_seed))
+                     hooks=lambda cfg: FLoRAHooks(cfg.lora.init_seed),
+                     robust_aggregation="FLoRA stacks every client's exact product B_k A_k, each in its own "
+                     "subspace: a coordinate-wise or distance rule over them means nothing (a norm bound, "
+                     "validation.max_update_norm, does apply; docs/trust.md)")

@@ -26,6 +26,7 @@ from nestfed.config import ExperimentConfig
 from nestfed.federation.aggregation import lowrank_norm, pad_rank, weighted_mean
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
+from nestfed.federation.robust import BlockRule
 from nestfed.federation.strategy import LoraSettings, LoraStrategy, copy_state, examples, lora_keys
 from nestfed.federation.training import Batch
 from nestfed.methods.method import lora_method, lora_settings
@@ -95,15 +96,27 @@ class HetLoRA(LoraStrategy):
         prev = state.meta.get("tail_norms", {}).get(str(client.cid))
         return {"hetlora_prev_tail": -1.0 if prev is None else float(prev)}
 
-    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        new = copy_state(state)
-        n = examples(replies)
-        cids = sorted(replies)
-        for c in cids:  # remember pruned ranks and tail norms for the next round
+    @staticmethod
+    def remember(new: GlobalState, replies: dict[int, Reply]) -> None:
+        """Keep each replying client's (possibly pruned) rank and tail norm for the next round."""
+        for c in sorted(replies):
             a_key = next(k for k in replies[c].arrays if k.endswith("lora_A.weight"))
             new.meta["ranks"][str(c)] = int(replies[c].arrays[a_key].shape[0])
             if "tail_norm" in replies[c].metrics:
                 new.meta.setdefault("tail_norms", {})[str(c)] = float(replies[c].metrics["tail_norm"])
+
+    def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
+        """The padded block of :meth:`LoraStrategy.robust_aggregate` (norm weights replaced by the
+        rule), with pruned ranks remembered."""
+        new = super().robust_aggregate(rnd, state, replies, rule)
+        self.remember(new, replies)
+        return new
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        new = copy_state(state)
+        n = examples(replies)
+        cids = sorted(replies)
+        self.remember(new, replies)
         for key in lora_keys(state.arrays):
             if not key.endswith("lora_A.weight"):
                 continue

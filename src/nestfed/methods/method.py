@@ -56,7 +56,10 @@ class Method:
     any file is written; build(prep, cfg) -> MethodRun; client(prep, cfg) -> ClientSide and
     server(cfg, initial_arrays) -> Strategy: the two halves on Flower (None: not on Flower);
     equal_ranks: every client must have the same rank; keeps_client_state(cfg): whether its
-    clients keep state between rounds under this config (a resume needs that state).
+    clients keep state between rounds under this config (a resume needs that state);
+    robust_aggregation: why its strategy cannot cut its replies into rank blocks (a robust rule or
+    central DP is then refused with this reason), "" when it can (``robust_aggregate``,
+    nestfed.federation.robust).
     """
 
     name: str
@@ -69,6 +72,7 @@ class Method:
     server: Callable[[ExperimentConfig, Arrays], Strategy] | None = None
     equal_ranks: bool = False
     keeps_client_state: Callable[[ExperimentConfig], bool] = lambda cfg: False
+    robust_aggregation: str = "its server does not aggregate LoRA updates (docs/trust.md)"
 
     @property
     def on_flower(self) -> bool:
@@ -96,7 +100,8 @@ def lora_method(name: str, summary: str, strategy: Callable[[ExperimentConfig, A
 
     def client(prep: Prepared, cfg: ExperimentConfig) -> ClientSide:
         initial = setup(prep, cfg) if setup is not None else {}
-        return ClientSide(ClientTrainer(prep.backbone.model, prep.data, cfg.train, hooks(cfg)), initial)
+        return ClientSide(ClientTrainer(prep.backbone.model, prep.data, cfg.train, hooks(cfg),
+                                        privacy=cfg.privacy, attack=cfg.attack), initial)
 
     def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
         side = client(prep, cfg)
@@ -109,5 +114,6 @@ def lora_method(name: str, summary: str, strategy: Callable[[ExperimentConfig, A
         clients = [ClientInfo(c.cid, ranks[c.cid], c.num_examples) for c in prep.clients]
         return MethodRun(st, side.trainer, clients, prep.shapes, side.trainer.hooks.keeps_state, finish)
 
+    kw.setdefault("robust_aggregation", "")
     return Method(name, summary, build, client=client, server=strategy,
                   keeps_client_state=lambda cfg: hooks(cfg).keeps_state, **kw)

@@ -18,6 +18,8 @@ from nestfed.config import ExperimentConfig
 from nestfed.federation.aggregation import weighted_mean
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
+from nestfed.federation.robust import Block, BlockRule
+from nestfed.federation.secure_sum import SecureSum, segment_mean
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
 from nestfed.federation.training import Batch
 from nestfed.methods.method import lora_method, lora_settings
@@ -77,6 +79,36 @@ class PreLort(LoraStrategy):
         for key in lora_keys(state.arrays):
             new.arrays[key] = segment_average(state.arrays[key], [replies[c].arrays[key] for c in cids], ranks,
                                               [n[c] for c in cids], rank_dim(key), bounds)
+        return new
+
+    def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
+        """Rank-aware robust aggregation: one block per rank segment [lo, hi), its members the
+        replying clients with r_k >= hi, its holders every client of the federation with r_k >= hi;
+        the segment's combined update is added to the global segment (docs/trust.md)."""
+        new = copy_state(state)
+        n = examples(replies)
+        ranks = {c: self.rank_of(state, c) for c in replies}
+        everyone = [int(r) for r in state.meta["ranks"].values()]
+        keys = lora_keys(state.arrays)
+        for lo, hi in segments(self.federation_ranks(state)):
+            members = sorted(c for c in replies if ranks[c] >= hi)
+            if not members:
+                continue
+            start = {k: state.arrays[k].narrow(rank_dim(k), lo, hi - lo) for k in keys}
+            deltas = {c: {k: replies[c].arrays[k].narrow(rank_dim(k), lo, hi - lo) - start[k] for k in keys}
+                      for c in members}
+            block = Block(f"rank {lo}:{hi}", deltas, {c: n[c] for c in members}, sum(r >= hi for r in everyone),
+                          start, start)
+            for k, v in rule(block).items():
+                new.arrays[k].narrow(rank_dim(k), lo, hi - lo).copy_(v)
+        return new
+
+    def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
+        """:meth:`aggregate` from secure sums alone: each rank row's n_k-weighted mean update over the
+        clients holding it, which is its segment's mean (nestfed.federation.secure_sum)."""
+        new = copy_state(state)
+        for key, s in secure.sums.items():
+            new.arrays[key] = segment_mean(state.arrays[key], s, secure.counts, rank_dim(key))
         return new
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from nestfed.config import ExperimentConfig
 from nestfed.federation.aggregation import pad_rank, weighted_mean
 from nestfed.federation.messages import Arrays, GlobalState, Reply
+from nestfed.federation.secure_sum import SecureSum, padded_mean
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
 from nestfed.methods.method import lora_method, lora_settings
 from nestfed.nn.keys import rank_dim
@@ -27,6 +28,14 @@ class ZeroPad(LoraStrategy):
             d = rank_dim(key)
             padded = [pad_rank(replies[c].arrays[key], d, self.s.r_max) for c in cids]
             new.arrays[key] = weighted_mean(padded, [n[c] for c in cids])
+        return new
+
+    def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
+        """:meth:`aggregate` from secure sums alone: (G C + S) / N per rank row, the padded parameter
+        mean (nestfed.federation.secure_sum)."""
+        new = copy_state(state)
+        for key, s in secure.sums.items():
+            new.arrays[key] = padded_mean(state.arrays[key], s, secure.counts, rank_dim(key))
         return new
 
 

@@ -38,7 +38,8 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
     labels = setup.server_text.labels
     server = ServerDistiller(prep.backbone.model, setup.public["strong"], labels, scale, m.topk, m.lm_weight,
                              m.server_steps, m.batch_size, m.server_lr, cfg.federation.seed)
-    trainers = {g: MutualClientTrainer(ClientTrainer(model, setup.data[g], core_train(cfg)), setup.public[g], labels,
+    trainers = {g: MutualClientTrainer(ClientTrainer(model, setup.data[g], core_train(cfg), privacy=cfg.privacy,
+                                                   attack=cfg.attack), setup.public[g], labels,
                                        setup.initial[g], m.topk, m.lm_weight, m.client_steps, m.batch_size,
                                        c.core_lr)
                 for g, model in setup.models.items()}
@@ -63,6 +64,8 @@ METHOD = Method("fedmkt", "mutual top-k logit distillation between the server's 
                 "compressed models on a shared text (Fan et al. 2025)", build,
                 sections={"fedmkt": FedMKTOptions, "compression": CompressionOptions},
                 check_config=check_compression, check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None,
-                keeps_client_state=lambda cfg: True)
+                keeps_client_state=lambda cfg: True,
+                robust_aggregation="its server learns by distillation from logits, not by combining parameter "
+                "updates (docs/trust.md)")
 
 __all__ = ["METHOD"]

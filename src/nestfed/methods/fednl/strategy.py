@@ -23,6 +23,7 @@ import torch
 from nestfed.config import MemoryConfig
 from nestfed.federation.aggregation import weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
+from nestfed.federation.robust import BlockRule
 from nestfed.federation.strategy import LoraSettings, LoraStrategy, copy_state, examples
 from nestfed.methods.fednl.options import FedNLOptions
 from nestfed.nn.keys import rank_dim
@@ -79,6 +80,13 @@ class FedNL(LoraStrategy):
         cids = sorted(replies)
         for key in sorted(state.arrays):
             new.arrays[key] = weighted_mean([replies[c].arrays[key] for c in cids], [n[c] for c in cids])
+        self._set_alpha(new.arrays, rnd * self.local_steps)
+        return new
+
+    def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
+        """The equal-rank block of every travelling array (rules and, when it travels, LoRA)
+        combined by ``rule``; the gate schedule as in :meth:`aggregate`."""
+        new = super().robust_aggregate(rnd, state, replies, rule)
         self._set_alpha(new.arrays, rnd * self.local_steps)
         return new
 

@@ -77,7 +77,7 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
     groups = SLMGroups(setup.ratios, [setup.ranks(g) for g in range(len(setup.ratios))], setup.client_group,
                        {n: setup.bases[n].S for n in setup.trained})
     strategy = FedSLM(groups, c.fusion, cfg.federation.seed)
-    trainers = {g: ClientTrainer(m, setup.data[g], core_train(cfg)) for g, m in setup.models.items()}
+    trainers = {g: ClientTrainer(m, setup.data[g], core_train(cfg), privacy=cfg.privacy, attack=cfg.attack) for g, m in setup.models.items()}
     grouped = GroupedTrainer(trainers, setup.client_group, setup.initial)
 
     def finish(state: GlobalState) -> Exports:
@@ -104,6 +104,9 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
 METHOD = Method("fedslm", "clients run SVD-compressed models at nested ranks and train small cores; the server "
                 "fuses across groups, then lifts the full model by weak-to-strong distillation (arXiv 2607.29071)",
                 build, sections=SECTIONS, check_config=check_compression,
-                check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None)
+                check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None,
+                robust_aggregation="its clients train cores of different shapes in nested SVD groups, fused by "
+                "coverage; a rule would need one block per group and core position, which is not built (the norm "
+                "bound, validation.max_update_norm, applies; docs/trust.md)")
 
 __all__ = ["METHOD", "SECTIONS", "client_ratios", "elicitation"]

@@ -1,0 +1,42 @@
+"""Byzantine clients on the real client path (config ``[attack]``): what an attacking client does
+to the update it sends. The client trainer (nestfed.federation.client) applies it after local
+training; data poisoning happens earlier, to the client's training text
+(nestfed.data.poisoning). Used to test the server's defences, never by an honest run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from nestfed.config import AttackConfig
+from nestfed.federation.messages import Arrays
+from nestfed.federation.update import origin, scale_update
+
+#: attacks applied to the update (the others poison the data or skip training)
+UPDATE_ATTACKS = ("sign_flip", "scale", "noise", "free_rider")
+
+
+def attacks(attack: AttackConfig, cid: int) -> str | None:
+    """The attack client ``cid`` runs on its update, or None."""
+    return attack.kind if attack.kind in UPDATE_ATTACKS and cid in attack.clients else None
+
+
+def attacked_reply(kind: str, sent: Arrays, reply: Arrays, attack: AttackConfig, generator: torch.Generator) -> Arrays:
+    """The arrays an attacking client sends instead of its trained ``reply`` (same keys and shapes).
+
+    sign_flip: origin - update (Damaskinos et al. 2018's "reversed gradient"); scale: origin +
+    attack.scale * update (model replacement, Bagdasaryan et al. 2020); noise: origin + N(0,
+    attack.noise_std^2) per entry, the update discarded (the Gaussian attack of Fang et al. 2020);
+    free_rider: origin, i.e. what it received (Lin et al. 2019). Raises ValueError for another kind.
+    """
+    if kind == "sign_flip":
+        return scale_update(sent, reply, -1.0)
+    if kind == "scale":
+        return scale_update(sent, reply, attack.scale)
+    if kind == "noise":
+        return {k: origin(sent, k, v) + (torch.randn(v.shape, generator=generator, dtype=torch.float64)
+                                         * attack.noise_std).to(v.dtype) if v.is_floating_point() else v
+                for k, v in reply.items()}
+    if kind == "free_rider":
+        return {k: origin(sent, k, v).clone() if v.is_floating_point() else v for k, v in reply.items()}
+    raise ValueError(f"attack.kind: '{kind}' is not an attack on the update")

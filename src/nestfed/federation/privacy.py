@@ -1,0 +1,61 @@
+"""Client-level differential privacy: the local mechanism and the privacy spent.
+
+Central DP's noisy mean lives with the other block rules (nestfed.federation.robust); the round
+loop clips every accepted update to C first. The accountant is Google's ``dp-accounting`` (its PLD
+or RDP accountant); docs/trust.md derives the sensitivity per rank segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import torch
+
+from nestfed.config import PrivacyConfig
+from nestfed.federation.messages import Arrays
+from nestfed.federation.update import clip_update
+
+
+
+def epsilon(privacy: PrivacyConfig, rounds: int, q: float) -> float:
+    """The epsilon spent at ``privacy.delta`` after ``rounds`` rounds (math.inf without noise).
+
+    central: each round is the Gaussian mechanism of noise multiplier z on sensitivity C, Poisson-
+    subsampled with rate q (federation.fraction; q = 1 is no subsampling), composed ``rounds``
+    times. local: each client's release is its clipped update plus N(0, (z C)^2); under replacing
+    the client's whole data the update moves by up to 2C, so it is the Gaussian mechanism of
+    multiplier z / 2, composed over the rounds the client took part in (at most ``rounds``; no
+    amplification: the server sees who sent what). Raises ValueError when privacy is off.
+    """
+    if privacy.mode == "off":
+        raise ValueError("privacy.mode is off: no epsilon")
+    if rounds <= 0:
+        return 0.0
+    z = privacy.noise_multiplier if privacy.mode == "central" else privacy.noise_multiplier / 2
+    if z <= 0:
+        return math.inf
+    # imported here: a Flower ClientApp process (started per message) never needs the accountant
+    import dp_accounting
+    from dp_accounting import pld, rdp
+
+    logging.getLogger("absl").setLevel(logging.ERROR)  # RDP orders that do not converge are only warned about
+    event: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(z)
+    if privacy.mode == "central" and q < 1:
+        event = dp_accounting.PoissonSampledDpEvent(q, event)
+    acc = pld.PLDAccountant() if privacy.accountant == "pld" else rdp.RdpAccountant()
+    acc.compose(event, rounds)
+    return float(acc.get_epsilon(privacy.delta))
+
+
+def local_dp(sent: Arrays, reply: Arrays, privacy: PrivacyConfig, generator: torch.Generator) -> tuple[Arrays, float]:
+    """The local mechanism on a client: clip the update (reply - sent) to C and add N(0, (z C)^2)
+    to every entry. Returns the released arrays and the update's norm before clipping."""
+    clipped, norm = clip_update(sent, reply, privacy.clip_norm)
+    std = privacy.noise_multiplier * privacy.clip_norm
+    out = {}
+    for k, v in clipped.items():
+        if std > 0 and v.is_floating_point():
+            v = v + (torch.randn(v.shape, generator=generator, dtype=torch.float64) * std).to(v.dtype)
+        out[k] = v
+    return out, norm

@@ -1,0 +1,104 @@
+"""What the server does so that a bad or hostile client cannot move the global model: screen each
+reply (beyond nestfed.federation.payload's shapes and finiteness), aggregate robustly or with
+central DP, and count the privacy spent. The round loop (nestfed.federation.loop) calls it for
+every transport; docs/trust.md describes the rules.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nestfed.config import ExperimentConfig, PrivacyConfig, RobustConfig, ValidationConfig
+from nestfed.errors import UpdateRejected
+from nestfed.federation.messages import Arrays, GlobalState, Instruction, Reply
+from nestfed.federation.privacy import epsilon
+from nestfed.federation.robust import BlockRule
+from nestfed.federation.strategy import Strategy
+from nestfed.federation.update import FLOAT32_MAX, clip_update, update_norm
+
+#: the largest update norm float32 arithmetic survives (its square is the largest float32)
+MAX_REPRESENTABLE_NORM = math.sqrt(FLOAT32_MAX)
+
+
+def non_finite_keys(arrays: Arrays) -> list[str]:
+    """The keys whose tensors hold NaN or Inf, sorted."""
+    return sorted(k for k, v in arrays.items() if v.is_floating_point() and not torch.isfinite(v).all())
+
+
+@dataclass
+class Safeguards:
+    """The server's checks and aggregation rule for one run.
+
+    validation: n_k policy and the optional norm bound; privacy: DP (central clipping and the
+    accountant); rule: the block rule (robust or central DP) applied when active.
+    """
+
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
+    rule: BlockRule = field(default_factory=lambda: BlockRule(RobustConfig(), PrivacyConfig()))
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig) -> Safeguards:
+        """The safeguards of an experiment's ``[validation]``, ``[robust]``, ``[privacy]`` and
+        federation (sampling rate, seed)."""
+        f = cfg.federation
+        return cls(cfg.validation, cfg.privacy, BlockRule(cfg.robust, cfg.privacy, f.fraction, f.seed))
+
+    def screen(self, instruction: Instruction, reply: Reply, declared: int) -> tuple[Reply, dict[str, Any]]:
+        """Check one (already shape-validated) reply; return it, possibly capped or clipped, and the
+        facts for the metrics line (``update_norm``; ``clipped_to``, ``num_examples_capped_from``).
+
+        Raises UpdateRejected: n_k above the client's declared ``declared`` under the ``reject``
+        policy; an update whose norm overflows float32; a norm above validation.max_update_norm
+        under ``on_norm = "reject"``. Central DP clips every update to privacy.clip_norm.
+        """
+        facts: dict[str, Any] = {}
+        n = reply.num_examples
+        if n > declared:
+            if self.validation.num_examples == "reject":
+                raise UpdateRejected(f"num_examples {n} is above the {declared} the client declared when it joined")
+            facts["num_examples_capped_from"] = n
+            n = declared
+        arrays = reply.arrays
+        bounds = []
+        if self.validation.max_update_norm > 0:
+            bounds.append(("validation.max_update_norm", self.validation.max_update_norm, self.validation.on_norm))
+        if self.privacy.mode == "central":
+            bounds.append(("privacy.clip_norm", self.privacy.clip_norm, "clip"))
+        norm = update_norm(instruction.arrays, arrays)
+        if not math.isfinite(norm) or norm > MAX_REPRESENTABLE_NORM:
+            raise UpdateRejected(f"update norm {norm:.3g} overflows float32 (its square exceeds {FLOAT32_MAX:.3g})")
+        facts["update_norm"] = norm
+        for name, bound, action in bounds:
+            if norm > bound:
+                if action == "reject":
+                    raise UpdateRejected(f"update norm {norm:.4g} is above {name} = {bound:g}")
+                arrays, _ = clip_update(instruction.arrays, arrays, bound)
+                norm = bound
+                facts["clipped_to"] = bound
+        return Reply(arrays, n, reply.metrics), facts
+
+    def aggregate(self, strategy: Strategy, rnd: int, state: GlobalState,
+                  replies: dict[int, Reply]) -> tuple[GlobalState, dict[str, Any]]:
+        """The strategy's aggregate, or its block form under a robust rule or central DP; returns
+        the new state and, for the metrics line, ``robust`` (per block: members, rule, selection)."""
+        if not self.rule.active:
+            return strategy.aggregate(rnd, state, replies), {}
+        self.rule.start_round(rnd)
+        new = strategy.robust_aggregate(rnd, state, replies, self.rule)
+        return new, {"robust": dict(self.rule.notes)}
+
+    def privacy_spent(self, rnd: int, fraction: float) -> dict[str, Any]:
+        """``privacy``: {mode, epsilon (None = infinite), delta, rounds} after round ``rnd``; {}
+        when privacy is off."""
+        if self.privacy.mode == "off":
+            return {}
+        eps = epsilon(self.privacy, rnd, fraction)
+        return {"privacy": {"mode": self.privacy.mode, "epsilon": eps if math.isfinite(eps) else None,
+                            "delta": self.privacy.delta, "rounds": rnd,
+                            "noise_multiplier": self.privacy.noise_multiplier, "clip_norm": self.privacy.clip_norm,
+                            "accountant": self.privacy.accountant}}
