@@ -166,6 +166,7 @@ def write(report: dict) -> None:
         ax2.axhline(nodp[0]["mean_ppl"], color="k", ls="--", lw=1, label="z = 0 (epsilon = inf)")
         ax2.legend(fontsize=8)
     ax2.set_xscale("log")
+    ax2.set_yscale("log")
     ax2.set_xlabel("epsilon at delta 1e-5 (PLD accountant)")
     ax2.set_ylabel("final mean held-out perplexity")
     ax2.set_title("privacy-utility, central DP")

@@ -210,3 +210,14 @@ def test_robust_and_dp_runs_resume_exactly(tmp_path, trust):
     assert same_arrays(resumed.arrays, full.arrays)
     assert [ln.get("privacy") for ln in lines(tmp_path / "part")] == \
         [ln.get("privacy") for ln in lines(tmp_path / "full")]
+
+
+def test_epsilon_at_tiny_noise_stays_small_in_memory_and_below_rdp():
+    """PLD's default discretisation needed over 20 GB at z = 0.01 (the server was OOM-killed)."""
+    import resource
+
+    tiny = PrivacyConfig(mode="central", clip_norm=1.0, noise_multiplier=0.01)
+    eps = epsilon(tiny, 2, 1.0)
+    assert 1e3 < eps <= epsilon(PrivacyConfig(mode="central", clip_norm=1.0, noise_multiplier=0.01,
+                                              accountant="rdp"), 2, 1.0)
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 8 * 1024 * 1024  # KiB: under 8 GiB

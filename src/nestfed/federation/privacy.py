@@ -43,7 +43,12 @@ def epsilon(privacy: PrivacyConfig, rounds: int, q: float) -> float:
     event: dp_accounting.DpEvent = dp_accounting.GaussianDpEvent(z)
     if privacy.mode == "central" and q < 1:
         event = dp_accounting.PoissonSampledDpEvent(q, event)
-    acc = pld.PLDAccountant() if privacy.accountant == "pld" else rdp.RdpAccountant()
+    # PLD's support grows as 1 / z^2 over its discretisation interval: at z = 0.01 the default 1e-4
+    # needs over 20 GB. A coarser interval keeps it small; the pessimistic discretisation stays an
+    # upper bound on epsilon (dp-accounting's connect-the-dots PLD).
+    interval = 1e-4 * max(1.0, (0.5 / z) ** 2)
+    acc = pld.PLDAccountant(value_discretization_interval=interval) if privacy.accountant == "pld" \
+        else rdp.RdpAccountant()
     acc.compose(event, rounds)
     return float(acc.get_epsilon(privacy.delta))
 
