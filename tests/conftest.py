@@ -4,11 +4,14 @@ Builders of a whole tiny federation (any registered method, set up through its h
 ``tiny_federation.py`` beside this file.
 """
 
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+from nestfed.cli import main
 from nestfed.config import ModelConfig
 from nestfed.nn.backbone import load_backbone
 
@@ -49,3 +52,33 @@ def tiny(request):
 @pytest.fixture
 def tiny_llama():
     return load_backbone(ModelConfig(name="tiny-llama"))
+
+
+@dataclass
+class CliResult:
+    """What one in-process command returned: exit code, stdout, stderr."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+@pytest.fixture
+def cli(monkeypatch, capsys, keep_threads):
+    """``cli(*args, cwd=...)``: ``nestfed.cli.main`` in this process with these arguments (the same
+    entry point the installed command runs); returns a :class:`CliResult`."""
+
+    def call(*args, cwd):
+        monkeypatch.chdir(cwd)
+        monkeypatch.setattr(sys, "argv", ["nestfed", *map(str, args)])
+        monkeypatch.setenv("COLUMNS", "200")
+        capsys.readouterr()
+        code = 0
+        try:
+            main()
+        except SystemExit as exc:
+            code = exc.code or 0
+        out = capsys.readouterr()
+        return CliResult(code, out.out, out.err)
+
+    return call

@@ -7,12 +7,10 @@ import json
 import os
 import subprocess
 import sys
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
-from nestfed.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -23,33 +21,6 @@ def nestfed(*args, cwd):
     env = dict(os.environ, COLUMNS="200")
     return subprocess.run([sys.executable, "-m", "nestfed.cli", *args], cwd=cwd, capture_output=True, text=True,
                           env=env, timeout=600)
-
-
-@dataclass
-class Result:
-    returncode: int
-    stdout: str
-    stderr: str
-
-
-@pytest.fixture
-def cli(monkeypatch, capsys, keep_threads):
-    """``cli(*args, cwd=...)``: ``nestfed.cli.main`` in this process with these arguments."""
-
-    def call(*args, cwd):
-        monkeypatch.chdir(cwd)
-        monkeypatch.setattr(sys, "argv", ["nestfed", *map(str, args)])
-        monkeypatch.setenv("COLUMNS", "200")
-        capsys.readouterr()
-        code = 0
-        try:
-            main()
-        except SystemExit as exc:
-            code = exc.code or 0
-        out = capsys.readouterr()
-        return Result(code, out.out, out.err)
-
-    return call
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -226,4 +197,39 @@ def test_resume_refuses_a_config_or_methods_beside_it_and_compare_dedupes(tmp_pa
         r = cli("run", *extra, "--resume", str(run_dir), cwd=tmp_path)
         assert r.returncode == 2 and "--resume runs the run directory's own config" in r.stderr
     c = cli("compare", str(run_dir), str(run_dir), cwd=tmp_path)
-    assert c.returncode == 0 and c.stdout.count("prelort") == 1 and (tmp_path / "comparison.png").is_file()
+    assert c.returncode == 0 and (tmp_path / "comparison.png").is_file()
+    # one row in the comparison table and one in the truncation table: the run is counted once
+    assert c.stdout.count("│ prelort") == 1 and c.stdout.count("| prelort |") == 1, c.stdout
+
+
+def test_seeds_run_every_method_per_seed_and_report_intervals(tmp_path, cli):
+    runs = tmp_path / "runs"
+    r = cli("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1", "--set", "output.name=s",
+            "--methods", "prelort,zeropad,local_only", "--seeds", "2", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    parent = next(runs.iterdir())
+    for seed in (0, 1):
+        for m in ("prelort", "zeropad", "local_only"):
+            cfg = (parent / f"seed{seed}" / m / "config.toml").read_text()
+            assert f"seed = {seed}" in cfg and (parent / f"seed{seed}" / m / "summary.json").is_file()
+    md = (parent / "comparison.md").read_text()
+    assert "±" in md and "reference" in md and "r = 16" in md
+    for name in ("comparison.png", "truncation.png", "dimension_importance.png"):
+        assert (parent / name).is_file()
+    rows = json.loads((parent / "comparison.json").read_text())
+    assert sorted((r["label"], r["seed"]) for r in rows) == [(m, s) for m in ("local_only", "prelort", "zeropad") for s in (0, 1)]
+    # the two seeds drew different batches and initialisations
+    ppl = {(r["label"], r["seed"]): r["mean_ppl"] for r in rows}
+    assert ppl[("prelort", 0)] != ppl[("prelort", 1)]
+    # an interrupted seed run resumes inside the parent; compare reads the parent over seeds
+    (parent / "seed1" / "zeropad" / "summary.json").unlink()
+    r = cli("run", "--resume", str(parent), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert (parent / "seed1" / "zeropad" / "summary.json").is_file()
+    c = cli("compare", str(parent), "--reference", "zeropad", "--plot", str(tmp_path / "c.png"),
+            "--table", str(tmp_path / "c.md"), cwd=tmp_path)
+    assert c.returncode == 0 and "reference" in c.stdout and (tmp_path / "c_truncation.png").is_file()
+    assert "| zeropad |" in (tmp_path / "c.md").read_text() and len(json.loads((tmp_path / "c.json").read_text())) == 6
+    bad = cli("compare", str(parent), "--reference", "magic", cwd=tmp_path)
+    assert bad.returncode == 2 and "--reference: 'magic'" in bad.stderr
+    assert cli("run", str(TINY), "--seeds", "0", cwd=tmp_path).returncode == 2

@@ -23,7 +23,7 @@ from nestfed import config as C
 from nestfed import methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
-from nestfed.experiments import report
+from nestfed.experiments import report, seed_report
 from nestfed.experiments.compressed_comparison import compare as compare_compressed
 from nestfed.experiments.prepare import prepare
 from nestfed.experiments.run import check_method, new_run_dir, run_method
@@ -80,28 +80,78 @@ def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], r
             run_method(prep, cfg, run_dirs[name], resume=resume, on_event=on_event)
 
 
-def _report(run_dirs: list[Path], parent: Path | None) -> None:
+def _finished(parent: Path) -> list[Path]:
+    """The finished runs under a multi-method parent: ``<method>/`` or, over seeds, ``seed<N>/<method>/``."""
+    return sorted({p.parent for p in [*parent.glob("*/summary.json"), *parent.glob("*/*/summary.json")]})
+
+
+def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None, reference: str | None = None,
+            table: Path | None = None) -> None:
+    """Print the comparison; write comparison.md / .json / .png (and, where the runs measured them,
+    truncation.png and dimension_importance.png) into ``parent``, or only the plot at ``plot``. Runs
+    of one label over several seeds are reported with 95% intervals and paired differences against
+    ``reference`` (default: the first label; nestfed.experiments.seed_report). ``table``: also write
+    the Markdown tables there and the rows beside it as JSON (same stem)."""
     rows = report.comparison_rows(run_dirs)
-    out.print(report.comparison_table(rows))
+    groups = seed_report.by_label(rows)
+    over_seeds = any(len(g) > 1 for g in groups.values())
+    if reference is not None and reference not in groups:
+        raise NestfedError(f"--reference: '{reference}' is not among the compared runs ({', '.join(groups)})")
+    curves, importance = seed_report.truncation_stats(rows), seed_report.importance_stats(rows)
+    if over_seeds:
+        stats = seed_report.label_stats(rows, reference)
+        out.print(seed_report.seeds_table(rows, stats))
+        markdown = seed_report.seeds_markdown(rows, stats)
+        bars = seed_report.comparison_plot(rows, stats)
+    else:
+        out.print(report.comparison_table(rows))
+        markdown = report.comparison_markdown(rows)
+        bars = report.comparison_plot(rows)
+    if curves:
+        markdown += "\nHeld-out perplexity of the final global adapter truncated to rank r (mean over clients):\n\n"
+        markdown += seed_report.truncation_markdown(curves)
+        ref = reference or next(iter(groups))
+        if over_seeds and ref in curves and len(curves) > 1:
+            markdown += (f"\nPaired difference of the truncated adapters' held-out perplexity against {ref} at the "
+                         "same r (%, 95% interval over seed x client pairs; bold: significant):\n\n")
+            markdown += seed_report.truncation_differences_markdown(seed_report.truncation_differences(rows, ref), ref)
+    figures = {"truncation.png": seed_report.truncation_plot(curves) if curves else None,
+               "dimension_importance.png": seed_report.importance_plot(importance) if importance else None}
     if parent is not None:
-        atomic.write_text(parent / "comparison.md", report.comparison_markdown(rows))
+        atomic.write_text(parent / "comparison.md", markdown)
         atomic.write_json(parent / "comparison.json", rows)
-        atomic.write_bytes(parent / "comparison.png", report.comparison_plot(rows))
-        out.print(f"wrote {parent}/comparison.md, comparison.json and comparison.png", markup=False)
-    for rd in run_dirs:
-        out.print(f"run directory: {rd}", markup=False)
+        atomic.write_bytes(parent / "comparison.png", bars)
+        written = ["comparison.md", "comparison.json", "comparison.png"]
+        for name, data in figures.items():
+            if data is not None:
+                atomic.write_bytes(parent / name, data)
+                written.append(name)
+        out.print(f"wrote {', '.join(written)} into {parent}", markup=False)
+    if plot is not None:
+        written = [atomic.write_bytes(plot, bars)]
+        for name, data in figures.items():
+            if data is not None:
+                written.append(atomic.write_bytes(plot.with_name(f"{plot.stem}_{name}"), data))
+        out.print(f"wrote {', '.join(map(str, written))}", markup=False)
+    if table is not None:
+        atomic.write_text(table, markdown)
+        atomic.write_json(table.with_suffix(".json"), rows)
+        out.print(f"wrote {table} and {table.with_suffix('.json')}", markup=False)
+    if curves and parent is None:
+        out.print(seed_report.truncation_markdown(curves), markup=False)
 
 
 def _resumable(path: Path) -> tuple[dict[str, Path], Path | None]:
-    """Unfinished method runs under ``path`` (a run directory, or a multi-method parent)."""
+    """Unfinished method runs under ``path`` (a run directory, or a multi-method parent, over seeds
+    or not), keyed by their path below the parent (``prelort``, ``seed1/prelort``)."""
     if (path / "config.toml").is_file():
         if RunDir(path).finished:
             raise NestfedError(f"--resume: {path} has finished (summary.json exists)")
         return {methods.load_config(path / "config.toml").strategy.name: path}, None
-    subs = sorted(p.parent for p in path.glob("*/config.toml"))
+    subs = sorted({p.parent for p in [*path.glob("*/config.toml"), *path.glob("*/*/config.toml")]})
     if not subs:
         raise NestfedError(f"--resume: {path} is not a nestfed run directory (no config.toml)")
-    todo = {methods.load_config(p / "config.toml").strategy.name: p for p in subs if not RunDir(p).finished}
+    todo = {str(p.relative_to(path)): p for p in subs if not RunDir(p).finished}
     if not todo:
         raise NestfedError(f"--resume: every run under {path} has finished")
     return todo, path if len(subs) > 1 else None
@@ -117,7 +167,7 @@ def _resume_configs(todo: dict[str, Path], overrides: list[str]) -> dict[str, Ex
         rd = RunDir(d)
         stored = methods.load_config(rd.config_path)
         wanted = methods.load_config(rd.config_path, overrides)
-        rd.check_resume(methods.get(name).keeps_client_state(wanted))  # fails here, before any work
+        rd.check_resume(methods.get(wanted.strategy.name).keeps_client_state(wanted))  # fails here, before any work
         for change in rd.accept_config(stored, wanted, C.dumps_toml(wanted)):
             say(f"resume {d}: config.toml now has {change}")
         cfgs[name] = wanted
@@ -130,8 +180,12 @@ def run(
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override section.key=value")] = None,
     methods_: Annotated[Optional[str], typer.Option("--methods", help="comma-separated methods run on the same clients, then compared")] = None,
     resume: Annotated[Optional[Path], typer.Option(help="continue an interrupted run directory")] = None,
+    seeds: Annotated[int, typer.Option("--seeds", help="repeat every method over N seeds (federation.seed and "
+                                       "lora.init_seed + 0..N-1: data order, initialisation, client sampling) on "
+                                       "the same clients; report means with 95% intervals")] = 1,
 ) -> None:
-    """Run an experiment: federated rounds, checkpoints, PEFT adapter, plots, a comparison table."""
+    """Run an experiment: federated rounds, checkpoints, PEFT adapter, plots, a comparison table
+    (over seeds: means with 95% intervals and paired differences against the first method)."""
     t0 = time.perf_counter()
     if resume is not None:
         if config is not None or methods_:
@@ -140,7 +194,7 @@ def run(
         todo, parent = _resumable(resume)
         cfgs = _resume_configs(todo, set_ or [])
         _run_methods(cfgs, todo, resume=True)
-        run_dirs = sorted(p.parent for p in parent.glob("*/summary.json")) if parent is not None else list(todo.values())
+        run_dirs = _finished(parent) if parent is not None else list(todo.values())
     else:
         if config is None:
             raise NestfedError("give a CONFIG.toml (or --resume RUN_DIR)")
@@ -151,14 +205,27 @@ def run(
                 raise NestfedError(f"--methods: unknown method '{m}' (known: {', '.join(methods.REGISTRY)})")
             if names.count(m) > 1:
                 raise NestfedError(f"--methods: '{m}' is listed twice")
-        cfgs = {m: methods.with_method(cfg, m) for m in names}  # validates e.g. fedavg with unequal ranks
+        if seeds < 1:
+            raise NestfedError(f"--seeds must be >= 1, got {seeds}")
+        per_method = {m: methods.with_method(cfg, m) for m in names}  # validates e.g. fedavg with unequal ranks
         parent = None
-        if len(names) > 1:
+        if len(names) > 1 or seeds > 1:
             parent = new_run_dir(methods.replace_config(cfg, output={"name": cfg.output.name or "compare"}))
-        dirs = {m: new_run_dir(c, parent) for m, c in cfgs.items()}
+        cfgs, dirs = {}, {}
+        for i in range(seeds):
+            for m, c in per_method.items():
+                if seeds == 1:
+                    cfgs[m], dirs[m] = c, new_run_dir(c, parent)
+                    continue
+                c = methods.replace_config(c, federation={"seed": c.federation.seed + i},
+                                           lora={"init_seed": c.lora.init_seed + i})
+                key = f"seed{c.federation.seed}/{m}"
+                cfgs[key], dirs[key] = c, parent / key
         _run_methods(cfgs, dirs, resume=False)
         run_dirs = list(dirs.values())
     _report(run_dirs, parent)
+    for rd in run_dirs:
+        out.print(f"run directory: {rd}", markup=False)
     out.print(f"total wall time {time.perf_counter() - t0:.0f} s")
 
 
@@ -166,13 +233,19 @@ def run(
 def compare(
     run_dirs: Annotated[list[Path], typer.Argument(help="finished run directories (or a multi-method parent)")],
     plot: Annotated[Path, typer.Option(help="write the comparison plot here")] = Path("comparison.png"),
+    reference: Annotated[Optional[str], typer.Option(help="the method (label) the others are paired against "
+                                                     "over seeds (default: the first)")] = None,
+    table: Annotated[Optional[Path], typer.Option(help="also write the Markdown tables here (and the rows as "
+                                                  "JSON beside it)")] = None,
 ) -> None:
-    """Print a side-by-side table of finished runs and write one comparison plot (default
-    ./comparison.png). Runs of different experiments ([model] or [data] differ) are compared with
-    a warning: the first row is the first run's round 0."""
+    """Print a side-by-side table of finished runs and write the comparison plot (default
+    ./comparison.png; the truncation curve and dimension importance beside it when measured). Runs
+    of one method over several seeds are reported with 95% intervals and paired differences. Runs
+    of different experiments ([model] or [data] differ) are compared with a warning: the first row
+    is the first run's round 0."""
     dirs: list[Path] = []
     for d in run_dirs:
-        for p in sorted(p.parent for p in d.glob("*/summary.json")) if not (d / "summary.json").exists() else [d]:
+        for p in _finished(d) if not (d / "summary.json").exists() else [d]:
             if p.resolve() not in [x.resolve() for x in dirs]:
                 dirs.append(p)
     if not dirs:
@@ -182,10 +255,7 @@ def compare(
     if len(experiments) > 1:
         say("warning: these runs differ in [model] or [data]: their perplexities are not on one test set, and the "
             f"first row is {dirs[0]}'s round 0")
-    rows = report.comparison_rows(dirs)
-    out.print(report.comparison_table(rows))
-    png = atomic.write_bytes(plot, report.comparison_plot(rows))
-    out.print(f"wrote {png}", markup=False)
+    _report(dirs, None, plot, reference, table)
 
 
 @app.command("fedslm")

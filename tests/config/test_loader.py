@@ -71,7 +71,7 @@ def test_scalar_rank_is_broadcast():
     ({"compression": {"client_ratios": [0.5, 0.5]}, "strategy": {"name": "fedslm"}}, "compression.client_ratios: 2 ratios"),
     ({"hetlora": {"weighting": "loss"}}, "hetlora.weighting must be 'norm' or 'examples'"),
     ({"fedssi": {"psm_lambda": 0.0}}, "fedssi.psm_lambda must be in (0, 1]"),
-    ({"fednl": {"travel": "some"}}, "fednl.travel must be 'all' or 'rules'"),
+    ({"fednl": {"travel": "some"}}, "fednl.travel must be 'all', 'rules' or 'none'"),
     ({"fedmkt": {"topk": 0}}, "fedmkt.topk >= 1"),
     ({"elicitation": {"alpha": 2.0}}, "elicitation.alpha / compare_alphas must be in [0, 1]"),
     ({"memory": {"gate": "open"}}, "memory.gate: unknown gate 'open'"),

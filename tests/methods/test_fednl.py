@@ -138,7 +138,7 @@ def test_fednl_refuses_a_model_without_memory_and_bad_options():
     strategy = FedNL(LoraSettings(r_max=4, lora_alpha=8.0), FedNLOptions("all"), {})
     with pytest.raises(ValueError, match="no memory rules"):
         strategy.initialize({"m": (4, 4)}, [ClientInfo(0, 4, 1)])
-    with pytest.raises(ValueError, match="travel must be 'all' or 'rules'"):
+    with pytest.raises(ValueError, match="travel must be 'all', 'rules' or 'none'"):
         FedNLOptions("some")
     with pytest.raises(ConfigError, match="fednl.travel must be"):
         cfg_of("some")
@@ -147,3 +147,27 @@ def test_fednl_refuses_a_model_without_memory_and_bad_options():
     cfg = cfg_of("all", "learned", "memory.layers=[5]")
     with pytest.raises(ConfigError, match="memory.layers: index 5 out of range for 2 layers"):
         methods.get("fednl").check_model(tiny_prepared(cfg), cfg)
+
+
+def test_travel_none_is_local_only_training_with_no_aggregation_drop(tmp_path):
+    """``travel = "none"``: the server's rules never move, each client trains and keeps its own
+    rules and LoRA, and evaluating the federated model is evaluating the client's own model (the
+    aggregation drop is zero by construction, which is what the rules-only table sets beside it)."""
+    cfg = cfg_of("none", "learned", "train.eval_local=true")
+    state, _, mr = tiny_run(tmp_path / "none", cfg)
+    initial = mr.strategy.initialize(mr.shapes, mr.clients)
+    assert set(state.arrays) == set(initial.arrays) and all(torch.equal(state.arrays[k], initial.arrays[k])
+                                                              for k in state.arrays)
+    kept = [mr.trainer.client_state[c]["kept_rules"] for c in range(3)]
+    key = RULE + "beta_weight"
+    assert kept[0][key].abs().max() > 0 and not torch.equal(kept[0][key], kept[1][key])
+    last = lines(tmp_path / "none")[-1]
+    for c in ("0", "1", "2"):
+        assert last["eval"][c]["loss"] == pytest.approx(last["clients"][c]["metrics"]["local_loss"], abs=1e-6)
+    # the clients' own rules survive a crash: the resumed run ends where the uninterrupted one does
+    with pytest.raises(Interrupt):
+        tiny_run(tmp_path / "part", cfg, wrap=crash_at(2, 1))
+    tiny_run(tmp_path / "part", cfg, resume=True)
+    assert lines(tmp_path / "part")[-1]["eval"] == last["eval"]
+    with pytest.raises(ConfigError, match="fednl.travel: 'none'"):
+        cfg_of("none", "learned", "robust.rule=median")

@@ -3,7 +3,8 @@
 ``[model]`` -> :class:`ModelConfig`, ``[lora]``, ``[data]``, ``[train]``, ``[strategy]`` (only the
 method's name), ``[federation]``, ``[output]`` and ``[memory]`` (the delta-rule memory layer of
 nestfed.nn.memory), and the trust sections ``[validation]``, ``[robust]``, ``[privacy]``,
-``[attack]`` (nestfed.config.trust). A method's own options live in sections its home declares (``[hetlora]``,
+``[attack]`` (nestfed.config.trust), and ``[server_optimizer]`` (how the server applies the aggregate,
+nestfed.config.server_optimizer). A method's own options live in sections its home declares (``[hetlora]``,
 ``[compression]``, ...; nestfed.methods), held in :attr:`ExperimentConfig.sections`. Values that
 types cannot check are checked by :func:`check_core`, which raises ValueError("<section.key>:
 <reason>"); the loader (nestfed.config.loader) prefixes the file.
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from nestfed.config.server_optimizer import ServerOptimizerConfig, check_server_optimizer
 from nestfed.config.trust import (AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig, check_trust)
 
 @dataclass(frozen=True)
@@ -158,11 +160,18 @@ class FederationConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    """Where run directories go. name: the run's name (default: the strategy name)."""
+    """Where run directories go. name: the run's name (default: the strategy name). label: the
+    run's name in comparisons over seeds (default: the method, its non-default options and a
+    non-default server optimiser; nestfed.experiments.report.run_label). truncations:
+    the ranks r at which the final global adapter's prefix is evaluated on every client's held-out
+    data (the truncation curve, nestfed.experiments.mechanisms; ranks above r_max are left out;
+    empty = none)."""
 
     dir: str = "runs"
     name: str = ""
     plots: bool = True
+    label: str = ""
+    truncations: tuple[int, ...] = (1, 2, 4, 8, 16)
 
 
 @dataclass(frozen=True)
@@ -183,6 +192,7 @@ class ExperimentConfig:
     robust: RobustConfig = field(default_factory=RobustConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    server_optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
     sections: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def section(self, name: str) -> Any:
@@ -196,7 +206,7 @@ class ExperimentConfig:
 
 #: The core sections, in the order a resolved config is written.
 CORE_SECTIONS = ("model", "lora", "data", "train", "strategy", "federation", "output", "memory", "validation",
-                 "robust", "privacy", "attack")
+                 "robust", "privacy", "attack", "server_optimizer")
 SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts")
 TASKS = ("causal_lm", "instruction", "multiple_choice")
 PARTITIONS = ("label", "dirichlet", "iid")
@@ -287,6 +297,8 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError(f"federation.min_clients = {f.min_clients} is above the {sampled_per_round(cfg)} clients "
                          f"sampled per round (federation.fraction = {f.fraction:g} of data.num_clients = "
                          f"{d.num_clients}): no round could ever aggregate")
+    if any(r < 1 for r in cfg.output.truncations):
+        raise ValueError(f"output.truncations: every rank must be >= 1, got {list(cfg.output.truncations)}")
     t = cfg.train
     if t.local_steps < 1 or t.batch_size < 1 or t.lr <= 0:
         raise ValueError("train.local_steps, train.batch_size and train.lr must be positive")
@@ -296,6 +308,7 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("train.threads and train.eval_stream_chunk must be >= 0, train.eval_batch_size >= 1")
     check_trust(cfg.validation, cfg.robust, cfg.privacy, cfg.attack, d.num_clients, sampled_per_round(cfg),
                 f.fraction, f.sampling)
+    check_server_optimizer(cfg.server_optimizer)
     m = cfg.memory
     if m.gate not in GATES:
         raise ValueError(f"memory.gate: unknown gate '{m.gate}' (known: {', '.join(GATES)})")

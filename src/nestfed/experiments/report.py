@@ -3,6 +3,7 @@ table and one comparison plot (PNG bytes, written atomically by the caller's run
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import tomllib
@@ -11,8 +12,30 @@ from typing import Any
 
 from rich.table import Table
 
+from nestfed import methods
 from nestfed.errors import DataError
 from nestfed.federation.plots import plt, png
+
+
+def run_label(cfg: dict[str, Any], method: str) -> str:
+    """``output.label`` when set; else the method's name plus every option of its own sections that
+    differs from the default and the server optimiser when it is not plain SGD at lr 1
+    (``prelort objective=sampled``, ``prelort server=adam lr=0.01``): what tells the variants of
+    one method apart in a comparison."""
+    if cfg.get("output", {}).get("label"):
+        return str(cfg["output"]["label"])
+    m = methods.get(method)
+    changed = []
+    for name, cls in m.sections.items():
+        default = dataclasses.asdict(cls())
+        for key, value in sorted(cfg.get(name, {}).items()):
+            d = default.get(key)
+            if (list(d) if isinstance(d, tuple) else d) != value:
+                changed.append(f"{key}={value}")
+    opt = cfg.get("server_optimizer", {})
+    if opt and (opt.get("name", "sgd") != "sgd" or opt.get("lr", 1.0) != 1.0):
+        changed.append(f"server={opt.get('name')} lr={opt.get('lr'):g}")
+    return " ".join([method] + changed)
 
 
 def load_summary(run_dir: Path) -> dict[str, Any]:
@@ -27,7 +50,9 @@ def load_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
-    """One row per finished run: method, ranks, per-client and mean final perplexity, bytes, time."""
+    """One row per finished run: method, its label (nestfed.experiments.report.run_label), seed
+    (federation.seed), ranks, per-client and mean final perplexity, bytes, time, and the truncation
+    curve and dimension importance when the run measured them."""
     rows = []
     for rd in run_dirs:
         s = load_summary(rd)
@@ -42,7 +67,9 @@ def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
                      "mean_accuracy": s.get("mean_accuracy"),
                      "bytes_per_client_round": s["bytes_down_per_client_round"] + s["bytes_up_per_client_round"],
                      "wall_time_s": s.get("wall_time_s", 0.0), "labels": s.get("client_labels", {}),
-                     "rounds": cfg["federation"]["rounds"]})
+                     "rounds": cfg["federation"]["rounds"], "seed": cfg["federation"]["seed"],
+                     "label": run_label(cfg, s["method"]), "truncation": s.get("truncation"),
+                     "dimension_importance": s.get("dimension_importance")})
     return rows
 
 

@@ -15,6 +15,7 @@ from typing import Any
 from nestfed import config as C
 from nestfed import methods
 from nestfed.config import ExperimentConfig
+from nestfed.experiments.mechanisms import mechanisms
 from nestfed.experiments.prepare import install_stream_modules
 from nestfed.federation.in_process import InProcessTransport
 from nestfed.federation.safeguards import Safeguards
@@ -56,7 +57,8 @@ def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: boo
     federation, train's optimisation settings, output, the methods' sections). With ``resume`` the
     run continues after its latest checkpoint (the caller checked that ``cfg`` is the one the run
     directory holds). ``report(method_run, final_state)``: further summary fields (e.g. the global
-    adapter evaluated as a server model). Raises ConfigError / DataError / NestfedError, each one line.
+    adapter evaluated as a server model); the truncation curve and dimension importance
+    (nestfed.experiments.mechanisms) are always added. Raises ConfigError / DataError / NestfedError, each one line.
     """
     t0 = time.perf_counter()
     method = methods.get(cfg.strategy.name)
@@ -73,6 +75,7 @@ def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: boo
     extra = {"engine": "embedded", "wall_time_s": time.perf_counter() - t0, "prepare_time_s": prep.prepare_time_s,
              "client_labels": {str(c): d.label for c, d in prep.data.items()}, "rejections": loop.log,
              "frozen_prefix_layers": prep.frozen_prefix_layers}
+    extra.update(mechanisms(cfg, mr, state))
     if report is not None:
         extra.update(report(mr, state))
     return rd.finish(cfg, exports, extra)

@@ -4,7 +4,8 @@ Per round: sample clients (fraction; seeded by round) -> ``strategy.configure`` 
 delivers each instruction and brings the replies back -> every reply is validated (keys, shapes,
 rank, dtype, NaN/Inf, n_k against the declared, the update's norm; a bad update is rejected with
 its reason and never reaches the global model) -> ``strategy.aggregate`` (or its robust / DP form)
-when at least ``min_clients`` updates were accepted; a non-finite aggregate is refused -> held-out
+when at least ``min_clients`` updates were accepted, then the server optimiser's step
+(nestfed.federation.server_optimizer; the identity by default); a non-finite result is refused -> held-out
 evaluation of what each client now runs -> commit: the metrics line, then the checkpoint with the
 clients' kept state (nestfed.federation.run_dir). Like Flower's ``Strategy.start(grid)``, the loop
 talks to a :class:`Transport` and never to a client directly. Under secure aggregation (Flower's
@@ -201,11 +202,11 @@ class RoundLoop:
         aggregated = len(res.secure.clients if res.secure is not None else accepted) >= self.min_clients
         trust: dict[str, Any] = {}
         if aggregated and res.secure is not None:  # the strategy rebuilds its rule from the sums alone
-            new_state = self.strategy.aggregate_secure(rnd, state, res.secure)  # type: ignore[attr-defined]
+            new_state, trust = self.safeguards.aggregate_secure(self.strategy, rnd, state, res.secure)
         elif aggregated:
             new_state, trust = self.safeguards.aggregate(self.strategy, rnd, state, accepted)
-        if aggregated:
-            bad = non_finite_keys(new_state.arrays)
+        if aggregated:  # the arrays and the server optimiser's state, which is kept or refused with them
+            bad = non_finite_keys(new_state.arrays) + non_finite_keys(new_state.optimizer)
             if bad:  # never accepted as the global state: the round keeps the old one
                 aggregated = False
                 trust["aggregate_rejected"] = f"non-finite values in {bad[:3]}{' ...' if len(bad) > 3 else ''}"

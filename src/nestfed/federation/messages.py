@@ -50,10 +50,18 @@ class Reply:
 
 @dataclass
 class GlobalState:
-    """The server's state between rounds: arrays plus JSON-able bookkeeping (e.g. client ranks)."""
+    """The server's state between rounds: arrays plus JSON-able bookkeeping (e.g. client ranks).
+
+    optimizer: the server optimiser's state ({``m/<key>`` or ``v/<key>``: float64 tensor shaped
+    like ``arrays[key]``}; nestfed.federation.server_optimizer), kept apart from ``arrays`` so that
+    no strategy, payload, deployment or export ever sees it; checkpointed with the arrays. Only
+    the round loop's server optimiser writes it; a strategy neither reads nor keeps it (empty with
+    the default ``sgd`` at lr 1).
+    """
 
     arrays: Arrays
     meta: dict[str, Any] = field(default_factory=dict)
+    optimizer: Arrays = field(default_factory=dict)
 
 
 @dataclass

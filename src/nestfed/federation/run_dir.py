@@ -4,8 +4,9 @@
 
     config.toml        the resolved config (written first, after the whole config was validated)
     metrics.jsonl      one JSON line per round, round 0 = before any training
-    checkpoints/       round_NNN.safetensors: the global state after round NNN and, as one unit in
-                       the same file, every client's kept state (FedALA's weights, FedNL's own LoRA)
+    checkpoints/       round_NNN.safetensors: the global state after round NNN (its arrays and the
+                       server optimiser's state) and, as one unit in the same file, every client's
+                       kept state (FedALA's weights, FedNL's own LoRA)
     adapter/           the final global adapter in PEFT's format (only when some round aggregated)
     <name>.safetensors further arrays a method keeps (memory rules, fused cores)
     plots/             PNGs
@@ -185,8 +186,11 @@ class RunDir:
 
     def save_checkpoint(self, rnd: int, state: GlobalState, client_state: ClientState | None) -> Path:
         """Write round ``rnd``'s global state and the clients' kept state (None: kept on the
-        clients) as one safetensors file, atomically."""
+        clients) as one safetensors file, atomically: ``global/<key>`` (the arrays),
+        ``optimizer/<key>`` (the server optimiser's state, GlobalState.optimizer; none under the
+        default optimiser, so those checkpoints are unchanged) and ``client/<cid>/<group>/<key>``."""
         tensors = {f"global/{k}": v for k, v in state.arrays.items()}
+        tensors.update({f"optimizer/{k}": v.contiguous() for k, v in state.optimizer.items()})
         if client_state:
             tensors.update({f"client/{k}": v for k, v in flatten_client_state(client_state).items()})
         meta = {"format": FORMAT, "round": str(rnd), "meta": json.dumps(state.meta),
@@ -211,13 +215,14 @@ class RunDir:
                 raise DataError(f"{side}: not a readable client-state file ({exc})") from None
             return Checkpoint(rnd, GlobalState(raw, meta), clients, path)
         arrays = {k[len("global/"):]: v for k, v in raw.items() if k.startswith("global/")}
+        optimizer = {k[len("optimizer/"):]: v for k, v in raw.items() if k.startswith("optimizer/")}
         clients = None
         if md.get("client_state") == KEPT:
             try:
                 clients = unflatten_client_state({k[len("client/"):]: v for k, v in raw.items() if k.startswith("client/")})
             except ValueError as exc:
                 raise DataError(f"{path}: {exc}") from None
-        return Checkpoint(rnd, GlobalState(arrays, meta), clients, path)
+        return Checkpoint(rnd, GlobalState(arrays, meta, optimizer), clients, path)
 
     def commit(self, rnd: int, state: GlobalState, client_state: ClientState | None, line: dict[str, Any],
                keep_checkpoints: bool = True) -> None:

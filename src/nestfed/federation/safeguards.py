@@ -1,7 +1,9 @@
 """What the server does so that a bad or hostile client cannot move the global model: screen each
 reply (beyond nestfed.federation.payload's shapes and finiteness), aggregate robustly or with
 central DP, and count the privacy spent. The round loop (nestfed.federation.loop) calls it for
-every transport; docs/trust.md describes the rules.
+every transport; docs/trust.md describes the rules. Every aggregate (the strategy's own, robust,
+DP or rebuilt from secure sums) then goes through the server optimiser
+(nestfed.federation.server_optimizer; identity by default).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import Any
 
 import torch
 
-from nestfed.config import ExperimentConfig, PrivacyConfig, RobustConfig, ValidationConfig
+from nestfed.config import ExperimentConfig, PrivacyConfig, RobustConfig, ServerOptimizerConfig, ValidationConfig
 from nestfed.errors import UpdateRejected
-from nestfed.federation.messages import Arrays, GlobalState, Instruction, Reply
+from nestfed.federation.messages import Arrays, GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.privacy import epsilon
 from nestfed.federation.robust import BlockRule
+from nestfed.federation.server_optimizer import server_step
 from nestfed.federation.strategy import Strategy
 from nestfed.federation.update import FLOAT32_MAX, clip_update, update_norm
 
@@ -34,19 +37,22 @@ class Safeguards:
     """The server's checks and aggregation rule for one run.
 
     validation: n_k policy and the optional norm bound; privacy: DP (central clipping and the
-    accountant); rule: the block rule (robust or central DP) applied when active.
+    accountant); rule: the block rule (robust or central DP) applied when active; optimizer: the
+    server optimiser applied to every aggregate (nestfed.federation.server_optimizer).
     """
 
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     rule: BlockRule = field(default_factory=lambda: BlockRule(RobustConfig(), PrivacyConfig()))
+    optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> Safeguards:
-        """The safeguards of an experiment's ``[validation]``, ``[robust]``, ``[privacy]`` and
-        federation (sampling rate, seed)."""
+        """The safeguards of an experiment's ``[validation]``, ``[robust]``, ``[privacy]``,
+        ``[server_optimizer]`` and federation (sampling rate, seed)."""
         f = cfg.federation
-        return cls(cfg.validation, cfg.privacy, BlockRule(cfg.robust, cfg.privacy, f.fraction, f.seed))
+        return cls(cfg.validation, cfg.privacy, BlockRule(cfg.robust, cfg.privacy, f.fraction, f.seed),
+                   cfg.server_optimizer)
 
     def screen(self, instruction: Instruction, reply: Reply, declared: int) -> tuple[Reply, dict[str, Any]]:
         """Check one (already shape-validated) reply; return it, possibly capped or clipped, and the
@@ -84,13 +90,24 @@ class Safeguards:
 
     def aggregate(self, strategy: Strategy, rnd: int, state: GlobalState,
                   replies: dict[int, Reply]) -> tuple[GlobalState, dict[str, Any]]:
-        """The strategy's aggregate, or its block form under a robust rule or central DP; returns
-        the new state and, for the metrics line, ``robust`` (per block: members, rule, selection)."""
+        """The strategy's aggregate, or its block form under a robust rule or central DP, then the
+        server optimiser's step (nestfed.federation.server_optimizer.server_step, whose ValueError
+        propagates); returns the new state and, for the metrics line, ``robust`` (per block:
+        members, rule, selection) and ``server_optimizer`` (absent when it is the identity)."""
         if not self.rule.active:
-            return strategy.aggregate(rnd, state, replies), {}
+            return server_step(self.optimizer, state, strategy.aggregate(rnd, state, replies))
         self.rule.start_round(rnd)
-        new = strategy.robust_aggregate(rnd, state, replies, self.rule)
-        return new, {"robust": dict(self.rule.notes)}
+        new, facts = server_step(self.optimizer, state, strategy.robust_aggregate(rnd, state, replies, self.rule))
+        return new, {"robust": dict(self.rule.notes), **facts}
+
+    def aggregate_secure(self, strategy: Strategy, rnd: int, state: GlobalState,
+                         secure: SecureSum) -> tuple[GlobalState, dict[str, Any]]:
+        """The strategy's rebuild from secure sums alone (``aggregate_secure``,
+        nestfed.federation.secure_sum), then the server optimiser's step: it needs only the
+        aggregate, never a single client's update, so it composes with secure aggregation. Returns
+        as :meth:`aggregate` (no ``robust``: secure aggregation refuses block rules)."""
+        new = strategy.aggregate_secure(rnd, state, secure)  # type: ignore[attr-defined]
+        return server_step(self.optimizer, state, new)
 
     def privacy_spent(self, rnd: int, fraction: float) -> dict[str, Any]:
         """``privacy``: {mode, epsilon (None = infinite), delta, rounds} after round ``rnd``; {}

@@ -15,7 +15,7 @@ from typing import Any
 from nestfed import config as C
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.methods import fedala, fedavg, fedmkt, fednl, fedprox, fedslm, fedssi, ffa_lora, flora, hetlora, prelort
-from nestfed.methods import zeropad
+from nestfed.methods import fedex_lora, fedsa_lora, flexlora, local_only, zeropad
 from nestfed.methods.method import Method
 
 REGISTRY: dict[str, Method] = {m.name: m for m in (
@@ -31,6 +31,10 @@ REGISTRY: dict[str, Method] = {m.name: m for m in (
     fedssi.METHOD,
     fedslm.METHOD,
     fedmkt.METHOD,
+    local_only.METHOD,
+    flexlora.METHOD,
+    fedsa_lora.METHOD,
+    fedex_lora.METHOD,
 )}
 
 
@@ -60,6 +64,9 @@ def _check(cfg: ExperimentConfig) -> None:
     if m.robust_aggregation and (cfg.robust.rule != "mean" or cfg.privacy.mode == "central"):
         field = "robust.rule" if cfg.robust.rule != "mean" else "privacy.mode"
         raise ValueError(f"{field}: {m.name} cannot aggregate robustly or with central DP: {m.robust_aggregation}")
+    if m.server_optimizer and not cfg.server_optimizer.identity:
+        raise ValueError(f"server_optimizer.name: {m.name} cannot take a server optimiser "
+                         f"('{cfg.server_optimizer.name}'): {m.server_optimizer}")
     if m.check_config is not None:
         m.check_config(cfg)
 

@@ -59,7 +59,12 @@ class Method:
     clients keep state between rounds under this config (a resume needs that state);
     robust_aggregation: why its strategy cannot cut its replies into rank blocks (a robust rule or
     central DP is then refused with this reason), "" when it can (``robust_aggregate``,
-    nestfed.federation.robust).
+    nestfed.federation.robust); global_adapter: whether its export is one global LoRA adapter whose
+    rank prefixes a client could run (False: e.g. local-only training, which has none; the
+    truncation curve and dimension importance skip it); server_optimizer: why its global state
+    cannot take a server optimiser's step (``server_optimizer.name`` other than the identity is then
+    refused with this reason), "" when it can: every floating array keeps its shape from round to
+    round and the aggregate minus the state is an update (nestfed.federation.server_optimizer).
     """
 
     name: str
@@ -73,6 +78,9 @@ class Method:
     equal_ranks: bool = False
     keeps_client_state: Callable[[ExperimentConfig], bool] = lambda cfg: False
     robust_aggregation: str = "its server does not aggregate LoRA updates (docs/trust.md)"
+    global_adapter: bool = True
+    server_optimizer: str = ("its server does not combine parameter updates, so its state has no pseudo-gradient "
+                             "(docs/architecture.md, Server optimisers)")
 
     @property
     def on_flower(self) -> bool:
@@ -115,5 +123,6 @@ def lora_method(name: str, summary: str, strategy: Callable[[ExperimentConfig, A
         return MethodRun(st, side.trainer, clients, prep.shapes, side.trainer.hooks.keeps_state, finish)
 
     kw.setdefault("robust_aggregation", "")
+    kw.setdefault("server_optimizer", "")
     return Method(name, summary, build, client=client, server=strategy,
                   keeps_client_state=lambda cfg: hooks(cfg).keeps_state, **kw)

@@ -5,13 +5,22 @@ R_k = {r in R_fed : r <= r_k} of the causal-LM loss with the adapter truncated t
 is the sorted set of distinct ranks in the federation. Aggregation (section 2.3): for each
 segment [r_{l-1}, r_l) the n_k-weighted mean update of the clients with r_k >= r_l is added to
 the global segment (:func:`segment_average`).
+
+Options: section ``[prelort]`` (:class:`PreLortOptions`): the local objective (``nested``, the
+paper's; ``sampled``, one sub-rank drawn per step, an unbiased estimate of the nested loss at the
+cost of one pass; ``full_rank``, plain LoRA at r_k) and the aggregation (``segment``, the paper's;
+``zeropad``). The paper's two ablations (section 4) are ``objective = "full_rank"`` ("nested
+aggregation only") and ``aggregation = "zeropad"`` (the nested objective with zero-padded
+aggregation).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from nestfed.config import ExperimentConfig
@@ -23,8 +32,32 @@ from nestfed.federation.secure_sum import SecureSum, segment_mean
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
 from nestfed.federation.training import Batch
 from nestfed.methods.method import lora_method, lora_settings
+from nestfed.methods.zeropad import ZeroPad
 from nestfed.nn.keys import rank_dim
 from nestfed.nn.lora import active_rank
+from nestfed.seeds import stream_seed
+
+OBJECTIVES = ("nested", "sampled", "full_rank")
+AGGREGATIONS = ("segment", "zeropad")
+
+
+@dataclass(frozen=True)
+class PreLortOptions:
+    """objective: ``nested`` (mean loss over R_k, |R_k| passes per step; section 2.2), ``sampled``
+    (one sub-rank r ~ Uniform(R_k) per step, drawn from the seed rule's stream ``subrank/<step>`` of
+    (federation.seed, round, client): an unbiased estimate of the nested loss, one pass per step) or
+    ``full_rank`` (plain LoRA at r_k: the ablation "nested aggregation only"); aggregation:
+    ``segment`` (section 2.3) or ``zeropad`` (ZeroPad's padded mean: the ablation "nested objective,
+    zero-padded aggregation"). Raises ValueError naming the field for any other value."""
+
+    objective: str = "nested"
+    aggregation: str = "segment"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective: unknown objective '{self.objective}' (known: {', '.join(OBJECTIVES)})")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation: unknown aggregation '{self.aggregation}' (known: {', '.join(AGGREGATIONS)})")
 
 
 def segments(ranks: Sequence[int]) -> list[tuple[int, int]]:
@@ -70,7 +103,14 @@ class PreLort(LoraStrategy):
         """``subranks``: R_k, the federation's ranks up to the client's."""
         return {"subranks": [r for r in self.federation_ranks(state) if r <= rank]}
 
+    @property
+    def zero_padded(self) -> bool:
+        """Whether this run aggregates as ZeroPad does (the ablation ``aggregation = "zeropad"``)."""
+        return self.options is not None and self.options.aggregation == "zeropad"
+
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        if self.zero_padded:
+            return ZeroPad(self.s).aggregate(rnd, state, replies)
         new = copy_state(state)
         n = examples(replies)
         cids = sorted(replies)
@@ -106,6 +146,8 @@ class PreLort(LoraStrategy):
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
         """:meth:`aggregate` from secure sums alone: each rank row's n_k-weighted mean update over the
         clients holding it, which is its segment's mean (nestfed.federation.secure_sum)."""
+        if self.zero_padded:
+            return ZeroPad(self.s).aggregate_secure(rnd, state, secure)
         new = copy_state(state)
         for key, s in secure.sums.items():
             new.arrays[key] = segment_mean(state.arrays[key], s, secure.counts, rank_dim(key))
@@ -126,18 +168,45 @@ def nested_loss(model: torch.nn.Module, batch: Batch, subranks: Sequence[int]) -
     return total
 
 
+def sampled_subrank(subranks: Sequence[int], seed: int, rnd: int, cid: int, step: int) -> int:
+    """The sub-rank one step of the ``sampled`` objective trains: uniform over R_k = ``subranks``,
+    drawn from the seed rule's stream ``subrank/<step>`` of (seed, round, client), so
+    E_r[CE(f(.; theta, r))] is the nested loss L_k (arXiv 2606.15963, section 2.2) and a resumed run
+    draws the same sub-ranks. Raises ValueError for an empty ``subranks``."""
+    ranks = list(subranks)
+    if not ranks:
+        raise ValueError("subranks is empty: a client trains at least its own rank")
+    rng = np.random.default_rng(stream_seed(seed, rnd, cid, f"subrank/{step}"))
+    return int(ranks[int(rng.integers(len(ranks)))])
+
+
 class PreLortHooks(ClientHooks):
-    """The nested objective over the sub-ranks R_k the strategy sends (``subranks``)."""
+    """The local objective over the sub-ranks R_k the strategy sends (``subranks``): nested (every
+    sub-rank, :func:`nested_loss`), sampled (one drawn sub-rank per step, :func:`sampled_subrank`)
+    or the plain loss at the client's rank (``full_rank``)."""
+
+    def __init__(self, objective: str = "nested"):
+        self.objective = objective
+
+    def before_step(self, ctx: FitContext, step: int) -> None:
+        """Remember the step (the sampled objective's draw depends on it)."""
+        ctx.scratch["step"] = step
 
     def step_loss(self, ctx: FitContext, batch: Batch) -> float:
-        """:func:`nested_loss` over the instruction's ``subranks``."""
-        return nested_loss(ctx.model, batch, ctx.config["subranks"])
+        """The configured objective on one batch, backpropagated; returns its value (nats/token)."""
+        subranks = ctx.config["subranks"]
+        if self.objective == "full_rank":
+            subranks = [max(subranks)]
+        elif self.objective == "sampled":
+            subranks = [sampled_subrank(subranks, ctx.seed, ctx.round, ctx.cid, ctx.scratch["step"])]
+        return nested_loss(ctx.model, batch, subranks)
 
 
 def _strategy(cfg: ExperimentConfig, initial: Arrays) -> PreLort:
-    return PreLort(lora_settings(cfg))
+    return PreLort(lora_settings(cfg), cfg.section("prelort"))
 
 
 METHOD = lora_method("prelort", "clients train every prefix sub-rank r in R_k; the server averages each rank "
                      "segment over the clients that hold it (arXiv 2606.15963)", _strategy,
-                     hooks=lambda cfg: PreLortHooks())
+                     hooks=lambda cfg: PreLortHooks(cfg.section("prelort").objective),
+                     sections={"prelort": PreLortOptions})

@@ -64,8 +64,10 @@ METHOD = Method("fedmkt", "mutual top-k logit distillation between the server's 
                 "compressed models on a shared text (Fan et al. 2025)", build,
                 sections={"fedmkt": FedMKTOptions, "compression": CompressionOptions},
                 check_config=check_compression, check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None,
-                keeps_client_state=lambda cfg: True,
+                keeps_client_state=lambda cfg: True, global_adapter=False,
                 robust_aggregation="its server learns by distillation from logits, not by combining parameter "
-                "updates (docs/trust.md)")
+                "updates (docs/trust.md)",
+                server_optimizer="its server learns by distillation, and its state holds the server's knowledge "
+                "(top-k logits recomputed every round), not an aggregate of client updates")
 
 __all__ = ["METHOD"]

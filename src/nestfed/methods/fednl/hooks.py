@@ -1,8 +1,10 @@
 """FedNL's client side (arXiv 2605.16350, sections 3-4): the constant gate's schedule per local
 step, and, when only the rules travel, the client's own LoRA kept between rounds.
 
-Kept state: ``kept`` = the client's own LoRA on q, k, v (``travel = "rules"``), initialised once
-from the run's LoRA seed exactly as the global adapter would be, then trained and kept.
+Kept state: ``kept`` = the client's own LoRA on q, k, v (``travel = "rules"`` or ``"none"``),
+initialised once from the run's LoRA seed exactly as the global adapter would be, then trained and
+kept; ``kept_rules`` = the client's own memory rules (``travel = "none"``, the local-only baseline:
+received once, then trained and kept; a constant gate's alpha still follows the run's schedule).
 """
 
 from __future__ import annotations
@@ -12,19 +14,23 @@ from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays
 from nestfed.nn.keys import rank_dim
 from nestfed.nn.lora import init_adapter_state, module_shapes
-from nestfed.nn.memory import alpha_schedule, set_constant_alpha
+from nestfed.nn.memory import alpha_schedule, is_constant_alpha_key, set_constant_alpha
 
 KEPT = "kept"
+KEPT_RULES = "kept_rules"
 
 
 class FedNLHooks(ClientHooks):
     """keep_lora: the client keeps its LoRA (``travel = "rules"``); memory: the [memory] section
     (a ``constant`` gate follows alpha_start -> alpha_end over alpha_warmup_steps local steps of
-    the run); local_steps: train.local_steps; init_seed: lora.init_seed."""
+    the run); local_steps: train.local_steps; init_seed: lora.init_seed; keep_rules: the client
+    also keeps its memory rules (``travel = "none"``, local-only; implies keep_lora)."""
 
-    def __init__(self, keep_lora: bool, memory: MemoryConfig, local_steps: int, init_seed: int):
-        self.keep_lora = keep_lora
-        self.keeps_state = keep_lora
+    def __init__(self, keep_lora: bool, memory: MemoryConfig, local_steps: int, init_seed: int,
+                 keep_rules: bool = False):
+        self.keep_lora = keep_lora or keep_rules
+        self.keep_rules = keep_rules
+        self.keeps_state = self.keep_lora
         self.memory = memory
         self.local_steps = local_steps
         self.init_seed = init_seed
@@ -36,7 +42,15 @@ class FedNLHooks(ClientHooks):
             return arrays
         if KEPT not in ctx.state:
             ctx.state[KEPT] = init_adapter_state(module_shapes(ctx.model), int(ctx.config["rank"]), self.init_seed)
-        return {**arrays, **{k: v.clone() for k, v in ctx.state[KEPT].items()}}
+        return {**self._own_rules(ctx.state, arrays), **{k: v.clone() for k, v in ctx.state[KEPT].items()}}
+
+    def _own_rules(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
+        """The received arrays with the client's kept rules in place of the received ones
+        (``keep_rules``; a constant gate's alpha stays as received: the schedule sets it)."""
+        if not self.keep_rules or KEPT_RULES not in state:
+            return arrays
+        own = {k: v.clone() for k, v in state[KEPT_RULES].items() if not is_constant_alpha_key(k)}
+        return {**arrays, **own}
 
     def before_step(self, ctx: FitContext, step: int) -> None:
         """A constant gate takes the schedule's value at the run's local step (round - 1) *
@@ -52,10 +66,14 @@ class FedNLHooks(ClientHooks):
             return out
         kept = {k: v for k, v in out.items() if rank_dim(k) is not None}
         ctx.state[KEPT] = kept
-        return {k: v for k, v in out.items() if k not in kept}
+        rules = {k: v for k, v in out.items() if k not in kept}
+        if self.keep_rules:  # local-only: the rules are sent (validated, then ignored by the server)
+            ctx.state[KEPT_RULES] = {k: v.clone() for k, v in rules.items()}
+        return rules
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
-        """The deployed rules plus the client's own LoRA (rules mode)."""
+        """The deployed rules plus the client's own LoRA (rules mode); the client's own rules too
+        (``travel = "none"``)."""
         if not arrays or KEPT not in state:
             return arrays
-        return {**arrays, **state[KEPT]}
+        return {**self._own_rules(state, arrays), **state[KEPT]}

@@ -9,7 +9,9 @@ loss. Level 2 (inference): S_t updated online by the delta rule; it never leaves
 ``travel`` chooses what crosses the wire, so that both of the paper's communication accounts
 can be measured (section 4.4): ``all`` -- LoRA and the rules; ``rules`` -- only the memory
 rules (beta projections and gates), each client keeping its own LoRA (initialised from the
-run's LoRA seed, as the global adapter would be; nestfed.methods.fednl.hooks).
+run's LoRA seed, as the global adapter would be; nestfed.methods.fednl.hooks); ``none`` -- the
+local-only baseline: the rules are sent and validated but never aggregated, each client keeps
+its own LoRA and rules.
 
 The constant gate (docs/methods.md section 3: "scheduled from 0.01 to 0.5 over the first steps")
 is set per local step on the client from ``alpha_schedule``; the global state carries the
@@ -65,7 +67,7 @@ class FedNL(LoraStrategy):
         if not rules or not all(is_memory_key(k) for k in rules):
             raise ValueError("fednl: no memory rules to start from (the model needs memory layers: "
                              "nestfed.nn.memory.install_memory, configured by the [memory] section)")
-        arrays = {} if travel == "rules" else dict(state.arrays)
+        arrays = {} if travel in ("rules", "none") else dict(state.arrays)
         arrays.update({k: v.detach().clone() for k, v in sorted(rules.items())})
         self._set_alpha(arrays, 0)
         return GlobalState(arrays, {**state.meta, "travel": travel})
@@ -75,7 +77,12 @@ class FedNL(LoraStrategy):
         return sorted(sent)
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """FedAvg of every travelling array (n_k weights); with ``travel = "none"`` (local-only)
+        the rules are left as they started. Then the constant gate's schedule."""
         new = copy_state(state)
+        if self.travel == "none":
+            self._set_alpha(new.arrays, rnd * self.local_steps)
+            return new
         n = examples(replies)
         cids = sorted(replies)
         for key in sorted(state.arrays):

@@ -103,10 +103,11 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
 
 METHOD = Method("fedslm", "clients run SVD-compressed models at nested ranks and train small cores; the server "
                 "fuses across groups, then lifts the full model by weak-to-strong distillation (arXiv 2607.29071)",
-                build, sections=SECTIONS, check_config=check_compression,
+                build, sections=SECTIONS, check_config=check_compression, global_adapter=False,
                 check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None,
                 robust_aggregation="its clients train cores of different shapes in nested SVD groups, fused by "
                 "coverage; a rule would need one block per group and core position, which is not built (the norm "
-                "bound, validation.max_update_norm, applies; docs/trust.md)")
+                "bound, validation.max_update_norm, applies; docs/trust.md)",
+                server_optimizer="")  # the fused cores M_l keep their shape: the fusion minus M_l is an update
 
 __all__ = ["METHOD", "SECTIONS", "client_ratios", "elicitation"]

@@ -1,0 +1,223 @@
+"""FedEx-LoRA (Singhal, Ponkshe and Vepakomma, "Exact Aggregation for Federated and Efficient
+Fine-Tuning of Foundation Models", arXiv 2410.09432, ACL 2025; its method section): FedAvg of A and B, plus the
+residual the averaging misses folded into the frozen weights, so the aggregated model is exactly
+the n_k-weighted mean of the clients' models (docs/methods.md, "Baselines reviewers ask for").
+
+Paper (one rank r, one scale s, its aggregation rule): Abar = sum_k p_k A_k, Bbar = sum_k p_k B_k and
+W0 <- W0 + sum_k p_k s B_k A_k - s Bbar Abar on the server and every client (p_k = n_k / N).
+
+Here (nestfed.nn.lora keeps a layer's frozen residual factorised as ``merged_B @ merged_A``, as
+FLoRA does):
+
+- The residual is kept exactly as a stack of factors, ``merged_A`` [R, in] (rows carry the
+  scales) and ``merged_B`` [out, R]: each round appends rows p_k s_k A_k with columns B_k, and rows
+  -s Abar with columns Bbar. The global model is W0 + merged_B merged_A + s Bbar Abar with
+  s = scale(r_max).
+- *Decision* (heterogeneous ranks, beyond the paper): Abar and Bbar are zero-padded means to r_max
+  (ZeroPad's); a client of rank r_k trains the prefix Abar[:r_k], Bbar[:, :r_k] at its scale s_k,
+  and the rest of the global model is folded into the frozen residual it receives
+  (:func:`client_fold`): s Bbar Abar - s_k Bbar[:, :r_k] Abar[:r_k]. So every client starts each
+  round from exactly the global model, and the mean of the clients' models after training is
+  G + sum_k p_k s_k (B_k A_k - Bbar[:, :r_k] Abar[:r_k]) with G the global delta; the round's
+  residual (:func:`round_residual`) therefore also carries sum_j d_j Bbar[:, j] Abar[j] with
+  d_j = sum_k p_k (s - s_k [r_k > j]) (zero at equal ranks and one scale: the paper's rule).
+- *Decision* (bytes): as FLoRA, the downlink is the whole residual stack (a client that skipped
+  rounds is still exact). It grows by about sum_k r_k + r_max rows a round; once it exceeds
+  min(out, in) rows it is replaced by the dense residual written as an exact factorisation
+  (:func:`compact`: [W, I] or [I, W]), so it never holds more than min(out, in) rows (at that cap
+  the downlink carries the dense residual plus an identity factor).
+- Exactness: the factors are exact; float32 rounding of their entries (and of the dense residual
+  after compaction) is the only error.
+
+deploy(state, cid) is client cid's prefix and fold (the global model exactly); export() writes one
+PEFT adapter at scale 1, A = [merged_A; s Abar], B = [merged_B, Bbar] (rank R + r_max, zero-padded
+to the largest over the layers), whose product is the global delta exactly. Its rank prefixes are
+not models a client runs (``global_adapter`` False: the mechanism reports skip it). A robust rule
+or central DP is refused: every client's exact product enters the residual, which no rule over the
+A and B blocks would guard; so is a server optimiser (the residual's arrays change shape).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.aggregation import pad_rank, weighted_mean
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
+from nestfed.federation.strategy import LoraStrategy, copy_state, examples
+from nestfed.methods.method import lora_method, lora_settings
+from nestfed.nn.keys import merged_key, module_of, peft_key
+
+Factors = tuple[torch.Tensor, torch.Tensor]  # (rows [q, in], columns [out, q]): columns @ rows
+
+
+@dataclass(frozen=True)
+class ClientFactors:
+    """One replying client of a layer: A [r_k, in], B [out, r_k], its weight p_k = n_k / N and its
+    LoRA scale s_k."""
+
+    A: torch.Tensor
+    B: torch.Tensor
+    p: float
+    s: float
+
+
+def nonzero_columns(rows: torch.Tensor, cols: torch.Tensor) -> Factors:
+    """The factor pairs whose column of ``cols`` [out, q] is not all zero (a zero column adds
+    nothing to cols @ rows); rows [q, in]."""
+    keep = cols.ne(0).any(dim=0)
+    return rows[keep], cols[:, keep]
+
+
+def client_fold(A: torch.Tensor, B: torch.Tensor, rank: int, s_global: float, s_client: float) -> Factors:
+    """Factors of s Bbar Abar - s_k Bbar[:, :r_k] Abar[:r_k]: what a client of rank r_k adds to
+    its frozen residual so that it runs the global model exactly (this module's decision for
+    heterogeneous ranks). A: Abar [r_max, in]; B: Bbar [out, r_max]. With s_k = s: the tail, rows
+    s Abar[r_k:] and columns Bbar[:, r_k:] (empty at r_k = r_max); else rows [s Abar; -s_k
+    Abar[:r_k]] and columns [Bbar, Bbar[:, :r_k]]. Zero columns are dropped. Raises ValueError when
+    rank exceeds r_max."""
+    if rank > A.shape[0]:
+        raise ValueError(f"rank {rank} exceeds the global rank {A.shape[0]}")
+    if s_client == s_global:
+        rows, cols = s_global * A[rank:], B[:, rank:]
+    else:
+        rows = torch.cat([s_global * A, -s_client * A[:rank]], dim=0)
+        cols = torch.cat([B, B[:, :rank]], dim=1)
+    return nonzero_columns(rows, cols)
+
+
+def round_residual(A_old: torch.Tensor, B_old: torch.Tensor, clients: Sequence[ClientFactors], A_new: torch.Tensor,
+                   B_new: torch.Tensor, s_global: float) -> Factors:
+    """Factors of one round's residual (FedEx-LoRA's residual, extended to heterogeneous ranks):
+
+        sum_j d_j B_old[:, j] A_old[j] + sum_k p_k s_k B_k A_k - s B_new A_new,
+        d_j = sum_k p_k (s - s_k [r_k > j]).
+
+    A_old, A_new: the global Abar [r_max, in] before and after the round; B_old, B_new: Bbar
+    [out, r_max]; clients: the replying clients (weights p_k summing to 1). The first term is the
+    part of the old global LoRA that clients of rank r_k <= j ran frozen (module docstring); it is
+    zero at equal ranks and one scale. Rows [q, in] carry the coefficients; zero columns dropped.
+    """
+    r_max = A_old.shape[0]
+    d = [sum(c.p * (s_global - (c.s if c.A.shape[0] > j else 0.0)) for c in clients) for j in range(r_max)]
+    rows = [torch.tensor(d, dtype=A_old.dtype)[:, None] * A_old]
+    cols = [B_old]
+    for c in clients:
+        rows.append((c.p * c.s) * c.A)
+        cols.append(c.B)
+    rows.append(-s_global * A_new)
+    cols.append(B_new)
+    keep = torch.tensor(d) != 0
+    rows[0], cols[0] = rows[0][keep], cols[0][:, keep]
+    return nonzero_columns(torch.cat(rows, dim=0), torch.cat(cols, dim=1))
+
+
+def compact(rows: torch.Tensor, cols: torch.Tensor) -> Factors:
+    """The residual cols @ rows (rows [R, in], cols [out, R]) unchanged when R <= min(out, in);
+    else written densely as an exact factorisation of min(out, in) terms: rows = I [in, in] and
+    cols = the dense [out, in] residual when in <= out, otherwise rows = the dense residual and
+    cols = I [out, out]. The dense residual is computed in float64 and rounded once to the
+    factors' dtype."""
+    out_f, in_f = cols.shape[0], rows.shape[1]
+    if rows.shape[0] <= min(out_f, in_f):
+        return rows, cols
+    dense = (cols.double() @ rows.double()).to(rows.dtype)
+    if in_f <= out_f:
+        return torch.eye(in_f, dtype=rows.dtype), dense
+    return dense, torch.eye(out_f, dtype=rows.dtype)
+
+
+def lora_modules_of(arrays: Arrays) -> list[str]:
+    """Module paths of the ``lora_A`` keys of a payload, sorted."""
+    return sorted(module_of(k)[0] for k in arrays if k.endswith("lora_A.weight"))
+
+
+class FedExLoRA(LoraStrategy):
+    """Global state per layer: Abar ``lora_A`` [r_max, in], Bbar ``lora_B`` [out, r_max] and the
+    exact residual ``merged_A`` [R, in], ``merged_B`` [out, R] (module docstring)."""
+
+    name = "fedex_lora"
+
+    def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
+        """The usual initial adapter (A random, B = 0) and an empty residual (R = 0). Raises
+        ValueError for a client rank above r_max."""
+        state = super().initialize(shapes, clients)
+        for m, (out_f, in_f) in sorted(shapes.items()):
+            state.arrays[merged_key(m, "A")] = torch.zeros(0, in_f)
+            state.arrays[merged_key(m, "B")] = torch.zeros(out_f, 0)
+        return state
+
+    def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
+        """Abar[:r_k] [r_k, in], Bbar[:, :r_k] [out, r_k] and the frozen residual: the global stack
+        followed by :func:`client_fold` (so the client runs the global model exactly)."""
+        s_global, s_client = self.s.scale(self.s.r_max), self.s.scale(rank)
+        out = {}
+        for m in lora_modules_of(state.arrays):
+            A, B = state.arrays[peft_key(m, "lora_A")], state.arrays[peft_key(m, "lora_B")]
+            rows, cols = client_fold(A, B, rank, s_global, s_client)
+            out[peft_key(m, "lora_A")] = A[:rank].clone()
+            out[peft_key(m, "lora_B")] = B[:, :rank].clone()
+            out[merged_key(m, "A")] = torch.cat([state.arrays[merged_key(m, "A")], rows], dim=0)
+            out[merged_key(m, "B")] = torch.cat([state.arrays[merged_key(m, "B")], cols], dim=1)
+        return out
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """Abar, Bbar: n_k-weighted zero-padded means; the residual gains :func:`round_residual`'s
+        factors and is compacted (:func:`compact`)."""
+        new = copy_state(state)
+        n = examples(replies)
+        total = sum(n.values())
+        cids = sorted(replies)
+        s_global = self.s.scale(self.s.r_max)
+        weights = [n[c] for c in cids]
+        for m in lora_modules_of(state.arrays):
+            a_key, b_key = peft_key(m, "lora_A"), peft_key(m, "lora_B")
+            A_new = weighted_mean([pad_rank(replies[c].arrays[a_key], 0, self.s.r_max) for c in cids], weights)
+            B_new = weighted_mean([pad_rank(replies[c].arrays[b_key], 1, self.s.r_max) for c in cids], weights)
+            clients = [ClientFactors(replies[c].arrays[a_key], replies[c].arrays[b_key], n[c] / total,
+                                     self.s.scale(replies[c].arrays[a_key].shape[0])) for c in cids]
+            rows, cols = round_residual(state.arrays[a_key], state.arrays[b_key], clients, A_new, B_new, s_global)
+            rows = torch.cat([state.arrays[merged_key(m, "A")], rows], dim=0)
+            cols = torch.cat([state.arrays[merged_key(m, "B")], cols], dim=1)
+            new.arrays[merged_key(m, "A")], new.arrays[merged_key(m, "B")] = compact(rows, cols)
+            new.arrays[a_key], new.arrays[b_key] = A_new, B_new
+        return new
+
+    def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
+        """Client cid's payload at its scale s_k (the global model exactly); None: Abar, Bbar and the
+        residual stack at the global scale."""
+        r = self.s.r_max if cid is None else self.rank_of(state, cid)
+        return self.client_arrays(state, r), self.s.scale(r)
+
+    def export(self, state: GlobalState) -> tuple[Arrays, float]:
+        """One PEFT adapter at scale 1 whose product is the global delta exactly: per layer
+        A = [merged_A; s Abar] [R + r_max, in] and B = [merged_B, Bbar] [out, R + r_max], zero-padded
+        to the largest R + r_max over the layers (PEFT needs one rank; zero rows add nothing)."""
+        s_global = self.s.scale(self.s.r_max)
+        parts = {}
+        for m in lora_modules_of(state.arrays):
+            A, B = state.arrays[peft_key(m, "lora_A")], state.arrays[peft_key(m, "lora_B")]
+            parts[m] = (torch.cat([state.arrays[merged_key(m, "A")], s_global * A], 0),
+                        torch.cat([state.arrays[merged_key(m, "B")], B], 1))
+        rank = max((a.shape[0] for a, _ in parts.values()), default=0)
+        out = {}
+        for m, (a, b) in parts.items():
+            out[peft_key(m, "lora_A")], out[peft_key(m, "lora_B")] = pad_rank(a, 0, rank), pad_rank(b, 1, rank)
+        return out, 1.0
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedExLoRA:
+    return FedExLoRA(lora_settings(cfg))
+
+
+METHOD = lora_method("fedex_lora", "FedAvg of A and B plus the exact residual mean(s_k B_k A_k) - s Bbar Abar folded "
+                     "into the frozen weights (Singhal et al., ACL 2025)", _strategy, global_adapter=False,
+                     robust_aggregation="FedEx-LoRA folds every client's exact product s_k B_k A_k into the frozen "
+                     "residual, which a rule over the A and B blocks would not guard (a norm bound, "
+                     "validation.max_update_norm, does apply; docs/trust.md)",
+                     server_optimizer="its frozen residual is a stack of factors that grows every round (until it "
+                     "is compacted to the dense residual), so its arrays do not keep their shapes and there is no "
+                     "pseudo-gradient to step")

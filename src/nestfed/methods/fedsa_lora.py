@@ -1,0 +1,213 @@
+"""FedSA-LoRA (Guo, Zeng, Wang, Fan, Wang and Qu, "Selective Aggregation for Low-Rank Adaptation in
+Federated Learning", ICLR 2025, arXiv 2410.01463; its method section): both LoRA matrices train on
+the clients, but only A (which the paper finds learns general knowledge) is sent and averaged; B
+(client-specific) never leaves its client and is the client's kept state between rounds
+(docs/methods.md, "Baselines reviewers ask for").
+
+- Server: the n_k-weighted mean of the clients' A (FedAvg on A, the paper's server step). Only A
+  travels, in both directions.
+- Client: loads the global A prefix of its rank and its own B (zeros before its first round: the
+  usual B = 0 initialisation), trains both, sends A back and keeps B (``ctx.state["own_B"]``,
+  checkpointed with every round). It evaluates the global A with its own B.
+- *Decision* (heterogeneous ranks; the paper uses one rank): row j of the global A is the
+  n_k-weighted mean over the replying clients that hold row j (r_k > j); a row no replying client
+  holds keeps its value (:func:`holder_mean`). Zero-padding would multiply the rows only high-rank
+  clients hold by their data share every round, so a lone rank-r_max client's extra rows of A
+  would decay towards zero while its B, kept locally, expects them. With equal ranks this is
+  exactly FedAvg on A.
+- *Decision* (export; there is no global B in FedSA-LoRA, and the server never sees any B): the
+  exported PEFT adapter is the shared global A (rank r_max) with B = 0, i.e. the backbone's
+  function with A as the shared initialisation a new client would start from. The personalised
+  models (global A, client k's own B) are what the per-client evaluation measures; the B's live in
+  the checkpoints' client state. The run's summary says so (``adapter_note``), and the
+  mechanism reports (truncation curve, dimension importance) skip the method (``global_adapter``
+  False).
+- Robust rules and central DP work per rank segment of A (the blocks whose rows are held by the
+  same clients, as PreLort's); secure aggregation rebuilds the holder mean from sums alone.
+
+Under Flower the B's stay on the nodes (``Context.state``), so a resume is refused there as for
+every method whose clients keep state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import torch
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.aggregation import weighted_mean
+from nestfed.federation.hooks import ClientHooks, FitContext
+from nestfed.federation.messages import Arrays, GlobalState, Reply
+from nestfed.federation.prepared import Prepared
+from nestfed.federation.robust import Block, BlockRule
+from nestfed.federation.run_dir import Exports
+from nestfed.federation.secure_sum import SecureSum, segment_mean
+from nestfed.federation.strategy import LoraStrategy, copy_state, examples
+from nestfed.methods.method import MethodRun, lora_method, lora_settings
+from nestfed.nn.keys import peft_key, rank_dim
+from nestfed.nn.lora import module_shapes
+
+#: the client's kept-state group holding its own B matrices {lora_B key: [out, r_k]}
+OWN_B = "own_B"
+
+ADAPTER_NOTE = ("the exported adapter is the shared global A (rank r_max) with B = 0: FedSA-LoRA has no "
+                "global B (each client's B never leaves it), so the adapter computes the backbone's function; "
+                "the personalised models are (global A, own B), kept in the checkpoints' client state")
+
+
+def a_keys(arrays: Arrays) -> list[str]:
+    """The ``lora_A`` keys of a payload, sorted."""
+    return sorted(k for k in arrays if k.endswith("lora_A.weight"))
+
+
+def rank_segments(ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """The row ranges [lo, hi) between consecutive distinct ranks (lo of the first = 0): every row
+    of one range is held by the same clients, those with r_k >= hi. ``[4, 2, 4] -> [(0, 2), (2, 4)]``."""
+    bounds = sorted({int(r) for r in ranks})
+    return list(zip([0] + bounds[:-1], bounds))
+
+
+def holder_mean(global_a: torch.Tensor, client_as: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Row j: the weighted mean of the clients' row j over those that hold it (this module's
+    decision for heterogeneous ranks; FedAvg on A, FedSA-LoRA's server step, at one rank).
+
+    global_a: [r_max, in]; client_as[k]: [r_k, in], r_k <= r_max; weights[k]: n_k. Rows no client
+    holds keep global_a's. Returns a new [r_max, in]. Raises ValueError for an empty list or a
+    client rank above r_max.
+    """
+    if not client_as:
+        raise ValueError("nothing to average")
+    ranks = [a.shape[0] for a in client_as]
+    if max(ranks) > global_a.shape[0]:
+        raise ValueError(f"client rank {max(ranks)} exceeds the global rank {global_a.shape[0]}")
+    out = global_a.clone()
+    for lo, hi in rank_segments(ranks):
+        members = [k for k, r in enumerate(ranks) if r >= hi]
+        out[lo:hi] = weighted_mean([client_as[k][lo:hi] for k in members], [weights[k] for k in members])
+    return out
+
+
+class FedSALoRA(LoraStrategy):
+    """Only A travels and is averaged (:func:`holder_mean`); the state's ``lora_B`` stays the
+    initial zeros [out, r_max] (there is no global B)."""
+
+    name = "fedsa_lora"
+
+    def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
+        """The global A's prefix of the client's rank, [r_k, in] per layer (no B is sent)."""
+        return {k: state.arrays[k][:rank].clone() for k in a_keys(state.arrays)}
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """The holder mean of A with n_k weights (:func:`holder_mean`); B untouched."""
+        new = copy_state(state)
+        n = examples(replies)
+        cids = sorted(replies)
+        for key in a_keys(state.arrays):
+            new.arrays[key] = holder_mean(state.arrays[key], [replies[c].arrays[key] for c in cids],
+                                          [n[c] for c in cids])
+        return new
+
+    def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
+        """One block per rank segment [lo, hi) of A (members: the replying clients with r_k >= hi;
+        holders: every client of the federation with r_k >= hi), in update space; the rule's values
+        replace the segment's rows (docs/trust.md)."""
+        new = copy_state(state)
+        n = examples(replies)
+        ranks = {c: replies[c].arrays[a_keys(replies[c].arrays)[0]].shape[0] for c in replies}
+        everyone = [int(r) for r in state.meta["ranks"].values()]
+        keys = a_keys(state.arrays)
+        for lo, hi in rank_segments(everyone):
+            members = sorted(c for c in replies if ranks[c] >= hi)
+            if not members:
+                continue
+            start = {k: state.arrays[k][lo:hi] for k in keys}
+            deltas = {c: {k: replies[c].arrays[k][lo:hi] - start[k] for k in keys} for c in members}
+            block = Block(f"rank {lo}:{hi}", deltas, {c: n[c] for c in members}, sum(r >= hi for r in everyone),
+                          start, start)
+            for k, v in rule(block).items():
+                new.arrays[k][lo:hi] = v
+        return new
+
+    def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
+        """:meth:`aggregate` from secure sums alone: each row of A gets G[j] + S[j] / C[j], the
+        n_k-weighted mean update of the clients holding it, which is the holder mean
+        (nestfed.federation.secure_sum.segment_mean)."""
+        new = copy_state(state)
+        for key, s in secure.sums.items():
+            new.arrays[key] = segment_mean(state.arrays[key], s, secure.counts, rank_dim(key))
+        return new
+
+
+class FedSAHooks(ClientHooks):
+    """The client's own B is loaded beside the received A, kept after training, never sent, and
+    used with the global A for evaluation (FedSA-LoRA's method section)."""
+
+    keeps_state = True
+
+    def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
+        """The received A [r_k, in] plus, per layer, the client's kept B [out, r_k] (zeros before its
+        first round). Raises ValueError when a kept B's rank is not the instructed rank."""
+        own = ctx.state.get(OWN_B, {})
+        r = int(ctx.config["rank"])
+        for m, (out_f, _) in sorted(module_shapes(ctx.model).items()):
+            if peft_key(m, "lora_A") not in arrays:
+                continue
+            b_key = peft_key(m, "lora_B")
+            b = own.get(b_key)
+            if b is not None and b.shape[1] != r:
+                raise ValueError(f"client {ctx.cid}: its kept {b_key} has rank {b.shape[1]}, "
+                                 f"the instructed rank is {r}")
+            arrays[b_key] = b.clone() if b is not None else torch.zeros(out_f, r)
+        return arrays
+
+    def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
+        """Keep the trained B's as ``own_B``; send the A's only."""
+        ctx.state[OWN_B] = {k: v.clone() for k, v in out.items() if k.endswith("lora_B.weight")}
+        return {k: v for k, v in out.items() if not k.endswith("lora_B.weight")}
+
+    def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
+        """The deployed arrays (global A prefix [r, in], B = 0 [out, r]) with every B the client
+        holds put in place of the zeros (its first r columns): the client's personalised model. A
+        client that never trained runs B = 0. Raises ValueError when a deployed rank r exceeds the
+        rank of the client's own B."""
+        own = state.get(OWN_B)
+        if not own or not arrays:
+            return arrays
+        out = dict(arrays)
+        for k, b in own.items():
+            if k not in out:
+                continue
+            r = out[k].shape[1]
+            if r > b.shape[1]:
+                raise ValueError(f"{k}: deployed at rank {r}, but the client's own B has rank {b.shape[1]}")
+            out[k] = b[:, :r]
+        return out
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedSALoRA:
+    return FedSALoRA(lora_settings(cfg))
+
+
+_HOME = lora_method("fedsa_lora", "only A is shared and averaged (per held row at heterogeneous ranks); each client "
+                    "keeps its own B (Guo et al. 2025)", _strategy, hooks=lambda cfg: FedSAHooks(),
+                    global_adapter=False)
+
+
+def _build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
+    """The home's run, whose ``finish`` adds ``adapter_note`` (what the exported adapter is) to the
+    run's summary."""
+    run = _HOME.build(prep, cfg)
+    finish = run.finish
+
+    def with_note(state: GlobalState) -> Exports:
+        exports = finish(state)
+        exports.summary["adapter_note"] = ADAPTER_NOTE
+        return exports
+
+    run.finish = with_note
+    return run
+
+
+METHOD = dataclasses.replace(_HOME, build=_build)

@@ -1,0 +1,178 @@
+"""FlexLoRA (Bai, Chen, Ding, Zeng, Li and Chen, "Federated Fine-tuning of Large Language Models
+under Heterogeneous Tasks and Client Resources", NeurIPS 2024, arXiv 2402.11505; its method
+section: server aggregation and SVD-based weight redistribution).
+
+Server, per LoRA layer (the paper's aggregation step): the n_k-weighted mean of the clients'
+full-size updates, W = sum_k p_k s_k B_k A_k (p_k = n_k / N over the replying clients, s_k the
+client's LoRA scale), then the SVD W = U S V^T; client k continues from the best rank-r_k
+approximation of W, s_k B_k' A_k' = U[:, :r_k] S[:r_k] V[:, :r_k]^T (Eckart-Young), so the
+clients' ranks may differ (docs/methods.md, "Baselines reviewers ask for").
+
+What is exact and what is truncated:
+
+- W is formed exactly, factorised (no [out, in] matrix): :func:`product_svd` takes QR
+  decompositions of the stacked factors and the SVD of the small core, in float64.
+- The global state holds the rank-r_max truncation of W as one LoRA of rank r_max at the global
+  scale s = scale(r_max) (``lora_A`` [r_max, in], ``lora_B`` [out, r_max]). W has rank at most
+  min(sum_k r_k, out, in), so this truncation is exact when that is <= r_max and drops the
+  singular values beyond r_max otherwise; the largest dropped share of ||W||_F^2 over the layers is
+  kept as ``discarded_energy`` in the state's meta. Every client's payload is exactly its rank-r_k
+  truncation of W, because r_k <= r_max and the SVD's rank-r_k truncation is the prefix of the
+  rank-r_max one.
+- *Decision* (the split of the singular values, left open by the paper): symmetric,
+  B = U sqrt(S / s), A = sqrt(S / s) V^T, so both factors have equal column / row norms and
+  s B A = U S V^T. A client of scale s_k receives the prefix multiplied by sqrt(s / s_k) on both
+  factors (the identity under the default ``lora.scaling = "fixed"``).
+- *Decision* (signs): each singular pair is signed so that the largest-magnitude entry of its U
+  column is positive (the first on ties), so the factors do not depend on the LAPACK build's sign
+  choice; they are deterministic on the same CPU kernels and thread count (exact resume).
+- Round 0: the initial adapter has B = 0, so W = 0; the clients of round 1 receive the usual
+  random-A / zero-B prefix (the state's meta ``svd_form`` is False until the first aggregation).
+  A layer whose W is exactly zero keeps its previous factors (an SVD of zero would give A = 0 and
+  B = 0, a point where neither factor has a gradient).
+
+deploy(state, cid) is what client cid runs (its rank-r_k truncation at its scale s_k); export()
+writes the global rank-r_max truncation at scale s. A robust rule or central DP is refused
+(``robust_aggregation``): the server's rule lives in the space of full products, which does not cut
+into rank blocks. A server optimiser is refused too (``server_optimizer``): the difference of two
+SVD factorisations is not an update of the factors.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.aggregation import truncate_rank
+from nestfed.federation.messages import Arrays, GlobalState, Reply
+from nestfed.federation.strategy import LoraStrategy, copy_state, examples
+from nestfed.methods.method import lora_method, lora_settings
+from nestfed.nn.keys import module_of, peft_key, rank_dim
+
+#: meta key: True once the state holds an SVD factorisation (False for the initial random-A adapter)
+SVD_FORM = "svd_form"
+#: meta key: the largest share of ||W||_F^2 over the layers that the rank-r_max truncation dropped
+DISCARDED = "discarded_energy"
+
+
+def product_svd(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
+                coeffs: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The thin SVD of W = sum_k c_k B_k A_k without forming W (FlexLoRA's redistribution SVD).
+
+    Bs[k]: [out, r_k]; As[k]: [r_k, in]; coeffs[k]: c_k (p_k s_k). With B = [B_1 ... B_K] [out, R]
+    and A = [c_1 A_1; ...; c_K A_K] [R, in] (R = sum r_k), W = B A = Q_b (R_b R_a^T) Q_a^T from the
+    reduced QR decompositions B = Q_b R_b and A^T = Q_a R_a, and the SVD of the small core
+    R_b R_a^T gives W's. Float64 throughout. Signs: the largest-magnitude entry of each column of
+    U is positive (the first on ties). Returns U [out, q], S [q] (descending, >= 0) and
+    Vh [q, in] with q = min(out, in, R). Raises ValueError on an empty list, lists of different
+    lengths or factors whose shapes do not chain.
+    """
+    if not Bs or len(Bs) != len(As) or len(As) != len(coeffs):
+        raise ValueError(f"product_svd needs as many B, A and coefficients (>= 1), got "
+                         f"{len(Bs)}, {len(As)}, {len(coeffs)}")
+    for b, a in zip(Bs, As):
+        if b.dim() != 2 or a.dim() != 2 or b.shape[1] != a.shape[0] or b.shape[0] != Bs[0].shape[0] \
+                or a.shape[1] != As[0].shape[1]:
+            raise ValueError(f"factors B {tuple(b.shape)} and A {tuple(a.shape)} do not chain into one [out, in]")
+    B = torch.cat([b.double() for b in Bs], dim=1)  # [out, R]
+    A = torch.cat([float(c) * a.double() for c, a in zip(coeffs, As)], dim=0)  # [R, in]
+    Qb, Rb = torch.linalg.qr(B)  # [out, q1], [q1, R]
+    Qa, Ra = torch.linalg.qr(A.T)  # [in, q2], [q2, R]
+    Uc, S, Vch = torch.linalg.svd(Rb @ Ra.T, full_matrices=False)  # core [q1, q2]
+    U, Vh = Qb @ Uc, Vch @ Qa.T
+    cols = torch.arange(U.shape[1])
+    sign = torch.sign(U[U.abs().argmax(dim=0), cols])
+    sign[sign == 0] = 1.0
+    return U * sign, S, Vh * sign[:, None]
+
+
+def split_factors(U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rank: int,
+                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """LoRA factors of the rank-``rank`` truncation of U diag(S) Vh at scale s (FlexLoRA section
+    3.2, with this module's symmetric split): A = sqrt(S / s) Vh [rank, in], B = U sqrt(S / s)
+    [out, rank], so s B A = U[:, :rank] diag(S[:rank]) Vh[:rank]. When fewer than ``rank`` singular
+    triplets exist the missing rows of A and columns of B are zero. Float64. Raises ValueError for
+    rank < 1 or s <= 0."""
+    if rank < 1 or not scale > 0:
+        raise ValueError(f"rank must be >= 1 and the scale > 0, got rank {rank}, scale {scale}")
+    q = min(rank, S.shape[0])
+    root = (S[:q].double() / scale).sqrt()
+    A = torch.zeros(rank, Vh.shape[1], dtype=torch.float64)
+    B = torch.zeros(U.shape[0], rank, dtype=torch.float64)
+    A[:q] = root[:, None] * Vh[:q].double()
+    B[:, :q] = U[:, :q].double() * root
+    return A, B
+
+
+def lora_modules_of(arrays: Arrays) -> list[str]:
+    """Module paths of the ``lora_A`` keys of a payload, sorted."""
+    return sorted(module_of(k)[0] for k in arrays if k.endswith("lora_A.weight"))
+
+
+class FlexLoRA(LoraStrategy):
+    """Global state: the rank-r_max truncated SVD of the mean product, ``lora_A`` [r_max, in] and
+    ``lora_B`` [out, r_max] at the global scale (module docstring); meta ``svd_form`` and
+    ``discarded_energy``."""
+
+    name = "flexlora"
+
+    def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
+        """The rank-r_k truncation: the prefix of the global factors, both multiplied by
+        sqrt(s / s_k) once the state is an SVD (so s_k B' A' = the rank-r_k truncation of W); the
+        plain prefix of the initial adapter before (random A, B = 0). Raises ValueError when rank
+        exceeds r_max."""
+        out = truncate_rank(state.arrays, rank)
+        factor = math.sqrt(self.s.scale(self.s.r_max) / self.s.scale(rank))
+        if state.meta.get(SVD_FORM) and factor != 1.0:
+            out = {k: (v * factor if rank_dim(k) is not None else v) for k, v in out.items()}
+        return out
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """W = sum_k p_k s_k B_k A_k per layer (p_k = n_k / N over ``replies``), stored as its
+        rank-r_max truncated SVD at the global scale (:func:`product_svd`, :func:`split_factors`)."""
+        new = copy_state(state)
+        n = examples(replies)
+        total = sum(n.values())
+        cids = sorted(replies)
+        s_global = self.s.scale(self.s.r_max)
+        discarded = []
+        for m in lora_modules_of(state.arrays):
+            a_key, b_key = peft_key(m, "lora_A"), peft_key(m, "lora_B")
+            As = [replies[c].arrays[a_key] for c in cids]
+            Bs = [replies[c].arrays[b_key] for c in cids]
+            coeffs = [n[c] / total * self.s.scale(a.shape[0]) for c, a in zip(cids, As)]
+            U, S, Vh = product_svd(Bs, As, coeffs)
+            if S.numel() == 0 or float(S[0]) == 0.0:  # W = 0: keep the previous factors (module docstring)
+                continue
+            A, B = split_factors(U, S, Vh, self.s.r_max, s_global)
+            dtype = state.arrays[a_key].dtype
+            new.arrays[a_key], new.arrays[b_key] = A.to(dtype), B.to(dtype)
+            energy = float((S ** 2).sum())
+            discarded.append(float((S[self.s.r_max:] ** 2).sum()) / energy)
+        new.meta[SVD_FORM] = True
+        new.meta[DISCARDED] = max(discarded, default=0.0)
+        return new
+
+    def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
+        """Client cid's rank-r_k truncation at its scale s_k (:meth:`client_arrays`); None: the
+        global rank-r_max factors at the global scale."""
+        r = self.s.r_max if cid is None else self.rank_of(state, cid)
+        return self.client_arrays(state, r), self.s.scale(r)
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FlexLoRA:
+    return FlexLoRA(lora_settings(cfg))
+
+
+METHOD = lora_method("flexlora", "n_k-weighted mean of the full products s_k B_k A_k, each client gets its "
+                     "rank-r_k truncated SVD (Bai et al. 2024)", _strategy,
+                     robust_aggregation="FlexLoRA averages full products s_k B_k A_k and re-factorises them by SVD: "
+                     "that space does not cut into rank blocks of A and B, so a coordinate-wise or distance rule "
+                     "over the factors would not be the method's rule (a norm bound, validation.max_update_norm, "
+                     "does apply; docs/trust.md)",
+                     server_optimizer="its aggregate is a fresh SVD factorisation of the mean product, whose "
+                     "factors are defined only up to the sign and order of the singular pairs: the aggregate minus "
+                     "the state is no update of the factors, so there is no pseudo-gradient to step")

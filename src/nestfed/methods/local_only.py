@@ -1,0 +1,69 @@
+"""Local-only training: every client trains its own adapter alone, never aggregated.
+
+The reference every federated comparison needs (what a client gets without the federation): client
+k starts from the global initial adapter's prefix of its rank r_k (A random, B = 0; the same start
+as every other method), keeps its own adapter between rounds (``ctx.state["adapter"]``, saved with
+each checkpoint) and is evaluated under it. The server's state never changes. There is no global
+adapter: the exported adapter is the untrained initial one, and the mechanism reports (truncation
+curve, dimension importance) skip this method (:attr:`Method.global_adapter`).
+
+Replies still carry the trained arrays (so the round loop validates them and the metrics line
+records their norms), but the server ignores them; ``bytes_up`` / ``bytes_down`` therefore show
+what a federated method with the same payload would send, not traffic local training needs.
+"""
+
+from __future__ import annotations
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.hooks import ClientHooks, FitContext
+from nestfed.federation.messages import Arrays, GlobalState, Reply
+from nestfed.federation.strategy import LoraStrategy, copy_state
+from nestfed.methods.method import lora_method, lora_settings
+
+
+class LocalOnly(LoraStrategy):
+    """The server of local-only training: the global state stays the initial adapter."""
+
+    name = "local_only"
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """The unchanged state (a copy): nothing is aggregated."""
+        return copy_state(state)
+
+    def aggregate_secure(self, rnd: int, state: GlobalState, secure) -> GlobalState:
+        """The unchanged state (a copy): nothing is aggregated."""
+        return copy_state(state)
+
+
+def _clone(arrays: Arrays) -> Arrays:
+    return {k: v.detach().clone() for k, v in arrays.items()}
+
+
+class LocalOnlyHooks(ClientHooks):
+    """The client trains from its own kept adapter (from the received initial prefix in its first
+    round) and is evaluated under it."""
+
+    keeps_state = True
+
+    def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
+        """The client's kept adapter ({key: [r_k, in] / [out, r_k]}), or the received one at first."""
+        return _clone(ctx.state.get("adapter", arrays))
+
+    def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
+        """Keep the trained adapter on the client; send it (the server ignores it)."""
+        ctx.state["adapter"] = _clone(out)
+        return out
+
+    def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
+        """The client's own adapter; the deployed (initial) one before its first round."""
+        return _clone(state.get("adapter", arrays))
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> LocalOnly:
+    return LocalOnly(lora_settings(cfg))
+
+
+METHOD = lora_method("local_only", "each client trains its own adapter alone, never aggregated (the reference "
+                     "of every federated comparison)", _strategy, hooks=lambda cfg: LocalOnlyHooks(),
+                     global_adapter=False,
+                     robust_aggregation="local-only training aggregates nothing")
