@@ -22,9 +22,12 @@ from typing import Any
 
 from nestfed import methods
 from nestfed.config import ExperimentConfig, r_max
+from nestfed.evaluation.client import evaluate_client
 from nestfed.federation.aggregation import truncate_rank
+from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Arrays, GlobalState
 from nestfed.methods.method import MethodRun, lora_settings
+from nestfed.nn.arrays import apply_arrays
 from nestfed.nn.keys import module_of, peft_key, rank_dim
 
 
@@ -77,18 +80,26 @@ def mechanisms(cfg: ExperimentConfig, mr: MethodRun, state: GlobalState) -> dict
     ``dimension_importance`` [r_max floats], or ``mechanisms_skipped`` with the reason.
 
     The adapter truncated to r runs at scale s(r): lora_alpha / r_max at every r under ``fixed``
-    scaling, lora_alpha / r under ``rank`` scaling (LoraSettings.scale). Each client is evaluated
-    through its trainer (as the client runs an adapter). Ranks above the adapter's are left out.
+    scaling, lora_alpha / r under ``rank`` scaling (LoraSettings.scale), loaded into the run's model
+    as it is (no client's kept state mixed in: this is the global adapter, not a client's
+    personalised model) and evaluated on each client's held-out data. Ranks above the adapter's are
+    left out. A method whose clients are not nestfed.federation.client.ClientTrainer is skipped.
     """
+    if not methods.get(cfg.strategy.name).global_adapter:
+        return {"mechanisms_skipped": skip_reason(cfg, {}, {})}
     arrays, scale = mr.strategy.export(state)
     reason = skip_reason(cfg, arrays, mr.strategy.export_files(state))
     if reason:
         return {"mechanisms_skipped": reason}
+    trainer = mr.trainer
+    if not isinstance(trainer, ClientTrainer):
+        return {"mechanisms_skipped": "its clients do not run the LoRA client trainer"}
     settings = lora_settings(cfg)
     curve: dict[str, dict[str, dict[str, float]]] = {}
     for r in sorted(set(cfg.output.truncations)):
         if r > settings.r_max:
             continue
-        prefix = truncate_rank(arrays, r)
-        curve[str(r)] = {str(c.cid): mr.trainer.evaluate(c.cid, prefix, settings.scale(r)) for c in mr.clients}
+        apply_arrays(trainer.model, truncate_rank(arrays, r), settings.scale(r))
+        curve[str(r)] = {str(c.cid): evaluate_client(trainer.model, trainer.data[c.cid], trainer.train)
+                         for c in mr.clients}
     return {"truncation": curve, "dimension_importance": dimension_importance(arrays, scale)}
