@@ -241,8 +241,8 @@ def compare(
     """Print a side-by-side table of finished runs and write the comparison plot (default
     ./comparison.png; the truncation curve and dimension importance beside it when measured). Runs
     of one method over several seeds are reported with 95% intervals and paired differences. Runs
-    of different experiments ([model] or [data] differ) are compared with a warning: the first row
-    is the first run's round 0."""
+    of different experiments (their model or data sections differ) are compared with a warning: the
+    first row is the first run's round 0."""
     dirs: list[Path] = []
     for d in run_dirs:
         for p in _finished(d) if not (d / "summary.json").exists() else [d]:

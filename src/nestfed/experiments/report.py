@@ -92,7 +92,7 @@ def comparison_table(rows: list[dict[str, Any]]):
     best = min(r["mean_ppl"] for r in rows) if rows else math.inf
     for r in rows:
         mean = f"{r['mean_ppl']:.2f}" + (" *" if r["mean_ppl"] == best else "")
-        table.add_row(r["method"], r["ranks"], *[f"{r['ppl'][c]:.2f}" for c in cids], mean,
+        table.add_row(r["label"], r["ranks"], *[f"{r['ppl'][c]:.2f}" for c in cids], mean,
                       f"{r['bytes_per_client_round'] / 1024:.1f}", f"{r['wall_time_s']:.0f}")
     return table
 
@@ -108,7 +108,7 @@ def comparison_markdown(rows: list[dict[str, Any]]) -> str:
         out.append(f"| {r0['round0']} | - | " + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
                    + f" | {r0['initial_mean_ppl']:.2f} | - | - |")
     for r in rows:
-        out.append(f"| {r['method']} | {r['ranks']} | "
+        out.append(f"| {r['label']} | {r['ranks']} | "
                    + " | ".join(f"{r['ppl'][c]:.2f}" for c in cids)
                    + f" | {r['mean_ppl']:.2f} | {r['bytes_per_client_round'] / 1024:.1f} | {r['wall_time_s']:.0f} |")
     return "\n".join(out) + "\n"
@@ -125,7 +125,7 @@ def comparison_plot(rows: list[dict[str, Any]]) -> bytes:
     for i, r in enumerate(rows):
         rel = [100.0 * (r["ppl"][c] / r["initial_ppl"][c] - 1.0) for c in cids]
         rel.append(sum(rel) / len(rel))
-        ax.bar([j + i * width for j in range(len(groups))], rel, width=width, label=r["method"])
+        ax.bar([j + i * width for j in range(len(groups))], rel, width=width, label=r["label"])
     ax.axhline(0.0, color="k", linewidth=0.8)
     ax.set_xticks([j + width * (len(rows) - 1) / 2 for j in range(len(groups))])
     ax.set_xticklabels([f"c{c}\n{labels.get(c, '')}" for c in cids] + ["mean"])

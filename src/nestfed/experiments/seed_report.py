@@ -107,7 +107,8 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[LabelStats]) -> str:
                    + f" | {r0['initial_mean_ppl']:.2f} | - | - | - | - |")
     for s in stats:
         seeds = ",".join(map(str, s.seeds))
-        vs = "-" if s.versus_seeds is None else f"{s.versus_seeds.text()}"
+        v = s.versus_seeds
+        vs = "-" if v is None else (f"{v.mean:+.2f}%" if math.isnan(v.half_width) else f"{v.mean:+.2f} ± {v.half_width:.2f}%")
         out.append(f"| {s.label} | {s.ranks} | {seeds} | "
                    + " | ".join(s.per_client[c].text() if c in s.per_client else "-" for c in cids)
                    + f" | {s.mean.text()} | {_versus_text(s)} | {vs} | {s.bytes_per_client_round / 1024:.1f} "

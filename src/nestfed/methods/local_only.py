@@ -1,6 +1,6 @@
 """Local-only training: every client trains its own adapter alone, never aggregated.
 
-The reference every federated comparison needs (what a client gets without the federation): client
+The baseline every federated comparison needs (what a client gets without the federation): client
 k starts from the global initial adapter's prefix of its rank r_k (A random, B = 0; the same start
 as every other method), keeps its own adapter between rounds (``ctx.state["adapter"]``, saved with
 each checkpoint) and is evaluated under it. The server's state never changes. There is no global
@@ -63,7 +63,7 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> LocalOnly:
     return LocalOnly(lora_settings(cfg))
 
 
-METHOD = lora_method("local_only", "each client trains its own adapter alone, never aggregated (the reference "
-                     "of every federated comparison)", _strategy, hooks=lambda cfg: LocalOnlyHooks(),
+METHOD = lora_method("local_only", "each client trains its own adapter alone, never aggregated (the baseline "
+                     "every federated comparison should include)", _strategy, hooks=lambda cfg: LocalOnlyHooks(),
                      global_adapter=False,
                      robust_aggregation="local-only training aggregates nothing")
