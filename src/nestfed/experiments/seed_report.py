@@ -159,6 +159,11 @@ def truncation_markdown(curves: dict[str, dict[int, Interval]]) -> str:
     return "\n".join(out) + "\n"
 
 
+def _half_widths(intervals: list[Interval]) -> list[float]:
+    """Error-bar half widths for a plot: 0 where an interval has none (one seed)."""
+    return [0.0 if math.isnan(i.half_width) else i.half_width for i in intervals]
+
+
 def truncation_differences(rows: list[dict[str, Any]], reference: str) -> dict[str, dict[int, PairedDifference]]:
     """{label: {r: the paired relative difference (%) of the truncated adapter's held-out perplexity
     against ``reference``'s at the same r, over every (seed, client) pair}} for the labels other than
@@ -209,8 +214,7 @@ def truncation_plot(curves: dict[str, dict[int, Interval]]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, c in curves.items():
         ranks = sorted(c)
-        yerr = [0.0 if math.isnan(c[r].half_width) else c[r].half_width for r in ranks]
-        ax.errorbar(ranks, [c[r].mean for r in ranks], yerr=yerr, marker="o", capsize=3, label=label)
+        ax.errorbar(ranks, [c[r].mean for r in ranks], yerr=_half_widths([c[r] for r in ranks]), marker="o", capsize=3, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xlabel("truncation rank r of the global adapter")
     ax.set_ylabel("held-out perplexity, mean over clients")
@@ -238,8 +242,7 @@ def importance_plot(importance: dict[str, list[Interval]]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, xs in importance.items():
         idx = list(range(len(xs)))
-        yerr = [0.0 if math.isnan(x.half_width) else x.half_width for x in xs]
-        ax.errorbar(idx, [x.mean for x in xs], yerr=yerr, marker=".", capsize=2, label=label)
+        ax.errorbar(idx, [x.mean for x in xs], yerr=_half_widths(xs), marker=".", capsize=2, label=label)
     ax.set_xlabel("rank index i")
     ax.set_ylabel("||s B[:, i] A[i, :]|| / sum over i")
     ax.set_title("dimension importance of the global adapter (mean ± 95% over seeds)")
@@ -261,8 +264,7 @@ def comparison_plot(rows: list[dict[str, Any]], stats: list[LabelStats]) -> byte
         per_seed = [[100.0 * (r["ppl"][c] / initial[c] - 1.0) for c in cids] for r in groups[s.label]]
         cols = [mean_interval([p[j] for p in per_seed]) for j in range(len(cids))]
         cols.append(mean_interval([sum(p) / len(p) for p in per_seed]))
-        yerr = [0.0 if math.isnan(x.half_width) else x.half_width for x in cols]
-        ax.bar([j + i * width for j in range(len(cols))], [x.mean for x in cols], width=width, yerr=yerr,
+        ax.bar([j + i * width for j in range(len(cols))], [x.mean for x in cols], width=width, yerr=_half_widths(cols),
                capsize=2, label=s.label)
     ax.axhline(0.0, color="k", linewidth=0.8)
     ax.set_xticks([j + width * (len(stats) - 1) / 2 for j in range(len(cids) + 1)])
