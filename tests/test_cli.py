@@ -159,9 +159,11 @@ def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path, cli):
     r = cli("run", "--resume", str(run_dir), "--set", "train.lr=0.5", cwd=tmp_path)
     assert r.returncode == 2 and "a resumed run keeps its config; these differ: train.lr: 0.001 -> 0.5" in r.stderr
     more = cli("run", "--resume", str(run_dir), "--set", "train.lr=0.001", "--set", "federation.rounds=2",
-                   cwd=tmp_path)  # restating a value is fine, and so is extending the run
-    assert more.returncode == 0, more.stderr[-2000:]
+               "--set", "tracking.tensorboard=true", cwd=tmp_path)  # restating a value is fine, so are
+    assert more.returncode == 0, more.stderr[-2000:]  # extending the run and adding a tracking sink
     assert "config.toml now has federation.rounds: 1 -> 2" in more.stderr
+    assert "config.toml now has tracking.tensorboard: False -> True" in more.stderr
+    assert any((run_dir / "tensorboard").iterdir())
     assert "rounds = 2" in (run_dir / "config.toml").read_text()
     assert [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [0, 1, 2]
     (run_dir / "summary.json").unlink()

@@ -11,7 +11,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from peft import AutoPeftModelForCausalLM
+from safetensors.torch import load_file
 
+from nestfed.experiments.export import export_adapter
+from nestfed.federation.aggregation import truncate_rank
+from nestfed.nn.arrays import apply_arrays
 from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
 from nestfed.nn.peft_export import export_peft_adapter
 from nestfed.nn.backbone import load_backbone
@@ -82,3 +87,15 @@ def test_prelort_round_on_real_bbc_news_lowers_held_out_loss(tmp_path):
     for c in ("0", "1"):
         assert s["final"][c]["loss"] < s["initial"][c]["loss"], s
     assert (run_dir / "adapter" / "adapter_model.safetensors").is_file()
+    # nestfed export --rank 2: PEFT loads it from its base_model_name_or_path alone and runs what
+    # client 0 (rank 2) runs, bit for bit: the run's rank-8 adapter/ truncated to 2 at s = 16 / 8
+    path, info = export_adapter(run_dir, rank=2)
+    conf = json.loads((path / "adapter_config.json").read_text())
+    assert conf["base_model_name_or_path"] and (conf["r"], conf["lora_alpha"]) == (2, 2 * 16.0 / 8)
+    theirs = AutoPeftModelForCausalLM.from_pretrained(path)
+    bb = load_backbone(ModelConfig(name="smollm2-135m"))
+    inject_lora(bb.model, ("q_proj", "k_proj", "v_proj", "o_proj"), 8, 2.0, layers=(-1,))
+    apply_arrays(bb.model, truncate_rank(load_file(str(run_dir / "adapter" / "adapter_model.safetensors")), 2), 2.0)
+    ids = bb.tokenizer("Shares in the company rose after the results.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        assert (theirs(ids).logits - lm_logits(bb.model, ids)).abs().max().item() == 0.0

@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 from nestfed import methods
 from nestfed.config import ExperimentConfig, client_ranks, dumps_toml, r_max
 from nestfed.data.clients import ClientData
+from nestfed.federation import tracking
 from nestfed.federation.in_process import InProcessTransport
 from nestfed.federation.loop import RoundLoop
 from nestfed.federation.messages import ClientInfo
@@ -64,7 +65,8 @@ def tiny_run(run_dir: Path, cfg: ExperimentConfig, prep: Prepared | None = None,
     fed = cfg.federation
     loop = RoundLoop(mr.strategy, InProcessTransport(trainer), mr.clients, fed.rounds, rd, fed.fraction,
                      fed.min_clients, fed.seed, mr.keeps_client_state, safeguards=Safeguards.from_config(cfg),
-                     sampling=fed.sampling)
+                     sampling=fed.sampling,
+                     sinks=tracking.sinks(cfg.tracking, Path(run_dir), cfg.output.dir, cfg.output.name))
     return loop.run(mr.shapes, resume=resume), loop, mr
 
 

@@ -25,6 +25,7 @@ from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
 from nestfed.experiments import report, seed_report
 from nestfed.experiments.compressed_comparison import compare as compare_compressed
+from nestfed.experiments.export import export_adapter
 from nestfed.experiments.prepare import prepare
 from nestfed.experiments.run import check_method, new_run_dir, run_method
 from nestfed.federation.run_dir import RunDir
@@ -256,6 +257,26 @@ def compare(
         say("warning: these runs differ in [model] or [data]: their perplexities are not on one test set, and the "
             f"first row is {dirs[0]}'s round 0")
     _report(dirs, None, plot, reference, table)
+
+
+@app.command("export")
+def export(
+    run_dir: Annotated[Path, typer.Argument(help="a run directory (its latest checkpoint is exported)")],
+    rank: Annotated[Optional[int], typer.Option("--rank", help="the global adapter's prefix of rank r, at the scale "
+                                                "a client of rank r runs it")] = None,
+    client: Annotated[Optional[int], typer.Option("--client", help="exactly the adapter client k runs (its rank, "
+                                                  "its kept state)")] = None,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="where to write the PEFT adapter directory "
+                                                    "(default RUN_DIR/adapter_r<r> or RUN_DIR/adapter_client<k>)")] = None,
+) -> None:
+    """Write a PEFT adapter that PEFT runs exactly as nestfed does: the global adapter truncated to
+    rank r (lora_alpha set so that PEFT's lora_alpha / r is the client's scale), or client k's own
+    adapter (nestfed/experiments/export.py)."""
+    path, info = export_adapter(run_dir, rank, client, out_dir)
+    who = f"client {info['client']}'s adapter" if info["client"] is not None else "the global adapter"
+    out.print(f"{who} of {info['method']} after round {info['round']}: rank {info['rank']}, scale {info['scale']:g}, "
+              f"base model {info['base_model'] or '(none: a tiny random model)'}", markup=False)
+    out.print(f"PEFT adapter: {path}", markup=False)
 
 
 @app.command("fedslm")

@@ -7,10 +7,11 @@ from nestfed.config.schema import (CORE_SECTIONS, DataConfig, ExperimentConfig, 
                                    MemoryConfig, ModelConfig, OutputConfig, StrategyConfig, TrainConfig, client_ranks,
                                    r_max, sampled_per_round)
 from nestfed.config.server_optimizer import ServerOptimizerConfig
+from nestfed.config.tracking import TrackingConfig
 from nestfed.config.trust import AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig
 from nestfed.errors import ConfigError
 
-__all__ = ["AttackConfig", "PrivacyConfig", "RobustConfig", "ServerOptimizerConfig", "ValidationConfig",
+__all__ = ["AttackConfig", "PrivacyConfig", "RobustConfig", "ServerOptimizerConfig", "TrackingConfig", "ValidationConfig",
            "CORE_SECTIONS", "ConfigError", "DataConfig", "ExperimentConfig", "FederationConfig", "LoraConfig",
            "MemoryConfig", "ModelConfig", "OutputConfig", "Schema", "StrategyConfig", "TrainConfig", "client_ranks",
            "differences", "dumps_toml", "from_dict", "load", "parse_override", "r_max", "replace", "sampled_per_round",

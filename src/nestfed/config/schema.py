@@ -4,7 +4,7 @@
 method's name), ``[federation]``, ``[output]`` and ``[memory]`` (the delta-rule memory layer of
 nestfed.nn.memory), and the trust sections ``[validation]``, ``[robust]``, ``[privacy]``,
 ``[attack]`` (nestfed.config.trust), and ``[server_optimizer]`` (how the server applies the aggregate,
-nestfed.config.server_optimizer). A method's own options live in sections its home declares (``[hetlora]``,
+nestfed.config.server_optimizer), ``[tracking]`` (TensorBoard and MLflow sinks, nestfed.config.tracking). A method's own options live in sections its home declares (``[hetlora]``,
 ``[compression]``, ...; nestfed.methods), held in :attr:`ExperimentConfig.sections`. Values that
 types cannot check are checked by :func:`check_core`, which raises ValueError("<section.key>:
 <reason>"); the loader (nestfed.config.loader) prefixes the file.
@@ -18,6 +18,7 @@ from types import MappingProxyType
 from typing import Any
 
 from nestfed.config.server_optimizer import ServerOptimizerConfig, check_server_optimizer
+from nestfed.config.tracking import TrackingConfig, check_tracking
 from nestfed.config.trust import (AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig, check_trust)
 
 @dataclass(frozen=True)
@@ -193,6 +194,7 @@ class ExperimentConfig:
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
     server_optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
     sections: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def section(self, name: str) -> Any:
@@ -206,7 +208,7 @@ class ExperimentConfig:
 
 #: The core sections, in the order a resolved config is written.
 CORE_SECTIONS = ("model", "lora", "data", "train", "strategy", "federation", "output", "memory", "validation",
-                 "robust", "privacy", "attack", "server_optimizer")
+                 "robust", "privacy", "attack", "server_optimizer", "tracking")
 SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts")
 TASKS = ("causal_lm", "instruction", "multiple_choice")
 PARTITIONS = ("label", "dirichlet", "iid")
@@ -309,6 +311,7 @@ def check_core(cfg: ExperimentConfig) -> None:
     check_trust(cfg.validation, cfg.robust, cfg.privacy, cfg.attack, d.num_clients, sampled_per_round(cfg),
                 f.fraction, f.sampling)
     check_server_optimizer(cfg.server_optimizer)
+    check_tracking(cfg.tracking)
     m = cfg.memory
     if m.gate not in GATES:
         raise ValueError(f"memory.gate: unknown gate '{m.gate}' (known: {', '.join(GATES)})")

@@ -17,6 +17,7 @@ from nestfed import methods
 from nestfed.config import ExperimentConfig
 from nestfed.experiments.mechanisms import mechanisms
 from nestfed.experiments.prepare import install_stream_modules
+from nestfed.federation import tracking
 from nestfed.federation.in_process import InProcessTransport
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import OnEvent, RoundLoop
@@ -69,7 +70,8 @@ def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: boo
     fed = cfg.federation
     loop = RoundLoop(mr.strategy, InProcessTransport(mr.trainer), mr.clients, fed.rounds, rd, fed.fraction,
                      fed.min_clients, fed.seed, mr.keeps_client_state, safeguards=Safeguards.from_config(cfg),
-                     sampling=fed.sampling, on_event=on_event)
+                     sampling=fed.sampling, on_event=on_event,
+                     sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name))
     state = loop.run(mr.shapes, resume=resume)
     exports = mr.finish(state)
     extra = {"engine": "embedded", "wall_time_s": time.perf_counter() - t0, "prepare_time_s": prep.prepare_time_s,

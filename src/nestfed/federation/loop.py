@@ -33,6 +33,7 @@ from nestfed.federation.payload import payload_stats, validate_reply
 from nestfed.federation.run_dir import ClientState, RunDir
 from nestfed.federation.safeguards import Safeguards, non_finite_keys
 from nestfed.federation.strategy import Strategy
+from nestfed.federation.tracking import Sink
 from nestfed.seeds import stream_seed
 
 OnEvent = Callable[[str, dict[str, Any]], None]
@@ -102,6 +103,8 @@ class RoundLoop:
     bound, DP clipping), the aggregation rule (robust or DP) and the privacy accountant
     (nestfed.federation.safeguards). on_event(kind, info): progress (``client_done``,
     ``round_done``). log: what happened that a user should read (rejections, drops, repairs).
+    sinks: experiment-tracking sinks (nestfed.federation.tracking) handed every committed line,
+    caught up from metrics.jsonl when the run resumes.
     """
 
     strategy: Strategy
@@ -118,6 +121,7 @@ class RoundLoop:
     sampling: str = "fixed"
     on_event: OnEvent | None = None
     log: list[str] = field(default_factory=list)
+    sinks: list[Sink] = field(default_factory=list)
 
     def _emit(self, kind: str, **info: Any) -> None:
         if self.on_event is not None:
@@ -126,6 +130,24 @@ class RoundLoop:
     def _say(self, text: str) -> None:
         self.log.append(text)
         self._emit("log", text=text)
+
+    def _track(self, line: dict[str, Any]) -> None:
+        """Hand a committed line to every sink. A sink that fails is dropped for the rest of the run
+        with a warning (metrics.jsonl has the line; a resume catches the sink up)."""
+        for sink in list(self.sinks):
+            try:
+                sink.log(line)
+            except Exception as exc:
+                self.sinks.remove(sink)
+                self._say(f"round {line['round']}: tracking sink {sink.name} failed ({type(exc).__name__}: {exc}); "
+                          "it is dropped for this run (metrics.jsonl has every round; a resume catches it up)")
+
+    def _close_sinks(self, finished: bool) -> None:
+        for sink in self.sinks:
+            try:
+                sink.close(finished)
+            except Exception as exc:
+                self._say(f"tracking sink {sink.name} did not close ({type(exc).__name__}: {exc})")
 
     def run(self, shapes: dict[str, tuple[int, int]], resume: bool = False) -> GlobalState:
         """Run (or resume) the federation; return the final global state.
@@ -139,6 +161,18 @@ class RoundLoop:
             ck, notes = self.run_dir.resume(self.keeps_client_state)
             for n in notes:
                 self._say(f"resume: {n}")
+        committed = self.run_dir.read_metrics() if resume and self.run_dir.metrics_path.is_file() else []
+        for sink in self.sinks:  # catch up on the committed rounds (none in a fresh run)
+            sink.open(committed)
+        try:
+            state = self._run(shapes, ck)
+        except BaseException:
+            self._close_sinks(False)
+            raise
+        self._close_sinks(True)
+        return state
+
+    def _run(self, shapes: dict[str, tuple[int, int]], ck) -> GlobalState:
         if ck is not None:
             self.transport.restore_client_state(ck.client_state)
             state, start = ck.state, ck.round + 1
@@ -149,6 +183,7 @@ class RoundLoop:
             if evaluation is not None:
                 line["eval"] = evaluation
             self.run_dir.commit(0, state, self.transport.client_state(), line, self.keep_checkpoints)
+            self._track(line)
             start = 1
         for rnd in range(start, self.rounds + 1):
             state = self.run_round(rnd, state)
@@ -234,5 +269,6 @@ class RoundLoop:
                           "aggregate_s": t_agg - t_val, "evaluate_s": t_eval - t_agg}
         line["time_s"] = time.perf_counter() - t0
         self.run_dir.commit(rnd, state, self.transport.client_state(), line, self.keep_checkpoints)
+        self._track(line)
         self._emit("round_done", round=rnd, line=line)
         return state

@@ -297,12 +297,13 @@ class RunDir:
 
     def accept_config(self, stored: ExperimentConfig, wanted: ExperimentConfig, config_text: str) -> list[str]:
         """Check a resume's config against the one the run directory holds. Only
-        ``federation.rounds`` may change (to extend a run, never below its latest checkpoint);
+        ``federation.rounds`` (to extend a run, never below its latest checkpoint) and the
+        ``[tracking]`` sinks (a sink added later is caught up from metrics.jsonl) may change;
         config.toml is then rewritten so the directory describes what runs, and the changes are
         returned (``section.key: old -> new``) for the run's log. Raises NestfedError naming any
         other key that differs."""
         diff = differences(stored, wanted)
-        other = [d for d in diff if not d.startswith("federation.rounds:")]
+        other = [d for d in diff if not d.startswith(("federation.rounds:", "tracking."))]
         if other:
             raise NestfedError(f"{self.config_path}: a resumed run keeps its config; these differ: {'; '.join(other)} "
                                "(start a new run instead)")

@@ -54,6 +54,7 @@ from nestfed import methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import ConfigError, NestfedError
 from nestfed.experiments.run import new_run_dir
+from nestfed.federation import tracking
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import FitResults, RoundLoop
 from nestfed.federation.messages import Arrays, ClientInfo, Instruction
@@ -454,7 +455,8 @@ class FlowerRun:
         loop = RoundLoop(strategy, transport, q.clients, cfg.federation.rounds, rd, cfg.federation.fraction,
                          min_clients, cfg.federation.seed, keeps_state,
                          safeguards=Safeguards.from_config(cfg), sampling=cfg.federation.sampling,
-                         on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None)
+                         on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None,
+                         sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name))
         state = loop.run(q.shapes, resume=s.resume)
         exports = Exports(strategy.export(state), q.base_model, strategy.export_files(state))
         extra = {"engine": "flower", "wall_time_s": time.perf_counter() - t_start, "clients": [c.cid for c in q.clients],

@@ -61,7 +61,9 @@ class Method:
     central DP is then refused with this reason), "" when it can (``robust_aggregate``,
     nestfed.federation.robust); global_adapter: whether its export is one global LoRA adapter whose
     rank prefixes a client could run (False: e.g. local-only training, which has none; the
-    truncation curve and dimension importance skip it); server_optimizer: why its global state
+    truncation curve and dimension importance skip it); client_hooks(cfg): the client hooks of a
+    method whose clients run the LoRA client trainer (what ``nestfed export --client`` asks how a
+    client runs an adapter; None for the others); server_optimizer: why its global state
     cannot take a server optimiser's step (``server_optimizer.name`` other than the identity is then
     refused with this reason), "" when it can: every floating array keeps its shape from round to
     round and the aggregate minus the state is an update (nestfed.federation.server_optimizer).
@@ -79,6 +81,7 @@ class Method:
     keeps_client_state: Callable[[ExperimentConfig], bool] = lambda cfg: False
     robust_aggregation: str = "its server does not aggregate LoRA updates (docs/trust.md)"
     global_adapter: bool = True
+    client_hooks: Callable[[ExperimentConfig], ClientHooks] | None = None
     server_optimizer: str = ("its server does not combine parameter updates, so its state has no pseudo-gradient "
                              "(docs/architecture.md, Server optimisers)")
 
@@ -124,5 +127,5 @@ def lora_method(name: str, summary: str, strategy: Callable[[ExperimentConfig, A
 
     kw.setdefault("robust_aggregation", "")
     kw.setdefault("server_optimizer", "")
-    return Method(name, summary, build, client=client, server=strategy,
+    return Method(name, summary, build, client=client, server=strategy, client_hooks=hooks,
                   keeps_client_state=lambda cfg: hooks(cfg).keeps_state, **kw)

@@ -1,0 +1,155 @@
+"""Adapters a user can take away: a finished (or interrupted) run's adapter at any rank, or exactly
+the adapter one client runs, as a PEFT adapter directory.
+
+The run directory's ``adapter/`` is the global adapter at r_max and its scale s. Truncating it by
+hand to a client's rank r and loading it with the exported ``lora_alpha`` gives PEFT's scale
+``lora_alpha / r``, r_max / r times nestfed's under ``fixed`` scaling. :func:`export_adapter`
+writes instead:
+
+- ``rank=r``: the global adapter's prefix of rank r (A[:r], B[:, :r]) at the scale a client of rank
+  r runs it, s(r) = lora_alpha / r_max (``fixed``) or lora_alpha / r (``rank``); what the
+  truncation curve evaluates (nestfed.experiments.mechanisms). Only for a method whose export is
+  one nested adapter of rank r_max (the same test as the truncation curve's).
+- ``client=k``: the adapter client k runs, as its hooks run it: the strategy's ``deploy(state, k)``
+  (its rank prefix, FlexLoRA's truncated SVD, ...) with the client's kept state applied
+  (``evaluation_arrays``: a local-only client's own adapter, FedSA-LoRA's local B). Merged factors
+  (FLoRA's stack, FedEx-LoRA's residual: scale 1 beside the LoRA factors at scale s) are stacked
+  into one adapter at scale 1, [merged_A; s A] and [merged_B, B], zero-padded to one rank.
+
+The adapter is written with lora_alpha = s * r, so PEFT's ``lora_alpha / r`` is nestfed's s
+(nestfed.nn.peft_export), and ``base_model_name_or_path`` is the run's backbone directory.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from nestfed import methods
+from nestfed.errors import NestfedError
+from nestfed.experiments.mechanisms import skip_reason
+from nestfed.federation.aggregation import truncate_rank
+from nestfed.federation.messages import Arrays
+from nestfed.federation.run_dir import RunDir
+from nestfed.methods.method import lora_settings
+from nestfed.nn.backbone import load_backbone
+from nestfed.nn.keys import merged_key, module_of, peft_key, rank_dim
+from nestfed.nn.peft_export import export_peft_adapter
+
+
+def one_adapter(arrays: Arrays, scale: float) -> tuple[Arrays, float]:
+    """A payload ({PEFT key: tensor}: lora_A [r, in], lora_B [out, r], and optionally merged_A
+    [R, in], merged_B [out, R] at scale 1) as one PEFT LoRA adapter of a single rank and its scale.
+
+    Without merged factors and with one rank for every layer, the arrays and ``scale`` are
+    returned as they are. Otherwise, per layer, A' = [merged_A; scale A] and B' = [merged_B, B] at
+    scale 1, zero-padded to the largest rank over the layers: B' A' = merged_B merged_A + scale B A
+    exactly (zero rows add nothing). Raises ValueError for a key that is not a LoRA or merged factor
+    (e.g. memory rules or SVD cores, which PEFT's LoRA cannot hold), or a layer missing A or B.
+    """
+    for k in arrays:
+        try:
+            module_of(k)
+        except KeyError:
+            raise ValueError(f"payload key {k} is not a LoRA factor: a PEFT LoRA adapter cannot hold it") from None
+    modules = sorted({module_of(k)[0] for k in arrays})
+    merged = any(merged_key(m, "A") in arrays for m in modules)
+    ranks = {v.shape[rank_dim(k)] for k, v in arrays.items() if rank_dim(k) is not None}
+    if not merged and len(ranks) == 1:
+        return dict(arrays), scale
+    parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for m in modules:
+        a_list, b_list = [], []
+        if merged_key(m, "A") in arrays:
+            a_list.append(arrays[merged_key(m, "A")])
+            b_list.append(arrays[merged_key(m, "B")])
+        if peft_key(m, "lora_A") in arrays:
+            a_list.append(scale * arrays[peft_key(m, "lora_A")])
+            b_list.append(arrays[peft_key(m, "lora_B")])
+        if len(a_list) != len(b_list) or not a_list:
+            raise ValueError(f"{m}: a LoRA layer needs both A and B")
+        parts[m] = (torch.cat(a_list, 0), torch.cat(b_list, 1))
+    r = max(a.shape[0] for a, _ in parts.values())
+    out: Arrays = {}
+    for m, (a, b) in parts.items():
+        out[peft_key(m, "lora_A")] = torch.cat([a, a.new_zeros(r - a.shape[0], a.shape[1])], 0)
+        out[peft_key(m, "lora_B")] = torch.cat([b, b.new_zeros(b.shape[0], r - b.shape[1])], 1)
+    return out, 1.0
+
+
+def _base_model(rd: RunDir, cfg) -> str:
+    """The backbone directory PEFT should load the adapter onto: the run's own adapter's
+    ``base_model_name_or_path`` when it has one, else the backbone's source ("" for a tiny model)."""
+    written = rd.path / "adapter" / "adapter_config.json"
+    if written.is_file():
+        return json.loads(written.read_text()).get("base_model_name_or_path") or ""
+    return load_backbone(cfg.model).source
+
+
+def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | None = None,
+                   out: str | Path | None = None) -> tuple[Path, dict]:
+    """Write the adapter of run ``run_dir``'s latest checkpoint at ``rank`` and/or as ``client``
+    runs it (see the module docstring) to ``out`` (default ``RUN_DIR/adapter_r<r>`` or
+    ``RUN_DIR/adapter_client<k>``), atomically. Returns (the directory, a description: round, rank,
+    scale, client, base model).
+
+    With both, ``rank`` must be the client's own rank. Raises NestfedError, one line naming the
+    run, option or client at fault: not a run directory, no checkpoint, an unknown client, a
+    method whose global adapter has no nested prefixes (``--rank``), a method whose clients do not
+    run LoRA on the backbone or whose per-client state stayed on Flower's nodes (``--client``), a
+    rank out of range.
+    """
+    rd = RunDir(run_dir)
+    if not rd.config_path.is_file():
+        raise NestfedError(f"{run_dir}: not a nestfed run directory (no config.toml)")
+    if rank is None and client is None:
+        raise NestfedError("export: give --rank R, --client K, or both")
+    cfg = methods.load_config(rd.config_path)
+    method = methods.get(cfg.strategy.name)
+    if method.server is None:
+        raise NestfedError(f"{run_dir}: {method.name}'s clients do not run a LoRA adapter on the backbone; "
+                           "nothing PEFT could load")
+    keeps = method.keeps_client_state(cfg) and client is not None
+    ck = rd.latest_checkpoint(keeps)
+    strategy = method.server(cfg, {})
+    settings = lora_settings(cfg)
+    ranks = {int(c): int(r) for c, r in ck.state.meta.get("ranks", {}).items()}
+    if client is not None:
+        if client not in ranks:
+            raise NestfedError(f"--client {client}: {run_dir} has clients {', '.join(map(str, sorted(ranks)))}")
+        if rank is not None and rank != ranks[client]:
+            raise NestfedError(f"--rank {rank}: client {client} runs rank {ranks[client]} (give that rank or "
+                               "leave --rank out)")
+        if method.client_hooks is None:
+            raise NestfedError(f"--client: {method.name}'s clients do not run the LoRA client trainer")
+        arrays, scale = strategy.deploy(ck.state, client)
+        kept = (ck.client_state or {}).get(client, {})
+        arrays = method.client_hooks(cfg).evaluation_arrays(kept, arrays)
+        files = strategy.export_files(ck.state)
+        if files:
+            raise NestfedError(f"--client: {method.name}'s clients also run {', '.join(sorted(files))}, which a "
+                               "PEFT LoRA adapter cannot hold")
+        r = ranks[client]
+    else:
+        arrays, scale = strategy.export(ck.state)
+        reason = skip_reason(cfg, arrays, strategy.export_files(ck.state))
+        if reason:
+            raise NestfedError(f"--rank: {run_dir}: {reason}; export a client's adapter with --client K")
+        if not 1 <= rank <= settings.r_max:
+            raise NestfedError(f"--rank {rank}: must be between 1 and r_max = {settings.r_max}")
+        arrays, scale, r = truncate_rank(arrays, rank), settings.scale(rank), rank
+    try:
+        arrays, scale = one_adapter(arrays, scale)
+    except ValueError as exc:
+        raise NestfedError(f"{run_dir}: {exc}") from None
+    target = Path(out) if out is not None else rd.path / (f"adapter_client{client}" if client is not None
+                                                          else f"adapter_r{rank}")
+    base = _base_model(rd, cfg)
+    try:
+        path = export_peft_adapter(arrays, scale, target, base)
+    except ValueError as exc:
+        raise NestfedError(f"{run_dir}: {exc}") from None
+    return path, {"round": ck.round, "rank": r, "scale": scale, "client": client, "base_model": base,
+                  "method": method.name}

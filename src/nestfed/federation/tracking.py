@@ -1,0 +1,179 @@
+"""Experiment-tracking sinks: TensorBoard and MLflow, fed the lines metrics.jsonl commits.
+
+metrics.jsonl is the source of truth (nestfed.federation.run_dir). The round loop hands every
+committed line to each sink right after the commit (``log``), and at its start hands the lines
+already committed (``open``): a sink catches up on what it missed (a crash between the commit and
+the sink, a sink added to an existing run on resume) and never repeats a round.
+
+- :class:`TensorBoardSink` writes scalar events into ``<run dir>/tensorboard/`` through
+  ``torch.utils.tensorboard.SummaryWriter``. On resume it starts with ``purge_step`` at the first
+  committed round: TensorBoard's readers then drop what earlier sessions wrote from that step on,
+  and the committed lines are written again, so the event files hold exactly metrics.jsonl.
+- :class:`MlflowSink` logs to one MLflow run per nestfed run (its id kept in
+  ``<run dir>/mlflow_run_id``), each line in one ``log_batch`` call, at step = round. On resume it
+  reads which rounds the run holds (the ``round`` metric's history) and logs the others.
+
+The values are :func:`scalars` of each line: every finite number in it, keyed by its path
+(``eval/0/ppl``, ``clients/1/metrics/train_loss``, ``bytes_up``), plus ``eval/mean/<metric>``.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from pathlib import Path
+from typing import Any, Protocol
+
+from nestfed.config.tracking import TrackingConfig
+from nestfed.errors import ConfigError
+from nestfed.io import atomic
+
+
+class Sink(Protocol):
+    """A tracking sink: ``open(committed lines)`` once, ``log(line)`` per committed round,
+    ``close(finished)`` at the end."""
+
+    name: str
+
+    def open(self, lines: list[dict[str, Any]]) -> None:
+        """Catch up on the lines already committed (a fresh run: round 0's, or none)."""
+
+    def log(self, line: dict[str, Any]) -> None:
+        """One committed round's line."""
+
+    def close(self, finished: bool) -> None:
+        """Flush; ``finished``: every round of the run has been committed."""
+
+
+def scalars(line: dict[str, Any]) -> dict[str, float]:
+    """Every finite number of a metrics line (bools and lists left out) keyed by its path joined
+    with "/", plus ``eval/mean/<metric>``: the mean over clients of each held-out metric."""
+    out: dict[str, float] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}/{k}" if prefix else str(k), v)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            out[prefix] = float(value)
+
+    walk("", line)
+    per_client = [v for v in line.get("eval", {}).values() if isinstance(v, dict)]
+    for metric in sorted({k for v in per_client for k in v}):
+        vals = [v[metric] for v in per_client if isinstance(v.get(metric), (int, float)) and math.isfinite(v[metric])]
+        if vals:
+            out[f"eval/mean/{metric}"] = sum(vals) / len(vals)
+    return out
+
+
+class TensorBoardSink:
+    """Scalar events in ``log_dir`` (``torch.utils.tensorboard``; the ``tensorboard`` package).
+
+    Raises ConfigError when the package is missing."""
+
+    name = "tensorboard"
+
+    def __init__(self, log_dir: Path):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError:
+            raise ConfigError("tracking.tensorboard = true needs the tensorboard package "
+                              '(pip install -e ".[tracking]")') from None
+        self._writer_class = SummaryWriter
+        self.log_dir = Path(log_dir)
+        self.writer = None
+
+    def open(self, lines: list[dict[str, Any]]) -> None:
+        resumed = self.log_dir.is_dir() and any(self.log_dir.iterdir())
+        purge = lines[0]["round"] if (resumed and lines) else None
+        self.writer = self._writer_class(log_dir=str(self.log_dir), purge_step=purge)
+        for line in lines:
+            self.log(line)
+
+    def log(self, line: dict[str, Any]) -> None:
+        for key, value in scalars(line).items():
+            self.writer.add_scalar(key, value, global_step=int(line["round"]))
+        self.writer.flush()
+
+    def close(self, finished: bool) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class MlflowSink:
+    """One MLflow run per nestfed run in the store at ``uri`` (the ``mlflow`` or ``mlflow-skinny``
+    package). Its run id is kept in ``id_file``, written atomically.
+
+    Raises ConfigError when the package is missing or the store cannot be opened (naming the URI).
+    """
+
+    name = "mlflow"
+
+    def __init__(self, uri: str, experiment: str, run_name: str, id_file: Path):
+        try:
+            from mlflow.entities import Metric
+            from mlflow.tracking import MlflowClient
+        except ImportError:
+            raise ConfigError('tracking.mlflow = true needs the mlflow package (pip install -e ".[tracking]")') from None
+        self._metric = Metric
+        self.uri, self.experiment, self.run_name, self.id_file = uri, experiment, run_name, Path(id_file)
+        self.client = MlflowClient(tracking_uri=uri)
+        self.run_id = ""
+
+    def _run(self) -> str:
+        if self.id_file.is_file():
+            return self.id_file.read_text().strip()
+        exp = self.client.get_experiment_by_name(self.experiment)
+        exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.experiment)
+        run_id = self.client.create_run(exp_id, run_name=self.run_name).info.run_id
+        atomic.write_text(self.id_file, run_id + "\n")
+        return run_id
+
+    def open(self, lines: list[dict[str, Any]]) -> None:
+        try:
+            self.run_id = self._run()
+            logged = {m.step for m in self.client.get_metric_history(self.run_id, "round")}
+        except Exception as exc:  # any store error: one line naming the store
+            raise ConfigError(f"tracking.mlflow_uri = {self.uri}: {type(exc).__name__}: {exc}") from None
+        for line in lines:
+            if int(line["round"]) not in logged:
+                self.log(line)
+
+    def log(self, line: dict[str, Any]) -> None:
+        ts, step = int(time.time() * 1000), int(line["round"])
+        values = scalars(line)
+        metrics = [self._metric(k, v, ts, step) for k, v in values.items()]
+        for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
+            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+
+    def close(self, finished: bool) -> None:
+        if self.run_id:
+            self.client.set_terminated(self.run_id, "FINISHED" if finished else "KILLED")
+
+
+def mlflow_uri(t: TrackingConfig, output_dir: str) -> str:
+    """The tracking URI: ``tracking.mlflow_uri``, else a local SQLite store in ``output_dir``."""
+    return t.mlflow_uri or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
+def sinks(t: TrackingConfig, run_dir: Path, output_dir: str, output_name: str) -> list[Sink]:
+    """The sinks ``[tracking]`` asks for, for the run directory ``run_dir``: its MLflow run is named
+    after the directory (``<parent>/<name>`` inside a multi-method or seeds parent), in the
+    experiment ``tracking.mlflow_experiment``, else ``output_name``, else ``nestfed``. Raises
+    ConfigError when a sink's package is missing."""
+    run_dir = Path(run_dir)
+    out: list[Sink] = []
+    if t.tensorboard:
+        out.append(TensorBoardSink(run_dir / "tensorboard"))
+    if t.mlflow:
+        out.append(MlflowSink(mlflow_uri(t, output_dir), t.mlflow_experiment or output_name or "nestfed",
+                              _run_name(run_dir, output_dir), run_dir / "mlflow_run_id"))
+    return out
+
+
+def _run_name(run_dir: Path, output_dir: str) -> str:
+    """The run directory's path below ``output_dir`` (``bbc_news-.../seed0/prelort``), or its name."""
+    try:
+        return str(run_dir.resolve().relative_to(Path(output_dir).resolve()))
+    except ValueError:
+        return run_dir.name
