@@ -1,4 +1,5 @@
-"""Client partitions: disjoint, covering, sorted, seeded; Dirichlet skew follows alpha."""
+"""Client partitions (flwr-datasets' partitioners and our two): disjoint, covering, sorted,
+seeded; Dirichlet skew follows alpha, pathological clients hold their number of labels."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from nestfed.data.partition import by_label, dirichlet, iid, train_test_split
+from nestfed.data.partition import by_label, dirichlet, iid, natural_id, pathological, train_test_split
 
 
 def _check_disjoint_sorted(parts):
@@ -73,8 +74,8 @@ def test_dirichlet_impossible():
     with pytest.raises(ValueError, match="alpha"):
         dirichlet(["a"] * 5, num_clients=2, alpha=0.0)
     # 2 labels x 5 items over 5 clients, each needing 2 of them, with near-one-hot proportions
-    with pytest.raises(ValueError, match="no draw in 3 tries"):
-        dirichlet(["a"] * 5 + ["b"] * 5, num_clients=5, alpha=0.001, min_size=2, max_tries=3)
+    with pytest.raises(ValueError, match=r"dirichlet: .*raise alpha or lower min_size"):
+        dirichlet(["a"] * 5 + ["b"] * 5, num_clients=5, alpha=0.001, min_size=2)
 
 
 def test_iid():
@@ -83,8 +84,36 @@ def test_iid():
     assert sorted(i for p in parts for i in p) == list(range(103))
     assert sorted(len(p) for p in parts) == [25, 26, 26, 26]
     assert iid(103, 4, seed=1) == parts and iid(103, 4, seed=2) != parts
+    # IidPartitioner's contiguous shards of the seeded permutation, by hand
+    perm = np.random.default_rng(1).permutation(103)
+    assert parts == [sorted(perm[:26].tolist()), sorted(perm[26:52].tolist()), sorted(perm[52:78].tolist()),
+                     sorted(perm[78:].tolist())]
     with pytest.raises(ValueError):
         iid(3, 4)
+
+
+def test_pathological_clients_hold_their_number_of_labels():
+    parts = pathological(LABELS10, num_clients=10, classes_per_client=2, seed=0)
+    _check_disjoint_sorted(parts)
+    held = [sorted({LABELS10[i] for i in p}) for p in parts]
+    assert all(len(h) == 2 for h in held)
+    assert all(f"c{i}" in h for i, h in enumerate(held))  # first-deterministic: client i holds label i
+    for lab in {x for h in held for x in h}:  # each held label's 100 items divided among its holders
+        assert sum(1 for p in parts for i in p if LABELS10[i] == lab) == 100
+    assert pathological(LABELS10, 10, 2, seed=0) == parts and pathological(LABELS10, 10, 2, seed=1) != parts
+    one = pathological(LABELS10, 10, 1, seed=0)
+    assert [sorted({LABELS10[i] for i in p}) for p in one] == [[f"c{i}"] for i in range(10)]
+    with pytest.raises(ValueError, match=r"classes_per_client must be in 1..10"):
+        pathological(LABELS10, 4, 11)
+
+
+def test_natural_id_gives_each_client_its_label_in_order():
+    labels = ["b", "a", "c", "a", "b", "c", "a"]
+    assert natural_id(labels, ["c", "a"]) == [[2, 5], [1, 3, 6]]
+    with pytest.raises(ValueError, match=r"client 1's id 'z' is carried by no item"):
+        natural_id(labels, ["a", "z"])
+    with pytest.raises(ValueError, match="given to two clients"):
+        natural_id(labels, ["a", "a"])
 
 
 def test_train_test_split():

@@ -61,11 +61,15 @@ class LoraConfig:
 class DataConfig:
     """Data source, task and non-IID partition.
 
-    source: bbc_news | newsgroups | mmlu | instructions.
+    source: bbc_news | newsgroups | mmlu | instructions | file (a local JSON lines, JSON, CSV or
+    parquet file at ``path``: its ``text_column`` is the text, its ``label_column`` the label the
+    partition reads; "" = no label, for iid only).
     task: causal_lm (packed blocks of block_size tokens) | instruction (loss on the response)
     | multiple_choice (loss on the gold letter).
-    partition: label (client_labels lists the labels of each client; empty = one natural label
-    per client) | dirichlet (over labels, concentration dirichlet_alpha) | iid.
+    partition (nestfed.data.partition; flwr-datasets' partitioners): label (client_labels lists the
+    labels of each client; empty = one natural id per client, flwr-datasets' NaturalIdPartitioner)
+    | dirichlet (over labels, concentration dirichlet_alpha) | pathological (classes_per_client
+    labels per client) | iid.
     max_train / max_test: caps per client, in blocks (causal_lm) or examples (other tasks).
     """
 
@@ -76,6 +80,9 @@ class DataConfig:
     num_clients: int = 5
     client_labels: tuple[tuple[str, ...], ...] = ()
     dirichlet_alpha: float = 0.5
+    classes_per_client: int = 2
+    text_column: str = "text"
+    label_column: str = "label"
     test_fraction: float = 0.2
     block_size: int = 128
     max_train: int = 16
@@ -209,9 +216,9 @@ class ExperimentConfig:
 #: The core sections, in the order a resolved config is written.
 CORE_SECTIONS = ("model", "lora", "data", "train", "strategy", "federation", "output", "memory", "validation",
                  "robust", "privacy", "attack", "server_optimizer", "tracking")
-SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts")
+SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts", "file")
 TASKS = ("causal_lm", "instruction", "multiple_choice")
-PARTITIONS = ("label", "dirichlet", "iid")
+PARTITIONS = ("label", "dirichlet", "pathological", "iid")
 GATES = ("constant", "learned", "dynamic")
 
 
@@ -256,6 +263,18 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("data.num_clients must be >= 1")
     if d.dirichlet_alpha <= 0:
         raise ValueError("data.dirichlet_alpha (the Dirichlet concentration) must be > 0")
+    if d.classes_per_client < 1:
+        raise ValueError("data.classes_per_client must be >= 1")
+    if d.source == "file":
+        if not d.path:
+            raise ValueError("data.path: the source 'file' needs a JSON lines, JSON, CSV or parquet file")
+        if not d.text_column:
+            raise ValueError("data.text_column: the source 'file' needs the name of its text column")
+        if not d.label_column and d.partition != "iid":
+            raise ValueError(f"data.label_column: the {d.partition} partition reads labels; name the label column "
+                             "or use partition = 'iid'")
+        if d.task != "causal_lm":
+            raise ValueError("data.task: the source 'file' holds plain texts (task = 'causal_lm')")
     if not 0 < d.test_fraction < 1:
         raise ValueError("data.test_fraction must be in (0, 1)")
     if d.block_size < 8:

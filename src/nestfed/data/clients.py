@@ -17,6 +17,7 @@ from torch import nn
 
 from nestfed.config import ConfigError, DataConfig, ExperimentConfig
 from nestfed.data import partition, sources, tasks
+from nestfed.data.local_file import local_file
 from nestfed.data.mmlu_domains import domain_items
 from nestfed.data.niah import niah_clients
 from nestfed.errors import DataError
@@ -69,6 +70,9 @@ def _records(d: DataConfig) -> tuple[list[Any], list[str]]:
     if d.source == "newsgroups":
         docs = sources.newsgroups(d.path or None)
         return docs, [x.label for x in docs]
+    if d.source == "file":  # a user's JSON lines / CSV / parquet file (data/local_file.py)
+        docs = local_file(d.path, d.text_column, d.label_column)
+        return docs, [x.label for x in docs]
     if d.source == "long_texts":  # Wikipedia articles and Austen's novels (haystacks, streaming)
         docs = sources.long_texts("all")
         return docs, [x.source for x in docs]
@@ -90,13 +94,15 @@ def _partition(labels: list[str], d: DataConfig) -> list[list[int]]:
         return partition.iid(len(labels), d.num_clients, d.seed)
     if d.partition == "dirichlet":
         return partition.dirichlet(labels, d.num_clients, d.dirichlet_alpha, d.seed)
+    if d.partition == "pathological":
+        return partition.pathological(labels, d.num_clients, d.classes_per_client, d.seed)
     client_labels = [list(x) for x in d.client_labels]
-    if not client_labels:
+    if not client_labels:  # one natural id per client: the first num_clients labels, sorted
         distinct = sorted(set(labels))
         if len(distinct) < d.num_clients:
             raise ConfigError(f"data.client_labels: {d.num_clients} clients but only {len(distinct)} labels "
                               f"({', '.join(distinct)}); list the labels of each client")
-        client_labels = [[lab] for lab in distinct[: d.num_clients]]
+        return partition.natural_id(labels, distinct[: d.num_clients])
     if len(client_labels) != d.num_clients:
         raise ConfigError(f"data.client_labels: {len(client_labels)} entries for data.num_clients = {d.num_clients}")
     known = set(labels)
@@ -128,7 +134,8 @@ def _as_text(x: Any) -> str:
 def load_partitions(d: DataConfig) -> tuple[list[Any], list[str], list[list[int]]]:
     """Read the data source and partition it: (records, labels, record indices per client).
 
-    Raises DataError (missing or malformed data) or ConfigError (bad partition settings).
+    Raises DataError (missing or malformed data, a client whose partition is empty) or
+    ConfigError (bad partition settings), each one line.
     """
     if d.source == "niah":  # generated per client (data/niah.py), no shared records
         return [], [], []
@@ -140,6 +147,10 @@ def load_partitions(d: DataConfig) -> tuple[list[Any], list[str], list[list[int]
         parts = _partition(labels, d)
     except ValueError as exc:
         raise ConfigError(f"data.partition: {exc}") from None
+    empty = [cid for cid, idx in enumerate(parts) if not idx]
+    if empty:
+        raise DataError(f"client {', '.join(map(str, empty))}: empty partition (data.partition = {d.partition} gave "
+                        "it no records); change the partition's settings or data.num_clients")
     return records, labels, parts
 
 

@@ -1,13 +1,27 @@
 """Split a data set among federated clients. Everything here returns index lists, never data.
 
-Common contract: deterministic for a given ``seed`` (``numpy.random.default_rng``), each
-client's list sorted ascending, clients disjoint, and their union covering every assigned item
-(:func:`by_label` leaves items of labels no client asked for unassigned; the others assign all).
+The partitioners are flwr-datasets' (Flower's maintained ones, run over an in-memory Hugging Face
+``datasets.Dataset`` of the labels): :func:`iid` (``IidPartitioner``), :func:`dirichlet`
+(``DirichletPartitioner``), :func:`pathological` (``PathologicalPartitioner``) and
+:func:`natural_id` (``NaturalIdPartitioner``). Two are our own, because flwr-datasets has no
+equivalent: :func:`by_label` (each client is given a list of labels, and a label listed by several
+clients is split evenly among them; no flwr-datasets partitioner takes a label list per client)
+and :func:`train_test_split` (each client's held-out part, at least one item on each side of the
+split even for a client of two items, where ``datasets.Dataset.train_test_split`` refuses a split
+that leaves a side empty).
+
+Common contract: deterministic for a given ``seed``, each client's list sorted ascending, clients
+disjoint, and their union covering every assigned item (:func:`by_label`, :func:`natural_id` and
+:func:`pathological` leave items of labels no client holds unassigned; the others assign all).
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
+import warnings
 from collections.abc import Hashable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -57,18 +71,43 @@ def by_label(labels: Sequence[str], client_labels: Sequence[Sequence[str]], seed
     return [sorted(c) for c in clients]
 
 
-def dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int = 0,
-              min_size: int = 1, max_tries: int = 1000) -> list[list[int]]:
-    """Label-Dirichlet non-IID split (Hsu et al. 2019; the NIID-Bench / FedML variant).
+def _flwr_partitions(columns: dict[str, list[Any]], partitioner: Any, num_parts: int) -> list[list[int]]:
+    """Run a flwr-datasets partitioner over an in-memory Hugging Face ``datasets.Dataset`` built
+    from ``columns`` (which hold ``index``: the item ids) and return each partition's sorted ids."""
+    import datasets
 
-    For each label, client proportions p ~ Dir(alpha * 1); clients already holding at least
-    N / num_clients items get no more (p_j set to 0, p renormalised); the label's shuffled items
-    are cut at the cumulative proportions. The whole draw is repeated (up to ``max_tries``
-    times) until every client holds at least ``min_size`` items. Small alpha (e.g. 0.1) gives
-    few labels per client; large alpha (e.g. 100) approaches IID. Every item is assigned.
+    datasets.disable_progress_bars()
+    partitioner.dataset = datasets.Dataset.from_dict(columns)
+    with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():  # their tqdm bars and retry
+        warnings.simplefilter("ignore")  # warnings (a failure becomes one ValueError, reworded by the callers)
+        return [sorted(int(i) for i in partitioner.load_partition(p)["index"]) for p in range(num_parts)]
+
+
+def iid(n: int, num_clients: int, seed: int = 0) -> list[list[int]]:
+    """IID split of items ``0..n-1`` (flwr-datasets' ``IidPartitioner``): a seeded permutation
+    (``numpy.random.default_rng(seed)``) cut into ``num_clients`` contiguous shards whose sizes
+    differ by at most 1. Returns one sorted index list per client.
+    Raises ValueError when num_clients < 1 or n < num_clients (a client would get nothing)."""
+    if num_clients < 1:
+        raise ValueError(f"iid: num_clients must be >= 1, got {num_clients}")
+    if n < num_clients:
+        raise ValueError(f"iid: {n} items cannot give each of {num_clients} clients one")
+    from flwr_datasets.partitioner import IidPartitioner
+
+    perm = np.random.default_rng(seed).permutation(n)
+    return _flwr_partitions({"index": perm.tolist()}, IidPartitioner(num_clients), num_clients)
+
+
+def dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int = 0,
+              min_size: int = 1) -> list[list[int]]:
+    """Label-Dirichlet non-IID split (Hsu et al. 2019; flwr-datasets' ``DirichletPartitioner``
+    with self-balancing, the NIID-Bench variant): for each label, client proportions
+    p ~ Dir(alpha * 1), clients already holding more than N / num_clients items get no more; the
+    draw is repeated until every client holds at least ``min_size`` items. Small alpha (0.1)
+    gives few labels per client, large alpha (100) approaches IID. Every item is assigned.
     Returns one sorted index list per client.
     Raises ValueError for num_clients < 1, alpha <= 0, min_size < 0, num_clients * min_size > N,
-    or when no draw within max_tries meets min_size.
+    or when the partitioner's draws cannot meet min_size.
     """
     n = len(labels)
     if num_clients < 1:
@@ -79,36 +118,57 @@ def dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: 
         raise ValueError(f"dirichlet: min_size must be >= 0, got {min_size}")
     if num_clients * min_size > n:
         raise ValueError(f"dirichlet: {num_clients} clients x min_size {min_size} exceeds the {n} items")
-    groups = _label_groups(labels)
-    rng = np.random.default_rng(seed)
-    cap = n / num_clients
-    for _ in range(max(1, max_tries)):
-        clients: list[list[int]] = [[] for _ in range(num_clients)]
-        for idx in groups.values():
-            perm = rng.permutation(idx)
-            p = rng.dirichlet(np.full(num_clients, float(alpha)))
-            p = p * np.array([len(c) < cap for c in clients], dtype=float)
-            total = p.sum()
-            p = p / total if total > 0 else np.full(num_clients, 1.0 / num_clients)
-            cuts = (np.cumsum(p) * len(perm)).astype(int)[:-1]
-            for c, part in enumerate(np.split(perm, cuts)):
-                clients[c].extend(part.tolist())
-        if min(len(c) for c in clients) >= min_size:
-            return [sorted(c) for c in clients]
-    raise ValueError(f"dirichlet: no draw in {max_tries} tries gave every one of {num_clients} "
-                     f"clients >= {min_size} items (alpha={alpha}, N={n}); raise alpha or lower min_size")
+    from flwr_datasets.partitioner import DirichletPartitioner
+
+    part = DirichletPartitioner(num_clients, "label", float(alpha), min_partition_size=min_size, self_balancing=True,
+                                shuffle=True, seed=seed)
+    try:
+        return _flwr_partitions({"label": [str(x) for x in labels], "index": list(range(n))}, part, num_clients)
+    except ValueError as exc:
+        raise ValueError(f"dirichlet: {exc} (alpha={alpha}, N={n}, {num_clients} clients, min_size {min_size}); "
+                         "raise alpha or lower min_size") from None
 
 
-def iid(n: int, num_clients: int, seed: int = 0) -> list[list[int]]:
-    """IID split of items ``0..n-1``: a seeded permutation cut into ``num_clients`` parts whose
-    sizes differ by at most 1. Returns one sorted index list per client.
-    Raises ValueError when num_clients < 1 or n < num_clients (a client would get nothing)."""
+def pathological(labels: Sequence[Hashable], num_clients: int, classes_per_client: int,
+                 seed: int = 0) -> list[list[int]]:
+    """Pathological (label-based) split (McMahan et al. 2017's shards; flwr-datasets'
+    ``PathologicalPartitioner``, ``first-deterministic``): client i holds ``classes_per_client``
+    labels, the first label i mod L, the others drawn at random (seeded); each label's items are
+    divided evenly among the clients holding it. Labels no client draws stay unassigned.
+    Returns one sorted index list per client.
+    Raises ValueError for num_clients < 1 or classes_per_client outside 1..L (L distinct labels).
+    """
+    distinct = len(set(labels))
     if num_clients < 1:
-        raise ValueError(f"iid: num_clients must be >= 1, got {num_clients}")
-    if n < num_clients:
-        raise ValueError(f"iid: {n} items cannot give each of {num_clients} clients one")
-    perm = np.random.default_rng(seed).permutation(n)
-    return [sorted(p.tolist()) for p in np.array_split(perm, num_clients)]
+        raise ValueError(f"pathological: num_clients must be >= 1, got {num_clients}")
+    if not 1 <= classes_per_client <= distinct:
+        raise ValueError(f"pathological: classes_per_client must be in 1..{distinct} (the labels present), "
+                         f"got {classes_per_client}")
+    from flwr_datasets.partitioner import PathologicalPartitioner
+
+    part = PathologicalPartitioner(num_clients, "label", classes_per_client, class_assignment_mode="first-deterministic",
+                                   shuffle=True, seed=seed)
+    return _flwr_partitions({"label": [str(x) for x in labels], "index": list(range(len(labels)))}, part, num_clients)
+
+
+def natural_id(labels: Sequence[Hashable], ids: Sequence[Hashable]) -> list[list[int]]:
+    """One client per natural id (flwr-datasets' ``NaturalIdPartitioner``: a topic, a writer, a
+    speaker): client i holds every item whose label is ``ids[i]``. Returns one sorted index list
+    per client. Raises ValueError naming an id no item carries, or an id given twice."""
+    present = {str(x) for x in labels}
+    for i, x in enumerate(ids):
+        if str(x) not in present:
+            raise ValueError(f"natural_id: client {i}'s id '{x}' is carried by no item "
+                             f"(ids present: {', '.join(sorted(present))})")
+    if len({str(x) for x in ids}) != len(ids):
+        raise ValueError("natural_id: an id is given to two clients (use the label partition to split one)")
+    from flwr_datasets.partitioner import NaturalIdPartitioner
+
+    part = NaturalIdPartitioner(partition_by="label")
+    cols = {"label": [str(x) for x in labels], "index": list(range(len(labels)))}
+    parts = _flwr_partitions(cols, part, len(present))
+    order = {v: k for k, v in part.partition_id_to_natural_id.items()}
+    return [parts[order[str(x)]] for x in ids]
 
 
 def train_test_split(indices: Sequence[int], test_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
