@@ -108,6 +108,7 @@ class LocalDeployment:
     port: int = 0
     name: str = "local"
     database: str = ""  # the SuperLink's state: "" = in memory (Flower's default), else an SQLite file
+    simulation: bool = False  # the SuperLink runs Flower's simulation engine (virtual SuperNodes on Ray)
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -147,6 +148,8 @@ class LocalDeployment:
                 "--disable-runtime-dependency-installation"]
         if self.database:
             args += ["--database", self.database]
+        if self.simulation:
+            args.append("--simulation")
         if self.tls is None:
             args.append("--insecure")
         else:
@@ -222,10 +225,15 @@ class LocalDeployment:
         """Register a SuperNode's public key with the SuperLink (``flwr supernode register``)."""
         return self.flwr_json("supernode", "register", str(public_key), self.name)
 
-    def submit(self, app_dir: Path, run_config: dict[str, Any]) -> int:
-        """``flwr run APP_DIR`` with run-config overrides; return the run id (the run goes on)."""
+    def submit(self, app_dir: Path, run_config: dict[str, Any], federation_config: dict[str, Any] | None = None) -> int:
+        """``flwr run APP_DIR`` with run-config overrides and, on the simulation engine, its
+        ``--federation-config`` (``num-supernodes``, ``client-resources-num-cpus``,
+        ``client-resources-num-gpus``, ...); return the run id (the run goes on)."""
         rc = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
-        out = self.flwr_json("run", str(app_dir), self.name, "--run-config", rc)
+        extra = []
+        if federation_config:
+            extra = ["--federation-config", " ".join(f"{k}={toml_value(v)}" for k, v in federation_config.items())]
+        out = self.flwr_json("run", str(app_dir), self.name, "--run-config", rc, *extra)
         if not out.get("success"):
             raise RuntimeError(f"flwr run failed: {out}")
         return int(out["run-id"])
