@@ -21,7 +21,15 @@ SuperExec's 1 s task poll), ``to_server_s`` (reply created to reply pulled: Supe
 transfer plus the ServerApp's poll), ``push_s`` / ``pull_s`` (the ServerApp's calls to the
 SuperLink). Prints one JSON object.
 
-Usage: ``.venv/bin/python bench/flower_vs_embedded.py [--keep DIR]``
+``--client-cache on`` (the default of a SuperNode) lets each node keep its prepared data between
+ClientApp processes (nestfed.data.client_cache: the first message builds it, the others load it);
+``off`` rebuilds it in every process, as before the cache existed. Run both to see what it removes.
+
+Usage: ``.venv/bin/python bench/flower_vs_embedded.py [--keep DIR] [--client-cache on|off]``; the main
+job's protocol (SmolLM2-135M, real BBC News, 3 clients of ranks 2/4/8, 4 local steps, 2 rounds):
+``--config configs/bbc_news.toml --set data.num_clients=3 --set lora.ranks=[2,4,8] --set
+federation.rounds=2 --set train.threads=0 --embedded-threads 2 --node-threads 1`` (the embedded
+runner on both cores; three SuperNodes of one thread each share them).
 """
 
 from __future__ import annotations
@@ -42,6 +50,7 @@ TINY = ROOT / "configs" / "tiny.toml"
 APP_DIR = ROOT / "flower_app"
 OVERRIDES = ["data.num_clients=3", "lora.ranks=[2,4,8]", "strategy.name=prelort", "federation.rounds=2",
              "train.threads=1", "output.plots=false"]
+CONFIG = TINY
 
 
 def no_eval_transport(trainer):
@@ -76,7 +85,7 @@ def embedded(out: Path) -> dict:
     from nestfed.federation.loop import RoundLoop
     from nestfed.federation.run_dir import RunDir
 
-    cfg = methods.load_config(TINY, OVERRIDES)
+    cfg = methods.load_config(CONFIG, OVERRIDES)
     t0 = time.perf_counter()
     prep = prepare(cfg)
     prep_s = time.perf_counter() - t0
@@ -93,15 +102,15 @@ def embedded(out: Path) -> dict:
             "run_s": round(total, 3)}
 
 
-def in_process(out: Path) -> dict:
+def in_process(out: Path, node_config: dict) -> dict:
     from nestfed.flower import client_app
     from nestfed.flower.local import LocalGrid
     from nestfed.flower.server_app import run_on_grid
 
     client_app._CACHE.clear()
-    grid = LocalGrid(client_app.app, {101 + i: {"partition-id": i} for i in range(3)})
+    grid = LocalGrid(client_app.app, {101 + i: {"partition-id": i, **node_config} for i in range(3)})
     t0 = time.perf_counter()
-    run_on_grid(grid, {"experiment": str(TINY), "overrides": ";".join(OVERRIDES), "run-dir": str(out),
+    run_on_grid(grid, {"experiment": str(CONFIG), "overrides": ";".join(OVERRIDES), "run-dir": str(out),
                        "poll-interval-s": 0.01})
     total = time.perf_counter() - t0
     ls = lines(out)
@@ -110,7 +119,7 @@ def in_process(out: Path) -> dict:
             "mean_round_s": mean(ln["time_s"] for ln in rounds), "run_s": round(total, 3)}
 
 
-def deployment(work: Path) -> tuple[dict, Path]:
+def deployment(work: Path, node_config: dict) -> tuple[dict, Path]:
     from nestfed.flower.deploy import LocalDeployment
 
     run_dir = work / "deployment_run"
@@ -121,7 +130,7 @@ def deployment(work: Path) -> tuple[dict, Path]:
         superlink_s = time.perf_counter() - t0
         t0 = time.perf_counter()
         for i in range(3):
-            d.start_supernode({"partition-id": i})
+            d.start_supernode({"partition-id": i, **node_config})
         deadline = time.monotonic() + 120
         while len([n for n in d.nodes() if n.get("status") == "online"]) < 3:
             if time.monotonic() > deadline:
@@ -129,7 +138,8 @@ def deployment(work: Path) -> tuple[dict, Path]:
             time.sleep(0.2)
         supernodes_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        run_id = d.submit(APP_DIR, {"experiment": str(TINY), "overrides": ";".join(OVERRIDES), "run-dir": str(run_dir)})
+        run_id = d.submit(APP_DIR, {"experiment": str(CONFIG), "overrides": ";".join(OVERRIDES), "run-dir": str(run_dir),
+                                    "connect-timeout-s": 900.0, "round-timeout-s": 1800.0})
         submit_s = time.perf_counter() - t0
         status = d.wait_run(run_id, 900, poll_s=1.0)
         total = time.perf_counter() - t0
@@ -178,26 +188,48 @@ def deployment(work: Path) -> tuple[dict, Path]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
+    ap.add_argument("--config", type=Path, default=TINY, help="the experiment (default configs/tiny.toml)")
+    ap.add_argument("--set", dest="overrides", action="append", default=None,
+                    help="section.key=value (replaces the default overrides when given)")
+    ap.add_argument("--client-cache", choices=("on", "off"), default="on",
+                    help="SuperNodes keep their prepared data between ClientApp processes (default on)")
+    ap.add_argument("--embedded-threads", type=int, default=0, help="torch threads of the embedded run (0 = config)")
+    ap.add_argument("--node-threads", type=int, default=0, help="torch threads per SuperNode (node config 'threads')")
+    ap.add_argument("--skip-in-process", action="store_true", help="leave out the in-process apps run")
     args = ap.parse_args()
+    global CONFIG, OVERRIDES
+    CONFIG = args.config.resolve()
+    if args.overrides:
+        OVERRIDES = list(args.overrides) + ["output.plots=false"]
     work = Path(tempfile.mkdtemp(prefix="nestfed-flower-bench-")) if args.keep is None else args.keep
     work.mkdir(parents=True, exist_ok=True)
+    node_config: dict = {"client-cache": str(work / "client_cache") if args.client_cache == "on" else "off"}
+    if args.node_threads:
+        node_config["threads"] = args.node_threads
     threads = torch.get_num_threads()
     try:
         import os
 
-        result = {"experiment": {"config": "configs/tiny.toml", "overrides": OVERRIDES,
-                                 "per_round_work": "configure, 3 fits (2 local steps each), validate, aggregate, checkpoint"},
+        result = {"experiment": {"config": str(args.config), "overrides": OVERRIDES, "client_cache": args.client_cache,
+                                 "embedded_threads": args.embedded_threads or "config",
+                                 "node_threads": args.node_threads or "config",
+                                 "per_round_work": "configure, 3 fits, validate, aggregate, checkpoint (no evaluation)"},
                   "machine": {"cpus": os.cpu_count(), "loadavg_at_start": list(os.getloadavg())}}
+        if args.embedded_threads:
+            torch.set_num_threads(args.embedded_threads)
         result["embedded"] = embedded(work / "embedded_run")
         torch.set_num_threads(threads)
-        result["in_process_apps"] = in_process(work / "in_process_run")
-        torch.set_num_threads(threads)
-        result["deployment"], dep_dir = deployment(work)
+        if not args.skip_in_process:
+            result["in_process_apps"] = in_process(work / "in_process_run", node_config)
+            torch.set_num_threads(threads)
+        result["deployment"], dep_dir = deployment(work, node_config)
         from safetensors.torch import load_file
 
-        a = load_file(str(work / "in_process_run" / "adapter" / "adapter_model.safetensors"))
-        b = load_file(str(dep_dir / "adapter" / "adapter_model.safetensors"))
-        result["deployment_adapter_equals_in_process"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k]) for k in a)
+        if not args.skip_in_process:
+            a = load_file(str(work / "in_process_run" / "adapter" / "adapter_model.safetensors"))
+            b = load_file(str(dep_dir / "adapter" / "adapter_model.safetensors"))
+            result["deployment_adapter_equals_in_process"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k])
+                                                                                            for k in a)
         e, dep = result["embedded"]["mean_round_s"], result["deployment"]["mean_round_s"]
         result["deployment_over_embedded_round_time"] = round(dep / e, 1) if e else None
         result["machine"]["loadavg_at_end"] = list(os.getloadavg())

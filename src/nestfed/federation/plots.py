@@ -6,14 +6,22 @@ from __future__ import annotations
 import io
 from typing import Any
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+
+def _pyplot():
+    """matplotlib.pyplot on the Agg backend, imported on first use: a Flower ClientApp process,
+    which imports the round loop but never plots, does not pay its second of import."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def png(fig) -> bytes:
     """The figure as PNG bytes (110 dpi); the figure is closed."""
+    plt = _pyplot()
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, dpi=110, format="png")
@@ -24,6 +32,7 @@ def png(fig) -> bytes:
 def run_plots(lines: list[dict[str, Any]], title: str) -> dict[str, bytes]:
     """{file name: PNG bytes}: ``eval_ppl.png`` (held-out perplexity per client per round; only
     when the lines carry evaluations) and ``bytes.png`` (MB sent down and up per round)."""
+    plt = _pyplot()
     out = {}
     if lines and all(ln.get("eval") for ln in lines):
         cids = sorted(lines[0]["eval"], key=int)

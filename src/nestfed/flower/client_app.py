@@ -5,13 +5,18 @@ The node config (``flower-supernode --node-config``) names the node's partition:
 - ``partition-id`` (required): the nestfed client id this node trains (0-based);
 - ``num-partitions`` (optional): checked against the experiment's ``data.num_clients``;
 - ``rank`` (optional): the node's LoRA rank r_k; default: the experiment's rank of that client;
-- ``threads`` (optional): torch threads, when the experiment's ``train.threads`` is 0.
+- ``threads`` (optional): torch threads, when the experiment's ``train.threads`` is 0;
+- ``client-cache`` (optional): where the node keeps its prepared data between ClientApp processes
+  (default ``~/.cache/nestfed/clients``; ``off``: rebuild in every process).
 
 Every message carries the resolved experiment config (TOML text, ``experiment`` record), so
 server and nodes always agree on it; each node rebuilds its backbone and its own client data
 from it (base weights and data must already be on the node: only adapters travel). What one
 process builds is cached by (config, partition), so a process that serves several messages
-builds once (flwr 1.42 starts a fresh ClientApp process per message, so each message pays it).
+builds once. flwr 1.42 starts a fresh ClientApp process per message, so the node also keeps its
+prepared data on disk (``client-cache``, nestfed.data.client_cache): the first message builds it,
+every later one loads it and the backbone's weights instead of partitioning, tokenising and
+running the frozen prefix again.
 
 What a client keeps between rounds (``ClientTrainer.client_state``: FedNL's own LoRA when only
 the rules travel, FedALA's weights and local model) lives in the node's ``Context.state`` under
@@ -42,6 +47,7 @@ import os
 import time
 import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -58,6 +64,7 @@ from nestfed.federation.run_dir import flatten_client_state, unflatten_client_st
 from nestfed.federation.secure_sum import encode
 from nestfed.flower.records import arrays_to_record, record_to_arrays, record_to_config, reply_to_content
 from nestfed.flower.secure import fit_reply, is_secure, read_fit_instruction, secure_mod
+from nestfed.nn.backbone import default_cache_dir
 
 EXPERIMENT = "experiment"  # ConfigRecord with "toml" (the resolved experiment) and, for TRAIN, "cid"
 CLIENT_STATE = "nestfed-client-state"  # ArrayRecord in Context.state: run_dir.flatten_client_state's keys
@@ -124,6 +131,16 @@ def node_settings(node_config: dict[str, Any], cfg: ExperimentConfig) -> tuple[i
     return pid, rank, threads
 
 
+def client_cache_dir(node_config: dict[str, Any]) -> Path | None:
+    """Where this node keeps its prepared client data between ClientApp processes
+    (nestfed.data.client_cache): node config ``client-cache`` (a directory; ``"off"`` = none),
+    default ``~/.cache/nestfed/clients`` (``$XDG_CACHE_HOME`` respected)."""
+    value = str(node_config.get("client-cache", "") or "")
+    if value == "off":
+        return None
+    return Path(value) if value else default_cache_dir() / "clients"
+
+
 def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
     """The (cached) NodeClient for this experiment and this node's partition: the prepared
     partition, the method's client side (its setup, trainer and hooks). Raises ConfigError."""
@@ -138,7 +155,7 @@ def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
     if key in _CACHE:
         return _CACHE[key]
     t0 = time.perf_counter()
-    prep = prepare(cfg, only_clients=[pid])  # sets train.threads itself when non-zero
+    prep = prepare(cfg, only_clients=[pid], client_cache=client_cache_dir(node_config))  # sets train.threads
     rank = rank_override if rank_override is not None else prep.clients[0].rank
     side = method.client(prep, cfg)
     install_stream_modules(prep, cfg)
