@@ -14,7 +14,9 @@ from rich.table import Table
 
 from nestfed import methods
 from nestfed.errors import DataError
-from nestfed.federation.plots import plt, png
+from nestfed.federation.plots import png, pyplot
+
+plt = pyplot()  # matplotlib.pyplot on Agg
 
 
 def run_label(cfg: dict[str, Any], method: str) -> str:

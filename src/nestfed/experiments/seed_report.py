@@ -16,7 +16,9 @@ from typing import Any
 from rich.table import Table
 
 from nestfed.experiments.intervals import Interval, PairedDifference, mean_interval, paired_difference, relative_differences
-from nestfed.federation.plots import plt, png
+from nestfed.federation.plots import png, pyplot
+
+plt = pyplot()  # matplotlib.pyplot on Agg
 
 
 @dataclass

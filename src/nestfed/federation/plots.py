@@ -8,7 +8,7 @@ from typing import Any
 
 
 
-def _pyplot():
+def pyplot():
     """matplotlib.pyplot on the Agg backend, imported on first use: a Flower ClientApp process,
     which imports the round loop but never plots, does not pay its second of import."""
     import matplotlib
@@ -21,7 +21,7 @@ def _pyplot():
 
 def png(fig) -> bytes:
     """The figure as PNG bytes (110 dpi); the figure is closed."""
-    plt = _pyplot()
+    plt = pyplot()
     buf = io.BytesIO()
     fig.tight_layout()
     fig.savefig(buf, dpi=110, format="png")
@@ -32,7 +32,7 @@ def png(fig) -> bytes:
 def run_plots(lines: list[dict[str, Any]], title: str) -> dict[str, bytes]:
     """{file name: PNG bytes}: ``eval_ppl.png`` (held-out perplexity per client per round; only
     when the lines carry evaluations) and ``bytes.png`` (MB sent down and up per round)."""
-    plt = _pyplot()
+    plt = pyplot()
     out = {}
     if lines and all(ln.get("eval") for ln in lines):
         cids = sorted(lines[0]["eval"], key=int)
