@@ -94,7 +94,11 @@ def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None,
     ``reference`` (default: the first label; nestfed.experiments.seed_report). ``table``: also write
     the Markdown tables there and the rows beside it as JSON (same stem)."""
     rows = report.comparison_rows(run_dirs)
-    groups = seed_report.by_label(rows)
+    try:
+        groups = seed_report.by_label(rows)
+    except ValueError as exc:  # two runs of one label and seed: different experiments, or one run twice
+        raise NestfedError(f"{exc}: these runs share a label and a seed (the same run twice, or runs that differ "
+                           "only in sections the label does not show, e.g. [data]); set output.label on them") from None
     over_seeds = any(len(g) > 1 for g in groups.values())
     if reference is not None and reference not in groups:
         raise NestfedError(f"--reference: '{reference}' is not among the compared runs ({', '.join(groups)})")

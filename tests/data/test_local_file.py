@@ -76,12 +76,17 @@ def test_missing_columns_and_files_are_named(tmp_path, data_file):
     (tmp_path / "notes.txt").write_text("x")
     with pytest.raises(DataError, match=r"not a JSON lines, JSON, CSV or parquet file"):
         local_file(tmp_path / "notes.txt", "body")
+    nolabel = tmp_path / "nolabel.jsonl"
+    nolabel.write_text('{"body": "a", "topic": "x"}\n{"body": "b", "topic": null}\n')
+    with pytest.raises(DataError, match=r"nolabel.jsonl: 1 rows have no value in data.label_column 'topic' "
+                                        r"\(first: row 2\)"):
+        local_file(nolabel, "body", "topic")
     (tmp_path / "broken.jsonl").write_text('{"body": "a"}\n{not json\n')
     with pytest.raises(DataError, match=r"broken.jsonl: not a readable jsonl file"):
         local_file(tmp_path / "broken.jsonl", "body")
 
 
-def test_cli_trains_on_a_local_file_and_bad_input_is_one_line(tmp_path, cli):
+def test_cli_trains_on_a_local_file_and_bad_input_is_one_line(tmp_path, cli, caplog):
     path = tmp_path / "notes.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows()))
     base = ["run", TINY, "--set", f"output.dir={tmp_path / 'runs'}", "--set", "data.source=file",
@@ -106,6 +111,10 @@ def test_cli_trains_on_a_local_file_and_bad_input_is_one_line(tmp_path, cli):
         "error: client 1: empty partition (data.partition = label gave it no records); change the partition's "
         "settings or data.num_clients"], r.stderr
     assert not (tmp_path / "runs").exists()
+    r = cli(*base, "--set", "federation.rounds=1", "--set", "data.num_clients=3", "--set", "lora.ranks=[2,4,8]",
+            "--set", f"output.dir={tmp_path / 'three'}", cwd=tmp_path)  # fewer clients than labels: said
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "data.partition: label gives the 3 clients the first 3 of 4 labels; sailing go unused" in caplog.text
     r = cli(*base, "--set", "federation.rounds=1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     summary = json.loads(next((tmp_path / "runs").iterdir()).joinpath("summary.json").read_text())

@@ -130,3 +130,26 @@ def test_cli_export(prelort_run, cli, tmp_path):
     assert "rank 2, scale 2" in r.stdout and (tmp_path / "x" / "adapter_model.safetensors").is_file()
     r = cli("export", d, cwd=tmp_path)
     assert r.returncode == 2 and "give --rank R, --client K, or both" in r.stderr
+
+
+def test_export_never_destroys_anything_but_an_earlier_adapter(prelort_run, tmp_path):
+    """--out on the run directory, a folder above it, a file, or a folder of other files is refused
+    and leaves them as they were; an earlier adapter directory is replaced."""
+    d, cfg, state, mr = prelort_run
+    before = sorted(p.name for p in d.iterdir())
+    for target in (d, d.parent):
+        with pytest.raises(NestfedError, match="the run directory or a folder above it"):
+            export_adapter(d, rank=2, out=target)
+    assert sorted(p.name for p in d.iterdir()) == before
+    keep = tmp_path / "mine"
+    keep.mkdir()
+    (keep / "important.txt").write_text("x")
+    with pytest.raises(NestfedError, match=r"holds files that are not an adapter's \(important.txt\)"):
+        export_adapter(d, rank=2, out=keep)
+    (tmp_path / "afile").write_text("y")
+    with pytest.raises(NestfedError, match="exists and is not an adapter directory"):
+        export_adapter(d, rank=2, out=tmp_path / "afile")
+    assert (keep / "important.txt").read_text() == "x" and (tmp_path / "afile").read_text() == "y"
+    first, _ = export_adapter(d, rank=2, out=tmp_path / "again")
+    second, info = export_adapter(d, rank=4, out=tmp_path / "again")  # an earlier adapter is replaced
+    assert json.loads((second / "adapter_config.json").read_text())["r"] == 4

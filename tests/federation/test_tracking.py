@@ -58,6 +58,7 @@ def test_both_sinks_hold_what_metrics_jsonl_holds(tmp_path):
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run((tmp_path / "run" / "mlflow_run_id").read_text().strip())
     assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    assert run.data.params["strategy.name"] == "prelort" and run.data.params["lora.ranks"] == "[2, 4, 8]"
     assert client.get_experiment(run.info.experiment_id).name == "t"
 
 

@@ -8,6 +8,7 @@ returns one :class:`ClientData` per client. Nothing here knows which federated m
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,8 @@ from nestfed.data.niah import niah_clients
 from nestfed.errors import DataError
 from nestfed.nn.frozen_prefix import labelled_length, prefix_features
 
+
+log = logging.getLogger(__name__)
 
 @dataclass
 class ClientData:
@@ -102,6 +105,10 @@ def _partition(labels: list[str], d: DataConfig) -> list[list[int]]:
         if len(distinct) < d.num_clients:
             raise ConfigError(f"data.client_labels: {d.num_clients} clients but only {len(distinct)} labels "
                               f"({', '.join(distinct)}); list the labels of each client")
+        if len(distinct) > d.num_clients:  # said, never silent: these records train no one
+            log.warning("data.partition: label gives the %d clients the first %d of %d labels; %s go unused "
+                        "(set data.client_labels to choose)", d.num_clients, d.num_clients, len(distinct),
+                        ", ".join(distinct[d.num_clients:]))
         return partition.natural_id(labels, distinct[: d.num_clients])
     if len(client_labels) != d.num_clients:
         raise ConfigError(f"data.client_labels: {len(client_labels)} entries for data.num_clients = {d.num_clients}")

@@ -17,8 +17,9 @@ def local_file(path: str | Path, text_column: str, label_column: str = "") -> li
     """The rows of ``path`` as Documents (text, label; label "all" when ``label_column`` is "").
 
     Rows whose text is empty or missing are left out. Raises DataError naming the file when it is
-    missing, of an unknown kind, unreadable or without a usable row, and ConfigError naming the
-    field when a named column is absent (listing the columns the file has).
+    missing, of an unknown kind, unreadable, without a usable row, or has a row without a label
+    (naming the first), and ConfigError naming the field when a named column is absent (listing
+    the columns the file has).
     """
     path = Path(path)
     reader = READERS.get(path.suffix.lower())
@@ -40,6 +41,11 @@ def local_file(path: str | Path, text_column: str, label_column: str = "") -> li
             raise ConfigError(f"{field}: {path} has no column '{col}' (its columns: {', '.join(ds.column_names)})")
     texts = ds[text_column]
     labels = ds[label_column] if label_column else ["all"] * len(texts)
+    missing = [i for i, lab in enumerate(labels) if lab is None or (isinstance(lab, str) and not lab.strip())]
+    if missing:
+        raise DataError(f"{path}: {len(missing)} rows have no value in data.label_column '{label_column}' (first: row "
+                        f"{missing[0] + 1}); give every row a label, or set data.label_column = \"\" and "
+                        "partition = \"iid\"")
     docs = [Document(str(t), str(lab)) for t, lab in zip(texts, labels) if t is not None and str(t).strip()]
     if not docs:
         raise DataError(f"{path}: no row has text in column '{text_column}'")

@@ -79,6 +79,26 @@ def one_adapter(arrays: Arrays, scale: float) -> tuple[Arrays, float]:
     return out, 1.0
 
 
+#: what an adapter directory written by PEFT (or by us) holds; only such a directory is replaced
+ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "README.md"}
+
+
+def check_target(target: Path, run_dir: Path) -> None:
+    """Refuse an export target that would destroy anything but an earlier adapter: the run
+    directory itself or a folder above it, an existing file, or a folder holding other files.
+    Raises NestfedError naming the path."""
+    t, r = target.resolve(), run_dir.resolve()
+    if t == r or t in r.parents:
+        raise NestfedError(f"--out {target}: that is the run directory or a folder above it; give a new path")
+    if target.is_symlink() or (target.exists() and not target.is_dir()):
+        raise NestfedError(f"--out {target}: exists and is not an adapter directory; give a new path")
+    if target.is_dir():
+        other = sorted(p.name for p in target.iterdir() if p.name not in ADAPTER_FILES)
+        if other:
+            raise NestfedError(f"--out {target}: holds files that are not an adapter's ({', '.join(other[:3])}); "
+                               "give a new path")
+
+
 def _base_model(rd: RunDir, cfg) -> str:
     """The backbone directory PEFT should load the adapter onto: the run's own adapter's
     ``base_model_name_or_path`` when it has one, else the backbone's source ("" for a tiny model)."""
@@ -92,7 +112,8 @@ def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | N
                    out: str | Path | None = None) -> tuple[Path, dict]:
     """Write the adapter of run ``run_dir``'s latest checkpoint at ``rank`` and/or as ``client``
     runs it (see the module docstring) to ``out`` (default ``RUN_DIR/adapter_r<r>`` or
-    ``RUN_DIR/adapter_client<k>``), atomically. Returns (the directory, a description: round, rank,
+    ``RUN_DIR/adapter_client<k>``), atomically; an existing target is replaced only when it is an
+    earlier adapter directory (:func:`check_target`). Returns (the directory, a description: round, rank,
     scale, client, base model).
 
     With both, ``rank`` must be the client's own rank. Raises NestfedError, one line naming the
@@ -146,6 +167,7 @@ def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | N
         raise NestfedError(f"{run_dir}: {exc}") from None
     target = Path(out) if out is not None else rd.path / (f"adapter_client{client}" if client is not None
                                                           else f"adapter_r{rank}")
+    check_target(target, rd.path)
     base = _base_model(rd, cfg)
     try:
         path = export_peft_adapter(arrays, scale, target, base)

@@ -10,7 +10,8 @@ the sink, a sink added to an existing run on resume) and never repeats a round.
   committed round: TensorBoard's readers then drop what earlier sessions wrote from that step on,
   and the committed lines are written again, so the event files hold exactly metrics.jsonl.
 - :class:`MlflowSink` logs to one MLflow run per nestfed run (its id kept in
-  ``<run dir>/mlflow_run_id``), each line in one ``log_batch`` call, at step = round. On resume it
+  ``<run dir>/mlflow_run_id``; the resolved config logged as its params), each line in one
+  ``log_batch`` call, at step = round. On resume it
   reads which rounds the run holds (the ``round`` metric's history) and logs the others.
 
 The values are :func:`scalars` of each line: every finite number in it, keyed by its path
@@ -19,8 +20,10 @@ The values are :func:`scalars` of each line: every finite number in it, keyed by
 
 from __future__ import annotations
 
+import json
 import math
 import time
+import tomllib
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -109,14 +112,15 @@ class MlflowSink:
 
     name = "mlflow"
 
-    def __init__(self, uri: str, experiment: str, run_name: str, id_file: Path):
+    def __init__(self, uri: str, experiment: str, run_name: str, id_file: Path, params: dict[str, str] | None = None):
         try:
-            from mlflow.entities import Metric
+            from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
         except ImportError:
             raise ConfigError('tracking.mlflow = true needs the mlflow package (pip install -e ".[tracking]")') from None
-        self._metric = Metric
+        self._metric, self._param = Metric, Param
         self.uri, self.experiment, self.run_name, self.id_file = uri, experiment, run_name, Path(id_file)
+        self.params = params or {}
         self.client = MlflowClient(tracking_uri=uri)
         self.run_id = ""
 
@@ -126,6 +130,9 @@ class MlflowSink:
         exp = self.client.get_experiment_by_name(self.experiment)
         exp_id = exp.experiment_id if exp is not None else self.client.create_experiment(self.experiment)
         run_id = self.client.create_run(exp_id, run_name=self.run_name).info.run_id
+        params = [self._param(k, v[:6000]) for k, v in sorted(self.params.items())]
+        for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
+            self.client.log_batch(run_id, params=params[i:i + 100])
         atomic.write_text(self.id_file, run_id + "\n")
         return run_id
 
@@ -167,7 +174,26 @@ def sinks(t: TrackingConfig, run_dir: Path, output_dir: str, output_name: str) -
         out.append(TensorBoardSink(run_dir / "tensorboard"))
     if t.mlflow:
         out.append(MlflowSink(mlflow_uri(t, output_dir), t.mlflow_experiment or output_name or "nestfed",
-                              _run_name(run_dir, output_dir), run_dir / "mlflow_run_id"))
+                              _run_name(run_dir, output_dir), run_dir / "mlflow_run_id", config_params(run_dir)))
+    return out
+
+
+def config_params(run_dir: Path) -> dict[str, str]:
+    """The run's resolved config (``config.toml``) as MLflow params, ``section.key`` -> value as
+    text ({} when the file is not there yet), so runs can be told apart and filtered in MLflow."""
+    path = Path(run_dir) / "config.toml"
+    if not path.is_file():
+        return {}
+    out: dict[str, str] = {}
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}" if prefix else str(k), v)
+        else:
+            out[prefix] = json.dumps(value) if isinstance(value, (list, bool)) else str(value)
+
+    walk("", tomllib.loads(path.read_text(encoding="utf-8")))
     return out
 
 
