@@ -8,9 +8,10 @@ metadata. The file name is a SHA-256 over everything the prepared data depends o
 the model and data sections, the LoRA layers and target modules (they fix the first adapted
 layer), the prefix's batch size, a data attack's settings, the torch thread count (CPU kernels
 may round differently with another count), the torch and transformers versions, the format, and
-the size and modification time of a local data path. A changed input is a new file; nothing is
-ever read stale. Files are written atomically with the user's umask; an unreadable one is
-ignored (and rebuilt).
+the size and modification time of a local data path. A changed input is a new file. The key
+cannot see nestfed's own code: a change to what is prepared (tokenisation, packing, the frozen
+prefix) must bump :data:`FORMAT`, or nodes read data prepared the old way. Files are written
+atomically with the user's umask; an unreadable one is ignored (and rebuilt).
 """
 
 from __future__ import annotations
