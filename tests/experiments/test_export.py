@@ -10,7 +10,8 @@ from peft import PeftModel
 from nestfed import methods
 from nestfed.config import ModelConfig
 from nestfed.errors import NestfedError
-from nestfed.experiments.export import export_adapter, one_adapter
+from nestfed.experiments.export import export_adapter
+from nestfed.federation.aggregation import one_adapter
 from nestfed.federation.aggregation import truncate_rank
 from nestfed.methods.method import lora_settings
 from nestfed.nn.arrays import apply_arrays

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from nestfed.federation.messages import Arrays
-from nestfed.nn.keys import rank_dim
+from nestfed.nn.keys import merged_key, module_of, peft_key, rank_dim
 
 
 def truncate_rank(arrays: Arrays, r: int) -> Arrays:
@@ -67,3 +67,43 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     w = (w / w.sum()).to(tensors[0].dtype)
     stacked = torch.stack([t.reshape(-1) for t in tensors])  # [K, numel]
     return (w @ stacked).reshape(tensors[0].shape)
+
+
+def one_adapter(arrays: Arrays, scale: float) -> tuple[Arrays, float]:
+    """A payload ({PEFT key: tensor}: lora_A [r, in], lora_B [out, r], and optionally merged_A
+    [R, in], merged_B [out, R] at scale 1) as one PEFT LoRA adapter of a single rank and its scale.
+
+    Without merged factors and with one rank for every layer, the arrays and ``scale`` are
+    returned as they are. Otherwise, per layer, A' = [merged_A; scale A] and B' = [merged_B, B] at
+    scale 1, zero-padded to the largest rank over the layers: B' A' = merged_B merged_A + scale B A
+    exactly (zero rows add nothing): FedEx-LoRA's export, and ``nestfed export --client`` for
+    FLoRA's and FedEx-LoRA's clients. Raises ValueError for a key that is not a LoRA or merged factor
+    (e.g. memory rules or SVD cores, which PEFT's LoRA cannot hold), or a layer missing A or B.
+    """
+    for k in arrays:
+        try:
+            module_of(k)
+        except KeyError:
+            raise ValueError(f"payload key {k} is not a LoRA factor: a PEFT LoRA adapter cannot hold it") from None
+    modules = sorted({module_of(k)[0] for k in arrays})
+    merged = any(merged_key(m, "A") in arrays for m in modules)
+    ranks = {v.shape[rank_dim(k)] for k, v in arrays.items() if rank_dim(k) is not None}
+    if not merged and len(ranks) == 1:
+        return dict(arrays), scale
+    parts: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    for m in modules:
+        a_list, b_list = [], []
+        if merged_key(m, "A") in arrays:
+            a_list.append(arrays[merged_key(m, "A")])
+            b_list.append(arrays[merged_key(m, "B")])
+        if peft_key(m, "lora_A") in arrays:
+            a_list.append(scale * arrays[peft_key(m, "lora_A")])
+            b_list.append(arrays[peft_key(m, "lora_B")])
+        if len(a_list) != len(b_list) or not a_list:
+            raise ValueError(f"{m}: a LoRA layer needs both A and B")
+        parts[m] = (torch.cat(a_list, 0), torch.cat(b_list, 1))
+    r = max(a.shape[0] for a, _ in parts.values())
+    out: Arrays = {}
+    for m, (a, b) in parts.items():
+        out[peft_key(m, "lora_A")], out[peft_key(m, "lora_B")] = pad_rank(a, 0, r), pad_rank(b, 1, r)
+    return out, 1.0

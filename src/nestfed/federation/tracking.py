@@ -48,19 +48,23 @@ class Sink(Protocol):
         """Flush; ``finished``: every round of the run has been committed."""
 
 
+def leaves(tree: dict[str, Any], sep: str) -> dict[str, Any]:
+    """The non-dict values of nested dicts keyed by their path joined with ``sep``
+    (``{"eval": {"0": {"ppl": 4.0}}}`` -> ``{"eval/0/ppl": 4.0}`` with sep "/")."""
+    out: dict[str, Any] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update({f"{k}{sep}{kk}": vv for kk, vv in leaves(v, sep).items()})
+        else:
+            out[str(k)] = v
+    return out
+
+
 def scalars(line: dict[str, Any]) -> dict[str, float]:
     """Every finite number of a metrics line (bools and lists left out) keyed by its path joined
     with "/", plus ``eval/mean/<metric>``: the mean over clients of each held-out metric."""
-    out: dict[str, float] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}/{k}" if prefix else str(k), v)
-        elif isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            out[prefix] = float(value)
-
-    walk("", line)
+    out = {k: float(v) for k, v in leaves(line, "/").items()
+           if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
     per_client = [v for v in line.get("eval", {}).values() if isinstance(v, dict)]
     for metric in sorted({k for v in per_client for k in v}):
         vals = [v[metric] for v in per_client if isinstance(v.get(metric), (int, float)) and math.isfinite(v[metric])]
@@ -184,17 +188,8 @@ def config_params(run_dir: Path) -> dict[str, str]:
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         return {}
-    out: dict[str, str] = {}
-
-    def walk(prefix: str, value: Any) -> None:
-        if isinstance(value, dict):
-            for k, v in value.items():
-                walk(f"{prefix}.{k}" if prefix else str(k), v)
-        else:
-            out[prefix] = json.dumps(value) if isinstance(value, (list, bool)) else str(value)
-
-    walk("", tomllib.loads(path.read_text(encoding="utf-8")))
-    return out
+    return {k: json.dumps(v) if isinstance(v, (list, bool)) else str(v)
+            for k, v in leaves(tomllib.loads(path.read_text(encoding="utf-8")), ".").items()}
 
 
 def _run_name(run_dir: Path, output_dir: str) -> str:

@@ -45,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from nestfed.config import ExperimentConfig
-from nestfed.federation.aggregation import pad_rank, weighted_mean
+from nestfed.federation.aggregation import one_adapter, pad_rank, weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples
 from nestfed.methods.method import lora_method, lora_settings
@@ -196,17 +196,7 @@ class FedExLoRA(LoraStrategy):
         """One PEFT adapter at scale 1 whose product is the global delta exactly: per layer
         A = [merged_A; s Abar] [R + r_max, in] and B = [merged_B, Bbar] [out, R + r_max], zero-padded
         to the largest R + r_max over the layers (PEFT needs one rank; zero rows add nothing)."""
-        s_global = self.s.scale(self.s.r_max)
-        parts = {}
-        for m in lora_modules_of(state.arrays):
-            A, B = state.arrays[peft_key(m, "lora_A")], state.arrays[peft_key(m, "lora_B")]
-            parts[m] = (torch.cat([state.arrays[merged_key(m, "A")], s_global * A], 0),
-                        torch.cat([state.arrays[merged_key(m, "B")], B], 1))
-        rank = max((a.shape[0] for a, _ in parts.values()), default=0)
-        out = {}
-        for m, (a, b) in parts.items():
-            out[peft_key(m, "lora_A")], out[peft_key(m, "lora_B")] = pad_rank(a, 0, rank), pad_rank(b, 1, rank)
-        return out, 1.0
+        return one_adapter(state.arrays, self.s.scale(self.s.r_max))
 
 
 def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedExLoRA:
