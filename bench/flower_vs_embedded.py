@@ -21,6 +21,12 @@ SuperExec's 1 s task poll), ``to_server_s`` (reply created to reply pulled: Supe
 transfer plus the ServerApp's poll), ``push_s`` / ``pull_s`` (the ServerApp's calls to the
 SuperLink). Prints one JSON object.
 
+The FAB's ClientApp is a light forwarder (nestfed.flower.node_forwarder: flwr and the standard
+library) that hands each message to a long-running worker per node (nestfed.flower.worker), which
+keeps the backbone, the client's data and its trainer between messages: ``process_start_s`` is
+then the forwarder process's start, and ``rebuild_s`` is 0 for every message after a node's first
+(the QUERY, which builds the worker's client, inside ``query_round_incl_node_builds``).
+
 ``--client-cache on`` (the default of a SuperNode) lets each node keep its prepared data between
 ClientApp processes (nestfed.data.client_cache: the first message builds it, the others load it);
 ``off`` rebuilds it in every process, as before the cache existed. Run both to see what it removes.
@@ -213,7 +219,8 @@ def main() -> None:
         result = {"experiment": {"config": str(args.config), "overrides": OVERRIDES, "client_cache": args.client_cache,
                                  "embedded_threads": args.embedded_threads or "config",
                                  "node_threads": args.node_threads or "config",
-                                 "per_round_work": "configure, 3 fits, validate, aggregate, checkpoint (no evaluation)"},
+                                 "per_round_work": "configure, 3 fits, validate, aggregate, checkpoint (no evaluation)",
+                                 "client_app": "nestfed.flower.node_forwarder -> a long-running worker per node"},
                   "machine": {"cpus": os.cpu_count(), "loadavg_at_start": list(os.getloadavg())}}
         if args.embedded_threads:
             torch.set_num_threads(args.embedded_threads)
@@ -231,7 +238,7 @@ def main() -> None:
             result["deployment_adapter_equals_in_process"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k])
                                                                                             for k in a)
         e, dep = result["embedded"]["mean_round_s"], result["deployment"]["mean_round_s"]
-        result["deployment_over_embedded_round_time"] = round(dep / e, 1) if e else None
+        result["deployment_over_embedded_round_time"] = round(dep / e, 2) if e else None
         result["machine"]["loadavg_at_end"] = list(os.getloadavg())
         print(json.dumps(result, indent=2))
     finally:

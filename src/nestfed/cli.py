@@ -23,7 +23,8 @@ from nestfed import config as C
 from nestfed import methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
-from nestfed.experiments import report, seed_report
+from nestfed.evaluation import harness
+from nestfed.experiments import general_nlp, report, seed_report
 from nestfed.experiments.compressed_comparison import compare as compare_compressed
 from nestfed.experiments.export import export_adapter
 from nestfed.experiments.prepare import prepare
@@ -281,6 +282,46 @@ def export(
     out.print(f"{who} of {info['method']} after round {info['round']}: rank {info['rank']}, scale {info['scale']:g}, "
               f"base model {info['base_model'] or '(none: a tiny random model)'}", markup=False)
     out.print(f"PEFT adapter: {path}", markup=False)
+
+
+@app.command("eval")
+def eval_(
+    run_dirs: Annotated[list[Path], typer.Argument(help="run directories, or a parent holding them (e.g. "
+                                                   "runs/bbc_news-<stamp>)")],
+    mmlu_root: Annotated[Path, typer.Option("--mmlu", help="MMLU root folder holding test/<subject>_test.csv")] = Path(
+        "../shared/data/mmlu"),
+    fraction: Annotated[float, typer.Option("--fraction", help="score a seeded sample of this fraction of every "
+                                            "subject (1 = FlowerTune's whole protocol)")] = 1.0,
+    seed: Annotated[int, typer.Option("--seed", help="the sample's seed")] = 0,
+    categories: Annotated[str, typer.Option("--categories", help="comma-separated, of stem, social_sciences, "
+                                            "humanities")] = "stem,social_sciences,humanities",
+    batch_size: Annotated[int, typer.Option("--batch-size", help="prompts per forward pass")] = 16,
+    backbone: Annotated[bool, typer.Option("--backbone/--no-backbone", help="also score the bare backbone (the "
+                                           "reference of the paired differences)")] = True,
+    out_dir: Annotated[Optional[Path], typer.Option("--out", help="where the per-model results and the table go "
+                                                    "(default <first run's parent>/eval)")] = None,
+) -> None:
+    """Score the backbone and each run's final adapter on FlowerTune's General-NLP protocol (MMLU
+    STEM / social sciences / humanities, its prompt, greedy one-token answers) and by the letters'
+    log-likelihood, through EleutherAI's lm-evaluation-harness with the local MMLU files
+    (nestfed/evaluation/harness.py, nestfed/experiments/general_nlp.py)."""
+    base, entries = general_nlp.models(run_dirs, backbone)
+    protocol = harness.Protocol(str(mmlu_root), tuple(c.strip() for c in categories.split(",") if c.strip()),
+                                fraction, seed, batch_size)
+    target = out_dir or (run_dirs[0].resolve().parent if (run_dirs[0] / "config.toml").is_file()
+                         else run_dirs[0]) / "eval"
+    target.mkdir(parents=True, exist_ok=True)
+
+    def progress(label: str, cached: bool) -> None:
+        say(f"{label}: {'scored before (same protocol and adapter)' if cached else 'scoring through lm-eval'}")
+
+    results = general_nlp.score(base, entries, protocol, target, progress)
+    table = general_nlp.rows(results)
+    text = general_nlp.markdown(table, leaderboard=base.name == "smollm2-135m-instruct")
+    out.print(text, markup=False)
+    atomic.write_text(target / "flowertune_general_nlp.md", text)
+    atomic.write_json(target / "flowertune_general_nlp.json", table)
+    out.print(f"wrote flowertune_general_nlp.md and .json into {target}", markup=False)
 
 
 @app.command("fedslm")

@@ -4,11 +4,14 @@ One round of PreLort with ranks 2/4/4/8 (the tiny model, one thread per process,
 training is the same as in this process). The server sees only the SecAgg+ sum; the round's
 global state must equal the plain aggregate of the same replies (recomputed here from the round-0
 checkpoint with the method's own strategy and trainer) within the stated quantisation bound. A
-SuperNode killed after it has shared its keys (on receiving the collect stage's message) is
-survived: the unmask stage rebuilds its pairwise masks from the 3 survivors' shares (threshold 3).
+SuperNode killed after it has shared its keys (on receiving the collect stage's message, its
+long-running worker frozen before so that it cannot answer it) is survived: the unmask stage rebuilds its pairwise masks from the 3 survivors' shares (threshold 3).
 """
 
 import json
+import os
+import signal
+import subprocess
 import time
 
 import pytest
@@ -62,18 +65,32 @@ def test_secure_aggregation_survives_a_supernode_killed_mid_protocol(deployment,
     d = deployment
     t0 = time.monotonic()
     d.start_superlink()
-    nodes = [d.start_supernode({"partition-id": i, "num-partitions": 4}) for i in range(4)]
+    victim_workers = d.worker_dir / "victim"  # client 3's worker alone in its folder, to find it
+    nodes = [d.start_supernode({"partition-id": i, "num-partitions": 4,
+                                **({"worker-dir": str(victim_workers)} if i == 3 else {})}) for i in range(4)]
     run_dir = tmp_path / "run"
     run_id = submit(d, run_dir, **{"min-clients": 2})
     victim = nodes[3]  # client 3, rank 8: the only holder of rank rows 4..7
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    # TRAIN messages: setup, share keys, collect masked vectors. The third arrives after this node
-    # sent its encrypted key shares: kill it then, before its masked vector and the unmask stage.
-    while victim.log.read_text(errors="replace").count("Receiving: train message") < 3:
-        assert time.monotonic() < deadline, victim.tail()
-        assert not d.run_status(run_id)["status"].startswith("finished"), d.logs(run_id)
-        time.sleep(0.2)
+
+    def wait_for(text: str, count: int) -> None:
+        while victim.log.read_text(errors="replace").count(text) < count:
+            assert time.monotonic() < deadline, victim.tail()
+            assert not d.run_status(run_id)["status"].startswith("finished"), d.logs(run_id)
+            time.sleep(0.1)
+
+    # TRAIN messages: setup, share keys, collect masked vectors. Once the node has sent its
+    # encrypted key shares (its second TRAIN reply), freeze its worker, so that the third message
+    # (the collect stage) cannot be answered; kill the node when that message arrives, before its
+    # masked vector and the unmask stage.
+    wait_for("Sending: train message", 2)
+    worker = subprocess.run(["pgrep", "-f", f"nestfed.flower.worker --socket {victim_workers}"], capture_output=True,
+                            text=True).stdout.split()
+    assert len(worker) == 1, worker
+    os.kill(int(worker[0]), signal.SIGSTOP)
+    wait_for("Receiving: train message", 3)
     d.kill(victim)
+    os.kill(int(worker[0]), signal.SIGKILL)
     finish(d, run_id)
     ln = line(run_dir)
     assert ln["aggregated"] and list(ln["dropped"]) == ["3"], ln["dropped"]

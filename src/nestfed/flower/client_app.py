@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import time
 import tomllib
 from dataclasses import dataclass
@@ -62,6 +61,7 @@ from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Instruction
 from nestfed.federation.run_dir import flatten_client_state, unflatten_client_state
 from nestfed.federation.secure_sum import encode
+from nestfed.flower.node_forwarder import process_age_s
 from nestfed.flower.records import arrays_to_record, record_to_arrays, record_to_config, reply_to_content
 from nestfed.flower.secure import fit_reply, is_secure, read_fit_instruction, secure_mod
 from nestfed.nn.backbone import default_cache_dir
@@ -72,16 +72,6 @@ INITIAL_ARRAYS = "initial-arrays"  # ArrayRecord in the QUERY reply (e.g. FedNL'
 # Timings a TRAIN reply carries as metrics (handle_train); the ServerApp moves them to the metrics line.
 TRANSPORT_METRICS = ("encode_s", "decode_s", "prepare_s", "process_age_s", "handler_entered_at", "delivery_s",
                      "client_state_arrays")
-
-
-def process_age_s() -> float:
-    """Seconds since this process started (Linux /proc), or -1 where unknown."""
-    try:
-        start_ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return -1.0
 
 
 @dataclass
@@ -96,6 +86,7 @@ class NodeClient:
     base_model: str
     prepare_s: float
     initial_arrays: dict[str, torch.Tensor]
+    built_s: float = 0.0  # seconds the latest node_client call spent building (0.0 when it was cached)
 
     @property
     def num_examples(self) -> int:
@@ -153,6 +144,7 @@ def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
     if cfg.train.threads or threads:  # on every message: a process may serve several
         torch.set_num_threads(cfg.train.threads or threads)
     if key in _CACHE:
+        _CACHE[key].built_s = 0.0
         return _CACHE[key]
     t0 = time.perf_counter()
     prep = prepare(cfg, only_clients=[pid], client_cache=client_cache_dir(node_config))  # sets train.threads
@@ -161,6 +153,7 @@ def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
     install_stream_modules(prep, cfg)
     nc = NodeClient(cfg, pid, rank, side.trainer, prep.shapes, prep.backbone.source, time.perf_counter() - t0,
                     side.initial_arrays)
+    nc.built_s = nc.prepare_s
     _CACHE[key] = nc
     return nc
 
@@ -222,7 +215,7 @@ def handle_secure_train(msg: Message, context: Context) -> Message:
     vectors, facts = encode(fi.instruction.arrays, reply.arrays, reply.num_examples, fi.layout, fi.scale, fi.clip)
     metrics = {k: float(v) for k, v in reply.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     metrics.update(facts)
-    metrics.update({"prepare_s": nc.prepare_s, "process_age_s": entered, "client_state_arrays": float(restored)})
+    metrics.update({"prepare_s": nc.built_s, "process_age_s": entered, "client_state_arrays": float(restored)})
     return Message(fit_reply(vectors, metrics), reply_to=msg)
 
 
@@ -247,7 +240,7 @@ def handle_train(msg: Message, context: Context) -> Message:
     mr = content.metric_records["metrics"]
     mr["encode_s"] = time.perf_counter() - t1
     mr["decode_s"] = decode_s
-    mr["prepare_s"] = nc.prepare_s
+    mr["prepare_s"] = nc.built_s  # what this message spent building the client (0 in a worker that has it)
     mr["process_age_s"] = entered
     mr["handler_entered_at"] = t_in
     mr["delivery_s"] = t_in - float(msg.metadata.created_at)

@@ -19,8 +19,10 @@ import os
 import signal
 import socket
 import ssl
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -114,7 +116,10 @@ class LocalDeployment:
         self.root = Path(self.root)
         self.home = self.root / "flwr_home"
         self.home.mkdir(parents=True, exist_ok=True)
-        self.env = flwr_env(self.home, self.env_extra)
+        # the nodes' workers (nestfed.flower.worker): a short private folder (a Unix socket path holds
+        # at most 107 bytes), named to every process through NESTFED_WORKER_DIR, emptied by stop()
+        self.worker_dir = Path(tempfile.mkdtemp(prefix="nestfed-w-"))
+        self.env = flwr_env(self.home, {"NESTFED_WORKER_DIR": str(self.worker_dir), **self.env_extra})
 
     # -- processes -----------------------------------------------------------------------------
     def _start(self, name: str, args: list[str]) -> Proc:
@@ -294,9 +299,18 @@ class LocalDeployment:
         proc.popen.wait(timeout=10)
 
     def stop(self) -> None:
-        """Stop every process this deployment started: SuperNodes first, then the SuperLink."""
+        """Stop every process this deployment started: SuperNodes first, then the SuperLink, then
+        the nodes' workers (their sockets removed, each exits within a second of finishing what it
+        is doing; their logs are kept in ``root/workers``)."""
         for proc in reversed(self.procs):
             self.stop_proc(proc)
+        if self.worker_dir.is_dir():
+            logs = self.root / "workers"
+            for f in self.worker_dir.iterdir():
+                if f.suffix == ".log":
+                    logs.mkdir(exist_ok=True)
+                    shutil.copyfile(f, logs / f.name)
+            shutil.rmtree(self.worker_dir, ignore_errors=True)
 
     def __enter__(self) -> LocalDeployment:
         return self

@@ -8,6 +8,7 @@ The backbone's weights never train: every parameter has ``requires_grad = False`
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import shutil
 import tempfile
@@ -19,6 +20,7 @@ from torch import nn
 
 from nestfed.config import ModelConfig
 from nestfed.errors import ConfigError
+from nestfed.io import atomic
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,12 +68,16 @@ def convert_smollm2(cache_dir: Path) -> Path:
 
     Dequantises Q4_1 to fp32 (45-60 s on 2 cores) the first time; later calls return at once.
     The directory appears atomically (written beside it, then renamed), so an interrupted
-    conversion leaves nothing half-written.
+    conversion leaves nothing half-written. Its config.json is a plain fp32 model's, without the
+    GGUF ``quantization_config`` the loaded model carries (which makes other tools, lm-eval's
+    ``HFLM`` among them, look for a GGUF file); a cache written before that was fixed is
+    repaired in place.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = cache_dir / "smollm2-135m-instruct"
     if (target / "config.json").is_file():
+        _drop_gguf_quantization(target / "config.json")
         return target
     gguf = smollm2_gguf_path()
     cache_dir.mkdir(parents=True, exist_ok=True)
@@ -82,6 +88,8 @@ def convert_smollm2(cache_dir: Path) -> Path:
         # save_pretrained refuses a GGUF-loaded model: rebuild from its config, copy the weights.
         fresh = type(loaded)(loaded.config)
         fresh.load_state_dict(loaded.state_dict())
+        if hasattr(fresh.config, "quantization_config"):
+            del fresh.config.quantization_config  # the weights are dequantised fp32 now
         fresh.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
         try:
@@ -137,6 +145,14 @@ def freeze(model: nn.Module) -> nn.Module:
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
+
+
+def _drop_gguf_quantization(config_json: Path) -> None:
+    """Remove a GGUF ``quantization_config`` from a converted model's config.json (atomically)."""
+    cfg = json.loads(config_json.read_text())
+    if (cfg.get("quantization_config") or {}).get("quant_method") == "gguf":
+        del cfg["quantization_config"]
+        atomic.write_text(config_json, json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def load_backbone(cfg: ModelConfig) -> Backbone:

@@ -7,8 +7,10 @@ at the first adapted layer. The logits equal the full model's (tested); this is 
 to be reported as what it is (docs/methods.md section 4, "the frozen prefix"), not an approximation.
 
 Works for the Llama and Qwen2 families of transformers (``model.model.layers``,
-``model.model.rotary_emb``, ``model.model.norm``, ``model.lm_head``) with causal attention over
-right-padded sequences (no attention mask needed: padding only follows real tokens).
+``model.model.rotary_emb``, ``model.model.norm``, ``model.lm_head``) over right-padded sequences
+(padding only follows real tokens), under any attention implementation and with sliding-window
+layers: each layer gets the mask and rotary embeddings the model's own forward builds
+(nestfed.nn.layer_inputs).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from nestfed.nn.keys import layer_of
+from nestfed.nn.layer_inputs import decoder_inputs
 from nestfed.nn.lora import lora_modules
 
 
@@ -38,10 +41,9 @@ def _run_layers(model: nn.Module, hidden: torch.Tensor, start: int, stop: int) -
     inner = model.model
     T = hidden.shape[1]
     position_ids = torch.arange(T, device=hidden.device).unsqueeze(0)
-    position_embeddings = inner.rotary_emb(hidden, position_ids=position_ids)
-    for layer in inner.layers[start:stop]:
-        out = layer(hidden, attention_mask=None, position_ids=position_ids,
-                    position_embeddings=position_embeddings)
+    masks, embeddings = decoder_inputs(model, hidden, position_ids)
+    for i, layer in enumerate(inner.layers[start:stop], start):
+        out = layer(hidden, attention_mask=masks[i], position_ids=position_ids, position_embeddings=embeddings[i])
         hidden = out[0] if isinstance(out, tuple) else out
     return hidden
 

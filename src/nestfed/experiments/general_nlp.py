@@ -1,0 +1,179 @@
+"""``nestfed eval``: the backbone and runs' adapters on FlowerTune's General-NLP protocol
+(nestfed.evaluation.harness, through lm-eval), with intervals and paired differences.
+
+Each model's per-question correctness is kept in ``<out>/<label>.json`` beside the protocol and a
+key (the protocol, the backbone's config.json and the adapter's weights, hashed), so a second
+``nestfed eval`` over the same runs scores nothing again. A category's accuracy carries its 95%
+Wilson interval (scipy.stats.binomtest); an adapter is set against the backbone on the same
+questions: the paired difference of correctness over every question of the three categories,
+with its t interval (nestfed.experiments.intervals), significant when it excludes zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import tomllib
+from dataclasses import asdict
+from pathlib import Path
+
+from scipy import stats
+
+from nestfed.errors import NestfedError
+from nestfed.evaluation import harness
+from nestfed.experiments.intervals import paired_difference
+from nestfed.experiments.report import run_label
+from nestfed.io import atomic
+from nestfed.nn.backbone import SMOLLM2, convert_smollm2, default_cache_dir
+
+BACKBONE = "backbone"
+#: FlowerTune LLM leaderboard, General NLP (flower.ai/benchmarks/llm-leaderboard/nlp, read 2026-12-01):
+#: rank, team, base model, STEM, social sciences, humanities, average (%), date. Both rows are
+#: federated fine-tunes of the base model with a 4-bit quantised base, scored by generation.
+LEADERBOARD = (
+    ("#14 T-IoI@UNR, SmolLM2-135M-Instruct (FL fine-tuned, 2025-04-14)", 18.68, 21.90, 22.74, 21.10),
+    ("#19 T-IoI@UNR, SmolLM2-135M base (FL fine-tuned)", 2.94, 3.31, 2.29, 2.84),
+)
+
+
+def _runs(paths: list[Path]) -> list[Path]:
+    """Run directories named directly or found under a multi-method parent (``*/`` or ``seed*/*/``)."""
+    found = []
+    for p in paths:
+        if (p / "config.toml").is_file():
+            found.append(p)
+        elif p.is_dir():
+            found.extend(sorted({c.parent for c in [*p.glob("*/config.toml"), *p.glob("*/*/config.toml")]}))
+        else:
+            raise NestfedError(f"{p}: no such run directory")
+    if not found and paths:
+        raise NestfedError(f"{paths[0]}: holds no nestfed run (no config.toml)")
+    return found
+
+
+def models(paths: list[Path], include_backbone: bool = True) -> tuple[Path, list[tuple[str, Path | None]]]:
+    """The backbone directory and the (label, adapter directory) pairs to score: the backbone
+    itself (adapter None) first when ``include_backbone``, then each run's final ``adapter/``.
+
+    Raises NestfedError naming the run: no PEFT adapter (an unfinished run, or a method whose
+    clients do not run LoRA on the backbone), runs on different backbones, or a backbone that is
+    not a Hugging Face directory (a tiny random model).
+    """
+    backbone: Path | None = None
+    out: list[tuple[str, Path | None]] = []
+    for run in _runs(paths):
+        cfg = tomllib.loads((run / "config.toml").read_text())
+        adapter = run / "adapter"
+        config = adapter / "adapter_config.json"
+        if not config.is_file():
+            raise NestfedError(f"{run}: no PEFT adapter (adapter/adapter_config.json): the run is unfinished or its "
+                               f"method ({cfg.get('strategy', {}).get('name')}) exports no LoRA adapter")
+        base = json.loads(config.read_text()).get("base_model_name_or_path") or ""
+        if not base:
+            model = cfg.get("model", {})
+            name = model.get("name", "")
+            cache = Path(model["cache_dir"]) if model.get("cache_dir") else default_cache_dir()
+            base = str(convert_smollm2(cache)) if name == SMOLLM2 else name
+        if not (Path(base) / "config.json").is_file():
+            raise NestfedError(f"{run}: its backbone '{base}' is not a Hugging Face directory; lm-eval cannot load it")
+        if backbone is not None and Path(base) != backbone:
+            raise NestfedError(f"{run}: backbone {base} differs from {backbone}; evaluate one backbone at a time")
+        backbone = Path(base)
+        label = run_label(cfg, cfg.get("strategy", {}).get("name", run.name))
+        taken = {lab for lab, _ in out}
+        out.append((label if label not in taken else f"{label} ({run.name})", adapter))
+    if backbone is None:
+        raise NestfedError("nestfed eval: give at least one run directory")
+    return backbone, ([(BACKBONE, None)] if include_backbone else []) + out
+
+
+def _key(backbone: Path, adapter: Path | None, protocol: harness.Protocol) -> str:
+    """sha256 of the protocol, the backbone's config.json and the adapter's files."""
+    h = hashlib.sha256(json.dumps(asdict(protocol), sort_keys=True).encode())
+    h.update((backbone / "config.json").read_bytes())
+    if adapter is not None:
+        for f in sorted(adapter.iterdir()):
+            if f.is_file():
+                h.update(f.name.encode())
+                h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+def score(backbone: Path, entries: list[tuple[str, Path | None]], protocol: harness.Protocol, out_dir: Path,
+          progress=None) -> dict[str, dict]:
+    """Score every (label, adapter) on ``protocol``, reusing ``out_dir/<label>.json`` when its key
+    matches; returns {label: {"correct": {scoring: {category: [0/1, ...]}}, ...}}. ``progress(label,
+    cached)`` is called before each model."""
+    items = harness.questions(protocol)
+    results = {}
+    for label, adapter in entries:
+        path = out_dir / f"{label.replace(' ', '_').replace('/', '_')}.json"
+        key = _key(backbone, adapter, protocol)
+        cached = json.loads(path.read_text()) if path.is_file() else None
+        if cached is None or cached.get("key") != key:
+            if progress:
+                progress(label, False)
+            correct = harness.evaluate(backbone, adapter, protocol, items)
+            cached = {"key": key, "label": label, "backbone": str(backbone),
+                      "adapter": str(adapter) if adapter else None, "protocol": asdict(protocol), "correct": correct,
+                      "questions": {c: len(v) for c, v in items.items()}}
+            atomic.write_json(path, cached)
+        elif progress:
+            progress(label, True)
+        results[label] = cached
+    return results
+
+
+def _wilson(k: int, n: int) -> tuple[float, float]:
+    """95% Wilson interval of k successes in n, in percent."""
+    ci = stats.binomtest(k, n).proportion_ci(0.95, method="wilson")
+    return 100 * ci.low, 100 * ci.high
+
+
+def rows(results: dict[str, dict]) -> list[dict]:
+    """One row per (model, scoring): accuracy per category (% with its Wilson interval), their
+    mean (FlowerTune's "Average"), and against the backbone (when scored) the paired difference
+    in accuracy over all questions (percentage points, 95% interval, significant)."""
+    out = []
+    base = results.get(BACKBONE)
+    for label, res in results.items():
+        for scoring in harness.SCORINGS:
+            correct = res["correct"][scoring]
+            cats = {c: {"accuracy": 100 * sum(v) / len(v), "interval": _wilson(sum(v), len(v)), "n": len(v)}
+                    for c, v in correct.items()}
+            row = {"model": label, "scoring": scoring, "categories": cats,
+                   "average": sum(c["accuracy"] for c in cats.values()) / len(cats)}
+            if base is not None and label != BACKBONE:
+                diffs = [100 * (a - b) for c in correct for a, b in zip(correct[c], base["correct"][scoring][c])]
+                d = paired_difference(diffs)
+                row["vs_backbone"] = {"mean": d.interval.mean, "low": d.interval.low, "high": d.interval.high,
+                                      "p": d.p_value, "significant": d.significant}
+            out.append(row)
+    return out
+
+
+def markdown(table: list[dict], leaderboard: bool) -> str:
+    """The rows as Markdown, one table per scoring; FlowerTune's leaderboard rows under the
+    generation table when ``leaderboard`` (the backbone is SmolLM2-135M-Instruct)."""
+    text = []
+    for scoring in harness.SCORINGS:
+        sub = [r for r in table if r["scoring"] == scoring]
+        if not sub:
+            continue
+        cats = list(sub[0]["categories"])
+        text.append(f"**{scoring}** ({'FlowerTune: greedy, one token' if scoring == 'generation' else 'log-likelihood of A-D'})\n")
+        text.append("| model | " + " | ".join(f"{c} (n={sub[0]['categories'][c]['n']})" for c in cats)
+                    + " | average | vs backbone (pp, 95%) |")
+        text.append("|---" * (len(cats) + 3) + "|")
+        for r in sub:
+            cells = [f"{r['categories'][c]['accuracy']:.2f} [{r['categories'][c]['interval'][0]:.1f}, "
+                     f"{r['categories'][c]['interval'][1]:.1f}]" for c in cats]
+            vs = r.get("vs_backbone")
+            vs_text = "" if vs is None else (f"{vs['mean']:+.2f} [{vs['low']:+.2f}, {vs['high']:+.2f}]"
+                                             + (" significant" if vs["significant"] else ""))
+            text.append(f"| {r['model']} | " + " | ".join(cells) + f" | {r['average']:.2f} | {vs_text} |")
+        if scoring == "generation" and leaderboard and cats == list(harness.CATEGORIES):
+            for name, *acc in LEADERBOARD:
+                text.append(f"| leaderboard {name} | " + " | ".join(f"{a:.2f}" for a in acc[:3]) + f" | {acc[3]:.2f} | |")
+        text.append("")
+    return "\n".join(text)

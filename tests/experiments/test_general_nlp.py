@@ -1,0 +1,92 @@
+"""``nestfed eval``: run directories to models, intervals and paired differences by hand, the table,
+the cache of scored models, and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from nestfed.errors import NestfedError
+from nestfed.experiments import general_nlp
+
+pytest.importorskip("lm_eval")
+
+from tests.tiny_eval import save_tiny, write_mmlu  # noqa: E402
+
+
+def _result(correct: dict[str, list[int]]) -> dict:
+    return {"correct": {"generation": correct, "loglik": correct}}
+
+
+def test_rows_by_hand():
+    results = {"backbone": _result({"stem": [1, 0, 1, 0], "humanities": [0, 0]}),
+               "prelort": _result({"stem": [1, 1, 1, 0], "humanities": [0, 1]})}
+    rows = {(r["model"], r["scoring"]): r for r in general_nlp.rows(results)}
+    b, p = rows[("backbone", "generation")], rows[("prelort", "generation")]
+    assert b["categories"]["stem"]["accuracy"] == 50.0 and p["categories"]["stem"]["accuracy"] == 75.0
+    assert p["categories"]["humanities"]["accuracy"] == 50.0
+    assert b["average"] == 25.0 and p["average"] == 62.5
+    # Wilson interval of 3/4 at 95%: (p + z^2/2n -+ z sqrt(p(1-p)/n + z^2/4n^2)) / (1 + z^2/n)
+    z, n, ph = 1.959963984540054, 4, 0.75
+    centre, half = ph + z * z / (2 * n), z * math.sqrt(ph * (1 - ph) / n + z * z / (4 * n * n))
+    low, high = p["categories"]["stem"]["interval"]
+    assert low == pytest.approx(100 * (centre - half) / (1 + z * z / n))
+    assert high == pytest.approx(100 * (centre + half) / (1 + z * z / n))
+    # paired differences over the six questions: [0, 100, 0, 0, 0, 100] -> mean 33.33, sd 51.64, t(5) = 2.5706
+    vs = p["vs_backbone"]
+    sd = math.sqrt(sum((d - 100 / 3) ** 2 for d in [0, 100, 0, 0, 0, 100]) / 5)
+    assert vs["mean"] == pytest.approx(100 / 3)
+    assert vs["high"] - vs["mean"] == pytest.approx(2.570581835636314 * sd / math.sqrt(6))
+    assert not vs["significant"] and "vs_backbone" not in b
+
+
+def _fake_run(root: Path, method: str, base: Path, adapter: Path) -> Path:
+    run = root / method
+    run.mkdir(parents=True)
+    (run / "config.toml").write_text(f'[strategy]\nname = "{method}"\n\n[model]\nname = "{base}"\n')
+    shutil.copytree(adapter, run / "adapter")
+    cfg = json.loads((run / "adapter" / "adapter_config.json").read_text())
+    cfg["base_model_name_or_path"] = str(base)
+    (run / "adapter" / "adapter_config.json").write_text(json.dumps(cfg))
+    return run
+
+
+def test_nestfed_eval_prints_the_table_and_reuses_scores(tmp_path, cli):
+    base, adapter = save_tiny(tmp_path)
+    mmlu = write_mmlu(tmp_path / "mmlu", n=1)
+    parent = tmp_path / "runs" / "job"
+    _fake_run(parent, "prelort", base, adapter)
+    res = cli("eval", parent, "--mmlu", mmlu, "--batch-size", "4", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "| backbone |" in res.stdout and "| prelort |" in res.stdout
+    assert "leaderboard" not in res.stdout  # not SmolLM2: no leaderboard rows
+    table = json.loads((parent / "eval" / "flowertune_general_nlp.json").read_text())
+    assert {(r["model"], r["scoring"]) for r in table} == {(m, s) for m in ("backbone", "prelort")
+                                                           for s in ("generation", "loglik")}
+    assert all(r["categories"]["stem"]["n"] == 19 for r in table)
+    assert all("vs_backbone" in r for r in table if r["model"] == "prelort")
+    again = cli("eval", parent / "prelort", "--mmlu", mmlu, "--batch-size", "4", cwd=tmp_path)
+    assert again.returncode == 0 and again.stderr.count("scored before") == 2  # backbone and prelort
+    shrunk = cli("eval", parent / "prelort", "--mmlu", mmlu, "--fraction", "0.5", "--categories", "stem",
+                 cwd=tmp_path)
+    assert shrunk.returncode == 0 and "scored before" not in shrunk.stderr and "humanities" not in shrunk.stdout
+
+
+def test_eval_errors_name_the_run(tmp_path, cli):
+    base, adapter = save_tiny(tmp_path)
+    run = _fake_run(tmp_path / "runs", "fednl", base, adapter)
+    shutil.rmtree(run / "adapter")
+    res = cli("eval", run, "--mmlu", tmp_path, cwd=tmp_path)
+    assert res.returncode != 0 and f"{run}: no PEFT adapter" in res.stdout + res.stderr
+    res = cli("eval", tmp_path / "nothing", cwd=tmp_path)
+    assert res.returncode != 0 and "no such run directory" in res.stdout + res.stderr
+    with pytest.raises(NestfedError, match="not a Hugging Face directory"):
+        other = _fake_run(tmp_path / "r2", "prelort", base, adapter)
+        cfg = json.loads((other / "adapter" / "adapter_config.json").read_text())
+        cfg["base_model_name_or_path"] = str(tmp_path / "gone")
+        (other / "adapter" / "adapter_config.json").write_text(json.dumps(cfg))
+        general_nlp.models([other])
