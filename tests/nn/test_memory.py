@@ -145,3 +145,48 @@ def test_memory_arrays_name_parameters(tiny_llama):
                               for n in ("beta_bias", "beta_weight", "gate_logit")]
     for k, v in arrays.items():
         assert torch.equal(model.get_parameter(k[len("base_model.model."):]).detach(), v)
+
+
+@torch.no_grad()
+def test_a_disabled_memory_keeps_the_q_and_k_norms_of_qwen3():
+    """Qwen3 normalises each head's q and k before RoPE; the memory layer's softmax path must too
+    (before, installing the memory dropped them and moved the logits)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                         max_position_embeddings=256, tie_word_embeddings=False)).eval()
+    for layer in model.model.layers:  # norms far from the identity, so dropping them would show
+        layer.self_attn.q_norm.weight.uniform_(0.2, 3.0)
+        layer.self_attn.k_norm.weight.uniform_(0.2, 3.0)
+    x = ids()
+    ref = model(x).logits
+    install_memory(model, MemorySettings(gate="constant", alpha_init=0.0))
+    assert torch.allclose(lm_logits(model, x), ref, atol=1e-5, rtol=0)
+    set_memory_enabled(model, True)
+    assert torch.allclose(model(x).logits, ref, atol=1e-5, rtol=0)  # alpha = 0: the backbone
+
+
+@pytest.mark.parametrize("gate", ["learned", "dynamic"])
+@torch.no_grad()
+def test_left_padding_changes_nothing_in_the_memory_path(tiny_llama, gate):
+    """A row left-padded with 4 pads and a 0/1 attention mask gives the unpadded row's logits, and
+    the pads' ids do not matter: pads write nothing into the delta-rule state and stay out of
+    beta's average and the gate's convolution."""
+    model = tiny_llama.model
+    install_memory(model, MemorySettings(gate=gate, alpha_init=0.5, beta_window=4, dynamic_kernel=3))
+    set_memory_enabled(model, True)
+    torch.manual_seed(3)
+    for rule in memory_rules(model).values():
+        rule.beta_weight.normal_(0, 1.0)
+        if gate == "dynamic":
+            rule.gate_conv.weight.normal_(0, 0.5)
+    x = ids(T=12, B=1)
+    want = model(x).logits
+    mask = torch.tensor([[0] * 4 + [1] * 12])
+    for pad_id in (0, 77):
+        padded = torch.cat([torch.full((1, 4), pad_id), x], dim=1)
+        got = model(padded, attention_mask=mask).logits[:, 4:]
+        assert torch.allclose(got, want, atol=1e-5, rtol=0), (pad_id, (got - want).abs().max())
+    assert all(r.padding is None for r in memory_rules(model).values())  # cleared after the call

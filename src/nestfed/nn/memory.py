@@ -179,25 +179,33 @@ class MemoryRule(nn.Module):
                 self.gate_conv.bias.fill_(_logit((a - lo) / (hi - lo)))
         self.enabled = False
         self.stream: LayerStream | None = None
+        self.padding: torch.Tensor | None = None  # [B, T] bool, True = a real token (set per model call)
 
     # -- beta ------------------------------------------------------------------------------------
-    def beta(self, k: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
+    def beta(self, k: torch.Tensor, tail: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Write strengths beta [B, T, H] in (0, 1) from the raw keys k [B, T, H_kv, D].
 
         tail: up to ``beta_window - 1`` raw keys [B, n, H_kv, D] that precede k (a stream's
         previous chunk); the average runs over the min(beta_window, tokens available) last keys.
+        valid: [B, T] bool, False at padding: pads are left out of every average and get beta 0
+        (they write nothing), so a padded row computes what the unpadded one does.
         """
         bw = self.settings.beta_window
         n = 0 if tail is None else tail.shape[1]
         x = k if tail is None else torch.cat([tail.to(k.dtype), k], dim=1)
         T = k.shape[1]
-        csum = torch.cumsum(x, dim=1)
+        w = x.new_ones(x.shape[0], x.shape[1])
+        if valid is not None:
+            w[:, n:] = valid.to(x.dtype)
+        csum = torch.cumsum(x * w[:, :, None, None], dim=1)
         pad = torch.cat([csum.new_zeros(csum.shape[0], 1, *csum.shape[2:]), csum], dim=1)
+        counts = torch.cat([w.new_zeros(w.shape[0], 1), torch.cumsum(w, dim=1)], dim=1)  # [B, n + T + 1]
         end = torch.arange(n + 1, n + T + 1, device=k.device)
         start = (end - bw).clamp(min=0)
-        kbar = (pad[:, end] - pad[:, start]) / (end - start).to(k.dtype).view(1, T, 1, 1)  # [B, T, Hkv, D]
+        kbar = (pad[:, end] - pad[:, start]) / (counts[:, end] - counts[:, start]).clamp(min=1).view(-1, T, 1, 1)
         kbar = kbar.repeat_interleave(self.num_heads // self.num_kv_heads, dim=2)  # [B, T, H, D]
-        return torch.sigmoid(torch.einsum("bthd,hd->bth", kbar, self.beta_weight.to(k.dtype)) + self.beta_bias.to(k.dtype))
+        beta = torch.sigmoid(torch.einsum("bthd,hd->bth", kbar, self.beta_weight.to(k.dtype)) + self.beta_bias.to(k.dtype))
+        return beta if valid is None else beta * valid.to(beta.dtype)[:, :, None]
 
     # -- gate ------------------------------------------------------------------------------------
     def gate(self, x: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,7 +278,8 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
 
     hidden_states: [B, T, hidden] (the decoder layer's normed input); position_embeddings: the
     RoPE (cos, sin), each [B, T, D]. Returns (output [B, T, hidden], None). The softmax path is
-    the backbone's own (same projections, RoPE and attention kernel), so with the memory
+    the backbone's own (same projections, per-head q/k norms where the model has them (Qwen3,
+    Gemma-3), RoPE and attention kernel), so with the memory
     disabled or alpha = 0 and no window the output equals the backbone's bit for bit (tested).
     A Hugging Face KV cache (``past_key_values``) is updated as the backbone does, but it cannot
     carry the memory state: with the memory enabled only a first (prefill) call is accepted;
@@ -286,6 +295,10 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
     hidden_shape = (B, T, -1, D)
     q = self.q_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
     k = self.k_proj(hidden_states).view(hidden_shape)  # [B, T, Hkv, D]
+    if getattr(self, "q_norm", None) is not None:  # Qwen3, Gemma-3: per-head RMSNorm before RoPE
+        q = self.q_norm(q)
+    if getattr(self, "k_norm", None) is not None:
+        k = self.k_norm(k)
     v = self.v_proj(hidden_states).view(hidden_shape)
     cos, sin = position_embeddings
     q_rot, k_rot = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
@@ -334,12 +347,18 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
         q_lin = F.normalize(F.silu(q), dim=-1)
         k_lin = F.normalize(F.silu(k), dim=-1).repeat_interleave(G, dim=2)
         v_lin = (v * D ** -0.5).repeat_interleave(G, dim=2)
-        beta = mem.beta(k, None if stream is None else stream.k_tail)
+        valid = mem.padding if stream is None and mem.padding is not None and mem.padding.shape == (B, T) else None
+        gate_in = hidden_states
+        if valid is not None:  # pads write nothing and feed neither beta's average nor the gate
+            keep = valid.to(k_lin.dtype)[:, :, None, None]
+            k_lin, v_lin = k_lin * keep, v_lin * keep
+            gate_in = hidden_states * valid.to(hidden_states.dtype)[:, :, None]
+        beta = mem.beta(k, None if stream is None else stream.k_tail, valid)
         s0 = None if stream is None else stream.S
         op = delta_rule_recurrent if mem.settings.operator == "recurrent" else delta_rule
         o_lin, s_new = op(q_lin, k_lin, v_lin, beta, initial_state=s0, output_final_state=stream is not None,
                           chunk_size=mem.settings.chunk_size)
-        alpha = mem.gate(hidden_states, None if stream is None else stream.x_tail)
+        alpha = mem.gate(gate_in, None if stream is None else stream.x_tail)
         # RMS-normalised, then put on the softmax output's scale (per token and head), so that
         # alpha mixes two outputs of one magnitude (see the module docstring)
         lin = _rms_norm(o_lin).to(soft.dtype) * soft.pow(2).mean(dim=-1, keepdim=True).add(1e-12).sqrt()
@@ -411,7 +430,27 @@ def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int
             p.requires_grad_(False)
         attn.memory = rule
         attn.forward = memory_attention_forward.__get__(attn, type(attn))
+    if not getattr(model, "_nestfed_padding_hooks", False):
+        model.register_forward_pre_hook(_note_padding, with_kwargs=True)
+        model.register_forward_hook(_forget_padding)
+        model._nestfed_padding_hooks = True
     return chosen
+
+
+def _note_padding(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: hand a call's 2-D attention mask [B, T] (1 = token, 0 = pad) to every
+    memory rule, so that the linear path leaves pads out (the decoder layers see only the 4-D
+    softmax mask)."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    padding = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()) else None
+    for rule in memory_rules(model).values():
+        rule.padding = padding
+
+
+def _forget_padding(model: nn.Module, args: tuple, output: Any) -> None:
+    """Forward hook: clear the call's padding from every memory rule."""
+    for rule in memory_rules(model).values():
+        rule.padding = None
 
 
 def memory_rules(model: nn.Module) -> dict[int, MemoryRule]:
