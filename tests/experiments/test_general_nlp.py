@@ -90,3 +90,14 @@ def test_eval_errors_name_the_run(tmp_path, cli):
         cfg["base_model_name_or_path"] = str(tmp_path / "gone")
         (other / "adapter" / "adapter_config.json").write_text(json.dumps(cfg))
         general_nlp.models([other])
+
+
+def test_a_malformed_run_config_or_adapter_config_is_one_line_naming_the_file(tmp_path, cli):
+    base, adapter = save_tiny(tmp_path)
+    run = _fake_run(tmp_path / "runs", "prelort", base, adapter)
+    (run / "adapter" / "adapter_config.json").write_text("{not json")
+    res = cli("eval", run, cwd=tmp_path)
+    assert res.returncode == 2 and f"{run / 'adapter' / 'adapter_config.json'}: not a PEFT adapter config" in res.stderr
+    (run / "config.toml").write_text("[strategy\n")
+    res = cli("eval", run, cwd=tmp_path)
+    assert res.returncode == 2 and f"{run / 'config.toml'}: invalid TOML" in res.stderr

@@ -62,13 +62,19 @@ def models(paths: list[Path], include_backbone: bool = True) -> tuple[Path, list
     backbone: Path | None = None
     out: list[tuple[str, Path | None]] = []
     for run in _runs(paths):
-        cfg = tomllib.loads((run / "config.toml").read_text())
+        try:
+            cfg = tomllib.loads((run / "config.toml").read_text())
+        except tomllib.TOMLDecodeError as exc:
+            raise NestfedError(f"{run / 'config.toml'}: invalid TOML: {exc}") from None
         adapter = run / "adapter"
         config = adapter / "adapter_config.json"
         if not config.is_file():
             raise NestfedError(f"{run}: no PEFT adapter (adapter/adapter_config.json): the run is unfinished or its "
                                f"method ({cfg.get('strategy', {}).get('name')}) exports no LoRA adapter")
-        base = json.loads(config.read_text()).get("base_model_name_or_path") or ""
+        try:
+            base = json.loads(config.read_text()).get("base_model_name_or_path") or ""
+        except (json.JSONDecodeError, AttributeError) as exc:
+            raise NestfedError(f"{config}: not a PEFT adapter config ({exc})") from None
         if not base:
             model = cfg.get("model", {})
             name = model.get("name", "")
@@ -103,7 +109,9 @@ def score(backbone: Path, entries: list[tuple[str, Path | None]], protocol: harn
           progress=None) -> dict[str, dict]:
     """Score every (label, adapter) on ``protocol``, reusing ``out_dir/<label>.json`` when its key
     matches; returns {label: {"correct": {scoring: {category: [0/1, ...]}}, ...}}. ``progress(label,
-    cached)`` is called before each model."""
+    cached)`` is called before each model. Each model's file is written atomically once it is scored,
+    so an interrupted evaluation keeps every model finished before it. Raises ConfigError / DataError
+    as :func:`nestfed.evaluation.harness.evaluate` and :func:`~nestfed.evaluation.harness.questions`."""
     items = harness.questions(protocol)
     results = {}
     for label, adapter in entries:
