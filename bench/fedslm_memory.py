@@ -16,11 +16,13 @@ subprocess, so one setting's allocations never hide another's:
 Memory, measured two ways (tracemalloc does not see torch's allocations):
 - ``accounting``: parameter + buffer bytes (shared storage once), gradient bytes (= trainable),
   AdamW state (2 x trainable), and the bytes of the tensors autograd saves for backward during
-  the forward (saved_tensors_hooks; storages deduplicated, parameters and buffers excluded).
+  the forward (saved_tensors_hooks; storages deduplicated, parameters and buffers excluded; with
+  micro-batches the largest micro-batch's, since each one's backward frees them).
   ``train_peak_est_bytes`` = their sum: a lower bound on a training step's peak (transient
   buffers inside kernels are not counted).
 - ``rss``: the process's resident memory after the model is built, and the peak of the resident
-  memory sampled every 2 ms during the second training step (forward + backward + AdamW), both
+  memory sampled every 2 ms during the second training step (forward + backward + AdamW; after a
+  malloc_trim, so that freed heap from the first step does not count), both
   minus the resident memory of the bare process after importing torch and transformers.
   The full model is memory-mapped by from_pretrained: its weights become resident only when a
   step touches them, so compare the step peaks, not ``model_built_bytes``.
@@ -31,6 +33,12 @@ forward of 1 x 128 tokens) and greedy decode tokens/s (16 new tokens with the KV
 one step each, in separate processes: indicative only on a loaded machine.
 
     python bench/fedslm_memory.py [--ratios 0.3 0.5 0.7] [--batch 4] [--tokens 128] [--out FILE]
+        [--levers none|nestfed|checkpoint|checkpoint+micro] [--micro 1] [--only SETTING ...] [--no-speed]
+
+--levers (issue 13's memory levers, the same for both sides of a comparison): ``nestfed`` is
+nestfed's own training loss (nestfed.federation.training.Batch: the LM head only where a next
+token is labelled), ``checkpoint`` adds activation checkpointing of every decoder layer
+(nestfed.nn.checkpointing), ``checkpoint+micro`` micro-batches of --micro rows accumulating one step.
 """
 
 from __future__ import annotations
@@ -118,8 +126,17 @@ def build_compressed(model_dir: Path, bases_path: Path, ratio: float, target: st
     return model.eval(), targets
 
 
+PASS_STARTS: list = []  # called at the start of every forward pass while accounting() listens
+
+
+def new_pass() -> None:
+    for f in PASS_STARTS:
+        f()
+
+
 def accounting(model, trainable, step_fn) -> dict:
-    """Bytes of parameters, buffers, gradients, AdamW state, and tensors saved for backward."""
+    """Bytes of parameters, buffers, gradients, AdamW state, and tensors saved for backward (the
+    largest forward pass's: micro-batches free theirs in their own backward)."""
     import torch
 
     held = set()
@@ -132,25 +149,32 @@ def accounting(model, trainable, step_fn) -> dict:
         if t.untyped_storage().data_ptr() not in held:
             held.add(t.untyped_storage().data_ptr())
             b_bytes += t.untyped_storage().nbytes()
-    saved = {}
+    passes = []  # {storage: bytes} saved by each forward pass (a micro-batch's are freed by its backward)
 
     def pack(t):
         st = t.untyped_storage()
         if st.data_ptr() not in held:
-            saved[st.data_ptr()] = st.nbytes()
+            passes[-1][st.data_ptr()] = st.nbytes()
         return t
 
+    PASS_STARTS.append(lambda: passes.append({}))
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         step_fn()
+    PASS_STARTS.clear()
     tr = sum(p.numel() * p.element_size() for p in trainable)
     out = {"parameter_bytes": p_bytes, "buffer_bytes": b_bytes, "trainable_bytes": tr, "gradient_bytes": tr,
-           "adamw_state_bytes": 2 * tr, "saved_activation_bytes": sum(saved.values())}
+           "adamw_state_bytes": 2 * tr, "saved_activation_bytes": max(sum(p.values()) for p in passes),
+           "forward_passes": len(passes)}
     out["train_peak_est_bytes"] = p_bytes + b_bytes + 2 * tr + 2 * tr + out["saved_activation_bytes"]
     return out
 
 
-def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, tokens: int, threads: int) -> dict:
-    """Measure one setting in this (fresh) process."""
+def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, tokens: int, threads: int,
+          levers: str = "none", micro: int = 1) -> dict:
+    """Measure one setting in this (fresh) process. levers: ``none`` (the model's own forward and a
+    full [B, T, V] loss, as first measured), ``nestfed`` (nestfed's training loss, LM head on the
+    labelled positions), ``checkpoint`` (that, with activation checkpointing of every decoder
+    layer) or ``checkpoint+micro`` (that, in micro-batches of ``micro`` rows accumulating one step)."""
     import torch
     import transformers  # noqa: F401  (imported before the baseline RSS on purpose)
 
@@ -158,6 +182,8 @@ def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, 
     from nestfed.nn.lora import inject_lora, lora_modules
     from nestfed.nn.svd import svd_modules
     from nestfed.nn.frozen_prefix import causal_lm_loss
+    from nestfed.nn.checkpointing import enable_activation_checkpointing
+    from nestfed.federation.training import Batch
 
     rss0 = rss()
     if setting.startswith("full+lora"):
@@ -185,9 +211,18 @@ def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, 
     opt = torch.optim.AdamW(trainable, lr=1e-5)
     ids = torch.randint(0, model.config.vocab_size, (batch, tokens), generator=torch.Generator().manual_seed(0))
 
+    if levers.startswith("checkpoint"):
+        enable_activation_checkpointing(model)
+    whole = Batch(ids.clone(), input_ids=ids)
+
     def fwd_bwd():
-        loss = causal_lm_loss(model(input_ids=ids).logits, ids)
-        loss.backward()
+        if levers == "none":
+            new_pass()
+            causal_lm_loss(model(input_ids=ids).logits, ids).backward()
+            return
+        for mb in whole.micro_batches(micro if levers.endswith("micro") else 0):
+            new_pass()
+            mb.loss(model).backward()
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -196,11 +231,13 @@ def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, 
 
     model.train()
     acc = accounting(model, trainable, step)  # the first step (allocates AdamW state)
+    _malloc_trim()  # give freed heap back, so the sampled peak is the next step's own
     t0 = time.perf_counter()
     with PeakSampler() as s:
         step()
     step_s = time.perf_counter() - t0
-    return {"setting": setting, "ratio": ratio, "factorised_layers": factorised, "accounting": acc,
+    return {"setting": setting, "ratio": ratio, "levers": levers, "micro_batch_rows": micro if levers.endswith("micro") else batch,
+            "factorised_layers": factorised, "accounting": acc,
             "rss": {"model_built_bytes": rss_built - rss0, "train_step_peak_bytes": s.peak - rss0,
                     "lifetime_peak_bytes": _maxrss() - rss0},
             "train_step_s": step_s, "train_tokens_per_s": batch * tokens / step_s}
@@ -238,6 +275,17 @@ def speed(model_dir: Path, bases: Path, ratios: list[float], threads: int, repea
     return {"threads": threads, "repeats": repeats, "models": out}
 
 
+def _malloc_trim() -> None:
+    """glibc's malloc_trim(0): return freed heap pages to the OS (resident memory otherwise keeps
+    the high-water mark of everything before, the first step's and the model loading's)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:
+        pass
+
+
 def _maxrss() -> int:
     import resource
 
@@ -255,6 +303,10 @@ def main() -> None:
     ap.add_argument("--child", nargs=2, metavar=("SETTING", "RATIO"))
     ap.add_argument("--model-dir", type=Path)
     ap.add_argument("--bases", type=Path)
+    ap.add_argument("--levers", choices=["none", "nestfed", "checkpoint", "checkpoint+micro"], default="none")
+    ap.add_argument("--micro", type=int, default=1, help="rows per micro-batch with --levers checkpoint+micro")
+    ap.add_argument("--only", nargs="+", help="measure only these settings (e.g. 'full+lora' 'svd rho=0.5')")
+    ap.add_argument("--no-speed", action="store_true", help="skip the interleaved speed measurement")
     a = ap.parse_args()
     if a.child:
         if a.child[0] == "speed":
@@ -262,7 +314,7 @@ def main() -> None:
             print(json.dumps(speed(a.model_dir, a.bases, ratios, a.threads, a.repeats)))
         else:
             print(json.dumps(child(a.child[0], float(a.child[1]), a.model_dir, a.bases, a.batch, a.tokens,
-                                   a.threads)))
+                                   a.threads, a.levers, a.micro)))
         return
     import torch
 
@@ -284,9 +336,10 @@ def main() -> None:
         del model, bases
     settings = [("full+lora", 0.0)] + [(f"svd rho={r:g}", r) for r in a.ratios] + [("full+lora-top4", 0.0),
                                                                                    ("svd-top4 rho=0.5", 0.5)]
+    settings = [(n, r) for n, r in settings if not a.only or n in a.only]
     partial = (a.out or Path("/tmp/fedslm_memory.json")).with_suffix(".partial.json")
     done = json.loads(partial.read_text()) if partial.is_file() else {}
-    args_key = f"{a.batch}x{a.tokens}@{a.threads}"
+    args_key = f"{a.batch}x{a.tokens}@{a.threads}|{a.levers}|{a.micro}"
     results = []
     for name, r in settings:
         if f"{name}|{args_key}" in done:  # a rerun resumes after the settings already measured
@@ -294,7 +347,7 @@ def main() -> None:
             continue
         cmd = [sys.executable, __file__, "--child", name, str(r), "--model-dir", str(model_dir), "--bases",
                str(bases_path), "--batch", str(a.batch), "--tokens", str(a.tokens), "--threads", str(a.threads),
-               "--repeats", str(a.repeats)]
+               "--repeats", str(a.repeats), "--levers", a.levers, "--micro", str(a.micro)]
         p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
         if p.returncode != 0:
             raise SystemExit(f"{name} failed:\n{p.stderr[-3000:]}")
@@ -303,6 +356,8 @@ def main() -> None:
         partial.write_text(json.dumps(done))
         print(f"{name}: done", file=sys.stderr, flush=True)
     speed_key = f"speed|{args_key}|{a.repeats}"
+    if a.no_speed:
+        done[speed_key] = None
     if speed_key not in done:
         cmd = [sys.executable, __file__, "--child", "speed", ",".join(f"{r:g}" for r in a.ratios), "--model-dir",
                str(model_dir), "--bases", str(bases_path), "--threads", str(a.threads), "--repeats", str(a.repeats)]
@@ -313,7 +368,9 @@ def main() -> None:
         partial.write_text(json.dumps(done))
     by_name = {r["setting"]: r for r in results}
     for r in results:
-        full = by_name["full+lora-top4" if r["setting"].endswith("top4") or "top4" in r["setting"] else "full+lora"]
+        full = by_name.get("full+lora-top4" if r["setting"].endswith("top4") or "top4" in r["setting"] else "full+lora")
+        if full is None:
+            continue
         r["vs_full"] = {
             "compared_with": full["setting"],
             "parameter_and_buffer_bytes": (r["accounting"]["parameter_bytes"] + r["accounting"]["buffer_bytes"])
@@ -321,6 +378,7 @@ def main() -> None:
             "train_peak_est_bytes": r["accounting"]["train_peak_est_bytes"] / full["accounting"]["train_peak_est_bytes"],
             "rss_train_step_peak": r["rss"]["train_step_peak_bytes"] / full["rss"]["train_step_peak_bytes"]}
     out = {"bench": "fedslm_memory", "model": "SmolLM2-135M-Instruct fp32", "batch": [a.batch, a.tokens],
+           "levers": a.levers,
            "threads": a.threads, "svd_seconds": t_svd, "method": __doc__.split("Memory, measured")[1].strip(),
            "results": results, "speed": done[speed_key]}
     text = json.dumps(out, indent=2)

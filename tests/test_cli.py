@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from nestfed.nn.backbone import byte_tokenizer, tiny_model
+
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -56,6 +58,32 @@ def test_malformed_data_file_names_the_file(tmp_path, cli):
 def test_missing_config_file(tmp_path):
     r = nestfed("run", str(tmp_path / "missing.toml"), cwd=tmp_path)
     assert r.returncode == 2 and "missing.toml: config file not found" in r.stderr
+
+
+def test_a_model_nestfed_cannot_compute_exactly_is_one_line_before_any_run_dir(tmp_path, cli):
+    """A Gemma-3 whose logits are soft-capped (a switch nestfed's logit paths do not apply)."""
+    model = tiny_model("gemma3", len(byte_tokenizer(bos=True)))
+    model.config.final_logit_softcapping = 30.0
+    model.save_pretrained(tmp_path / "capped")
+    byte_tokenizer(bos=True).save_pretrained(tmp_path / "capped")
+    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", "--set", f"model.name={tmp_path / 'capped'}",
+            cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert "Gemma3ForCausalLM sets final_logit_softcapping = 30.0" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
+
+
+def test_an_unexpected_error_prints_no_locals(tmp_path):
+    """A bug (here: a loss that raises) is a traceback of code lines only, never of local variables."""
+    script = ("import sys, torch.nn.functional as F\n"
+              "def boom(*a, **k):\n    raise RuntimeError('boom')\n"
+              "F.cross_entropy = boom\n"
+              "from nestfed.cli import main\nmain()\n")
+    r = subprocess.run([sys.executable, "-c", script, "run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}",
+                        "--set", "federation.rounds=1"], cwd=tmp_path, capture_output=True, text=True,
+                       env=dict(os.environ, COLUMNS="200"), timeout=600)
+    assert r.returncode == 1 and "RuntimeError: boom" in r.stderr
+    assert "locals" not in r.stderr and len(r.stderr.splitlines()) < 300
 
 
 def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path, cli):

@@ -296,6 +296,9 @@ def eval_(
     categories: Annotated[str, typer.Option("--categories", help="comma-separated, of stem, social_sciences, "
                                             "humanities")] = "stem,social_sciences,humanities",
     batch_size: Annotated[int, typer.Option("--batch-size", help="prompts per forward pass")] = 16,
+    device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", help="auto (float32 on the CPU, bfloat16 on CUDA) | float32 | "
+                                       "bfloat16 | float16")] = "auto",
     backbone: Annotated[bool, typer.Option("--backbone/--no-backbone", help="also score the bare backbone (the "
                                            "reference of the paired differences)")] = True,
     out_dir: Annotated[Optional[Path], typer.Option("--out", help="where the per-model results and the table go "
@@ -307,7 +310,8 @@ def eval_(
     (nestfed/evaluation/harness.py, nestfed/experiments/general_nlp.py)."""
     base, entries = general_nlp.models(run_dirs, backbone)
     protocol = harness.Protocol(str(mmlu_root), tuple(c.strip() for c in categories.split(",") if c.strip()),
-                                fraction, seed, batch_size)
+                                fraction, seed, batch_size, device, dtype)
+    protocol.placement()  # a bad --device or --dtype is one line before anything runs
     target = out_dir or (run_dirs[0].resolve().parent if (run_dirs[0] / "config.toml").is_file()
                          else run_dirs[0]) / "eval"
     target.mkdir(parents=True, exist_ok=True)

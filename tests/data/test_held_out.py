@@ -19,6 +19,9 @@ def test_consumed_texts_hand_computed():
     assert consumed_texts(texts, tok, block_size=4, max_blocks=3) == 2  # 12 tokens exactly
     assert consumed_texts(texts, tok, block_size=13, max_blocks=1) == 3
     assert consumed_texts(texts, tok, block_size=100, max_blocks=1) == 4  # never filled: all used
+    bos = byte_tokenizer(bos=True)  # each block: BOS + 4 stream tokens
+    assert consumed_texts(texts, bos, block_size=5, max_blocks=3) == 2  # 12 stream tokens, as above
+    assert consumed_texts(texts, bos, block_size=5, max_blocks=1) == 1
 
 
 def test_pools_exclude_every_used_record_and_fill_blocks():

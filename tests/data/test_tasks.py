@@ -9,7 +9,7 @@ import torch
 
 from nestfed.nn.backbone import byte_tokenizer
 from nestfed.data.sources import InstructionExample, MultipleChoice
-from nestfed.data.tasks import (IGNORE_INDEX, TokenDataset, alpaca_prompt, answer_positions,
+from nestfed.data.tasks import (IGNORE_INDEX, TokenDataset, alpaca_prompt, answer_positions, bos_id,
                                 choice_logits, instruction_examples, letter_token_ids,
                                 mc_prompt, multiple_choice_examples, pack_causal_lm)
 
@@ -77,6 +77,44 @@ def test_pack_causal_lm_stops_tokenizing_early(tok):
     ds = pack_causal_lm(texts, counting, block_size=16, max_blocks=2, batch_size=1)
     assert ds.input_ids.shape == (2, 16)
     assert len(counting.seen) == 1  # 51 tokens from the first text already fill 2 blocks
+
+
+def test_blocks_and_rows_start_with_the_bos_the_tokenizer_adds(tok):
+    """A tokenizer that puts BOS before every text (Gemma's; here the byte tokenizer with <bos>):
+    every packed block starts with it, then block_size - 1 tokens of the same stream; instruction
+    and multiple-choice rows start with it too, unlabelled. A tokenizer that only defines a BOS
+    (SmolLM2's <|im_start|>) or has none gets exactly the rows it got before."""
+    gemma_like = byte_tokenizer(bos=True)
+    bos = gemma_like.bos_token_id
+    assert bos_id(gemma_like) == bos == 258 and gemma_like("ab")["input_ids"] == [bos, *_ids(tok, "ab")]
+    eos = tok.eos_token_id
+    stream = _ids(tok, "abc") + [eos] + _ids(tok, "de") + [eos]  # 7 tokens -> 3 blocks of BOS + 2
+    ds = pack_causal_lm(["abc", "de"], gemma_like, block_size=3)
+    assert ds.input_ids.tolist() == [[bos, *stream[0:2]], [bos, *stream[2:4]], [bos, *stream[4:6]]]
+    assert torch.equal(ds.labels, ds.input_ids)
+    with pytest.raises(ValueError, match=">= 2"):
+        pack_causal_lm(["ab"], gemma_like, block_size=1)
+    item = InstructionExample("Hi.", "", "abcdefghij", "")
+    plain, with_bos = instruction_examples([item], tok, 20), instruction_examples([item], gemma_like, 20)
+    assert with_bos.input_ids[0].tolist() == [bos, *plain.input_ids[0, 1:].tolist()]  # the prompt cut after BOS
+    assert with_bos.labels[0, 0] == IGNORE_INDEX and _labelled_text(tok, with_bos, 0) == "a"
+    mc = multiple_choice_examples(ITEMS, gemma_like, max_length=256)
+    assert mc.input_ids[:, 0].tolist() == [bos, bos]
+    assert torch.equal(mc.input_ids[:, 1:], multiple_choice_examples(ITEMS, tok, 256).input_ids)
+    defines_only = byte_tokenizer()
+    defines_only.bos_token = "<eos>"  # a BOS id the tokenizer never puts before a text
+    assert defines_only.bos_token_id is not None and bos_id(defines_only) is None and bos_id(tok) is None
+    assert torch.equal(pack_causal_lm(["abc", "de"], defines_only, 3).input_ids,
+                       pack_causal_lm(["abc", "de"], tok, 3).input_ids)
+
+
+@pytest.mark.skipif(not SMOLLM2_TOKENIZER.is_file(), reason="converted SmolLM2 tokenizer not cached")
+def test_smollm2_defines_a_bos_it_never_adds():
+    from transformers import AutoTokenizer
+
+    st = AutoTokenizer.from_pretrained(SMOLLM2_TOKENIZER.parent)
+    assert st.bos_token_id == 1 and st("Hello world")["input_ids"] == _ids(st, "Hello world")
+    assert bos_id(st) is None  # so SmolLM2's blocks, and the adapters pinned on them, are unchanged
 
 
 # ----------------------------------------------------------------------------- instructions

@@ -63,7 +63,7 @@ def test_final_state_is_pinned(case, tmp_path, monkeypatch, single_thread):
     out = tmp_path / "runs"
     res = CliRunner().invoke(app, ["run", config, "--set", f"strategy.name={method}", "--set", "federation.rounds=3",
                                    "--set", f"output.dir={out}", "--set", "train.threads=1",
-                                   "--set", "output.plots=false", *extra])
+                                   "--set", "output.plots=false", "--set", "model.device=cpu", *extra])
     assert res.exit_code == 0, res.output
     run_dir = next(p.parent for p in out.rglob("summary.json"))
     assert state_digest(run_dir) == want

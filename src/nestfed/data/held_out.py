@@ -23,8 +23,9 @@ from nestfed.errors import ConfigError, DataError
 def consumed_texts(texts: Sequence[str], tokenizer, block_size: int, max_blocks: int) -> int:
     """How many leading texts :func:`~nestfed.data.tasks.pack_causal_lm` uses for ``max_blocks``
     blocks of ``block_size`` tokens: the smallest n with sum_{i<n} (tokens_i + 1 eos) >= the
-    tokens it keeps (all texts when they do not fill the blocks)."""
-    limit = max_blocks * block_size
+    stream tokens it keeps (``block_size - 1`` per block after a BOS token, :func:`~nestfed.data.tasks.bos_id`;
+    all texts when they do not fill the blocks)."""
+    limit = max_blocks * (block_size - (tasks.bos_id(tokenizer) is not None))
     total = 0
     for n, text in enumerate(texts, 1):
         total += len(tokenizer(text, add_special_tokens=False)["input_ids"]) + 1

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from nestfed.data.sources import long_texts
-from nestfed.data.tasks import IGNORE_INDEX, TokenDataset, _answer_tokens, _encode, _pad, _pad_id, mc_prompt
+from nestfed.data.tasks import IGNORE_INDEX, TokenDataset, _answer_tokens, _bos, _encode, _pad, _pad_id, mc_prompt
 
 TEMPLATES = ("passkey", "uuid_code", "name_date", "phrase_code", "counter_state", "mk_niah", "mv_niah")
 EVENT_DEPTHS = (0.10, 0.30, 0.50, 0.70)
@@ -238,8 +238,9 @@ def _ends_sentence(text: str) -> bool:
 
 
 def render(item: NiahItem, tokenizer, haystack: Haystack, length: int, rng: random.Random) -> tuple[list[int], list[int], float]:
-    """One example of exactly ``length`` tokens: haystack with the needles inserted, the question
-    prompt, the gold letter (the only labelled token).
+    """One example of exactly ``length`` tokens: the BOS token (where the tokenizer puts one,
+    :func:`nestfed.data.tasks.bos_id`), haystack with the needles inserted, the question prompt,
+    the gold letter (the only labelled token).
 
     Returns (input ids, labels, the gold event's actual depth as a fraction of the haystack).
     Raises ValueError when ``length`` leaves fewer than 32 haystack tokens.
@@ -247,12 +248,12 @@ def render(item: NiahItem, tokenizer, haystack: Haystack, length: int, rng: rand
     bridge, letters = _answer_tokens(tokenizer)
     question = _encode(tokenizer, ["\n\n" + mc_prompt(item.question, item.options)])[0] + bridge
     needles = _encode(tokenizer, [" " + n + " " for n in item.needles])
-    n_hay = length - 1 - len(question) - sum(len(x) for x in needles)
+    ids: list[int] = _bos(tokenizer)
+    n_hay = length - 1 - len(ids) - len(question) - sum(len(x) for x in needles)
     if n_hay < 32:
         raise ValueError(f"NIAH length {length} leaves {n_hay} haystack tokens for template {item.template} "
                          "(need >= 32); use longer contexts")
     hay = haystack.span(rng, n_hay)
-    ids: list[int] = []
     prev = 0
     gold_at = 0.0
     for needle, depth in zip(needles, item.depths):

@@ -47,6 +47,7 @@ import numpy as np
 
 from nestfed.data.sources import MultipleChoice, mmlu
 from nestfed.errors import ConfigError
+from nestfed.nn.placement import resolve_device, resolve_dtype
 
 #: FlowerTune's MMLU category groups (benchmarks.py, MMLU_CATEGORY), the three on the leaderboard
 CATEGORIES: dict[str, tuple[str, ...]] = {
@@ -133,13 +134,23 @@ def _extract_filter(resps, docs):
 @dataclass(frozen=True)
 class Protocol:
     """Which MMLU questions and how: the local MMLU root folder, the categories, the fraction of
-    each subject sampled with ``seed``, and lm-eval's batch size (prompts per forward)."""
+    each subject sampled with ``seed``, lm-eval's batch size (prompts per forward), and where the
+    model runs in what dtype (``model.device`` / ``model.dtype``'s names: nestfed.nn.placement;
+    ``auto`` = float32 on the CPU, bfloat16 on CUDA)."""
 
     mmlu_root: str
     categories: tuple[str, ...] = tuple(CATEGORIES)
     fraction: float = 1.0
     seed: int = 0
     batch_size: int = 16
+    device: str = "auto"
+    dtype: str = "auto"
+
+    def placement(self) -> tuple[str, str]:
+        """(device, dtype) resolved, e.g. ("cpu", "float32") or ("cuda:0", "bfloat16"). Raises
+        ConfigError as nestfed.nn.placement does."""
+        device = resolve_device(self.device)
+        return str(device), str(resolve_dtype(self.dtype, device)).removeprefix("torch.")
 
 
 def questions(protocol: Protocol) -> dict[str, list[MultipleChoice]]:
@@ -192,7 +203,8 @@ def tasks(items_by_category: dict[str, list[MultipleChoice]]) -> list:
 def evaluate(backbone_dir: str | Path, adapter_dir: str | Path | None, protocol: Protocol,
              items_by_category: dict[str, list[MultipleChoice]] | None = None) -> dict[str, dict[str, list[int]]]:
     """Score the Hugging Face model in ``backbone_dir`` (with the PEFT adapter in ``adapter_dir``
-    on top, if given) on FlowerTune's protocol through ``lm_eval.simple_evaluate`` (fp32 on CPU).
+    on top, if given) on FlowerTune's protocol through ``lm_eval.simple_evaluate``, on the
+    protocol's device in its dtype (fp32 on the CPU).
 
     Returns, per scoring (:data:`SCORINGS`) and category, the per-question correctness (1 / 0) in
     the order of :func:`questions`, so that two models can be compared question by question.
@@ -209,7 +221,8 @@ def evaluate(backbone_dir: str | Path, adapter_dir: str | Path | None, protocol:
     logging.getLogger("lm-eval").setLevel(logging.ERROR)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     items = items_by_category if items_by_category is not None else questions(protocol)
-    model_args = {"pretrained": str(backbone_dir), "dtype": "float32", "device": "cpu"}
+    device, dtype = protocol.placement()
+    model_args = {"pretrained": str(backbone_dir), "dtype": dtype, "device": device}
     if adapter_dir is not None:
         model_args["peft"] = str(adapter_dir)
     res = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks(items),

@@ -35,6 +35,7 @@ def evaluate_lm(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor 
         count += int(targets.numel())
         if letters is not None:
             answer_positions(lab)  # raises unless every row has exactly one labelled token
+            letters = letters.to(logits.device)
             pred = letters[logits[:, letters].argmax(dim=1)]
             correct += int((pred == targets).sum())
             rows += lab.shape[0]

@@ -7,9 +7,13 @@ older, so the state carried from chunk to chunk has a fixed size whatever the st
 Every attention layer needs a memory module installed (:func:`nestfed.nn.memory.install_memory`)
 to hold its stream state; a layer whose memory is disabled runs the backbone's attention over
 its window only (``mode = "window"``) or over everything seen (``mode = "full"``, unbounded: the
-plain-attention baseline). :func:`stream_nll` returns the next-token negative log-likelihood of
-every token after the first, which is the same whether the stream is cut into chunks or not
-(tested), and :func:`binned_ce` turns it into the streaming-CE probe's bins.
+plain-attention baseline). Every mode keeps each layer's own sliding window where the model has
+one (Qwen2's ``use_sliding_window``, Gemma-3's local layers), and each layer's rotary embedding and
+mask are built as the model builds them, under SDPA or eager attention alike
+(nestfed.nn.layer_inputs): ``mode = "full"`` computes ``model(ids).logits`` chunk by chunk
+(tested). :func:`stream_nll` returns the next-token negative log-likelihood of every token after
+the first, which is the same whether the stream is cut into chunks or not (tested), and
+:func:`binned_ce` turns it into the streaming-CE probe's bins.
 
 A model without memory modules streams through Hugging Face's own KV cache with
 :func:`stream_nll_hf` (the backbone's plain attention, its cache growing with the stream).
@@ -27,7 +31,9 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import DynamicCache
 
+from nestfed.nn.layer_inputs import layer_rotary, layer_types, rope_kind, rotary
 from nestfed.nn.memory import LayerStream, attention_modules, memory_rules
+from nestfed.nn.placement import autocast, to_model
 
 MODES = ("memory", "window", "full")
 SINK_POSITIONS = ("cache", "absolute")
@@ -51,7 +57,8 @@ def streaming(model: nn.Module, mode: str = "memory", window: int = 512,
 
     mode: ``memory`` -- layers whose memory is enabled run it, every softmax path uses the window;
     ``window`` -- no memory, every softmax path windowed (a sliding-window baseline); ``full`` --
-    no memory and no window (plain attention with an unbounded cache). window: tokens (>= 1 for
+    no memory and no stream window (the model's own attention; the cache is bounded only by the
+    layers' own sliding windows). window: tokens (>= 1 for
     ``memory`` and ``window``). sink: the first tokens every windowed query keeps seeing
     (attention sinks, nn/memory.py; 0 = none). sink_positions: ``cache`` -- before each
     chunk the sinks move to the positions just before the window (StreamingLLM's positions
@@ -95,11 +102,13 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
 
     The shift composes with the sinks' own rotation, so the RoPE frequencies must not depend on
     the position (``rope_type`` default, linear, llama3 or yarn; yarn's attention scaling is
-    divided out so the sinks are not scaled twice). Raises ValueError for another rope_type
+    divided out so the sinks are not scaled twice). Each layer's shift uses its own layer type's
+    rotation (Gemma-3's local and global bases). Raises ValueError for another rope_type
     (dynamic, longrope): stream those with ``sink_positions = "absolute"``.
     """
-    inner = model.model
-    for rule in memory_rules(model).values():
+    ref = model.model.embed_tokens.weight
+    types = layer_types(model)
+    for i, rule in memory_rules(model).items():
         st = rule.stream
         if st is None:
             continue
@@ -107,35 +116,39 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
         if st.sink_positions != "cache" or st.window < 1 or st.sink < 1 or delta <= 0:
             st.sink_rotation = None
             continue
-        rope = inner.rotary_emb
-        if getattr(rope, "rope_type", "default") not in STATIC_ROPE:
+        kind, scale = rope_kind(model, types[i])
+        if kind not in STATIC_ROPE:
             raise ValueError(f"sink_positions 'cache' needs position-independent RoPE frequencies "
-                             f"({', '.join(STATIC_ROPE)}); this model's rope_type is '{rope.rope_type}': "
+                             f"({', '.join(STATIC_ROPE)}); this model's rope_type is '{kind}': "
                              "use sink_positions 'absolute'")
-        ref = inner.embed_tokens.weight
-        cos, sin = rope(ref[:1].unsqueeze(0), position_ids=torch.tensor([[delta]], device=ref.device))
-        scale = float(getattr(rope, "attention_scaling", 1.0))
+        cos, sin = rotary(model, ref[:1].unsqueeze(0), torch.tensor([[delta]], device=ref.device), types[i])
         st.sink_rotation = (cos / scale, sin / scale)  # each [1, 1, D]
 
 
 def _chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:
     """Logits [B, T, V] of one chunk ids [B, T] whose first token sits at absolute position ``pos``
-    (the streams' sinks shifted first, :func:`shift_sinks`)."""
+    (the streams' sinks shifted first, :func:`shift_sinks`). Each layer gets the rotary embedding
+    of its type at the chunk's positions (nestfed.nn.layer_inputs.layer_rotary); its memory module
+    builds the mask over its stream's cache (the layer's own sliding window, the stream's window
+    and sinks) in its attention implementation's format (nestfed.nn.layer_inputs.positional_mask)."""
     inner = model.model
     shift_sinks(model, pos)
-    h = inner.embed_tokens(ids)
-    position_ids = torch.arange(pos, pos + ids.shape[1], device=ids.device).unsqueeze(0)
-    pe = inner.rotary_emb(h, position_ids=position_ids)
-    for layer in inner.layers:
-        out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe)
-        h = out[0] if isinstance(out, tuple) else out
-    return model.lm_head(inner.norm(h))
+    ids = to_model(model, ids)
+    with autocast(model):  # the device and dtype policy: nestfed.nn.placement
+        h = inner.embed_tokens(ids)
+        position_ids = torch.arange(pos, pos + ids.shape[1], device=ids.device).unsqueeze(0)
+        embeddings = layer_rotary(model, h, position_ids)
+        for layer, pe in zip(inner.layers, embeddings):
+            out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe)
+            h = out[0] if isinstance(out, tuple) else out
+        return model.lm_head(inner.norm(h))
 
 
 def _nll_of_chunk(logits: torch.Tensor, prev_last: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
     """NLL [B, T'] of the chunk's tokens predictable so far: the first from the previous chunk's
     last logits (when there is one), the rest from this chunk's logits."""
     dt = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    ids = ids.to(logits.device)
     parts = []
     if prev_last is not None:
         parts.append(F.cross_entropy(prev_last.to(dt), ids[:, 0], reduction="none").unsqueeze(1))
@@ -197,7 +210,8 @@ def stream_nll_hf(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, stats:
     out, prev_last = [], None
     for n, start in enumerate(range(0, ids.shape[1], chunk)):
         part = ids[:, start:start + chunk]
-        logits = model(input_ids=part, past_key_values=cache, use_cache=True).logits
+        with autocast(model):
+            logits = model(input_ids=to_model(model, part), past_key_values=cache, use_cache=True).logits
         out.append(_nll_of_chunk(logits, prev_last, part))
         prev_last = logits[:, -1]
         del logits
@@ -264,7 +278,7 @@ def stream_evaluate(model: nn.Module, input_ids: torch.Tensor, labels: torch.Ten
                 for p in sorted(x for x in want if start <= x < start + part.shape[1]):
                     if p + 1 >= end or int(lab[p + 1]) == -100:
                         continue
-                    row = logits[p - start].float()
+                    row = logits[p - start].float().cpu()  # one row of logits [V], in host memory
                     total += float(F.cross_entropy(row.unsqueeze(0), lab[p + 1:p + 2]))
                     count += 1
                     if letters is not None:

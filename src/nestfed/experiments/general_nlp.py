@@ -24,7 +24,7 @@ from nestfed.evaluation import harness
 from nestfed.experiments.intervals import paired_difference
 from nestfed.experiments.report import run_label
 from nestfed.io import atomic
-from nestfed.nn.backbone import SMOLLM2, convert_smollm2, default_cache_dir
+from nestfed.nn.backbone import BUILTINS, convert_builtin, default_cache_dir
 
 BACKBONE = "backbone"
 #: FlowerTune LLM leaderboard, General NLP (flower.ai/benchmarks/llm-leaderboard/nlp, read 2026-12-01):
@@ -79,7 +79,7 @@ def models(paths: list[Path], include_backbone: bool = True) -> tuple[Path, list
             model = cfg.get("model", {})
             name = model.get("name", "")
             cache = Path(model["cache_dir"]) if model.get("cache_dir") else default_cache_dir()
-            base = str(convert_smollm2(cache)) if name == SMOLLM2 else name
+            base = str(convert_builtin(name, cache)) if name in BUILTINS else name
         if not (Path(base) / "config.json").is_file():
             raise NestfedError(f"{run}: its backbone '{base}' is not a Hugging Face directory; lm-eval cannot load it")
         if backbone is not None and Path(base) != backbone:
@@ -94,8 +94,14 @@ def models(paths: list[Path], include_backbone: bool = True) -> tuple[Path, list
 
 
 def _key(backbone: Path, adapter: Path | None, protocol: harness.Protocol) -> str:
-    """sha256 of the protocol, the backbone's config.json and the adapter's files."""
-    h = hashlib.sha256(json.dumps(asdict(protocol), sort_keys=True).encode())
+    """sha256 of the protocol, the backbone's config.json and the adapter's files. The protocol
+    counts with its resolved dtype, and only where that is not float32 (a float32 score on any
+    device keeps the key it had before devices existed)."""
+    spec = {k: v for k, v in asdict(protocol).items() if k not in ("device", "dtype")}
+    dtype = protocol.placement()[1]
+    if dtype != "float32":
+        spec["dtype"] = dtype
+    h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
     h.update((backbone / "config.json").read_bytes())
     if adapter is not None:
         for f in sorted(adapter.iterdir()):

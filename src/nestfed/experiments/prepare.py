@@ -18,6 +18,7 @@ from nestfed.data.poisoning import poison_client
 from nestfed.federation.messages import ClientInfo
 from nestfed.federation.prepared import Prepared
 from nestfed.nn.backbone import load_backbone
+from nestfed.nn.checkpointing import enable_activation_checkpointing
 from nestfed.nn.frozen_prefix import first_adapted_layer
 from nestfed.nn.lora import inject_lora, module_shapes, target_module_names
 from nestfed.nn.memory import MemorySettings, install_memory
@@ -72,6 +73,8 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
         raise ConfigError(f"lora.ranks: rank {r_max(cfg)} exceeds {smallest}, the smallest adapted layer's min(out, in) "
                           "(a LoRA update of a [out, in] layer has rank at most min(out, in))")
     inject_lora(backbone.model, cfg.lora.target_modules, r_max(cfg), cfg.lora.lora_alpha / r_max(cfg), cfg.lora.layers)
+    if cfg.train.gradient_checkpointing:
+        enable_activation_checkpointing(backbone.model)
     shapes = module_shapes(backbone.model)
     start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
     if start > 0:

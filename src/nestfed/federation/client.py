@@ -25,6 +25,7 @@ from nestfed.federation.messages import Arrays, Instruction, Reply
 from nestfed.federation.privacy import local_dp
 from nestfed.nn.arrays import apply_arrays, extra_parameters, lora_arrays, lora_parameters
 from nestfed.nn.lora import lora_modules
+from nestfed.nn.placement import model_device, release
 from nestfed.seeds import stream_seed
 
 
@@ -33,7 +34,7 @@ class ClientTrainer:
     """Runs local training and evaluation for the clients of one model.
 
     model: the backbone with LoRA layers injected; data: {cid: ClientData}; train: local settings
-    (steps, batch size, AdamW lr / weight decay, gradient clipping); hooks: the method's client
+    (steps, batch size and micro-batch size, AdamW lr / weight decay, gradient clipping); hooks: the method's client
     hooks; client_state: {cid: {group: arrays}} kept between rounds (saved with checkpoints).
     """
 
@@ -73,8 +74,8 @@ class ClientTrainer:
         steps = 0 if attack == "free_rider" else self.train.local_steps  # a free rider trains nothing
         for step, batch in enumerate(ctx.batches(steps, "batches")):
             hooks.before_step(ctx, step)
-            opt.zero_grad(set_to_none=True)
-            losses.append(hooks.step_loss(ctx, batch))
+            opt.zero_grad(set_to_none=True)  # micro-batches accumulate one step's gradient
+            losses.append(sum(hooks.step_loss(ctx, micro) for micro in batch.micro_batches(self.train.micro_batch_size)))
             tokens += int((batch.labels[:, 1:] != -100).sum())
             if self.train.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
@@ -100,6 +101,8 @@ class ClientTrainer:
         ranks = [m.rank for m in lora_modules(self.model).values()]
         metrics["rank"] = float(max(ranks)) if ranks else 0.0
         metrics["train_time_s"] = time.perf_counter() - t0
+        del opt, params
+        release(model_device(self.model))  # the next client's peak is its own
         return Reply(out, ctx.data.num_examples, metrics)
 
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:

@@ -21,18 +21,41 @@ from nestfed.nn.frozen_prefix import labelled_logits
 @dataclass
 class Batch:
     """A training batch: labels [B, T] (-100 = no loss); input_ids [B, T] or hidden [B, T, d]
-    entering decoder layer ``start``."""
+    entering decoder layer ``start``. share: this batch's fraction of its step's labelled tokens
+    (1 for a whole batch; a micro-batch's share, :meth:`micro_batches`)."""
 
     labels: torch.Tensor
     input_ids: torch.Tensor | None = None
     hidden: torch.Tensor | None = None
     start: int = 0
+    share: float = 1.0
 
     def loss(self, model: nn.Module) -> torch.Tensor:
         """Mean next-token cross-entropy (nats per labelled token) of the model on this batch (the LM
-        head runs on the labelled positions only: nestfed.nn.frozen_prefix.labelled_logits)."""
+        head runs on the labelled positions only: nestfed.nn.frozen_prefix.labelled_logits), times
+        ``share``: the micro-batches' losses of one step sum to the whole batch's, and so do their
+        gradients."""
         logits, targets = labelled_logits(model, self.labels, self.input_ids, self.hidden, self.start)
-        return F.cross_entropy(logits.float(), targets)
+        loss = F.cross_entropy(logits.float(), targets)
+        return loss if self.share == 1.0 else loss * self.share
+
+    def micro_batches(self, size: int) -> list[Batch]:
+        """This batch cut into micro-batches of ``size`` rows (0, or size >= B: the batch itself),
+        each with its share of the labelled tokens, for gradient accumulation: backpropagating every
+        micro-batch's :meth:`loss` gives the whole batch's gradient (up to float rounding) with one
+        micro-batch's activations alive at a time."""
+        B = self.labels.shape[0]
+        if size <= 0 or size >= B:
+            return [self]
+        total = max(int((self.labels[:, 1:] != -100).sum()), 1)
+        out = []
+        for i in range(0, B, size):
+            sl = slice(i, i + size)
+            labels = self.labels[sl]
+            out.append(Batch(labels, None if self.input_ids is None else self.input_ids[sl],
+                             None if self.hidden is None else self.hidden[sl], self.start,
+                             self.share * int((labels[:, 1:] != -100).sum()) / total))
+        return out
 
 
 def block_batches(n: int, steps: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:

@@ -7,7 +7,10 @@ The node config (``flower-supernode --node-config``) names the node's partition:
 - ``rank`` (optional): the node's LoRA rank r_k; default: the experiment's rank of that client;
 - ``threads`` (optional): torch threads, when the experiment's ``train.threads`` is 0;
 - ``client-cache`` (optional): where the node keeps its prepared data between ClientApp processes
-  (default ``~/.cache/nestfed/clients``; ``off``: rebuild in every process).
+  (default ``~/.cache/nestfed/clients``; ``off``: rebuild in every process);
+- ``device`` / ``dtype`` (optional): where this node's client runs (``cpu``, ``cuda``, ``cuda:N``,
+  ``auto``) and its frozen weights' dtype, replacing the experiment's ``model.device`` /
+  ``model.dtype`` on this node only (nestfed.nn.placement): each SuperNode names its own GPU.
 
 Every message carries the resolved experiment config (TOML text, ``experiment`` record), so
 server and nodes always agree on it; each node rebuilds its backbone and its own client data
@@ -45,7 +48,7 @@ import hashlib
 import json
 import time
 import tomllib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +58,7 @@ from flwr.clientapp import ClientApp
 
 from nestfed import methods
 from nestfed.config import ExperimentConfig, r_max
+from nestfed.config.schema import check_core
 from nestfed.errors import ConfigError
 from nestfed.experiments.prepare import install_stream_modules, prepare
 from nestfed.federation.client import ClientTrainer
@@ -122,6 +126,21 @@ def node_settings(node_config: dict[str, Any], cfg: ExperimentConfig) -> tuple[i
     return pid, rank, threads
 
 
+def node_placement(node_config: dict[str, Any], cfg: ExperimentConfig) -> ExperimentConfig:
+    """``cfg`` with this node's ``device`` / ``dtype`` node-config keys as ``model.device`` /
+    ``model.dtype`` (unchanged without them). Raises ConfigError naming the node-config key for a
+    value the experiment's own check refuses."""
+    changes = {f: str(node_config[k]) for k, f in (("device", "device"), ("dtype", "dtype")) if k in node_config}
+    if not changes:
+        return cfg
+    model = replace(cfg.model, **changes)
+    try:
+        check_core(replace(cfg, model=model))
+    except ValueError as exc:
+        raise ConfigError(f"node config: {exc}".replace("model.", "", 1)) from None
+    return replace(cfg, model=model)
+
+
 def client_cache_dir(node_config: dict[str, Any]) -> Path | None:
     """Where this node keeps its prepared client data between ClientApp processes
     (nestfed.data.client_cache): node config ``client-cache`` (a directory; ``"off"`` = none),
@@ -140,7 +159,8 @@ def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
     if not method.on_flower:
         raise ConfigError(f"strategy.name: '{method.name}' runs only embedded")
     pid, rank_override, threads = node_settings(node_config, cfg)
-    key = (hashlib.sha256(cfg_text.encode()).hexdigest(), pid, rank_override)
+    cfg = node_placement(node_config, cfg)
+    key = (hashlib.sha256(cfg_text.encode()).hexdigest(), pid, rank_override, cfg.model.device, cfg.model.dtype)
     if cfg.train.threads or threads:  # on every message: a process may serve several
         torch.set_num_threads(cfg.train.threads or threads)
     if key in _CACHE:

@@ -53,7 +53,7 @@ class ProxHooks(ClientHooks):
         loss = batch.loss(ctx.model)
         total = loss
         if self.mu > 0:
-            total = loss + 0.5 * self.mu * sum(((p - a) ** 2).sum() for p, a in ctx.scratch["anchor"])
+            total = loss + batch.share * 0.5 * self.mu * sum(((p - a) ** 2).sum() for p, a in ctx.scratch["anchor"])
         total.backward()
         return loss.item()
 

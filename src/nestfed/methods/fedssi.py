@@ -116,7 +116,7 @@ class SSIHooks(ClientHooks):
         loss = batch.loss(ctx.model)
         total = loss
         if self.o.c > 0:
-            total = loss + self.o.c * sum((w * (p - a) ** 2).sum()
+            total = loss + batch.share * self.o.c * sum((w * (p - a) ** 2).sum()
                                           for (p, a), w in zip(ctx.scratch["anchor"], ctx.scratch["importance"]))
         total.backward()
         return loss.item()

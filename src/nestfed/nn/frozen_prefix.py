@@ -6,11 +6,12 @@ outputs for a fixed dataset never change: :func:`prefix_features` computes them 
 at the first adapted layer. The logits equal the full model's (tested); this is a CPU speed-up
 to be reported as what it is (docs/methods.md section 4, "the frozen prefix"), not an approximation.
 
-Works for the Llama and Qwen2 families of transformers (``model.model.layers``,
-``model.model.rotary_emb``, ``model.model.norm``, ``model.lm_head``) over right-padded sequences
-(padding only follows real tokens), under any attention implementation and with sliding-window
-layers: each layer gets the mask and rotary embeddings the model's own forward builds
-(nestfed.nn.layer_inputs).
+Works for the families nestfed computes exactly (nestfed.nn.layer_inputs.FAMILIES: Llama, Qwen2,
+Qwen3, Gemma-3's text model; ``model.model.layers``, ``model.model.rotary_emb``,
+``model.model.norm``, ``model.lm_head``) over right-padded sequences (padding only follows real
+tokens), under any attention implementation and with sliding-window layers: each layer gets the
+mask and rotary embeddings of its type that the model's own forward builds (Gemma-3's local and
+global layers, nestfed.nn.layer_inputs).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch.nn import functional as F
 from nestfed.nn.keys import layer_of
 from nestfed.nn.layer_inputs import decoder_inputs
 from nestfed.nn.lora import lora_modules
+from nestfed.nn.placement import autocast, to_model
 
 
 def first_adapted_layer(model: nn.Module) -> int:
@@ -66,19 +68,25 @@ def prefix_features(model: nn.Module, input_ids: torch.Tensor, start: int, batch
     first ``lengths[i]`` positions of row i are needed; rows are then batched longest first and
     each batch runs only to its longest row, so right padding costs nothing (MMLU prompts: about
     half the positions). Positions at or past a row's length hold zeros or values nobody reads.
+    The layers run on the model's device (under its autocast, nestfed.nn.placement); the
+    result is kept in host memory, so a GPU holds one batch's activations at a time.
     """
     N, T = input_ids.shape
+
+    def run(ids: torch.Tensor) -> torch.Tensor:
+        with autocast(model):
+            return _run_layers(model, model.model.embed_tokens(to_model(model, ids)), 0, start).cpu()
+
     if lengths is None:
-        outs = [_run_layers(model, model.model.embed_tokens(input_ids[i:i + batch_size]), 0, start)
-                for i in range(0, N, batch_size)]
+        outs = [run(input_ids[i:i + batch_size]) for i in range(0, N, batch_size)]
         return torch.cat(outs) if outs else torch.empty(0)
     emb = model.model.embed_tokens.weight
-    out = torch.zeros(N, T, emb.shape[1], dtype=emb.dtype, device=emb.device)
+    out = torch.zeros(N, T, emb.shape[1], dtype=emb.dtype)
     order = torch.argsort(lengths.clamp(1, T), descending=True, stable=True)
     for i in range(0, N, batch_size):
         rows = order[i:i + batch_size]
         t = int(lengths[rows].clamp(1, T).max())
-        out[rows, :t] = _run_layers(model, model.model.embed_tokens(input_ids[rows, :t]), 0, start)
+        out[rows, :t] = run(input_ids[rows, :t])
     return out
 
 
@@ -91,19 +99,23 @@ def final_hidden(model: nn.Module, input_ids: torch.Tensor | None = None, hidden
     """
     if (input_ids is None) == (hidden is None):
         raise ValueError("give exactly one of input_ids and hidden")
-    if hidden is None:
-        hidden = model.model.embed_tokens(input_ids)
-        start = 0
-    return model.model.norm(_run_layers(model, hidden, start, len(model.model.layers)))
+    with autocast(model):
+        if hidden is None:
+            hidden = model.model.embed_tokens(to_model(model, input_ids))
+            start = 0
+        return model.model.norm(_run_layers(model, to_model(model, hidden), start, len(model.model.layers)))
 
 
 def lm_logits(model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
               start: int = 0) -> torch.Tensor:
-    """Logits [B, T, vocab] from input_ids [B, T], or from ``hidden`` [B, T, d] entering layer ``start``.
+    """Logits [B, T, vocab] on the model's device from input_ids [B, T], or from ``hidden`` [B, T, d]
+    entering layer ``start`` (either may be in host memory: moved to the model's device).
 
     Raises ValueError unless exactly one of input_ids and hidden is given.
     """
-    return model.lm_head(final_hidden(model, input_ids, hidden, start))
+    h = final_hidden(model, input_ids, hidden, start)
+    with autocast(model):
+        return model.lm_head(h)
 
 
 def labelled_logits(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor | None = None,
@@ -125,8 +137,10 @@ def labelled_logits(model: nn.Module, labels: torch.Tensor, input_ids: torch.Ten
         input_ids = None if input_ids is None else input_ids[:, :t]
         hidden = None if hidden is None else hidden[:, :t]
     h = final_hidden(model, input_ids, hidden, start)
+    labels = to_model(model, labels)
     mask = labels[:, 1:] != -100
-    return model.lm_head(h[:, :-1][mask]), labels[:, 1:][mask]
+    with autocast(model):
+        return model.lm_head(h[:, :-1][mask]), labels[:, 1:][mask]
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:

@@ -9,6 +9,16 @@ window attention, e.g. Qwen2 with ``use_sliding_window``) from transformers' own
 embedding of the layer's type where the model keeps one per type (``rotary_emb(x, position_ids,
 layer_type)``, Gemma-3's local and global bases). A layer type nestfed cannot build a mask for is
 refused, naming it, rather than computed wrongly.
+
+Paths that run the layers on a chunk beside a key/value cache of their own (a stream, or FedNL's
+windowed softmax path, nestfed.nn.memory) build the mask of queries at absolute positions over
+cached keys at absolute positions with :func:`positional_mask`, through transformers' own mask
+interface (``ALL_MASK_ATTENTION_FUNCTIONS``: boolean for SDPA, additive for eager attention), and
+the rotary embedding of each layer's type with :func:`layer_rotary` / :func:`rotary`.
+
+:func:`check_architecture` refuses, with one line naming what is missing, a model whose forward
+these paths do not reproduce: only the families whose logits are tested equal to the model's own
+(``FAMILIES``), without a config switch nestfed does not apply (``UNAPPLIED``).
 """
 
 from __future__ import annotations
@@ -18,11 +28,46 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
+from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask,
+                                        create_sliding_window_causal_mask)
 
 from nestfed.errors import ConfigError
 
 MASKS = {"full_attention": create_causal_mask, "sliding_attention": create_sliding_window_causal_mask}
+#: ``config.model_type`` of the families whose logits through every nestfed path are tested equal to
+#: ``model(input_ids).logits`` (tests/evaluation/test_logit_paths.py): another family's forward may do
+#: what these paths do not (embedding or logit multipliers, fused projections, other norms).
+FAMILIES = ("llama", "qwen2", "qwen3", "gemma3_text")
+#: config switches that change a model's forward in ways nestfed's paths do not reproduce
+UNAPPLIED = ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention")
+#: the parts of a model nestfed's paths run itself
+PARTS = ("model.embed_tokens", "model.layers", "model.rotary_emb", "model.norm", "lm_head")
+#: attention implementations whose mask transformers builds from any mask function
+POSITIONAL = ("sdpa", "eager")
+
+
+def check_architecture(model: nn.Module) -> None:
+    """Refuse a model that nestfed cannot compute exactly, before anything is run or written.
+
+    Accepts a ``*ForCausalLM`` of one of ``FAMILIES`` that has every part of ``PARTS``, sets none
+    of ``UNAPPLIED`` and whose layer types :func:`layer_types` knows. Raises ConfigError, one line
+    naming the model's class and what is missing."""
+    name = type(model).__name__
+    kind = getattr(getattr(model, "config", None), "model_type", None)
+    if kind not in FAMILIES:
+        raise ConfigError(f"model: {name} (model_type '{kind}') cannot be computed exactly by nestfed: its forward is "
+                          f"reproduced only for the families {', '.join(FAMILIES)}")
+    for path in PARTS:
+        obj = model
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if obj is None:
+            raise ConfigError(f"model: {name} has no {path}, which nestfed's logit paths run themselves")
+    for key in UNAPPLIED:
+        value = getattr(model.model.config, key, None)
+        if value:
+            raise ConfigError(f"model: {name} sets {key} = {value!r}, which nestfed's logit paths do not apply")
+    layer_types(model)
 
 
 def layer_types(model: nn.Module) -> list[str]:
@@ -50,10 +95,74 @@ def decoder_inputs(model: nn.Module, hidden: torch.Tensor, position_ids: torch.T
     args = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None, "past_key_values": None,
             "position_ids": position_ids}
     masks = {t: MASKS[t](**args) for t in kinds}
-    rope = inner.rotary_emb
-    if "layer_type" in inspect.signature(rope.forward).parameters:
-        embeddings = {t: rope(hidden, position_ids, t) for t in kinds}
-    else:
-        shared = rope(hidden, position_ids=position_ids)
-        embeddings = {t: shared for t in kinds}
-    return [masks[t] for t in types], [embeddings[t] for t in types]
+    return [masks[t] for t in types], layer_rotary(model, hidden, position_ids)
+
+
+def _per_type(rope: nn.Module) -> bool:
+    """Whether a rotary embedding keeps one rotation per layer type (Gemma-3's local and global bases)."""
+    return "layer_type" in inspect.signature(rope.forward).parameters
+
+
+def rotary(model: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, layer_type: str) -> tuple[Any, Any]:
+    """The rotary embedding (cos, sin), each [B, T, D], that layers of ``layer_type`` get at
+    positions position_ids [1, T] (or [B, T]); hidden [B, T, H] gives the dtype and device."""
+    rope = model.model.rotary_emb
+    return rope(hidden, position_ids, layer_type) if _per_type(rope) else rope(hidden, position_ids=position_ids)
+
+
+def layer_rotary(model: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Any]:
+    """Per decoder layer, its rotary embedding (cos, sin) at positions position_ids [1, T] (each
+    [B, T, D]): one per layer type where the model keeps one per type, else one shared by all.
+    Raises ConfigError as :func:`layer_types` does."""
+    types = layer_types(model)
+    if not _per_type(model.model.rotary_emb):
+        shared = rotary(model, hidden, position_ids, types[0])
+        return [shared] * len(types)
+    embeddings = {t: rotary(model, hidden, position_ids, t) for t in sorted(set(types))}
+    return [embeddings[t] for t in types]
+
+
+def rope_kind(model: nn.Module, layer_type: str) -> tuple[str, float]:
+    """(rope_type, attention scaling) of the rotary embedding layers of ``layer_type`` get
+    (e.g. ``("default", 1.0)``; yarn scales cos and sin by its attention factor)."""
+    rope = model.model.rotary_emb
+    kind = getattr(rope, "rope_type", "default")
+    if isinstance(kind, dict):  # one per layer type
+        return kind.get(layer_type, "default"), float(getattr(rope, f"{layer_type}_attention_scaling", 1.0))
+    return kind, float(getattr(rope, "attention_scaling", 1.0))
+
+
+def layer_window(config: Any, index: int) -> int:
+    """Tokens of decoder layer ``index``'s own sliding window (``config.sliding_window`` for a
+    ``sliding_attention`` layer of ``config.layer_types``; 0 = full causal attention)."""
+    types = getattr(config, "layer_types", None)
+    return int(config.sliding_window) if types and types[index] == "sliding_attention" else 0
+
+
+def positional_mask(config: Any, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype, window: int = 0,
+                    sink: int = 0, own_window: int = 0) -> torch.Tensor:
+    """The softmax mask [1, 1, Tq, Tk] of queries at absolute positions q_pos [Tq] over keys at
+    absolute positions k_pos [Tk] (a cache's keys need not be contiguous: sinks, then a window):
+    key at k is seen from q when k <= q, k > q - own_window (the layer's own sliding window, 0 =
+    none) and k > q - window or k < sink (a stream's or FedNL's window with attention sinks;
+    window 0 = none). Built by transformers' mask interface for ``config._attn_implementation``:
+    boolean (True = attend) for SDPA, additive float of ``dtype`` (0 or its minimum) for eager
+    attention, as the model's own masks. Raises ConfigError for another implementation (flash
+    attention takes no such mask)."""
+    impl = config._attn_implementation
+    if impl not in POSITIONAL:
+        raise ConfigError(f"model: attention implementation '{impl}' cannot take the mask of a stream or a window "
+                          f"over a key/value cache (nestfed builds it for {', '.join(POSITIONAL)})")
+
+    def seen(batch_idx, head_idx, q_idx, kv_idx):
+        q, k = q_pos[q_idx], k_pos[kv_idx]
+        ok = k <= q
+        if own_window > 0:
+            ok = ok & (k > q - own_window)
+        if window > 0:
+            ok = ok & ((k > q - window) | (k < sink))
+        return ok
+
+    return ALL_MASK_ATTENTION_FUNCTIONS[impl](batch_size=1, q_length=q_pos.numel(), kv_length=k_pos.numel(),
+                                              mask_function=seen, allow_is_causal_skip=False, dtype=dtype,
+                                              device=q_pos.device)

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from nestfed.nn.keys import LAYER_INDEX, PEFT_PREFIX, layer_indices, module_of, peft_key
+from nestfed.nn.placement import trainable_dtype
 from nestfed.seeds import stream_seed
 
 __all__ = ["PEFT_PREFIX", "LoraLinear", "active_rank", "get_adapter_state", "init_adapter_state", "inject_lora",
@@ -37,6 +38,8 @@ class LoraLinear(nn.Module):
 
     base_layer: the frozen ``nn.Linear`` (weight [out, in]). rank: number of LoRA rows held.
     scaling: s, multiplied into the LoRA path at every sub-rank. forward: x [..., in] -> [..., out].
+    A and B live on the base layer's device, in float32 beside a half-precision base
+    (nestfed.nn.placement.trainable_dtype), else in the base's dtype.
     """
 
     def __init__(self, base_layer: nn.Linear, rank: int, scaling: float):
@@ -52,8 +55,8 @@ class LoraLinear(nn.Module):
         self.active_rank: int | None = None  # None = the full held rank
         self.register_buffer("merged_A", None, persistent=False)
         self.register_buffer("merged_B", None, persistent=False)
-        dev, dtype = base_layer.weight.device, base_layer.weight.dtype
-        self.to(device=dev, dtype=dtype)
+        for m in (self.lora_A, self.lora_B):
+            m.to(device=base_layer.weight.device, dtype=trainable_dtype(base_layer.weight.dtype))
         with torch.no_grad():
             self.lora_B.weight.zero_()
 
@@ -72,8 +75,9 @@ class LoraLinear(nn.Module):
             raise ValueError(f"LoRA shapes A {tuple(A.shape)}, B {tuple(B.shape)} do not fit "
                              f"in={self.in_features}, out={self.out_features}")
         w = self.base_layer.weight
-        self.lora_A.weight = nn.Parameter(A.detach().to(w.device, w.dtype).clone())
-        self.lora_B.weight = nn.Parameter(B.detach().to(w.device, w.dtype).clone())
+        dtype = trainable_dtype(w.dtype)
+        self.lora_A.weight = nn.Parameter(A.detach().to(w.device, dtype).clone())
+        self.lora_B.weight = nn.Parameter(B.detach().to(w.device, dtype).clone())
         self.lora_A.out_features = self.lora_B.in_features = r
         self.active_rank = None
 
@@ -99,7 +103,10 @@ class LoraLinear(nn.Module):
         if r > 0:
             A = self.lora_A.weight[:r]  # [r, in]
             B = self.lora_B.weight[:, :r]  # [out, r]
-            out = out + ((x @ A.T) @ B.T) * self.scaling
+            if x.dtype == A.dtype:
+                out = out + ((x @ A.T) @ B.T) * self.scaling
+            else:  # half-precision activations, float32 adapter (nestfed.nn.placement)
+                out = out + (((x.to(A.dtype) @ A.T) @ B.T) * self.scaling).to(out.dtype)
         return out
 
 

@@ -60,6 +60,8 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
+from nestfed.nn.layer_inputs import layer_window, positional_mask
+from nestfed.nn.placement import trainable_dtype
 from nestfed.ops.delta_rule import delta_rule, delta_rule_recurrent
 
 GATES = ("constant", "learned", "dynamic")
@@ -240,18 +242,19 @@ def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
-def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int, sink: int = 0) -> torch.Tensor:
-    """Boolean attention mask [1, 1, Tq, Tk], True = attend: causal, and within ``window``
-    tokens (query at p sees keys at p - window + 1 .. p; window 0 = causal only), plus the keys
-    at positions below ``sink`` (attention sinks).
-
-    q_pos: [Tq] absolute positions of the queries; k_pos: [Tk] of the keys (integers).
-    """
-    diff = q_pos.view(-1, 1) - k_pos.view(1, -1)
-    ok = diff >= 0
-    if window > 0:
-        ok = ok & ((diff < window) | (k_pos.view(1, -1) < sink))
-    return ok.view(1, 1, *ok.shape)
+def _combine(mask: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Both masks at once: ``mask`` [1, 1, Tq, Tk] (boolean, True = attend, or additive float, as
+    :func:`nestfed.nn.layer_inputs.positional_mask` builds it for the attention implementation)
+    and the caller's ``attention_mask`` (None, or the same kind [B, 1, Tq, Tk]: padding, the
+    model's own causal or sliding mask). Returns a mask of ``mask``'s kind."""
+    if attention_mask is None:
+        return mask
+    if mask.dtype == torch.bool:
+        return mask & attention_mask if attention_mask.dtype == torch.bool else \
+            attention_mask.masked_fill(~mask, torch.finfo(attention_mask.dtype).min)
+    if attention_mask.dtype == torch.bool:
+        return mask.masked_fill(~attention_mask, torch.finfo(mask.dtype).min)
+    return torch.minimum(mask, attention_mask.to(mask.dtype))
 
 
 def _attention_interface(attn: nn.Module):
@@ -319,6 +322,7 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
             raise ValueError(f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the delta-rule memory "
                              "state across calls; stream with nestfed.evaluation.streaming instead")
     cache_keys = keys  # what a stream carries on: the sinks at their own positions
+    own = layer_window(self.config, self.layer_idx)  # the layer's own sliding window (0 = none)
     if stream is not None:
         if stream.k is not None:
             cache_keys = torch.cat([stream.k, k_rot], dim=2)
@@ -329,13 +333,10 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
         k_pos = torch.arange(stream.pos + T - recent, stream.pos + T, device=q.device)
         if stream.k is not None and stream.n_sink:
             k_pos = torch.cat([torch.arange(stream.n_sink, device=q.device), k_pos])
-        mask = window_mask(q_pos, k_pos, window, sink)
+        mask = _combine(positional_mask(self.config, q_pos, k_pos, q_rot.dtype, window, sink, own), attention_mask)
     elif window > 0 and T > window:
         pos = torch.arange(T, device=q.device)
-        mask = window_mask(pos, pos, window, sink)
-    if mask is not None and attention_mask is not None and mask is not attention_mask:
-        mask = mask & attention_mask.bool() if attention_mask.dtype == torch.bool else \
-            attention_mask.masked_fill(~mask, torch.finfo(attention_mask.dtype).min)
+        mask = _combine(positional_mask(self.config, pos, pos, q_rot.dtype, window, sink, own), attention_mask)
     interface = _attention_interface(self)
     soft, _ = interface(self, q_rot, keys, values, mask, dropout=0.0 if not self.training else self.attention_dropout,
                         scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None))
@@ -372,12 +373,15 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
                 xt = hidden_states.detach() if stream.x_tail is None else torch.cat([stream.x_tail, hidden_states.detach()], 1)
                 stream.x_tail = xt[:, xt.shape[1] - min(kern - 1, xt.shape[1]):]
     if stream is not None:
-        # keep the sinks (positions < sink) and the last window - 1 keys; everything when window = 0
-        keep_mask = torch.ones(keys.shape[2], dtype=torch.bool, device=keys.device) if window == 0 else \
-            (k_pos >= stream.pos + T - (window - 1)) | (k_pos < sink)
+        # keep the sinks (positions < sink, under a window) and the last span - 1 keys, span the
+        # narrower of the stream's window and the layer's own; everything when neither bounds it
+        span = min((w for w in (window, own) if w > 0), default=0)
+        sinks = (k_pos < sink) if window > 0 else torch.zeros_like(k_pos, dtype=torch.bool)
+        keep_mask = torch.ones(keys.shape[2], dtype=torch.bool, device=keys.device) if span == 0 else \
+            (k_pos >= stream.pos + T - (span - 1)) | sinks
         stream.k = cache_keys[:, :, keep_mask].detach()
         stream.v = values[:, :, keep_mask].detach()
-        stream.n_sink = int(((k_pos < sink) & keep_mask).sum()) if window > 0 else 0
+        stream.n_sink = int((sinks & keep_mask).sum())
         stream.pos += T
     attn_output = out.reshape(B, T, -1).contiguous()
     return self.o_proj(attn_output), None
@@ -387,7 +391,7 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
-    """{decoder layer index: its ``self_attn`` module} of a Llama/Qwen2-family causal LM.
+    """{decoder layer index: its ``self_attn`` module} of a Llama, Qwen2, Qwen3 or Gemma-3 causal LM.
 
     Raises ValueError when the model has no ``model.layers`` with ``self_attn``.
     """
@@ -412,7 +416,7 @@ def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int
     and the dual-path forward; return the layer indices. Idempotent per layer (a layer that
     already has a memory keeps it). The rule's parameters do not require grad until trained.
 
-    Raises ValueError for a non-Llama/Qwen2 model or a layer index out of range.
+    Raises ValueError for a model without such layers or a layer index out of range.
     """
     attns = attention_modules(model)
     chosen = resolve_layers(model, layers)
@@ -425,7 +429,7 @@ def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int
         Hkv = getattr(cfg, "num_key_value_heads", None) or H
         rule = MemoryRule(cfg.hidden_size, H, Hkv, attn.head_dim, settings)
         w = attn.q_proj.weight if hasattr(attn.q_proj, "weight") else attn.q_proj.base_layer.weight
-        rule.to(device=w.device, dtype=w.dtype)
+        rule.to(device=w.device, dtype=trainable_dtype(w.dtype))
         for p in rule.parameters():
             p.requires_grad_(False)
         attn.memory = rule

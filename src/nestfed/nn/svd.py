@@ -37,6 +37,7 @@ from safetensors.torch import load_file
 
 from nestfed.io import atomic
 from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
+from nestfed.nn.placement import trainable_dtype
 from nestfed.nn.targets import DEFAULT_TARGET, base_linear, target_linear_names
 from nestfed.nn.whitening import DAMPING, whitened_svd
 
@@ -59,7 +60,7 @@ class SVDLinear(nn.Module):
 
     U: [out, r] (frozen buffer), V: [in, r] (frozen buffer), sigma: [r, r] (``nn.Parameter``,
     created with ``requires_grad=False``; the client trainer switches it on when the payload ships
-    it), bias: [out] or None (frozen, copied from the original layer). forward: x [..., in] ->
+    it; float32 beside half-precision bases, nestfed.nn.placement), bias: [out] or None (frozen, copied from the original layer). forward: x [..., in] ->
     [..., out]. Raises ValueError when the shapes disagree.
     Source: arXiv 2607.29071 step 1, the client layer x -> U_i Sigma_i V_i^T x.
     """
@@ -75,11 +76,15 @@ class SVDLinear(nn.Module):
         self.out_features, self.in_features, self.rank = U.shape[0], V.shape[0], r
         self.register_buffer("U", U.detach().contiguous().clone())
         self.register_buffer("V", V.detach().contiguous().clone())
-        self.sigma = nn.Parameter(sigma.detach().clone(), requires_grad=False)
+        self.sigma = nn.Parameter(sigma.detach().to(trainable_dtype(U.dtype)).clone(), requires_grad=False)
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = ((x @ self.V) @ self.sigma.T) @ self.U.T
+        h = x @ self.V
+        if h.dtype == self.sigma.dtype:
+            out = (h @ self.sigma.T) @ self.U.T
+        else:  # half-precision bases and activations, a float32 core (nestfed.nn.placement)
+            out = (h.to(self.sigma.dtype) @ self.sigma.T).to(h.dtype) @ self.U.T
         return out if self.bias is None else out + self.bias
 
     def weight_equivalent(self) -> torch.Tensor:
@@ -150,7 +155,7 @@ def compute_bases(model: nn.Module, ratios: list[float], pattern: str = DEFAULT_
             raise ValueError(f"{name}: no input second moment for the whitened SVD")
         else:
             try:
-                U, S, V, D = whitened_svd(W, whitening[name], DAMPING if damping is None else damping)
+                U, S, V, D = whitened_svd(W, whitening[name].to(W.device), DAMPING if damping is None else damping)
             except ValueError as exc:
                 raise ValueError(f"{name}: {exc}") from None
         out[name] = SVDFactors(*(None if t is None else t[..., :R].to(W.dtype).contiguous() for t in (U, S, V, D)))

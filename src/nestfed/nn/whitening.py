@@ -55,7 +55,7 @@ MAX_RETRIES = 6
 
 def second_moments(model: nn.Module, input_ids: torch.Tensor, names: list[str] | None = None,
                    pattern: str | None = None, batch_size: int = 8) -> dict[str, torch.Tensor]:
-    """The input second moment C = X^T X / N [in, in] (float64) of each target Linear on token batches.
+    """The input second moment C = X^T X / N [in, in] (float64, in host memory) of each target Linear on token batches.
 
     model: a Llama/Qwen2-family causal LM (run through :func:`nestfed.nn.frozen_prefix.final_hidden`,
     no LM head), frozen; LoRA-wrapped layers are hooked at their ``base_layer`` (the SVD is of the
@@ -98,7 +98,7 @@ def second_moments(model: nn.Module, input_ids: torch.Tensor, names: list[str] |
     missing = [n for n in names if n not in sums]
     if missing:
         raise ValueError(f"no calibration activations reached {missing[:3]} (is the layer used in forward?)")
-    return {n: sums[n] / input_ids.numel() for n in names}
+    return {n: (sums[n] / input_ids.numel()).cpu() for n in names}
 
 
 def whitening_factor(C: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
@@ -118,7 +118,7 @@ def whitening_factor(C: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
     if not torch.isfinite(C).all() or not scale > 0:
         raise ValueError("second moment is not finite or has zero trace (no input activation)")
     C = (C + C.T) / (2 * scale)
-    eye = torch.eye(C.shape[0], dtype=C.dtype)
+    eye = torch.eye(C.shape[0], dtype=C.dtype, device=C.device)
     eps = float(damping)
     for _ in range(MAX_RETRIES + 1):
         L, info = torch.linalg.cholesky_ex(C + eps * eye)

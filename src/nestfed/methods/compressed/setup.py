@@ -36,6 +36,7 @@ from nestfed.federation.messages import Arrays
 from nestfed.federation.prepared import Prepared
 from nestfed.nn.frozen_prefix import CachedText, prefix_features
 from nestfed.nn.keys import layer_of
+from nestfed.nn.placement import resolve_device, resolve_dtype
 
 
 @dataclass
@@ -98,13 +99,15 @@ def client_ratios(cfg: ExperimentConfig) -> list[float]:
 
 
 def bases_cache_key(source: str, cfg: ExperimentConfig, calibration: torch.Tensor | None = None) -> str:
-    """16 hex digits naming a model's cached bases: source, target, largest ratio, dtype and, for
+    """16 hex digits naming a model's cached bases: source, target, largest ratio, the resolved dtype
+    of the frozen weights (``auto`` keys as what it resolves to) and, for
     ``compression.whitening = "activation"``, the mode, the damping and a hash of the calibration
     token ids (another server text gives other bases). Plain SVD keeps the key of earlier versions,
     so existing caches stay valid. Raises ValueError when whitening needs calibration ids and gets none.
     """
     c = cfg.section('compression')
-    text = f"{source}|{c.target}|{max(client_ratios(cfg))}|{cfg.model.dtype}"
+    dtype = str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))).removeprefix("torch.")
+    text = f"{source}|{c.target}|{max(client_ratios(cfg))}|{dtype}"
     if c.whitening != "none":
         if calibration is None:
             raise ValueError(f"compression.whitening = '{c.whitening}' needs the calibration token ids")

@@ -30,16 +30,18 @@ VALUES, INDICES, CE = "public.values", "public.indices", "public.ce"
 def knowledge(logits: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
     """Top-k knowledge of logits [N, T, V] on blocks with labels [N, T] (-100 ignored).
 
-    Returns {VALUES: [N, T, k] float16 log-probs, INDICES: [N, T, k] int32, CE: [N] float32}.
+    Returns {VALUES: [N, T, k] float16 log-probs, INDICES: [N, T, k] int32, CE: [N] float32}, in host
+    memory (they travel) whatever device the logits are on.
     Raises ValueError for k < 1 or k > V.
     """
     V = logits.shape[-1]
     if not 1 <= k <= V:
         raise ValueError(f"topk must be in [1, {V}], got {k}")
+    labels = labels.to(logits.device)
     logp = F.log_softmax(logits.float(), dim=-1)
     values, indices = logp.topk(k, dim=-1)
     ce = torch.stack([causal_lm_loss(logits[i:i + 1], labels[i:i + 1]) for i in range(logits.shape[0])])
-    return {VALUES: values.to(torch.float16), INDICES: indices.to(torch.int32), CE: ce.float()}
+    return {VALUES: values.to(torch.float16).cpu(), INDICES: indices.to(torch.int32).cpu(), CE: ce.float().cpu()}
 
 
 def merge_knowledge(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
@@ -72,7 +74,7 @@ def dense_target(values: torch.Tensor, indices: torch.Tensor, vocab: int) -> tor
     """The top-k distribution as a dense [B, T, V] probability tensor (renormalised over the k kept
     tokens, zero elsewhere). values: [B, T, k] log-probs; indices: [B, T, k]."""
     p = torch.softmax(values.float(), dim=-1)
-    out = torch.zeros(*values.shape[:-1], vocab, dtype=p.dtype)
+    out = torch.zeros(*values.shape[:-1], vocab, dtype=p.dtype, device=p.device)
     return out.scatter_(-1, indices.long(), p)
 
 
@@ -86,7 +88,7 @@ def mutual_loss(logits: torch.Tensor, labels: torch.Tensor, target: dict[str, to
     """
     if not 0.0 <= lm_weight <= 1.0:
         raise ValueError(f"lm_weight must be in [0, 1], got {lm_weight}")
-    lm = causal_lm_loss(logits, labels)
-    p = dense_target(target[VALUES], target[INDICES], logits.shape[-1])
+    lm = causal_lm_loss(logits, labels.to(logits.device))
+    p = dense_target(target[VALUES].to(logits.device), target[INDICES].to(logits.device), logits.shape[-1])
     soft = -(p * F.log_softmax(logits.float(), dim=-1)).sum(-1).mean()
     return lm_weight * lm + (1.0 - lm_weight) * soft

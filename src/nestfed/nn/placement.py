@@ -1,0 +1,102 @@
+"""Where the backbone runs and in what precision: the device and dtype policy.
+
+``model.device``: ``auto`` (the first CUDA device when one is visible, else the CPU), ``cpu``,
+``cuda`` or ``cuda:N``. ``model.dtype``: ``auto`` (float32 on the CPU, bfloat16 on CUDA, float16
+on a GPU without bfloat16), or ``float32`` / ``bfloat16`` / ``float16`` / ``float64``.
+
+- The frozen backbone's weights take that dtype.
+- What trains (LoRA's A and B, FedNL's rules, FedSLM's cores) is kept in float32 whenever the
+  frozen weights are half precision (:func:`trainable_dtype`); AdamW's state follows its parameters.
+- The forward then runs under ``torch.autocast`` in the frozen dtype (:func:`autocast`); losses
+  are taken in float32.
+- On the CPU in float32 nothing changes: no autocast, no cast, the same operations as before.
+
+Data stays in host memory; each batch is moved to the model's device where it is used
+(:func:`to_model`), so one GPU holds one client's step at a time. :func:`release` frees the
+CUDA caching allocator between clients.
+"""
+
+from __future__ import annotations
+
+import gc
+from contextlib import AbstractContextManager, nullcontext
+
+import torch
+from torch import nn
+
+from nestfed.errors import ConfigError
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+HALF = (torch.bfloat16, torch.float16)
+
+
+def resolve_device(name: str) -> torch.device:
+    """The torch device named by ``model.device`` (``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``).
+
+    Raises ConfigError for another name, or a CUDA device this machine does not have (naming
+    how many it has).
+    """
+    if name == "auto":
+        return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
+    if name == "cpu":
+        return torch.device("cpu")
+    if name == "cuda" or (name.startswith("cuda:") and name[5:].isdigit()):
+        index = int(name[5:]) if ":" in name else 0
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if index >= count:
+            raise ConfigError(f"model.device = '{name}': this machine has {count} CUDA device(s) "
+                              f"(use 'cpu' or 'auto')")
+        return torch.device("cuda", index)
+    raise ConfigError(f"model.device: '{name}' is not auto, cpu, cuda or cuda:N")
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """The frozen weights' dtype for ``model.dtype`` on ``device`` (``auto``: float32 on the
+    CPU; bfloat16 on CUDA, float16 where the GPU lacks bfloat16). Raises ConfigError for an
+    unknown name."""
+    if name == "auto":
+        if device.type != "cuda":
+            return torch.float32
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if name not in DTYPES:
+        raise ConfigError(f"model.dtype: unknown dtype '{name}' (auto, {', '.join(DTYPES)})")
+    return DTYPES[name]
+
+
+def trainable_dtype(frozen: torch.dtype) -> torch.dtype:
+    """The dtype of parameters that train beside frozen weights of dtype ``frozen``: float32
+    when those are half precision (bf16 / fp16 master weights lose small updates), else
+    ``frozen`` itself."""
+    return torch.float32 if frozen in HALF else frozen
+
+
+def frozen_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype of the backbone's frozen weights (its input embedding's)."""
+    return model.get_input_embeddings().weight.dtype
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The device the backbone's weights live on (its input embedding's)."""
+    return model.get_input_embeddings().weight.device
+
+
+def to_model(model: nn.Module, t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` moved to the model's device (no copy when it is there already; None stays None)."""
+    return None if t is None else t.to(model_device(model), non_blocking=True)
+
+
+def autocast(model: nn.Module) -> AbstractContextManager:
+    """``torch.autocast`` in the frozen weights' dtype when that is half precision, on the
+    model's device type (CUDA or CPU); a no-op context for float32/float64 weights."""
+    dtype = frozen_dtype(model)
+    if dtype not in HALF:
+        return nullcontext()
+    return torch.autocast(model_device(model).type, dtype=dtype)
+
+
+def release(device: torch.device) -> None:
+    """On CUDA, free the memory a finished client left behind: Python's garbage, then the caching
+    allocator's unused blocks (so the next client's peak is its own). Nothing on the CPU."""
+    if device.type == "cuda":
+        gc.collect()
+        torch.cuda.empty_cache()
