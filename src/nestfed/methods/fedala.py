@@ -104,7 +104,8 @@ class ALAHooks(ClientHooks):
             losses.append(loss.item())
             with torch.no_grad():
                 for k, p in params.items():
-                    weights[k] = (weights[k] - self.o.eta * p.grad * (arrays[k] - local[k])).clamp(0.0, 1.0)
+                    # the weights live in host memory with the arrays (the model may sit on a GPU)
+                    weights[k] = (weights[k] - self.o.eta * p.grad.cpu() * (arrays[k] - local[k])).clamp(0.0, 1.0)
         with torch.no_grad():
             for k, p in params.items():
                 p.copy_(torch.lerp(local[k], arrays[k], weights[k]))

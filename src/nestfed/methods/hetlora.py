@@ -68,8 +68,9 @@ def tail_size(rank: int, tail: float) -> int:
 def tail_norm(model: nn.Module, tail: float) -> torch.Tensor:
     """sum over LoRA layers of ||s B[:, r-t:] A[r-t:]||_F with t = :func:`tail_size` (a 0-dim
     tensor, differentiable)."""
-    total = torch.zeros(())
-    for m in lora_modules(model).values():
+    modules = lora_modules(model)
+    total = torch.zeros((), device=next(iter(modules.values())).lora_A.weight.device if modules else None)
+    for m in modules.values():
         t = tail_size(m.rank, tail)
         if t == 0:
             continue
