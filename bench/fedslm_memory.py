@@ -319,10 +319,10 @@ def main() -> None:
     import torch
 
     from nestfed.nn.svd import compute_bases, save_bases
-    from nestfed.nn.backbone import convert_smollm2, default_cache_dir, load_backbone
+    from nestfed.nn.backbone import SMOLLM2, convert_builtin, default_cache_dir, load_backbone
     from nestfed.config import ModelConfig
 
-    model_dir = convert_smollm2(default_cache_dir())
+    model_dir = convert_builtin(SMOLLM2, default_cache_dir())
     top = max(a.ratios + [0.5])
     bases_path = default_cache_dir() / "svd" / f"bench-all-projections-{top}.safetensors"
     t_svd = None

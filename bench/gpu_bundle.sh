@@ -27,8 +27,8 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
 .venv/bin/python - <<'PY'
 from transformers import AutoTokenizer
 
-from nestfed.nn.backbone import convert_smollm2, default_cache_dir
+from nestfed.nn.backbone import SMOLLM2, convert_builtin, default_cache_dir
 
-AutoTokenizer.from_pretrained(convert_smollm2(default_cache_dir())).save_pretrained(".gpu_bundle/tokenizer")
+AutoTokenizer.from_pretrained(convert_builtin(SMOLLM2, default_cache_dir())).save_pretrained(".gpu_bundle/tokenizer")
 PY
 du -sh .whl .gpu_bundle

@@ -141,11 +141,10 @@ def interleaved(steps: dict, s: Setting, tokens: int) -> dict:
 
 
 def free(s: Setting) -> None:
-    import gc
+    """The CUDA cache released between parts (nestfed.nn.placement.release; nothing on the CPU)."""
+    from nestfed.nn.placement import release
 
-    gc.collect()
-    if s.device.type == "cuda":
-        torch.cuda.empty_cache()
+    release(s.device)
 
 
 def nestfed_lora(shape: str, s: Setting, rank: int = 8):
@@ -211,13 +210,19 @@ def part_lora_vs_peft(s: Setting) -> dict:
     return out
 
 
-def part_prelort(s: Setting) -> dict:
-    from nestfed.methods.prelort import nested_loss
-
+def lora_setup(s: Setting):
+    """The first shape's LoRA model (training mode), its trainable parameters, a batch and its tokens."""
     shape = s.shapes[0]
     batch, tokens = batch_of(shape, s)
     model, params = nestfed_lora(shape, s)
     model.train()
+    return shape, model, params, batch, tokens
+
+
+def part_prelort(s: Setting) -> dict:
+    from nestfed.methods.prelort import nested_loss
+
+    _, model, params, batch, tokens = lora_setup(s)
     out = {}
     for n in (1, 2, 3, 4):
         subranks = [1, 2, 4, 8][-n:]
@@ -234,10 +239,7 @@ def part_fednl(s: Setting) -> dict:
     from nestfed.nn.memory import MemorySettings, install_memory, memory_rules, set_memory_enabled
     from nestfed.ops import delta_rule as dr
 
-    shape = s.shapes[0]
-    batch, tokens = batch_of(shape, s)
-    model, params = nestfed_lora(shape, s)
-    model.train()
+    shape, model, params, batch, tokens = lora_setup(s)
     plain = timed_steps(lambda: batch.loss(model).backward(), params, s, tokens)
     mem_model, mem_params = nestfed_lora(shape, s)
     install_memory(mem_model, MemorySettings(gate="learned", chunk_size=64))

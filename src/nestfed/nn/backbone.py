@@ -160,11 +160,6 @@ def convert_builtin(name: str, cache_dir: Path) -> Path:
     return target
 
 
-def convert_smollm2(cache_dir: Path) -> Path:
-    """:func:`convert_builtin` of SmolLM2-135M-Instruct (kept for callers that name it)."""
-    return convert_builtin(SMOLLM2, cache_dir)
-
-
 def byte_tokenizer(bos: bool = False):
     """A byte-level tokenizer (256 byte tokens + <pad>, <eos>) for tiny test models.
 
