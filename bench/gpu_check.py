@@ -220,7 +220,7 @@ def lora_setup(s: Setting):
 
 
 def part_prelort(s: Setting) -> dict:
-    from nestfed.methods.prelort import nested_loss
+    from nestfed.methods.prelort.strategy import nested_loss
 
     _, model, params, batch, tokens = lora_setup(s)
     out = {}

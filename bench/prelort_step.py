@@ -23,7 +23,7 @@ import torch
 
 from nestfed.config import ModelConfig
 from nestfed.federation.training import Batch
-from nestfed.methods.prelort import nested_loss, sampled_subrank
+from nestfed.methods.prelort.strategy import nested_loss, sampled_subrank
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.frozen_prefix import first_adapted_layer, prefix_features
 from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state

@@ -4,6 +4,7 @@ through its home exactly as ``nestfed run`` sets it up, driven by the one round 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from pathlib import Path
@@ -136,3 +137,10 @@ def crash_and_resume(tmp_path: Path, cfg: ExperimentConfig, rnd: int = 2, cid: i
     assert [r for r, _ in RunDir(tmp_path / "part").checkpoints()] == list(range(rnd))
     resumed, _, _ = tiny_run(tmp_path / "part", cfg, resume=True)
     return full, resumed
+
+
+def with_build(name: str, build) -> "methods.Method":
+    """The registered method ``name`` whose implementation sets a run up with ``build(prep, cfg)``
+    (fault injection: wrap the real build)."""
+    m = methods.get(name)
+    return dataclasses.replace(m, home=dataclasses.replace(m.implementation, build=build))

@@ -4,6 +4,11 @@
 Bad input (unknown method, section or key, bad ranks, missing or malformed data, a run directory
 that cannot be resumed) prints one line naming the key or file and exits with code 2, before any
 run directory is created.
+
+What a command runs is imported when it runs: this module imports only the config loader and the
+registry's declarations (nestfed.methods.method), so ``--help``, ``nestfed methods`` and a config
+error answer without loading torch. The commands' imports are the top layer's own; import-linter
+checks them like any other (tests/test_architecture.py).
 """
 
 from __future__ import annotations
@@ -23,14 +28,6 @@ from nestfed import config as C
 from nestfed import methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
-from nestfed.evaluation import harness
-from nestfed.experiments import general_nlp, report, seed_report
-from nestfed.experiments.compressed_comparison import compare as compare_compressed
-from nestfed.experiments.export import export_adapter
-from nestfed.experiments.prepare import prepare
-from nestfed.experiments.run import check_method, new_run_dir, run_method
-from nestfed.federation.run_dir import RunDir
-from nestfed.io import atomic
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
                   help="Federated fine-tuning of LLMs under heterogeneity.")
@@ -50,6 +47,10 @@ def _progress() -> Progress:
 
 def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], resume: bool) -> None:
     """Prepare once (from the first config), check every method against the model, then run each."""
+    from nestfed.experiments.prepare import prepare
+    from nestfed.experiments.run import check_method, run_method
+    from nestfed.federation.run_dir import RunDir
+
     first = next(iter(cfgs.values()))
     with console.status("preparing") as status:
         prep = prepare(first, on_status=lambda s: status.update(s))
@@ -94,6 +95,9 @@ def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None,
     of one label over several seeds are reported with 95% intervals and paired differences against
     ``reference`` (default: the first label; nestfed.experiments.seed_report). ``table``: also write
     the Markdown tables there and the rows beside it as JSON (same stem)."""
+    from nestfed.experiments import report, seed_report
+    from nestfed.io import atomic
+
     rows = report.comparison_rows(run_dirs)
     try:
         groups = seed_report.by_label(rows)
@@ -150,6 +154,8 @@ def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None,
 def _resumable(path: Path) -> tuple[dict[str, Path], Path | None]:
     """Unfinished method runs under ``path`` (a run directory, or a multi-method parent, over seeds
     or not), keyed by their path below the parent (``prelort``, ``seed1/prelort``)."""
+    from nestfed.federation.run_dir import RunDir
+
     if (path / "config.toml").is_file():
         if RunDir(path).finished:
             raise NestfedError(f"--resume: {path} has finished (summary.json exists)")
@@ -168,6 +174,8 @@ def _resume_configs(todo: dict[str, Path], overrides: list[str]) -> dict[str, Ex
     ``federation.rounds`` (config.toml is rewritten, the change printed); any other difference is
     refused, naming the keys; so is a run without a readable checkpoint, or without the per-client
     state its method needs."""
+    from nestfed.federation.run_dir import RunDir
+
     cfgs = {}
     for name, d in todo.items():
         rd = RunDir(d)
@@ -214,6 +222,7 @@ def run(
         if seeds < 1:
             raise NestfedError(f"--seeds must be >= 1, got {seeds}")
         per_method = {m: methods.with_method(cfg, m) for m in names}  # validates e.g. fedavg with unequal ranks
+        from nestfed.experiments.run import new_run_dir  # the model libraries load once the config is valid
         parent = None
         if len(names) > 1 or seeds > 1:
             parent = new_run_dir(methods.replace_config(cfg, output={"name": cfg.output.name or "compare"}))
@@ -277,6 +286,8 @@ def export(
     """Write a PEFT adapter that PEFT runs exactly as nestfed does: the global adapter truncated to
     rank r (lora_alpha set so that PEFT's lora_alpha / r is the client's scale), or client k's own
     adapter (nestfed/experiments/export.py)."""
+    from nestfed.experiments.export import export_adapter
+
     path, info = export_adapter(run_dir, rank, client, out_dir)
     who = f"client {info['client']}'s adapter" if info["client"] is not None else "the global adapter"
     out.print(f"{who} of {info['method']} after round {info['round']}: rank {info['rank']}, scale {info['scale']:g}, "
@@ -308,6 +319,10 @@ def eval_(
     STEM / social sciences / humanities, its prompt, greedy one-token answers) and by the letters'
     log-likelihood, through EleutherAI's lm-evaluation-harness with the local MMLU files
     (nestfed/evaluation/harness.py, nestfed/experiments/general_nlp.py)."""
+    from nestfed.evaluation import harness
+    from nestfed.experiments import general_nlp
+    from nestfed.io import atomic
+
     base, entries = general_nlp.models(run_dirs, backbone)
     protocol = harness.Protocol(str(mmlu_root), tuple(c.strip() for c in categories.split(",") if c.strip()),
                                 fraction, seed, batch_size, device, dtype)
@@ -336,6 +351,8 @@ def fedslm(
 ) -> None:
     """FedSLM against FedMKT, FedAvg+LoRA and HetLoRA on the same clients: client and server
     perplexity, client memory, bytes per round (nestfed/experiments/compressed_comparison.py)."""
+    from nestfed.experiments.compressed_comparison import compare as compare_compressed
+
     t0 = time.perf_counter()
     cfg = methods.load_config(config, set_ or [])
 

@@ -13,7 +13,7 @@ from nestfed.errors import NestfedError
 from nestfed.experiments.export import export_adapter
 from nestfed.federation.aggregation import one_adapter
 from nestfed.federation.aggregation import truncate_rank
-from nestfed.methods.method import lora_settings
+from nestfed.methods.implementation import lora_settings
 from nestfed.nn.arrays import apply_arrays
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.frozen_prefix import lm_logits

@@ -22,10 +22,11 @@ from nestfed.config import PrivacyConfig, RobustConfig
 from nestfed.federation.messages import ClientInfo, GlobalState, Reply
 from nestfed.federation.robust import BlockRule, coordinate_median, krum_scores, trimmed_mean
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.fedavg import FedAvg
-from nestfed.methods.hetlora import HetLoRA, HetLoRAOptions
-from nestfed.methods.prelort import PreLort
-from nestfed.methods.zeropad import ZeroPad
+from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.hetlora import HetLoRAOptions
+from nestfed.methods.hetlora.strategy import HetLoRA
+from nestfed.methods.prelort.strategy import PreLort
+from nestfed.methods.zeropad.strategy import ZeroPad
 
 A, B = "m.lora_A.weight", "m.lora_B.weight"
 ROWS = {0: [1.0], 1: [2.0, 20.0], 2: [3.0, 30.0], 3: [4.0, 40.0], 4: [1000.0, 1000.0]}

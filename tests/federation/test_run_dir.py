@@ -18,7 +18,7 @@ from nestfed.federation.messages import GlobalState, Reply
 from nestfed.federation.run_dir import RunDir, flatten_client_state
 from nestfed.io import atomic
 from nestfed.nn.peft_export import export_peft_adapter
-from tiny_federation import lines, state_digest, tiny_config, tiny_prepared
+from tiny_federation import lines, state_digest, tiny_config, tiny_prepared, with_build
 
 CASES = {
     "prelort": (),
@@ -189,9 +189,7 @@ def test_a_run_in_which_no_round_aggregated_exports_no_adapter(tmp_path):
         return mr
 
     flora = methods.REGISTRY["flora"]
-    import dataclasses
-
-    methods.REGISTRY["flora"] = dataclasses.replace(flora, build=build_poisoned)
+    methods.REGISTRY["flora"] = with_build("flora", build_poisoned)
     try:
         summary = run_method(prep, cfg, tmp_path / "run")
     finally:

@@ -15,8 +15,9 @@ from nestfed.federation.messages import ClientInfo, Instruction, Reply
 from nestfed.federation.privacy import epsilon
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.hetlora import HetLoRA, HetLoRAOptions
-from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_run
+from nestfed.methods.hetlora import HetLoRAOptions
+from nestfed.methods.hetlora.strategy import HetLoRA
+from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_run, with_build
 
 
 def poison_round_1(value, cid=1):
@@ -147,10 +148,9 @@ def test_a_non_finite_aggregate_is_never_the_new_global_state(tmp_path):
         mr.strategy.aggregate = aggregate
         return mr
 
-    import dataclasses
     from unittest import mock
 
-    with mock.patch.dict(methods.REGISTRY, {"prelort": dataclasses.replace(methods.get("prelort"), build=build)}):
+    with mock.patch.dict(methods.REGISTRY, {"prelort": with_build("prelort", build)}):
         state, loop, mr = tiny_run(tmp_path, cfg)
     ln = lines(tmp_path)
     assert ln[1]["aggregated"] is False and "non-finite values" in ln[1]["aggregate_rejected"]

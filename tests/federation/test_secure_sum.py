@@ -11,14 +11,14 @@ from nestfed.federation.messages import ClientInfo, GlobalState, Reply
 from nestfed.federation.secure_sum import (decode, encode, layout, padded_mean, plain_sum, segment_mean, sum_error,
                                            supports_secure_aggregation)
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.fedavg import FedAvg
-from nestfed.methods.fedprox import FedProx
-from nestfed.methods.ffa_lora import FFALoRA
-from nestfed.methods.flora import FLoRA
+from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.fedprox.strategy import FedProx
+from nestfed.methods.ffa_lora.strategy import FFALoRA
+from nestfed.methods.flora.strategy import FLoRA
 from nestfed.methods.fednl.strategy import FedNL
-from nestfed.methods.hetlora import HetLoRA
-from nestfed.methods.prelort import PreLort
-from nestfed.methods.zeropad import ZeroPad
+from nestfed.methods.hetlora.strategy import HetLoRA
+from nestfed.methods.prelort.strategy import PreLort
+from nestfed.methods.zeropad.strategy import ZeroPad
 
 A, B = "m.lora_A.weight", "m.lora_B.weight"
 

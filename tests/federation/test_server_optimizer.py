@@ -4,7 +4,6 @@ identity bit for bit on a tiny run, the frozen-entries rule on a heterogeneous-r
 aggregate (plain, robust and secure), FedSLM's cores, an exact resume, what clients and exports
 never see, and bad values refused with one line naming the key."""
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -24,9 +23,9 @@ from nestfed.federation.secure_sum import layout, plain_sum
 from nestfed.federation.server_optimizer import server_step
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fedslm.strategy import FedSLM, SLMGroups
-from nestfed.methods.prelort import PreLort
+from nestfed.methods.prelort.strategy import PreLort
 from nestfed.nn.svd import core_key
-from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_run
+from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_run, with_build
 
 ROOT = Path(__file__).resolve().parents[2]
 X0 = np.array([[0.5, -1.0, 2.0]])
@@ -260,7 +259,7 @@ def test_a_non_finite_round_keeps_the_old_moments_too(tmp_path, monkeypatch):
         mr.strategy.aggregate = aggregate
         return mr
 
-    monkeypatch.setitem(methods.REGISTRY, "zeropad", dataclasses.replace(home, build=build))
+    monkeypatch.setitem(methods.REGISTRY, "zeropad", with_build("zeropad", build))
     cfg = tiny_config("strategy.name=zeropad", "server_optimizer.name=adam", "server_optimizer.lr=0.01",
                       "federation.rounds=2")
     tiny_run(tmp_path / "r", cfg)

@@ -13,12 +13,13 @@ import torch
 from nestfed.federation.aggregation import lowrank_norm
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.fedavg import FedAvg
-from nestfed.methods.ffa_lora import FFALoRA
-from nestfed.methods.flora import FLoRA
-from nestfed.methods.hetlora import HetLoRA, HetLoRAOptions
-from nestfed.methods.prelort import PreLort, segment_average, segments
-from nestfed.methods.zeropad import ZeroPad
+from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.ffa_lora.strategy import FFALoRA
+from nestfed.methods.flora.strategy import FLoRA
+from nestfed.methods.hetlora import HetLoRAOptions
+from nestfed.methods.hetlora.strategy import HetLoRA
+from nestfed.methods.prelort.strategy import PreLort, segment_average, segments
+from nestfed.methods.zeropad.strategy import ZeroPad
 from nestfed.nn.keys import merged_key
 
 CLASSES = {"fedavg": FedAvg, "ffa_lora": FFALoRA, "flora": FLoRA, "hetlora": HetLoRA, "prelort": PreLort,

@@ -9,9 +9,10 @@ from nestfed.nn.arrays import apply_arrays
 from nestfed.nn.lora import lora_modules
 from nestfed.federation.hooks import FitContext
 from nestfed.federation.training import Batch
-from nestfed.methods.fedala import ala_keys, ala_mix
-from nestfed.methods.fedprox import ProxHooks
-from nestfed.methods.fedssi import FedSSIOptions, SSIHooks, surrogate_importance
+from nestfed.methods.fedala.strategy import ala_keys, ala_mix
+from nestfed.methods.fedprox.strategy import ProxHooks
+from nestfed.methods.fedssi import FedSSIOptions
+from nestfed.methods.fedssi.strategy import SSIHooks, surrogate_importance
 from tiny_federation import lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 BASE = ('lora.target_modules=["q_proj","k_proj","v_proj"]', "lora.ranks=[4]", "lora.lora_alpha=8.0",

@@ -10,10 +10,11 @@ from nestfed.federation.client import ClientTrainer
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Instruction
 from nestfed.federation.training import Batch
-from nestfed.methods.ffa_lora import FFALoRAHooks
-from nestfed.methods.flora import FLoRAHooks
-from nestfed.methods.hetlora import HetLoRAHooks, HetLoRAOptions, tail_norm, tail_size
-from nestfed.methods.prelort import nested_loss
+from nestfed.methods.ffa_lora.strategy import FFALoRAHooks
+from nestfed.methods.flora.strategy import FLoRAHooks
+from nestfed.methods.hetlora import HetLoRAOptions
+from nestfed.methods.hetlora.strategy import HetLoRAHooks, tail_norm, tail_size
+from nestfed.methods.prelort.strategy import nested_loss
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.lora import active_rank, get_adapter_state, inject_lora, lora_modules, set_adapter_state
 

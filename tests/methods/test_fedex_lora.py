@@ -16,8 +16,8 @@ from nestfed.config import ConfigError
 from nestfed.experiments.run import run_method
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.fedavg import FedAvg
-from nestfed.methods.fedex_lora import ClientFactors, FedExLoRA, compact, round_residual
+from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.fedex_lora.strategy import ClientFactors, FedExLoRA, compact, round_residual
 from nestfed.nn.keys import merged_key
 from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 

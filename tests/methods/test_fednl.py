@@ -9,7 +9,8 @@ from nestfed.config import ConfigError
 from nestfed.federation.messages import ClientInfo
 from nestfed.federation.run_dir import RunDir
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.fednl import FedNL, FedNLOptions
+from nestfed.methods.fednl import FedNLOptions
+from nestfed.methods.fednl.strategy import FedNL
 from nestfed.nn.memory import memory_rules
 from tiny_federation import Interrupt, crash_at, lines, tiny_config, tiny_prepared, tiny_run
 

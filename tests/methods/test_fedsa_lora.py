@@ -17,8 +17,8 @@ from nestfed.federation.robust import BlockRule
 from nestfed.federation.run_dir import RunDir
 from nestfed.federation.secure_sum import layout, plain_sum
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.fedavg import FedAvg
-from nestfed.methods.fedsa_lora import OWN_B, FedSAHooks, FedSALoRA, holder_mean, rank_segments
+from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.fedsa_lora.strategy import OWN_B, FedSAHooks, FedSALoRA, holder_mean, rank_segments
 from nestfed.nn.lora import module_shapes
 from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 

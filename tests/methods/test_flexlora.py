@@ -15,8 +15,8 @@ from nestfed.config import ConfigError
 from nestfed.experiments.run import run_method
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.fedavg import FedAvg
-from nestfed.methods.flexlora import DISCARDED, SVD_FORM, FlexLoRA, product_svd, split_factors
+from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.flexlora.strategy import DISCARDED, SVD_FORM, FlexLoRA, product_svd, split_factors
 from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared
 
 A_KEY = "base_model.model.m.lora_A.weight"

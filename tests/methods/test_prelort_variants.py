@@ -12,8 +12,9 @@ from nestfed import methods
 from nestfed.config import ConfigError
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.prelort import PreLort, PreLortHooks, PreLortOptions, sampled_subrank
-from nestfed.methods.zeropad import ZeroPad
+from nestfed.methods.prelort import PreLortOptions
+from nestfed.methods.prelort.strategy import PreLort, PreLortHooks, sampled_subrank
+from nestfed.methods.zeropad.strategy import ZeroPad
 from nestfed.nn.lora import active_rank
 from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
@@ -49,7 +50,7 @@ def test_each_objective_runs_the_sub_ranks_it_names(monkeypatch):
                 model.current = None
         return Ctx()
 
-    monkeypatch.setattr("nestfed.methods.prelort.active_rank", fake_active_rank)
+    monkeypatch.setattr("nestfed.methods.prelort.strategy.active_rank", fake_active_rank)
 
     class Ctx:
         model = Model()
@@ -72,7 +73,7 @@ def test_nested_loss_with_one_sub_rank_is_the_plain_loss_at_that_rank():
     prep = tiny_prepared(cfg)
     model = prep.backbone.model
     from nestfed.federation.training import client_batches
-    from nestfed.methods.prelort import nested_loss
+    from nestfed.methods.prelort.strategy import nested_loss
     torch.manual_seed(0)
     for m in model.modules():
         if hasattr(m, "lora_B"):

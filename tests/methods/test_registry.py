@@ -11,7 +11,8 @@ from nestfed.experiments.run import run_method
 from nestfed.federation.aggregation import pad_rank
 from nestfed.federation.messages import Arrays, GlobalState, Reply
 from nestfed.federation.strategy import LoraStrategy, copy_state, lora_keys
-from nestfed.methods.method import lora_method, lora_settings
+from nestfed.methods.implementation import lora_implementation, lora_settings
+from nestfed.methods.method import lora_method
 from nestfed.nn.keys import rank_dim
 from tiny_federation import lines, tiny_config, tiny_prepared
 
@@ -45,7 +46,8 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> Toy:
     return Toy(lora_settings(cfg), cfg.section("toy"))
 
 
-TOY = lora_method("toy", "a toy: ZeroPad's mean update with a server step", _strategy, sections={"toy": ToyOptions})
+TOY = lora_method("toy", "a toy: ZeroPad's mean update with a server step", lora_implementation(_strategy),
+                  sections={"toy": ToyOptions})
 
 
 @pytest.fixture

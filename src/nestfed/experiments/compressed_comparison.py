@@ -25,7 +25,7 @@ from nestfed.federation.prepared import Prepared
 from nestfed.io import atomic
 from nestfed.methods.compressed.evaluation import evaluate_server, mean_ppl
 from nestfed.methods.compressed.setup import model_bytes, prepare_compressed
-from nestfed.methods.method import MethodRun
+from nestfed.methods.implementation import MethodRun
 
 METHODS = ("fedslm", "fedmkt", "fedavg", "hetlora")
 COMPRESSED = ("fedslm", "fedmkt")

@@ -30,7 +30,7 @@ from nestfed.errors import NestfedError
 from nestfed.experiments.mechanisms import skip_reason
 from nestfed.federation.aggregation import one_adapter, truncate_rank
 from nestfed.federation.run_dir import RunDir
-from nestfed.methods.method import lora_settings
+from nestfed.methods.implementation import lora_settings
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.peft_export import export_peft_adapter
 
@@ -85,7 +85,7 @@ def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | N
         raise NestfedError("export: give --rank R, --client K, or both")
     cfg = methods.load_config(rd.config_path)
     method = methods.get(cfg.strategy.name)
-    if method.server is None:
+    if not method.on_flower:
         raise NestfedError(f"{run_dir}: {method.name}'s clients do not run a LoRA adapter on the backbone; "
                            "nothing PEFT could load")
     keeps = method.keeps_client_state(cfg) and client is not None
@@ -99,11 +99,12 @@ def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | N
         if rank is not None and rank != ranks[client]:
             raise NestfedError(f"--rank {rank}: client {client} runs rank {ranks[client]} (give that rank or "
                                "leave --rank out)")
-        if method.client_hooks is None:
+        hooks = method.client_hooks(cfg)
+        if hooks is None:
             raise NestfedError(f"--client: {method.name}'s clients do not run the LoRA client trainer")
         arrays, scale = strategy.deploy(ck.state, client)
         kept = (ck.client_state or {}).get(client, {})
-        arrays = method.client_hooks(cfg).evaluation_arrays(kept, arrays)
+        arrays = hooks.evaluation_arrays(kept, arrays)
         files = strategy.export_files(ck.state)
         if files:
             raise NestfedError(f"--client: {method.name}'s clients also run {', '.join(sorted(files))}, which a "

@@ -26,7 +26,7 @@ from nestfed.evaluation.client import evaluate_client
 from nestfed.federation.aggregation import truncate_rank
 from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Arrays, GlobalState
-from nestfed.methods.method import MethodRun, lora_settings
+from nestfed.methods.implementation import MethodRun, lora_settings
 from nestfed.nn.arrays import apply_arrays
 from nestfed.nn.keys import module_of, peft_key, rank_dim
 

@@ -24,7 +24,7 @@ from nestfed.federation.loop import OnEvent, RoundLoop
 from nestfed.federation.messages import GlobalState
 from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import RunDir
-from nestfed.methods.method import MethodRun
+from nestfed.methods.implementation import MethodRun
 
 
 def new_run_dir(cfg: ExperimentConfig, parent: Path | None = None) -> Path:
@@ -44,9 +44,7 @@ def new_run_dir(cfg: ExperimentConfig, parent: Path | None = None) -> Path:
 
 def check_method(prep: Prepared, cfg: ExperimentConfig) -> None:
     """The method's checks that need the model (e.g. memory layers in range). Raises ConfigError."""
-    m = methods.get(cfg.strategy.name)
-    if m.check_model is not None:
-        m.check_model(prep, cfg)
+    methods.get(cfg.strategy.name).check_model(prep, cfg)
 
 
 def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: bool = False,

@@ -60,7 +60,7 @@ def _check(cfg: ExperimentConfig) -> None:
     m = REGISTRY[cfg.strategy.name]
     if m.equal_ranks and len(set(cfg.lora.ranks)) > 1:
         raise ValueError(f"lora.ranks: {m.name} needs equal ranks, got {list(cfg.lora.ranks)} "
-                         "(heterogeneous ranks: zeropad, hetlora, flora, ffa_lora or prelort)")
+                         f"(heterogeneous ranks: {', '.join(heterogeneous())})")
     if m.robust_aggregation and (cfg.robust.rule != "mean" or cfg.privacy.mode == "central"):
         field = "robust.rule" if cfg.robust.rule != "mean" else "privacy.mode"
         raise ValueError(f"{field}: {m.name} cannot aggregate robustly or with central DP: {m.robust_aggregation}")
@@ -69,6 +69,11 @@ def _check(cfg: ExperimentConfig) -> None:
                          f"('{cfg.server_optimizer.name}'): {m.server_optimizer}")
     if m.check_config is not None:
         m.check_config(cfg)
+
+
+def heterogeneous() -> list[str]:
+    """The registered methods that take clients of different ranks."""
+    return [m.name for m in REGISTRY.values() if not m.equal_ranks and m.flower]
 
 
 def schema() -> C.Schema:

@@ -7,9 +7,8 @@ import re
 from torch import nn
 
 from nestfed.nn.lora import LoraLinear
+from nestfed.nn.patterns import DEFAULT_TARGET
 
-#: Every attention and MLP projection of the decoder blocks (Llama and Qwen2 naming).
-DEFAULT_TARGET = r"(.*\.)?layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 
 
 def base_linear(module: nn.Module) -> nn.Linear:

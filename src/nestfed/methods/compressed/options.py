@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nestfed.config import ExperimentConfig
-
-from nestfed.nn.targets import DEFAULT_TARGET
+from nestfed.nn.patterns import DEFAULT_TARGET
 
 FUSIONS = ("coverage", "average")
 WHITENINGS = ("none", "activation")

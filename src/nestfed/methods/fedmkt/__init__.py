@@ -3,71 +3,25 @@ Models", COLING 2025): the home of the baseline FedSLM is measured against.
 
 No parameters travel: the server's full model (with LoRA) and the clients' compressed models
 (nestfed.methods.compressed, FedSLM's groups) exchange top-k logits on the server text
-(distillation.py; clients.py; strategy.py). Sections: ``[fedmkt]`` and ``[compression]``
-(shared). The clients' own models are their kept state, checkpointed with every round, so a run
-resumes exactly. The exported adapter is the server's LoRA after the last round.
+(distillation.py; clients.py; strategy.py; run.py sets a run up). Sections: ``[fedmkt]`` and
+``[compression]`` (shared). The clients' own models are their kept state, checkpointed with every
+round, so a run resumes exactly. The exported adapter is the server's LoRA after the last round.
 """
 
 from __future__ import annotations
 
-from nestfed.config import ExperimentConfig, r_max
-from nestfed.federation.client import ClientTrainer
-from nestfed.federation.messages import GlobalState
-from nestfed.federation.prepared import Prepared
-from nestfed.federation.run_dir import Exports
-from nestfed.methods.compressed.evaluation import (client_memory, compressed_clients, core_train, evaluate_server,
-                                                   mean_ppl)
-from nestfed.methods.compressed.groups import GroupedTrainer
 from nestfed.methods.compressed.options import CompressionOptions, check_compression
-from nestfed.methods.compressed.setup import prepare_compressed
-from nestfed.methods.fedmkt.clients import MutualClientTrainer, ServerDistiller
 from nestfed.methods.fedmkt.options import FedMKTOptions
-from nestfed.methods.fedmkt.strategy import FedMKT
-from nestfed.methods.method import Method, MethodRun
-from nestfed.nn.arrays import apply_arrays
-from nestfed.nn.lora import init_adapter_state
-
-
-def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
-    """The server distiller on the full model (LoRA of rank lora.r_max), one mutual-distillation
-    trainer per compressed group, the FedMKT strategy; after the last round the server's LoRA."""
-    setup = prepare_compressed(prep, cfg)
-    m, c = cfg.section("fedmkt"), cfg.section("compression")
-    r = r_max(cfg)
-    scale = cfg.lora.lora_alpha / r
-    labels = setup.server_text.labels
-    server = ServerDistiller(prep.backbone.model, setup.public["strong"], labels, scale, m.topk, m.lm_weight,
-                             m.server_steps, m.batch_size, m.server_lr, cfg.federation.seed)
-    trainers = {g: MutualClientTrainer(ClientTrainer(model, setup.data[g], core_train(cfg), privacy=cfg.privacy,
-                                                   attack=cfg.attack), setup.public[g], labels,
-                                       setup.initial[g], m.topk, m.lm_weight, m.client_steps, m.batch_size,
-                                       c.core_lr)
-                for g, model in setup.models.items()}
-    strategy = FedMKT(server, init_adapter_state(prep.shapes, r, cfg.lora.init_seed), setup.client_group,
-                      setup.ratios, cfg.federation.seed)
-
-    def finish(state: GlobalState) -> Exports:
-        for g, model in setup.models.items():
-            apply_arrays(model, setup.initial[g], 1.0)
-        adapter, s = strategy.export(state)
-        ev = evaluate_server(prep, cfg, adapter, s)
-        extra = {"server_eval": ev, "server_mean_ppl": mean_ppl(ev), "client_memory": client_memory(setup),
-                 "ratios": setup.ratios, "client_ratio": {str(k): setup.ratios[g] for k, g in setup.client_group.items()},
-                 "public_blocks": int(labels.shape[0]), "server_last_round": state.meta.get("server", {}),
-                 "round0": "compressed clients"}
-        return Exports((adapter, s), prep.backbone.source, {}, extra)
-
-    return MethodRun(strategy, GroupedTrainer(trainers, setup.client_group), compressed_clients(prep), {}, True, finish)
-
+from nestfed.methods.method import Method
 
 METHOD = Method("fedmkt", "mutual top-k logit distillation between the server's full model and the clients' "
-                "compressed models on a shared text (Fan et al. 2025)", build,
+                "compressed models on a shared text (Fan et al. 2025)", "nestfed.methods.fedmkt.run",
                 sections={"fedmkt": FedMKTOptions, "compression": CompressionOptions},
-                check_config=check_compression, check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None,
-                keeps_client_state=lambda cfg: True, global_adapter=False,
+                check_config=check_compression, global_adapter=False,
                 robust_aggregation="its server learns by distillation from logits, not by combining parameter "
                 "updates (docs/trust.md)",
                 server_optimizer="its server learns by distillation, and its state holds the server's knowledge "
-                "(top-k logits recomputed every round), not an aggregate of client updates")
+                "(top-k logits recomputed every round), not an aggregate of client updates",
+                elastic_ranks="its clients' models are compressed at fixed ratios; no LoRA rank travels")
 
 __all__ = ["METHOD"]

@@ -8,12 +8,8 @@ model surgery (nestfed.nn.memory) and the delta rule an operator (nestfed.ops.de
 from __future__ import annotations
 
 from nestfed.config import ExperimentConfig
-from nestfed.federation.messages import Arrays
-from nestfed.methods.fednl.hooks import FedNLHooks
 from nestfed.methods.fednl.options import FedNLOptions
-from nestfed.methods.fednl.setup import install, memory_layers
-from nestfed.methods.fednl.strategy import FedNL
-from nestfed.methods.method import lora_method, lora_settings
+from nestfed.methods.method import lora_method
 
 
 def _check(cfg: ExperimentConfig) -> None:
@@ -27,18 +23,8 @@ def _check(cfg: ExperimentConfig) -> None:
                          "schedule sets each round rather than any client update; use the learned or dynamic gate")
 
 
-def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedNL:
-    return FedNL(lora_settings(cfg), cfg.section("fednl"), initial, cfg.memory, cfg.train.local_steps)
-
-
-def _hooks(cfg: ExperimentConfig) -> FedNLHooks:
-    travel = cfg.section("fednl").travel
-    return FedNLHooks(travel == "rules", cfg.memory, cfg.train.local_steps, cfg.lora.init_seed, keep_rules=travel == "none")
-
-
 METHOD = lora_method("fednl", "a delta-rule memory beside attention; clients learn the rules that write it, the "
-                     "server averages the rules (arXiv 2605.16350)", _strategy, hooks=_hooks, setup=install,
-                     sections={"fednl": FedNLOptions}, check_config=_check,
-                     check_model=lambda prep, cfg: memory_layers(prep, cfg) and None, equal_ranks=True)
+                     "server averages the rules (arXiv 2605.16350)", "nestfed.methods.fednl.strategy",
+                     sections={"fednl": FedNLOptions}, check_config=_check, equal_ranks=True)
 
-__all__ = ["METHOD", "FedNL", "FedNLHooks", "FedNLOptions"]
+__all__ = ["METHOD", "FedNLOptions"]

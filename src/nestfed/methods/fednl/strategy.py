@@ -22,12 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from nestfed.config import MemoryConfig
+from nestfed.config import ExperimentConfig, MemoryConfig
 from nestfed.federation.aggregation import weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
 from nestfed.federation.robust import BlockRule
 from nestfed.federation.strategy import LoraSettings, LoraStrategy, copy_state, examples
+from nestfed.methods.fednl.hooks import FedNLHooks
 from nestfed.methods.fednl.options import FedNLOptions
+from nestfed.methods.fednl.setup import install, memory_layers
+from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.nn.keys import rank_dim
 from nestfed.nn.memory import alpha_schedule, is_constant_alpha_key, is_memory_key
 
@@ -106,3 +109,16 @@ class FedNL(LoraStrategy):
     def export_files(self, state: GlobalState) -> dict[str, Arrays]:
         """``memory_rules.safetensors``: the global memory rules (beta projections and gates), payload-keyed."""
         return {"memory_rules.safetensors": {k: v.clone() for k, v in state.arrays.items() if is_memory_key(k)}}
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedNL:
+    return FedNL(lora_settings(cfg), cfg.section("fednl"), initial, cfg.memory, cfg.train.local_steps)
+
+
+def _hooks(cfg: ExperimentConfig) -> FedNLHooks:
+    travel = cfg.section("fednl").travel
+    return FedNLHooks(travel == "rules", cfg.memory, cfg.train.local_steps, cfg.lora.init_seed, keep_rules=travel == "none")
+
+
+IMPLEMENTATION = lora_implementation(_strategy, hooks=_hooks, setup=install,
+                                     check_model=lambda prep, cfg: memory_layers(prep, cfg) and None)

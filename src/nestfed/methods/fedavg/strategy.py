@@ -1,4 +1,4 @@
-"""FedAvg on homogeneous LoRA (McMahan et al., 2017): the n_k-weighted mean of every client's A and B."""
+"""fedavg: the server strategy and the client hooks (the method is declared in nestfed.methods.fedavg)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from nestfed.federation.aggregation import weighted_mean
 from nestfed.federation.messages import Arrays, GlobalState, Reply
 from nestfed.federation.secure_sum import SecureSum, padded_mean
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
-from nestfed.methods.method import lora_method, lora_settings
+from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.nn.keys import rank_dim
 
 
@@ -36,5 +36,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedAvg:
     return FedAvg(lora_settings(cfg))
 
 
-METHOD = lora_method("fedavg", "homogeneous LoRA averaged with n_k weights (McMahan et al. 2017)", _strategy,
-                     equal_ranks=True)
+IMPLEMENTATION = lora_implementation(_strategy)

@@ -1,9 +1,4 @@
-"""FedProx (Li, Sahu, Zaheer, Sanjabi, Talwalkar and Smith, "Federated Optimization in
-Heterogeneous Networks", MLSys 2020): FedAvg's aggregation, with the proximal term
-mu/2 ||theta - theta_global||^2 added to every client's local loss (eq. 2).
-
-Options: section ``[fedprox]`` (:class:`FedProxOptions`).
-"""
+"""fedprox: the server strategy and the client hooks (the method is declared in nestfed.methods.fedprox)."""
 
 from __future__ import annotations
 
@@ -15,19 +10,9 @@ from nestfed.config import ExperimentConfig
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays
 from nestfed.federation.training import Batch
-from nestfed.methods.fedavg import FedAvg
-from nestfed.methods.method import lora_method, lora_settings
-
-
-@dataclass(frozen=True)
-class FedProxOptions:
-    """mu: the proximal weight (>= 0; 0 is FedAvg exactly)."""
-
-    mu: float = 0.01
-
-    def __post_init__(self) -> None:
-        if self.mu < 0:
-            raise ValueError(f"mu must be >= 0, got {self.mu}")
+from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.fedprox import FedProxOptions
+from nestfed.methods.implementation import lora_implementation, lora_settings
 
 
 class FedProx(FedAvg):
@@ -62,6 +47,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedProx:
     return FedProx(lora_settings(cfg), cfg.section("fedprox"))
 
 
-METHOD = lora_method("fedprox", "FedAvg with the proximal term mu/2 ||theta - theta_global||^2 on every client "
-                     "(Li et al. 2020)", _strategy, hooks=lambda cfg: ProxHooks(cfg.section("fedprox").mu),
-                     sections={"fedprox": FedProxOptions}, equal_ranks=True)
+IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: ProxHooks(cfg.section("fedprox").mu))

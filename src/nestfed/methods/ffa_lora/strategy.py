@@ -1,8 +1,4 @@
-"""FFA-LoRA (Sun et al., ICLR 2024): A frozen at its random initialisation, only B trained and averaged.
-
-With A shared and fixed, averaging B averages B A exactly. Heterogeneous ranks are handled by
-zero-padding B (the rows of A beyond a client's rank are simply unused by it).
-"""
+"""ffa_lora: the server strategy and the client hooks (the method is declared in nestfed.methods.ffa_lora)."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ from nestfed.federation.aggregation import pad_rank, weighted_mean
 from nestfed.federation.hooks import ClientHooks
 from nestfed.federation.messages import Arrays, GlobalState, Reply
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples
-from nestfed.methods.method import lora_method, lora_settings
+from nestfed.methods.implementation import lora_implementation, lora_settings
 
 
 class FFALoRA(LoraStrategy):
@@ -43,5 +39,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FFALoRA:
     return FFALoRA(lora_settings(cfg))
 
 
-METHOD = lora_method("ffa_lora", "A frozen at its random init, only B trained and averaged (Sun et al. 2024)",
-                     _strategy, hooks=lambda cfg: FFALoRAHooks())
+IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: FFALoRAHooks())

@@ -1,8 +1,4 @@
-"""ZeroPad: heterogeneous ranks zero-padded to r_max and averaged over all clients with n_k weights.
-
-The baseline PreLort (arXiv 2606.15963) is measured against (docs/methods.md, PreLort): client
-A/B are padded with zeros to r_max and averaged in parameter space, which dilutes the high-rank rows.
-"""
+"""zeropad: the server strategy and the client hooks (the method is declared in nestfed.methods.zeropad)."""
 
 from __future__ import annotations
 
@@ -11,7 +7,7 @@ from nestfed.federation.aggregation import pad_rank, weighted_mean
 from nestfed.federation.messages import Arrays, GlobalState, Reply
 from nestfed.federation.secure_sum import SecureSum, padded_mean
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
-from nestfed.methods.method import lora_method, lora_settings
+from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.nn.keys import rank_dim
 
 
@@ -43,4 +39,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> ZeroPad:
     return ZeroPad(lora_settings(cfg))
 
 
-METHOD = lora_method("zeropad", "zero-pad every client adapter to r_max, average with n_k weights", _strategy)
+IMPLEMENTATION = lora_implementation(_strategy)

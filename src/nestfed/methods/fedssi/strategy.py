@@ -1,11 +1,4 @@
-"""FedSSI (Li et al., "Rehearsal-Free Continual Federated Learning with Synergistic Synaptic
-Intelligence", ICML 2025) as a baseline: FedAvg on the server; each client first runs a
-personalised surrogate model from the global theta (eq. 5, mixing local and global knowledge
-with lambda), takes its synaptic-intelligence parameter importance Omega along that path
-(eq. 6-7), then trains with CE + c * sum Omega (theta - theta_global)^2 (eq. 2).
-
-Options: section ``[fedssi]`` (:class:`FedSSIOptions`).
-"""
+"""fedssi: the server strategy and the client hooks (the method is declared in nestfed.methods.fedssi)."""
 
 from __future__ import annotations
 
@@ -18,30 +11,9 @@ from nestfed.config import ExperimentConfig
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays
 from nestfed.federation.training import Batch
-from nestfed.methods.fedavg import FedAvg
-from nestfed.methods.method import lora_method, lora_settings
-
-
-@dataclass(frozen=True)
-class FedSSIOptions:
-    """c: the regulariser's weight (>= 0); psm_lambda: the surrogate's mixing lambda in (0, 1]
-    (1: purely local); psm_steps: surrogate (PSM) steps per round (>= 0; 0: Omega = 1, a plain
-    proximal term); xi: the synaptic-intelligence damping (> 0)."""
-
-    c: float = 0.1
-    psm_lambda: float = 0.5
-    psm_steps: int = 2
-    xi: float = 1e-3
-
-    def __post_init__(self) -> None:
-        if self.c < 0:
-            raise ValueError(f"c must be >= 0, got {self.c}")
-        if not 0 < self.psm_lambda <= 1:
-            raise ValueError(f"psm_lambda must be in (0, 1], got {self.psm_lambda}")
-        if self.psm_steps < 0:
-            raise ValueError(f"psm_steps must be >= 0, got {self.psm_steps}")
-        if self.xi <= 0:
-            raise ValueError(f"xi must be > 0, got {self.xi}")
+from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.fedssi import FedSSIOptions
+from nestfed.methods.implementation import lora_implementation, lora_settings
 
 
 class FedSSI(FedAvg):
@@ -126,7 +98,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedSSI:
     return FedSSI(lora_settings(cfg), cfg.section("fedssi"))
 
 
-METHOD = lora_method("fedssi", "FedAvg with a synaptic-intelligence importance-weighted proximal term from a "
-                     "personalised surrogate (Li et al. 2025)", _strategy,
-                     hooks=lambda cfg: SSIHooks(cfg.section("fedssi")), sections={"fedssi": FedSSIOptions},
-                     equal_ranks=True)
+IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: SSIHooks(cfg.section("fedssi")))

@@ -1,16 +1,4 @@
-"""FedALA (Zhang, Hua, Wang, Song, Xue, Ma and Guan, "FedALA: Adaptive Local Aggregation for
-Personalized Federated Learning", AAAI 2023): FedAvg on the server; each client starts a round
-from theta_local + (theta_global - theta_local) * W on its top layers, with element-wise weights
-W in [0, 1] it learns on local data (section 4, eq. 5-7). W and the local model never travel:
-they are the client's kept state (``ala_weights``, ``ala_local``), checkpointed with the round.
-
-Applied here to the trained parameters (LoRA A and B): ``layers`` = how many of the top decoder
-layers holding LoRA are mixed (FedALA's p), ``steps`` = local batches spent learning W per round
-(FedALA trains W to convergence in the first round it applies and one epoch after; a fixed step
-count fits CPU budgets), ``eta`` = W's learning rate (FedALA's default 1.0).
-
-Options: section ``[fedala]`` (:class:`FedALAOptions`).
-"""
+"""fedala: the server strategy and the client hooks (the method is declared in nestfed.methods.fedala)."""
 
 from __future__ import annotations
 
@@ -21,28 +9,13 @@ import torch
 from nestfed.config import ExperimentConfig
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays
-from nestfed.methods.fedavg import FedAvg
-from nestfed.methods.method import lora_method, lora_settings
+from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.fedala import FedALAOptions
+from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.nn.keys import layer_of, module_of, rank_dim
 from nestfed.nn.lora import lora_modules
 
 ALA_W, ALA_LOCAL = "ala_weights", "ala_local"
-
-
-@dataclass(frozen=True)
-class FedALAOptions:
-    """layers: top decoder layers mixed element-wise (>= 0); steps: ALA batches per round (>= 0);
-    eta: the weights' learning rate (> 0)."""
-
-    layers: int = 1
-    steps: int = 2
-    eta: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.layers < 0 or self.steps < 0:
-            raise ValueError(f"layers and steps must be >= 0, got {self.layers}, {self.steps}")
-        if self.eta <= 0:
-            raise ValueError(f"eta must be > 0, got {self.eta}")
 
 
 class FedALA(FedAvg):
@@ -130,7 +103,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedALA:
     return FedALA(lora_settings(cfg), cfg.section("fedala"))
 
 
-METHOD = lora_method("fedala", "FedAvg; each client mixes the global and its local model on its top layers with "
-                     "element-wise weights it learns (Zhang et al. 2023)", _strategy,
-                     hooks=lambda cfg: ALAHooks(cfg.section("fedala")), sections={"fedala": FedALAOptions},
-                     equal_ranks=True)
+IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: ALAHooks(cfg.section("fedala")))

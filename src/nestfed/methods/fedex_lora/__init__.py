@@ -1,0 +1,50 @@
+"""FedEx-LoRA (Singhal, Ponkshe and Vepakomma, "Exact Aggregation for Federated and Efficient
+Fine-Tuning of Foundation Models", arXiv 2410.09432, ACL 2025; its method section): FedAvg of A and B, plus the
+residual the averaging misses folded into the frozen weights, so the aggregated model is exactly
+the n_k-weighted mean of the clients' models (docs/methods.md, "Baselines reviewers ask for").
+
+Paper (one rank r, one scale s, its aggregation rule): Abar = sum_k p_k A_k, Bbar = sum_k p_k B_k and
+W0 <- W0 + sum_k p_k s B_k A_k - s Bbar Abar on the server and every client (p_k = n_k / N).
+
+Here (nestfed.nn.lora keeps a layer's frozen residual factorised as ``merged_B @ merged_A``, as
+FLoRA does):
+
+- The residual is kept exactly as a stack of factors, ``merged_A`` [R, in] (rows carry the
+  scales) and ``merged_B`` [out, R]: each round appends rows p_k s_k A_k with columns B_k, and rows
+  -s Abar with columns Bbar. The global model is W0 + merged_B merged_A + s Bbar Abar with
+  s = scale(r_max).
+- *Decision* (heterogeneous ranks, beyond the paper): Abar and Bbar are zero-padded means to r_max
+  (ZeroPad's); a client of rank r_k trains the prefix Abar[:r_k], Bbar[:, :r_k] at its scale s_k,
+  and the rest of the global model is folded into the frozen residual it receives
+  (:func:`client_fold`): s Bbar Abar - s_k Bbar[:, :r_k] Abar[:r_k]. So every client starts each
+  round from exactly the global model, and the mean of the clients' models after training is
+  G + sum_k p_k s_k (B_k A_k - Bbar[:, :r_k] Abar[:r_k]) with G the global delta; the round's
+  residual (:func:`round_residual`) therefore also carries sum_j d_j Bbar[:, j] Abar[j] with
+  d_j = sum_k p_k (s - s_k [r_k > j]) (zero at equal ranks and one scale: the paper's rule).
+- *Decision* (bytes): as FLoRA, the downlink is the whole residual stack (a client that skipped
+  rounds is still exact). It grows by about sum_k r_k + r_max rows a round; once it exceeds
+  min(out, in) rows it is replaced by the dense residual written as an exact factorisation
+  (:func:`compact`: [W, I] or [I, W]), so it never holds more than min(out, in) rows (at that cap
+  the downlink carries the dense residual plus an identity factor).
+- Exactness: the factors are exact; float32 rounding of their entries (and of the dense residual
+  after compaction) is the only error.
+
+deploy(state, cid) is client cid's prefix and fold (the global model exactly); export() writes one
+PEFT adapter at scale 1, A = [merged_A; s Abar], B = [merged_B, Bbar] (rank R + r_max, zero-padded
+to the largest over the layers), whose product is the global delta exactly. Its rank prefixes are
+not models a client runs (``global_adapter`` False: the mechanism reports skip it). A robust rule
+or central DP is refused: every client's exact product enters the residual, which no rule over the
+A and B blocks would guard; so is a server optimiser (the residual's arrays change shape).
+"""
+
+from __future__ import annotations
+
+from nestfed.methods.method import lora_method
+
+
+METHOD = lora_method('fedex_lora', "FedAvg of A and B plus the exact residual mean(s_k B_k A_k) - s Bbar Abar folded "
+                     "into the frozen weights (Singhal et al., ACL 2025)", 'nestfed.methods.fedex_lora.strategy', global_adapter=False, robust_aggregation="FedEx-LoRA folds every client's exact product s_k B_k A_k into the frozen "
+                     "residual, which a rule over the A and B blocks would not guard (a norm bound, "
+                     "validation.max_update_norm, does apply; docs/trust.md)", server_optimizer="its frozen residual is a stack of factors that grows every round (until it "
+                     "is compacted to the dense residual), so its arrays do not keep their shapes and there is no "
+                     "pseudo-gradient to step")

@@ -1,0 +1,27 @@
+"""FedProx (Li, Sahu, Zaheer, Sanjabi, Talwalkar and Smith, "Federated Optimization in
+Heterogeneous Networks", MLSys 2020): FedAvg's aggregation, with the proximal term
+mu/2 ||theta - theta_global||^2 added to every client's local loss (eq. 2).
+
+Options: section ``[fedprox]`` (:class:`FedProxOptions`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nestfed.methods.method import lora_method
+
+
+@dataclass(frozen=True)
+class FedProxOptions:
+    """mu: the proximal weight (>= 0; 0 is FedAvg exactly)."""
+
+    mu: float = 0.01
+
+    def __post_init__(self) -> None:
+        if self.mu < 0:
+            raise ValueError(f"mu must be >= 0, got {self.mu}")
+
+
+METHOD = lora_method('fedprox', "FedAvg with the proximal term mu/2 ||theta - theta_global||^2 on every client "
+                     "(Li et al. 2020)", 'nestfed.methods.fedprox.strategy', sections={"fedprox": FedProxOptions}, equal_ranks=True)

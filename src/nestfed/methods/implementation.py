@@ -1,0 +1,104 @@
+"""What runs a method: its implementation, the shared shape of the LoRA methods' homes, and a method
+set up on a prepared experiment.
+
+A method's declaration (nestfed.methods.method.Method, the registry line) names the module whose
+``IMPLEMENTATION`` is an :class:`Implementation`: how it sets up a run on a prepared experiment (a
+strategy for the server, a trainer for the clients: nestfed.federation.client.ClientTrainer with
+the method's hooks, or its own), its two halves on Flower, its model-dependent checks and whether
+its clients keep state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from nestfed.config import ExperimentConfig, client_ranks, r_max
+from nestfed.federation.client import ClientTrainer
+from nestfed.federation.hooks import ClientHooks
+from nestfed.federation.in_process import Trainer
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState
+from nestfed.federation.prepared import Prepared
+from nestfed.federation.run_dir import Exports
+from nestfed.federation.strategy import LoraSettings, Strategy
+
+
+@dataclass
+class MethodRun:
+    """A method set up on a prepared experiment: strategy, trainer, clients, LoRA shapes, whether
+    its clients keep state between rounds, and ``finish(state) -> Exports`` after the last round."""
+
+    strategy: Strategy
+    trainer: Trainer
+    clients: list[ClientInfo]
+    shapes: dict[str, tuple[int, int]]
+    keeps_client_state: bool
+    finish: Callable[[GlobalState], Exports]
+
+
+@dataclass
+class ClientSide:
+    """A method's client on one node (Flower): its trainer and the arrays the server's strategy
+    starts from that only a model can give (e.g. fresh memory rules; {} for most methods)."""
+
+    trainer: ClientTrainer
+    initial_arrays: Arrays
+
+
+@dataclass(frozen=True)
+class Implementation:
+    """What runs one method.
+
+    build(prep, cfg) -> MethodRun; client(prep, cfg) -> ClientSide and server(cfg, initial_arrays)
+    -> Strategy: the two halves on Flower (None: not on Flower); check_model(prep, cfg): checks that
+    need the model, raising ConfigError, run before any file is written; keeps_client_state(cfg):
+    whether its clients keep state between rounds under this config; client_hooks(cfg): the client
+    hooks of a method whose clients run the LoRA client trainer (None for the others).
+    """
+
+    build: Callable[[Prepared, ExperimentConfig], MethodRun]
+    client: Callable[[Prepared, ExperimentConfig], ClientSide] | None = None
+    server: Callable[[ExperimentConfig, Arrays], Strategy] | None = None
+    check_model: Callable[[Prepared, ExperimentConfig], None] | None = None
+    keeps_client_state: Callable[[ExperimentConfig], bool] = lambda cfg: False
+    client_hooks: Callable[[ExperimentConfig], ClientHooks] | None = None
+
+
+def lora_settings(cfg: ExperimentConfig) -> LoraSettings:
+    """The LoRA numbers every LoRA strategy needs, from the config: r_max, lora_alpha, the scaling
+    convention, the initialisation seed and the federation's seed."""
+    return LoraSettings(r_max=r_max(cfg), lora_alpha=cfg.lora.lora_alpha, scaling=cfg.lora.scaling,
+                        init_seed=cfg.lora.init_seed, seed=cfg.federation.seed)
+
+
+def lora_implementation(strategy: Callable[[ExperimentConfig, Arrays], Strategy],
+                        hooks: Callable[[ExperimentConfig], ClientHooks] = lambda cfg: ClientHooks(),
+                        setup: Callable[[Prepared, ExperimentConfig], Arrays] | None = None,
+                        **kw: Any) -> Implementation:
+    """The implementation of a method whose clients run the client trainer on the shared backbone.
+
+    strategy(cfg, initial_arrays) -> its server strategy; hooks(cfg) -> its client hooks;
+    setup(prep, cfg) -> initial arrays: what it adds to the model before its first round (e.g.
+    memory layers), on the server's model and on every Flower node alike. ``kw``: the other
+    :class:`Implementation` fields (check_model).
+    """
+
+    def client(prep: Prepared, cfg: ExperimentConfig) -> ClientSide:
+        initial = setup(prep, cfg) if setup is not None else {}
+        return ClientSide(ClientTrainer(prep.backbone.model, prep.data, cfg.train, hooks(cfg),
+                                        privacy=cfg.privacy, attack=cfg.attack), initial)
+
+    def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
+        side = client(prep, cfg)
+        st = strategy(cfg, side.initial_arrays)
+
+        def finish(state: GlobalState) -> Exports:
+            return Exports(st.export(state), prep.backbone.source, st.export_files(state))
+
+        ranks = client_ranks(cfg)  # this method's ranks (a comparison may run methods at other ranks)
+        clients = [ClientInfo(c.cid, ranks[c.cid], c.num_examples) for c in prep.clients]
+        return MethodRun(st, side.trainer, clients, prep.shapes, side.trainer.hooks.keeps_state, finish)
+
+    return Implementation(build, client=client, server=strategy, client_hooks=hooks,
+                          keeps_client_state=lambda cfg: hooks(cfg).keeps_state, **kw)

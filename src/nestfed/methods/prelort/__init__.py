@@ -1,0 +1,47 @@
+"""PreLort: prefix-nested LoRA with segment-wise aggregation (arXiv 2606.15963, sections 2.1-2.3).
+
+Local objective (section 2.2): client k minimises the mean over its sub-ranks
+R_k = {r in R_fed : r <= r_k} of the causal-LM loss with the adapter truncated to r, where R_fed
+is the sorted set of distinct ranks in the federation. Aggregation (section 2.3): for each
+segment [r_{l-1}, r_l) the n_k-weighted mean update of the clients with r_k >= r_l is added to
+the global segment (:func:`segment_average`).
+
+Options: section ``[prelort]`` (:class:`PreLortOptions`): the local objective (``nested``, the
+paper's; ``sampled``, one sub-rank drawn per step, an unbiased estimate of the nested loss at the
+cost of one pass; ``full_rank``, plain LoRA at r_k) and the aggregation (``segment``, the paper's;
+``zeropad``). The paper's two ablations (section 4) are ``objective = "full_rank"`` ("nested
+aggregation only") and ``aggregation = "zeropad"`` (the nested objective with zero-padded
+aggregation).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from nestfed.methods.method import lora_method
+
+OBJECTIVES = ("nested", "sampled", "full_rank")
+AGGREGATIONS = ("segment", "zeropad")
+
+
+@dataclass(frozen=True)
+class PreLortOptions:
+    """objective: ``nested`` (mean loss over R_k, |R_k| passes per step; section 2.2), ``sampled``
+    (one sub-rank r ~ Uniform(R_k) per step, drawn from the seed rule's stream ``subrank/<step>`` of
+    (federation.seed, round, client): an unbiased estimate of the nested loss, one pass per step) or
+    ``full_rank`` (plain LoRA at r_k: the ablation "nested aggregation only"); aggregation:
+    ``segment`` (section 2.3) or ``zeropad`` (ZeroPad's padded mean: the ablation "nested objective,
+    zero-padded aggregation"). Raises ValueError naming the field for any other value."""
+
+    objective: str = "nested"
+    aggregation: str = "segment"
+
+    def __post_init__(self) -> None:
+        if self.objective not in OBJECTIVES:
+            raise ValueError(f"objective: unknown objective '{self.objective}' (known: {', '.join(OBJECTIVES)})")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation: unknown aggregation '{self.aggregation}' (known: {', '.join(AGGREGATIONS)})")
+
+
+METHOD = lora_method('prelort', "clients train every prefix sub-rank r in R_k; the server averages each rank "
+                     "segment over the clients that hold it (arXiv 2606.15963)", 'nestfed.methods.prelort.strategy', sections={"prelort": PreLortOptions})
