@@ -43,9 +43,19 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Convert a TOML value to the annotated type ``tp``; raise ConfigError naming ``where``."""
     origin = typing.get_origin(tp)
     if origin is tuple:
-        if not isinstance(value, (list, tuple)):
+        args = typing.get_args(tp)
+        if len(args) != 2 or args[1] is not Ellipsis:  # a fixed-length tuple: one value per position
+            if not isinstance(value, (list, tuple)) or len(value) != len(args):
+                raise ConfigError(f"{where}: expected {len(args)} values, got {value!r}")
+            return tuple(_coerce(v, t, f"{where}[{i}]") for i, (v, t) in enumerate(zip(value, args)))
+        inner = args[0]
+        if _is_table(tp):
+            if isinstance(value, dict):  # {2 = 0.4, 4 = 0.6}: TOML's keys are strings
+                value = [[_key(k, f"{where}.{k}"), v] for k, v in value.items()]
+            elif not isinstance(value, (list, tuple)) or not all(isinstance(v, (list, tuple)) for v in value):
+                raise ConfigError(f"{where}: expected a table {{value = share, ...}}, got {value!r}")
+        elif not isinstance(value, (list, tuple)):
             value = [value]  # a scalar broadcast to a one-element list
-        inner = typing.get_args(tp)[0]
         return tuple(_coerce(v, inner, f"{where}[{i}]") for i, v in enumerate(value))
     if tp is bool:
         if not isinstance(value, bool):
@@ -66,6 +76,23 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a string, got {value!r}")
         return value
     raise ConfigError(f"{where}: unsupported type {tp}")  # pragma: no cover
+
+
+def _is_table(tp: Any) -> bool:
+    """Whether ``tp`` is a {value: share} table: ``tuple[tuple[int, float], ...]`` (written as an
+    inline TOML table, nestfed.config.population.Shares)."""
+    args = typing.get_args(tp)
+    return (typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
+            and typing.get_args(args[0]) == (int, float))
+
+
+def _key(k: Any, where: str) -> int:
+    """An inline table's key as the integer it names ("16" -> 16). Raises ConfigError otherwise."""
+    if isinstance(k, int) and not isinstance(k, bool):
+        return k
+    if isinstance(k, str) and k.strip().isdigit():
+        return int(k)
+    raise ConfigError(f"{where}: the key must be a positive integer, got {k!r}")
 
 
 def _hint(word: str, known: list[str]) -> str:
@@ -220,12 +247,19 @@ def to_dict(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:
 
 
 def dumps_toml(cfg: ExperimentConfig) -> str:
-    """Serialise the resolved config to TOML text (reloadable by :func:`load`)."""
+    """Serialise the resolved config to TOML text (reloadable by :func:`load`); a {value: share}
+    table is written as an inline table, ``{2 = 0.4, 4 = 0.6}``."""
     lines = []
     for section, table in to_dict(cfg).items():
+        obj = getattr(cfg, section) if section in CORE_SECTIONS else cfg.section(section)
+        hints = typing.get_type_hints(type(obj))
         lines.append(f"[{section}]")
         for key, value in table.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            if _is_table(hints.get(key)):
+                text = "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value) + "}"
+            else:
+                text = _toml_value(value)
+            lines.append(f"{key} = {text}")
         lines.append("")
     return "\n".join(lines)
 

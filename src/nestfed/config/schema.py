@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from nestfed.config.population import PopulationConfig, assign_ranks, check_population
 from nestfed.config.server_optimizer import ServerOptimizerConfig, check_server_optimizer
 from nestfed.config.tracking import TrackingConfig, check_tracking
 from nestfed.config.trust import (AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig, check_trust)
@@ -215,6 +216,7 @@ class ExperimentConfig:
     attack: AttackConfig = field(default_factory=AttackConfig)
     server_optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    population: PopulationConfig = field(default_factory=PopulationConfig)
     sections: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def section(self, name: str) -> Any:
@@ -228,25 +230,24 @@ class ExperimentConfig:
 
 #: The core sections, in the order a resolved config is written.
 CORE_SECTIONS = ("model", "lora", "data", "train", "strategy", "federation", "output", "memory", "validation",
-                 "robust", "privacy", "attack", "server_optimizer", "tracking")
+                 "robust", "privacy", "attack", "server_optimizer", "tracking", "population")
 SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts", "file")
 TASKS = ("causal_lm", "instruction", "multiple_choice")
 PARTITIONS = ("label", "dirichlet", "pathological", "iid")
 GATES = ("constant", "learned", "dynamic")
 
 
-def client_ranks(cfg: ExperimentConfig) -> list[int]:
-    """Rank r_k of every client: ``lora.ranks`` broadcast or checked against num_clients."""
-    ranks = list(cfg.lora.ranks)
-    n = cfg.data.num_clients
-    if len(ranks) == 1:
-        return ranks * n
-    return ranks
+def client_ranks(cfg: ExperimentConfig, footprint=None) -> list[int]:
+    """Rank r_k of every client: drawn by ``[population]`` (rank shares, or memory budgets through
+    ``footprint(r) -> bytes``, nestfed.config.population.assign_ranks), else ``lora.ranks``
+    broadcast. Raises ValueError when memory budgets need a footprint and none is given."""
+    return assign_ranks(cfg.population, cfg.lora.ranks, cfg.lora.r_max, cfg.data.num_clients, cfg.data.seed,
+                        footprint)[0]
 
 
 def r_max(cfg: ExperimentConfig) -> int:
-    """The global adapter's rank: ``lora.r_max`` or, when 0, the largest client rank."""
-    return cfg.lora.r_max or max(cfg.lora.ranks)
+    """The global adapter's rank: ``lora.r_max`` or, when 0, the largest rank a client may have."""
+    return cfg.lora.r_max or max(cfg.population.support(cfg.lora.r_max) or cfg.lora.ranks)
 
 
 
@@ -313,8 +314,11 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError(f"lora.ranks: {len(lo.ranks)} ranks for data.num_clients = {d.num_clients} clients")
     if lo.r_max < 0:
         raise ValueError("lora.r_max must be >= 0")
-    if lo.r_max and max(lo.ranks) > lo.r_max:
-        raise ValueError(f"lora.ranks: rank {max(lo.ranks)} is above the global maximum lora.r_max = {lo.r_max}")
+    check_population(cfg.population, lo.ranks, lo.r_max)
+    drawn = cfg.population.support(lo.r_max)
+    if lo.r_max and max(drawn or lo.ranks) > lo.r_max:
+        field = "population" if drawn else "lora.ranks"
+        raise ValueError(f"{field}: rank {max(drawn or lo.ranks)} is above the global maximum lora.r_max = {lo.r_max}")
     if lo.lora_alpha <= 0:
         raise ValueError(f"lora.lora_alpha must be > 0, got {lo.lora_alpha}")
     if lo.scaling not in ("fixed", "rank"):

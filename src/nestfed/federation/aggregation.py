@@ -31,6 +31,32 @@ def truncate_rank(arrays: Arrays, r: int) -> Arrays:
     return out
 
 
+def rank_prefix(arrays: Arrays, r: int) -> Arrays:
+    """:func:`truncate_rank` as views of ``arrays`` (no copy): for payloads that are only read and
+    serialised. Raises ValueError when r exceeds a matrix's rank."""
+    out = {}
+    for k, v in arrays.items():
+        d = rank_dim(k)
+        if d is not None and r > v.shape[d]:
+            raise ValueError(f"{k}: cannot truncate rank {v.shape[d]} to {r}")
+        out[k] = v if d is None else v.narrow(d, 0, r)
+    return out
+
+
+def merge_prefix(kept: torch.Tensor | None, trained: torch.Tensor, dim: int) -> torch.Tensor:
+    """``kept`` with its first ``trained.shape[dim]`` entries along ``dim`` replaced by ``trained``:
+    what a client keeps after training only a prefix of its rank (an elastic rank); a copy of
+    ``trained`` when it covers all of ``kept`` or nothing is kept. Raises ValueError when
+    ``trained`` is longer than ``kept`` along ``dim``."""
+    if kept is None or kept.shape[dim] == trained.shape[dim]:
+        return trained.detach().clone()
+    if trained.shape[dim] > kept.shape[dim]:
+        raise ValueError(f"a prefix of {trained.shape[dim]} does not fit in {kept.shape[dim]}")
+    out = kept.detach().clone()
+    out.narrow(dim, 0, trained.shape[dim]).copy_(trained.detach())
+    return out
+
+
 def pad_rank(t: torch.Tensor, dim: int, r_max: int) -> torch.Tensor:
     """Zero-pad tensor t along ``dim`` to size r_max (ZeroPad / HetLoRA). Raises ValueError if larger."""
     r = t.shape[dim]

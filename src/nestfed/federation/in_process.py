@@ -7,7 +7,7 @@ server.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -39,20 +39,28 @@ class InProcessTransport:
         return {}
 
     def fit(self, rnd: int, instructions: dict[int, Instruction],
-            on_reply: Callable[[int], None] | None = None) -> FitResults:
-        """Each client trains on what crossed the (simulated) wire and replies through it."""
+            on_reply: Callable[[int, Reply], None] | None = None) -> FitResults:
+        """Each client trains on what crossed the (simulated) wire and replies through it; each reply
+        goes to ``on_reply`` as soon as it is back (else into FitResults.replies)."""
         out = FitResults()
         for cid, ins in instructions.items():
             sent = Instruction(decode(encode(ins.arrays)), dict(ins.config))
             reply = self.trainer.fit(cid, sent)
-            out.replies[cid] = Reply(decode(encode(reply.arrays)), reply.num_examples, reply.metrics)
-            if on_reply is not None:
-                on_reply(cid)
+            back = Reply(decode(encode(reply.arrays)), reply.num_examples, reply.metrics)
+            if on_reply is None:
+                out.replies[cid] = back
+            else:
+                on_reply(cid, back)
         return out
 
-    def evaluate(self, rnd: int, deployments: dict[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]]:
-        """Every client's held-out metrics under its (arrays, scale s), in this process."""
-        return {str(cid): self.trainer.evaluate(cid, arrays, scale) for cid, (arrays, scale) in deployments.items()}
+    def evaluate(self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]]:
+        """Each listed client's held-out metrics under its (arrays, scale s), in this process, one
+        deployment at a time."""
+        out = {}
+        for cid in deployments:
+            arrays, scale = deployments[cid]
+            out[str(cid)] = self.trainer.evaluate(cid, arrays, scale)
+        return out
 
     def client_state(self) -> ClientState:
         """The trainer's kept client state (checkpointed with the round)."""

@@ -21,15 +21,17 @@ the same CPU and thread count).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from nestfed.errors import UpdateRejected
+from nestfed.federation.folding import ReplyFolder
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.payload import payload_stats, validate_reply
+from nestfed.federation.population import Population
 from nestfed.federation.run_dir import ClientState, RunDir
 from nestfed.federation.safeguards import Safeguards, non_finite_keys
 from nestfed.federation.strategy import Strategy
@@ -43,9 +45,10 @@ OnEvent = Callable[[str, dict[str, Any]], None]
 class FitResults:
     """What a transport brings back from one round's instructions.
 
-    replies: {cid: Reply} as received (decoded); dropped: {cid: reason} for clients that gave no
-    usable reply; info: {cid: transport fields for the metrics line (bytes on the wire, node id,
-    timings)}; round_info: transport fields for the round's line.
+    replies: {cid: Reply} as received (decoded) and not yet handed to ``on_reply`` (a transport
+    given an ``on_reply`` hands each reply over as it arrives and keeps none); dropped: {cid:
+    reason} for clients that gave no usable reply; info: {cid: transport fields for the metrics line
+    (bytes on the wire, node id, timings)}; round_info: transport fields for the round's line.
     """
 
     replies: dict[int, Reply] = field(default_factory=dict)
@@ -62,12 +65,13 @@ class Transport(Protocol):
         """Fields for the round-0 metrics line (e.g. the nodes that answered)."""
 
     def fit(self, rnd: int, instructions: dict[int, Instruction],
-            on_reply: Callable[[int], None] | None = None) -> FitResults:
-        """Deliver one instruction per client and collect the replies; ``on_reply(cid)`` after each."""
+            on_reply: Callable[[int, Reply], None] | None = None) -> FitResults:
+        """Deliver one instruction per client; hand each reply to ``on_reply(cid, reply)`` as it
+        arrives (then keep it no longer), or collect them in FitResults.replies without one."""
 
-    def evaluate(self, rnd: int, deployments: dict[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
-        """Held-out metrics {cid: metrics} of each client under its (arrays, scale s); None when
-        this transport does not evaluate."""
+    def evaluate(self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
+        """Held-out metrics {cid: metrics} of each client under its (arrays, scale s), computed as
+        each is read (:class:`Deployments`); None when this transport does not evaluate."""
 
     def client_state(self) -> ClientState | None:
         """The clients' kept state to checkpoint; None when the clients keep it themselves."""
@@ -76,21 +80,68 @@ class Transport(Protocol):
         """Give the clients the kept state of a resumed checkpoint."""
 
 
-def sample_clients(clients: list[ClientInfo], fraction: float, seed: int, rnd: int,
-                   sampling: str = "fixed") -> list[ClientInfo]:
+def sample_clients(clients: Sequence[ClientInfo], fraction: float, seed: int, rnd: int,
+                   sampling: str = "fixed", population: int | None = None) -> list[ClientInfo]:
     """Seeded client sampling (the seed rule's stream ``sampling`` of round ``rnd``), sorted by id.
 
-    ``fixed``: max(1, round(fraction * K)) clients without replacement; ``poisson``: each client
-    independently with probability ``fraction`` (possibly none).
+    clients: those that can be sampled (the online ones); population: the federation's size K
+    (default len(clients)). ``fixed``: max(1, round(fraction * K)) of ``clients`` without
+    replacement (all of them when fewer are online); ``poisson``: each client independently with
+    probability ``fraction`` (possibly none).
     """
     rng = np.random.default_rng(stream_seed(seed, rnd, 0, "sampling"))
     if sampling == "poisson":
-        return list(clients) if fraction >= 1 else [c for c in clients if rng.random() < fraction]
-    k = max(1, round(fraction * len(clients)))
+        if fraction >= 1:
+            return list(clients)
+        draws = rng.random(len(clients))
+        return [c for c, u in zip(clients, draws) if u < fraction]
+    k = max(1, round(fraction * (len(clients) if population is None else population)))
     if k >= len(clients):
         return list(clients)
     chosen = sorted(rng.choice(len(clients), size=k, replace=False).tolist())
     return [clients[i] for i in chosen]
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    """Which clients a round evaluates (``[evaluation]``, nestfed.config.evaluation).
+
+    panel: the client ids evaluated after rounds 1..R-1 (None = every client); final_all: rounds 0
+    and R evaluate every client (else the panel); every: evaluate after every ``every``-th round
+    (round R always).
+    """
+
+    panel: tuple[int, ...] | None = None
+    final_all: bool = True
+    every: int = 1
+
+    def clients(self, rnd: int, rounds: int, everyone: Sequence[int]) -> list[int]:
+        """The ids evaluated after round ``rnd`` of ``rounds`` ([] = no evaluation this round)."""
+        last = rnd == 0 or rnd == rounds
+        if not last and rnd % self.every:
+            return []
+        if self.panel is None or (last and self.final_all):
+            return list(everyone)
+        return list(self.panel)
+
+
+class Deployments(Mapping):
+    """{cid: (arrays, scale s)} of what each listed client runs, computed when read (the strategy's
+    ``deploy``), so a round never holds every client's adapter at once."""
+
+    def __init__(self, strategy: Strategy, state: GlobalState, cids: Sequence[int]):
+        self.strategy, self.state, self.cids = strategy, state, list(cids)
+
+    def __getitem__(self, cid: int) -> tuple[Arrays, float]:
+        if cid not in self.cids:
+            raise KeyError(cid)
+        return self.strategy.deploy(self.state, cid)
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self.cids)
+
+    def __len__(self) -> int:
+        return len(self.cids)
 
 
 @dataclass
@@ -104,7 +155,12 @@ class RoundLoop:
     (nestfed.federation.safeguards). on_event(kind, info): progress (``client_done``,
     ``round_done``). log: what happened that a user should read (rejections, drops, repairs).
     sinks: experiment-tracking sinks (nestfed.federation.tracking) handed every committed line,
-    caught up from metrics.jsonl when the run resumes.
+    caught up from metrics.jsonl when the run resumes. population: the per-round draws of who is
+    online, who drops out and the elastic ranks (nestfed.federation.population). evaluation: which
+    clients each round evaluates (:class:`EvalPlan`). hold_replies: accepted replies kept before a
+    mean-type rule folds them into sums (nestfed.federation.folding). server_evaluate(rnd, state):
+    metrics the server measures itself after the round (the global held-out set), put in the line
+    as ``eval_global``.
     """
 
     strategy: Strategy
@@ -122,6 +178,10 @@ class RoundLoop:
     on_event: OnEvent | None = None
     log: list[str] = field(default_factory=list)
     sinks: list[Sink] = field(default_factory=list)
+    population: Population = field(default_factory=Population)
+    evaluation: EvalPlan = field(default_factory=EvalPlan)
+    hold_replies: int = 32
+    server_evaluate: Callable[[int, GlobalState], dict[str, Any]] | None = None
 
     def _emit(self, kind: str, **info: Any) -> None:
         if self.on_event is not None:
@@ -179,9 +239,12 @@ class RoundLoop:
         else:
             state = self.strategy.initialize(shapes, self.clients)
             line: dict[str, Any] = {"round": 0, **self.transport.open()}
-            evaluation = self.transport.evaluate(0, {c.cid: ({}, 1.0) for c in self.clients})
+            cids = self.evaluation.clients(0, self.rounds, [c.cid for c in self.clients])
+            evaluation = self.transport.evaluate(0, {c: ({}, 1.0) for c in cids}) if cids else None
             if evaluation is not None:
                 line["eval"] = evaluation
+            if self.server_evaluate is not None:
+                line["eval_global"] = self.server_evaluate(0, state)
             self.run_dir.commit(0, state, self.transport.client_state(), line, self.keep_checkpoints)
             self._track(line)
             start = 1
@@ -190,56 +253,78 @@ class RoundLoop:
         return state
 
     def run_round(self, rnd: int, state: GlobalState) -> GlobalState:
-        """One round: configure, exchange, validate, aggregate, evaluate, commit."""
+        """One round: sample, configure, exchange, validate and fold, aggregate, evaluate, commit."""
         t0 = time.perf_counter()
-        sampled = sample_clients(self.clients, self.fraction, self.seed, rnd, self.sampling)
-        declared = {c.cid: c.num_examples for c in self.clients}
+        online = self.population.online(rnd, self.clients)
+        sampled = self.population.this_round(rnd, sample_clients(online, self.fraction, self.seed, rnd, self.sampling,
+                                                                len(self.clients)))
+        declared = {c.cid: c.num_examples for c in sampled}
         instructions = self.strategy.configure(rnd, state, sampled)
+        gone = set(self.population.dropouts(rnd, sampled))
         t_conf = time.perf_counter()
-        res = self.transport.fit(rnd, instructions, lambda cid: self._emit("client_done", round=rnd, cid=cid))
-        t_fit = time.perf_counter()
-        accepted: dict[int, Reply] = {}
+        folder = ReplyFolder(self.strategy, self.safeguards, rnd, state, instructions, self.hold_replies,
+                             max(declared.values(), default=1))
         per_client: dict[str, dict[str, Any]] = {}
         rejected: dict[str, str] = {}
-        dropped: dict[str, str] = {}
+        dropped: dict[str, str] = {c: f"dropped out after sampling (population.dropout = {self.population.dropout:g})"
+                                   for c in map(str, sorted(gone))}
+        timing = {"validate_s": 0.0}
+
+        def on_reply(cid: int, reply: Reply) -> None:  # validated, screened and folded as it arrives
+            t = time.perf_counter()
+            ins = instructions[cid]
+            up = payload_stats(reply.arrays)
+            info = per_client.setdefault(str(cid), {})
+            info.update({"bytes_up": up["bytes"], "params_up": up["params"], "dtypes_up": up["dtypes"],
+                         "num_examples": reply.num_examples})
+            try:
+                validate_reply(ins, reply)
+                screened, checks = self.safeguards.screen(ins, reply, declared[cid])
+                info.update(checks)
+                folder.add(cid, screened)
+                info["status"] = "accepted"
+            except UpdateRejected as exc:
+                rejected[str(cid)] = str(exc)
+                info["status"] = "rejected"
+                self._say(f"round {rnd}: client {cid} update rejected: {exc}")
+            # the client's own metrics, in their own namespace: they never touch the server's fields
+            info["metrics"] = {k: v for k, v in reply.metrics.items() if isinstance(v, (int, float))}
+            timing["validate_s"] += time.perf_counter() - t
+            self._emit("client_done", round=rnd, cid=cid)
+
+        delivered = {c: ins for c, ins in instructions.items() if c not in gone}
+        res = self.transport.fit(rnd, delivered, on_reply) if delivered else FitResults()
+        for cid in sorted(res.replies):  # a transport that collected its replies instead
+            on_reply(cid, res.replies[cid])
+        t_fit = time.perf_counter()
         for cid, ins in instructions.items():
             down = payload_stats(ins.arrays)
-            info: dict[str, Any] = {"bytes_down": down["bytes"], "params_down": down["params"],
-                                    "dtypes_down": down["dtypes"], "rank_sent": ins.config.get("rank")}
+            info = {"bytes_down": down["bytes"], "params_down": down["params"], "dtypes_down": down["dtypes"],
+                    "rank_sent": ins.config.get("rank")}
             info.update(res.info.get(cid, {}))
-            if res.secure is not None and cid in res.secure.clients:  # in the secure sum: nothing to validate
+            info.update(per_client.get(str(cid), {}))
+            if cid in gone:
+                info.update({"status": "dropped", "bytes_up": 0, "bytes_down": 0})
+            elif res.secure is not None and cid in res.secure.clients:  # in the secure sum: nothing to validate
                 info.setdefault("bytes_up", 0)
                 info["status"] = "secure"
-            elif cid not in res.replies:
+            elif "status" not in info:
                 reason = res.dropped.get(cid, "no reply")
                 dropped[str(cid)] = reason
                 info.update({"status": "dropped", "bytes_up": 0})
                 self._say(f"round {rnd}: client {cid} dropped: {reason}")
-            else:
-                reply = res.replies[cid]
-                up = payload_stats(reply.arrays)
-                info.update({"bytes_up": up["bytes"], "params_up": up["params"], "dtypes_up": up["dtypes"],
-                             "num_examples": reply.num_examples})
-                try:
-                    validate_reply(ins, reply)
-                    reply, checks = self.safeguards.screen(ins, reply, declared[cid])
-                    info.update(checks)
-                    accepted[cid] = reply
-                    info["status"] = "accepted"
-                except UpdateRejected as exc:
-                    rejected[str(cid)] = str(exc)
-                    info["status"] = "rejected"
-                    self._say(f"round {rnd}: client {cid} update rejected: {exc}")
-                # the client's own metrics, in their own namespace: they never touch the server's fields
-                info["metrics"] = {k: v for k, v in reply.metrics.items() if isinstance(v, (int, float))}
             per_client[str(cid)] = info
-        t_val = time.perf_counter()
-        aggregated = len(res.secure.clients if res.secure is not None else accepted) >= self.min_clients
+        per_client = {str(c): per_client[str(c)] for c in sorted(instructions)}
+        if sampled and len(dropped) * 2 > len(sampled):
+            self._say(f"round {rnd}: WARNING {len(dropped)} of the {len(sampled)} sampled clients dropped out; the round "
+                      "aggregates the others only")
+        count = len(res.secure.clients) if res.secure is not None else folder.count
+        aggregated = count >= self.min_clients
         trust: dict[str, Any] = {}
         if aggregated and res.secure is not None:  # the strategy rebuilds its rule from the sums alone
             new_state, trust = self.safeguards.aggregate_secure(self.strategy, rnd, state, res.secure)
         elif aggregated:
-            new_state, trust = self.safeguards.aggregate(self.strategy, rnd, state, accepted)
+            new_state, trust = folder.aggregate()
         if aggregated:  # the arrays and the server optimiser's state, which is kept or refused with them
             bad = non_finite_keys(new_state.arrays) + non_finite_keys(new_state.optimizer)
             if bad:  # never accepted as the global state: the round keeps the old one
@@ -250,25 +335,32 @@ class RoundLoop:
             else:
                 state = new_state
         else:
-            self._say(f"round {rnd}: {len(res.secure.clients if res.secure is not None else accepted)} accepted "
-                      f"updates < min_clients {self.min_clients}; "
-                      "global state kept")
+            self._say(f"round {rnd}: {count} accepted updates < min_clients {self.min_clients}; global state kept")
         trust.update(self.safeguards.privacy_spent(rnd, self.fraction))
         t_agg = time.perf_counter()
-        evaluation = self.transport.evaluate(rnd, {c.cid: self.strategy.deploy(state, c.cid) for c in self.clients})
+        cids = self.evaluation.clients(rnd, self.rounds, [c.cid for c in self.clients])
+        evaluation = self.transport.evaluate(rnd, Deployments(self.strategy, state, cids)) if cids else None
         t_eval = time.perf_counter()
         line: dict[str, Any] = {"round": rnd, "sampled": [c.cid for c in sampled], "aggregated": aggregated,
                                 "clients": per_client, "rejected": rejected, "dropped": dropped}
         if evaluation is not None:
             line["eval"] = evaluation
+        if self.server_evaluate is not None:
+            line["eval_global"] = self.server_evaluate(rnd, state)
         line.update(trust)
         line.update({"bytes_down": sum(c["bytes_down"] for c in per_client.values()),
                      "bytes_up": sum(c["bytes_up"] for c in per_client.values())})
+        if self.population.availability < 1:
+            line["online"] = len(online)
+        if folder.count > self.hold_replies or folder.folded:
+            line["replies"] = folder.facts()
         line.update(res.round_info)
-        line["timing"] = {"configure_s": t_conf - t0, "exchange_s": t_fit - t_conf, "validate_s": t_val - t_fit,
-                          "aggregate_s": t_agg - t_val, "evaluate_s": t_eval - t_agg}
+        line["timing"] = {"configure_s": t_conf - t0, "exchange_s": t_fit - t_conf - timing["validate_s"],
+                          "validate_s": timing["validate_s"], "aggregate_s": t_agg - t_fit,
+                          "evaluate_s": t_eval - t_agg}
         line["time_s"] = time.perf_counter() - t0
+        t_commit = time.perf_counter()
         self.run_dir.commit(rnd, state, self.transport.client_state(), line, self.keep_checkpoints)
         self._track(line)
-        self._emit("round_done", round=rnd, line=line)
+        self._emit("round_done", round=rnd, line=line, commit_s=time.perf_counter() - t_commit)
         return state

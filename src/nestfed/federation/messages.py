@@ -16,11 +16,14 @@ Arrays = dict[str, torch.Tensor]
 
 @dataclass
 class ClientInfo:
-    """A client as the server sees it: id, its LoRA rank r_k, its number of training examples n_k."""
+    """A client as the server sees it: id, its LoRA rank r_k, its number of training examples n_k;
+    round_rank: the rank it trains at this round when that is below r_k (elastic ranks,
+    nestfed.federation.population; 0 = its own)."""
 
     cid: int
     rank: int
     num_examples: int
+    round_rank: int = 0
 
 
 @dataclass

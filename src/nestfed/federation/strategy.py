@@ -16,7 +16,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nestfed.federation.aggregation import pad_rank, truncate_rank, weighted_mean
+from nestfed.federation.aggregation import pad_rank, rank_prefix, truncate_rank, weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
 from nestfed.federation.robust import Block, BlockRule
 from nestfed.nn.keys import rank_dim
@@ -103,8 +103,9 @@ class LoraStrategy:
         return {}
 
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
-        """The payload sent to a client of this rank (default: the rank prefix of the global adapter)."""
-        return truncate_rank(state.arrays, rank)
+        """The payload sent to a client of this rank (default: the rank prefix of the global adapter,
+        as views of the state: an instruction costs no copy until it is serialised)."""
+        return rank_prefix(state.arrays, rank)
 
     def reply_keys(self, sent: Arrays) -> list[str]:
         """Keys the client must send back (default: the LoRA matrices it trains, A and B)."""
@@ -118,6 +119,8 @@ class LoraStrategy:
         out = {}
         for c in clients:
             r = self.rank_of(state, c.cid)
+            if c.round_rank:  # an elastic rank this round: the prefix of that rank (nestfed.federation.population)
+                r = min(r, c.round_rank)
             sent = self.client_arrays(state, r)
             config = {"rank": r, "scaling": self.s.scale(r), "round": rnd, "seed": self.s.seed}
             config.update(self.client_config(rnd, state, c, r))
@@ -174,6 +177,16 @@ class LoraStrategy:
 def lora_keys(arrays: Arrays) -> list[str]:
     """The LoRA keys of a payload, sorted."""
     return sorted(k for k in arrays if rank_dim(k) is not None)
+
+
+def reply_rank(reply: Reply) -> int:
+    """The rank r of a reply's LoRA matrices (A: [r, in]; B: [out, r]; validated to agree), the rank
+    its client trained. Raises ValueError for a reply without LoRA matrices."""
+    for k, v in reply.arrays.items():
+        d = rank_dim(k)
+        if d is not None:
+            return int(v.shape[d])
+    raise ValueError("the reply holds no LoRA matrix")
 
 
 def examples(replies: dict[int, Reply]) -> dict[int, float]:

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,7 +57,7 @@ from nestfed.experiments.run import new_run_dir
 from nestfed.federation import tracking
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import FitResults, RoundLoop
-from nestfed.federation.messages import Arrays, ClientInfo, Instruction
+from nestfed.federation.messages import Arrays, ClientInfo, Instruction, Reply
 from nestfed.federation.run_dir import ClientState, Exports, RunDir
 from nestfed.federation.secure_sum import supports_secure_aggregation
 from nestfed.flower.client_app import EXPERIMENT, INITIAL_ARRAYS, TRANSPORT_METRICS
@@ -257,7 +257,7 @@ class FlowerTransport:
                        ttl=self.settings.round_timeout_s + 60)
 
     def fit(self, rnd: int, instructions: dict[int, Instruction],
-            on_reply: Callable[[int], None] | None = None) -> FitResults:
+            on_reply: Callable[[int, Reply], None] | None = None) -> FitResults:
         """TRAIN messages with each node's own ArrayRecord (its rank's shapes) and ConfigRecord; under
         ``secure-aggregation``, Flower's SecAgg+ workflow instead (nestfed.flower.secure)."""
         if self.settings.secure_aggregation:
@@ -294,20 +294,22 @@ class FlowerTransport:
                 if k in reply.metrics:
                     out.info[cid][k] = reply.metrics.pop(k)
             out.info[cid]["reply_latency_s"] = ex.received_at[n] - float(msg.metadata.created_at)
-            out.replies[cid] = reply
-            if on_reply is not None:
-                on_reply(cid)
+            if on_reply is None:
+                out.replies[cid] = reply
+            else:
+                on_reply(cid, reply)
         out.round_info = {"flower": {"encode_s": t_enc - t0, "push_s": ex.push_s, "wait_s": ex.wait_s,
                                      "pull_s": ex.pull_s, "exchange_s": t_ex - t_enc,
                                      "decode_s": time.perf_counter() - t_ex}}
         return out
 
-    def evaluate(self, rnd: int, deployments: dict[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
+    def evaluate(self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
         """EVALUATE messages (only with the run config's ``evaluate``)."""
         if not self.settings.evaluate:
             return None
         msgs, cid_of = {}, {}
-        for cid, (arrays, scale) in deployments.items():
+        for cid in deployments:
+            arrays, scale = deployments[cid]
             content = RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale})})
             msgs[self.node_of[cid]] = self._message(cid, content, MessageType.EVALUATE, f"eval-{rnd}")
             cid_of[self.node_of[cid]] = cid

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from nestfed.config import ExperimentConfig
-from nestfed.federation.aggregation import weighted_mean
+from nestfed.federation.aggregation import merge_prefix, weighted_mean
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays, GlobalState, Reply
 from nestfed.federation.prepared import Prepared
@@ -118,8 +118,9 @@ class FedSAHooks(ClientHooks):
     keeps_state = True
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
-        """The received A [r_k, in] plus, per layer, the client's kept B [out, r_k] (zeros before its
-        first round). Raises ValueError when a kept B's rank is not the instructed rank."""
+        """The received A [r, in] plus, per layer, the first r columns of the client's kept B
+        [out, r_k] (zeros before its first round); r is the instructed rank, r_k or an elastic rank
+        below it. Raises ValueError when a kept B holds fewer than r columns."""
         own = ctx.state.get(OWN_B, {})
         r = int(ctx.config["rank"])
         for m, (out_f, _) in sorted(module_shapes(ctx.model).items()):
@@ -127,15 +128,17 @@ class FedSAHooks(ClientHooks):
                 continue
             b_key = peft_key(m, "lora_B")
             b = own.get(b_key)
-            if b is not None and b.shape[1] != r:
+            if b is not None and b.shape[1] < r:
                 raise ValueError(f"client {ctx.cid}: its kept {b_key} has rank {b.shape[1]}, "
                                  f"the instructed rank is {r}")
-            arrays[b_key] = b.clone() if b is not None else torch.zeros(out_f, r)
+            arrays[b_key] = b[:, :r].clone() if b is not None else torch.zeros(out_f, r)
         return arrays
 
     def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
-        """Keep the trained B's as ``own_B``; send the A's only."""
-        ctx.state[OWN_B] = {k: v.clone() for k, v in out.items() if k.endswith("lora_B.weight")}
+        """Keep the trained B's as ``own_B`` (trained at an elastic rank: its first columns, the rest
+        kept as they were); send the A's only."""
+        kept = ctx.state.get(OWN_B, {})
+        ctx.state[OWN_B] = {k: merge_prefix(kept.get(k), v, 1) for k, v in out.items() if k.endswith("lora_B.weight")}
         return {k: v for k, v in out.items() if not k.endswith("lora_B.weight")}
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:

@@ -14,7 +14,7 @@ from nestfed.federation.aggregation import lowrank_norm, pad_rank, weighted_mean
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
 from nestfed.federation.robust import BlockRule
-from nestfed.federation.strategy import LoraSettings, LoraStrategy, copy_state, examples, lora_keys
+from nestfed.federation.strategy import LoraSettings, LoraStrategy, copy_state, examples, lora_keys, reply_rank
 from nestfed.federation.training import Batch
 from nestfed.methods.hetlora import HetLoRAOptions
 from nestfed.methods.implementation import lora_implementation, lora_settings
@@ -50,24 +50,31 @@ class HetLoRA(LoraStrategy):
     def __init__(self, settings: LoraSettings, options: HetLoRAOptions = HetLoRAOptions()):
         super().__init__(settings, options)
         self.o = options
+        self.sent_rank: dict[int, int] = {}  # the rank each client was sent in the round being configured
 
     @property
     def may_shrink_rank(self) -> bool:  # type: ignore[override]
         return self.o.pruning
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
-        """``hetlora_prev_tail``: the client's tail norm after its last round (-1 before its first)."""
+        """``hetlora_prev_tail``: the client's tail norm after its last round, -1 before its first
+        and when that round trained another rank (an elastic rank: the tails are not comparable)."""
         prev = state.meta.get("tail_norms", {}).get(str(client.cid))
-        return {"hetlora_prev_tail": -1.0 if prev is None else float(prev)}
+        prev_rank = state.meta.get("tail_ranks", {}).get(str(client.cid), rank)
+        self.sent_rank[client.cid] = rank
+        return {"hetlora_prev_tail": -1.0 if prev is None or prev_rank != rank else float(prev)}
 
-    @staticmethod
-    def remember(new: GlobalState, replies: dict[int, Reply]) -> None:
-        """Keep each replying client's (possibly pruned) rank and tail norm for the next round."""
+    def remember(self, new: GlobalState, replies: dict[int, Reply]) -> None:
+        """Keep each replying client's pruned rank (a reply below the rank it was sent this round;
+        an elastic rank below its own leaves its own as it was) and its tail norm with the rank it
+        was measured at."""
         for c in sorted(replies):
-            a_key = next(k for k in replies[c].arrays if k.endswith("lora_A.weight"))
-            new.meta["ranks"][str(c)] = int(replies[c].arrays[a_key].shape[0])
+            r = reply_rank(replies[c])
+            if r < self.sent_rank.get(c, int(new.meta["ranks"][str(c)])):
+                new.meta["ranks"][str(c)] = r
             if "tail_norm" in replies[c].metrics:
                 new.meta.setdefault("tail_norms", {})[str(c)] = float(replies[c].metrics["tail_norm"])
+                new.meta.setdefault("tail_ranks", {})[str(c)] = r
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
         """The padded block of :meth:`LoraStrategy.robust_aggregate` (norm weights replaced by the

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from nestfed.config import ExperimentConfig
+from nestfed.federation.aggregation import merge_prefix, truncate_rank
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays, GlobalState, Reply
 from nestfed.federation.strategy import LoraStrategy, copy_state
 from nestfed.methods.implementation import lora_implementation, lora_settings
+from nestfed.nn.keys import rank_dim
 
 
 class LocalOnly(LoraStrategy):
@@ -34,12 +36,16 @@ class LocalOnlyHooks(ClientHooks):
     keeps_state = True
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
-        """The client's kept adapter ({key: [r_k, in] / [out, r_k]}), or the received one at first."""
-        return _clone(ctx.state.get("adapter", arrays))
+        """The client's kept adapter ({key: [r_k, in] / [out, r_k]}), or the received one at first,
+        cut to the instructed rank (r_k, or an elastic rank below it: its prefix)."""
+        return truncate_rank(_clone(ctx.state.get("adapter", arrays)), int(ctx.config["rank"]))
 
     def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
-        """Keep the trained adapter on the client; send it (the server ignores it)."""
-        ctx.state["adapter"] = _clone(out)
+        """Keep the trained adapter on the client (trained at an elastic rank: its prefix, the rest
+        kept as it was); send it (the server ignores it)."""
+        kept = ctx.state.get("adapter", {})
+        ctx.state["adapter"] = {k: merge_prefix(kept.get(k), v, rank_dim(k)) if rank_dim(k) is not None
+                                else v.detach().clone() for k, v in out.items()}
         return out
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:

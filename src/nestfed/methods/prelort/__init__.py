@@ -43,5 +43,6 @@ class PreLortOptions:
             raise ValueError(f"aggregation: unknown aggregation '{self.aggregation}' (known: {', '.join(AGGREGATIONS)})")
 
 
-METHOD = lora_method('prelort', "clients train every prefix sub-rank r in R_k; the server averages each rank "
-                     "segment over the clients that hold it (arXiv 2606.15963)", 'nestfed.methods.prelort.strategy', sections={"prelort": PreLortOptions})
+METHOD = lora_method("prelort", "clients train every prefix sub-rank r in R_k; the server averages each rank "
+                     "segment over the clients that hold it (arXiv 2606.15963)", "nestfed.methods.prelort.strategy",
+                     sections={"prelort": PreLortOptions})

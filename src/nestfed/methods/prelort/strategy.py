@@ -15,7 +15,7 @@ from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
 from nestfed.federation.robust import Block, BlockRule
 from nestfed.federation.secure_sum import SecureSum, segment_mean
-from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys
+from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys, reply_rank
 from nestfed.federation.training import Batch
 from nestfed.methods.prelort import PreLortOptions
 from nestfed.methods.implementation import lora_implementation, lora_settings
@@ -62,12 +62,18 @@ class PreLort(LoraStrategy):
     name = "prelort"
 
     def federation_ranks(self, state: GlobalState) -> list[int]:
-        """R_fed: the sorted distinct ranks of every client in the federation."""
-        return sorted({int(r) for r in state.meta["ranks"].values()})
+        """R_fed: the sorted distinct ranks of every client in the federation (read once per ranks
+        table: a round asks for every sampled client, and a federation may hold thousands)."""
+        table = state.meta["ranks"]
+        if getattr(self, "_rfed", (None,))[0] is not table:
+            self._rfed = (table, sorted({int(r) for r in table.values()}))
+        return list(self._rfed[1])
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
-        """``subranks``: R_k, the federation's ranks up to the client's."""
-        return {"subranks": [r for r in self.federation_ranks(state) if r <= rank]}
+        """``subranks``: R_k, the federation's ranks up to the rank the client trains this round (its
+        own, or an elastic rank below it, which is then a sub-rank too)."""
+        subranks = [r for r in self.federation_ranks(state) if r <= rank]
+        return {"subranks": subranks if rank in subranks else subranks + [rank]}
 
     @property
     def zero_padded(self) -> bool:
@@ -80,7 +86,7 @@ class PreLort(LoraStrategy):
         new = copy_state(state)
         n = examples(replies)
         cids = sorted(replies)
-        ranks = [self.rank_of(state, c) for c in cids]
+        ranks = [reply_rank(replies[c]) for c in cids]  # the rank each trained this round (elastic ranks)
         bounds = segments(self.federation_ranks(state))
         for key in lora_keys(state.arrays):
             new.arrays[key] = segment_average(state.arrays[key], [replies[c].arrays[key] for c in cids], ranks,
@@ -93,7 +99,7 @@ class PreLort(LoraStrategy):
         the segment's combined update is added to the global segment (docs/trust.md)."""
         new = copy_state(state)
         n = examples(replies)
-        ranks = {c: self.rank_of(state, c) for c in replies}
+        ranks = {c: reply_rank(replies[c]) for c in replies}
         everyone = [int(r) for r in state.meta["ranks"].values()]
         keys = lora_keys(state.arrays)
         for lo, hi in segments(self.federation_ranks(state)):

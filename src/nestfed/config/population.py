@@ -1,0 +1,176 @@
+"""``[population]``: who the clients are beyond their data: their LoRA ranks, drawn from a
+distribution or from device memory budgets, ranks that change from round to round (elastic), and
+whether a client is online and finishes its round (docs/scale.md).
+
+Every draw follows the one seed rule (nestfed.seeds): the ranks and budgets of the clients are a
+property of the experiment, drawn from ``data.seed`` (the same for every method and every
+``federation.seed`` of a comparison, as the data partition is); who is online, who drops out and
+the elastic ranks are drawn per round from ``federation.seed``, so a resumed run draws them again
+exactly.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from nestfed.seeds import stream_seed
+
+#: {value: share} written in TOML as an inline table, ``{2 = 0.4, 4 = 0.3, 8 = 0.2, 16 = 0.1}``
+Shares = tuple[tuple[int, float], ...]
+
+RANK_DRAWS = ("stratified", "independent")
+ELASTIC = ("none", "uniform", "trace")
+
+
+@dataclass(frozen=True)
+class PopulationConfig:
+    """The clients as a population.
+
+    rank_shares: {rank r: share} the clients' ranks r_k are drawn from (shares sum to 1); empty =
+    ``lora.ranks``, which it then replaces (lora.ranks must then be left at one value).
+    memory_mib: {device memory in MiB: share}: alternatively each client's memory budget is drawn
+    from these tiers and its rank is the largest of ``rank_choices`` whose training footprint fits
+    the budget (the footprint model of nestfed.nn.footprint, measured on the backbone when the
+    experiment is prepared). rank_choices: the ranks a memory budget chooses from (empty = 1, 2,
+    4, ... up to lora.r_max). rank_draw: ``stratified`` (each value's count is its share of
+    data.num_clients, rounded by largest remainders, on a seeded permutation of the clients) or
+    ``independent`` (every client draws on its own).
+    elastic: ``none``; ``uniform`` (each round a sampled client trains at a rank drawn uniformly from
+    the federation's ranks up to its own, as if its free memory varied); ``trace`` (the ranks of
+    ``elastic_trace``, a CSV file with columns round, client, rank; a (round, client) it does not
+    list trains at its own rank). A method serves an elastic rank by training the prefix of that
+    rank, or refuses the setting with its reason (nestfed.methods.method.Method.elastic_ranks).
+    availability: the probability that a client is online in a round (sampling draws from the
+    online clients); dropout: the probability that a sampled client drops out before it replies.
+    """
+
+    rank_shares: Shares = ()
+    memory_mib: Shares = ()
+    rank_choices: tuple[int, ...] = ()
+    rank_draw: str = "stratified"
+    elastic: str = "none"
+    elastic_trace: str = ""
+    availability: float = 1.0
+    dropout: float = 0.0
+
+    @property
+    def draws_ranks(self) -> bool:
+        """Whether the clients' ranks come from this section (shares or memory budgets), not lora.ranks."""
+        return bool(self.rank_shares or self.memory_mib)
+
+    def support(self, r_max_setting: int) -> list[int]:
+        """The ranks a client may be given, sorted: the shares' ranks, or the memory budgets' choices
+        (``rank_choices``, else 1, 2, 4, ... up to ``r_max_setting``); [] when lora.ranks decides."""
+        if self.rank_shares:
+            return sorted(r for r, _ in self.rank_shares)
+        if self.memory_mib:
+            if self.rank_choices:
+                return sorted(set(self.rank_choices))
+            return [2 ** i for i in range(int(math.log2(r_max_setting)) + 1)] if r_max_setting else []
+        return []
+
+
+def _check_shares(name: str, shares: Shares) -> None:
+    if not shares:
+        return
+    keys = [k for k, _ in shares]
+    if len(set(keys)) != len(keys):
+        raise ValueError(f"population.{name}: a value is listed twice ({keys})")
+    if any(k < 1 for k in keys):
+        raise ValueError(f"population.{name}: every value must be a positive integer, got {keys}")
+    if any(not s > 0 for _, s in shares):
+        raise ValueError(f"population.{name}: every share must be > 0, got {[s for _, s in shares]}")
+    total = sum(s for _, s in shares)
+    if abs(total - 1.0) > 1e-6:
+        raise ValueError(f"population.{name}: the shares sum to {total:g}, not 1")
+
+
+def check_population(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setting: int) -> None:
+    """Check ``[population]`` against ``lora.ranks`` and ``lora.r_max``. Raises
+    ValueError("population.<key>: <reason>") for the first value at fault."""
+    _check_shares("rank_shares", p.rank_shares)
+    _check_shares("memory_mib", p.memory_mib)
+    if p.rank_shares and p.memory_mib:
+        raise ValueError("population.rank_shares and population.memory_mib both choose the ranks; set one")
+    if p.draws_ranks and len(lora_ranks) > 1:
+        which = "rank_shares" if p.rank_shares else "memory_mib"
+        raise ValueError(f"population.{which} draws the clients' ranks and lora.ranks lists {list(lora_ranks)}; "
+                         "set one (lora.ranks = [r] is then ignored)")
+    if any(r < 1 for r in p.rank_choices):
+        raise ValueError(f"population.rank_choices: every rank must be >= 1, got {list(p.rank_choices)}")
+    if p.memory_mib and not p.rank_choices and not r_max_setting:
+        raise ValueError("population.memory_mib: give population.rank_choices or lora.r_max (the ranks a "
+                         "budget chooses from)")
+    if p.rank_choices and not p.memory_mib:
+        raise ValueError("population.rank_choices: only population.memory_mib chooses from it")
+    if p.rank_draw not in RANK_DRAWS:
+        raise ValueError(f"population.rank_draw: '{p.rank_draw}' is not one of {', '.join(RANK_DRAWS)}")
+    if p.elastic not in ELASTIC:
+        raise ValueError(f"population.elastic: '{p.elastic}' is not one of {', '.join(ELASTIC)}")
+    if (p.elastic == "trace") != bool(p.elastic_trace):
+        raise ValueError("population.elastic_trace: a trace file goes with population.elastic = 'trace', and only "
+                         "with it")
+    if not 0 < p.availability <= 1:
+        raise ValueError(f"population.availability must be in (0, 1], got {p.availability}")
+    if not 0 <= p.dropout < 1:
+        raise ValueError(f"population.dropout must be in [0, 1), got {p.dropout}")
+
+
+def draw(shares: Shares, n: int, how: str, seed: int, stream: str) -> list[int]:
+    """One value per client 0..n-1 from ``shares`` ({value: share}).
+
+    ``stratified``: value v appears floor(share_v n) times plus one for the largest remainders (ties
+    to the smaller value), on a permutation of the clients drawn from the seed rule's stream
+    ``stream`` of (seed, 0, 0); ``independent``: each client draws on its own from that stream.
+    Raises ValueError for no shares or n < 1.
+    """
+    if not shares or n < 1:
+        raise ValueError("draw needs shares and at least one client")
+    values = [v for v, _ in sorted(shares)]
+    p = np.asarray([s for _, s in sorted(shares)], dtype=np.float64)
+    p = p / p.sum()
+    rng = np.random.default_rng(stream_seed(seed, 0, 0, stream))
+    if how == "independent":
+        return [int(values[i]) for i in rng.choice(len(values), size=n, p=p)]
+    exact = p * n
+    counts = np.floor(exact).astype(int)
+    for i in sorted(range(len(values)), key=lambda i: (-(exact[i] - counts[i]), i))[: n - int(counts.sum())]:
+        counts[i] += 1
+    out = np.repeat(np.asarray(values), counts)
+    return [int(v) for v in out[rng.permutation(n)]]
+
+
+def assign_ranks(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setting: int, num_clients: int, seed: int,
+                 footprint: Callable[[int], int] | None = None) -> tuple[list[int], list[int] | None]:
+    """(rank r_k of every client, its memory budget in MiB or None).
+
+    From ``rank_shares`` (:func:`draw`, stream ``population/rank``), from ``memory_mib`` (budgets
+    drawn by stream ``population/memory``; rank = the largest choice whose ``footprint(r)`` bytes fit
+    the budget), else ``lora.ranks`` broadcast. Raises ValueError naming ``population.memory_mib``
+    when a budget fits no choice, and when budgets need a footprint and none is given (the model
+    is not loaded yet).
+    """
+    if p.rank_shares:
+        return draw(p.rank_shares, num_clients, p.rank_draw, seed, "population/rank"), None
+    if p.memory_mib:
+        if footprint is None:
+            raise ValueError("population.memory_mib: the ranks follow from the backbone's footprint, known once the "
+                             "experiment is prepared")
+        budgets = draw(p.memory_mib, num_clients, p.rank_draw, seed, "population/memory")
+        choices = p.support(r_max_setting)
+        sizes = {r: footprint(r) for r in choices}
+        out = []
+        for cid, mib in enumerate(budgets):
+            fits = [r for r in choices if sizes[r] <= mib * 2**20]
+            if not fits:
+                raise ValueError(f"population.memory_mib: client {cid}'s budget of {mib} MiB holds no rank of "
+                                 f"{choices} (rank {choices[0]} needs {sizes[choices[0]] / 2**20:.0f} MiB; "
+                                 "nestfed.nn.footprint)")
+            out.append(max(fits))
+        return out, budgets
+    ranks = list(lora_ranks)
+    return (ranks * num_clients if len(ranks) == 1 else ranks), None

@@ -1,0 +1,111 @@
+"""A round's accepted replies, held up to a bound and then folded into running sums, so the server's
+memory for a mean-type rule does not grow with the number of replies (docs/scale.md).
+
+Up to ``hold`` accepted replies are kept and handed to the strategy's own ``aggregate`` (or its
+robust / central-DP form): exactly what the round loop did before, bit for bit. When one more
+arrives and the round can be rebuilt from sums (the strategy has ``aggregate_secure``,
+nestfed.federation.secure_sum.supports_secure_aggregation, and no robust rule or central DP needs
+the individual updates), the held replies are folded into the float64 sums
+S = sum_k n_k pad(D_k) and C = sum_k n_k [j < r_k] (nestfed.federation.secure_sum, the sums secure
+aggregation reveals) and every later reply is added on arrival and dropped; the strategy then
+rebuilds its rule from the sums (``aggregate_secure``). The two paths agree to float32 rounding
+(tested for every rule that folds); folding in another arrival order may move the last bit.
+
+A rule that needs every update (a robust rule, central DP, HetLoRA's norm weights, FLoRA's,
+FlexLoRA's and FedEx-LoRA's exact stacks, FedSLM's groups, FedNL's rules, which have no rank
+dimension) holds them all; ``held_bytes`` in the metrics line says what it held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from nestfed.federation.messages import GlobalState, Instruction, Reply, SecureSum
+from nestfed.federation.safeguards import Safeguards
+from nestfed.federation.secure_sum import Layout, decode, encode, layout, supports_secure_aggregation
+from nestfed.federation.strategy import Strategy
+
+
+def reply_bytes(reply: Reply) -> int:
+    """Bytes of a reply's tensors (what holding it costs)."""
+    return int(sum(t.numel() * t.element_size() for t in reply.arrays.values()))
+
+
+@dataclass
+class ReplyFolder:
+    """The accepted replies of one round (see the module docstring).
+
+    strategy, safeguards: the round's rule; rnd, state: the round and the global state its
+    instructions came from; instructions: {cid: Instruction} (their ``expect`` give the sums'
+    layout, their arrays the updates' origins); hold: replies kept before folding (>= 1); n_max:
+    the largest n_k a reply of this round may carry (the sampled clients' declared n_k: screening
+    caps or rejects a larger one), which scales the sums' encoding into (0, 1].
+    """
+
+    strategy: Strategy
+    safeguards: Safeguards
+    rnd: int
+    state: GlobalState
+    instructions: dict[int, Instruction]
+    hold: int
+    n_max: int
+    held: dict[int, Reply] = field(default_factory=dict)
+    count: int = 0
+    held_bytes: int = 0
+    _sums: list[torch.Tensor] | None = None
+    _folded: list[int] = field(default_factory=list)
+    _layout: Layout | None = None
+    _scale: float = 1.0
+
+    @property
+    def can_fold(self) -> bool:
+        """Whether this round's rule can be rebuilt from sums (module docstring)."""
+        if self.safeguards.rule.active or not supports_secure_aggregation(self.strategy):
+            return False
+        try:
+            self._layout = self._layout or layout(ins.expect for ins in self.instructions.values())
+        except ValueError:  # an array without a rank dimension: no sum form
+            return False
+        return True
+
+    @property
+    def folded(self) -> bool:
+        """Whether the replies went into sums."""
+        return self._sums is not None
+
+    def _fold(self, cid: int, reply: Reply) -> None:
+        vec, _ = encode(self.instructions[cid].arrays, reply.arrays, reply.num_examples, self._layout, self._scale,
+                        float("inf"))
+        self._sums = vec if self._sums is None else [a + b for a, b in zip(self._sums, vec)]
+        self._folded.append(cid)
+
+    def add(self, cid: int, reply: Reply) -> None:
+        """One accepted (validated, screened) reply."""
+        self.count += 1
+        if self._sums is not None:
+            self._fold(cid, reply)
+            return
+        self.held[cid] = reply
+        self.held_bytes += reply_bytes(reply)
+        if len(self.held) > self.hold and self.can_fold:
+            self._scale = 1.0 / max(self.n_max, 1)
+            for c in sorted(self.held):
+                self._fold(c, self.held[c])
+            self.held, self.held_bytes = {}, 0
+
+    def facts(self) -> dict[str, Any]:
+        """For the metrics line: ``held_replies`` (replies in memory at the end), ``held_bytes`` and
+        ``folded_replies`` (replies folded into sums)."""
+        return {"held_replies": len(self.held), "held_bytes": self.held_bytes, "folded_replies": len(self._folded)}
+
+    def aggregate(self) -> tuple[GlobalState, dict[str, Any]]:
+        """The round's aggregate and its trust facts: the strategy's rule over the held replies, or
+        its rebuild from the sums (Safeguards.aggregate / aggregate_secure, the server optimiser's
+        step included)."""
+        if self._sums is None:
+            return self.safeguards.aggregate(self.strategy, self.rnd, self.state, self.held)
+        secure: SecureSum = decode(self._sums, self._layout, self._scale, self._folded)
+        return self.safeguards.aggregate_secure(self.strategy, self.rnd, self.state, secure)

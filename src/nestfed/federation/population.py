@@ -1,0 +1,113 @@
+"""What a round draws about its clients beyond the sample: who is online, who drops out after being
+sampled, and the rank a sampled client can train at this round (``[population]``,
+nestfed.config.population; docs/scale.md).
+
+Every draw comes from the seed rule's streams of (federation.seed, round, 0): ``online``,
+``dropout`` and ``elastic_rank``, one generator per round over the clients in id order, so a
+resumed run draws them again exactly, and a setting left at its default draws nothing (a run is
+then what it was without the section).
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+from nestfed.config import ExperimentConfig
+from nestfed.config.population import PopulationConfig
+from nestfed.errors import ConfigError
+from nestfed.federation.messages import ClientInfo
+from nestfed.seeds import stream_seed
+
+
+def read_trace(path: str | Path, ranks: dict[int, int]) -> dict[tuple[int, int], int]:
+    """{(round, client): rank} from a CSV file with columns ``round``, ``client``, ``rank`` (rounds
+    1-based). ranks: {cid: the client's own rank r_k}. Raises ConfigError naming the file and line
+    for a missing file or column, a value that is not a positive integer, an unknown client, a rank
+    above the client's own, or a (round, client) given twice."""
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(f"population.elastic_trace: {p} not found")
+    out: dict[tuple[int, int], int] = {}
+    with p.open(newline="", encoding="utf-8") as f:
+        reader = csv.DictReader(f)
+        missing = {"round", "client", "rank"} - set(reader.fieldnames or [])
+        if missing:
+            raise ConfigError(f"{p}: missing column(s) {', '.join(sorted(missing))} (needs round, client, rank)")
+        for line, row in enumerate(reader, 2):
+            try:
+                rnd, cid, r = int(row["round"]), int(row["client"]), int(row["rank"])
+            except (TypeError, ValueError):
+                raise ConfigError(f"{p}:{line}: round, client and rank must be integers, got {dict(row)}") from None
+            if rnd < 1 or r < 1:
+                raise ConfigError(f"{p}:{line}: round and rank must be >= 1")
+            if cid not in ranks:
+                raise ConfigError(f"{p}:{line}: client {cid} is not in the federation (0..{len(ranks) - 1})")
+            if r > ranks[cid]:
+                raise ConfigError(f"{p}:{line}: rank {r} is above client {cid}'s own rank {ranks[cid]}")
+            if (rnd, cid) in out:
+                raise ConfigError(f"{p}:{line}: round {rnd}, client {cid} is given twice")
+            out[(rnd, cid)] = r
+    return out
+
+
+@dataclass
+class Population:
+    """The per-round draws of one run. availability: P(a client is online in a round); dropout:
+    P(a sampled client drops out before replying); elastic: ``none`` | ``uniform`` | ``trace``;
+    ranks: the federation's distinct ranks R_fed (an elastic rank is drawn from those up to the
+    client's own); trace: {(round, client): rank}; seed: federation.seed."""
+
+    availability: float = 1.0
+    dropout: float = 0.0
+    elastic: str = "none"
+    ranks: list[int] = field(default_factory=list)
+    trace: dict[tuple[int, int], int] = field(default_factory=dict)
+    seed: int = 0
+
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, clients: Sequence[ClientInfo]) -> Population:
+        """The population of ``cfg``'s ``[population]`` over ``clients`` (their ranks r_k). Raises
+        ConfigError for a bad elastic trace (:func:`read_trace`)."""
+        p: PopulationConfig = cfg.population
+        trace = read_trace(p.elastic_trace, {c.cid: c.rank for c in clients}) if p.elastic == "trace" else {}
+        return cls(p.availability, p.dropout, p.elastic, sorted({c.rank for c in clients}), trace,
+                   cfg.federation.seed)
+
+    def online(self, rnd: int, clients: Sequence[ClientInfo]) -> list[ClientInfo]:
+        """The clients online in round ``rnd``: each with probability ``availability`` (all at 1)."""
+        if self.availability >= 1:
+            return list(clients)
+        rng = np.random.default_rng(stream_seed(self.seed, rnd, 0, "online"))
+        up = rng.random(len(clients)) < self.availability
+        return [c for c, u in zip(clients, up) if u]
+
+    def dropouts(self, rnd: int, sampled: Sequence[ClientInfo]) -> list[int]:
+        """The sampled clients (ids) that drop out of round ``rnd`` before replying: each with
+        probability ``dropout`` (none at 0)."""
+        if self.dropout <= 0:
+            return []
+        rng = np.random.default_rng(stream_seed(self.seed, rnd, 0, "dropout"))
+        gone = rng.random(len(sampled)) < self.dropout
+        return [c.cid for c, g in zip(sampled, gone) if g]
+
+    def this_round(self, rnd: int, sampled: Sequence[ClientInfo]) -> list[ClientInfo]:
+        """The sampled clients with the rank each trains at in round ``rnd`` (``ClientInfo.round_rank``):
+        ``uniform`` draws from R_fed up to the client's own rank, ``trace`` reads it (its own when the
+        trace lists none); unchanged without elastic ranks."""
+        if self.elastic == "none":
+            return list(sampled)
+        rng = np.random.default_rng(stream_seed(self.seed, rnd, 0, "elastic_rank"))
+        out = []
+        for c in sampled:
+            if self.elastic == "uniform":
+                choices = [r for r in self.ranks if r <= c.rank] or [c.rank]
+                r = int(choices[int(rng.integers(len(choices)))])
+            else:
+                r = self.trace.get((rnd, c.cid), c.rank)
+            out.append(replace(c, round_rank=r) if r < c.rank else c)
+        return out
