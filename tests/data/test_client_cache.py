@@ -9,6 +9,7 @@ import torch
 
 from nestfed import methods
 from nestfed.data import client_cache
+from nestfed.data import clients as clients_module
 from nestfed.experiments import prepare as prepare_module
 from nestfed.experiments.prepare import prepare
 
@@ -29,6 +30,8 @@ def same(a, b):
 def test_a_second_prepare_loads_the_first_ones_data_bit_for_bit(tmp_path, monkeypatch):
     c = cfg()
     built = prepare(c, only_clients=[2], client_cache=tmp_path)
+    assert list(tmp_path.iterdir()) == []  # a client's data are built when first read
+    built.data[2]
     files = list(tmp_path.iterdir())
     assert [f.name for f in files] == [f"{client_cache.key(c, 2)}.safetensors"]
     assert built.data[2].start == 1 and built.data[2].train_hidden is not None  # the prefix was cached
@@ -36,7 +39,7 @@ def test_a_second_prepare_loads_the_first_ones_data_bit_for_bit(tmp_path, monkey
     def no_rebuild(*a, **kw):
         raise AssertionError("partitioned again")
 
-    monkeypatch.setattr(prepare_module, "load_partitions", no_rebuild)
+    monkeypatch.setattr(clients_module, "load_partitions", no_rebuild)
     monkeypatch.setattr(prepare_module.ClientData, "cache_prefix", no_rebuild)
     loaded = prepare(c, only_clients=[2], client_cache=tmp_path)
     same(built.data[2], loaded.data[2])

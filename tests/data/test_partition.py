@@ -74,7 +74,8 @@ def test_dirichlet_impossible():
     with pytest.raises(ValueError, match="alpha"):
         dirichlet(["a"] * 5, num_clients=2, alpha=0.0)
     # 2 labels x 5 items over 5 clients, each needing 2 of them, with near-one-hot proportions
-    with pytest.raises(ValueError, match=r"dirichlet: .*raise alpha or lower min_size"):
+    with pytest.raises(ValueError, match=r"dirichlet: .*at most 2 clients can be served; for 5: partition = "
+                                         r"'inner_dirichlet' .* unit = 'block' .* or a larger alpha"):
         dirichlet(["a"] * 5 + ["b"] * 5, num_clients=5, alpha=0.001, min_size=2)
 
 

@@ -3,16 +3,19 @@
 :class:`~nestfed.config.loader.Schema`; nestfed.methods builds the one every entry point uses."""
 
 from nestfed.config.loader import Schema, differences, dumps_toml, from_dict, load, parse_override, replace, to_dict
-from nestfed.config.schema import (CORE_SECTIONS, DataConfig, ExperimentConfig, FederationConfig, LoraConfig,
-                                   MemoryConfig, ModelConfig, OutputConfig, StrategyConfig, TrainConfig, client_ranks,
-                                   r_max, sampled_per_round)
+from nestfed.config.evaluation import EvaluationConfig
+from nestfed.config.population import PopulationConfig
+from nestfed.config.schema import (CORE_SECTIONS, INLINE_CLIENTS, DataConfig, ExperimentConfig, FederationConfig,
+                                   LoraConfig, MemoryConfig, ModelConfig, OutputConfig, StrategyConfig, TrainConfig,
+                                   client_ranks, per_client_inline, r_max, sampled_per_round)
 from nestfed.config.server_optimizer import ServerOptimizerConfig
 from nestfed.config.tracking import TrackingConfig
 from nestfed.config.trust import AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig
 from nestfed.errors import ConfigError
 
-__all__ = ["AttackConfig", "PrivacyConfig", "RobustConfig", "ServerOptimizerConfig", "TrackingConfig", "ValidationConfig",
-           "CORE_SECTIONS", "ConfigError", "DataConfig", "ExperimentConfig", "FederationConfig", "LoraConfig",
-           "MemoryConfig", "ModelConfig", "OutputConfig", "Schema", "StrategyConfig", "TrainConfig", "client_ranks",
-           "differences", "dumps_toml", "from_dict", "load", "parse_override", "r_max", "replace", "sampled_per_round",
+__all__ = ["AttackConfig", "CORE_SECTIONS", "ConfigError", "DataConfig", "EvaluationConfig", "ExperimentConfig",
+           "FederationConfig", "INLINE_CLIENTS", "LoraConfig", "MemoryConfig", "ModelConfig", "OutputConfig",
+           "PopulationConfig", "PrivacyConfig", "RobustConfig", "Schema", "ServerOptimizerConfig", "StrategyConfig",
+           "TrackingConfig", "TrainConfig", "ValidationConfig", "client_ranks", "differences", "dumps_toml",
+           "from_dict", "load", "parse_override", "per_client_inline", "r_max", "replace", "sampled_per_round",
            "to_dict"]

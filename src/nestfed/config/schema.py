@@ -4,7 +4,10 @@
 method's name), ``[federation]``, ``[output]`` and ``[memory]`` (the delta-rule memory layer of
 nestfed.nn.memory), and the trust sections ``[validation]``, ``[robust]``, ``[privacy]``,
 ``[attack]`` (nestfed.config.trust), and ``[server_optimizer]`` (how the server applies the aggregate,
-nestfed.config.server_optimizer), ``[tracking]`` (TensorBoard and MLflow sinks, nestfed.config.tracking). A method's own options live in sections its home declares (``[hetlora]``,
+nestfed.config.server_optimizer), ``[tracking]`` (TensorBoard and MLflow sinks, nestfed.config.tracking),
+``[population]`` (ranks drawn from a distribution or memory budgets, elastic ranks, availability;
+nestfed.config.population) and ``[evaluation]`` (which clients a round evaluates, the global
+held-out set; nestfed.config.evaluation). A method's own options live in sections its home declares (``[hetlora]``,
 ``[compression]``, ...; nestfed.methods), held in :attr:`ExperimentConfig.sections`. Values that
 types cannot check are checked by :func:`check_core`, which raises ValueError("<section.key>:
 <reason>"); the loader (nestfed.config.loader) prefixes the file.
@@ -18,6 +21,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+from nestfed.config.evaluation import EvaluationConfig, check_evaluation
 from nestfed.config.population import PopulationConfig, assign_ranks, check_population
 from nestfed.config.server_optimizer import ServerOptimizerConfig, check_server_optimizer
 from nestfed.config.tracking import TrackingConfig, check_tracking
@@ -77,8 +81,14 @@ class DataConfig:
     | multiple_choice (loss on the gold letter).
     partition (nestfed.data.partition; flwr-datasets' partitioners): label (client_labels lists the
     labels of each client; empty = one natural id per client, flwr-datasets' NaturalIdPartitioner)
-    | dirichlet (over labels, concentration dirichlet_alpha) | pathological (classes_per_client
-    labels per client) | iid.
+    | dirichlet (over labels, concentration dirichlet_alpha; every client at least one item, which
+    fails for more clients than the corpus can serve at that alpha) | inner_dirichlet (the same
+    label mixes, every client an equal share of the items: flwr-datasets' InnerDirichletPartitioner,
+    which always succeeds; a client's mix drifts to the labels left when its own run out) |
+    pathological (classes_per_client labels per client) | iid.
+    unit: what the partition deals out: ``document`` (the source's records) or ``block`` (the
+    corpus packed into blocks of block_size tokens per label, then dealt out: for more clients than
+    documents; causal_lm only; a client's train and test blocks may then come from one document).
     max_train / max_test: caps per client, in blocks (causal_lm) or examples (other tasks).
     """
 
@@ -86,6 +96,7 @@ class DataConfig:
     path: str = ""
     task: str = "causal_lm"
     partition: str = "label"
+    unit: str = "document"
     num_clients: int = 5
     client_labels: tuple[tuple[str, ...], ...] = ()
     dirichlet_alpha: float = 0.5
@@ -130,6 +141,12 @@ class TrainConfig:
     # activations recomputed in backward instead of kept: transformers' own, use_reentrant=False)
     micro_batch_size: int = 0
     gradient_checkpointing: bool = False
+    # clients' prepared data (nestfed.data.client_pool): built when first needed, kept in memory up to
+    # client_memory_mb (least recently used out) and on disk in client_cache ("" = <model cache
+    # dir>/clients, shared with Flower nodes; "off" = none) up to client_cache_mb
+    client_memory_mb: int = 256
+    client_cache: str = ""
+    client_cache_mb: int = 2048
 
 
 @dataclass(frozen=True)
@@ -171,13 +188,16 @@ class MemoryConfig:
 class FederationConfig:
     """The round loop. sampling: ``fixed`` (max(1, round(fraction * K)) clients without
     replacement) or ``poisson`` (each client independently with probability ``fraction``, what
-    differential privacy's accountant assumes)."""
+    differential privacy's accountant assumes). hold_replies: accepted replies the server keeps in
+    a round before a mean-type rule folds them into running sums (nestfed.federation.folding: its
+    memory then stays that of hold_replies replies, however many clients reply)."""
 
     rounds: int = 3
     fraction: float = 1.0
     min_clients: int = 1
     seed: int = 0
     sampling: str = "fixed"
+    hold_replies: int = 32
 
 
 @dataclass(frozen=True)
@@ -187,13 +207,16 @@ class OutputConfig:
     non-default server optimiser; nestfed.experiments.report.run_label). truncations:
     the ranks r at which the final global adapter's prefix is evaluated on every client's held-out
     data (the truncation curve, nestfed.experiments.mechanisms; ranks above r_max are left out;
-    empty = none)."""
+    empty = none). client_detail: where each round's per-client numbers go: ``inline`` (in the
+    metrics line), ``file`` (``clients.jsonl``, the metrics line keeping summaries by rank group) or
+    ``auto`` (a file beyond :data:`INLINE_CLIENTS` clients)."""
 
     dir: str = "runs"
     name: str = ""
     plots: bool = True
     label: str = ""
     truncations: tuple[int, ...] = (1, 2, 4, 8, 16)
+    client_detail: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -217,6 +240,7 @@ class ExperimentConfig:
     server_optimizer: ServerOptimizerConfig = field(default_factory=ServerOptimizerConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)
+    evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     sections: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def section(self, name: str) -> Any:
@@ -230,11 +254,23 @@ class ExperimentConfig:
 
 #: The core sections, in the order a resolved config is written.
 CORE_SECTIONS = ("model", "lora", "data", "train", "strategy", "federation", "output", "memory", "validation",
-                 "robust", "privacy", "attack", "server_optimizer", "tracking", "population")
+                 "robust", "privacy", "attack", "server_optimizer", "tracking", "population", "evaluation")
 SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts", "file")
 TASKS = ("causal_lm", "instruction", "multiple_choice")
-PARTITIONS = ("label", "dirichlet", "pathological", "iid")
+PARTITIONS = ("label", "dirichlet", "inner_dirichlet", "pathological", "iid")
+UNITS = ("document", "block")
 GATES = ("constant", "learned", "dynamic")
+
+
+#: the client count up to which a run's per-client numbers stay in the metrics lines and its tables
+#: and plots show every client; beyond it they summarise by rank group (docs/scale.md)
+INLINE_CLIENTS = 12
+
+
+def per_client_inline(cfg: ExperimentConfig) -> bool:
+    """Whether a run's per-client numbers stay in its metrics lines (``output.client_detail``)."""
+    detail = cfg.output.client_detail
+    return detail == "inline" or (detail == "auto" and cfg.data.num_clients <= INLINE_CLIENTS)
 
 
 def client_ranks(cfg: ExperimentConfig, footprint=None) -> list[int]:
@@ -278,6 +314,10 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError(f"data.partition: unknown partition '{d.partition}' (known: {', '.join(PARTITIONS)})")
     if d.num_clients < 1:
         raise ValueError("data.num_clients must be >= 1")
+    if d.unit not in UNITS:
+        raise ValueError(f"data.unit: unknown unit '{d.unit}' (known: {', '.join(UNITS)})")
+    if d.unit == "block" and (d.task != "causal_lm" or d.source in ("niah", "mmlu", "mmlu_domains")):
+        raise ValueError("data.unit: 'block' deals out blocks of a text corpus (task = 'causal_lm')")
     if d.dirichlet_alpha <= 0:
         raise ValueError("data.dirichlet_alpha (the Dirichlet concentration) must be > 0")
     if d.classes_per_client < 1:
@@ -334,6 +374,13 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("federation.min_clients must be >= 1")
     if f.sampling not in ("fixed", "poisson"):
         raise ValueError(f"federation.sampling must be 'fixed' or 'poisson', got '{f.sampling}'")
+    if f.hold_replies < 1:
+        raise ValueError(f"federation.hold_replies must be >= 1, got {f.hold_replies}")
+    if cfg.output.client_detail not in ("auto", "inline", "file"):
+        raise ValueError(f"output.client_detail must be auto, inline or file, got '{cfg.output.client_detail}'")
+    check_evaluation(cfg.evaluation, d.num_clients)
+    if cfg.evaluation.global_test and d.source == "niah":
+        raise ValueError("evaluation.global_test: the niah clients have no shared records to draw from")
     if f.min_clients > sampled_per_round(cfg):
         raise ValueError(f"federation.min_clients = {f.min_clients} is above the {sampled_per_round(cfg)} clients "
                          f"sampled per round (federation.fraction = {f.fraction:g} of data.num_clients = "
@@ -345,6 +392,8 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("train.local_steps, train.batch_size and train.lr must be positive")
     if t.weight_decay < 0 or t.max_grad_norm < 0:
         raise ValueError("train.weight_decay and train.max_grad_norm must be >= 0")
+    if t.client_memory_mb < 1 or t.client_cache_mb < 1:
+        raise ValueError("train.client_memory_mb and train.client_cache_mb must be >= 1")
     if t.threads < 0 or t.eval_stream_chunk < 0 or t.eval_batch_size < 1 or t.micro_batch_size < 0:
         raise ValueError("train.threads, train.eval_stream_chunk and train.micro_batch_size must be >= 0, "
                          "train.eval_batch_size >= 1")

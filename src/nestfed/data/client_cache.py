@@ -1,24 +1,28 @@
 """A client's prepared data kept on disk, so that a fresh process (a Flower ClientApp: flwr 1.42
-starts one per message) loads it instead of partitioning, tokenising and running the frozen
-prefix again (nestfed.experiments.prepare; the frozen prefix is most of a SmolLM2 node's rebuild).
+starts one per message) or a client evicted from memory (nestfed.data.client_pool) loads it instead
+of partitioning, tokenising and running the frozen prefix again (the frozen prefix is most of a
+SmolLM2 client's build).
 
 One safetensors file per (experiment inputs, client): the token ids and labels, the frozen
 prefix's outputs (train_hidden / test_hidden: [N, T, d]) and the test groups, with the rest as
 metadata. The file name is a SHA-256 over everything the prepared data depends on (:func:`key`):
 the model and data sections, the LoRA layers and target modules (they fix the first adapted
 layer), the prefix's batch size, a data attack's settings, the torch thread count (CPU kernels
-may round differently with another count), the torch and transformers versions, the format, and
-the size and modification time of a local data path. A changed input is a new file. The key
-cannot see nestfed's own code: a change to what is prepared (tokenisation, packing, the frozen
-prefix) must bump :data:`FORMAT`, or nodes read data prepared the old way. Files are written
-atomically with the user's umask; an unreadable one is ignored (and rebuilt).
+may round differently with another count), the torch and transformers versions, the format, the
+size and modification time of a local data path, and a digest of nestfed's own code that prepares
+data (:func:`code_digest`: the data package and the modules the frozen prefix runs through), so an
+edit of tokenisation, packing or the prefix is a new file too. Files are written atomically with
+the user's umask; an unreadable one is ignored (and rebuilt). :class:`ClientCache` bounds a
+directory's size, evicting the files used longest ago.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +51,23 @@ def _path_stamp(path: str) -> list[Any]:
     return [st.st_size, st.st_mtime_ns]
 
 
+#: the modules whose code decides a client's prepared data (relative to the nestfed package)
+PREPARING = ("data", "nn/frozen_prefix.py", "nn/layer_inputs.py", "nn/backbone.py", "nn/placement.py")
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """SHA-256 (hex) over the source of the modules in :data:`PREPARING` (files sorted by path)."""
+    root = Path(__file__).resolve().parents[1]
+    h = hashlib.sha256()
+    for part in PREPARING:
+        p = root / part
+        for f in sorted(p.rglob("*.py")) if p.is_dir() else [p]:
+            h.update(str(f.relative_to(root)).encode())
+            h.update(f.read_bytes())
+    return h.hexdigest()
+
+
 def key(cfg: ExperimentConfig, cid: int) -> str:
     """The SHA-256 (hex) naming client ``cid``'s prepared data under ``cfg`` (see the module
     docstring for what it covers)."""
@@ -55,7 +76,7 @@ def key(cfg: ExperimentConfig, cid: int) -> str:
               "lora": {k: d["lora"][k] for k in ("target_modules", "layers")},
               "train": {k: d["train"][k] for k in ("cache_frozen_prefix", "eval_batch_size")},
               "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-              "path": _path_stamp(cfg.data.path)}
+              "path": _path_stamp(cfg.data.path), "code": code_digest()}
     if cfg.attack.kind in DATA_ATTACKS and cid in cfg.attack.clients:
         inputs["attack"] = d["attack"]
         inputs["seed"] = cfg.federation.seed
@@ -100,3 +121,71 @@ def load(path: str | Path) -> ClientData | None:
                           test_groups={g: t[f"group/{g}"] for g in groups} or None)
     except (SafetensorError, OSError, KeyError, ValueError):
         return None
+
+
+@dataclass
+class ClientCache:
+    """A directory of prepared client data (one file per :func:`key`) of at most ``max_bytes``:
+    after each write the files used longest ago (by modification time, which a read refreshes) are
+    removed until the directory fits, never the file just written. Its size is read from the
+    directory once and then tracked; another process writing the same directory is seen at the
+    next full scan (when the tracked size exceeds the bound)."""
+
+    root: Path
+    max_bytes: int
+    _sizes: dict[str, int] | None = field(default=None, repr=False)
+
+    def path(self, k: str) -> Path:
+        """``<root>/<k>.safetensors``."""
+        return Path(self.root) / f"{k}.safetensors"
+
+    def _scan(self) -> dict[str, int]:
+        out = {}
+        for f in Path(self.root).glob("*.safetensors") if Path(self.root).is_dir() else []:
+            try:
+                out[f.name] = f.stat().st_size
+            except OSError:
+                continue
+        return out
+
+    def get(self, k: str) -> ClientData | None:
+        """The data saved under key ``k`` (its use time refreshed), or None (:func:`load`)."""
+        p = self.path(k)
+        data = load(p)
+        if data is not None:
+            try:
+                os.utime(p)
+            except OSError:
+                pass
+        return data
+
+    def put(self, k: str, data: ClientData) -> Path:
+        """Save ``data`` under key ``k`` (:func:`save`), then bound the directory. Raises OSError."""
+        p = save(self.path(k), data)
+        if self._sizes is None:
+            self._sizes = self._scan()
+        self._sizes[p.name] = p.stat().st_size
+        if sum(self._sizes.values()) > self.max_bytes:
+            self._evict(keep=p.name)
+        return p
+
+    def _evict(self, keep: str) -> None:
+        self._sizes = self._scan()
+        total = sum(self._sizes.values())
+        by_age = sorted(self._sizes, key=lambda n: self._mtime(n))
+        for name in by_age:
+            if total <= self.max_bytes:
+                break
+            if name == keep:
+                continue
+            try:
+                (Path(self.root) / name).unlink()
+            except OSError:
+                continue
+            total -= self._sizes.pop(name)
+
+    def _mtime(self, name: str) -> float:
+        try:
+            return (Path(self.root) / name).stat().st_mtime
+        except OSError:
+            return 0.0

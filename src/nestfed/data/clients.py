@@ -1,9 +1,12 @@
 """Each client's tokenised partition: read the source, partition it, split train/test, tokenise.
 
 :func:`load_partitions` reads the configured source and assigns record indices to clients
-(natural label, Dirichlet over labels, or IID); :func:`build_client_data` splits every client's
-records into train and test (seeded by ``data.seed + cid``), tokenises them for the task and
-returns one :class:`ClientData` per client. Nothing here knows which federated method runs.
+(natural label, Dirichlet over labels, or IID); a :class:`ClientSource` splits one client's records
+into train and test (seeded by ``data.seed + cid``) and tokenises them for the task when that
+client is asked for (:func:`build_client_data` does it for every client). With ``data.unit =
+"block"`` the records are the corpus' blocks of ``block_size`` tokens (each label's documents
+packed in turn), so a corpus of a few thousand articles still gives thousands of clients data.
+Nothing here knows which federated method runs.
 """
 
 from __future__ import annotations
@@ -59,14 +62,50 @@ class ClientData:
         each row only up to its last labelled token (what every loss and metric here reads)."""
         self.start = start
         if start > 0:
-            self.train_hidden = prefix_features(model, self.train_ids, start, batch_size,
-                                                labelled_length(self.train_labels))
-            self.test_hidden = prefix_features(model, self.test_ids, start, batch_size,
-                                               labelled_length(self.test_labels))
+            was = model.training  # the frozen layers' outputs, as evaluation sees them
+            model.eval()
+            try:
+                self.train_hidden = prefix_features(model, self.train_ids, start, batch_size,
+                                                    labelled_length(self.train_labels))
+                self.test_hidden = prefix_features(model, self.test_ids, start, batch_size,
+                                                   labelled_length(self.test_labels))
+            finally:
+                model.train(was)
 
 
-def _records(d: DataConfig) -> tuple[list[Any], list[str]]:
-    """Load the data source; return (records, one label per record)."""
+@dataclass(frozen=True)
+class TokenBlock:
+    """One block of ``block_size`` token ids of the corpus (``data.unit = "block"``): ids [T]."""
+
+    ids: torch.Tensor
+    label: str
+
+
+def _blocks(docs: list[Any], labels: list[str], d: DataConfig, tokenizer) -> tuple[list[TokenBlock], list[str]]:
+    """The corpus as blocks: each label's documents, in order, packed into blocks of
+    ``block_size`` tokens (nestfed.data.tasks.pack_causal_lm; a block never mixes labels)."""
+    if tokenizer is None:
+        raise ValueError("data.unit = 'block' packs the corpus with the model's tokenizer")
+    by_label: dict[str, list[str]] = {}
+    for x, lab in zip(docs, labels):
+        by_label.setdefault(lab, []).append(getattr(x, "text", None) or _as_text(x))
+    out: list[TokenBlock] = []
+    for lab in sorted(by_label):
+        packed = tasks.pack_causal_lm(by_label[lab], tokenizer, d.block_size)
+        out += [TokenBlock(row, lab) for row in packed.input_ids]
+    return out, [b.label for b in out]
+
+
+def _records(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str]]:
+    """Load the data source; return (records, one label per record): its documents, or with
+    ``data.unit = "block"`` the corpus' blocks (:func:`_blocks`)."""
+    if d.unit == "block":
+        return _blocks(*_documents(d), d, tokenizer)
+    return _documents(d)
+
+
+def _documents(d: DataConfig) -> tuple[list[Any], list[str]]:
+    """Load the data source's documents; return (records, one label per record)."""
     if d.source == "bbc_news":
         docs = sources.bbc_news(d.path or None)
         return docs, [x.label for x in docs]
@@ -97,6 +136,8 @@ def _partition(labels: list[str], d: DataConfig) -> list[list[int]]:
         return partition.iid(len(labels), d.num_clients, d.seed)
     if d.partition == "dirichlet":
         return partition.dirichlet(labels, d.num_clients, d.dirichlet_alpha, d.seed)
+    if d.partition == "inner_dirichlet":
+        return partition.inner_dirichlet(labels, d.num_clients, d.dirichlet_alpha, d.seed)
     if d.partition == "pathological":
         return partition.pathological(labels, d.num_clients, d.classes_per_client, d.seed)
     client_labels = [list(x) for x in d.client_labels]
@@ -120,8 +161,12 @@ def _partition(labels: list[str], d: DataConfig) -> list[list[int]]:
     return partition.by_label(labels, client_labels, d.seed)
 
 
-def _tokenise(records: list[Any], idx: list[int], d: DataConfig, tokenizer, cap: int) -> tasks.TokenDataset:
+def tokenise(records: list[Any], idx: list[int], d: DataConfig, tokenizer, cap: int) -> tasks.TokenDataset:
+    """The records at ``idx`` tokenised for ``d.task``, at most ``cap`` rows (blocks or examples)."""
     items = [records[i] for i in idx]
+    if d.unit == "block":  # already tokenised: the client's first ``cap`` blocks
+        ids = torch.stack([b.ids for b in items[:cap]]) if items else torch.zeros(0, d.block_size, dtype=torch.long)
+        return tasks.TokenDataset(ids, ids.clone())
     if d.task == "causal_lm":
         texts = [getattr(x, "text", None) or _as_text(x) for x in items]
         return tasks.pack_causal_lm(texts, tokenizer, d.block_size, max_blocks=cap)
@@ -138,15 +183,19 @@ def _as_text(x: Any) -> str:
     return str(x)
 
 
-def load_partitions(d: DataConfig) -> tuple[list[Any], list[str], list[list[int]]]:
+def load_partitions(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str], list[list[int]]]:
     """Read the data source and partition it: (records, labels, record indices per client).
+    tokenizer: needed for ``data.unit = "block"`` (the corpus is tokenised into blocks first).
 
     Raises DataError (missing or malformed data, a client whose partition is empty) or
     ConfigError (bad partition settings), each one line.
     """
     if d.source == "niah":  # generated per client (data/niah.py), no shared records
         return [], [], []
-    records, labels = _records(d)
+    try:
+        records, labels = _records(d, tokenizer)
+    except ValueError as exc:
+        raise ConfigError(f"data.unit: {exc}") from None
     if d.task == "multiple_choice" and d.source != "mmlu":
         if d.source not in ("mmlu_domains", "niah"):
             raise ConfigError("data.task: multiple_choice needs data.source = 'mmlu', 'mmlu_domains' or 'niah'")
@@ -161,31 +210,73 @@ def load_partitions(d: DataConfig) -> tuple[list[Any], list[str], list[list[int]
     return records, labels, parts
 
 
+class ClientSource:
+    """Any one client's tokenised train/test data (no frozen prefix), built when asked for: the
+    source is read and partitioned on the first request (:func:`load_partitions`), then each client
+    is split (seeded by ``data.seed + cid``) and tokenised on its own. NIAH clients, generated
+    together, are built all at once on the first request.
+
+    cfg: the experiment; tokenizer: the backbone's; loaded: a :func:`load_partitions` result to use
+    (read on first use when None).
+    """
+
+    def __init__(self, cfg: ExperimentConfig, tokenizer, loaded=None):
+        self.cfg, self.tokenizer, self._loaded = cfg, tokenizer, loaded
+        self._niah: dict[int, ClientData] | None = None
+
+    @property
+    def loaded(self) -> tuple[list[Any], list[str], list[list[int]]]:
+        """(records, labels, record indices per client), read and partitioned once."""
+        if self._loaded is None:
+            self._loaded = load_partitions(self.cfg.data, self.tokenizer)
+        return self._loaded
+
+    def records_of(self, cid: int) -> tuple[list[int], list[int]]:
+        """Client ``cid``'s (train, test) record indices."""
+        idx = self.loaded[2][cid]
+        return partition.train_test_split(idx, self.cfg.data.test_fraction, self.cfg.data.seed + cid)
+
+    def label(self, cid: int) -> str:
+        """The client's labels, ``"+"``-joined (``"<n> labels"`` beyond three)."""
+        if self.cfg.data.source == "niah":
+            return self.build(cid).label
+        records, labels, parts = self.loaded
+        names = sorted({labels[i] for i in parts[cid]})
+        return "+".join(names) if len(names) <= 3 else f"{len(names)} labels"
+
+    def build(self, cid: int) -> ClientData:
+        """Client ``cid``'s data. Raises DataError (missing or malformed data, a client left without
+        examples) or ConfigError, each one line."""
+        d = self.cfg.data
+        if d.source == "niah":
+            if self._niah is None:
+                self._niah = _niah_client_data(self.cfg, self.tokenizer)[0]
+            return self._niah[cid]
+        records, labels, parts = self.loaded
+        train_idx, test_idx = self.records_of(cid)
+        train = tokenise(records, train_idx, d, self.tokenizer, d.max_train)
+        test = tokenise(records, test_idx, d, self.tokenizer, d.max_test)
+        if len(train) == 0 or len(test) == 0:
+            raise DataError(f"client {cid}: no {'training' if len(train) == 0 else 'test'} examples after "
+                            f"partitioning ({len(parts[cid])} records); lower data.block_size or add data")
+        letter_ids = tasks.letter_token_ids(self.tokenizer) if d.task == "multiple_choice" else None
+        return ClientData(train.input_ids, train.labels, test.input_ids, test.labels, letter_ids=letter_ids,
+                          label=self.label(cid))
+
+
 def build_client_data(cfg: ExperimentConfig, tokenizer, loaded=None) -> tuple[dict[int, ClientData], list[list[str]]]:
-    """Tokenised train/test data for every client, from the config's source, partition and task.
+    """Tokenised train/test data for every client, from the config's source, partition and task
+    (:class:`ClientSource` for each), and each client's sorted labels.
 
     loaded: the result of :func:`load_partitions` (read here when None).
     Raises DataError (missing or malformed data, a client left without examples) or ConfigError.
     """
-    d = cfg.data
-    if d.source == "niah":
+    if cfg.data.source == "niah":
         return _niah_client_data(cfg, tokenizer)
-    records, labels, parts = loaded or load_partitions(d)
-    letter_ids = tasks.letter_token_ids(tokenizer) if d.task == "multiple_choice" else None
-    out = {}
-    client_labels = []
-    for cid, idx in enumerate(parts):
-        train_idx, test_idx = partition.train_test_split(idx, d.test_fraction, d.seed + cid)
-        train = _tokenise(records, train_idx, d, tokenizer, d.max_train)
-        test = _tokenise(records, test_idx, d, tokenizer, d.max_test)
-        if len(train) == 0 or len(test) == 0:
-            raise DataError(f"client {cid}: no {'training' if len(train) == 0 else 'test'} examples after "
-                            f"partitioning ({len(idx)} records); lower data.block_size or add data")
-        names = sorted({labels[i] for i in idx})
-        client_labels.append(names)
-        out[cid] = ClientData(train.input_ids, train.labels, test.input_ids, test.labels,
-                              letter_ids=letter_ids, label="+".join(names) if len(names) <= 3 else f"{len(names)} labels")
-    return out, client_labels
+    source = ClientSource(cfg, tokenizer, loaded)
+    records, labels, parts = source.loaded
+    out = {cid: source.build(cid) for cid in range(len(parts))}
+    return out, [sorted({labels[i] for i in idx}) for idx in parts]
 
 
 def _niah_client_data(cfg: ExperimentConfig, tokenizer) -> tuple[dict[int, ClientData], list[list[str]]]:

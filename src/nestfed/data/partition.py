@@ -118,15 +118,73 @@ def dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: 
         raise ValueError(f"dirichlet: min_size must be >= 0, got {min_size}")
     if num_clients * min_size > n:
         raise ValueError(f"dirichlet: {num_clients} clients x min_size {min_size} exceeds the {n} items")
+    try:
+        return _flwr_partitions({"label": [str(x) for x in labels], "index": list(range(n))},
+                                _dirichlet_partitioner(num_clients, alpha, min_size, seed), num_clients)
+    except ValueError as exc:
+        most = largest_dirichlet(labels, alpha, seed, min_size, num_clients - 1)
+        raise ValueError(f"dirichlet: {exc} (alpha={alpha}, N={n}, {num_clients} clients, min_size {min_size}); "
+                         f"at this alpha and min_size at most {most} clients can be served; for {num_clients}: partition = "
+                         "'inner_dirichlet' (equal shares, the same label mixes), unit = 'block' (the corpus as "
+                         "blocks: more items), or a larger alpha") from None
+
+
+def _dirichlet_partitioner(num_clients: int, alpha: float, min_size: int, seed: int):
     from flwr_datasets.partitioner import DirichletPartitioner
 
-    part = DirichletPartitioner(num_clients, "label", float(alpha), min_partition_size=min_size, self_balancing=True,
+    return DirichletPartitioner(num_clients, "label", float(alpha), min_partition_size=min_size, self_balancing=True,
                                 shuffle=True, seed=seed)
-    try:
-        return _flwr_partitions({"label": [str(x) for x in labels], "index": list(range(n))}, part, num_clients)
-    except ValueError as exc:
-        raise ValueError(f"dirichlet: {exc} (alpha={alpha}, N={n}, {num_clients} clients, min_size {min_size}); "
-                         "raise alpha or lower min_size") from None
+
+
+def largest_dirichlet(labels: Sequence[Hashable], alpha: float, seed: int = 0, min_size: int = 1,
+                      upper: int | None = None) -> int:
+    """The largest client count up to ``upper`` (default N) for which :func:`dirichlet` succeeds
+    with this seed, by bisection (a failure above a success is assumed, as the draws' retries make
+    it in practice); 0 when even one client fails."""
+    import datasets
+
+    datasets.disable_progress_bars()
+    ds = datasets.Dataset.from_dict({"label": [str(x) for x in labels], "index": list(range(len(labels)))})
+
+    def ok(k: int) -> bool:
+        part = _dirichlet_partitioner(k, alpha, min_size, seed)
+        part.dataset = ds
+        try:
+            with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                part.load_partition(0)
+            return True
+        except ValueError:
+            return False
+
+    lo, hi = 0, min(upper if upper is not None else len(labels), len(labels) // max(min_size, 1))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def inner_dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int = 0) -> list[list[int]]:
+    """Label-Dirichlet mixes at equal sizes (flwr-datasets' ``InnerDirichletPartitioner``, after
+    Acar et al. 2021): every client gets floor(N / K) items (the first N mod K one more); item by
+    item a client is picked uniformly among those not yet full and the item's label drawn from the
+    client's p ~ Dir(alpha * 1), a label with no items left having its probability set to zero and
+    the rest renormalised, so late clients' mixes drift towards the labels left. Succeeds whenever
+    K <= N, where :func:`dirichlet`'s minimum size cannot be met. Returns one sorted index list per
+    client. Raises ValueError for num_clients < 1 or > N, or alpha <= 0."""
+    n = len(labels)
+    if not 1 <= num_clients <= n:
+        raise ValueError(f"inner_dirichlet: num_clients must be in 1..{n} (the items), got {num_clients}")
+    if not alpha > 0:
+        raise ValueError(f"inner_dirichlet: alpha must be > 0, got {alpha}")
+    from flwr_datasets.partitioner import InnerDirichletPartitioner
+
+    sizes = [n // num_clients + (1 if i < n % num_clients else 0) for i in range(num_clients)]
+    part = InnerDirichletPartitioner(sizes, "label", float(alpha), shuffle=True, seed=seed)
+    return _flwr_partitions({"label": [str(x) for x in labels], "index": list(range(n))}, part, num_clients)
 
 
 def pathological(labels: Sequence[Hashable], num_clients: int, classes_per_client: int,

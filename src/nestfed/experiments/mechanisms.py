@@ -18,14 +18,17 @@ LoRA adapter of rank r_max (FLoRA's stack of every client's factors), is skipped
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 from nestfed import methods
-from nestfed.config import ExperimentConfig, r_max
+from nestfed.config import INLINE_CLIENTS, ExperimentConfig, r_max
+from nestfed.data.clients import ClientData
 from nestfed.evaluation.client import evaluate_client
 from nestfed.federation.aggregation import truncate_rank
 from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Arrays, GlobalState
+from nestfed.federation.rank_groups import summarise_metrics
 from nestfed.methods.implementation import MethodRun, lora_settings
 from nestfed.nn.arrays import apply_arrays
 from nestfed.nn.keys import module_of, peft_key, rank_dim
@@ -75,31 +78,57 @@ def skip_reason(cfg: ExperimentConfig, arrays: Arrays, files: dict[str, Arrays])
     return ""
 
 
-def mechanisms(cfg: ExperimentConfig, mr: MethodRun, state: GlobalState) -> dict[str, Any]:
-    """The summary fields of a finished run: ``truncation`` {r: {cid: held-out metrics}} and
-    ``dimension_importance`` [r_max floats], or ``mechanisms_skipped`` with the reason.
+#: the fields of :func:`mechanisms` that hold one entry per client (they go where the run keeps its
+#: per-client numbers: summary.json with few clients, clients.json with many)
+PER_CLIENT = ("truncation", "global_by_client")
+
+
+def mechanisms(cfg: ExperimentConfig, mr: MethodRun, state: GlobalState, panel: Sequence[int] | None = None,
+               global_data: ClientData | None = None) -> dict[str, Any]:
+    """The summary fields of a finished run: ``truncation`` {r: {cid: held-out metrics}},
+    ``dimension_importance`` [r_max floats], or ``mechanisms_skipped`` with the reason; with many
+    clients ``truncation_by_rank`` ({r: the curve's metrics by rank group}); with the global held-out
+    set ``truncation_global`` ({r: its metrics}) and ``global_by_client`` ({cid: what that client
+    runs, on the global set}: every method, local-only included).
 
     The adapter truncated to r runs at scale s(r): lora_alpha / r_max at every r under ``fixed``
     scaling, lora_alpha / r under ``rank`` scaling (LoraSettings.scale), loaded into the run's model
     as it is (no client's kept state mixed in: this is the global adapter, not a client's
-    personalised model) and evaluated on each client's held-out data. Ranks above the adapter's are
-    left out. A method whose clients are not nestfed.federation.client.ClientTrainer is skipped.
+    personalised model) and evaluated on each client's held-out data: the clients of ``panel``
+    (the evaluation panel, nestfed.federation.loop.EvalPlan; None = every client). Ranks above the
+    adapter's are left out. A method whose clients are not nestfed.federation.client.ClientTrainer
+    is skipped.
     """
+    trainer = mr.trainer
+    cids = [c.cid for c in mr.clients] if panel is None else list(panel)
+    out: dict[str, Any] = {}
+    if global_data is not None and isinstance(trainer, ClientTrainer):  # what each client runs, on the global set
+        out["global_by_client"] = {}
+        for cid in cids:
+            arrays, scale = mr.strategy.deploy(state, cid)
+            out["global_by_client"][str(cid)] = trainer.evaluate_on(cid, arrays, scale, global_data)
     if not methods.get(cfg.strategy.name).global_adapter:
-        return {"mechanisms_skipped": skip_reason(cfg, {}, {})}
+        return {**out, "mechanisms_skipped": skip_reason(cfg, {}, {})}
+    if not isinstance(trainer, ClientTrainer):
+        return {"mechanisms_skipped": "its clients do not run the LoRA client trainer"}
     arrays, scale = mr.strategy.export(state)
     reason = skip_reason(cfg, arrays, mr.strategy.export_files(state))
     if reason:
-        return {"mechanisms_skipped": reason}
-    trainer = mr.trainer
-    if not isinstance(trainer, ClientTrainer):
-        return {"mechanisms_skipped": "its clients do not run the LoRA client trainer"}
+        return {**out, "mechanisms_skipped": reason}
     settings = lora_settings(cfg)
+    ranks = {str(c.cid): c.rank for c in mr.clients}
     curve: dict[str, dict[str, dict[str, float]]] = {}
+    on_global: dict[str, dict[str, float]] = {}
     for r in sorted(set(cfg.output.truncations)):
         if r > settings.r_max:
             continue
         apply_arrays(trainer.model, truncate_rank(arrays, r), settings.scale(r))
-        curve[str(r)] = {str(c.cid): evaluate_client(trainer.model, trainer.data[c.cid], trainer.train)
-                         for c in mr.clients}
-    return {"truncation": curve, "dimension_importance": dimension_importance(arrays, scale)}
+        curve[str(r)] = {str(c): evaluate_client(trainer.model, trainer.data[c], trainer.train) for c in cids}
+        if global_data is not None:
+            on_global[str(r)] = evaluate_client(trainer.model, global_data, trainer.train)
+    out.update({"truncation": curve, "dimension_importance": dimension_importance(arrays, scale)})
+    if len(mr.clients) > INLINE_CLIENTS:
+        out["truncation_by_rank"] = {r: summarise_metrics(c, ranks) for r, c in curve.items()}
+    if on_global:
+        out["truncation_global"] = on_global
+    return out

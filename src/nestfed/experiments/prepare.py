@@ -1,6 +1,7 @@
-"""Prepare an experiment once for every method it compares: load the backbone, inject LoRA, build
-and cache every client's data (nestfed.data.clients), and, for a streamed evaluation, give every
-attention layer a (disabled) memory module."""
+"""Prepare an experiment once for every method it compares: load the backbone, inject LoRA, register
+every client (n_k, label) and give the methods a pool that builds a client's data when it is first
+needed (nestfed.data.client_pool), and, for a streamed evaluation, give every attention layer a
+(disabled) memory module."""
 
 from __future__ import annotations
 
@@ -11,59 +12,54 @@ from pathlib import Path
 import torch
 
 from nestfed.config import ConfigError, ExperimentConfig, client_ranks, r_max
+from nestfed.config.population import assign_ranks
 from nestfed.config.trust import DATA_ATTACKS
 from nestfed.data import client_cache as client_cache_io
-from nestfed.data.clients import ClientData, build_client_data, load_partitions
+from nestfed.data.client_pool import ClientPool
+from nestfed.data.clients import ClientData, ClientSource
 from nestfed.data.poisoning import poison_client
 from nestfed.federation.messages import ClientInfo
 from nestfed.federation.prepared import Prepared
-from nestfed.nn.backbone import load_backbone
+from nestfed.nn.backbone import default_cache_dir, load_backbone
 from nestfed.nn.checkpointing import enable_activation_checkpointing
+from nestfed.nn.footprint import Footprint
 from nestfed.nn.frozen_prefix import first_adapted_layer
 from nestfed.nn.lora import inject_lora, module_shapes, target_module_names
 from nestfed.nn.memory import MemorySettings, install_memory
 from nestfed.seeds import stream_seed
 
 
+def client_cache_of(cfg: ExperimentConfig, override: str | Path | None = None) -> client_cache_io.ClientCache | None:
+    """The on-disk client cache of ``cfg`` (``train.client_cache``: "" = <model cache dir>/clients,
+    "off" = none), or at ``override`` (a Flower node's ``client-cache``)."""
+    where = str(override) if override is not None else cfg.train.client_cache
+    if where == "off":
+        return None
+    if not where:
+        where = str((Path(cfg.model.cache_dir) if cfg.model.cache_dir else default_cache_dir()) / "clients")
+    return client_cache_io.ClientCache(Path(where), cfg.train.client_cache_mb * 2**20)
+
+
 def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = None,
             only_clients: list[int] | None = None, client_cache: str | Path | None = None) -> Prepared:
-    """Load the backbone, inject LoRA (rank r_max), build and cache every client's data.
+    """Load the backbone, inject LoRA (rank r_max), register the clients; their data are built when
+    first read from ``Prepared.data`` (a :class:`~nestfed.data.client_pool.ClientPool`).
 
-    only_clients: keep (and cache the frozen prefix for) these client ids only, e.g. the one
-    partition a Flower SuperNode serves; None = every client. client_cache: with only_clients, a
-    directory where each of their prepared data is kept (nestfed.data.client_cache): loaded when
-    there, written after building otherwise (a Flower node's next ClientApp process then skips
-    partitioning, tokenising and the frozen prefix).
+    only_clients: register (and serve) these client ids only, e.g. the one partition a Flower
+    SuperNode serves; None = every client. client_cache: a directory replacing
+    ``train.client_cache`` ("off" = none), where built clients are kept and found again (a Flower
+    node's next process then skips partitioning, tokenising and the frozen prefix).
 
-    Raises ConfigError / DataError on bad input (a rank above an adapted layer's min(out, in)
-    among them); creates no files except the model cache and ``client_cache``'s files.
+    Raises ConfigError / DataError on bad input (a rank above an adapted layer's min(out, in), a
+    client without data, a memory budget that holds no rank, among them); creates no files except
+    the model cache and the client cache's.
     """
     t0 = time.perf_counter()
     say = on_status or (lambda s: None)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    ranks = client_ranks(cfg)
-    cached: dict[int, ClientData | None] = {}
-    if client_cache is not None and only_clients is not None:
-        cached = {cid: client_cache_io.load(client_cache_io.path_for(client_cache, cfg, cid)) for cid in only_clients}
-    if cached and all(d is not None for d in cached.values()):
-        say("loading the backbone")
-        backbone = load_backbone(cfg.model)
-        data = {cid: d for cid, d in cached.items() if d is not None}
-    else:
-        say("loading data")
-        loaded = load_partitions(cfg.data)
-        say("loading the backbone")
-        backbone = load_backbone(cfg.model)
-        say("tokenising")
-        data, _ = build_client_data(cfg, backbone.tokenizer, loaded)
-        if only_clients is not None:
-            data = {cid: data[cid] for cid in only_clients}
-        if cfg.attack.kind in DATA_ATTACKS:  # an attacking client trains on its poisoned text (docs/trust.md)
-            for cid in cfg.attack.clients:
-                if cid in data:
-                    poison_client(data[cid], cfg.attack.kind, backbone.model.config.vocab_size,
-                                  stream_seed(cfg.federation.seed, 0, cid, "poison"))
+    say("loading the backbone")
+    backbone = load_backbone(cfg.model)
     try:
         names = target_module_names(backbone.model, cfg.lora.target_modules, cfg.lora.layers)
     except ValueError as exc:
@@ -77,18 +73,29 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
         enable_activation_checkpointing(backbone.model)
     shapes = module_shapes(backbone.model)
     start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
-    if start > 0:
-        say(f"caching the frozen layers 0..{start - 1}")
-    for cid, d in data.items():
-        if cached.get(cid) is not None:
-            if d.start != start:  # cannot happen (the key covers what fixes start); never trust it blindly
-                raise ConfigError(f"client {cid}: cached data start at layer {d.start}, the model at {start}")
-            continue
-        d.cache_prefix(backbone.model, start, cfg.train.eval_batch_size)
-        if client_cache is not None and only_clients is not None:
-            client_cache_io.save(client_cache_io.path_for(client_cache, cfg, cid), d)
-    clients = [ClientInfo(cid, ranks[cid], d.num_examples) for cid, d in data.items()]
-    return Prepared(cfg, backbone, data, clients, shapes, time.perf_counter() - t0)
+    footprint = Footprint.measure(backbone.model, cfg.train, cfg.data.block_size, start) if cfg.population.memory_mib \
+        else None
+    try:
+        ranks, budgets = assign_ranks(cfg.population, cfg.lora.ranks, cfg.lora.r_max, cfg.data.num_clients,
+                                      cfg.data.seed, footprint.bytes if footprint is not None else None)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    attackers = set(cfg.attack.clients) if cfg.attack.kind in DATA_ATTACKS else set()
+    vocab = backbone.model.config.vocab_size
+    bs = cfg.train.eval_batch_size
+
+    def finish(cid: int, d: ClientData) -> None:
+        if cid in attackers:  # an attacking client trains on its poisoned text (docs/trust.md)
+            poison_client(d, cfg.attack.kind, vocab, stream_seed(cfg.federation.seed, 0, cid, "poison"))
+        d.cache_prefix(backbone.model, start, bs)
+
+    cids = list(range(cfg.data.num_clients)) if only_clients is None else list(only_clients)
+    pool = ClientPool(ClientSource(cfg, backbone.tokenizer), cids, finish, lambda cid: client_cache_io.key(cfg, cid),
+                      client_cache_of(cfg, client_cache), cfg.train.client_memory_mb * 2**20)
+    say(f"registering {len(cids)} clients")
+    clients = [ClientInfo(cid, ranks[cid], pool.num_examples(cid)) for cid in cids]
+    return Prepared(cfg, backbone, pool, clients, shapes, time.perf_counter() - t0, start=start,
+                    budgets=None if budgets is None else {cid: budgets[cid] for cid in cids}, footprint=footprint)
 
 
 def install_stream_modules(prep: Prepared, cfg: ExperimentConfig) -> None:
@@ -99,3 +106,6 @@ def install_stream_modules(prep: Prepared, cfg: ExperimentConfig) -> None:
     if cfg.train.eval_stream_chunk > 0:
         install_memory(prep.backbone.model, MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window,
                                                            sink=cfg.memory.sink_tokens))
+
+
+__all__ = ["client_cache_of", "client_ranks", "install_stream_modules", "prepare"]

@@ -7,6 +7,7 @@ directory (nestfed.federation.run_dir) do the rest.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -14,17 +15,22 @@ from typing import Any
 
 from nestfed import config as C
 from nestfed import methods
-from nestfed.config import ExperimentConfig
-from nestfed.experiments.mechanisms import mechanisms
+from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.data.clients import ClientData
+from nestfed.data.global_test import global_test_set
+from nestfed.evaluation.client import evaluate_client
+from nestfed.experiments.mechanisms import PER_CLIENT, mechanisms
 from nestfed.experiments.prepare import install_stream_modules
 from nestfed.federation import tracking
+from nestfed.federation.client import ClientTrainer
 from nestfed.federation.in_process import InProcessTransport
-from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import OnEvent, RoundLoop
 from nestfed.federation.messages import GlobalState
+from nestfed.federation.population import Population
 from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import RunDir
 from nestfed.methods.implementation import MethodRun
+from nestfed.nn.arrays import apply_arrays
 
 
 def new_run_dir(cfg: ExperimentConfig, parent: Path | None = None) -> Path:
@@ -47,6 +53,40 @@ def check_method(prep: Prepared, cfg: ExperimentConfig) -> None:
     methods.get(cfg.strategy.name).check_model(prep, cfg)
 
 
+def global_test_data(prep: Prepared, cfg: ExperimentConfig) -> ClientData | None:
+    """The global held-out set of ``evaluation.global_test`` rows (nestfed.data.global_test), its
+    frozen prefix cached; built once per preparation; None when the config asks for none."""
+    rows = cfg.evaluation.global_test
+    if not rows:
+        return None
+    key = ("global_test", rows)
+    if key not in prep.cache:
+        source = getattr(prep.data, "source", None)
+        if source is None:
+            raise ConfigError("evaluation.global_test: this preparation has no client source to draw from")
+        d = global_test_set(source, rows, cfg.data.num_clients, cfg.data.seed)
+        d.cache_prefix(prep.backbone.model, prep.frozen_prefix_layers, cfg.train.eval_batch_size)
+        prep.cache[key] = d
+    return prep.cache[key]
+
+
+def server_evaluation(mr: MethodRun, cfg: ExperimentConfig, data: ClientData | None
+                      ) -> Callable[[int, GlobalState], dict[str, float]] | None:
+    """The round's ``eval_global``: the global adapter (the strategy's ``deploy`` for no client, what
+    ``nestfed export`` writes) on the global held-out set; None without the set, for a method without
+    one global adapter (local-only's clients keep their own) or whose clients run other models."""
+    if data is None or not methods.get(cfg.strategy.name).global_adapter or not isinstance(mr.trainer, ClientTrainer):
+        return None
+    trainer = mr.trainer
+
+    def evaluate(rnd: int, state: GlobalState) -> dict[str, float]:
+        arrays, scale = mr.strategy.deploy(state, None)
+        apply_arrays(trainer.model, arrays, scale)
+        return evaluate_client(trainer.model, data, trainer.train)
+
+    return evaluate
+
+
 def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: bool = False,
                on_event: OnEvent | None = None,
                report: Callable[[MethodRun, GlobalState], dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -64,18 +104,25 @@ def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: boo
     check_method(prep, cfg)
     mr = method.build(prep, cfg)
     install_stream_modules(prep, cfg)
-    rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, C.dumps_toml(cfg))
-    fed = cfg.federation
-    loop = RoundLoop(mr.strategy, InProcessTransport(mr.trainer), mr.clients, fed.rounds, rd, fed.fraction,
-                     fed.min_clients, fed.seed, mr.keeps_client_state, safeguards=Safeguards.from_config(cfg),
-                     sampling=fed.sampling, on_event=on_event,
-                     sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name))
+    glob = global_test_data(prep, cfg)
+    population = Population.from_config(cfg, mr.clients)  # an elastic trace is read before anything is written
+    rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, C.dumps_toml(cfg), C.per_client_inline(cfg))
+    loop = RoundLoop.from_config(cfg, mr.strategy, InProcessTransport(mr.trainer), mr.clients, rd,
+                                 mr.keeps_client_state, on_event=on_event, population=population,
+                                 sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name),
+                                 server_evaluate=server_evaluation(mr, cfg, glob))
     state = loop.run(mr.shapes, resume=resume)
     exports = mr.finish(state)
     extra = {"engine": "embedded", "wall_time_s": time.perf_counter() - t0, "prepare_time_s": prep.prepare_time_s,
-             "client_labels": {str(c): d.label for c, d in prep.data.items()}, "rejections": loop.log,
-             "frozen_prefix_layers": prep.frozen_prefix_layers}
-    extra.update(mechanisms(cfg, mr, state))
+             "rejections": loop.log, "frozen_prefix_layers": prep.frozen_prefix_layers}
+    pool = getattr(prep.data, "stats", None)
+    if pool is not None:
+        extra["client_pool"] = dataclasses.asdict(pool)
+    if rd.inline:
+        extra["client_labels"] = {str(c.cid): prep.label(c.cid) for c in prep.clients}
+    found = mechanisms(cfg, mr, state, loop.evaluation.panel, glob)
+    per_client = {k: found.pop(k) for k in PER_CLIENT if k in found}
+    extra.update(found)
     if report is not None:
         extra.update(report(mr, state))
-    return rd.finish(cfg, exports, extra)
+    return rd.finish(cfg, exports, extra, prep.roster(), per_client)

@@ -108,6 +108,11 @@ class ClientTrainer:
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
         """Held-out loss, perplexity (and accuracy for multiple choice) of client ``cid`` under
         ``arrays`` at scale ``scaling`` (as the client runs them: its hooks' evaluation_arrays)."""
+        return self.evaluate_on(cid, arrays, scaling, self.data[cid])
+
+    def evaluate_on(self, cid: int, arrays: Arrays, scaling: float, data: ClientData) -> dict[str, float]:
+        """:meth:`evaluate` on another held-out set ``data`` (e.g. the global held-out set): client
+        ``cid``'s model (its deployed arrays and kept state) on data's test rows."""
         arrays = self.hooks.evaluation_arrays(self.client_state.get(cid, {}), arrays)
         apply_arrays(self.model, arrays, scaling)
-        return evaluate_client(self.model, self.data[cid], self.train)
+        return evaluate_client(self.model, data, self.train)

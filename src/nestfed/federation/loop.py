@@ -27,11 +27,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from nestfed.config import ExperimentConfig
 from nestfed.errors import UpdateRejected
 from nestfed.federation.folding import ReplyFolder
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.payload import payload_stats, validate_reply
 from nestfed.federation.population import Population
+from nestfed.federation.rank_groups import summarise_metrics
 from nestfed.federation.run_dir import ClientState, RunDir
 from nestfed.federation.safeguards import Safeguards, non_finite_keys
 from nestfed.federation.strategy import Strategy
@@ -115,6 +117,17 @@ class EvalPlan:
     final_all: bool = True
     every: int = 1
 
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig) -> EvalPlan:
+        """``[evaluation]``'s plan: the panel of ``evaluation.clients`` ids drawn once from the seed
+        rule's stream ``eval_panel`` of (data.seed, 0, 0), sorted (every client when 0)."""
+        e, k = cfg.evaluation, cfg.data.num_clients
+        panel = None
+        if e.clients and e.clients < k:
+            rng = np.random.default_rng(stream_seed(cfg.data.seed, 0, 0, "eval_panel"))
+            panel = tuple(sorted(int(i) for i in rng.choice(k, size=e.clients, replace=False)))
+        return cls(panel, e.final == "all", e.every)
+
     def clients(self, rnd: int, rounds: int, everyone: Sequence[int]) -> list[int]:
         """The ids evaluated after round ``rnd`` of ``rounds`` ([] = no evaluation this round)."""
         last = rnd == 0 or rnd == rounds
@@ -183,6 +196,26 @@ class RoundLoop:
     hold_replies: int = 32
     server_evaluate: Callable[[int, GlobalState], dict[str, Any]] | None = None
 
+    @classmethod
+    def from_config(cls, cfg: ExperimentConfig, strategy: Strategy, transport: Transport, clients: list[ClientInfo],
+                    run_dir: RunDir, keeps_client_state: bool, **kw: Any) -> RoundLoop:
+        """The loop of an experiment: its rounds, sampling, min_clients, seed, safeguards, population,
+        evaluation plan and reply bound from ``cfg``; ``kw`` sets the other fields (on_event, sinks,
+        server_evaluate) or replaces one (min_clients on Flower). Raises ConfigError for a bad
+        elastic trace (nestfed.federation.population.read_trace)."""
+        f = cfg.federation
+        settings: dict[str, Any] = {
+            "fraction": f.fraction, "min_clients": f.min_clients, "seed": f.seed, "sampling": f.sampling,
+            "safeguards": Safeguards.from_config(cfg), "population": Population.from_config(cfg, clients),
+            "evaluation": EvalPlan.from_config(cfg), "hold_replies": f.hold_replies}
+        settings.update(kw)
+        return cls(strategy, transport, clients, f.rounds, run_dir, keeps_client_state=keeps_client_state, **settings)
+
+    @property
+    def _ranks(self) -> dict[str, int]:
+        """{cid: r_k} of every client (the rank groups of the summaries)."""
+        return {str(c.cid): c.rank for c in self.clients}
+
     def _emit(self, kind: str, **info: Any) -> None:
         if self.on_event is not None:
             self.on_event(kind, info)
@@ -245,8 +278,8 @@ class RoundLoop:
                 line["eval"] = evaluation
             if self.server_evaluate is not None:
                 line["eval_global"] = self.server_evaluate(0, state)
-            self.run_dir.commit(0, state, self.transport.client_state(), line, self.keep_checkpoints)
-            self._track(line)
+            self._summarise(line)
+            self._track(self.run_dir.commit(0, state, self.transport.client_state(), line, self.keep_checkpoints))
             start = 1
         for rnd in range(start, self.rounds + 1):
             state = self.run_round(rnd, state)
@@ -359,8 +392,23 @@ class RoundLoop:
                           "validate_s": timing["validate_s"], "aggregate_s": t_agg - t_fit,
                           "evaluate_s": t_eval - t_agg}
         line["time_s"] = time.perf_counter() - t0
+        self._summarise(line)
         t_commit = time.perf_counter()
-        self.run_dir.commit(rnd, state, self.transport.client_state(), line, self.keep_checkpoints)
-        self._track(line)
+        self._track(self.run_dir.commit(rnd, state, self.transport.client_state(), line, self.keep_checkpoints))
         self._emit("round_done", round=rnd, line=line, commit_s=time.perf_counter() - t_commit)
         return state
+
+    def _summarise(self, line: dict[str, Any]) -> None:
+        """With the per-client numbers in their own file (RunDir.inline False), what the metrics
+        line keeps of them: the evaluation by rank group (nestfed.federation.rank_groups), the
+        number sampled and the statuses' counts."""
+        if self.run_dir.inline:
+            return
+        if "eval" in line:
+            line["eval_summary"] = summarise_metrics(line["eval"], self._ranks)
+        if "sampled" in line:
+            line["num_sampled"] = len(line["sampled"])
+            statuses: dict[str, int] = {}
+            for info in line["clients"].values():
+                statuses[info["status"]] = statuses.get(info["status"], 0) + 1
+            line["statuses"] = statuses

@@ -6,6 +6,10 @@ from __future__ import annotations
 import io
 from typing import Any
 
+import numpy as np
+
+from nestfed.config import INLINE_CLIENTS
+
 
 
 def pyplot():
@@ -29,17 +33,22 @@ def png(fig) -> bytes:
     return buf.getvalue()
 
 
-def run_plots(lines: list[dict[str, Any]], title: str) -> dict[str, bytes]:
-    """{file name: PNG bytes}: ``eval_ppl.png`` (held-out perplexity per client per round; only
-    when the lines carry evaluations) and ``bytes.png`` (MB sent down and up per round)."""
+def run_plots(lines: list[dict[str, Any]], title: str, ranks: dict[str, int] | None = None) -> dict[str, bytes]:
+    """{file name: PNG bytes}: ``eval_ppl.png`` (held-out perplexity per round: one line per client,
+    or, beyond :data:`nestfed.config.INLINE_CLIENTS` clients, the mean of each rank group with its
+    10th-90th percentile band), ``ppl_ecdf.png`` (many clients: the final perplexity's empirical
+    distribution per rank group; ranks: {cid: r_k}) and ``bytes.png`` (MB sent down and up per
+    round). The evaluation plots only when some rounds carry evaluations."""
     plt = pyplot()
     out = {}
-    if lines and all(ln.get("eval") for ln in lines):
-        cids = sorted(lines[0]["eval"], key=int)
+    evaluated = [ln for ln in lines if ln.get("eval")]
+    many = ranks is not None and len(ranks) > INLINE_CLIENTS
+    if evaluated and not many:
+        cids = sorted({c for ln in evaluated for c in ln["eval"]}, key=int)
         fig, ax = plt.subplots(figsize=(6, 4))
         for cid in cids:
-            xs = [ln["round"] for ln in lines if cid in ln["eval"]]
-            ys = [ln["eval"][cid]["ppl"] for ln in lines if cid in ln["eval"]]
+            xs = [ln["round"] for ln in evaluated if cid in ln["eval"]]
+            ys = [ln["eval"][cid]["ppl"] for ln in evaluated if cid in ln["eval"]]
             ax.plot(xs, ys, marker="o", label=f"client {cid}")
         ax.set_xlabel("round")
         ax.set_ylabel("held-out perplexity")
@@ -47,6 +56,8 @@ def run_plots(lines: list[dict[str, Any]], title: str) -> dict[str, bytes]:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
         out["eval_ppl.png"] = png(fig)
+    elif evaluated:
+        out.update(group_plots(evaluated, title, ranks))
     rounds = [ln for ln in lines if ln["round"] > 0]
     fig, ax = plt.subplots(figsize=(6, 4))
     xs = [ln["round"] for ln in rounds]
@@ -57,4 +68,42 @@ def run_plots(lines: list[dict[str, Any]], title: str) -> dict[str, bytes]:
     ax.set_title(f"{title}: communication")
     ax.legend()
     out["bytes.png"] = png(fig)
+    return out
+
+
+def group_plots(evaluated: list[dict[str, Any]], title: str, ranks: dict[str, int]) -> dict[str, bytes]:
+    """The evaluation of many clients by rank group (see :func:`run_plots`): ``eval_ppl.png`` and
+    ``ppl_ecdf.png``. evaluated: the lines that carry ``eval`` ({cid: metrics})."""
+    plt = pyplot()
+    groups = sorted({ranks[c] for ln in evaluated for c in ln["eval"]})
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in groups:
+        xs, mean, lo, hi = [], [], [], []
+        for ln in evaluated:
+            ppl = [m["ppl"] for c, m in ln["eval"].items() if ranks[c] == r]
+            if ppl:
+                xs.append(ln["round"])
+                mean.append(float(np.mean(ppl)))
+                lo.append(float(np.percentile(ppl, 10)))
+                hi.append(float(np.percentile(ppl, 90)))
+        line, = ax.plot(xs, mean, marker="o", label=f"rank {r} (mean)")
+        ax.fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
+    ax.set_xlabel("round")
+    ax.set_ylabel("held-out perplexity")
+    ax.set_title(f"{title}: mean per rank group, 10th-90th percentile band")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    out = {"eval_ppl.png": png(fig)}
+    last = evaluated[-1]["eval"]
+    fig, ax = plt.subplots(figsize=(6.5, 4))
+    for r in groups:
+        ppl = np.sort([m["ppl"] for c, m in last.items() if ranks[c] == r])
+        if ppl.size:
+            ax.step(ppl, np.arange(1, ppl.size + 1) / ppl.size, where="post", label=f"rank {r} ({ppl.size} clients)")
+    ax.set_xlabel(f"held-out perplexity after round {evaluated[-1]['round']}")
+    ax.set_ylabel("share of clients at or below")
+    ax.set_title(f"{title}: distribution over clients per rank group")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    out["ppl_ecdf.png"] = png(fig)
     return out

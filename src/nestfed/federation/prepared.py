@@ -4,6 +4,7 @@ Built by nestfed.experiments.prepare; handed to a method's home to set up its ru
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,19 +17,43 @@ from nestfed.nn.backbone import Backbone
 @dataclass
 class Prepared:
     """cfg: the config it was prepared from; backbone: the frozen model (LoRA injected) and its
-    tokenizer; data: {cid: ClientData}; clients: [ClientInfo] (rank r_k, n_k); shapes: {LoRA module
-    path: (out, in)}; prepare_time_s: seconds spent; cache: what a method's setup derives once and
+    tokenizer; data: {cid: ClientData}, built when a client is first read
+    (nestfed.data.client_pool.ClientPool; a plain dict in tests); clients: [ClientInfo] (rank r_k,
+    n_k); shapes: {LoRA module path: (out, in)}; prepare_time_s: seconds spent; start: the decoder
+    layer the cached frozen prefix ends at (0 = none cached); budgets: {cid: memory budget in MiB}
+    when memory budgets drew the ranks (``population.memory_mib``), with ``footprint`` the memory
+    model that chose them (nestfed.nn.footprint); cache: what a method's setup derives once and
     reuses across the methods of one comparison (e.g. compressed models), keyed by its own keys."""
 
     cfg: ExperimentConfig
     backbone: Backbone
-    data: dict[int, ClientData]
+    data: Mapping[int, ClientData]
     clients: list[ClientInfo]
     shapes: dict[str, tuple[int, int]]
     prepare_time_s: float
     cache: dict[Any, Any] = field(default_factory=dict)
+    start: int | None = None
+    budgets: dict[int, int] | None = None
+    footprint: Any = None
 
     @property
     def frozen_prefix_layers(self) -> int:
         """Decoder layers whose outputs are cached (the lowest adapted layer; 0 = none cached)."""
+        if self.start is not None:
+            return self.start
         return next(iter(self.data.values())).start if self.data else 0
+
+    def label(self, cid: int) -> str:
+        """Client ``cid``'s labels, without building its data when the pool registered them."""
+        label = getattr(self.data, "label", None)
+        return label(cid) if label is not None else self.data[cid].label
+
+    def roster(self) -> dict[str, dict[str, Any]]:
+        """{cid: {rank, label, num_examples[, memory_mib]}} of every client (a run's per-client table)."""
+        out = {}
+        for c in self.clients:
+            row: dict[str, Any] = {"rank": c.rank, "label": self.label(c.cid), "num_examples": c.num_examples}
+            if self.budgets is not None:
+                row["memory_mib"] = self.budgets.get(c.cid)
+            out[str(c.cid)] = row
+        return out

@@ -4,6 +4,11 @@
 
     config.toml        the resolved config (written first, after the whole config was validated)
     metrics.jsonl      one JSON line per round, round 0 = before any training
+    clients.jsonl      with many clients (output.client_detail): each round's per-client numbers
+                       (``sampled``, ``clients``, ``eval``), one line per round, the metrics line
+                       keeping summaries by rank group; its presence marks the layout
+    clients.json/.csv  the final per-client table (rank, label, n_k, rounds trained, first and
+                       last held-out metrics), written with the summary
     checkpoints/       round_NNN.safetensors: the global state after round NNN (its arrays and the
                        server optimiser's state) and, as one unit in the same file, every client's
                        kept state (FedALA's weights, FedNL's own LoRA)
@@ -12,16 +17,19 @@
     plots/             PNGs
     summary.json       written last: its presence marks a finished run
 
-Commit order of a round: its metrics line is appended (fsynced), then its checkpoint is written
-atomically. A crash between the two leaves a line without a checkpoint; :meth:`RunDir.resume`
-drops lines after the latest checkpoint (the round is redone and writes its line again), and a torn
-last line (a crash mid-append) is dropped with a warning. So every finished round keeps exactly one
+Commit order of a round: its per-client line (when they have their own file), then its metrics
+line are appended (fsynced), then its checkpoint is written atomically. A crash between them leaves
+lines without a checkpoint; :meth:`RunDir.resume` drops lines after the latest checkpoint (the round
+is redone and writes its lines again), and a torn last line (a crash mid-append) is dropped with a
+warning. So every finished round keeps exactly one
 line, and a resumed run reaches the same state as an uninterrupted one (the seed rule,
 nestfed.seeds). Every file is written atomically with the user's umask (nestfed.io.atomic).
 """
 
 from __future__ import annotations
 
+import csv
+import io
 import json
 import logging
 import re
@@ -37,7 +45,7 @@ from nestfed.config import ExperimentConfig, differences
 from nestfed.errors import DataError, NestfedError
 from nestfed.federation.messages import Arrays, GlobalState
 from nestfed.federation.plots import run_plots
-from nestfed.federation.summary import summarise
+from nestfed.federation.summary import client_table, rank_summary, summarise
 from nestfed.io import atomic
 from nestfed.nn.peft_export import export_peft_adapter
 
@@ -46,6 +54,8 @@ log = logging.getLogger("nestfed")
 FORMAT = "nestfed-checkpoint/2"
 KEPT, ON_NODES = "kept", "on-nodes"
 _ROUND_FILE = re.compile(r"round_(\d+)\.safetensors")
+#: the keys of a metrics line that hold one entry per client, moved to clients.jsonl with many clients
+DETAIL_KEYS = ("sampled", "clients", "eval")
 
 ClientState = dict[int, dict[str, Arrays]]
 
@@ -105,14 +115,17 @@ class RunDir:
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod
-    def create(cls, path: str | Path, config_text: str) -> RunDir:
-        """A new run directory holding ``config.toml``. Raises NestfedError when ``path`` exists
-        and is not empty (a run is never overwritten)."""
+    def create(cls, path: str | Path, config_text: str, inline: bool = True) -> RunDir:
+        """A new run directory holding ``config.toml`` (and, with ``inline`` False, an empty
+        ``clients.jsonl``: the per-client numbers get their own file). Raises NestfedError when
+        ``path`` exists and is not empty (a run is never overwritten)."""
         path = Path(path)
         if path.exists() and (not path.is_dir() or any(not _stray(p) for p in path.iterdir())):
             raise NestfedError(f"{path}: the run directory exists and is not empty; resume it or choose another")
         path.mkdir(parents=True, exist_ok=True)
         rd = cls(path)
+        if not inline:  # first: a directory is a run once config.toml is there, and by then its layout is set
+            atomic.write_text(rd.clients_path, "")
         atomic.write_text(rd.config_path, config_text)
         return rd
 
@@ -135,6 +148,16 @@ class RunDir:
         return self.path / "metrics.jsonl"
 
     @property
+    def clients_path(self) -> Path:
+        """Each round's per-client numbers, with many clients: ``clients.jsonl``."""
+        return self.path / "clients.jsonl"
+
+    @property
+    def inline(self) -> bool:
+        """Whether the per-client numbers stay in the metrics lines (no ``clients.jsonl``)."""
+        return not self.clients_path.is_file()
+
+    @property
     def finished(self) -> bool:
         """Whether the run finished (summary.json exists)."""
         return (self.path / "summary.json").is_file()
@@ -149,8 +172,25 @@ class RunDir:
             log.warning("%s: skipped a torn last line: an append was interrupted", self.metrics_path)
         return lines
 
-    def _read_lines(self) -> tuple[list[dict[str, Any]], bool]:
-        path = self.metrics_path
+    def read_rounds(self) -> list[dict[str, Any]]:
+        """The metrics lines with each round's per-client numbers put back from clients.jsonl (the
+        lines as the round loop made them, whatever the layout). Raises DataError as
+        :meth:`read_metrics`, and for a committed round whose per-client line is missing."""
+        lines = self.read_metrics()
+        if self.inline:
+            return lines
+        detail, _ = self._read_lines(self.clients_path)
+        by_round = {int(d["round"]): d for d in detail}
+        out = []
+        for ln in lines:
+            d = by_round.get(int(ln["round"]))
+            if d is None:
+                raise DataError(f"{self.clients_path}: no line for round {ln['round']} of {self.metrics_path}")
+            out.append({**ln, **{k: v for k, v in d.items() if k != "round"}})
+        return out
+
+    def _read_lines(self, path: Path | None = None) -> tuple[list[dict[str, Any]], bool]:
+        path = path or self.metrics_path
         if not path.is_file():
             raise DataError(f"{path}: not found (is {self.path} a nestfed run directory?)")
         text = path.read_text(encoding="utf-8")
@@ -225,15 +265,22 @@ class RunDir:
         return Checkpoint(rnd, GlobalState(arrays, meta, optimizer), clients, path)
 
     def commit(self, rnd: int, state: GlobalState, client_state: ClientState | None, line: dict[str, Any],
-               keep_checkpoints: bool = True) -> None:
-        """Commit round ``rnd``: its metrics line, then its checkpoint (see the module docstring).
-        Without ``keep_checkpoints`` the earlier checkpoints are removed afterwards."""
-        self.append_metrics(line)
+               keep_checkpoints: bool = True) -> dict[str, Any]:
+        """Commit round ``rnd``: its per-client line (the :data:`DETAIL_KEYS` of ``line``, when they
+        have their own file), its metrics line, then its checkpoint (see the module docstring).
+        Without ``keep_checkpoints`` the earlier checkpoints are removed afterwards. Returns the
+        metrics line as written."""
+        written = dict(line)
+        if not self.inline:
+            detail = {"round": rnd, **{k: written.pop(k) for k in DETAIL_KEYS if k in written}}
+            atomic.append_line(self.clients_path, json.dumps(detail))
+        self.append_metrics(written)
         self.save_checkpoint(rnd, state, client_state)
         if not keep_checkpoints:
             for r, p in self.checkpoints():
                 if r != rnd:
                     p.unlink(missing_ok=True)
+        return written
 
     def latest_checkpoint(self, keeps_client_state: bool = False) -> Checkpoint:
         """The checkpoint of the highest round, read and checked for a resume.
@@ -254,26 +301,41 @@ class RunDir:
                                "(written on Flower, or its clients_NNN file is gone); it cannot be resumed exactly")
         return ck
 
-    def _resume_plan(self, keeps_client_state: bool) -> tuple[Checkpoint | None, list[dict[str, Any]], list[str], bool]:
-        """(checkpoint or None, the metrics lines to keep, notes, whether metrics.jsonl must be
-        rewritten): what :meth:`resume` does, computed without writing. Raises as :meth:`resume`."""
-        lines, torn = self._read_lines() if self.metrics_path.is_file() else ([], False)
-        notes = [f"{self.metrics_path}: dropped a torn last line (an append was interrupted)"] if torn else []
-        if not self.checkpoints() and all(int(ln.get("round", -1)) <= 0 for ln in lines):
-            if lines or torn:
-                notes.append(f"{self.metrics_path}: no round was committed yet; starting from round 0")
-            return None, [], notes, bool(lines or torn)
-        ck = self.latest_checkpoint(keeps_client_state)
-        keep = [ln for ln in lines if int(ln.get("round", -1)) <= ck.round]
-        if len(keep) != len(lines):
-            later = sorted({int(ln["round"]) for ln in lines if int(ln.get("round", -1)) > ck.round})
-            notes.append(f"{self.metrics_path}: dropped the lines of rounds {later}, after the checkpoint of round "
-                         f"{ck.round} (they are redone)")
-        rounds = [int(ln["round"]) for ln in keep]
-        if rounds != list(range(ck.round + 1)):
-            raise DataError(f"{self.metrics_path}: holds rounds {rounds}, expected 0..{ck.round} once each "
-                            f"for the checkpoint {ck.path.name}")
-        return ck, keep, notes, torn or len(keep) != len(lines)
+    def _kept_lines(self, path: Path, last: int | None) -> tuple[list[dict[str, Any]], list[str], bool]:
+        """(the lines of ``path`` for rounds 0..last, notes, whether the file must be rewritten); a
+        torn last line and the lines of later rounds are dropped (``last`` None: a run that committed
+        nothing, every line goes)."""
+        lines, torn = self._read_lines(path) if path.is_file() else ([], False)
+        notes = [f"{path}: dropped a torn last line (an append was interrupted)"] if torn else []
+        keep = [] if last is None else [ln for ln in lines if int(ln.get("round", -1)) <= last]
+        if last is not None and len(keep) != len(lines):
+            later = sorted({int(ln["round"]) for ln in lines if int(ln.get("round", -1)) > last})
+            notes.append(f"{path}: dropped the lines of rounds {later}, after the checkpoint of round "
+                         f"{last} (they are redone)")
+        return keep, notes, torn or len(keep) != len(lines)
+
+    def _resume_plan(self, keeps_client_state: bool
+                     ) -> tuple[Checkpoint | None, dict[Path, tuple[list[dict[str, Any]], bool]], list[str]]:
+        """(checkpoint or None, {file: (the lines to keep, whether to rewrite it)} for metrics.jsonl
+        and clients.jsonl, notes): what :meth:`resume` does, computed without writing. Raises as
+        :meth:`resume`."""
+        files = [self.metrics_path] + ([] if self.inline else [self.clients_path])
+        lines, _ = self._read_lines() if self.metrics_path.is_file() else ([], False)
+        ck = None
+        if self.checkpoints() or any(int(ln.get("round", -1)) > 0 for ln in lines):
+            ck = self.latest_checkpoint(keeps_client_state)
+        plan, notes = {}, []
+        for path in files:
+            keep, why, rewrite = self._kept_lines(path, None if ck is None else ck.round)
+            plan[path] = (keep, rewrite)
+            notes += why
+            if ck is None and rewrite:
+                notes.append(f"{path}: no round was committed yet; starting from round 0")
+            rounds = [int(ln["round"]) for ln in keep]
+            if ck is not None and rounds != list(range(ck.round + 1)):
+                raise DataError(f"{path}: holds rounds {rounds}, expected 0..{ck.round} once each "
+                                f"for the checkpoint {ck.path.name}")
+        return ck, plan, notes
 
     def check_resume(self, keeps_client_state: bool) -> None:
         """What :meth:`resume` checks, without writing anything: call it before any work.
@@ -282,17 +344,18 @@ class RunDir:
 
     def resume(self, keeps_client_state: bool) -> tuple[Checkpoint | None, list[str]]:
         """Where a resumed run continues: the latest checkpoint (:meth:`latest_checkpoint`), with
-        metrics.jsonl made to hold exactly rounds 0..its round (a torn last line and the lines of
-        later rounds dropped, rewritten atomically), and notes of what was repaired.
+        metrics.jsonl (and clients.jsonl) made to hold exactly rounds 0..its round (a torn last line
+        and the lines of later rounds dropped, rewritten atomically), and notes of what was repaired.
 
         A run that crashed before its round-0 checkpoint (only config.toml and at most the round-0
         line exist) has no checkpoint: (None, notes) with the metrics emptied, and it starts from
         round 0 again (the initial state is deterministic). Raises as :meth:`latest_checkpoint`
         otherwise, and DataError for a metrics file that lacks a committed round.
         """
-        ck, keep, notes, rewrite = self._resume_plan(keeps_client_state)
-        if rewrite:
-            atomic.write_text(self.metrics_path, "".join(json.dumps(ln) + "\n" for ln in keep))
+        ck, plan, notes = self._resume_plan(keeps_client_state)
+        for path, (keep, rewrite) in plan.items():
+            if rewrite:
+                atomic.write_text(path, "".join(json.dumps(ln) + "\n" for ln in keep))
         return ck, notes
 
     def accept_config(self, stored: ExperimentConfig, wanted: ExperimentConfig, config_text: str) -> list[str]:
@@ -328,18 +391,42 @@ class RunDir:
         """``<name>`` as indented JSON, atomically."""
         return atomic.write_json(self.path / name, obj)
 
-    def write_plots(self, lines: list[dict[str, Any]]) -> list[Path]:
-        """plots/eval_ppl.png and plots/bytes.png (nestfed.federation.plots), atomically."""
+    def write_plots(self, lines: list[dict[str, Any]], ranks: dict[str, int] | None = None) -> list[Path]:
+        """plots/ (nestfed.federation.plots: per client, or by rank group with many clients),
+        atomically."""
         return [atomic.write_bytes(self.path / "plots" / name, data)
-                for name, data in run_plots(lines, self.path.name).items()]
+                for name, data in run_plots(lines, self.path.name, ranks).items()]
 
-    def finish(self, cfg: ExperimentConfig, exports: Exports, extra: dict[str, Any]) -> dict[str, Any]:
+    def write_clients(self, rows: list[dict[str, Any]], per_client: dict[str, Any] | None = None) -> list[Path]:
+        """``clients.csv`` (one row per client, :func:`nestfed.federation.summary.client_table`) and,
+        when the per-client numbers have their own file, ``clients.json`` (the rows plus
+        ``per_client``: further per-client maps such as the truncation curve), atomically."""
+        buf = io.StringIO()
+        cols = list(dict.fromkeys(k for row in rows for k in row))
+        writer = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        out = [atomic.write_text(self.path / "clients.csv", buf.getvalue())]
+        if not self.inline:
+            out.append(atomic.write_json(self.path / "clients.json", {"clients": rows, **(per_client or {})}))
+        return out
+
+    def finish(self, cfg: ExperimentConfig, exports: Exports, extra: dict[str, Any],
+               roster: dict[str, dict[str, Any]] | None = None, per_client: dict[str, Any] | None = None
+               ) -> dict[str, Any]:
         """Finalise a run whose rounds are all committed: the adapter (only when some round
         aggregated: a run that never aggregated has no adapter PEFT could load), the method's
-        files, the plots (``output.plots``), then summary.json (last): the run's summary
-        (nestfed.federation.summary), then ``extra`` (the entry point's fields), then the method's
-        own fields (``exports.summary``). Returns the summary."""
-        lines = self.read_metrics()
+        files, the plots (``output.plots``), the per-client table, then summary.json (last): the
+        run's summary (nestfed.federation.summary), then ``extra`` (the entry point's fields), then
+        the method's own fields (``exports.summary``). Returns the summary.
+
+        roster: {cid: {rank, label, num_examples[, memory_mib]}} of every client (the per-client
+        table and the rank groups); per_client: further per-client maps ({name: {cid: ...}}, e.g.
+        the truncation curve), kept in summary.json while the per-client numbers stay in the metrics
+        lines, else in clients.json (summary.json then keeps the summaries by rank group in
+        ``by_rank`` and no per-client ``final`` / ``initial``).
+        """
+        lines = self.read_rounds()
         summary = summarise(lines, cfg)
         arrays, scale = exports.adapter or ({}, 1.0)
         summary["adapter"] = None
@@ -350,9 +437,28 @@ class RunDir:
             log.warning("%s: no round aggregated, so no adapter is exported", self.path)
         for name, tensors in exports.files.items():
             self.write_tensors(name, tensors)
+        ranks = {c: int(r["rank"]) for c, r in (roster or {}).items()}
         if cfg.output.plots:
-            self.write_plots(lines)
+            self.write_plots(lines, ranks or None)
+        if roster:
+            budgets = {c: r["memory_mib"] for c, r in roster.items() if r.get("memory_mib") is not None} or None
+            rows = client_table(lines, ranks, {c: r.get("label", "") for c, r in roster.items()},
+                                {c: r.get("num_examples", 0) for c, r in roster.items()}, budgets)
+            self.write_clients(rows, per_client)
+            counts: dict[str, int] = {}
+            for r in ranks.values():
+                counts[str(r)] = counts.get(str(r), 0) + 1
+            summary["rank_counts"] = dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
+            summary["by_rank"] = rank_summary(summary, ranks)
+            if cfg.population.draws_ranks:
+                summary["ranks"] = sorted({int(r) for r in ranks.values()})
         summary.update(extra)
+        if self.inline:
+            summary.update(per_client or {})
+        else:  # the per-client numbers are in clients.json
+            for key in ("final", "initial", "local_accuracy", "federated_accuracy", "aggregation_drop"):
+                summary.pop(key, None)
+            summary["per_client"] = "clients.json"
         summary.update(exports.summary)
         summary["run_dir"] = str(self.path)
         self.write_json("summary.json", summary)

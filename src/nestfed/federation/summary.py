@@ -4,9 +4,11 @@ length and depth. Pure functions of the lines (dicts), written by nestfed.federa
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from nestfed.config import ExperimentConfig
+from nestfed.federation.rank_groups import by_rank, summarise_metrics
 
 
 def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, Any]:
@@ -31,11 +33,16 @@ def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, A
         "train_time_s": sum(c.get("metrics", {}).get("train_time_s", 0.0) for c in fits),
     }
     out["aggregates_refused"] = sum(1 for ln in rounds if "aggregate_rejected" in ln)
+    out["rounds_mostly_dropped"] = [ln["round"] for ln in rounds
+                                    if ln.get("sampled") and 2 * len(ln.get("dropped", {})) > len(ln["sampled"])]
     if rounds and "privacy" in rounds[-1]:  # the privacy spent by the whole run
         out["privacy"] = rounds[-1]["privacy"]
-    if not lines or not all(ln.get("eval") for ln in lines):
+    if any("eval_global" in ln for ln in lines):
+        out["global_eval"] = {"initial": lines[0].get("eval_global"), "final": lines[-1].get("eval_global")}
+    evaluated = [ln for ln in lines if ln.get("eval")]
+    if not lines or not evaluated or evaluated[0]["round"] != 0 or evaluated[-1]["round"] != lines[-1]["round"]:
         return out
-    first, last = lines[0]["eval"], lines[-1]["eval"]
+    first, last = evaluated[0]["eval"], evaluated[-1]["eval"]
     out.update({
         "final": last,
         "initial": first,
@@ -48,6 +55,49 @@ def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, A
     out.update(aggregation_drop(lines))
     out.update(group_accuracy(last))
     return out
+
+
+def client_table(lines: list[dict[str, Any]], ranks: Mapping[str, int], labels: Mapping[str, str],
+                 num_examples: Mapping[str, int], budgets: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+    """One row per client (ids ascending): cid, rank r_k, label, n_k, memory_mib (when budgets
+    drew the ranks), rounds_sampled, rounds_accepted, and its first and last held-out metrics
+    (``initial_<metric>``, ``final_<metric>``: of rounds 0 and R; absent for a client neither
+    evaluated). Pure function of the (joined) metrics lines."""
+    rounds = [ln for ln in lines if ln["round"] > 0]
+    evaluated = [ln for ln in lines if ln.get("eval")]
+    first = evaluated[0]["eval"] if evaluated and evaluated[0]["round"] == 0 else {}
+    last = evaluated[-1]["eval"] if evaluated and evaluated[-1]["round"] == lines[-1]["round"] else {}
+    sampled: dict[str, int] = {}
+    accepted: dict[str, int] = {}
+    for ln in rounds:
+        for cid, info in ln.get("clients", {}).items():
+            sampled[cid] = sampled.get(cid, 0) + 1
+            accepted[cid] = accepted.get(cid, 0) + (info.get("status") in ("accepted", "secure"))
+    rows = []
+    for cid in sorted(ranks, key=int):
+        row: dict[str, Any] = {"cid": int(cid), "rank": int(ranks[cid]), "label": labels.get(cid, ""),
+                               "num_examples": int(num_examples.get(cid, 0))}
+        if budgets is not None:
+            row["memory_mib"] = budgets.get(cid)
+        row.update({"rounds_sampled": sampled.get(cid, 0), "rounds_accepted": accepted.get(cid, 0)})
+        for prefix, ev in (("initial", first), ("final", last)):
+            for k in ("loss", "ppl", "accuracy"):
+                if k in ev.get(cid, {}):
+                    row[f"{prefix}_{k}"] = ev[cid][k]
+        rows.append(row)
+    return rows
+
+
+def rank_summary(summary: Mapping[str, Any], ranks: Mapping[str, int]) -> dict[str, Any]:
+    """The summary's per-client evaluations by rank group (nestfed.federation.rank_groups):
+    ``final`` and ``initial`` ({metric: {rank: stats}}) and ``change_pct`` (the relative change of
+    each client's perplexity, 100 (final / initial - 1), by rank). Empty without evaluations."""
+    if "final" not in summary:
+        return {}
+    final, initial = summary["final"], summary["initial"]
+    change = {c: 100.0 * (final[c]["ppl"] / initial[c]["ppl"] - 1.0) for c in final if c in initial}
+    return {"final": summarise_metrics(final, ranks), "initial": summarise_metrics(initial, ranks),
+            "change_pct": by_rank(change, ranks)}
 
 
 def aggregation_drop(lines: list[dict[str, Any]]) -> dict[str, Any]:

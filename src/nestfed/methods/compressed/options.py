@@ -48,7 +48,11 @@ class CompressionOptions:
 
 
 def check_compression(cfg: ExperimentConfig) -> None:
-    """One compression ratio, or one per client. Raises ValueError naming compression.client_ratios."""
+    """One compression ratio, or one per client; documents as the unit (the server text is the
+    documents no client uses). Raises ValueError naming compression.client_ratios or data.unit."""
     n = len(cfg.section("compression").client_ratios)
     if n not in (1, cfg.data.num_clients):
         raise ValueError(f"compression.client_ratios: {n} ratios for data.num_clients = {cfg.data.num_clients} clients")
+    if cfg.data.unit != "document":
+        raise ValueError("data.unit: the compressed methods draw the server text from the documents no client uses "
+                         "(data.unit = 'document')")

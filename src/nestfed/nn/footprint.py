@@ -1,0 +1,125 @@
+"""A client's training footprint at LoRA rank r: the memory model that turns a device's memory budget
+into the largest rank it can train (``population.memory_mib``, nestfed.config.population).
+
+    bytes(r) = W + 16 P(r) + S(r)
+
+- W: the frozen backbone's parameters and buffers at their dtype (each storage once, LoRA excluded);
+- P(r) = r * sum over LoRA layers of (in + out): the trainable parameters at rank r, 16 bytes each
+  (a float32 value, its gradient and AdamW's two moments; nestfed.nn.placement keeps what trains in
+  float32);
+- S(r): the bytes autograd saves for one (micro-)batch's backward, measured by a probe: one forward
+  of a random batch of the configured shape (``train.micro_batch_size`` or ``train.batch_size`` rows
+  of ``data.block_size`` tokens, entering the first adapted layer when the frozen prefix is cached)
+  at ranks 1 and r_max under ``torch.autograd.graph.saved_tensors_hooks`` (storages counted once,
+  parameters and buffers excluded); S is linear in r between and beyond the probes (every
+  rank-dependent saved tensor is [B, T, r]), so activation checkpointing and micro-batches are
+  accounted for as they are configured.
+
+What it leaves out: the client's own data and cached prefix, the allocator's slack, kernels'
+workspaces and the runtime (a lower bound on a step's peak: bench/fedslm_memory.py sets the same
+accounting beside the sampled resident memory). For a model of SmolLM2's size, LoRA on a few layers
+changes bytes(r) by a few MB per rank step: budgets then choose ranks only when they sit close to
+W + S, and the footprint of the whole model, not the rank, decides which devices can take part.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from nestfed.config import TrainConfig
+from nestfed.nn.frozen_prefix import labelled_logits
+from nestfed.nn.lora import active_rank, lora_modules
+from nestfed.nn.placement import model_device
+
+
+def weight_bytes(model: nn.Module) -> int:
+    """W: bytes of the model's parameters and buffers, LoRA matrices excluded, each storage once."""
+    seen, total = set(), 0
+    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+        if ".lora_" in name:
+            continue
+        key = t.untyped_storage().data_ptr()
+        if key not in seen:
+            seen.add(key)
+            total += t.untyped_storage().nbytes()
+    return total
+
+
+def saved_bytes(model: nn.Module, batch: int, tokens: int, start: int, rank: int, seed: int = 0) -> int:
+    """S(rank): bytes autograd saves during one training forward of a random batch [batch, tokens]
+    entering decoder layer ``start`` (token ids when 0), every LoRA layer at sub-rank ``rank`` and
+    trainable. The model's parameters keep their requires_grad flags afterwards."""
+    modules = lora_modules(model)
+    params = [p for m in modules.values() for p in (m.lora_A.weight, m.lora_B.weight)]
+    flags = [p.requires_grad for p in params]
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    labels = torch.randint(0, vocab, (batch, tokens), generator=g)
+    dev = model_device(model)
+    ids = hidden = None
+    if start > 0:
+        hidden = torch.randn(batch, tokens, model.config.hidden_size, generator=g).to(dev)
+    else:
+        ids = labels.clone()
+    owned = {t.untyped_storage().data_ptr() for t in list(model.parameters()) + list(model.buffers())}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in owned:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    try:
+        for p in params:
+            p.requires_grad_(True)
+        with active_rank(model, rank), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits, targets = labelled_logits(model, labels.to(dev), None if ids is None else ids.to(dev), hidden, start)
+            loss = F.cross_entropy(logits.float(), targets)
+        del loss, logits
+    finally:
+        for p, f in zip(params, flags):
+            p.requires_grad_(f)
+    return int(sum(seen.values()))
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """bytes(r) = weights + 16 * per_rank * r + saved_at_1 + saved_slope * (r - 1) (module docstring).
+
+    weights: W; per_rank: trainable parameters per unit of rank, sum of (in + out) over the LoRA
+    layers; saved_at_1, saved_slope: S(1) and (S(r_max) - S(1)) / (r_max - 1).
+    """
+
+    weights: int
+    per_rank: int
+    saved_at_1: int
+    saved_slope: float
+
+    @classmethod
+    def measure(cls, model: nn.Module, train: TrainConfig, block_size: int, start: int) -> Footprint:
+        """The footprint of ``model`` (LoRA injected at r_max) for the configured step: probes at
+        ranks 1 and r_max (:func:`saved_bytes`). Raises ValueError for a model without LoRA layers."""
+        modules = lora_modules(model)
+        if not modules:
+            raise ValueError("the model has no LoRA layers to size")
+        per_rank = sum(m.in_features + m.out_features for m in modules.values())
+        r_max = min(m.rank for m in modules.values())
+        batch = train.micro_batch_size if 0 < train.micro_batch_size < train.batch_size else train.batch_size
+        lo = saved_bytes(model, batch, block_size, start, 1)
+        hi = saved_bytes(model, batch, block_size, start, r_max) if r_max > 1 else lo
+        return cls(weight_bytes(model), per_rank, lo, (hi - lo) / (r_max - 1) if r_max > 1 else 0.0)
+
+    def bytes(self, rank: int) -> int:
+        """The footprint at rank ``rank`` (bytes). Raises ValueError for rank < 1."""
+        if rank < 1:
+            raise ValueError(f"rank must be >= 1, got {rank}")
+        return int(self.weights + 16 * self.per_rank * rank + self.saved_at_1 + self.saved_slope * (rank - 1))
+
+    def describe(self, ranks: list[int]) -> dict[str, float]:
+        """{str(rank): MiB} for a report."""
+        return {str(r): self.bytes(r) / 2**20 for r in ranks}
