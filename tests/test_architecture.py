@@ -60,12 +60,13 @@ def test_the_core_names_no_method():
 
 
 def test_no_function_imports_nestfed_locally():
-    """A function-local import of nestfed is how cycles used to be dodged; none is left. The command
-    line alone imports what a command runs inside the command (nothing imports cli.py, so no cycle can
-    hide there, and import-linter checks those imports as it checks every other)."""
+    """A function-local import of nestfed is how cycles used to be dodged; none is left. The two entry
+    points alone import what they run when they run it (the command line per command, the FAB's
+    ClientApp inside a simulation actor): nothing imports them, so no cycle can hide there, and
+    import-linter checks those imports as it checks every other."""
     hits = []
     for f in modules():
-        if f.relative_to(SRC) == Path("cli.py"):
+        if f.relative_to(SRC) in (Path("cli.py"), Path("flower/node_forwarder.py")):  # entry points, imported by none
             continue
         for fn in ast.walk(ast.parse(f.read_text())):
             if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

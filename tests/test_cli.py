@@ -108,6 +108,27 @@ def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path,
     assert (tmp_path / "c.png").is_file() and "backbone" in c.stdout
 
 
+def test_a_run_of_many_clients_reads_by_rank_group_and_writes_small_files(tmp_path, cli):
+    """120 clients over the 20 Newsgroups sample's blocks, 12 sampled per round, a panel of 5: the
+    preparation is one line of counts, the table has a column per rank group (none per client), the
+    metrics lines stay small, and the per-client numbers are in their own files."""
+    runs = tmp_path / "runs"
+    sets = ["data.num_clients=120", "data.partition=iid", "data.unit=block", "data.source=newsgroups",
+            "lora.ranks=[2]", "population.rank_shares={2=0.5,8=0.5}", "federation.fraction=0.1",
+            "federation.rounds=2", "evaluation.clients=5", "train.client_cache=off", f"output.dir={runs}"]
+    r = cli("run", str(TINY), *[x for s in sets for x in ("--set", s)], "--methods", "prelort,local_only", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "prepared 120 clients in" in r.stderr and "clients per rank 2: 60, 8: 60" in r.stderr
+    assert "c0 rank" not in r.stderr and "c119" not in r.stdout
+    assert "r=2" in r.stdout and "r=8" in r.stdout and "median" in r.stdout
+    parent = next(runs.iterdir())
+    run = parent / "prelort"
+    assert max(len(x) for x in (run / "metrics.jsonl").read_text().splitlines()) < 8000
+    assert len((run / "clients.csv").read_text().splitlines()) == 121
+    assert json.loads((run / "summary.json").read_text())["rank_counts"] == {"2": 60, "8": 60}
+    assert "r=2 mean" in (parent / "comparison.md").read_text()
+
+
 def test_resume_after_interruption_gives_the_same_adapter(tmp_path, cli):
     runs = tmp_path / "runs"
     args = ["run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=2",

@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from nestfed import methods
-from nestfed.config import ExperimentConfig, client_ranks, dumps_toml, r_max
+from nestfed.config import ExperimentConfig, client_ranks, dumps_toml, per_client_inline, r_max
 from nestfed.data.clients import ClientData
 from nestfed.federation import tracking
 from nestfed.federation.in_process import InProcessTransport
@@ -21,7 +21,6 @@ from nestfed.federation.loop import RoundLoop
 from nestfed.federation.messages import ClientInfo
 from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import RunDir
-from nestfed.federation.safeguards import Safeguards
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.frozen_prefix import first_adapted_layer
 from nestfed.nn.lora import inject_lora, module_shapes
@@ -62,12 +61,9 @@ def tiny_run(run_dir: Path, cfg: ExperimentConfig, prep: Prepared | None = None,
     prep = prep if prep is not None else tiny_prepared(cfg)
     mr = methods.get(cfg.strategy.name).build(prep, cfg)
     trainer = wrap(mr.trainer) if wrap is not None else mr.trainer
-    rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, dumps_toml(cfg))
-    fed = cfg.federation
-    loop = RoundLoop(mr.strategy, InProcessTransport(trainer), mr.clients, fed.rounds, rd, fed.fraction,
-                     fed.min_clients, fed.seed, mr.keeps_client_state, safeguards=Safeguards.from_config(cfg),
-                     sampling=fed.sampling,
-                     sinks=tracking.sinks(cfg.tracking, Path(run_dir), cfg.output.dir, cfg.output.name))
+    rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, dumps_toml(cfg), per_client_inline(cfg))
+    loop = RoundLoop.from_config(cfg, mr.strategy, InProcessTransport(trainer), mr.clients, rd, mr.keeps_client_state,
+                                 sinks=tracking.sinks(cfg.tracking, Path(run_dir), cfg.output.dir, cfg.output.name))
     return loop.run(mr.shapes, resume=resume), loop, mr
 
 

@@ -40,6 +40,22 @@ def say(text: str) -> None:
     console.print(text, markup=False, soft_wrap=True)
 
 
+def prepared_line(prep) -> str:
+    """What preparation found: every client (rank, n_k, labels), or, beyond INLINE_CLIENTS clients,
+    the clients per rank and the spread of n_k."""
+    head = f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s"
+    if len(prep.clients) <= C.INLINE_CLIENTS:
+        return head + ": " + ", ".join(f"c{c.cid} rank {c.rank} n={c.num_examples} ({prep.label(c.cid)})"
+                                       for c in prep.clients)
+    counts: dict[int, int] = {}
+    for c in prep.clients:
+        counts[c.rank] = counts.get(c.rank, 0) + 1
+    n = sorted(c.num_examples for c in prep.clients)
+    return (f"{head} (a client's data are built when it is first sampled or evaluated): clients per rank "
+            + ", ".join(f"{r}: {k}" for r, k in sorted(counts.items()))
+            + f"; n_k min {n[0]}, median {n[len(n) // 2]}, max {n[-1]}")
+
+
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                     console=console, transient=False)
@@ -56,8 +72,7 @@ def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], r
         prep = prepare(first, on_status=lambda s: status.update(s))
     for cfg in cfgs.values():  # nothing is written before every method's settings fit the model
         check_method(prep, cfg)
-    say(f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s: "
-        + ", ".join(f"c{c.cid} rank {c.rank} n={c.num_examples} ({prep.data[c.cid].label})" for c in prep.clients))
+    say(prepared_line(prep))
     with _progress() as progress:
         for name, cfg in cfgs.items():
             k = C.sampled_per_round(cfg)
@@ -71,14 +86,17 @@ def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], r
                     progress.update(task, advance=1, description=f"{name} round {info['round']} client {info['cid']}")
                 elif kind == "log":
                     progress.console.print(info["text"], markup=False)
-                elif kind == "round_done" and "eval" in info["line"]:
-                    ev = info["line"]["eval"]
-                    mean = sum(v["ppl"] for v in ev.values()) / len(ev)
-                    progress.update(task, description=f"{name} round {info['round']}: mean ppl {mean:.2f}")
+                elif kind == "round_done":
+                    ln = info["line"]
+                    ev = ln.get("eval") or {}
+                    mean = sum(v["ppl"] for v in ev.values()) / len(ev) if ev else float("nan")
+                    who = "" if len(ev) == len(prep.clients) else f" over {len(ev)} of {len(prep.clients)} clients"
+                    what = f"mean held-out ppl {mean:.2f}{who}" if ev else "not evaluated"
+                    progress.update(task, description=f"{name} round {info['round']}: {what}")
                     if not console.is_terminal:  # logs and CI: one plain line per round
-                        progress.console.print(f"{name} round {info['round']}/{rounds}: mean held-out ppl {mean:.2f}, "
-                                               f"{info['line']['time_s']:.0f} s, {len(info['line']['rejected'])} rejected",
-                                               markup=False)
+                        glob = f", global {ln['eval_global']['ppl']:.2f}" if "eval_global" in ln else ""
+                        progress.console.print(f"{name} round {info['round']}/{rounds}: {what}{glob}, "
+                                               f"{ln['time_s']:.0f} s, {len(ln['rejected'])} rejected", markup=False)
 
             run_method(prep, cfg, run_dirs[name], resume=resume, on_event=on_event)
 
@@ -95,7 +113,7 @@ def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None,
     of one label over several seeds are reported with 95% intervals and paired differences against
     ``reference`` (default: the first label; nestfed.experiments.seed_report). ``table``: also write
     the Markdown tables there and the rows beside it as JSON (same stem)."""
-    from nestfed.experiments import report, seed_report
+    from nestfed.experiments import group_report, report, seed_report
     from nestfed.io import atomic
 
     rows = report.comparison_rows(run_dirs)
@@ -108,7 +126,17 @@ def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None,
     if reference is not None and reference not in groups:
         raise NestfedError(f"--reference: '{reference}' is not among the compared runs ({', '.join(groups)})")
     curves, importance = seed_report.truncation_stats(rows), seed_report.importance_stats(rows)
-    if over_seeds:
+    many = report.many_clients(rows)
+    if many and over_seeds:  # by rank group (nestfed.experiments.group_report)
+        stats = group_report.seed_stats(rows, groups, reference or next(iter(groups)))
+        out.print(group_report.seeds_table(rows, stats))
+        markdown = group_report.seeds_markdown(rows, stats, reference or next(iter(groups)))
+        bars = group_report.plot(rows)
+    elif many:
+        out.print(group_report.table(rows))
+        markdown = group_report.markdown(rows)
+        bars = group_report.plot(rows)
+    elif over_seeds:
         stats = seed_report.label_stats(rows, reference)
         out.print(seed_report.seeds_table(rows, stats))
         markdown = seed_report.seeds_markdown(rows, stats)
@@ -125,6 +153,10 @@ def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None,
             markdown += (f"\nPaired difference of the truncated adapters' held-out perplexity against {ref} at the "
                          "same r (%, 95% interval over seed x client pairs; bold: significant):\n\n")
             markdown += seed_report.truncation_differences_markdown(seed_report.truncation_differences(rows, ref), ref)
+    on_global = seed_report.global_truncation_stats(rows)
+    if on_global:
+        markdown += ("\nHeld-out perplexity of the final global adapter truncated to rank r on the global held-out set "
+                     "(mean ± 95% over seeds):\n\n" + seed_report.truncation_markdown(on_global))
     figures = {"truncation.png": seed_report.truncation_plot(curves) if curves else None,
                "dimension_importance.png": seed_report.importance_plot(importance) if importance else None}
     if parent is not None:

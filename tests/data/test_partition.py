@@ -9,7 +9,8 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from nestfed.data.partition import by_label, dirichlet, iid, natural_id, pathological, train_test_split
+from nestfed.data.partition import (by_label, dirichlet, iid, inner_dirichlet, largest_dirichlet, natural_id,
+                                   pathological, train_test_split)
 
 
 def _check_disjoint_sorted(parts):
@@ -130,3 +131,28 @@ def test_train_test_split():
     assert train_test_split([1, 2, 3], 0.0) == ([1, 2, 3], [])
     with pytest.raises(ValueError):
         train_test_split(idx, 1.0)
+
+
+def test_inner_dirichlet_gives_equal_shares_where_dirichlet_cannot_serve_every_client():
+    labels = ["a"] * 30 + ["b"] * 30 + ["c"] * 40  # 100 items, 40 clients, alpha 0.1
+    with pytest.raises(ValueError, match="at most"):
+        dirichlet(labels, num_clients=40, alpha=0.1, min_size=2)
+    parts = inner_dirichlet(labels, num_clients=40, alpha=0.1, seed=0)
+    assert sorted(len(p) for p in parts) == [2] * 20 + [3] * 20  # 100 = 40 x 2 + 20
+    flat = [i for p in parts for i in p]
+    assert sorted(flat) == list(range(100))  # disjoint, every item dealt
+    assert inner_dirichlet(labels, num_clients=40, alpha=0.1, seed=0) == parts
+    one_label = sum(len({labels[i] for i in p}) == 1 for p in parts)
+    assert one_label > 20  # alpha 0.1: most clients hold one label
+    with pytest.raises(ValueError, match="num_clients must be in 1..100"):
+        inner_dirichlet(labels, num_clients=101, alpha=0.1)
+
+
+def test_largest_dirichlet_is_the_bisection_of_what_the_partitioner_serves():
+    labels = ["a"] * 50 + ["b"] * 50
+    most = largest_dirichlet(labels, alpha=0.5, seed=0, min_size=2, upper=50)
+    assert 1 <= most <= 50
+    assert len(dirichlet(labels, most, 0.5, seed=0, min_size=2)) == most
+    if most < 50:
+        with pytest.raises(ValueError):
+            dirichlet(labels, most + 1, 0.5, seed=0, min_size=2)

@@ -7,14 +7,18 @@ replaced the hand-written seed formulas, which changes every random draw of a ru
 the PEFT adapter (tensors, rank, lora_alpha), FedNL's memory rules and FedSLM's fused cores.
 
 Bit-identity holds for one kind of CPU kernel: the pins were taken with one torch thread on an
-x86_64 machine whose torch CPU capability is AVX2 (these machines). Elsewhere the test skips
-with the reason; the exact-resume and Flower-equals-embedded tests still compare runs bit for
-bit on any machine.
+x86_64 machine whose torch CPU capability is AVX2. On an AVX-512 machine the pins are checked in a
+child process whose torch dispatches to its AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``, read when
+torch loads), which gives those bits; elsewhere the test skips with the reason, and the exact-resume
+and Flower-equals-embedded tests still compare runs bit for bit on any machine.
 """
 
 from __future__ import annotations
 
+import os
 import platform
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -67,3 +71,14 @@ def test_final_state_is_pinned(case, tmp_path, monkeypatch, single_thread):
     assert res.exit_code == 0, res.output
     run_dir = next(p.parent for p in out.rglob("summary.json"))
     assert state_digest(run_dir) == want
+
+
+def test_the_pins_hold_under_avx2_kernels_on_an_avx512_machine():
+    here = (platform.machine(), torch.backends.cpu.get_cpu_capability())
+    if here != ("x86_64", "AVX512"):
+        pytest.skip(f"checked directly on {PINNED_ON}; this machine is {here}")
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
+                        "-k", "test_final_state_is_pinned"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0 and f"{len(CASES)} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

@@ -24,6 +24,7 @@ CASES = {
     "prelort": (),
     "fedala": ("strategy.name=fedala", "lora.ranks=[4]"),
     "fednl-rules": ("strategy.name=fednl", "lora.ranks=[4]", "fednl.travel=rules", "memory.layers=[1]"),
+    "prelort-clients-file": ("output.client_detail=file", "evaluation.clients=2"),  # clients.jsonl, clients.json
 }
 
 
@@ -77,7 +78,7 @@ def test_a_failure_at_every_write_point_resumes_to_the_same_final_state(tmp_path
     run_method(tiny_prepared(cfg), cfg, ref)
     monkeypatch.undo()
     want = state_digest(ref)
-    assert seen[0] == "config.toml" and seen[-1] == "summary.json" and len(seen) >= 9, seen
+    assert seen[0] in ("config.toml", "clients.jsonl") and seen[-1] == "summary.json" and len(seen) >= 9, seen
     for at in range(1, len(seen) + 1):
         run_dir = tmp_path / f"crash_{at}"
         inject(monkeypatch, at, [])
@@ -92,6 +93,8 @@ def test_a_failure_at_every_write_point_resumes_to_the_same_final_state(tmp_path
             run_method(tiny_prepared(cfg), cfg, run_dir)
         assert state_digest(run_dir) == want, (case, at, seen[at - 1])
         assert [ln["round"] for ln in lines(run_dir)] == [0, 1, 2], (case, at, seen[at - 1])
+        if not RunDir(run_dir).inline:  # the per-client lines too: exactly one per round
+            assert [ln["round"] for ln in RunDir(run_dir)._read_lines(run_dir / "clients.jsonl")[0]] == [0, 1, 2]
         assert json.loads((run_dir / "summary.json").read_text())["rounds"] == 2
 
 

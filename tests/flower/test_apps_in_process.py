@@ -87,7 +87,7 @@ def test_below_min_clients_the_round_keeps_the_global_state(tmp_path, keep_threa
     ln = lines(tmp_path)
     assert not ln[1]["aggregated"] and not ln[2]["aggregated"]
     s2 = state_of(tmp_path, 2)
-    node = next(nc for nc in CA._CACHE.values() if nc.cid == 0)
+    node = next(iter(CA._HOSTS.values())).prep
     clients = [ClientInfo(int(c), v["rank"], v["num_examples"]) for c, v in ln[0]["nodes"].items()]
     cfg = methods.load_config(TINY, list(OVERRIDES))
     init = methods.get("prelort").server(cfg, {}).initialize(node.shapes, clients)
@@ -182,7 +182,7 @@ def test_resume_continues_from_the_latest_checkpoint_to_the_same_adapter(tmp_pat
 def fresh_process(node, msg):
     """What flwr 1.42's process isolation does: every message meets a fresh ClientApp process, so
     nothing a node built in memory survives from one message to the next (only Context.state)."""
-    CA._CACHE.clear()
+    CA._HOSTS.clear()
     return None
 
 

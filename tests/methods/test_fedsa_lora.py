@@ -115,11 +115,15 @@ def test_the_hooks_keep_b_on_the_client_and_evaluate_with_it():
     assert torch.equal(ev[b], torch.full((out_f, 1), 3.0))  # its own B, at the deployed rank
     plain = {a: torch.ones(1, in_f), b: torch.zeros(out_f, 1)}
     assert hooks.evaluation_arrays({}, plain) is plain  # a client that never trained runs B = 0
-    with pytest.raises(ValueError, match="own B has rank 2"):
-        hooks.evaluation_arrays(ctx.state, {a: torch.ones(4, in_f), b: torch.zeros(out_f, 4)})
+    # a client that trained only 2 columns (an elastic rank) runs and trains B = 0 on the others
+    wide = torch.cat([torch.full((out_f, 2), 3.0), torch.zeros(out_f, 2)], dim=1)
+    assert torch.equal(hooks.evaluation_arrays(ctx.state, {a: torch.ones(4, in_f), b: torch.zeros(out_f, 4)})[b], wide)
     ctx.config["rank"] = 4
-    with pytest.raises(ValueError, match="kept .* has rank 2, the instructed rank is 4"):
-        hooks.arrays_to_load(ctx, {a: torch.ones(4, in_f)})
+    assert torch.equal(hooks.arrays_to_load(ctx, {a: torch.ones(4, in_f)})[b], wide)
+    # trained at rank 1 this round: its first column is replaced, the second kept
+    ctx.config["rank"] = 1
+    hooks.reply_arrays(ctx, {a: torch.ones(1, in_f), b: torch.full((out_f, 1), 7.0)})
+    assert torch.equal(ctx.state[OWN_B][b], torch.cat([torch.full((out_f, 1), 7.0), torch.full((out_f, 1), 3.0)], 1))
 
 
 def test_end_to_end_tiny_run_and_export(tmp_path):

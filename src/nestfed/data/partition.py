@@ -3,12 +3,13 @@
 The partitioners are flwr-datasets' (Flower's maintained ones, run over an in-memory Hugging Face
 ``datasets.Dataset`` of the labels): :func:`iid` (``IidPartitioner``), :func:`dirichlet`
 (``DirichletPartitioner``), :func:`pathological` (``PathologicalPartitioner``) and
-:func:`natural_id` (``NaturalIdPartitioner``). Two are our own, because flwr-datasets has no
-equivalent: :func:`by_label` (each client is given a list of labels, and a label listed by several
-clients is split evenly among them; no flwr-datasets partitioner takes a label list per client)
-and :func:`train_test_split` (each client's held-out part, at least one item on each side of the
-split even for a client of two items, where ``datasets.Dataset.train_test_split`` refuses a split
-that leaves a side empty).
+:func:`natural_id` (``NaturalIdPartitioner``). Three are our own: :func:`by_label` (each client is
+given a list of labels, and a label listed by several clients is split evenly among them; no
+flwr-datasets partitioner takes a label list per client), :func:`train_test_split` (each client's
+held-out part, at least one item on each side of the split even for a client of two items, where
+``datasets.Dataset.train_test_split`` refuses a split that leaves a side empty) and
+:func:`inner_dirichlet` (flwr-datasets' ``InnerDirichletPartitioner`` divides by zero once a
+client's labels run out, which many clients at small alpha always reach).
 
 Common contract: deterministic for a given ``seed``, each client's list sorted ascending, clients
 disjoint, and their union covering every assigned item (:func:`by_label`, :func:`natural_id` and
@@ -168,11 +169,13 @@ def largest_dirichlet(labels: Sequence[Hashable], alpha: float, seed: int = 0, m
 
 
 def inner_dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int = 0) -> list[list[int]]:
-    """Label-Dirichlet mixes at equal sizes (flwr-datasets' ``InnerDirichletPartitioner``, after
-    Acar et al. 2021): every client gets floor(N / K) items (the first N mod K one more); item by
-    item a client is picked uniformly among those not yet full and the item's label drawn from the
-    client's p ~ Dir(alpha * 1), a label with no items left having its probability set to zero and
-    the rest renormalised, so late clients' mixes drift towards the labels left. Succeeds whenever
+    """Label-Dirichlet mixes at equal sizes (the sampling of Acar et al. 2021, as flwr-datasets'
+    ``InnerDirichletPartitioner`` does it): client k's label mix p_k ~ Dir(alpha * 1); every client
+    gets floor(N / K) items (the first N mod K one more), dealt one at a time in a seeded random
+    order of the clients' slots, each item's label drawn from the client's mix over the labels that
+    still have items, so late draws drift towards the labels left. Our own rather than the
+    library's, which divides by zero when every label of a client's (near one-hot) mix has run out:
+    such a client draws from the labels left in proportion to what is left. Succeeds whenever
     K <= N, where :func:`dirichlet`'s minimum size cannot be met. Returns one sorted index list per
     client. Raises ValueError for num_clients < 1 or > N, or alpha <= 0."""
     n = len(labels)
@@ -180,11 +183,21 @@ def inner_dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, 
         raise ValueError(f"inner_dirichlet: num_clients must be in 1..{n} (the items), got {num_clients}")
     if not alpha > 0:
         raise ValueError(f"inner_dirichlet: alpha must be > 0, got {alpha}")
-    from flwr_datasets.partitioner import InnerDirichletPartitioner
-
+    rng = np.random.default_rng(seed)
+    groups = [rng.permutation(idx) for idx in _label_groups(labels).values()]  # each label's items, shuffled
+    left = np.asarray([len(g) for g in groups], dtype=np.int64)
+    mixes = rng.dirichlet(np.full(len(groups), float(alpha)), size=num_clients)  # [K, L]
     sizes = [n // num_clients + (1 if i < n % num_clients else 0) for i in range(num_clients)]
-    part = InnerDirichletPartitioner(sizes, "label", float(alpha), shuffle=True, seed=seed)
-    return _flwr_partitions({"label": [str(x) for x in labels], "index": list(range(n))}, part, num_clients)
+    slots = rng.permutation(np.repeat(np.arange(num_clients), sizes))
+    out: list[list[int]] = [[] for _ in range(num_clients)]
+    for c in slots:
+        p = mixes[c] * (left > 0)
+        if p.sum() <= 0:  # every label of this client's mix ran out: the labels left, by what is left
+            p = left.astype(np.float64)
+        lab = int(rng.choice(len(groups), p=p / p.sum()))
+        left[lab] -= 1
+        out[c].append(int(groups[lab][left[lab]]))
+    return [sorted(p) for p in out]
 
 
 def pathological(labels: Sequence[Hashable], num_clients: int, classes_per_client: int,

@@ -45,8 +45,9 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
     """Load the backbone, inject LoRA (rank r_max), register the clients; their data are built when
     first read from ``Prepared.data`` (a :class:`~nestfed.data.client_pool.ClientPool`).
 
-    only_clients: register (and serve) these client ids only, e.g. the one partition a Flower
-    SuperNode serves; None = every client. client_cache: a directory replacing
+    only_clients: register these client ids only (``Prepared.clients``), e.g. the one partition a
+    Flower SuperNode serves; the pool still serves any client, registering it when first asked for;
+    None = every client. client_cache: a directory replacing
     ``train.client_cache`` ("off" = none), where built clients are kept and found again (a Flower
     node's next process then skips partitioning, tokenising and the frozen prefix).
 
@@ -89,12 +90,13 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
             poison_client(d, cfg.attack.kind, vocab, stream_seed(cfg.federation.seed, 0, cid, "poison"))
         d.cache_prefix(backbone.model, start, bs)
 
+    pool = ClientPool(ClientSource(cfg, backbone.tokenizer), range(cfg.data.num_clients), finish,
+                      lambda cid: client_cache_io.key(cfg, cid), client_cache_of(cfg, client_cache),
+                      cfg.train.client_memory_mb * 2**20)
     cids = list(range(cfg.data.num_clients)) if only_clients is None else list(only_clients)
-    pool = ClientPool(ClientSource(cfg, backbone.tokenizer), cids, finish, lambda cid: client_cache_io.key(cfg, cid),
-                      client_cache_of(cfg, client_cache), cfg.train.client_memory_mb * 2**20)
     say(f"registering {len(cids)} clients")
     clients = [ClientInfo(cid, ranks[cid], pool.num_examples(cid)) for cid in cids]
-    return Prepared(cfg, backbone, pool, clients, shapes, time.perf_counter() - t0, start=start,
+    return Prepared(cfg, backbone, pool, clients, shapes, time.perf_counter() - t0, start=start, ranks=ranks,
                     budgets=None if budgets is None else {cid: budgets[cid] for cid in cids}, footprint=footprint)
 
 

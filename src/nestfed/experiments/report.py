@@ -3,6 +3,7 @@ table and one comparison plot (PNG bytes, written atomically by the caller's run
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
@@ -13,6 +14,7 @@ from typing import Any
 from rich.table import Table
 
 from nestfed import methods
+from nestfed.config import INLINE_CLIENTS
 from nestfed.errors import DataError
 from nestfed.federation.plots import png, pyplot
 
@@ -51,28 +53,77 @@ def load_summary(run_dir: Path) -> dict[str, Any]:
         raise DataError(f"{path}: malformed JSON: {exc}") from None
 
 
+def per_client(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
+    """A finished run's per-client numbers, wherever the run kept them: ``final`` / ``initial``
+    ({cid: metrics}), ``ranks`` ({cid: r_k}; {} when unknown), ``labels`` ({cid: label}),
+    ``truncation`` and ``global_by_client`` (or None). From clients.json when the run wrote one
+    (many clients), else summary.json (and clients.csv's ranks). Raises DataError for a malformed
+    clients.json."""
+    path = Path(run_dir) / "clients.json"
+    rows, extra = None, summary
+    if path.is_file():
+        try:
+            extra = json.loads(path.read_text())
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{path}: malformed JSON: {exc}") from None
+        rows = extra["clients"]
+    elif (Path(run_dir) / "clients.csv").is_file():
+        with open(Path(run_dir) / "clients.csv", newline="", encoding="utf-8") as f:
+            rows = list(csv.DictReader(f))
+    if rows is not None and "final" not in summary:
+        metrics = ("loss", "ppl", "accuracy")
+        final = {str(r["cid"]): {k: float(r[f"final_{k}"]) for k in metrics if r.get(f"final_{k}") not in (None, "")}
+                 for r in rows}
+        initial = {str(r["cid"]): {k: float(r[f"initial_{k}"]) for k in metrics
+                                   if r.get(f"initial_{k}") not in (None, "")} for r in rows}
+        final = {c: v for c, v in final.items() if "ppl" in v}
+        initial = {c: v for c, v in initial.items() if "ppl" in v}
+    else:
+        final, initial = summary["final"], summary["initial"]
+    ranks = {str(r["cid"]): int(r["rank"]) for r in rows} if rows is not None else {}
+    labels = ({str(r["cid"]): r.get("label", "") for r in rows} if rows is not None
+              else summary.get("client_labels", {}))
+    return {"final": final, "initial": initial, "ranks": ranks, "labels": summary.get("client_labels") or labels,
+            "truncation": extra.get("truncation"), "global_by_client": extra.get("global_by_client")}
+
+
 def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
     """One row per finished run: method, its label (nestfed.experiments.report.run_label), seed
-    (federation.seed), ranks, per-client and mean final perplexity, bytes, time, and the truncation
-    curve and dimension importance when the run measured them."""
+    (federation.seed), ranks, per-client and mean final perplexity, each client's rank r_k, bytes,
+    time, the truncation curve and dimension importance when the run measured them, and the global
+    held-out set's numbers when it had one."""
     rows = []
     for rd in run_dirs:
         s = load_summary(rd)
         cfg = tomllib.loads((Path(rd) / "config.toml").read_text())
-        ranks = (f"rho {','.join(f'{x:g}' for x in s['client_ratio'].values())}" if "client_ratio" in s
-                 else ",".join(map(str, s["ranks"])))
+        pc = per_client(rd, s)
+        if "client_ratio" in s:
+            ranks = f"rho {','.join(f'{x:g}' for x in s['client_ratio'].values())}"
+        elif "rank_counts" in s and len(pc["ranks"]) > INLINE_CLIENTS:
+            ranks = ",".join(f"{r}x{n}" for r, n in s["rank_counts"].items())
+        else:
+            ranks = ",".join(map(str, s["ranks"]))
         rows.append({"run": Path(rd).name, "method": s["method"], "ranks": ranks, "round0": s.get("round0", "backbone"),
-                     "ppl": {c: v["ppl"] for c, v in s["final"].items()},
-                     "initial_ppl": {c: v["ppl"] for c, v in s["initial"].items()},
-                     "accuracy": {c: v["accuracy"] for c, v in s["final"].items() if "accuracy" in v},
+                     "ppl": {c: v["ppl"] for c, v in pc["final"].items()},
+                     "initial_ppl": {c: v["ppl"] for c, v in pc["initial"].items()},
+                     "accuracy": {c: v["accuracy"] for c, v in pc["final"].items() if "accuracy" in v},
                      "mean_ppl": s["mean_ppl"], "initial_mean_ppl": s["initial_mean_ppl"],
                      "mean_accuracy": s.get("mean_accuracy"),
                      "bytes_per_client_round": s["bytes_down_per_client_round"] + s["bytes_up_per_client_round"],
-                     "wall_time_s": s.get("wall_time_s", 0.0), "labels": s.get("client_labels", {}),
+                     "wall_time_s": s.get("wall_time_s", 0.0), "labels": pc["labels"],
+                     "client_ranks": pc["ranks"],
                      "rounds": cfg["federation"]["rounds"], "seed": cfg["federation"]["seed"],
-                     "label": run_label(cfg, s["method"]), "truncation": s.get("truncation"),
-                     "dimension_importance": s.get("dimension_importance")})
+                     "label": run_label(cfg, s["method"]), "truncation": pc["truncation"],
+                     "dimension_importance": s.get("dimension_importance"),
+                     "global_eval": s.get("global_eval"), "truncation_global": s.get("truncation_global"),
+                     "global_by_client": pc["global_by_client"]})
     return rows
+
+
+def many_clients(rows: list[dict[str, Any]]) -> bool:
+    """Whether a comparison summarises by rank group (more than INLINE_CLIENTS clients, each of
+    known rank) rather than showing a column per client."""
+    return any(len(r["ppl"]) > INLINE_CLIENTS and r["client_ranks"] for r in rows)
 
 
 def comparison_table(rows: list[dict[str, Any]]):

@@ -151,6 +151,18 @@ def truncation_stats(rows: list[dict[str, Any]]) -> dict[str, dict[int, Interval
     return out
 
 
+def global_truncation_stats(rows: list[dict[str, Any]]) -> dict[str, dict[int, Interval]]:
+    """{label: {r: interval over seeds of the truncated global adapter's perplexity on the global
+    held-out set}} for the labels whose runs measured it (``truncation_global``)."""
+    out: dict[str, dict[int, Interval]] = {}
+    for label, group in by_label(rows).items():
+        curves = [r["truncation_global"] for r in group if r.get("truncation_global")]
+        if curves:
+            ranks = sorted({int(k) for c in curves for k in c})
+            out[label] = {rank: mean_interval([c[str(rank)]["ppl"] for c in curves if str(rank) in c]) for rank in ranks}
+    return out
+
+
 def truncation_markdown(curves: dict[str, dict[int, Interval]]) -> str:
     """The truncation curve as Markdown: one row per label, one column per rank r (mean over
     clients of the held-out perplexity at truncation r, ± the 95% half width over seeds)."""

@@ -46,12 +46,9 @@ def rank_prefix(arrays: Arrays, r: int) -> Arrays:
 def merge_prefix(kept: torch.Tensor | None, trained: torch.Tensor, dim: int) -> torch.Tensor:
     """``kept`` with its first ``trained.shape[dim]`` entries along ``dim`` replaced by ``trained``:
     what a client keeps after training only a prefix of its rank (an elastic rank); a copy of
-    ``trained`` when it covers all of ``kept`` or nothing is kept. Raises ValueError when
-    ``trained`` is longer than ``kept`` along ``dim``."""
-    if kept is None or kept.shape[dim] == trained.shape[dim]:
+    ``trained`` when it covers all of ``kept`` (or more) or nothing is kept."""
+    if kept is None or kept.shape[dim] <= trained.shape[dim]:
         return trained.detach().clone()
-    if trained.shape[dim] > kept.shape[dim]:
-        raise ValueError(f"a prefix of {trained.shape[dim]} does not fit in {kept.shape[dim]}")
     out = kept.detach().clone()
     out.narrow(dim, 0, trained.shape[dim]).copy_(trained.detach())
     return out

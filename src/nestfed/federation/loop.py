@@ -129,13 +129,15 @@ class EvalPlan:
         return cls(panel, e.final == "all", e.every)
 
     def clients(self, rnd: int, rounds: int, everyone: Sequence[int]) -> list[int]:
-        """The ids evaluated after round ``rnd`` of ``rounds`` ([] = no evaluation this round)."""
+        """The ids evaluated after round ``rnd`` of ``rounds`` ([] = no evaluation this round), of
+        ``everyone`` (the federation's clients: on Flower, those a node serves)."""
         last = rnd == 0 or rnd == rounds
         if not last and rnd % self.every:
             return []
         if self.panel is None or (last and self.final_all):
             return list(everyone)
-        return list(self.panel)
+        present = set(everyone)
+        return [c for c in self.panel if c in present]
 
 
 class Deployments(Mapping):

@@ -19,7 +19,8 @@ class Prepared:
     """cfg: the config it was prepared from; backbone: the frozen model (LoRA injected) and its
     tokenizer; data: {cid: ClientData}, built when a client is first read
     (nestfed.data.client_pool.ClientPool; a plain dict in tests); clients: [ClientInfo] (rank r_k,
-    n_k); shapes: {LoRA module path: (out, in)}; prepare_time_s: seconds spent; start: the decoder
+    n_k; the registered ones); shapes: {LoRA module path: (out, in)}; prepare_time_s: seconds spent;
+    ranks: every client's rank r_k, registered or not; start: the decoder
     layer the cached frozen prefix ends at (0 = none cached); budgets: {cid: memory budget in MiB}
     when memory budgets drew the ranks (``population.memory_mib``), with ``footprint`` the memory
     model that chose them (nestfed.nn.footprint); cache: what a method's setup derives once and
@@ -35,6 +36,7 @@ class Prepared:
     start: int | None = None
     budgets: dict[int, int] | None = None
     footprint: Any = None
+    ranks: list[int] | None = None
 
     @property
     def frozen_prefix_layers(self) -> int:

@@ -66,6 +66,12 @@ def _stray(p: Path) -> bool:
     return p.name.startswith(".") and p.name.endswith(".tmp")
 
 
+def _leftover(p: Path) -> bool:
+    """What a run that died before its config.toml leaves: a stray temporary file, or the empty
+    ``clients.jsonl`` written first (:meth:`RunDir.create`)."""
+    return _stray(p) or (p.name == "clients.jsonl" and p.is_file() and p.stat().st_size == 0)
+
+
 def flatten_client_state(state: ClientState) -> dict[str, torch.Tensor]:
     """{cid: {group: {key: t}}} -> {"<cid>/<group>/<key>": t} (for one safetensors file or record)."""
     return {f"{cid}/{g}/{k}": t.contiguous() for cid, groups in state.items()
@@ -120,7 +126,7 @@ class RunDir:
         ``clients.jsonl``: the per-client numbers get their own file). Raises NestfedError when
         ``path`` exists and is not empty (a run is never overwritten)."""
         path = Path(path)
-        if path.exists() and (not path.is_dir() or any(not _stray(p) for p in path.iterdir())):
+        if path.exists() and (not path.is_dir() or any(not _leftover(p) for p in path.iterdir())):
             raise NestfedError(f"{path}: the run directory exists and is not empty; resume it or choose another")
         path.mkdir(parents=True, exist_ok=True)
         rd = cls(path)

@@ -14,12 +14,14 @@ The node config (``flower-supernode --node-config``) names the node's partition:
 
 Every message carries the resolved experiment config (TOML text, ``experiment`` record), so
 server and nodes always agree on it; each node rebuilds its backbone and its own client data
-from it (base weights and data must already be on the node: only adapters travel). What one
-process builds is cached by (config, partition), so a process that serves several messages
-builds once. flwr 1.42 starts a fresh ClientApp process per message, so the node also keeps its
-prepared data on disk (``client-cache``, nestfed.data.client_cache): the first message builds it,
-every later one loads it and the backbone's weights instead of partitioning, tokenising and
-running the frozen prefix again.
+from it (base weights and data must already be on the node: only adapters travel). One process
+builds one :class:`NodeHost` per experiment: the backbone with the method's setup, its trainer and
+a pool of the clients' data (nestfed.data.client_pool), shared by every partition the process
+serves: a Ray actor of the simulation engine serves many virtual SuperNodes with one backbone, its
+memory bounded by ``train.client_memory_mb``, not by the population. A client's data are built at
+its first TRAIN or EVALUATE (a QUERY only registers n_k) and kept on the node's disk
+(``client-cache``, nestfed.data.client_cache), so a later process loads them instead of
+partitioning, tokenising and running the frozen prefix again.
 
 What a client keeps between rounds (``ClientTrainer.client_state``: FedNL's own LoRA when only
 the rules travel, FedALA's weights and local model) lives in the node's ``Context.state`` under
@@ -48,6 +50,7 @@ import hashlib
 import json
 import time
 import tomllib
+from collections import OrderedDict
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -63,9 +66,10 @@ from nestfed.errors import ConfigError
 from nestfed.experiments.prepare import install_stream_modules, prepare
 from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Instruction
+from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import flatten_client_state, unflatten_client_state
 from nestfed.federation.secure_sum import encode
-from nestfed.flower.node_forwarder import process_age_s
+from nestfed.flower.framing import process_age_s
 from nestfed.flower.records import arrays_to_record, record_to_arrays, record_to_config, reply_to_content
 from nestfed.flower.secure import fit_reply, is_secure, read_fit_instruction, secure_mod
 from nestfed.nn.backbone import default_cache_dir
@@ -79,8 +83,20 @@ TRANSPORT_METRICS = ("encode_s", "decode_s", "prepare_s", "process_age_s", "hand
 
 
 @dataclass
+class NodeHost:
+    """What one process builds for one experiment (config text, device, dtype): the prepared
+    backbone and client pool, the method's client side (its setup, trainer and hooks), shared by
+    every partition the process serves; prepare_s: seconds it took."""
+
+    prep: Prepared
+    trainer: ClientTrainer
+    initial_arrays: dict[str, torch.Tensor]
+    prepare_s: float
+
+
+@dataclass
 class NodeClient:
-    """What one node builds for one experiment: its trainer and what it reports in QUERY."""
+    """One partition as a node serves it: its host's trainer and what it reports in QUERY."""
 
     cfg: ExperimentConfig
     cid: int
@@ -91,13 +107,18 @@ class NodeClient:
     prepare_s: float
     initial_arrays: dict[str, torch.Tensor]
     built_s: float = 0.0  # seconds the latest node_client call spent building (0.0 when it was cached)
+    host: NodeHost | None = None
 
     @property
     def num_examples(self) -> int:
-        return self.trainer.data[self.cid].num_examples
+        """n_k, registered without building the client's data (nestfed.data.client_pool)."""
+        data = self.trainer.data
+        return data.num_examples(self.cid) if hasattr(data, "num_examples") else data[self.cid].num_examples
 
 
-_CACHE: dict[tuple[str, int, int | None], NodeClient] = {}
+_HOSTS: OrderedDict[tuple[str, str, str], NodeHost] = OrderedDict()
+#: experiments one process keeps built (a long-lived worker or actor serving successive runs)
+MAX_HOSTS = 2
 
 
 def parse_experiment(text: str) -> ExperimentConfig:
@@ -141,13 +162,13 @@ def node_placement(node_config: dict[str, Any], cfg: ExperimentConfig) -> Experi
     return replace(cfg, model=model)
 
 
-def client_cache_dir(node_config: dict[str, Any]) -> Path | None:
+def client_cache_dir(node_config: dict[str, Any]) -> Path | str:
     """Where this node keeps its prepared client data between ClientApp processes
     (nestfed.data.client_cache): node config ``client-cache`` (a directory; ``"off"`` = none),
     default ``~/.cache/nestfed/clients`` (``$XDG_CACHE_HOME`` respected)."""
     value = str(node_config.get("client-cache", "") or "")
     if value == "off":
-        return None
+        return "off"
     return Path(value) if value else default_cache_dir() / "clients"
 
 
@@ -160,22 +181,25 @@ def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
         raise ConfigError(f"strategy.name: '{method.name}' runs only embedded")
     pid, rank_override, threads = node_settings(node_config, cfg)
     cfg = node_placement(node_config, cfg)
-    key = (hashlib.sha256(cfg_text.encode()).hexdigest(), pid, rank_override, cfg.model.device, cfg.model.dtype)
+    key = (hashlib.sha256(cfg_text.encode()).hexdigest(), cfg.model.device, cfg.model.dtype)
     if cfg.train.threads or threads:  # on every message: a process may serve several
         torch.set_num_threads(cfg.train.threads or threads)
-    if key in _CACHE:
-        _CACHE[key].built_s = 0.0
-        return _CACHE[key]
-    t0 = time.perf_counter()
-    prep = prepare(cfg, only_clients=[pid], client_cache=client_cache_dir(node_config))  # sets train.threads
-    rank = rank_override if rank_override is not None else prep.clients[0].rank
-    side = method.client(prep, cfg)
-    install_stream_modules(prep, cfg)
-    nc = NodeClient(cfg, pid, rank, side.trainer, prep.shapes, prep.backbone.source, time.perf_counter() - t0,
-                    side.initial_arrays)
-    nc.built_s = nc.prepare_s
-    _CACHE[key] = nc
-    return nc
+    built = 0.0
+    if key in _HOSTS:
+        _HOSTS.move_to_end(key)
+    else:
+        t0 = time.perf_counter()
+        prep = prepare(cfg, only_clients=[pid], client_cache=client_cache_dir(node_config))  # sets train.threads
+        side = method.client(prep, cfg)
+        install_stream_modules(prep, cfg)
+        _HOSTS[key] = NodeHost(prep, side.trainer, side.initial_arrays, time.perf_counter() - t0)
+        while len(_HOSTS) > MAX_HOSTS:
+            _HOSTS.popitem(last=False)
+        built = _HOSTS[key].prepare_s
+    host = _HOSTS[key]
+    rank = rank_override if rank_override is not None else host.prep.ranks[pid]
+    return NodeClient(cfg, pid, rank, host.trainer, host.prep.shapes, host.prep.backbone.source, host.prepare_s,
+                      host.initial_arrays, built, host)
 
 
 def _experiment_text(msg: Message) -> str:
@@ -213,6 +237,12 @@ def store_client_state(context: Context, nc: NodeClient) -> None:
     context.state[CLIENT_STATE] = arrays_to_record(flatten_client_state({nc.cid: nc.trainer.client_state.get(nc.cid, {})}))
 
 
+def release_client_state(nc: NodeClient) -> None:
+    """Drop the client's state from the shared trainer once the message is answered: the node's
+    Context holds it, so a process serving many virtual nodes holds one client's state at a time."""
+    nc.trainer.client_state.pop(nc.cid, None)
+
+
 def _check_cid(msg: Message, nc: NodeClient) -> None:
     want = msg.content.config_records[EXPERIMENT].get("cid")
     if want is not None and int(want) != nc.cid:
@@ -230,8 +260,11 @@ def handle_secure_train(msg: Message, context: Context) -> Message:
     if fi.cid != nc.cid:
         raise ConfigError(f"this node serves partition {nc.cid}, the message is for client {fi.cid}")
     restored = restore_client_state(context, nc)
-    reply = nc.trainer.fit(nc.cid, fi.instruction)
-    store_client_state(context, nc)
+    try:
+        reply = nc.trainer.fit(nc.cid, fi.instruction)
+        store_client_state(context, nc)
+    finally:
+        release_client_state(nc)
     vectors, facts = encode(fi.instruction.arrays, reply.arrays, reply.num_examples, fi.layout, fi.scale, fi.clip)
     metrics = {k: float(v) for k, v in reply.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     metrics.update(facts)
@@ -253,8 +286,11 @@ def handle_train(msg: Message, context: Context) -> Message:
                               record_to_config(msg.content.config_records["config"]))
     decode_s = time.perf_counter() - t0
     restored = restore_client_state(context, nc)
-    reply = nc.trainer.fit(nc.cid, instruction)
-    store_client_state(context, nc)
+    try:
+        reply = nc.trainer.fit(nc.cid, instruction)
+        store_client_state(context, nc)
+    finally:
+        release_client_state(nc)
     t1 = time.perf_counter()
     content = reply_to_content(reply)
     mr = content.metric_records["metrics"]
@@ -275,7 +311,10 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
     cfg = record_to_config(msg.content.config_records["config"])
     arrays = record_to_arrays(msg.content.array_records["arrays"]) if "arrays" in msg.content.array_records else {}
     restore_client_state(context, nc)
-    metrics = nc.trainer.evaluate(nc.cid, arrays, float(cfg["scaling"]))
+    try:
+        metrics = nc.trainer.evaluate(nc.cid, arrays, float(cfg["scaling"]))
+    finally:
+        release_client_state(nc)
     return Message(RecordDict({"metrics": MetricRecord({k: float(v) for k, v in metrics.items()})}), reply_to=msg)
 
 
@@ -284,5 +323,5 @@ app.query()(handle_query)
 app.train(mods=[secure_mod])(handle_train)  # SecAgg+ only for the messages that carry its configs
 app.evaluate()(handle_evaluate)
 
-__all__ = ["app", "handle_evaluate", "handle_query", "handle_train", "node_client", "NodeClient", "restore_client_state",
-           "store_client_state"]
+__all__ = ["app", "handle_evaluate", "handle_query", "handle_train", "node_client", "NodeClient", "NodeHost",
+           "release_client_state", "restore_client_state", "store_client_state"]

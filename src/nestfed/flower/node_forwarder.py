@@ -20,13 +20,18 @@ Node config (``flower-supernode --node-config``), besides the client's own keys
 
 A TRAIN reply's ``process_age_s`` metric is replaced by this process's age, so that it keeps
 meaning the start-up cost of the process that received the message.
+
+On Flower's simulation engine the ClientApp runs inside Ray's actors, which already live across
+messages and serve many virtual SuperNodes each: there the message goes to the real ClientApp in
+the actor's own process (one backbone and one bounded pool of clients per actor,
+nestfed.flower.client_app.NodeHost), since a worker per virtual node would hold a backbone per
+node and multiply the memory by the population.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import struct
 import subprocess
 import sys
 import tempfile
@@ -40,17 +45,8 @@ from flwr.common import serde
 from flwr.proto.message_pb2 import Message as ProtoMessage
 from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 
-HEADER = struct.Struct(">Q")  # a count or a length, as nestfed.flower.worker frames requests and answers
+from nestfed.flower.framing import process_age_s, receive, send
 
-
-def process_age_s() -> float:
-    """Seconds since this process started (Linux /proc), or -1 where unknown."""
-    try:
-        start_ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
-        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return -1.0
 
 
 def worker_dir(node_config: dict[str, Any]) -> Path:
@@ -64,27 +60,6 @@ def worker_dir(node_config: dict[str, Any]) -> Path:
         raise PermissionError(f"node config worker-dir: {path} must belong to this user with mode 0700 "
                               f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
     return path
-
-
-def send(conn: socket.socket, parts: list[bytes]) -> None:
-    """Send byte strings: their count, then each length-prefixed (8 bytes, big-endian)."""
-    conn.sendall(HEADER.pack(len(parts)) + b"".join(HEADER.pack(len(p)) + p for p in parts))
-
-
-def receive(conn: socket.socket) -> list[bytes]:
-    """Receive what :func:`send` sent. Raises ConnectionError when the peer closes early."""
-    def exactly(n: int) -> bytes:
-        chunks, left = [], n
-        while left:
-            chunk = conn.recv(min(left, 1 << 20))
-            if not chunk:
-                raise ConnectionError("the peer closed the connection mid-message (a crashed worker: see its log)")
-            chunks.append(chunk)
-            left -= len(chunk)
-        return b"".join(chunks)
-
-    (count,) = HEADER.unpack(exactly(HEADER.size))
-    return [exactly(HEADER.unpack(exactly(HEADER.size))[0]) for _ in range(count)]
 
 
 def _connect(path: Path) -> socket.socket | None:
@@ -128,10 +103,21 @@ def connect_worker(node_id: int, node_config: dict[str, Any]) -> socket.socket:
                        f"{node_config.get('worker-start-s', 300)} s (log: {log})")
 
 
+def in_ray_actor() -> bool:
+    """Whether this process is one of Ray's workers (the simulation engine's actors): Ray is
+    imported and connected. A SuperNode's ClientApp process never imports Ray."""
+    ray = sys.modules.get("ray")
+    return ray is not None and bool(ray.is_initialized())
+
+
 def forward(msg: Message, context: Context) -> Message:
-    """Run ``msg`` through the node's worker; put the returned state into ``context``. Raises
-    RuntimeError with the worker's error (its type, message and traceback) when the ClientApp
-    raised there."""
+    """Run ``msg`` through the node's worker (in a Ray actor: through the real ClientApp in this
+    process); put the returned state into ``context``. Raises RuntimeError with the worker's error
+    (its type, message and traceback) when the ClientApp raised there."""
+    if in_ray_actor():
+        from nestfed.flower.client_app import app as client_app  # the actor lives across messages: load once
+
+        return client_app(msg, context)
     entered = process_age_s()
     with connect_worker(context.node_id, dict(context.node_config)) as conn:
         send(conn, [serde.message_to_proto(msg).SerializeToString(),

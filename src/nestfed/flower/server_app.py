@@ -57,6 +57,7 @@ from nestfed.experiments.run import new_run_dir
 from nestfed.federation import tracking
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import FitResults, RoundLoop
+from nestfed.federation.population import Population
 from nestfed.federation.messages import Arrays, ClientInfo, Instruction, Reply
 from nestfed.federation.run_dir import ClientState, Exports, RunDir
 from nestfed.federation.secure_sum import supports_secure_aggregation
@@ -449,21 +450,26 @@ class FlowerRun:
                                   "updates, which secure aggregation hides; docs/secure_aggregation.md")
             s.secagg.check_clients(max(1, round(cfg.federation.fraction * len(q.clients))))
         keeps_state = method.keeps_client_state(cfg)
+        population = Population.from_config(cfg, q.clients)  # an elastic trace is read before anything is written
         if s.resume:
             self.say(f"resuming {run_dir}")
         else:
-            rd = RunDir.create(run_dir, cfg_text)
+            rd = RunDir.create(run_dir, cfg_text, C.per_client_inline(cfg))
         transport = FlowerTransport(self.grid, s, q.node_of, cfg_text, q, self.say)
-        loop = RoundLoop(strategy, transport, q.clients, cfg.federation.rounds, rd, cfg.federation.fraction,
-                         min_clients, cfg.federation.seed, keeps_state,
-                         safeguards=Safeguards.from_config(cfg), sampling=cfg.federation.sampling,
-                         on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None,
-                         sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name))
+        loop = RoundLoop.from_config(cfg, strategy, transport, q.clients, rd, keeps_state, min_clients=min_clients,
+                                     population=population,
+                                     on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None,
+                                     sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name))
         state = loop.run(q.shapes, resume=s.resume)
         exports = Exports(strategy.export(state), q.base_model, strategy.export_files(state))
-        extra = {"engine": "flower", "wall_time_s": time.perf_counter() - t_start, "clients": [c.cid for c in q.clients],
-                 "ranks": [c.rank for c in q.clients], "rejections": list(loop.log), "events": list(self.log)}
-        summary = rd.finish(cfg, exports, extra)
+        extra = {"engine": "flower", "wall_time_s": time.perf_counter() - t_start, "rejections": list(loop.log),
+                 "events": list(self.log)}
+        if rd.inline:
+            extra.update({"clients": [c.cid for c in q.clients], "ranks": [c.rank for c in q.clients]})
+        roster = {str(c.cid): {"rank": c.rank, "label": "", "num_examples": c.num_examples} for c in q.clients}
+        summary = rd.finish(cfg, exports, extra, roster)
+        for rnd in summary.get("rounds_mostly_dropped", []):
+            self.say(f"WARNING: round {rnd} lost most of its sampled clients (see metrics.jsonl's dropped)")
         self.say(f"done: {run_dir}")
         return summary
 

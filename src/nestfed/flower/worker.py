@@ -36,7 +36,7 @@ from flwr.supercore.task_identity import TaskIdentity
 from google.protobuf.message import DecodeError
 
 from nestfed.flower.client_app import app
-from nestfed.flower.node_forwarder import receive, send
+from nestfed.flower.framing import receive, send
 
 def handle(conn: socket.socket) -> None:
     """Serve one request: run the ClientApp on (message, context); answer the reply and the state."""

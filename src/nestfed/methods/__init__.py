@@ -61,6 +61,16 @@ def _check(cfg: ExperimentConfig) -> None:
     if m.equal_ranks and len(set(cfg.lora.ranks)) > 1:
         raise ValueError(f"lora.ranks: {m.name} needs equal ranks, got {list(cfg.lora.ranks)} "
                          f"(heterogeneous ranks: {', '.join(heterogeneous())})")
+    drawn = cfg.population.support(cfg.lora.r_max)
+    if m.equal_ranks and len(drawn) > 1:
+        raise ValueError(f"population: {m.name} needs equal ranks, and the population draws {drawn} "
+                         f"(heterogeneous ranks: {', '.join(heterogeneous())})")
+    if cfg.population.elastic != "none":
+        if m.equal_ranks:
+            raise ValueError(f"population.elastic: {m.name} needs one rank for every client, so no client can train "
+                             "at a lower one")
+        if m.elastic_ranks:
+            raise ValueError(f"population.elastic: {m.name} cannot train an elastic rank: {m.elastic_ranks}")
     if m.robust_aggregation and (cfg.robust.rule != "mean" or cfg.privacy.mode == "central"):
         field = "robust.rule" if cfg.robust.rule != "mean" else "privacy.mode"
         raise ValueError(f"{field}: {m.name} cannot aggregate robustly or with central DP: {m.robust_aggregation}")

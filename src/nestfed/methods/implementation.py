@@ -96,7 +96,9 @@ def lora_implementation(strategy: Callable[[ExperimentConfig, Arrays], Strategy]
         def finish(state: GlobalState) -> Exports:
             return Exports(st.export(state), prep.backbone.source, st.export_files(state))
 
-        ranks = client_ranks(cfg)  # this method's ranks (a comparison may run methods at other ranks)
+        # this method's ranks (a comparison may run methods at other ranks); memory budgets through the
+        # footprint measured when the experiment was prepared
+        ranks = client_ranks(cfg, prep.footprint.bytes if prep.footprint is not None else None)
         clients = [ClientInfo(c.cid, ranks[c.cid], c.num_examples) for c in prep.clients]
         return MethodRun(st, side.trainer, clients, prep.shapes, side.trainer.hooks.keeps_state, finish)
 

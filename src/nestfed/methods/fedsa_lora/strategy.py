@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from nestfed.config import ExperimentConfig
-from nestfed.federation.aggregation import merge_prefix, weighted_mean
+from nestfed.federation.aggregation import merge_prefix, pad_rank, weighted_mean
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays, GlobalState, Reply
 from nestfed.federation.prepared import Prepared
@@ -119,8 +119,8 @@ class FedSAHooks(ClientHooks):
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
         """The received A [r, in] plus, per layer, the first r columns of the client's kept B
-        [out, r_k] (zeros before its first round); r is the instructed rank, r_k or an elastic rank
-        below it. Raises ValueError when a kept B holds fewer than r columns."""
+        [out, r_k] (zeros before its first round, and for columns it never trained: B's
+        initialisation); r is the instructed rank, r_k or an elastic rank below it."""
         own = ctx.state.get(OWN_B, {})
         r = int(ctx.config["rank"])
         for m, (out_f, _) in sorted(module_shapes(ctx.model).items()):
@@ -128,10 +128,7 @@ class FedSAHooks(ClientHooks):
                 continue
             b_key = peft_key(m, "lora_B")
             b = own.get(b_key)
-            if b is not None and b.shape[1] < r:
-                raise ValueError(f"client {ctx.cid}: its kept {b_key} has rank {b.shape[1]}, "
-                                 f"the instructed rank is {r}")
-            arrays[b_key] = b[:, :r].clone() if b is not None else torch.zeros(out_f, r)
+            arrays[b_key] = pad_rank(b[:, :r], 1, r).clone() if b is not None else torch.zeros(out_f, r)
         return arrays
 
     def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
@@ -143,20 +140,16 @@ class FedSAHooks(ClientHooks):
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
         """The deployed arrays (global A prefix [r, in], B = 0 [out, r]) with every B the client
-        holds put in place of the zeros (its first r columns): the client's personalised model. A
-        client that never trained runs B = 0. Raises ValueError when a deployed rank r exceeds the
-        rank of the client's own B."""
+        holds put in place of the zeros (its first r columns; zeros where it never trained one, as
+        after training only an elastic rank's prefix): the client's personalised model. A client
+        that never trained runs B = 0."""
         own = state.get(OWN_B)
         if not own or not arrays:
             return arrays
         out = dict(arrays)
         for k, b in own.items():
-            if k not in out:
-                continue
-            r = out[k].shape[1]
-            if r > b.shape[1]:
-                raise ValueError(f"{k}: deployed at rank {r}, but the client's own B has rank {b.shape[1]}")
-            out[k] = b[:, :r]
+            if k in out:
+                out[k] = pad_rank(b[:, :out[k].shape[1]], 1, out[k].shape[1])
         return out
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from nestfed.config import ExperimentConfig
 from nestfed.federation.aggregation import merge_prefix, truncate_rank
 from nestfed.federation.hooks import ClientHooks, FitContext
-from nestfed.federation.messages import Arrays, GlobalState, Reply
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
 from nestfed.federation.strategy import LoraStrategy, copy_state
 from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.nn.keys import rank_dim
@@ -24,6 +26,15 @@ class LocalOnly(LoraStrategy):
         """The unchanged state (a copy): nothing is aggregated."""
         return copy_state(state)
 
+    def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        """Every client is sent (and replies) its own rank's prefix, what it keeps; a client at an
+        elastic rank this round trains that prefix of it (``train_rank``)."""
+        out = super().configure(rnd, state, [replace(c, round_rank=0) for c in clients])
+        for c in clients:
+            if c.round_rank and c.round_rank < c.rank:
+                out[c.cid].config["train_rank"] = c.round_rank
+        return out
+
 
 def _clone(arrays: Arrays) -> Arrays:
     return {k: v.detach().clone() for k, v in arrays.items()}
@@ -36,17 +47,18 @@ class LocalOnlyHooks(ClientHooks):
     keeps_state = True
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
-        """The client's kept adapter ({key: [r_k, in] / [out, r_k]}), or the received one at first,
-        cut to the instructed rank (r_k, or an elastic rank below it: its prefix)."""
-        return truncate_rank(_clone(ctx.state.get("adapter", arrays)), int(ctx.config["rank"]))
+        """The client's kept adapter ({key: [r_k, in] / [out, r_k]}), or the received one at first;
+        at an elastic rank this round (``train_rank``) its prefix of that rank."""
+        ctx.scratch["own"] = _clone(ctx.state.get("adapter", arrays))
+        return truncate_rank(ctx.scratch["own"], int(ctx.config.get("train_rank", ctx.config["rank"])))
 
     def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
         """Keep the trained adapter on the client (trained at an elastic rank: its prefix, the rest
-        kept as it was); send it (the server ignores it)."""
-        kept = ctx.state.get("adapter", {})
-        ctx.state["adapter"] = {k: merge_prefix(kept.get(k), v, rank_dim(k)) if rank_dim(k) is not None
+        kept as it was) and send it (the server ignores it)."""
+        own = ctx.scratch["own"]
+        ctx.state["adapter"] = {k: merge_prefix(own.get(k), v, rank_dim(k)) if rank_dim(k) is not None
                                 else v.detach().clone() for k, v in out.items()}
-        return out
+        return _clone(ctx.state["adapter"])
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
         """The client's own adapter; the deployed (initial) one before its first round."""
