@@ -11,7 +11,7 @@ import pytest
 
 from nestfed.experiments import group_report
 from nestfed.experiments.run import run_method
-from nestfed.federation.loop import EvalPlan
+from nestfed.federation.evaluation_plan import EvalPlan
 from nestfed.federation.rank_groups import by_rank, describe
 from nestfed.federation.run_dir import RunDir
 from tiny_federation import tiny_config, tiny_prepared

@@ -80,15 +80,18 @@ def test_elastic_uniform_ranks_stay_in_the_federations_ranks_up_to_each_clients_
 def test_the_trace_is_read_with_one_line_naming_the_file_and_line(tmp_path):
     ok = tmp_path / "t.csv"
     ok.write_text("round,client,rank\n1,0,2\n2,1,4\n")
-    assert read_trace(ok, {0: 8, 1: 4}) == {(1, 0): 2, (2, 1): 4}
+    own = {0: 8, 1: 4, 2: 2}
+    assert read_trace(ok, own) == {(1, 0): 2, (2, 1): 4}
     for body, message in [("round,client\n1,0\n", "missing column\\(s\\) rank"),
                           ("round,client,rank\n1,0,x\n", "t.csv:2: round, client and rank must be integers"),
                           ("round,client,rank\n1,5,2\n", "t.csv:2: client 5 is not in the federation"),
                           ("round,client,rank\n1,1,8\n", "t.csv:2: rank 8 is above client 1's own rank 4"),
+                          ("round,client,rank\n1,0,3\n", "t.csv:2: rank 3 is not one of the federation's ranks "
+                                                          "\\[2, 4, 8\\]"),
                           ("round,client,rank\n1,0,2\n1,0,2\n", "t.csv:3: round 1, client 0 is given twice")]:
         ok.write_text(body)
         with pytest.raises(ConfigError, match=message):
-            read_trace(ok, {0: 8, 1: 4})
+            read_trace(ok, own)
 
 
 def test_prelort_aggregates_an_elastic_reply_into_the_segments_it_trained():
@@ -131,3 +134,21 @@ def test_every_method_that_serves_elastic_ranks_trains_below_its_clients_ranks(t
                 if k.endswith("lora_B.weight"):
                     assert t.shape[1] <= own[cid] and (name != "local_only" or t.shape[1] == own[cid]), (cid, k)
     assert sorted(lines(tmp_path)[-1]["eval"], key=int) == [str(c) for c in own]
+
+
+def test_hetlora_never_prunes_a_clients_own_rank_in_a_round_at_an_elastic_rank():
+    """Client 1 (rank 8) trains at rank 4: no pruning is asked for even with a tail norm measured at
+    rank 4 before, and a reply below 4 leaves its own rank 8; at its own rank it prunes as before."""
+    from nestfed.methods.hetlora import HetLoRAOptions
+    from nestfed.methods.hetlora.strategy import HetLoRA
+
+    key_a, key_b = "base_model.model.m.lora_A.weight", "base_model.model.m.lora_B.weight"
+    st = HetLoRA(LoraSettings(r_max=8, lora_alpha=8.0), HetLoRAOptions())
+    state = st.initialize({"m": (2, 2)}, [ClientInfo(0, 8, 1), ClientInfo(1, 8, 1)])
+    state.meta["tail_norms"], state.meta["tail_ranks"] = {"1": 0.5, "0": 0.5}, {"1": 4, "0": 8}
+    ins = st.configure(1, state, [ClientInfo(0, 8, 1), ClientInfo(1, 8, 1, round_rank=4)])
+    assert ins[1].config["rank"] == 4 and ins[1].config["hetlora_prev_tail"] == -1.0
+    assert ins[0].config["hetlora_prev_tail"] == 0.5
+    reply = {c: Reply({key_a: torch.ones(r, 2), key_b: torch.ones(2, r)}, 1, {"tail_norm": 0.1}) for c, r in ((0, 7), (1, 3))}
+    new = st.aggregate(1, state, reply)
+    assert new.meta["ranks"] == {"0": 7, "1": 8}  # client 0 pruned at its own rank; client 1 keeps 8

@@ -251,7 +251,10 @@ class ClientSource:
         if d.source == "niah":
             if self._niah is None:
                 self._niah = _niah_client_data(self.cfg, self.tokenizer)[0]
-            return self._niah[cid]
+            n = self._niah[cid]  # a copy: what the pool builds from it is changed in place (poisoning, prefix)
+            return ClientData(n.train_ids.clone(), n.train_labels.clone(), n.test_ids.clone(), n.test_labels.clone(),
+                              letter_ids=n.letter_ids, label=n.label,
+                              test_groups={g: i.clone() for g, i in (n.test_groups or {}).items()} or None)
         records, labels, parts = self.loaded
         train_idx, test_idx = self.records_of(cid)
         train = tokenise(records, train_idx, d, self.tokenizer, d.max_train)

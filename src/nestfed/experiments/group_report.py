@@ -163,8 +163,9 @@ def seed_stats(rows: list[dict[str, Any]], by_label: dict[str, list[dict[str, An
         mean, versus, gain, gmean, ggain = {}, {}, {}, {}, {}
         for key in ranks:
             rank = None if key == "all" else int(key)
-            per_seed = [np.mean([v for c, v in r["ppl"].items() if rank is None or r["client_ranks"].get(c) == rank])
-                        for r in group if rank is None or rank in r["client_ranks"].values()]
+            members = [[v for c, v in r["ppl"].items() if rank is None or r["client_ranks"].get(c) == rank]
+                       for r in group]
+            per_seed = [float(np.mean(m)) for m in members if m]  # a seed whose evaluation held none is left out
             if per_seed:
                 mean[key] = mean_interval(per_seed)
             mine = _pairs(group, rank)

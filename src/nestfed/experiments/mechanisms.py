@@ -95,7 +95,7 @@ def mechanisms(cfg: ExperimentConfig, mr: MethodRun, state: GlobalState, panel: 
     scaling, lora_alpha / r under ``rank`` scaling (LoraSettings.scale), loaded into the run's model
     as it is (no client's kept state mixed in: this is the global adapter, not a client's
     personalised model) and evaluated on each client's held-out data: the clients of ``panel``
-    (the evaluation panel, nestfed.federation.loop.EvalPlan; None = every client). Ranks above the
+    (the evaluation panel, nestfed.federation.evaluation_plan.EvalPlan; None = every client). Ranks above the
     adapter's are left out. A method whose clients are not nestfed.federation.client.ClientTrainer
     is skipped.
     """

@@ -59,17 +59,19 @@ class ReplyFolder:
     _folded: list[int] = field(default_factory=list)
     _layout: Layout | None = None
     _scale: float = 1.0
+    _foldable: bool | None = None
 
     @property
     def can_fold(self) -> bool:
-        """Whether this round's rule can be rebuilt from sums (module docstring)."""
-        if self.safeguards.rule.active or not supports_secure_aggregation(self.strategy):
-            return False
-        try:
-            self._layout = self._layout or layout(ins.expect for ins in self.instructions.values())
-        except ValueError:  # an array without a rank dimension: no sum form
-            return False
-        return True
+        """Whether this round's rule can be rebuilt from sums (module docstring); decided once."""
+        if self._foldable is None:
+            self._foldable = not self.safeguards.rule.active and supports_secure_aggregation(self.strategy)
+            if self._foldable:
+                try:
+                    self._layout = layout(ins.expect for ins in self.instructions.values())
+                except ValueError:  # an array without a rank dimension: no sum form
+                    self._foldable = False
+        return self._foldable
 
     @property
     def folded(self) -> bool:

@@ -21,7 +21,7 @@ the same CPU and thread count).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -29,6 +29,7 @@ import numpy as np
 
 from nestfed.config import ExperimentConfig
 from nestfed.errors import UpdateRejected
+from nestfed.federation.evaluation_plan import Deployments, EvalPlan
 from nestfed.federation.folding import ReplyFolder
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.payload import payload_stats, validate_reply
@@ -104,61 +105,6 @@ def sample_clients(clients: Sequence[ClientInfo], fraction: float, seed: int, rn
     return [clients[i] for i in chosen]
 
 
-@dataclass(frozen=True)
-class EvalPlan:
-    """Which clients a round evaluates (``[evaluation]``, nestfed.config.evaluation).
-
-    panel: the client ids evaluated after rounds 1..R-1 (None = every client); final_all: rounds 0
-    and R evaluate every client (else the panel); every: evaluate after every ``every``-th round
-    (round R always).
-    """
-
-    panel: tuple[int, ...] | None = None
-    final_all: bool = True
-    every: int = 1
-
-    @classmethod
-    def from_config(cls, cfg: ExperimentConfig) -> EvalPlan:
-        """``[evaluation]``'s plan: the panel of ``evaluation.clients`` ids drawn once from the seed
-        rule's stream ``eval_panel`` of (data.seed, 0, 0), sorted (every client when 0)."""
-        e, k = cfg.evaluation, cfg.data.num_clients
-        panel = None
-        if e.clients and e.clients < k:
-            rng = np.random.default_rng(stream_seed(cfg.data.seed, 0, 0, "eval_panel"))
-            panel = tuple(sorted(int(i) for i in rng.choice(k, size=e.clients, replace=False)))
-        return cls(panel, e.final == "all", e.every)
-
-    def clients(self, rnd: int, rounds: int, everyone: Sequence[int]) -> list[int]:
-        """The ids evaluated after round ``rnd`` of ``rounds`` ([] = no evaluation this round), of
-        ``everyone`` (the federation's clients: on Flower, those a node serves)."""
-        last = rnd == 0 or rnd == rounds
-        if not last and rnd % self.every:
-            return []
-        if self.panel is None or (last and self.final_all):
-            return list(everyone)
-        present = set(everyone)
-        return [c for c in self.panel if c in present]
-
-
-class Deployments(Mapping):
-    """{cid: (arrays, scale s)} of what each listed client runs, computed when read (the strategy's
-    ``deploy``), so a round never holds every client's adapter at once."""
-
-    def __init__(self, strategy: Strategy, state: GlobalState, cids: Sequence[int]):
-        self.strategy, self.state, self.cids = strategy, state, list(cids)
-
-    def __getitem__(self, cid: int) -> tuple[Arrays, float]:
-        if cid not in self.cids:
-            raise KeyError(cid)
-        return self.strategy.deploy(self.state, cid)
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(self.cids)
-
-    def __len__(self) -> int:
-        return len(self.cids)
-
-
 @dataclass
 class RoundLoop:
     """Drive ``strategy`` through ``transport`` for ``rounds`` rounds, committing into ``run_dir``.
@@ -208,9 +154,11 @@ class RoundLoop:
         f = cfg.federation
         settings: dict[str, Any] = {
             "fraction": f.fraction, "min_clients": f.min_clients, "seed": f.seed, "sampling": f.sampling,
-            "safeguards": Safeguards.from_config(cfg), "population": Population.from_config(cfg, clients),
-            "evaluation": EvalPlan.from_config(cfg), "hold_replies": f.hold_replies}
+            "safeguards": Safeguards.from_config(cfg), "evaluation": EvalPlan.from_config(cfg),
+            "hold_replies": f.hold_replies}
         settings.update(kw)
+        if "population" not in settings:
+            settings["population"] = Population.from_config(cfg, clients)
         return cls(strategy, transport, clients, f.rounds, run_dir, keeps_client_state=keeps_client_state, **settings)
 
     @property
@@ -380,7 +328,7 @@ class RoundLoop:
                                 "clients": per_client, "rejected": rejected, "dropped": dropped}
         if evaluation is not None:
             line["eval"] = evaluation
-        if self.server_evaluate is not None:
+        if self.server_evaluate is not None and self.evaluation.evaluates(rnd, self.rounds):
             line["eval_global"] = self.server_evaluate(rnd, state)
         line.update(trust)
         line.update({"bytes_down": sum(c["bytes_down"] for c in per_client.values()),

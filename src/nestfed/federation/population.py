@@ -28,7 +28,10 @@ def read_trace(path: str | Path, ranks: dict[int, int]) -> dict[tuple[int, int],
     """{(round, client): rank} from a CSV file with columns ``round``, ``client``, ``rank`` (rounds
     1-based). ranks: {cid: the client's own rank r_k}. Raises ConfigError naming the file and line
     for a missing file or column, a value that is not a positive integer, an unknown client, a rank
-    above the client's own, or a (round, client) given twice."""
+    above the client's own or not among the federation's ranks (the segments of nested methods are
+    cut at those: a rank inside a segment would count in one rule and not in its sum form), or a
+    (round, client) given twice."""
+    federation = sorted(set(ranks.values()))
     p = Path(path)
     if not p.is_file():
         raise ConfigError(f"population.elastic_trace: {p} not found")
@@ -49,6 +52,8 @@ def read_trace(path: str | Path, ranks: dict[int, int]) -> dict[tuple[int, int],
                 raise ConfigError(f"{p}:{line}: client {cid} is not in the federation (0..{len(ranks) - 1})")
             if r > ranks[cid]:
                 raise ConfigError(f"{p}:{line}: rank {r} is above client {cid}'s own rank {ranks[cid]}")
+            if r not in federation:
+                raise ConfigError(f"{p}:{line}: rank {r} is not one of the federation's ranks {federation}")
             if (rnd, cid) in out:
                 raise ConfigError(f"{p}:{line}: round {rnd}, client {cid} is given twice")
             out[(rnd, cid)] = r

@@ -18,7 +18,8 @@ def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, A
     without held-out metrics (a Flower run without evaluation) give the bytes and counts only.
     """
     rounds = [ln for ln in lines if ln["round"] > 0]
-    fits = [c for ln in rounds for c in ln["clients"].values()]
+    # the clients an instruction went to (a client that dropped out after sampling was sent nothing)
+    fits = [c for ln in rounds for c in ln["clients"].values() if c.get("status") != "dropped" or c.get("bytes_down")]
     out: dict[str, Any] = {
         "method": cfg.strategy.name,
         "rounds": len(rounds),

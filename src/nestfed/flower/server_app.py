@@ -84,6 +84,10 @@ DEFAULTS: dict[str, Any] = {
 }
 
 
+#: EVALUATE messages a round has in flight at once (their adapters are serialised per batch)
+EVALUATE_BATCH = 64
+
+
 def _typed(key: str, value: Any, kind: type) -> Any:
     """A run-config value of the declared kind; raises ConfigError naming the key."""
     if kind is bool:
@@ -305,24 +309,27 @@ class FlowerTransport:
         return out
 
     def evaluate(self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
-        """EVALUATE messages (only with the run config's ``evaluate``)."""
+        """EVALUATE messages (only with the run config's ``evaluate``), :data:`EVALUATE_BATCH` nodes at a
+        time, so the server never holds every evaluated client's adapter at once."""
         if not self.settings.evaluate:
             return None
-        msgs, cid_of = {}, {}
-        for cid in deployments:
-            arrays, scale = deployments[cid]
-            content = RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale})})
-            msgs[self.node_of[cid]] = self._message(cid, content, MessageType.EVALUATE, f"eval-{rnd}")
-            cid_of[self.node_of[cid]] = cid
-        ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
         out = {}
-        for n, msg in sorted(ex.replies.items()):
-            if msg.has_error():
-                self.say(f"evaluation {rnd}: client {cid_of[n]} failed: {_error_text(msg)}")
-                continue
-            out[str(cid_of[n])] = {k: float(v) for k, v in msg.content.metric_records["metrics"].items()}
-        for n in ex.missing:
-            self.say(f"evaluation {rnd}: client {cid_of[n]} did not answer")
+        cids = list(deployments)
+        for i in range(0, len(cids), EVALUATE_BATCH):
+            msgs, cid_of = {}, {}
+            for cid in cids[i:i + EVALUATE_BATCH]:
+                arrays, scale = deployments[cid]
+                content = RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale})})
+                msgs[self.node_of[cid]] = self._message(cid, content, MessageType.EVALUATE, f"eval-{rnd}")
+                cid_of[self.node_of[cid]] = cid
+            ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
+            for n, msg in sorted(ex.replies.items()):
+                if msg.has_error():
+                    self.say(f"evaluation {rnd}: client {cid_of[n]} failed: {_error_text(msg)}")
+                    continue
+                out[str(cid_of[n])] = {k: float(v) for k, v in msg.content.metric_records["metrics"].items()}
+            for n in ex.missing:
+                self.say(f"evaluation {rnd}: client {cid_of[n]} did not answer")
         return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
     def client_state(self) -> ClientState | None:
@@ -441,6 +448,9 @@ class FlowerRun:
             if c.rank > C.r_max(cfg):
                 raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
         strategy = method.server(cfg, q.initial_arrays)
+        if cfg.evaluation.global_test:  # refused before anything is written
+            raise ConfigError("evaluation.global_test: on Flower no server holds the clients' held-out records "
+                              "to draw a global held-out set from (the embedded runner has one; docs/scale.md)")
         if s.secure_aggregation:  # refused before anything is written
             if not supports_secure_aggregation(strategy):
                 raise ConfigError(f"run config: secure-aggregation: strategy.name '{cfg.strategy.name}' cannot aggregate "

@@ -57,20 +57,24 @@ class HetLoRA(LoraStrategy):
         return self.o.pruning
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
-        """``hetlora_prev_tail``: the client's tail norm after its last round, -1 before its first
-        and when that round trained another rank (an elastic rank: the tails are not comparable)."""
+        """``hetlora_prev_tail``: the client's tail norm after its last round; -1 (no pruning) before
+        its first, when that round trained another rank, and in a round at an elastic rank below
+        its own (pruning decides the client's own rank, which a round of less memory says nothing of)."""
         prev = state.meta.get("tail_norms", {}).get(str(client.cid))
         prev_rank = state.meta.get("tail_ranks", {}).get(str(client.cid), rank)
+        own = self.rank_of(state, client.cid)
         self.sent_rank[client.cid] = rank
-        return {"hetlora_prev_tail": -1.0 if prev is None or prev_rank != rank else float(prev)}
+        comparable = prev is not None and prev_rank == rank and rank == own
+        return {"hetlora_prev_tail": float(prev) if comparable else -1.0}
 
     def remember(self, new: GlobalState, replies: dict[int, Reply]) -> None:
-        """Keep each replying client's pruned rank (a reply below the rank it was sent this round;
-        an elastic rank below its own leaves its own as it was) and its tail norm with the rank it
-        was measured at."""
+        """Keep each replying client's pruned rank (a reply below the rank it was sent, which was
+        its own: clients prune only at their own rank) and its tail norm with the rank it was
+        measured at."""
         for c in sorted(replies):
             r = reply_rank(replies[c])
-            if r < self.sent_rank.get(c, int(new.meta["ranks"][str(c)])):
+            own = int(new.meta["ranks"][str(c)])
+            if r < self.sent_rank.get(c, own) == own:
                 new.meta["ranks"][str(c)] = r
             if "tail_norm" in replies[c].metrics:
                 new.meta.setdefault("tail_norms", {})[str(c)] = float(replies[c].metrics["tail_norm"])

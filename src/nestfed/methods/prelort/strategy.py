@@ -71,9 +71,8 @@ class PreLort(LoraStrategy):
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
         """``subranks``: R_k, the federation's ranks up to the rank the client trains this round (its
-        own, or an elastic rank below it, which is then a sub-rank too)."""
-        subranks = [r for r in self.federation_ranks(state) if r <= rank]
-        return {"subranks": subranks if rank in subranks else subranks + [rank]}
+        own, or an elastic rank below it: one of the federation's ranks, nestfed.federation.population)."""
+        return {"subranks": [r for r in self.federation_ranks(state) if r <= rank]}
 
     @property
     def zero_padded(self) -> bool:
