@@ -94,6 +94,22 @@ def test_the_trace_is_read_with_one_line_naming_the_file_and_line(tmp_path):
             read_trace(ok, own)
 
 
+def test_a_trace_of_memory_budgets_gives_the_largest_rank_that_fits_or_sits_the_round_out(tmp_path):
+    trace = tmp_path / "budgets.csv"
+    trace.write_text("round,client,memory_mib\n1,0,3\n1,1,1\n2,0,100\n")
+    mib = 2 ** 20
+    got = read_trace(trace, {0: 8, 1: 8, 2: 2}, {2: 1 * mib, 8: 4 * mib}.__getitem__)
+    assert got == {(1, 0): 2, (1, 1): 2, (2, 0): 8}
+    got = read_trace(trace, {0: 8, 1: 8, 2: 2}, {2: 2 * mib, 8: 4 * mib}.__getitem__)
+    assert got[(1, 1)] == 0  # 1 MiB holds no rank: client 1 sits round 1 out
+    pop = Population(elastic="trace", ranks=[2, 8], trace=got)
+    sampled = [ClientInfo(0, 8, 4), ClientInfo(1, 8, 4)]
+    assert "holds no rank" in pop.dropouts(1, sampled)[1] and 0 not in pop.dropouts(1, sampled)
+    assert [c.round_rank for c in pop.this_round(1, sampled)] == [2, 0]
+    with pytest.raises(ConfigError, match="memory budgets become ranks through the backbone's footprint"):
+        read_trace(trace, {0: 8, 1: 8, 2: 2})
+
+
 def test_prelort_aggregates_an_elastic_reply_into_the_segments_it_trained():
     """R_fed = {2, 4}; client 1 (rank 4) trained at rank 2 this round, so segment [2, 4) has no member
     and keeps its values; segment [0, 2) is the n_k mean update of both (by hand)."""

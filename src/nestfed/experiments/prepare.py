@@ -19,6 +19,7 @@ from nestfed.data.client_pool import ClientPool
 from nestfed.data.clients import ClientData, ClientSource
 from nestfed.data.poisoning import poison_client
 from nestfed.federation.messages import ClientInfo
+from nestfed.federation.population import trace_has_budgets
 from nestfed.federation.prepared import Prepared
 from nestfed.nn.backbone import default_cache_dir, load_backbone
 from nestfed.nn.checkpointing import enable_activation_checkpointing
@@ -74,8 +75,10 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
         enable_activation_checkpointing(backbone.model)
     shapes = module_shapes(backbone.model)
     start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
-    footprint = Footprint.measure(backbone.model, cfg.train, cfg.data.block_size, start) if cfg.population.memory_mib \
-        else None
+    p = cfg.population
+    budgets_trace = p.elastic == "trace" and trace_has_budgets(p.elastic_trace)
+    footprint = Footprint.measure(backbone.model, cfg.train, cfg.data.block_size, start) \
+        if p.memory_mib or budgets_trace else None
     try:
         ranks, budgets = assign_ranks(cfg.population, cfg.lora.ranks, cfg.lora.r_max, cfg.data.num_clients,
                                       cfg.data.seed, footprint.bytes if footprint is not None else None)

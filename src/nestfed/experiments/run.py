@@ -105,7 +105,8 @@ def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: boo
     mr = method.build(prep, cfg)
     install_stream_modules(prep, cfg)
     glob = global_test_data(prep, cfg)
-    population = Population.from_config(cfg, mr.clients)  # an elastic trace is read before anything is written
+    fp = prep.footprint.bytes if prep.footprint is not None else None
+    population = Population.from_config(cfg, mr.clients, fp)  # an elastic trace is read before anything is written
     rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, C.dumps_toml(cfg), C.per_client_inline(cfg))
     loop = RoundLoop.from_config(cfg, mr.strategy, InProcessTransport(mr.trainer), mr.clients, rd,
                                  mr.keeps_client_state, on_event=on_event, population=population,

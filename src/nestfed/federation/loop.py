@@ -243,14 +243,14 @@ class RoundLoop:
                                                                 len(self.clients)))
         declared = {c.cid: c.num_examples for c in sampled}
         instructions = self.strategy.configure(rnd, state, sampled)
-        gone = set(self.population.dropouts(rnd, sampled))
+        why_gone = self.population.dropouts(rnd, sampled)
+        gone = set(why_gone)
         t_conf = time.perf_counter()
         folder = ReplyFolder(self.strategy, self.safeguards, rnd, state, instructions, self.hold_replies,
                              max(declared.values(), default=1))
         per_client: dict[str, dict[str, Any]] = {}
         rejected: dict[str, str] = {}
-        dropped: dict[str, str] = {c: f"dropped out after sampling (population.dropout = {self.population.dropout:g})"
-                                   for c in map(str, sorted(gone))}
+        dropped: dict[str, str] = {str(c): why_gone[c] for c in sorted(gone)}
         timing = {"validate_s": 0.0}
 
         def on_reply(cid: int, reply: Reply) -> None:  # validated, screened and folded as it arrives

@@ -11,7 +11,7 @@ then what it was without the section).
 from __future__ import annotations
 
 import csv
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -24,13 +24,28 @@ from nestfed.federation.messages import ClientInfo
 from nestfed.seeds import stream_seed
 
 
-def read_trace(path: str | Path, ranks: dict[int, int]) -> dict[tuple[int, int], int]:
-    """{(round, client): rank} from a CSV file with columns ``round``, ``client``, ``rank`` (rounds
-    1-based). ranks: {cid: the client's own rank r_k}. Raises ConfigError naming the file and line
-    for a missing file or column, a value that is not a positive integer, an unknown client, a rank
-    above the client's own or not among the federation's ranks (the segments of nested methods are
-    cut at those: a rank inside a segment would count in one rule and not in its sum form), or a
-    (round, client) given twice."""
+def trace_has_budgets(path: str | Path) -> bool:
+    """Whether an elastic trace gives memory budgets (a ``memory_mib`` column) rather than ranks
+    (then the backbone's footprint turns them into ranks). False for a missing or unreadable file
+    (:func:`read_trace` reports it)."""
+    try:
+        with Path(path).open(newline="", encoding="utf-8") as f:
+            return "memory_mib" in (csv.DictReader(f).fieldnames or [])
+    except OSError:
+        return False
+
+
+def read_trace(path: str | Path, ranks: dict[int, int], footprint: Callable[[int], int] | None = None
+               ) -> dict[tuple[int, int], int]:
+    """{(round, client): rank} from a CSV file with columns ``round``, ``client`` and ``rank``, or
+    ``memory_mib`` (the client's memory budget that round: its rank is then the largest of the
+    federation's ranks up to its own whose ``footprint(r)`` bytes fit, nestfed.nn.footprint, and 0
+    when none fits: the client sits that round out). Rounds are 1-based. ranks: {cid: the client's
+    own rank r_k}. Raises ConfigError naming the file and line for a missing file or column, a value
+    that is not a positive integer, an unknown client, a rank above the client's own or not among
+    the federation's ranks (the segments of nested methods are cut at those: a rank inside a
+    segment would count in one rule and not in its sum form), a (round, client) given twice, or
+    budgets without a footprint."""
     federation = sorted(set(ranks.values()))
     p = Path(path)
     if not p.is_file():
@@ -38,18 +53,32 @@ def read_trace(path: str | Path, ranks: dict[int, int]) -> dict[tuple[int, int],
     out: dict[tuple[int, int], int] = {}
     with p.open(newline="", encoding="utf-8") as f:
         reader = csv.DictReader(f)
-        missing = {"round", "client", "rank"} - set(reader.fieldnames or [])
+        fields = set(reader.fieldnames or [])
+        value = "memory_mib" if "memory_mib" in fields and "rank" not in fields else "rank"
+        missing = {"round", "client", value} - fields
         if missing:
-            raise ConfigError(f"{p}: missing column(s) {', '.join(sorted(missing))} (needs round, client, rank)")
+            raise ConfigError(f"{p}: missing column(s) {', '.join(sorted(missing))} (needs round, client and rank "
+                              "or memory_mib)")
+        if value == "memory_mib" and footprint is None:
+            raise ConfigError(f"{p}: memory budgets become ranks through the backbone's footprint, which this server "
+                              "does not measure (give ranks, or run embedded)")
+        sizes = {r: footprint(r) for r in federation} if value == "memory_mib" else {}
         for line, row in enumerate(reader, 2):
             try:
-                rnd, cid, r = int(row["round"]), int(row["client"]), int(row["rank"])
+                rnd, cid, v = int(row["round"]), int(row["client"]), int(row[value])
             except (TypeError, ValueError):
-                raise ConfigError(f"{p}:{line}: round, client and rank must be integers, got {dict(row)}") from None
-            if rnd < 1 or r < 1:
-                raise ConfigError(f"{p}:{line}: round and rank must be >= 1")
+                raise ConfigError(f"{p}:{line}: round, client and {value} must be integers, got {dict(row)}") from None
+            if rnd < 1 or v < 1:
+                raise ConfigError(f"{p}:{line}: round and {value} must be >= 1")
             if cid not in ranks:
                 raise ConfigError(f"{p}:{line}: client {cid} is not in the federation (0..{len(ranks) - 1})")
+            if value == "memory_mib":
+                fits = [r for r in federation if r <= ranks[cid] and sizes[r] <= v * 2**20]
+                if (rnd, cid) in out:
+                    raise ConfigError(f"{p}:{line}: round {rnd}, client {cid} is given twice")
+                out[(rnd, cid)] = max(fits, default=0)
+                continue
+            r = v
             if r > ranks[cid]:
                 raise ConfigError(f"{p}:{line}: rank {r} is above client {cid}'s own rank {ranks[cid]}")
             if r not in federation:
@@ -75,11 +104,14 @@ class Population:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, cfg: ExperimentConfig, clients: Sequence[ClientInfo]) -> Population:
-        """The population of ``cfg``'s ``[population]`` over ``clients`` (their ranks r_k). Raises
+    def from_config(cls, cfg: ExperimentConfig, clients: Sequence[ClientInfo],
+                    footprint: Callable[[int], int] | None = None) -> Population:
+        """The population of ``cfg``'s ``[population]`` over ``clients`` (their ranks r_k); footprint:
+        bytes(r) of the backbone (nestfed.nn.footprint), for a trace of memory budgets. Raises
         ConfigError for a bad elastic trace (:func:`read_trace`)."""
         p: PopulationConfig = cfg.population
-        trace = read_trace(p.elastic_trace, {c.cid: c.rank for c in clients}) if p.elastic == "trace" else {}
+        own = {c.cid: c.rank for c in clients}
+        trace = read_trace(p.elastic_trace, own, footprint) if p.elastic == "trace" else {}
         return cls(p.availability, p.dropout, p.elastic, sorted({c.rank for c in clients}), trace,
                    cfg.federation.seed)
 
@@ -91,14 +123,17 @@ class Population:
         up = rng.random(len(clients)) < self.availability
         return [c for c, u in zip(clients, up) if u]
 
-    def dropouts(self, rnd: int, sampled: Sequence[ClientInfo]) -> list[int]:
-        """The sampled clients (ids) that drop out of round ``rnd`` before replying: each with
-        probability ``dropout`` (none at 0)."""
-        if self.dropout <= 0:
-            return []
-        rng = np.random.default_rng(stream_seed(self.seed, rnd, 0, "dropout"))
-        gone = rng.random(len(sampled)) < self.dropout
-        return [c.cid for c, g in zip(sampled, gone) if g]
+    def dropouts(self, rnd: int, sampled: Sequence[ClientInfo]) -> dict[int, str]:
+        """{cid: why} of the sampled clients that drop out of round ``rnd`` before replying: each with
+        probability ``dropout`` (none at 0), and those whose budget in the trace holds no rank."""
+        out = {c.cid: "its memory budget this round holds no rank (population.elastic_trace)"
+               for c in sampled if self.trace.get((rnd, c.cid), -1) == 0}
+        if self.dropout > 0:
+            rng = np.random.default_rng(stream_seed(self.seed, rnd, 0, "dropout"))
+            gone = rng.random(len(sampled)) < self.dropout
+            out.update({c.cid: f"dropped out after sampling (population.dropout = {self.dropout:g})"
+                        for c, g in zip(sampled, gone) if g and c.cid not in out})
+        return out
 
     def this_round(self, rnd: int, sampled: Sequence[ClientInfo]) -> list[ClientInfo]:
         """The sampled clients with the rank each trains at in round ``rnd`` (``ClientInfo.round_rank``):
@@ -113,6 +148,6 @@ class Population:
                 choices = [r for r in self.ranks if r <= c.rank] or [c.rank]
                 r = int(choices[int(rng.integers(len(choices)))])
             else:
-                r = self.trace.get((rnd, c.cid), c.rank)
+                r = self.trace.get((rnd, c.cid), c.rank) or c.rank  # 0: it sits the round out (dropouts)
             out.append(replace(c, round_rank=r) if r < c.rank else c)
         return out
