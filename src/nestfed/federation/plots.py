@@ -72,15 +72,18 @@ def run_plots(lines: list[dict[str, Any]], title: str, ranks: dict[str, int] | N
 
 
 def group_plots(evaluated: list[dict[str, Any]], title: str, ranks: dict[str, int]) -> dict[str, bytes]:
-    """The evaluation of many clients by rank group (see :func:`run_plots`): ``eval_ppl.png`` and
-    ``ppl_ecdf.png``. evaluated: the lines that carry ``eval`` ({cid: metrics})."""
+    """The evaluation of many clients by rank group (see :func:`run_plots`): ``eval_ppl.png`` (over
+    the clients every evaluated round has: the panel, when rounds between the first and last
+    evaluate one) and ``ppl_ecdf.png`` (the last evaluated round's clients). evaluated: the lines
+    that carry ``eval`` ({cid: metrics})."""
     plt = pyplot()
-    groups = sorted({ranks[c] for ln in evaluated for c in ln["eval"]})
+    common = set.intersection(*(set(ln["eval"]) for ln in evaluated))  # the curve follows the same clients
+    groups = sorted({ranks[c] for c in common})
     fig, ax = plt.subplots(figsize=(6.5, 4))
     for r in groups:
         xs, mean, lo, hi = [], [], [], []
         for ln in evaluated:
-            ppl = [m["ppl"] for c, m in ln["eval"].items() if ranks[c] == r]
+            ppl = [m["ppl"] for c, m in ln["eval"].items() if c in common and ranks[c] == r]
             if ppl:
                 xs.append(ln["round"])
                 mean.append(float(np.mean(ppl)))
@@ -90,7 +93,8 @@ def group_plots(evaluated: list[dict[str, Any]], title: str, ranks: dict[str, in
         ax.fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
     ax.set_xlabel("round")
     ax.set_ylabel("held-out perplexity")
-    ax.set_title(f"{title}: mean per rank group, 10th-90th percentile band")
+    ax.set_title(f"{title}: mean per rank group, 10th-90th percentile band\n"
+                 f"(the {len(common)} clients evaluated every round)", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     out = {"eval_ppl.png": png(fig)}
