@@ -49,3 +49,20 @@ def test_rank_may_shrink_only_when_allowed_and_consistently():
         validate_reply(instruction(may_shrink=True), Reply({A: torch.ones(2, 6), B: torch.ones(5, 3)}, 3))
     with pytest.raises(UpdateRejected, match="num_examples"):
         validate_reply(instruction(), Reply(good(), 0))
+
+
+def test_the_counted_bytes_are_the_serialised_bytes_whatever_the_values_and_order():
+    import random
+
+    from nestfed.federation.payload import encode, payload_stats
+
+    rng = random.Random(0)
+    for trial in range(20):
+        keys = [f"base_model.model.l{i}.lora_{'AB'[i % 2]}.weight" for i in range(rng.randint(1, 6))]
+        rng.shuffle(keys)
+        arrays = {k: torch.randn(rng.randint(1, 40), rng.randint(1, 9), dtype=rng.choice([torch.float32, torch.float64]))
+                  for k in keys}
+        if trial % 3 == 0:  # a view (a rank prefix), serialised contiguous
+            k = keys[0]
+            arrays[k] = arrays[k][:, : max(1, arrays[k].shape[1] // 2)]
+        assert payload_stats(arrays)["bytes"] == len(encode(arrays))

@@ -25,8 +25,9 @@ import torch
 
 from nestfed.federation.messages import GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.safeguards import Safeguards
-from nestfed.federation.secure_sum import Layout, decode, encode, layout, supports_secure_aggregation
+from nestfed.federation.secure_sum import Layout, common_rank, decode, layout, supports_secure_aggregation
 from nestfed.federation.strategy import Strategy
+from nestfed.nn.keys import rank_dim
 
 
 def reply_bytes(reply: Reply) -> int:
@@ -79,9 +80,20 @@ class ReplyFolder:
         return self._sums is not None
 
     def _fold(self, cid: int, reply: Reply) -> None:
-        vec, _ = encode(self.instructions[cid].arrays, reply.arrays, reply.num_examples, self._layout, self._scale,
-                        float("inf"))
-        self._sums = vec if self._sums is None else [a + b for a, b in zip(self._sums, vec)]
+        """Add w_k (X_k - P_k) to each key's sum in place (rows up to r_k) and w_k to the counts of
+        rows < r_k, w_k = n_k * scale: what :func:`~nestfed.federation.secure_sum.encode` would add
+        unclipped, without padding a copy of every update."""
+        if self._sums is None:
+            self._sums = [torch.zeros(shape, dtype=torch.float64) for shape in self._layout.values()]
+            self._sums.append(torch.zeros(common_rank(self._layout), dtype=torch.float64))
+        sent, w = self.instructions[cid].arrays, reply.num_examples * self._scale
+        rank = 0
+        for total, k in zip(self._sums, self._layout):
+            x, d = reply.arrays[k], rank_dim(k)
+            delta = x.detach().to(torch.float64) - sent[k].detach().to(torch.float64)
+            total.narrow(d, 0, delta.shape[d]).add_(delta, alpha=w)
+            rank = delta.shape[d]
+        self._sums[-1][:rank] += w
         self._folded.append(cid)
 
     def add(self, cid: int, reply: Reply) -> None:
