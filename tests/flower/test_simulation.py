@@ -17,7 +17,7 @@ from nestfed.flower.deploy import LocalDeployment  # noqa: E402
 
 pytestmark = pytest.mark.flower
 
-TWELVE = ("data.num_clients=12", "lora.ranks=[2]", "population.rank_shares={2=0.5,4=0.25,8=0.25}",
+TWELVE = ("data.num_clients=12", "data.partition=iid", "lora.ranks=[2]", "population.rank_shares={2=0.5,4=0.25,8=0.25}",
           "federation.fraction=0.25", "strategy.name=prelort", "federation.rounds=2", "train.threads=1",
           "output.plots=false", "output.client_detail=inline", "train.client_cache=off")
 
