@@ -66,3 +66,21 @@ def test_the_counted_bytes_are_the_serialised_bytes_whatever_the_values_and_orde
             k = keys[0]
             arrays[k] = arrays[k][:, : max(1, arrays[k].shape[1] // 2)]
         assert payload_stats(arrays)["bytes"] == len(encode(arrays))
+
+
+@pytest.mark.parametrize("flat_numel", [1 << 20, 0])  # one pass over the concatenation / one array at a time
+def test_non_finite_and_norm_agree_between_the_flat_and_per_array_paths(monkeypatch, flat_numel):
+    import math
+
+    from nestfed.federation import payload, update
+
+    monkeypatch.setattr(payload, "FLAT_NUMEL", flat_numel)
+    monkeypatch.setattr(update, "FLAT_NUMEL", flat_numel)
+    sent = {A: torch.zeros(4, 6), B: torch.ones(5, 4)}
+    reply = {A: torch.full((4, 6), 2.0), B: torch.full((5, 4), 3.0), "idx": torch.tensor([1, 2])}
+    assert update.update_norm(sent, reply) == math.sqrt(24 * 4 + 20 * 4)  # idx is no update: not counted
+    assert payload.first_non_finite(reply) is None
+    reply[B] = reply[B].clone()
+    reply[B][4, 3] = float("-inf")
+    assert payload.first_non_finite(reply) == B
+    assert payload.first_non_finite({}) is None

@@ -14,6 +14,7 @@ from safetensors.torch import save as st_save
 
 from nestfed.errors import UpdateRejected
 from nestfed.federation.messages import Arrays, Instruction, Reply
+from nestfed.federation.update import FLAT_NUMEL
 from nestfed.nn.keys import rank_dim
 
 
@@ -80,10 +81,21 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
         if sent is not None and t.dtype != sent.dtype:
             raise UpdateRejected(f"{key}: dtype {str(t.dtype).replace('torch.', '')}, but "
                                  f"{str(sent.dtype).replace('torch.', '')} was sent")
-        if not torch.isfinite(t).all():
-            raise UpdateRejected(f"{key}: contains NaN or Inf")
         if dim is not None:
             module = key.rsplit(".", 2)[0]
             r = t.shape[dim]
             if ranks.setdefault(module, r) != r:
                 raise UpdateRejected(f"{module}: lora_A and lora_B disagree on the rank")
+    bad = first_non_finite(reply.arrays)
+    if bad is not None:
+        raise UpdateRejected(f"{bad}: contains NaN or Inf")
+
+
+def first_non_finite(arrays: Arrays) -> str | None:
+    """The first key (in order) whose floating-point tensor holds NaN or Inf, or None. Small payloads
+    are checked in one pass over their concatenation (a few kernels per reply, not per array)."""
+    floats = [(k, t) for k, t in arrays.items() if t.is_floating_point()]
+    if sum(t.numel() for _, t in floats) <= FLAT_NUMEL:
+        if not floats or bool(torch.isfinite(torch.cat([t.reshape(-1) for _, t in floats])).all()):
+            return None
+    return next((k for k, t in floats if not bool(torch.isfinite(t).all())), None)
