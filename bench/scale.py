@@ -22,6 +22,7 @@ writes it with ``--out`` (and a plot beside it with ``--plot``).
 
     .venv/bin/python bench/scale.py [--out bench/results/scale.json] [--plot bench/results/scale.png]
         [--only tiny|smollm2] [--rounds 4]
+    .venv/bin/python bench/scale.py --table bench/results/scale.json [--plot P]   # the README's table (and plot)
 """
 
 from __future__ import annotations
@@ -125,13 +126,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    for model, marker in (("tiny", "o"), ("smollm2", "s")):
-        for fraction in FRACTIONS:
-            rows = [r for r in result["settings"] if r["model"] == model and r["fraction"] == fraction]
-            if not rows:
-                continue
+    for model, marker in (("tiny", "o"), ("smollm2", "s")):  # one line per number sampled: flat is the target
+        for sampled in sorted({r["sampled_per_round"] for r in result["settings"] if r["model"] == model}):
+            rows = sorted((r for r in result["settings"] if r["model"] == model and r["sampled_per_round"] == sampled),
+                          key=lambda r: r["clients"])
             ks = [r["clients"] for r in rows]
-            lab = f"{model}, fraction {fraction:g}"
+            lab = f"{model}, {sampled} sampled"
             axes[0].plot(ks, [r["runs"]["prelort"]["round_s"] for r in rows], marker=marker, label=lab)
             axes[1].plot(ks, [r["peak_rss_mb"] for r in rows], marker=marker, label=lab)
             axes[2].plot(ks, [100 * r["runs"]["prelort"]["server_share"] for r in rows], marker=marker, label=lab)
@@ -140,9 +140,29 @@ def plot(result: dict, path: Path) -> None:
         ax.set_xlabel("clients in the federation")
         ax.set_title(title)
         ax.grid(alpha=0.3)
+    axes[0].set_yscale("log")
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def table(result: dict) -> str:
+    """The README's markdown table of a result (one row per setting)."""
+    rows = ["| model | clients | fraction | sampled / round | prepare s | peak RSS MB | clients built | PreLort s / round "
+            "| server share | ZeroPad s / round | server share | MB / round |", "|" + "---|" * 12]
+    for r in result["settings"]:
+        p, z = r["runs"]["prelort"], r["runs"]["zeropad"]
+        rows.append(f"| {r['model']} | {r['clients']:,} | {r['fraction']:g} | {r['sampled_per_round']:,} | "
+                    f"{r['prepare_s']:.1f} | {r['peak_rss_mb']:,.0f} | {r['pool']['built']:,} | {p['round_s']:.3g} | "
+                    f"{100 * p['server_share']:.1f}% | {z['round_s']:.3g} | {100 * z['server_share']:.1f}% | "
+                    f"{p['bytes_per_round'] / 1e6:.2f} |")
+    extra = [(r, name, v) for r in result["settings"] for name, v in r["runs"].items() if name not in ("prelort", "zeropad")]
+    if extra:
+        rows += ["", "| rule (setting) | s / round | server share | aggregation s | held MB |", "|---|---|---|---|---|"]
+        rows += [f"| {name} ({r['model']}, {r['clients']:,} x {r['fraction']:g}) | {v['round_s']:.3g} | "
+                 f"{100 * v['server_share']:.1f}% | {v['aggregate_s']:.4f} | {v['held_bytes'] / 1e6:.2f} |"
+                 for r, name, v in extra]
+    return "\n".join(rows) + "\n"
 
 
 def main() -> None:
@@ -152,7 +172,14 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--out", type=Path)
     parser.add_argument("--plot", type=Path)
+    parser.add_argument("--table", type=Path, help="print the markdown table of this result file and stop")
     args = parser.parse_args()
+    if args.table:
+        result = json.loads(args.table.read_text())
+        print(table(result), end="")
+        if args.plot:
+            plot(result, args.plot)
+        return
     if args.one:
         print(json.dumps(one(json.loads(args.one))))
         return
