@@ -206,12 +206,13 @@ def _resume_configs(todo: dict[str, Path], overrides: list[str]) -> dict[str, Ex
     ``federation.rounds`` (config.toml is rewritten, the change printed); any other difference is
     refused, naming the keys; so is a run without a readable checkpoint, or without the per-client
     state its method needs."""
+    from nestfed.experiments.run import stored_config
     from nestfed.federation.run_dir import RunDir
 
     cfgs = {}
     for name, d in todo.items():
         rd = RunDir(d)
-        stored = methods.load_config(rd.config_path)
+        stored = stored_config(rd)  # the recorded config: an edit of config.toml shows as a difference
         wanted = methods.load_config(rd.config_path, overrides)
         rd.check_resume(methods.get(wanted.strategy.name).keeps_client_state(wanted))  # fails here, before any work
         for change in rd.accept_config(stored, wanted, C.dumps_toml(wanted)):

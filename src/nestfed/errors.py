@@ -15,3 +15,13 @@ class DataError(NestfedError):
 
 class UpdateRejected(NestfedError):
     """A client update failed validation (NaN/Inf, keys, shapes, rank); it is dropped."""
+
+
+class RunFailed(NestfedError):
+    """A run stopped because its global model was destroyed or nothing has aggregated for too long:
+    ``round`` is the round at fault. summary.json records ``outcome = "failed"`` and the reason; no
+    adapter is exported."""
+
+    def __init__(self, message: str, round: int):
+        super().__init__(message)
+        self.round = round

@@ -101,3 +101,23 @@ def test_a_malformed_run_config_or_adapter_config_is_one_line_naming_the_file(tm
     (run / "config.toml").write_text("[strategy\n")
     res = cli("eval", run, cwd=tmp_path)
     assert res.returncode == 2 and f"{run / 'config.toml'}: invalid TOML" in res.stderr
+
+
+def test_the_score_cache_keys_on_contents_not_paths(tmp_path):
+    from nestfed.evaluation import harness
+
+    def tree(root: Path, answer: str, weights: bytes) -> tuple[Path, Path]:
+        (root / "mmlu" / "test").mkdir(parents=True)
+        (root / "mmlu" / "test" / "anatomy_test.csv").write_text(f"q,a,b,c,d,{answer}\n")
+        (root / "model").mkdir()
+        (root / "model" / "config.json").write_text("{}")
+        (root / "model" / "model.safetensors").write_bytes(weights)
+        return root / "mmlu", root / "model"
+
+    def key(mmlu: Path, model: Path) -> str:
+        return general_nlp._key(model, None, harness.Protocol(mmlu_root=str(mmlu)))
+
+    first = key(*tree(tmp_path / "a", "A", b"w1"))
+    assert key(*tree(tmp_path / "b", "A", b"w1")) == first  # the same contents elsewhere: the same key
+    assert key(*tree(tmp_path / "c", "B", b"w1")) != first  # an edited answer key
+    assert key(*tree(tmp_path / "d", "A", b"w2")) != first  # other weights behind the same config.json

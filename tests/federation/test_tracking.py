@@ -25,6 +25,15 @@ def tensorboard_values(run_dir) -> dict[str, list[tuple[int, float]]]:
     return {tag: [(e.step, e.value) for e in ea.Scalars(tag)] for tag in ea.Tags()["scalars"]}
 
 
+def python_loader_steps(run_dir, tag: str) -> list[int]:
+    """The steps ``tensorboard --load_fast=false`` shows (its plugin event accumulator)."""
+    from tensorboard.backend.event_processing import plugin_event_accumulator
+
+    ea = plugin_event_accumulator.EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"tensors": 0})
+    ea.Reload()
+    return [e.step for e in ea.Tensors(tag)]
+
+
 def mlflow_values(tmp_path, run_dir) -> dict[str, list[tuple[int, float]]]:
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
@@ -55,6 +64,8 @@ def test_both_sinks_hold_what_metrics_jsonl_holds(tmp_path):
     assert len(want["eval/mean/ppl"]) == 4 and "clients/2/metrics/train_loss" in want  # rounds 0..3
     assert mlflow_values(tmp_path, tmp_path / "run") == want
     assert tensorboard_values(tmp_path / "run") == expected(tmp_path / "run", as_float32=True)
+    rounds = [ln["round"] for ln in lines(tmp_path / "run")]
+    assert python_loader_steps(tmp_path / "run", "eval/mean/ppl") == rounds  # the Python loader purges too
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run((tmp_path / "run" / "mlflow_run_id").read_text().strip())
     assert run.info.status == "FINISHED" and run.info.run_name == "run"

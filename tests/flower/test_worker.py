@@ -97,3 +97,29 @@ def test_a_worker_that_cannot_start_is_reported_with_its_log(tmp_path, monkeypat
         assert not list(d.glob("*.sock"))
     finally:
         shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_worker_that_leaves_as_the_forwarder_connects_is_replaced_once(worker_dir, monkeypatch):
+    """The first connection is closed by its peer before any answer (a worker leaving on its idle
+    time); the forwarder connects again, to a fresh worker, which answers (here with the client's
+    own error)."""
+    import socket
+
+    real, calls = NF.connect_worker, []
+
+    def connect(node_id, node_config):
+        calls.append(node_id)
+        if len(calls) == 1:
+            mine, theirs = socket.socketpair()
+            theirs.close()
+            return mine
+        return real(node_id, node_config)
+
+    monkeypatch.setattr(NF, "connect_worker", connect)
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
+    toml = (Path(__file__).parents[2] / "configs" / "tiny.toml").read_text()
+    msg = Message(RecordDict({"experiment": ConfigRecord({"toml": toml})}), dst_node_id=202, message_type="query")
+    ctx = Context(run_id=1, node_id=202, node_config={"partition-id": 7}, state=RecordDict(), run_config={})
+    with pytest.raises(RuntimeError, match="ConfigError: node config: partition-id = 7"):
+        NF.forward(msg, ctx)
+    assert calls == [202, 202]

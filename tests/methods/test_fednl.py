@@ -172,3 +172,13 @@ def test_travel_none_is_local_only_training_with_no_aggregation_drop(tmp_path):
     assert lines(tmp_path / "part")[-1]["eval"] == last["eval"]
     with pytest.raises(ConfigError, match="fednl.travel: 'none'"):
         cfg_of("none", "learned", "robust.rule=median")
+
+
+def test_fednl_trains_under_the_bf16_policy(tmp_path):
+    """model.dtype = bfloat16 on the CPU (autocast): the delta rule's forward and backward follow the
+    dtype policy, so a round trains, aggregates and evaluates to finite perplexities."""
+    cfg = tiny_config("strategy.name=fednl", "lora.ranks=[4]", "model.dtype=bfloat16", "federation.rounds=1")
+    tiny_run(tmp_path, cfg)
+    last = lines(tmp_path)[-1]
+    assert last["aggregated"] and all(c["status"] == "accepted" for c in last["clients"].values())
+    assert all(torch.isfinite(torch.tensor(v["ppl"])) for v in last["eval"].values())

@@ -161,14 +161,17 @@ def test_a_disabled_memory_keeps_the_q_and_k_norms_of_qwen3():
     assert torch.allclose(model(x).logits, ref, atol=1e-5, rtol=0)  # alpha = 0: the backbone
 
 
+@pytest.mark.parametrize("window,sink", [(0, 0), (4, 0), (4, 2)], ids=["full", "window", "window+sinks"])
 @pytest.mark.parametrize("gate", ["learned", "dynamic"])
 @torch.no_grad()
-def test_left_padding_changes_nothing_in_the_memory_path(tiny_llama, gate):
+def test_left_padding_changes_nothing_in_the_memory_path(tiny_llama, gate, window, sink):
     """A row left-padded with 4 pads and a 0/1 attention mask gives the unpadded row's logits, and
     the pads' ids do not matter: pads write nothing into the delta-rule state and stay out of
-    beta's average and the gate's convolution."""
+    beta's average and the gate's convolution; under a window with attention sinks the sinks are
+    the row's first real tokens, not its pads."""
     model = tiny_llama.model
-    install_memory(model, MemorySettings(gate=gate, alpha_init=0.5, beta_window=4, dynamic_kernel=3))
+    install_memory(model, MemorySettings(gate=gate, alpha_init=0.5, beta_window=4, dynamic_kernel=3, window=window,
+                                         sink=sink))
     set_memory_enabled(model, True)
     torch.manual_seed(3)
     for rule in memory_rules(model).values():

@@ -14,7 +14,7 @@ NORM_ACTIONS = ("reject", "clip")
 RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
 PRIVACY_MODES = ("off", "central", "local")
 ACCOUNTANTS = ("pld", "rdp")
-ATTACKS = ("none", "sign_flip", "scale", "noise", "free_rider", "shuffle", "random_text")
+ATTACKS = ("none", "sign_flip", "scale", "noise", "free_rider", "constant", "nan", "float64", "shuffle", "random_text")
 #: attacks that change the client's training data (applied when the data is prepared)
 DATA_ATTACKS = ("shuffle", "random_text")
 
@@ -27,12 +27,18 @@ class ValidationConfig:
     ``cap``ped to the declared value. max_update_norm: a bound on the L2 norm of a client's update
     (its reply minus what it was sent, over all arrays; 0 = no bound); on_norm: ``reject`` an update
     above it, or ``clip`` it to the bound (norm bounding, Sun et al. 2019). An update whose squared
-    norm overflows float32 is always rejected.
+    norm overflows float32 is always rejected. norm_ratio: the default screen
+    (nestfed.federation.relative_screen): an update whose norm in any rank block exceeds this many
+    times the lower median of its peers' norms in that block is rejected; 0 = off. stall_rounds: a
+    run in which no round has aggregated for this many rounds in a row stops with an error naming
+    the round (0 = never); a non-finite global evaluation always stops it.
     """
 
     num_examples: str = "reject"
     max_update_norm: float = 0.0
     on_norm: str = "clip"
+    norm_ratio: float = 10.0
+    stall_rounds: int = 3
 
 
 @dataclass(frozen=True)
@@ -75,13 +81,15 @@ class AttackConfig:
     kind: ``sign_flip`` (sends sent - update), ``scale`` (sent + scale * update), ``noise`` (sent +
     N(0, noise_std^2) per entry), ``free_rider`` (trains nothing, returns what it received),
     ``shuffle`` (trains on its text with each block's tokens permuted), ``random_text`` (trains on
-    uniformly random token ids: text foreign to every client). Seeded by the seed rule.
+    uniformly random token ids: text foreign to every client); faults: ``constant`` (every entry
+    ``value``), ``nan``, ``float64`` (the reply in float64). Seeded by the seed rule.
     """
 
     kind: str = "none"
     clients: tuple[int, ...] = ()
     scale: float = 100.0
     noise_std: float = 1.0
+    value: float = 1e9
 
 
 def check_trust(v: ValidationConfig, r: RobustConfig, p: PrivacyConfig, a: AttackConfig, num_clients: int,
@@ -97,6 +105,13 @@ def check_trust(v: ValidationConfig, r: RobustConfig, p: PrivacyConfig, a: Attac
         raise ValueError(f"validation.max_update_norm must be >= 0 (0 = no bound), got {v.max_update_norm}")
     if v.on_norm not in NORM_ACTIONS:
         raise ValueError(f"validation.on_norm must be 'reject' or 'clip', got '{v.on_norm}'")
+    if not (v.norm_ratio == 0 or v.norm_ratio >= 1):
+        raise ValueError(f"validation.norm_ratio must be 0 (off) or >= 1 (a multiple of the peers' median), "
+                         f"got {v.norm_ratio}")
+    if v.stall_rounds < 0:
+        raise ValueError(f"validation.stall_rounds must be >= 0 (0 = never stop), got {v.stall_rounds}")
+    if p.noise_multiplier < 0:  # refused whether privacy is on or not: a value that would be wrong if it were
+        raise ValueError(f"privacy.noise_multiplier must be >= 0, got {p.noise_multiplier}")
     if r.rule not in RULES:
         raise ValueError(f"robust.rule: unknown rule '{r.rule}' (known: {', '.join(RULES)})")
     if not 0 <= r.trim_fraction < 0.5:
@@ -116,8 +131,6 @@ def check_trust(v: ValidationConfig, r: RobustConfig, p: PrivacyConfig, a: Attac
     if p.mode != "off":
         if p.clip_norm <= 0:
             raise ValueError("privacy.clip_norm: differential privacy needs a clip norm C > 0 (the sensitivity)")
-        if p.noise_multiplier < 0:
-            raise ValueError(f"privacy.noise_multiplier must be >= 0, got {p.noise_multiplier}")
         if not 0 < p.delta < 1:
             raise ValueError(f"privacy.delta must be in (0, 1), got {p.delta}")
         if p.mode == "central" and r.rule != "mean":

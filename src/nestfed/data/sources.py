@@ -114,7 +114,8 @@ def bbc_news(root: str | Path | None = None) -> list[Document]:
     file's content (first line the headline), decoded as UTF-8 with a Latin-1 fallback (one
     article uses a Latin-1 pound sign). Labels: business, entertainment, politics, sport, tech
     (the package's folder ``sports`` is reported as ``sport``; other folder names are kept).
-    Raises DataError when the directory is missing, or when it holds no ``*.txt`` file.
+    Raises DataError when the directory is missing, when it holds no ``*.txt`` file, or for an
+    empty file (naming it).
     """
     path = Path(root) if root is not None else bbc_data_dir()
     if not path.is_dir():
@@ -124,7 +125,11 @@ def bbc_news(root: str | Path | None = None) -> list[Document]:
     for label_dir in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))):
         label = _BBC_DIR_ALIASES.get(label_dir.name, label_dir.name)
         for file in sorted(label_dir.glob("*.txt")):
-            docs.append(Document(text=_decode(file.read_bytes()), label=label))
+            text = _decode(file.read_bytes())
+            if not text.strip():
+                raise DataError(f"{file}: empty article (a BBC News file holds a headline and its text; remove the "
+                                "file or fill it)")
+            docs.append(Document(text=text, label=label))
     if not docs:
         raise DataError(f"{path}: no <label>/*.txt files found in the BBC News data directory")
     return docs

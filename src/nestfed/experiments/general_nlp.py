@@ -2,7 +2,7 @@
 (nestfed.evaluation.harness, through lm-eval), with intervals and paired differences.
 
 Each model's per-question correctness is kept in ``<out>/<label>.json`` beside the protocol and a
-key (the protocol, the backbone's config.json and the adapter's weights, hashed), so a second
+key (the protocol with its MMLU files' contents, the backbone's files and the adapter's weights, hashed), so a second
 ``nestfed eval`` over the same runs scores nothing again. A category's accuracy carries its 95%
 Wilson interval (scipy.stats.binomtest); an adapter is set against the backbone on the same
 questions: the paired difference of correctness over every question of the three categories,
@@ -11,6 +11,7 @@ with its t interval (nestfed.experiments.intervals), significant when it exclude
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import tomllib
@@ -93,16 +94,40 @@ def models(paths: list[Path], include_backbone: bool = True) -> tuple[Path, list
     return backbone, ([(BACKBONE, None)] if include_backbone else []) + out
 
 
+@functools.lru_cache(maxsize=256)
+def _file_digest(path: str, size: int, mtime_ns: int) -> str:
+    """sha256 of a file's bytes (cached per path, size and modification time within a process)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 22), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tree_digest(root: Path, recursive: bool = True) -> str:
+    """sha256 over every file below ``root`` (only those directly in it unless ``recursive``;
+    relative names and contents, sorted): what a score read, whatever path it was reached by."""
+    h = hashlib.sha256()
+    root = Path(root)
+    for f in sorted(p for p in (root.rglob("*") if recursive else root.iterdir()) if p.is_file()):
+        st = f.stat()
+        h.update(f.relative_to(root).as_posix().encode())
+        h.update(_file_digest(str(f.resolve()), st.st_size, st.st_mtime_ns).encode())
+    return h.hexdigest()
+
+
 def _key(backbone: Path, adapter: Path | None, protocol: harness.Protocol) -> str:
-    """sha256 of the protocol, the backbone's config.json and the adapter's files. The protocol
-    counts with its resolved dtype, and only where that is not float32 (a float32 score on any
-    device keeps the key it had before devices existed)."""
-    spec = {k: v for k, v in asdict(protocol).items() if k not in ("device", "dtype")}
+    """sha256 of the protocol (its MMLU folder by the contents of its files, not its path, and its
+    resolved dtype where that is not float32), the backbone's files (config and weights) and the
+    adapter's files: an edited answer key, another copy of MMLU behind the same relative path or
+    other weights give another key."""
+    spec = {k: v for k, v in asdict(protocol).items() if k not in ("device", "dtype", "mmlu_root")}
     dtype = protocol.placement()[1]
     if dtype != "float32":
         spec["dtype"] = dtype
     h = hashlib.sha256(json.dumps(spec, sort_keys=True).encode())
-    h.update((backbone / "config.json").read_bytes())
+    h.update(tree_digest(Path(protocol.mmlu_root)).encode())
+    h.update(tree_digest(backbone, recursive=False).encode())  # its files, not caches kept in subfolders
     if adapter is not None:
         for f in sorted(adapter.iterdir()):
             if f.is_file():

@@ -119,13 +119,16 @@ def mechanisms(cfg: ExperimentConfig, mr: MethodRun, state: GlobalState, panel: 
     ranks = {str(c.cid): c.rank for c in mr.clients}
     curve: dict[str, dict[str, dict[str, float]]] = {}
     on_global: dict[str, dict[str, float]] = {}
-    for r in sorted(set(cfg.output.truncations)):
-        if r > settings.r_max:
-            continue
+    rs = [r for r in sorted(set(cfg.output.truncations)) if r <= settings.r_max]
+    curve = {str(r): {} for r in rs}
+    for c in cids:  # client by client: its data are built (or read) once for every rank of the curve
+        data = trainer.data[c]
+        for r in rs:
+            apply_arrays(trainer.model, truncate_rank(arrays, r), settings.scale(r))
+            curve[str(r)][str(c)] = evaluate_client(trainer.model, data, trainer.train)
+    for r in rs if global_data is not None else []:
         apply_arrays(trainer.model, truncate_rank(arrays, r), settings.scale(r))
-        curve[str(r)] = {str(c): evaluate_client(trainer.model, trainer.data[c], trainer.train) for c in cids}
-        if global_data is not None:
-            on_global[str(r)] = evaluate_client(trainer.model, global_data, trainer.train)
+        on_global[str(r)] = evaluate_client(trainer.model, global_data, trainer.train)
     out.update({"truncation": curve, "dimension_importance": dimension_importance(arrays, scale)})
     if len(mr.clients) > INLINE_CLIENTS:
         out["truncation_by_rank"] = {r: summarise_metrics(c, ranks) for r, c in curve.items()}

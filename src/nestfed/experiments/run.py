@@ -16,6 +16,7 @@ from typing import Any
 from nestfed import config as C
 from nestfed import methods
 from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.errors import RunFailed
 from nestfed.data.clients import ClientData
 from nestfed.data.global_test import global_test_set
 from nestfed.evaluation.client import evaluate_client
@@ -87,6 +88,17 @@ def server_evaluation(mr: MethodRun, cfg: ExperimentConfig, data: ClientData | N
     return evaluate
 
 
+def stored_config(rd: RunDir) -> ExperimentConfig:
+    """What a resume of ``rd`` is checked against: the resolved config its latest checkpoint
+    recorded (so a hand-edited config.toml is caught), else config.toml. Raises ConfigError /
+    DataError naming the file."""
+    recorded = rd.recorded_config()
+    if recorded is None:
+        return methods.load_config(rd.config_path)
+    data, path = recorded
+    return methods.config_from_dict(data, f"{path} (the config it recorded)")
+
+
 def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: bool = False,
                on_event: OnEvent | None = None,
                report: Callable[[MethodRun, GlobalState], dict[str, Any]] | None = None) -> dict[str, Any]:
@@ -107,12 +119,19 @@ def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: boo
     glob = global_test_data(prep, cfg)
     fp = prep.footprint.bytes if prep.footprint is not None else None
     population = Population.from_config(cfg, mr.clients, fp)  # an elastic trace is read before anything is written
-    rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, C.dumps_toml(cfg), C.per_client_inline(cfg))
+    tracking.check_store(cfg.tracking, cfg.output.dir)  # an unwritable store is refused before anything is written
+    text = C.dumps_toml(cfg)
+    rd = RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, C.per_client_inline(cfg))
     loop = RoundLoop.from_config(cfg, mr.strategy, InProcessTransport(mr.trainer), mr.clients, rd,
                                  mr.keeps_client_state, on_event=on_event, population=population,
                                  sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name),
                                  server_evaluate=server_evaluation(mr, cfg, glob))
-    state = loop.run(mr.shapes, resume=resume)
+    try:
+        state = loop.run(mr.shapes, resume=resume)
+    except RunFailed as exc:  # the rounds so far are committed; the summary says why it stopped
+        rd.fail(cfg, str(exc), exc.round, {"engine": "embedded", "wall_time_s": time.perf_counter() - t0,
+                                           "rejections": loop.log})
+        raise RunFailed(f"{rd.path}: {exc}", exc.round) from None
     exports = mr.finish(state)
     extra = {"engine": "embedded", "wall_time_s": time.perf_counter() - t0, "prepare_time_s": prep.prepare_time_s,
              "rejections": loop.log, "frozen_prefix_layers": prep.frozen_prefix_layers}

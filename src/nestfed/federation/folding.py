@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from nestfed.federation.messages import GlobalState, Instruction, Reply, SecureSum
+from nestfed.federation.relative_screen import RelativeScreen, block_norms
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.secure_sum import Layout, common_rank, decode, layout, supports_secure_aggregation
 from nestfed.federation.strategy import Strategy
@@ -43,7 +44,10 @@ class ReplyFolder:
     instructions came from; instructions: {cid: Instruction} (their ``expect`` give the sums'
     layout, their arrays the updates' origins); hold: replies kept before folding (>= 1); n_max:
     the largest n_k a reply of this round may carry (the sampled clients' declared n_k: screening
-    caps or rejects a larger one), which scales the sums' encoding into (0, 1].
+    caps or rejects a larger one), which scales the sums' encoding into (0, 1]; screen: the round's
+    default screen (nestfed.federation.relative_screen): held replies are screened against each other
+    when they are folded or aggregated, later arrivals against those accepted before them; the
+    replies it rejects are in ``rejected`` ({cid: reason}) and never reach the aggregate.
     """
 
     strategy: Strategy
@@ -56,6 +60,9 @@ class ReplyFolder:
     held: dict[int, Reply] = field(default_factory=dict)
     count: int = 0
     held_bytes: int = 0
+    screen: RelativeScreen | None = None
+    rejected: dict[int, str] = field(default_factory=dict)
+    _norms: dict[int, dict[str, float]] = field(default_factory=dict)
     _sums: list[torch.Tensor] | None = None
     _folded: list[int] = field(default_factory=list)
     _layout: Layout | None = None
@@ -96,19 +103,62 @@ class ReplyFolder:
         self._sums[-1][:rank] += w
         self._folded.append(cid)
 
-    def add(self, cid: int, reply: Reply) -> None:
-        """One accepted (validated, screened) reply."""
+    @property
+    def screening(self) -> bool:
+        return self.screen is not None and self.screen.ratio > 0
+
+    def block_norms(self, cid: int, reply: Reply) -> dict[str, float] | None:
+        """The reply's update norms per rank block when the round screens them, else None."""
+        return block_norms(self.instructions[cid].arrays, reply.arrays, self.screen.ends) if self.screening else None
+
+    def add(self, cid: int, reply: Reply, norms: dict[str, float] | None = None) -> None:
+        """One validated reply that passed Safeguards.screen; ``norms``: its :meth:`block_norms`
+        (measured here when not given)."""
         self.count += 1
+        if self.screening and norms is None:
+            norms = self.block_norms(cid, reply)
+        norms = norms or {}
         if self._sums is not None:
+            why = self.screen.reason(norms, self.screen.accepted) if self.screening else None
+            if why is not None:
+                self._reject(cid, why)
+                return
+            if self.screening:
+                self.screen.accept(norms)
             self._fold(cid, reply)
             return
         self.held[cid] = reply
+        self._norms[cid] = norms
         self.held_bytes += reply_bytes(reply)
         if len(self.held) > self.hold and self.can_fold:
+            self.settle()
             self._scale = 1.0 / max(self.n_max, 1)
             for c in sorted(self.held):
                 self._fold(c, self.held[c])
             self.held, self.held_bytes = {}, 0
+
+    def _reject(self, cid: int, why: str) -> None:
+        self.rejected[cid] = why
+        self.count -= 1
+
+    def settle(self) -> dict[int, str]:
+        """Screen the held replies against each other (each block against the lower median of the
+        held norms); drop the rejected ones; return every rejection of the round so far."""
+        if not self.screening or not self._norms:
+            return self.rejected
+        among: dict[str, list[float]] = {}
+        for norms in self._norms.values():
+            for block, x in norms.items():
+                among.setdefault(block, []).append(x)
+        verdicts = {c: self.screen.reason(self._norms[c], among) for c in sorted(self._norms)}
+        for c, why in verdicts.items():
+            if why is None:
+                self.screen.accept(self._norms[c])
+            else:
+                self._reject(c, why)
+                self.held_bytes -= reply_bytes(self.held.pop(c))
+        self._norms = {}
+        return self.rejected
 
     def facts(self) -> dict[str, Any]:
         """For the metrics line: ``held_replies`` (replies in memory at the end), ``held_bytes`` and
@@ -119,6 +169,7 @@ class ReplyFolder:
         """The round's aggregate and its trust facts: the strategy's rule over the held replies, or
         its rebuild from the sums (Safeguards.aggregate / aggregate_secure, the server optimiser's
         step included)."""
+        self.settle()
         if self._sums is None:
             return self.safeguards.aggregate(self.strategy, self.rnd, self.state, self.held)
         secure: SecureSum = decode(self._sums, self._layout, self._scale, self._folded)

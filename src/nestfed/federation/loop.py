@@ -20,6 +20,7 @@ the same CPU and thread count).
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,13 +29,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from nestfed.config import ExperimentConfig
-from nestfed.errors import UpdateRejected
+from nestfed.errors import RunFailed, UpdateRejected
 from nestfed.federation.evaluation_plan import Deployments, EvalPlan
 from nestfed.federation.folding import ReplyFolder
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.payload import payload_stats, validate_reply
 from nestfed.federation.population import Population
 from nestfed.federation.rank_groups import summarise_metrics
+from nestfed.federation.relative_screen import RelativeScreen, round_blocks
 from nestfed.federation.run_dir import ClientState, RunDir
 from nestfed.federation.safeguards import Safeguards, non_finite_keys
 from nestfed.federation.strategy import Strategy
@@ -205,6 +207,10 @@ class RoundLoop:
             for n in notes:
                 self._say(f"resume: {n}")
         committed = self.run_dir.read_metrics() if resume and self.run_dir.metrics_path.is_file() else []
+        self._stalled = 0  # rounds in a row that did not aggregate, counted again from the committed lines
+        for ln in committed:
+            if ln["round"] > 0:
+                self._stalled = 0 if ln.get("aggregated") else self._stalled + 1
         for sink in self.sinks:  # catch up on the committed rounds (none in a fresh run)
             sink.open(committed)
         try:
@@ -230,6 +236,7 @@ class RoundLoop:
                 line["eval_global"] = self.server_evaluate(0, state)
             self._summarise(line)
             self._track(self.run_dir.commit(0, state, self.transport.client_state(), line, self.keep_checkpoints))
+            self._check_outcome(line)
             start = 1
         for rnd in range(start, self.rounds + 1):
             state = self.run_round(rnd, state)
@@ -246,8 +253,10 @@ class RoundLoop:
         why_gone = self.population.dropouts(rnd, sampled)
         gone = set(why_gone)
         t_conf = time.perf_counter()
+        ratio = self.safeguards.validation.norm_ratio
         folder = ReplyFolder(self.strategy, self.safeguards, rnd, state, instructions, self.hold_replies,
-                             max(declared.values(), default=1))
+                             max(declared.values(), default=1),
+                             screen=RelativeScreen(ratio, round_blocks(instructions)) if ratio > 0 else None)
         per_client: dict[str, dict[str, Any]] = {}
         rejected: dict[str, str] = {}
         dropped: dict[str, str] = {str(c): why_gone[c] for c in sorted(gone)}
@@ -262,9 +271,12 @@ class RoundLoop:
                          "num_examples": reply.num_examples})
             try:
                 validate_reply(ins, reply)
-                screened, checks = self.safeguards.screen(ins, reply, declared[cid])
+                norms = folder.block_norms(cid, reply)
+                screened, checks = self.safeguards.screen(ins, reply, declared[cid], norms)
                 info.update(checks)
-                folder.add(cid, screened)
+                if norms is not None and "clipped_to" in checks:  # scaled as a whole: every block alike
+                    norms = {b: x * checks["clipped_to"] / checks["update_norm"] for b, x in norms.items()}
+                folder.add(cid, screened, norms)
                 info["status"] = "accepted"
             except UpdateRejected as exc:
                 rejected[str(cid)] = str(exc)
@@ -279,6 +291,10 @@ class RoundLoop:
         res = self.transport.fit(rnd, delivered, on_reply) if delivered else FitResults()
         for cid in sorted(res.replies):  # a transport that collected its replies instead
             on_reply(cid, res.replies[cid])
+        for cid, why in folder.settle().items():  # the default screen, over the round's replies
+            per_client[str(cid)]["status"] = "rejected"
+            rejected[str(cid)] = why
+            self._say(f"round {rnd}: client {cid} update rejected: {why}")
         t_fit = time.perf_counter()
         for cid, ins in instructions.items():
             down = payload_stats(ins.arrays)
@@ -346,7 +362,26 @@ class RoundLoop:
         t_commit = time.perf_counter()
         self._track(self.run_dir.commit(rnd, state, self.transport.client_state(), line, self.keep_checkpoints))
         self._emit("round_done", round=rnd, line=line, commit_s=time.perf_counter() - t_commit)
+        self._stalled = 0 if aggregated else self._stalled + 1
+        self._check_outcome(line)
         return state
+
+    def _check_outcome(self, line: dict[str, Any]) -> None:
+        """Raise RunFailed (after the round's line is committed, so it is on disk) when the round's
+        global evaluation is non-finite, or when validation.stall_rounds rounds in a row aggregated
+        nothing (a federation one client can stall)."""
+        rnd = line["round"]
+        ppl = [v.get("ppl") for v in (line.get("eval") or {}).values()]
+        if "eval_global" in line:
+            ppl.append(line["eval_global"].get("ppl"))
+        bad = [p for p in ppl if isinstance(p, float) and not math.isfinite(p)]
+        if bad:
+            raise RunFailed(f"round {rnd}: the global model's held-out perplexity is {bad[0]} for "
+                            f"{len(bad)} of {len(ppl)} evaluations: the model is destroyed; the run stops", rnd)
+        limit = self.safeguards.validation.stall_rounds
+        if limit and self._stalled >= limit:
+            raise RunFailed(f"round {rnd}: no update aggregated for {self._stalled} rounds in a row "
+                            f"(validation.stall_rounds = {limit}; the rounds' lines say why); the run stops", rnd)
 
     def _summarise(self, line: dict[str, Any]) -> None:
         """With the per-client numbers in their own file (RunDir.inline False), what the metrics

@@ -52,7 +52,8 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
 
     Rejected: missing or extra keys, a wrong shape, a rank above the instructed one (or any other
     rank unless ``may_shrink_rank``), A and B of one layer with different ranks, NaN or Inf,
-    a dtype other than the sent array's, a non-positive number of examples.
+    a dtype other than the sent array's (for an array that was not sent: other than
+    :func:`unsent_dtype`, or a bool / complex array), a non-positive number of examples.
     """
     expect = instruction.expect
     got = set(reply.arrays)
@@ -64,6 +65,7 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
     if not isinstance(reply.num_examples, int) or reply.num_examples <= 0:
         raise UpdateRejected(f"num_examples must be a positive integer, got {reply.num_examples!r}")
     ranks: dict[str, int] = {}
+    unsent: torch.dtype | None = None
     for key, shape in expect.items():
         t = reply.arrays[key]
         if not isinstance(t, torch.Tensor):
@@ -81,6 +83,15 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
         if sent is not None and t.dtype != sent.dtype:
             raise UpdateRejected(f"{key}: dtype {str(t.dtype).replace('torch.', '')}, but "
                                  f"{str(sent.dtype).replace('torch.', '')} was sent")
+        if sent is None:  # an array the server did not send (FLoRA's fresh factors): the payload's dtype
+            if unsent is None:
+                unsent = unsent_dtype(instruction.arrays)
+            if t.is_floating_point() and t.dtype != unsent:
+                raise UpdateRejected(f"{key}: dtype {str(t.dtype).replace('torch.', '')}, but the method's "
+                                     f"arrays are {str(unsent).replace('torch.', '')}")
+            if not t.is_floating_point() and (t.dtype == torch.bool or t.is_complex()):
+                raise UpdateRejected(f"{key}: dtype {str(t.dtype).replace('torch.', '')} is neither the method's "
+                                     "floating-point dtype nor an integer index")
         if dim is not None:
             module = key.rsplit(".", 2)[0]
             r = t.shape[dim]
@@ -89,6 +100,13 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
     bad = first_non_finite(reply.arrays)
     if bad is not None:
         raise UpdateRejected(f"{bad}: contains NaN or Inf")
+
+
+def unsent_dtype(sent: Arrays) -> torch.dtype:
+    """The dtype an array the server did not send must have: that of the sent floating-point
+    arrays when they agree on one, else float32 (nestfed's adapter dtype)."""
+    found = {v.dtype for v in sent.values() if v.is_floating_point()}
+    return found.pop() if len(found) == 1 else torch.float32
 
 
 def first_non_finite(arrays: Arrays) -> str | None:

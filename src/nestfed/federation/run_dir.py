@@ -29,10 +29,12 @@ nestfed.seeds). Every file is written atomically with the user's umask (nestfed.
 from __future__ import annotations
 
 import csv
+import hashlib
 import io
 import json
 import logging
 import re
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -118,6 +120,7 @@ class RunDir:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.config_text: str | None = None  # the resolved config its checkpoints record
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod
@@ -133,15 +136,33 @@ class RunDir:
         if not inline:  # first: a directory is a run once config.toml is there, and by then its layout is set
             atomic.write_text(rd.clients_path, "")
         atomic.write_text(rd.config_path, config_text)
+        rd.config_text = config_text
         return rd
 
     @classmethod
-    def open(cls, path: str | Path) -> RunDir:
-        """An existing run directory. Raises NestfedError when it holds no config.toml."""
+    def open(cls, path: str | Path, config_text: str | None = None) -> RunDir:
+        """An existing run directory; ``config_text``: the resolved config the run continues with
+        (recorded in its later checkpoints). Raises NestfedError when it holds no config.toml."""
         rd = cls(path)
         if not rd.config_path.is_file():
             raise NestfedError(f"{rd.path}: not a nestfed run directory (no config.toml)")
+        rd.config_text = config_text
         return rd
+
+    def recorded_config(self) -> tuple[dict[str, Any], Path] | None:
+        """The resolved config the latest checkpoint recorded (parsed TOML) and that checkpoint, or
+        None (no checkpoint, or one written before checkpoints recorded it). Raises DataError for an
+        unreadable checkpoint."""
+        found = self.checkpoints()
+        if not found:
+            return None
+        path = found[-1][1]
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                text = (f.metadata() or {}).get("config")
+            return (tomllib.loads(text), path) if text is not None else None
+        except (SafetensorError, OSError, tomllib.TOMLDecodeError) as exc:
+            raise DataError(f"{path}: not a readable nestfed checkpoint ({type(exc).__name__}: {exc})") from None
 
     @property
     def config_path(self) -> Path:
@@ -241,6 +262,9 @@ class RunDir:
             tensors.update({f"client/{k}": v for k, v in flatten_client_state(client_state).items()})
         meta = {"format": FORMAT, "round": str(rnd), "meta": json.dumps(state.meta),
                 "client_state": KEPT if client_state is not None else ON_NODES}
+        if self.config_text is not None:  # what a resume checks config.toml against (tamper-evident)
+            meta["config"] = self.config_text
+            meta["config_sha256"] = hashlib.sha256(self.config_text.encode()).hexdigest()
         return atomic.write_tensors(self.checkpoint_path(rnd), tensors, meta)
 
     def load_checkpoint(self, path: Path) -> Checkpoint:
@@ -417,6 +441,17 @@ class RunDir:
             out.append(atomic.write_json(self.path / "clients.json", {"clients": rows, **(per_client or {})}))
         return out
 
+    def fail(self, cfg: ExperimentConfig, failure: str, failed_round: int, extra: dict[str, Any]) -> dict[str, Any]:
+        """Finalise a run that stopped (nestfed.errors.RunFailed): summary.json with the committed
+        rounds' summary, ``outcome = "failed"``, ``failure`` (the one line) and ``failed_round``; no
+        adapter, plots or per-client table. Returns the summary."""
+        summary = summarise(self.read_rounds(), cfg)
+        summary.update(extra)
+        summary.update({"adapter": None, "outcome": "failed", "failure": failure, "failed_round": failed_round,
+                        "run_dir": str(self.path)})
+        self.write_json("summary.json", summary)
+        return summary
+
     def finish(self, cfg: ExperimentConfig, exports: Exports, extra: dict[str, Any],
                roster: dict[str, dict[str, Any]] | None = None, per_client: dict[str, Any] | None = None
                ) -> dict[str, Any]:
@@ -466,6 +501,7 @@ class RunDir:
                 summary.pop(key, None)
             summary["per_client"] = "clients.json"
         summary.update(exports.summary)
+        summary["outcome"] = "completed"
         summary["run_dir"] = str(self.path)
         self.write_json("summary.json", summary)
         return summary

@@ -54,13 +54,16 @@ class Safeguards:
         return cls(cfg.validation, cfg.privacy, BlockRule(cfg.robust, cfg.privacy, f.fraction, f.seed),
                    cfg.server_optimizer)
 
-    def screen(self, instruction: Instruction, reply: Reply, declared: int) -> tuple[Reply, dict[str, Any]]:
+    def screen(self, instruction: Instruction, reply: Reply, declared: int,
+               block_norms: dict[str, float] | None = None) -> tuple[Reply, dict[str, Any]]:
         """Check one (already shape-validated) reply; return it, possibly capped or clipped, and the
         facts for the metrics line (``update_norm``; ``clipped_to``, ``num_examples_capped_from``).
 
         Raises UpdateRejected: n_k above the client's declared ``declared`` under the ``reject``
         policy; an update whose norm overflows float32; a norm above validation.max_update_norm
         under ``on_norm = "reject"``. Central DP clips every update to privacy.clip_norm.
+        ``block_norms``: the update's norms per rank block (nestfed.federation.relative_screen), when
+        measured, give its norm without another pass over it.
         """
         facts: dict[str, Any] = {}
         n = reply.num_examples
@@ -75,7 +78,9 @@ class Safeguards:
             bounds.append(("validation.max_update_norm", self.validation.max_update_norm, self.validation.on_norm))
         if self.privacy.mode == "central":
             bounds.append(("privacy.clip_norm", self.privacy.clip_norm, "clip"))
-        norm = update_norm(instruction.arrays, arrays)
+        # the update's norm: from its rank blocks' norms when the default screen measured them
+        norm = math.sqrt(sum(x * x for x in block_norms.values())) if block_norms is not None else \
+            update_norm(instruction.arrays, arrays)
         if not math.isfinite(norm) or norm > MAX_REPRESENTABLE_NORM:
             raise UpdateRejected(f"update norm {norm:.3g} overflows float32 (its square exceeds {FLOAT32_MAX:.3g})")
         facts["update_norm"] = norm

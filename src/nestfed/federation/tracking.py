@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import time
 import tomllib
 from pathlib import Path
@@ -91,8 +92,10 @@ class TensorBoardSink:
         self.writer = None
 
     def open(self, lines: list[dict[str, Any]]) -> None:
-        resumed = self.log_dir.is_dir() and any(self.log_dir.iterdir())
-        purge = lines[0]["round"] if (resumed and lines) else None
+        # every session starts with SessionLog.START at its first step (a fresh run at 0 too), so that
+        # every loader (TensorBoard's Rust and Python ones, EventAccumulator) purges a crashed
+        # session's steps when the resumed one writes them again
+        purge = lines[0]["round"] if lines else 0
         self.writer = self._writer_class(log_dir=str(self.log_dir), purge_step=purge)
         for line in lines:
             self.log(line)
@@ -165,6 +168,29 @@ class MlflowSink:
 def mlflow_uri(t: TrackingConfig, output_dir: str) -> str:
     """The tracking URI: ``tracking.mlflow_uri``, else a local SQLite store in ``output_dir``."""
     return t.mlflow_uri or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
+
+
+def check_store(t: TrackingConfig, output_dir: str) -> None:
+    """Refuse, before a run directory is written, an MLflow store that cannot be written: a local
+    (``sqlite:///`` or ``file:`` / plain path) URI whose folder cannot be created or written. Raises
+    ConfigError naming tracking.mlflow_uri. A server URI (http, https, databricks) is left to MLflow."""
+    if not t.mlflow:
+        return
+    uri = mlflow_uri(t, output_dir)
+    if uri.startswith("sqlite:///"):
+        folder = Path(uri[len("sqlite:///"):]).parent
+    elif uri.startswith("file:"):
+        folder = Path(uri[len("file:"):].removeprefix("//"))
+    elif "://" in uri or uri.startswith("databricks"):
+        return
+    else:
+        folder = Path(uri)
+    probe = folder
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
+        raise ConfigError(f"tracking.mlflow_uri: {uri}: {probe} is not a writable folder, so the MLflow store "
+                          "cannot be created there")
 
 
 def sinks(t: TrackingConfig, run_dir: Path, output_dir: str, output_name: str) -> list[Sink]:

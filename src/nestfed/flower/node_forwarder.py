@@ -119,10 +119,16 @@ def forward(msg: Message, context: Context) -> Message:
 
         return client_app(msg, context)
     entered = process_age_s()
-    with connect_worker(context.node_id, dict(context.node_config)) as conn:
-        send(conn, [serde.message_to_proto(msg).SerializeToString(),
-                    serde.context_to_proto(context).SerializeToString()])
-        answer = receive(conn)
+    payload = [serde.message_to_proto(msg).SerializeToString(), serde.context_to_proto(context).SerializeToString()]
+    for attempt in (1, 2):  # once more with a fresh worker: this one may have left on its idle time as we connected
+        try:
+            with connect_worker(context.node_id, dict(context.node_config)) as conn:
+                send(conn, payload)
+                answer = receive(conn)
+            break
+        except (ConnectionError, BrokenPipeError) as exc:
+            if attempt == 2:
+                raise RuntimeError(f"nestfed worker for node {context.node_id}: the connection failed twice ({exc})") from exc
     if answer[0] != b"ok":
         raise RuntimeError(f"nestfed worker: {answer[1].decode(errors='replace')}")
     reply = serde.message_from_proto(ProtoMessage.FromString(answer[1]))

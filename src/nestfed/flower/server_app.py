@@ -52,8 +52,8 @@ from flwr.serverapp import Grid, ServerApp
 from nestfed import config as C
 from nestfed import methods
 from nestfed.config import ExperimentConfig
-from nestfed.errors import ConfigError, NestfedError
-from nestfed.experiments.run import new_run_dir
+from nestfed.errors import ConfigError, NestfedError, RunFailed
+from nestfed.experiments.run import new_run_dir, stored_config
 from nestfed.federation import tracking
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import FitResults, RoundLoop
@@ -430,10 +430,11 @@ class FlowerRun:
         method = methods.get(cfg.strategy.name)
         cfg_text = C.dumps_toml(cfg)
         run_dir = Path(s.run_dir).expanduser() if s.run_dir else new_run_dir(cfg)
+        tracking.check_store(cfg.tracking, cfg.output.dir)
         if s.resume:
-            rd = RunDir.open(run_dir)
+            rd = RunDir.open(run_dir, cfg_text)
             rd.check_resume(method.keeps_client_state(cfg))  # refuses before any message is sent
-            for change in rd.accept_config(methods.load_config(rd.config_path), cfg, cfg_text):
+            for change in rd.accept_config(stored_config(rd), cfg, cfg_text):
                 self.say(f"resume: config.toml now has {change}")
         elif run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
             raise NestfedError(f"run config: run-dir {run_dir} exists and is not empty; set resume = true to continue it")
@@ -470,7 +471,13 @@ class FlowerRun:
                                      population=population,
                                      on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None,
                                      sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name))
-        state = loop.run(q.shapes, resume=s.resume)
+        try:
+            state = loop.run(q.shapes, resume=s.resume)
+        except RunFailed as exc:
+            rd.fail(cfg, str(exc), exc.round, {"engine": "flower", "wall_time_s": time.perf_counter() - t_start,
+                                               "rejections": list(loop.log), "events": list(self.log)})
+            self.say(f"failed: {exc}")
+            raise
         exports = Exports(strategy.export(state), q.base_model, strategy.export_files(state))
         extra = {"engine": "flower", "wall_time_s": time.perf_counter() - t_start, "rejections": list(loop.log),
                  "events": list(self.log)}

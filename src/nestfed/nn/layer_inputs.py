@@ -142,7 +142,8 @@ def layer_window(config: Any, index: int) -> int:
 def positional_mask(config: Any, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype, window: int = 0,
                     sink: int = 0, own_window: int = 0) -> torch.Tensor:
     """The softmax mask [1, 1, Tq, Tk] of queries at absolute positions q_pos [Tq] over keys at
-    absolute positions k_pos [Tk] (a cache's keys need not be contiguous: sinks, then a window):
+    absolute positions k_pos [Tk] (a cache's keys need not be contiguous: sinks, then a window),
+    or [B, 1, Tq, Tk] for per-row positions q_pos [B, Tq], k_pos [B, Tk]:
     key at k is seen from q when k <= q, k > q - own_window (the layer's own sliding window, 0 =
     none) and k > q - window or k < sink (a stream's or FedNL's window with attention sinks;
     window 0 = none). Built by transformers' mask interface for ``config._attn_implementation``:
@@ -154,8 +155,10 @@ def positional_mask(config: Any, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype
         raise ConfigError(f"model: attention implementation '{impl}' cannot take the mask of a stream or a window "
                           f"over a key/value cache (nestfed builds it for {', '.join(POSITIONAL)})")
 
+    batched = q_pos.dim() == 2  # [B, T] per-row positions (a left-padded batch's real-token positions)
+
     def seen(batch_idx, head_idx, q_idx, kv_idx):
-        q, k = q_pos[q_idx], k_pos[kv_idx]
+        q, k = (q_pos[batch_idx, q_idx], k_pos[batch_idx, kv_idx]) if batched else (q_pos[q_idx], k_pos[kv_idx])
         ok = k <= q
         if own_window > 0:
             ok = ok & (k > q - own_window)
@@ -163,6 +166,7 @@ def positional_mask(config: Any, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype
             ok = ok & ((k > q - window) | (k < sink))
         return ok
 
-    return ALL_MASK_ATTENTION_FUNCTIONS[impl](batch_size=1, q_length=q_pos.numel(), kv_length=k_pos.numel(),
+    return ALL_MASK_ATTENTION_FUNCTIONS[impl](batch_size=q_pos.shape[0] if batched else 1, q_length=q_pos.shape[-1],
+                                              kv_length=k_pos.shape[-1],
                                               mask_function=seen, allow_is_causal_skip=False, dtype=dtype,
                                               device=q_pos.device)

@@ -336,6 +336,9 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
         mask = _combine(positional_mask(self.config, q_pos, k_pos, q_rot.dtype, window, sink, own), attention_mask)
     elif window > 0 and T > window:
         pos = torch.arange(T, device=q.device)
+        valid = mem.padding if mem.padding is not None and mem.padding.shape == (B, T) else None
+        if sink and valid is not None and not bool(valid.all()):  # the sinks: each row's first real tokens
+            pos = valid.long().cumsum(1) - 1  # [B, T]: real-token positions (pads are masked anyway)
         mask = _combine(positional_mask(self.config, pos, pos, q_rot.dtype, window, sink, own), attention_mask)
     interface = _attention_interface(self)
     soft, _ = interface(self, q_rot, keys, values, mask, dropout=0.0 if not self.training else self.attention_dropout,

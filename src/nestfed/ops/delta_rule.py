@@ -143,14 +143,15 @@ def delta_rule_recurrent(
     else:
         S = initial_state.to(cdt)
     outs = []
-    for q_t, k_t, v_t, b_t in zip(
-        q.to(cdt).unbind(1), k.to(cdt).unbind(1), v.to(cdt).unbind(1), beta.to(cdt).unbind(1)
-    ):
-        # q_t, k_t: [B, H, K]; v_t: [B, H, V]; b_t: [B, H]
-        v_old = (k_t.unsqueeze(-2) @ S).squeeze(-2)  # S^T k: [B, H, V]
-        u_t = b_t.unsqueeze(-1) * (v_t - v_old)  # [B, H, V]
-        S = S + k_t.unsqueeze(-1) * u_t.unsqueeze(-2)  # rank-1 write: [B, H, K, V]
-        outs.append((q_t.unsqueeze(-2) @ S).squeeze(-2))  # S^T q: [B, H, V]
+    with torch.autocast(q.device.type, enabled=False):  # in the compute dtype, under autocast too
+        for q_t, k_t, v_t, b_t in zip(
+            q.to(cdt).unbind(1), k.to(cdt).unbind(1), v.to(cdt).unbind(1), beta.to(cdt).unbind(1)
+        ):
+            # q_t, k_t: [B, H, K]; v_t: [B, H, V]; b_t: [B, H]
+            v_old = (k_t.unsqueeze(-2) @ S).squeeze(-2)  # S^T k: [B, H, V]
+            u_t = b_t.unsqueeze(-1) * (v_t - v_old)  # [B, H, V]
+            S = S + k_t.unsqueeze(-1) * u_t.unsqueeze(-2)  # rank-1 write: [B, H, K, V]
+            outs.append((q_t.unsqueeze(-2) @ S).squeeze(-2))  # S^T q: [B, H, V]
     o = torch.stack(outs, dim=1)
     if scale != 1.0:
         o = o * scale
@@ -200,6 +201,17 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, beta, initial_state, scale: float, chunk_size: int):
+        with torch.autocast(q.device.type, enabled=False):  # the compute dtype is ours, not autocast's
+            return _ChunkwiseDeltaRule._forward(ctx, q, k, v, beta, initial_state, scale, chunk_size)
+
+    @staticmethod
+    def backward(ctx, do, dfinal):
+        with torch.autocast(ctx.device_type, enabled=False):  # bmm under autocast would return bf16
+            return _ChunkwiseDeltaRule._backward(ctx, do, dfinal)
+
+    @staticmethod
+    def _forward(ctx, q, k, v, beta, initial_state, scale: float, chunk_size: int):
+        ctx.device_type = q.device.type
         B, T, H, K = q.shape
         V = v.shape[-1]
         cdt = _compute_dtype(q.dtype)
@@ -263,7 +275,7 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
         return o, final
 
     @staticmethod
-    def backward(ctx, do, dfinal):
+    def _backward(ctx, do, dfinal):
         WQ, kc, vc, bc, kk, P, Tinv, UQ, S = ctx.saved_tensors
         B, T, H, K, V, N, C = ctx.shape
         BH = B * H

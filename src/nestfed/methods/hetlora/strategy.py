@@ -101,7 +101,10 @@ class HetLoRA(LoraStrategy):
                 norms = []
                 for c in cids:
                     A, B = replies[c].arrays[key], replies[c].arrays[b_key]
-                    norms.append(self.s.scale(A.shape[0]) * float(lowrank_norm(B, A)))
+                    norm = float(lowrank_norm(B, A))
+                    if not math.isfinite(norm):  # overflowed in float32: float64 cannot (entries < 3.4e38 give < 1e160)
+                        norm = float(lowrank_norm(B.double(), A.double()))
+                    norms.append(self.s.scale(A.shape[0]) * norm)
                 if sum(norms) > 0:
                     weights = norms
             for k in (key, b_key):
