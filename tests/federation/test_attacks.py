@@ -65,3 +65,17 @@ def test_poisoned_text_keeps_unlabelled_positions():
     assert torch.equal(rand[:, :4], ids[:, :4]) and rand.max() < 50 and torch.equal(rl[:, 4:], rand[:, 4:])
     with pytest.raises(ValueError, match="does not poison data"):
         poison_tokens(ids, labels, "scale", 50, g)
+
+
+def test_the_fault_kinds_by_hand():
+    from nestfed.config import AttackConfig
+    from nestfed.federation.attacks import attacked_reply
+
+    sent = {"m.lora_A.weight": torch.zeros(2, 3), "idx": torch.tensor([1, 2])}
+    reply = {"m.lora_A.weight": torch.ones(2, 3), "idx": torch.tensor([1, 2])}
+    g = torch.Generator().manual_seed(0)
+    const = attacked_reply("constant", sent, reply, AttackConfig("constant", (0,), value=1e9), g)
+    assert torch.equal(const["m.lora_A.weight"], torch.full((2, 3), 1e9)) and torch.equal(const["idx"], reply["idx"])
+    assert torch.isnan(attacked_reply("nans", sent, reply, AttackConfig("nans", (0,)), g)["m.lora_A.weight"]).all()
+    f64 = attacked_reply("float64", sent, reply, AttackConfig("float64", (0,)), g)
+    assert f64["m.lora_A.weight"].dtype == torch.float64 and f64["idx"].dtype == torch.int64

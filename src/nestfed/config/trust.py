@@ -14,7 +14,7 @@ NORM_ACTIONS = ("reject", "clip")
 RULES = ("mean", "median", "trimmed_mean", "krum", "multi_krum")
 PRIVACY_MODES = ("off", "central", "local")
 ACCOUNTANTS = ("pld", "rdp")
-ATTACKS = ("none", "sign_flip", "scale", "noise", "free_rider", "constant", "nan", "float64", "shuffle", "random_text")
+ATTACKS = ("none", "sign_flip", "scale", "noise", "free_rider", "constant", "nans", "float64", "shuffle", "random_text")
 #: attacks that change the client's training data (applied when the data is prepared)
 DATA_ATTACKS = ("shuffle", "random_text")
 
@@ -82,7 +82,7 @@ class AttackConfig:
     N(0, noise_std^2) per entry), ``free_rider`` (trains nothing, returns what it received),
     ``shuffle`` (trains on its text with each block's tokens permuted), ``random_text`` (trains on
     uniformly random token ids: text foreign to every client); faults: ``constant`` (every entry
-    ``value``), ``nan``, ``float64`` (the reply in float64). Seeded by the seed rule.
+    ``value``), ``nans``, ``float64`` (the reply in float64). Seeded by the seed rule.
     """
 
     kind: str = "none"

@@ -13,7 +13,7 @@ from nestfed.federation.messages import Arrays
 from nestfed.federation.update import origin, scale_update
 
 #: attacks applied to the update (the others poison the data or skip training)
-UPDATE_ATTACKS = ("sign_flip", "scale", "noise", "free_rider", "constant", "nan", "float64")
+UPDATE_ATTACKS = ("sign_flip", "scale", "noise", "free_rider", "constant", "nans", "float64")
 
 
 def attacks(attack: AttackConfig, cid: int) -> str | None:
@@ -28,12 +28,12 @@ def attacked_reply(kind: str, sent: Arrays, reply: Arrays, attack: AttackConfig,
     attack.scale * update (model replacement, Bagdasaryan et al. 2020); noise: origin + N(0,
     attack.noise_std^2) per entry, the update discarded (the Gaussian attack of Fang et al. 2020);
     free_rider: origin, i.e. what it received (Lin et al. 2019). Faults rather than attacks, to test
-    the server's checks: constant: every entry attack.value (finite, e.g. 1e9); nan: every entry NaN;
+    the server's checks: constant: every entry attack.value (finite, e.g. 1e9); nans: every entry NaN;
     float64: the trained reply sent as float64. Raises ValueError for another kind.
     """
     if kind == "constant":
         return {k: torch.full_like(v, attack.value) if v.is_floating_point() else v for k, v in reply.items()}
-    if kind == "nan":
+    if kind == "nans":
         return {k: torch.full_like(v, float("nan")) if v.is_floating_point() else v for k, v in reply.items()}
     if kind == "float64":
         return {k: v.double() if v.is_floating_point() else v for k, v in reply.items()}
