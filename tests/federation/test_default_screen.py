@@ -246,3 +246,18 @@ def test_malformed_inputs_give_one_line_and_write_nothing(tmp_path):
     assert not (tmp_path / "run").exists()
     with pytest.raises(ConfigError, match=r"privacy.noise_multiplier must be >= 0"):
         tiny_config("privacy.noise_multiplier=-1")  # refused with privacy off too
+
+
+@pytest.mark.parametrize("flat_numel", [1 << 20, 0])  # gathered per rank / one array at a time
+def test_block_norms_agree_between_the_gathered_and_per_array_paths(monkeypatch, flat_numel):
+    from nestfed.federation import relative_screen
+
+    monkeypatch.setattr(relative_screen, "FLAT_NUMEL", flat_numel)
+    g = torch.Generator().manual_seed(0)
+    sent = {A: torch.randn(8, 3, generator=g), B: torch.randn(5, 8, generator=g)}
+    reply = {A: torch.randn(4, 3, generator=g), B: torch.randn(5, 4, generator=g), "rule": torch.ones(3)}
+    got = block_norms(sent, reply, (2, 4, 8))  # a reply of rank 4 against a sent rank 8 (HetLoRA's pruning)
+    dA, dB = reply[A] - sent[A][:4], reply[B] - sent[B][:, :4]
+    want = {"0:2": math.sqrt(float(dA[:2].pow(2).sum() + dB[:, :2].pow(2).sum())),
+            "2:4": math.sqrt(float(dA[2:].pow(2).sum() + dB[:, 2:].pow(2).sum())), "other": math.sqrt(3.0)}
+    assert got == pytest.approx(want, rel=1e-6)

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from nestfed.federation.messages import Arrays, Instruction
-from nestfed.federation.update import origin
+from nestfed.federation.update import FLAT_NUMEL, origin
 from nestfed.nn.keys import rank_dim
 
 #: the block of the arrays that have no rank dimension
@@ -43,31 +43,47 @@ def round_blocks(instructions: dict[int, Instruction]) -> tuple[int, ...]:
 
 def block_norms(sent: Arrays, reply: Arrays, ends: tuple[int, ...]) -> dict[str, float]:
     """{block label ``lo:hi`` or ``other``: L2 norm of the update's entries in it}, float64; a block
-    the reply does not reach is absent."""
+    the reply does not reach is absent. A small reply's rank rows are gathered into one
+    [r, entries] matrix per rank (a few kernels per reply, not per array)."""
     rows = torch.zeros(max(ends, default=0), dtype=torch.float64)
-    other, has_other = 0.0, False
-    reach = 0
+    other_sq, has_other = 0.0, False
+    other_x: list[torch.Tensor] = []
+    other_o: list[torch.Tensor] = []
+    by_rank: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    flat = sum(v.numel() for v in reply.values()) <= FLAT_NUMEL
     for k, v in reply.items():
         if not v.is_floating_point():
             continue
-        delta = v.double() - origin(sent, k, v).double()
+        o = origin(sent, k, v)
         d = rank_dim(k)
         if d is None or not ends:
-            other += float(delta.pow(2).sum())
-            has_other = True
+            other_x.append(v.reshape(-1))
+            other_o.append(o.reshape(-1))
+            if not flat:
+                other_sq += float((other_x.pop().double() - other_o.pop().double()).pow(2).sum())
+                has_other = True
             continue
-        r = min(delta.shape[d], rows.numel())
-        per_row = delta.pow(2).sum(dim=[i for i in range(delta.dim()) if i != d])
-        rows[:r] += per_row[:r]
-        reach = max(reach, r)
+        r = min(v.shape[d], rows.numel())
+        xs, os_ = by_rank.setdefault(r, ([], []))
+        xs.append(v.narrow(d, 0, r).movedim(d, 0).reshape(r, -1))  # [r, entries]: row i = rank dimension i
+        os_.append(o.narrow(d, 0, r).movedim(d, 0).reshape(r, -1))
+        if not flat:  # a large reply: one array at a time, no copy of all of it
+            rows[:r] += (xs.pop().double() - os_.pop().double()).pow(2).sum(1)
+    for r, (xs, os_) in by_rank.items():
+        if xs:
+            rows[:r] += (torch.cat(xs, 1).double() - torch.cat(os_, 1).double()).pow(2).sum(1)
+    reach = max(by_rank, default=0)
     out: dict[str, float] = {}
     lo = 0
     for hi in ends:
         if lo < reach:
             out[f"{lo}:{hi}"] = float(rows[lo:min(hi, reach)].sum()) ** 0.5
         lo = hi
+    if other_x:
+        other_sq += float((torch.cat(other_x).double() - torch.cat(other_o).double()).pow(2).sum())
+        has_other = True
     if has_other:
-        out[WHOLE] = other ** 0.5
+        out[WHOLE] = other_sq ** 0.5
     return out
 
 
