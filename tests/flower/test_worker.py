@@ -62,13 +62,18 @@ def test_forwarded_messages_give_the_embedded_runners_adapter_and_state(tmp_path
     assert not _worker_pids(worker_dir)  # a worker whose socket is gone leaves
 
 
-def test_a_failing_client_is_reported_with_its_error(worker_dir):
+def _bad_query(node_id: int) -> tuple[Message, Context]:
+    """A query of the tiny experiment to a node whose partition-id (7) has no client."""
     TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
     toml = (Path(__file__).parents[2] / "configs" / "tiny.toml").read_text()
-    msg = Message(RecordDict({"experiment": ConfigRecord({"toml": toml})}), dst_node_id=201, message_type="query")
-    ctx = Context(run_id=1, node_id=201, node_config={"partition-id": 7}, state=RecordDict(), run_config={})
+    msg = Message(RecordDict({"experiment": ConfigRecord({"toml": toml})}), dst_node_id=node_id, message_type="query")
+    ctx = Context(run_id=1, node_id=node_id, node_config={"partition-id": 7}, state=RecordDict(), run_config={})
+    return msg, ctx
+
+
+def test_a_failing_client_is_reported_with_its_error(worker_dir):
     with pytest.raises(RuntimeError, match="ConfigError: node config: partition-id = 7"):
-        NF.forward(msg, ctx)
+        NF.forward(*_bad_query(201))
 
 
 def test_the_forwarder_process_stays_light():
@@ -116,10 +121,6 @@ def test_a_worker_that_leaves_as_the_forwarder_connects_is_replaced_once(worker_
         return real(node_id, node_config)
 
     monkeypatch.setattr(NF, "connect_worker", connect)
-    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = 1, 0, 1
-    toml = (Path(__file__).parents[2] / "configs" / "tiny.toml").read_text()
-    msg = Message(RecordDict({"experiment": ConfigRecord({"toml": toml})}), dst_node_id=202, message_type="query")
-    ctx = Context(run_id=1, node_id=202, node_config={"partition-id": 7}, state=RecordDict(), run_config={})
     with pytest.raises(RuntimeError, match="ConfigError: node config: partition-id = 7"):
-        NF.forward(msg, ctx)
+        NF.forward(*_bad_query(202))
     assert calls == [202, 202]
