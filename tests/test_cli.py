@@ -207,6 +207,11 @@ def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path, cli):
     (run_dir / "summary.json").unlink()  # unfinished again
     r = cli("run", "--resume", str(run_dir), "--set", "train.lr=0.5", cwd=tmp_path)
     assert r.returncode == 2 and "a resumed run keeps its config; these differ: train.lr: 0.001 -> 0.5" in r.stderr
+    text = (run_dir / "config.toml").read_text()  # a hand edit of config.toml: the checkpoint recorded the config
+    (run_dir / "config.toml").write_text(text.replace('name = "prelort"', 'name = "zeropad"', 1))
+    r = cli("run", "--resume", str(run_dir), cwd=tmp_path)
+    assert r.returncode == 2 and "strategy.name: 'prelort' -> 'zeropad'" in r.stderr, r.stderr[-2000:]
+    (run_dir / "config.toml").write_text(text)
     more = cli("run", "--resume", str(run_dir), "--set", "train.lr=0.001", "--set", "federation.rounds=2",
                "--set", "tracking.tensorboard=true", cwd=tmp_path)  # restating a value is fine, so are
     assert more.returncode == 0, more.stderr[-2000:]  # extending the run and adding a tracking sink
