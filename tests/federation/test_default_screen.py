@@ -13,10 +13,10 @@ from nestfed.errors import NestfedError, RunFailed
 from nestfed.experiments.run import stored_config
 from nestfed.federation.folding import ReplyFolder
 from nestfed.federation.messages import GlobalState, Instruction, Reply
-from nestfed.federation.relative_screen import RelativeScreen, block_norms, round_blocks
+from nestfed.federation.relative_screen import RelativeScreen, round_blocks
 from nestfed.federation.run_dir import RunDir
 from nestfed.federation.safeguards import Safeguards
-from nestfed.federation.update import origin
+from nestfed.federation.update import block_norms, origin
 
 from tiny_federation import lines, tiny_config, tiny_prepared, tiny_run
 
@@ -250,9 +250,9 @@ def test_malformed_inputs_give_one_line_and_write_nothing(tmp_path):
 
 @pytest.mark.parametrize("flat_numel", [1 << 20, 0])  # gathered per rank / one array at a time
 def test_block_norms_agree_between_the_gathered_and_per_array_paths(monkeypatch, flat_numel):
-    from nestfed.federation import relative_screen
+    from nestfed.federation import update
 
-    monkeypatch.setattr(relative_screen, "FLAT_NUMEL", flat_numel)
+    monkeypatch.setattr(update, "FLAT_NUMEL", flat_numel)
     g = torch.Generator().manual_seed(0)
     sent = {A: torch.randn(8, 3, generator=g), B: torch.randn(5, 8, generator=g)}
     reply = {A: torch.randn(4, 3, generator=g), B: torch.randn(5, 4, generator=g), "rule": torch.ones(3)}

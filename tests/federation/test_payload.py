@@ -79,8 +79,8 @@ def test_non_finite_and_norm_agree_between_the_flat_and_per_array_paths(monkeypa
     sent = {A: torch.zeros(4, 6), B: torch.ones(5, 4)}
     reply = {A: torch.full((4, 6), 2.0), B: torch.full((5, 4), 3.0), "idx": torch.tensor([1, 2])}
     assert update.update_norm(sent, reply) == math.sqrt(24 * 4 + 20 * 4)  # idx is no update: not counted
-    assert payload.first_non_finite(reply) is None
+    assert payload.non_finite_keys(reply) == []
     reply[B] = reply[B].clone()
     reply[B][4, 3] = float("-inf")
-    assert payload.first_non_finite(reply) == B
-    assert payload.first_non_finite({}) is None
+    assert payload.non_finite_keys(reply) == [B]
+    assert payload.non_finite_keys({}) == []

@@ -117,10 +117,9 @@ def mechanisms(cfg: ExperimentConfig, mr: MethodRun, state: GlobalState, panel: 
         return {**out, "mechanisms_skipped": reason}
     settings = lora_settings(cfg)
     ranks = {str(c.cid): c.rank for c in mr.clients}
-    curve: dict[str, dict[str, dict[str, float]]] = {}
     on_global: dict[str, dict[str, float]] = {}
     rs = [r for r in sorted(set(cfg.output.truncations)) if r <= settings.r_max]
-    curve = {str(r): {} for r in rs}
+    curve: dict[str, dict[str, dict[str, float]]] = {str(r): {} for r in rs}
     for c in cids:  # client by client: its data are built (or read) once for every rank of the curve
         data = trainer.data[c]
         for r in rs:

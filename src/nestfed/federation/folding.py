@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from nestfed.federation.messages import GlobalState, Instruction, Reply, SecureSum
-from nestfed.federation.relative_screen import RelativeScreen, block_norms
+from nestfed.federation.relative_screen import RelativeScreen
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.secure_sum import Layout, common_rank, decode, layout, supports_secure_aggregation
 from nestfed.federation.strategy import Strategy
+from nestfed.federation.update import block_norms
 from nestfed.nn.keys import rank_dim
 
 

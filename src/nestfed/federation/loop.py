@@ -33,12 +33,12 @@ from nestfed.errors import RunFailed, UpdateRejected
 from nestfed.federation.evaluation_plan import Deployments, EvalPlan
 from nestfed.federation.folding import ReplyFolder
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply, SecureSum
-from nestfed.federation.payload import payload_stats, validate_reply
+from nestfed.federation.payload import non_finite_keys, payload_stats, validate_reply
 from nestfed.federation.population import Population
 from nestfed.federation.rank_groups import summarise_metrics
 from nestfed.federation.relative_screen import RelativeScreen, round_blocks
 from nestfed.federation.run_dir import ClientState, RunDir
-from nestfed.federation.safeguards import Safeguards, non_finite_keys
+from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.strategy import Strategy
 from nestfed.federation.tracking import Sink
 from nestfed.seeds import stream_seed

@@ -97,9 +97,9 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
             r = t.shape[dim]
             if ranks.setdefault(module, r) != r:
                 raise UpdateRejected(f"{module}: lora_A and lora_B disagree on the rank")
-    bad = first_non_finite(reply.arrays)
-    if bad is not None:
-        raise UpdateRejected(f"{bad}: contains NaN or Inf")
+    bad = non_finite_keys(reply.arrays)
+    if bad:
+        raise UpdateRejected(f"{bad[0]}: contains NaN or Inf")
 
 
 def unsent_dtype(sent: Arrays) -> torch.dtype:
@@ -109,11 +109,11 @@ def unsent_dtype(sent: Arrays) -> torch.dtype:
     return found.pop() if len(found) == 1 else torch.float32
 
 
-def first_non_finite(arrays: Arrays) -> str | None:
-    """The first key (in order) whose floating-point tensor holds NaN or Inf, or None. Small payloads
-    are checked in one pass over their concatenation (a few kernels per reply, not per array)."""
+def non_finite_keys(arrays: Arrays) -> list[str]:
+    """The keys whose floating-point tensors hold NaN or Inf, sorted. Small payloads are checked in
+    one pass over their concatenation first (a few kernels per reply, not per array)."""
     floats = [(k, t) for k, t in arrays.items() if t.is_floating_point()]
-    if sum(t.numel() for _, t in floats) <= FLAT_NUMEL:
-        if not floats or bool(torch.isfinite(torch.cat([t.reshape(-1) for _, t in floats])).all()):
-            return None
-    return next((k for k, t in floats if not bool(torch.isfinite(t).all())), None)
+    if sum(t.numel() for _, t in floats) <= FLAT_NUMEL and (
+            not floats or bool(torch.isfinite(torch.cat([t.reshape(-1) for _, t in floats])).all())):
+        return []
+    return sorted(k for k, t in floats if not bool(torch.isfinite(t).all()))

@@ -1,6 +1,7 @@
 """The default screen: an update far larger than its peers' is rejected, rank block by rank block.
 
-A client's update (its reply minus what it was sent, nestfed.federation.update) is cut into the
+A client's update (its reply minus what it was sent) is cut, by
+nestfed.federation.update.block_norms, into the
 round's rank blocks [r_{j-1}, r_j) (the distinct ranks r_1 < r_2 < ... of the round's instructions,
 r_0 = 0; rows of lora_A, columns of lora_B) plus one block for the arrays without a rank dimension.
 Its norm in a block is compared with the reference of that block: the lower median of the norms of
@@ -19,14 +20,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import dataclass, field
 
-import torch
-
-from nestfed.federation.messages import Arrays, Instruction
-from nestfed.federation.update import FLAT_NUMEL, origin
+from nestfed.federation.messages import Instruction
 from nestfed.nn.keys import rank_dim
-
-#: the block of the arrays that have no rank dimension
-WHOLE = "other"
 
 
 def round_blocks(instructions: dict[int, Instruction]) -> tuple[int, ...]:
@@ -39,52 +34,6 @@ def round_blocks(instructions: dict[int, Instruction]) -> tuple[int, ...]:
         if r is not None:
             ranks.add(int(r))
     return tuple(sorted(ranks))
-
-
-def block_norms(sent: Arrays, reply: Arrays, ends: tuple[int, ...]) -> dict[str, float]:
-    """{block label ``lo:hi`` or ``other``: L2 norm of the update's entries in it}, float64; a block
-    the reply does not reach is absent. A small reply's rank rows are gathered into one
-    [r, entries] matrix per rank (a few kernels per reply, not per array)."""
-    rows = torch.zeros(max(ends, default=0), dtype=torch.float64)
-    other_sq, has_other = 0.0, False
-    other_x: list[torch.Tensor] = []
-    other_o: list[torch.Tensor] = []
-    by_rank: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-    flat = sum(v.numel() for v in reply.values()) <= FLAT_NUMEL
-    for k, v in reply.items():
-        if not v.is_floating_point():
-            continue
-        o = origin(sent, k, v)
-        d = rank_dim(k)
-        if d is None or not ends:
-            other_x.append(v.reshape(-1))
-            other_o.append(o.reshape(-1))
-            if not flat:
-                other_sq += float((other_x.pop().double() - other_o.pop().double()).pow(2).sum())
-                has_other = True
-            continue
-        r = min(v.shape[d], rows.numel())
-        xs, os_ = by_rank.setdefault(r, ([], []))
-        xs.append(v.narrow(d, 0, r).movedim(d, 0).reshape(r, -1))  # [r, entries]: row i = rank dimension i
-        os_.append(o.narrow(d, 0, r).movedim(d, 0).reshape(r, -1))
-        if not flat:  # a large reply: one array at a time, no copy of all of it
-            rows[:r] += (xs.pop().double() - os_.pop().double()).pow(2).sum(1)
-    for r, (xs, os_) in by_rank.items():
-        if xs:
-            rows[:r] += (torch.cat(xs, 1).double() - torch.cat(os_, 1).double()).pow(2).sum(1)
-    reach = max(by_rank, default=0)
-    out: dict[str, float] = {}
-    lo = 0
-    for hi in ends:
-        if lo < reach:
-            out[f"{lo}:{hi}"] = float(rows[lo:min(hi, reach)].sum()) ** 0.5
-        lo = hi
-    if other_x:
-        other_sq += float((torch.cat(other_x).double() - torch.cat(other_o).double()).pow(2).sum())
-        has_other = True
-    if has_other:
-        out[WHOLE] = other_sq ** 0.5
-    return out
 
 
 @dataclass

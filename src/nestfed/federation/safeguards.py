@@ -12,11 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from nestfed.config import ExperimentConfig, PrivacyConfig, RobustConfig, ServerOptimizerConfig, ValidationConfig
 from nestfed.errors import UpdateRejected
-from nestfed.federation.messages import Arrays, GlobalState, Instruction, Reply, SecureSum
+from nestfed.federation.messages import GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.privacy import epsilon
 from nestfed.federation.robust import BlockRule
 from nestfed.federation.server_optimizer import server_step
@@ -25,11 +23,6 @@ from nestfed.federation.update import FLOAT32_MAX, clip_update, update_norm
 
 #: the largest update norm float32 arithmetic survives (its square is the largest float32)
 MAX_REPRESENTABLE_NORM = math.sqrt(FLOAT32_MAX)
-
-
-def non_finite_keys(arrays: Arrays) -> list[str]:
-    """The keys whose tensors hold NaN or Inf, sorted."""
-    return sorted(k for k, v in arrays.items() if v.is_floating_point() and not torch.isfinite(v).all())
 
 
 @dataclass

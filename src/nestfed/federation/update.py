@@ -40,17 +40,63 @@ def origin(sent: Arrays, key: str, like: torch.Tensor) -> torch.Tensor:
 FLAT_NUMEL = 1 << 20
 
 
+#: the block of an update's arrays that have no rank dimension (:func:`block_norms`)
+WHOLE = "other"
+
+
 def update_norm(sent: Arrays, reply: Arrays) -> float:
     """The L2 norm of the whole update (all arrays concatenated), computed in float64 (so that an
-    overflowing update gets its true size, not inf)."""
-    floats = [(k, v) for k, v in reply.items() if v.is_floating_point()]
-    if not floats:
-        return 0.0
-    if sum(v.numel() for _, v in floats) <= FLAT_NUMEL:
-        x = torch.cat([v.reshape(-1).double() for _, v in floats])
-        o = torch.cat([origin(sent, k, v).reshape(-1).double() for k, v in floats])
-        return math.sqrt(float((x - o).pow(2).sum()))
-    return math.sqrt(sum(float((v.double() - origin(sent, k, v).double()).pow(2).sum()) for k, v in floats))
+    overflowing update gets its true size, not inf): :func:`block_norms` with one block."""
+    return block_norms(sent, reply, ()).get(WHOLE, 0.0)
+
+
+def block_norms(sent: Arrays, reply: Arrays, ends: tuple[int, ...]) -> dict[str, float]:
+    """{block label ``lo:hi`` or ``other``: L2 norm of the update's entries in it}, float64; a block
+    the reply does not reach is absent. Blocks: [0, ends[0]), [ends[0], ends[1]), ... along the
+    rank dimension (rows of lora_A [r, in], columns of lora_B [out, r]) and ``other`` for the arrays
+    without one (all of them when ``ends`` is empty). A small reply's rank rows are gathered into
+    one [r, entries] matrix per rank (a few kernels per reply, not per array). Raises ValueError as
+    :func:`origin` does."""
+    rows = torch.zeros(max(ends, default=0), dtype=torch.float64)
+    other_sq, has_other = 0.0, False
+    other_x: list[torch.Tensor] = []
+    other_o: list[torch.Tensor] = []
+    by_rank: dict[int, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    flat = sum(v.numel() for v in reply.values()) <= FLAT_NUMEL
+    for k, v in reply.items():
+        if not v.is_floating_point():
+            continue
+        o = origin(sent, k, v)
+        d = rank_dim(k)
+        if d is None or not ends:
+            other_x.append(v.reshape(-1))
+            other_o.append(o.reshape(-1))
+            if not flat:
+                other_sq += float((other_x.pop().double() - other_o.pop().double()).pow(2).sum())
+                has_other = True
+            continue
+        r = min(v.shape[d], rows.numel())
+        xs, os_ = by_rank.setdefault(r, ([], []))
+        xs.append(v.narrow(d, 0, r).movedim(d, 0).reshape(r, -1))  # [r, entries]: row i = rank dimension i
+        os_.append(o.narrow(d, 0, r).movedim(d, 0).reshape(r, -1))
+        if not flat:  # a large reply: one array at a time, no copy of all of it
+            rows[:r] += (xs.pop().double() - os_.pop().double()).pow(2).sum(1)
+    for r, (xs, os_) in by_rank.items():
+        if xs:
+            rows[:r] += (torch.cat(xs, 1).double() - torch.cat(os_, 1).double()).pow(2).sum(1)
+    reach = max(by_rank, default=0)
+    out: dict[str, float] = {}
+    lo = 0
+    for hi in ends:
+        if lo < reach:
+            out[f"{lo}:{hi}"] = float(rows[lo:min(hi, reach)].sum()) ** 0.5
+        lo = hi
+    if other_x:
+        other_sq += float((torch.cat(other_x).double() - torch.cat(other_o).double()).pow(2).sum())
+        has_other = True
+    if has_other:
+        out[WHOLE] = other_sq ** 0.5
+    return out
 
 
 def scale_update(sent: Arrays, reply: Arrays, factor: float) -> Arrays:
