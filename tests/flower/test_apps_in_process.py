@@ -5,6 +5,7 @@ dropped and rejected updates, the minimum of clients, the QUERY round's checks.
 """
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -181,40 +182,52 @@ def test_resume_continues_from_the_latest_checkpoint_to_the_same_adapter(tmp_pat
 
 def fresh_process(node, msg):
     """What flwr 1.42's process isolation does: every message meets a fresh ClientApp process, so
-    nothing a node built in memory survives from one message to the next (only Context.state)."""
+    nothing a node built in memory survives from one message to the next (only its disk)."""
     CA._HOSTS.clear()
     return None
 
 
+def nodes_with_state(root):
+    """NODES, each keeping its clients' state in its own folder under ``root``."""
+    return {n: {**cfg, "client-state": str(root / f"node-{n}")} for n, cfg in NODES.items()}
+
+
 @pytest.mark.parametrize("name,extra", [("fednl", ("fednl.travel=rules",)), ("fednl", ()),
                                         ("fedala", ())])
-def test_client_state_survives_fresh_processes_through_the_context(tmp_path, keep_threads, name, extra):
+def test_client_state_survives_fresh_processes_on_the_nodes_disk(tmp_path, keep_threads, name, extra):
     """FedNL rules-only (each client's own LoRA) and FedALA (its weights and local model) keep
-    per-client state between rounds; FedNL with everything travelling keeps none. Through
-    Context.state, a fresh process per message ends with the embedded runner's client state and
-    gives its evaluations and exports bit for bit; with the state wiped before every message the
-    rules-only evaluations differ (so the comparison can fail)."""
+    per-client state between rounds; FedNL with everything travelling keeps none. On each node's
+    disk (nestfed.flower.node_state), a fresh process per message ends with the embedded runner's
+    client state and gives its evaluations and exports bit for bit; with the state wiped before
+    every message the rules-only evaluations differ (so the comparison can fail)."""
+    import shutil
+
     from safetensors.torch import load_file
+
+    from nestfed.federation.run_dir import flatten_client_state
+    from nestfed.flower.node_state import NodeStateStore
 
     over = OVERRIDES + (f"strategy.name={name}", "lora.ranks=[4]", "lora.target_modules=[\"q_proj\",\"v_proj\"]") + extra
     emb = embedded_run(tmp_path / "embedded", over)
-    grid = LocalGrid(CA.app, NODES, fail=fresh_process)
+    nodes = nodes_with_state(tmp_path / "state")
+    grid = LocalGrid(CA.app, nodes, fail=fresh_process)
     run_on_grid(grid, run_config(tmp_path / "flower", overrides=";".join(over), evaluate=True))
     fl, em = lines(tmp_path / "flower"), lines(emb)
     assert [a["eval"] for a in fl] == [b["eval"] for b in em]
-    from nestfed.federation.run_dir import flatten_client_state
-
     kept = RunDir(emb).load_checkpoint(emb / "checkpoints" / "round_002.safetensors").client_state
     want = flatten_client_state(kept)
     restored = [{c: v["client_state_arrays"] for c, v in ln["clients"].items()} for ln in fl[1:]]
     assert restored[0] == {"0": 0, "1": 0, "2": 0} and (min(restored[1].values()) > 0) == bool(want)
+    rounds = [{c: v["client_state_round"] for c, v in ln["clients"].items()} for ln in fl[1:]]
+    assert rounds == [{"0": -1, "1": -1, "2": -1}, {c: (1 if want else -1) for c in ("0", "1", "2")}]
     assert bool(want) == (name == "fedala" or bool(extra))
     got = {}
-    for node, ctx in grid._contexts.items():
-        rec = ctx.state.array_records.get(CA.CLIENT_STATE)
-        pid = NODES[node]["partition-id"]
-        assert all(k.startswith(f"{pid}/") for k in (rec or {}))  # each node holds its own client only
-        got.update({k: torch.from_numpy(a.numpy()) for k, a in (rec or {}).items()})
+    run_dir = str((tmp_path / "flower").resolve())
+    for cfg in nodes.values():
+        store, pid = NodeStateStore(Path(cfg["client-state"])), cfg["partition-id"]
+        assert [r for r, _ in store.rounds(run_dir, pid)] == ([1, 2] if want else [])  # the newest two
+        assert not any(store.rounds(run_dir, c) for c in range(3) if c != pid)  # each node holds its own client only
+        got.update(flatten_client_state(store.load(run_dir, pid, 2)[1]))
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     if name == "fednl":
         ra, rb = (load_file(str(d / "memory_rules.safetensors")) for d in (emb, tmp_path / "flower"))
@@ -224,18 +237,39 @@ def test_client_state_survives_fresh_processes_through_the_context(tmp_path, kee
     if not rules_only:
         assert_same_adapter(emb, tmp_path / "flower")
         return
-    amnesiac = LocalGrid(CA.app, NODES)
 
     def amnesia(node, msg):
         fresh_process(node, msg)
-        amnesiac._contexts[node].state = type(amnesiac._contexts[node].state)()
+        shutil.rmtree(nodes[node]["client-state"], ignore_errors=True)
 
-    amnesiac.fail = amnesia
-    run_on_grid(amnesiac, run_config(tmp_path / "amnesia", overrides=";".join(over), evaluate=True))
+    run_on_grid(LocalGrid(CA.app, nodes, fail=amnesia), run_config(tmp_path / "amnesia", overrides=";".join(over),
+                                                                   evaluate=True))
     lost = lines(tmp_path / "amnesia")
     assert all(v["client_state_arrays"] == 0 for ln in lost[1:] for v in ln["clients"].values())
     assert lost[0]["eval"] == em[0]["eval"]  # before any training nothing was kept
     assert lost[2]["eval"] != em[2]["eval"]
+
+
+def test_a_stateful_method_resumes_on_flower_from_the_nodes_state(tmp_path, keep_threads):
+    """FedALA crashed after round 1 (the ServerApp gone, the nodes' processes too) resumes from its
+    checkpoint and each node's state of round 1, to the embedded runner's adapter bit for bit;
+    a checkpoint that holds its clients' state itself (an embedded run) is refused on Flower."""
+    over = OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]")
+    emb = embedded_run(tmp_path / "embedded", over)
+    nodes = nodes_with_state(tmp_path / "state")
+    part = tmp_path / "part"
+    run_on_grid(LocalGrid(CA.app, nodes, fail=fresh_process),
+                run_config(part, overrides=";".join(over + ("federation.rounds=1",))))
+    summary = run_on_grid(LocalGrid(CA.app, nodes, fail=fresh_process),
+                          run_config(part, overrides=";".join(over), resume=True))
+    assert any("resuming" in m for m in summary["events"])
+    fl = lines(part)
+    assert [ln["round"] for ln in fl] == [0, 1, 2]
+    assert {c: v["client_state_round"] for c, v in fl[2]["clients"].items()} == {"0": 1, "1": 1, "2": 1}
+    assert_same_adapter(emb, part)
+    with pytest.raises(NestfedError, match="holds itself"):
+        run_on_grid(LocalGrid(CA.app, nodes), run_config(emb, overrides=";".join(over + ("federation.rounds=3",)),
+                                                         resume=True))
 
 
 def test_a_run_is_never_overwritten_and_embedded_only_methods_are_refused(tmp_path, keep_threads):
@@ -252,15 +286,14 @@ def test_a_run_is_never_overwritten_and_embedded_only_methods_are_refused(tmp_pa
         run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "x", resume="false"))
 
 
-def test_resume_of_a_method_whose_clients_keep_state_is_refused(tmp_path, keep_threads):
+def test_a_flower_checkpoint_of_a_stateful_method_is_refused_by_the_embedded_resume(tmp_path, keep_threads):
+    """Its clients' state is on the nodes: the embedded runner cannot continue it exactly."""
     over = OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]", "federation.rounds=1")
-    run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path, overrides=";".join(over)))
-    (tmp_path / "summary.json").unlink()
-    more = ";".join(OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]", "federation.rounds=2"))
-    before = (tmp_path / "config.toml").read_text()
+    nodes = nodes_with_state(tmp_path / "state")
+    run_on_grid(LocalGrid(CA.app, nodes), run_config(tmp_path / "run", overrides=";".join(over)))
     with pytest.raises(NestfedError, match="keeps per-client state, which this checkpoint does not hold"):
-        run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path, overrides=more, resume=True))
-    assert (tmp_path / "config.toml").read_text() == before
+        RunDir(tmp_path / "run").check_resume(True)
+    RunDir(tmp_path / "run").check_resume(False)  # a method that keeps nothing could
     other = ";".join(OVERRIDES + ("strategy.name=prelort", "federation.rounds=1"))
     run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "p", overrides=other))
     (tmp_path / "p" / "summary.json").unlink()

@@ -9,6 +9,8 @@ model built each time), so one exchange costs seconds to tens of seconds here.
 """
 
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -143,9 +145,9 @@ def test_tls_and_supernode_authentication_admit_registered_nodes_only(tmp_path):
 
 
 def test_fednl_rules_only_keeps_each_clients_lora_across_fresh_processes(deployment, tmp_path):
-    """FedNL with only the memory rules travelling: each client's own LoRA lives in its SuperNode's
-    Context.state between messages (every message meets a fresh ClientApp process), so two rounds
-    evaluate and export exactly as the embedded runner does."""
+    """FedNL with only the memory rules travelling: each client's own LoRA lives on its SuperNode's
+    disk between messages (every message meets a fresh ClientApp process), so two rounds evaluate
+    and export exactly as the embedded runner does."""
     from flower_helpers import embedded_run
 
     over = OVERRIDES + ("strategy.name=fednl", "fednl.travel=rules", "lora.ranks=[4]",
@@ -154,10 +156,58 @@ def test_fednl_rules_only_keeps_each_clients_lora_across_fresh_processes(deploym
     d = deployment
     d.start_superlink()
     for i in range(3):
-        d.start_supernode({"partition-id": i, "num-partitions": 3})
+        d.start_supernode({"partition-id": i, "num-partitions": 3, "client-state": str(tmp_path / f"state-{i}")})
     run_dir = tmp_path / "run"
     finish(d, d.submit(APP_DIR, run_config(run_dir, overrides=";".join(over), evaluate=True)))
     assert [ln["eval"] for ln in metrics(run_dir)] == [ln["eval"] for ln in metrics(emb)]
     ra, rb = (load_file(str(p / "memory_rules.safetensors")) for p in (emb, run_dir))
     assert sorted(ra) == sorted(rb) and all(torch.equal(ra[k], rb[k]) for k in ra)
     assert not (run_dir / "adapter").exists()  # rules only: no global LoRA
+
+
+def test_the_serverapp_and_the_superlink_killed_mid_round_resume_to_the_uninterrupted_adapter(tmp_path):
+    """FedALA (its clients keep state) on a SuperLink with a database: the ServerApp process is
+    SIGKILLed while round 2 is in flight and the run resubmitted with resume = true; then the
+    SuperLink itself is SIGKILLed while round 3 is in flight, restarted on its port and database
+    (the SuperNodes reconnect), and the run resumed again. The final adapter is the embedded
+    runner's uninterrupted one bit for bit, every round has one metrics line, and each client
+    started round 3 from its own state of round 2, read from its node's disk."""
+    from flower_helpers import embedded_run
+
+    over = OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]", "federation.rounds=3")
+    emb = embedded_run(tmp_path / "embedded", over)
+    d = LocalDeployment(tmp_path / "flower", database=str(tmp_path / "superlink.db"))
+    try:
+        d.start_superlink()
+        for i in range(3):
+            d.start_supernode({"partition-id": i, "client-state": str(tmp_path / f"state-{i}")})
+        run_dir = tmp_path / "run"
+        rc = run_config(run_dir, overrides=";".join(over))
+
+        def wait_for_round(rnd, run_id):
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while not (run_dir / "metrics.jsonl").exists() or rnd not in [ln["round"] for ln in metrics(run_dir)]:
+                assert time.monotonic() < deadline, f"round {rnd} never committed"
+                assert not d.run_status(run_id)["status"].startswith("finished"), d.logs(run_id)
+                time.sleep(0.1)
+
+        first = d.submit(APP_DIR, rc)
+        wait_for_round(1, first)  # round 2's TRAIN messages go out now
+        apps = d.processes("flwr-serverapp")
+        assert len(apps) == 1
+        os.kill(apps[0], signal.SIGKILL)
+        second = d.submit(APP_DIR, {**rc, "resume": True})
+        wait_for_round(2, second)  # round 3 in flight
+        d.kill(next(p for p in d.procs if p.name == "superlink"))
+        d.start_superlink(same_port=True)
+        finish(d, d.submit(APP_DIR, {**rc, "resume": True}))
+        assert d.run_status(first)["status"] == "finished:failed"
+        lines = metrics(run_dir)
+        assert [ln["round"] for ln in lines] == [0, 1, 2, 3]
+        assert {c: v["client_state_round"] for c, v in lines[3]["clients"].items()} == {"0": 2, "1": 2, "2": 2}
+        assert_same_adapter(emb, run_dir)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["outcome"] == "completed" and sum("resuming" in e for e in summary["events"]) == 1
+    finally:
+        d.stop()
+    assert not d.processes()  # nothing of the deployment is left running

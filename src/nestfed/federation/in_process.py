@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from nestfed.federation.loop import FitResults
 from nestfed.federation.messages import Arrays, Instruction, Reply
 from nestfed.federation.payload import decode, encode
-from nestfed.federation.run_dir import ClientState
+from nestfed.federation.run_dir import KEPT, ClientState
 
 
 class Trainer(Protocol):
@@ -33,6 +33,7 @@ class InProcessTransport:
     """Deliver instructions to ``trainer`` in client-id order; evaluate every client in process."""
 
     trainer: Trainer
+    client_state_home: str = KEPT  # the clients' kept state is checkpointed with the round
 
     def open(self) -> dict[str, Any]:
         """Nothing to add to the round-0 line."""

@@ -64,7 +64,13 @@ class FitResults:
 
 
 class Transport(Protocol):
-    """How instructions reach clients and replies come back (in process, or Flower messages)."""
+    """How instructions reach clients and replies come back (in process, or Flower messages).
+
+    client_state_home: where the clients' kept state lives (run_dir.KEPT: in the checkpoints, as
+    :meth:`client_state` gives it; run_dir.ON_NODES: on the nodes, which keep it themselves).
+    """
+
+    client_state_home: str
 
     def open(self) -> dict[str, Any]:
         """Fields for the round-0 metrics line (e.g. the nodes that answered)."""
@@ -203,7 +209,7 @@ class RoundLoop:
         """
         ck = None
         if resume:
-            ck, notes = self.run_dir.resume(self.keeps_client_state)
+            ck, notes = self.run_dir.resume(self.keeps_client_state, self.transport.client_state_home)
             for n in notes:
                 self._say(f"resume: {n}")
         committed = self.run_dir.read_metrics() if resume and self.run_dir.metrics_path.is_file() else []

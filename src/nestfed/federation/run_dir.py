@@ -93,13 +93,15 @@ def unflatten_client_state(flat: dict[str, torch.Tensor]) -> ClientState:
 
 @dataclass
 class Checkpoint:
-    """A round's committed state: round (0 = before training), the global state, and the clients'
-    kept state (None when the clients keep it themselves, as Flower nodes do)."""
+    """A round's committed state: round (0 = before training), the global state, the clients'
+    kept state (None when the clients keep it themselves, as Flower nodes do) and where that state
+    lives (:data:`KEPT`: in this checkpoint; :data:`ON_NODES`: on the nodes)."""
 
     round: int
     state: GlobalState
     client_state: ClientState | None
     path: Path
+    client_state_home: str = KEPT
 
 
 @dataclass
@@ -283,7 +285,7 @@ class RunDir:
                 clients = unflatten_client_state(load_file(str(side))) if side.is_file() else None
             except (SafetensorError, OSError, ValueError) as exc:
                 raise DataError(f"{side}: not a readable client-state file ({exc})") from None
-            return Checkpoint(rnd, GlobalState(raw, meta), clients, path)
+            return Checkpoint(rnd, GlobalState(raw, meta), clients, path, KEPT if clients is not None else ON_NODES)
         arrays = {k[len("global/"):]: v for k, v in raw.items() if k.startswith("global/")}
         optimizer = {k[len("optimizer/"):]: v for k, v in raw.items() if k.startswith("optimizer/")}
         clients = None
@@ -292,7 +294,7 @@ class RunDir:
                 clients = unflatten_client_state({k[len("client/"):]: v for k, v in raw.items() if k.startswith("client/")})
             except ValueError as exc:
                 raise DataError(f"{path}: {exc}") from None
-        return Checkpoint(rnd, GlobalState(arrays, meta, optimizer), clients, path)
+        return Checkpoint(rnd, GlobalState(arrays, meta, optimizer), clients, path, md.get("client_state", KEPT))
 
     def commit(self, rnd: int, state: GlobalState, client_state: ClientState | None, line: dict[str, Any],
                keep_checkpoints: bool = True) -> dict[str, Any]:
@@ -312,12 +314,14 @@ class RunDir:
                     p.unlink(missing_ok=True)
         return written
 
-    def latest_checkpoint(self, keeps_client_state: bool = False) -> Checkpoint:
-        """The checkpoint of the highest round, read and checked for a resume.
+    def latest_checkpoint(self, keeps_client_state: bool = False, home: str = KEPT) -> Checkpoint:
+        """The checkpoint of the highest round, read and checked for a resume by a transport whose
+        clients' kept state lives at ``home`` (:data:`KEPT`: in the checkpoint, the embedded runner;
+        :data:`ON_NODES`: on the nodes, Flower).
 
         Raises NestfedError (no checkpoint; the method keeps per-client state and the checkpoint
-        has none, e.g. one written on Flower, whose nodes kept it) or DataError (a corrupted
-        checkpoint), each one line naming the file.
+        keeps it elsewhere: one written on Flower resumed embedded, or the reverse) or DataError (a
+        corrupted checkpoint), each one line naming the file.
         """
         found = self.checkpoints()
         if not found:
@@ -326,9 +330,13 @@ class RunDir:
         if ck.round != found[-1][0]:
             raise DataError(f"{ck.path}: holds the state of round {ck.round}, not of round {found[-1][0]} "
                             "(a renamed or copied checkpoint)")
-        if keeps_client_state and ck.client_state is None and ck.round > 0:
+        if keeps_client_state and ck.round > 0 and home == KEPT and ck.client_state is None:
             raise NestfedError(f"{ck.path}: this method keeps per-client state, which this checkpoint does not hold "
-                               "(written on Flower, or its clients_NNN file is gone); it cannot be resumed exactly")
+                               "(written on Flower, whose nodes keep it, or its clients_NNN file is gone); it cannot be "
+                               "resumed exactly here (resume it on Flower)")
+        if keeps_client_state and ck.round > 0 and home == ON_NODES and ck.client_state_home != ON_NODES:
+            raise NestfedError(f"{ck.path}: this method keeps per-client state, which this checkpoint holds itself "
+                               "(an embedded run): Flower's nodes do not have it; resume it with nestfed run --resume")
         return ck
 
     def _kept_lines(self, path: Path, last: int | None) -> tuple[list[dict[str, Any]], list[str], bool]:
@@ -344,7 +352,7 @@ class RunDir:
                          f"{last} (they are redone)")
         return keep, notes, torn or len(keep) != len(lines)
 
-    def _resume_plan(self, keeps_client_state: bool
+    def _resume_plan(self, keeps_client_state: bool, home: str = KEPT
                      ) -> tuple[Checkpoint | None, dict[Path, tuple[list[dict[str, Any]], bool]], list[str]]:
         """(checkpoint or None, {file: (the lines to keep, whether to rewrite it)} for metrics.jsonl
         and clients.jsonl, notes): what :meth:`resume` does, computed without writing. Raises as
@@ -353,7 +361,7 @@ class RunDir:
         lines, _ = self._read_lines() if self.metrics_path.is_file() else ([], False)
         ck = None
         if self.checkpoints() or any(int(ln.get("round", -1)) > 0 for ln in lines):
-            ck = self.latest_checkpoint(keeps_client_state)
+            ck = self.latest_checkpoint(keeps_client_state, home)
         plan, notes = {}, []
         for path in files:
             keep, why, rewrite = self._kept_lines(path, None if ck is None else ck.round)
@@ -367,12 +375,12 @@ class RunDir:
                                 f"for the checkpoint {ck.path.name}")
         return ck, plan, notes
 
-    def check_resume(self, keeps_client_state: bool) -> None:
+    def check_resume(self, keeps_client_state: bool, home: str = KEPT) -> None:
         """What :meth:`resume` checks, without writing anything: call it before any work.
         Raises as :meth:`resume` does."""
-        self._resume_plan(keeps_client_state)
+        self._resume_plan(keeps_client_state, home)
 
-    def resume(self, keeps_client_state: bool) -> tuple[Checkpoint | None, list[str]]:
+    def resume(self, keeps_client_state: bool, home: str = KEPT) -> tuple[Checkpoint | None, list[str]]:
         """Where a resumed run continues: the latest checkpoint (:meth:`latest_checkpoint`), with
         metrics.jsonl (and clients.jsonl) made to hold exactly rounds 0..its round (a torn last line
         and the lines of later rounds dropped, rewritten atomically), and notes of what was repaired.
@@ -382,7 +390,7 @@ class RunDir:
         round 0 again (the initial state is deterministic). Raises as :meth:`latest_checkpoint`
         otherwise, and DataError for a metrics file that lacks a committed round.
         """
-        ck, plan, notes = self._resume_plan(keeps_client_state)
+        ck, plan, notes = self._resume_plan(keeps_client_state, home)
         for path, (keep, rewrite) in plan.items():
             if rewrite:
                 atomic.write_text(path, "".join(json.dumps(ln) + "\n" for ln in keep))

@@ -8,6 +8,8 @@ The node config (``flower-supernode --node-config``) names the node's partition:
 - ``threads`` (optional): torch threads, when the experiment's ``train.threads`` is 0;
 - ``client-cache`` (optional): where the node keeps its prepared data between ClientApp processes
   (default ``~/.cache/nestfed/clients``; ``off``: rebuild in every process);
+- ``client-state`` (optional): where the node keeps its clients' state between rounds (default
+  ``~/.cache/nestfed/client-state``; nestfed.flower.node_state);
 - ``device`` / ``dtype`` (optional): where this node's client runs (``cpu``, ``cuda``, ``cuda:N``,
   ``auto``) and its frozen weights' dtype, replacing the experiment's ``model.device`` /
   ``model.dtype`` on this node only (nestfed.nn.placement): each SuperNode names its own GPU.
@@ -24,12 +26,12 @@ its first TRAIN or EVALUATE (a QUERY only registers n_k) and kept on the node's 
 partitioning, tokenising and running the frozen prefix again.
 
 What a client keeps between rounds (``ClientTrainer.client_state``: FedNL's own LoRA when only
-the rules travel, FedALA's weights and local model) lives in the node's ``Context.state`` under
-``nestfed-client-state``: restored before every TRAIN and EVALUATE, stored after every TRAIN. The
-SuperNode keeps a run's context across messages (and across ClientApp processes), and it never
-leaves the node, so a fresh process per message trains exactly as the embedded runner's one
-process does (tested). It lasts as long as the Flower run: the ServerApp refuses to resume such a
-method (a new run starts the nodes' state afresh; the embedded runner's checkpoints keep it).
+the rules travel, FedALA's weights and local model) lives on the node's disk, one file per client
+and round under the node config's ``client-state`` folder (default ``~/.cache/nestfed/client-state``;
+nestfed.flower.node_state): restored before every TRAIN and EVALUATE, written after every TRAIN,
+keyed by the server's run directory. So a fresh process per message trains exactly as the embedded
+runner's one process does, and a run resumed after a crash of the SuperLink, the ServerApp or the
+SuperNode itself continues from the state of the round it resumes from (tested).
 
 Messages:
 
@@ -67,19 +69,18 @@ from nestfed.experiments.prepare import install_stream_modules, prepare
 from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Instruction
 from nestfed.federation.prepared import Prepared
-from nestfed.federation.run_dir import flatten_client_state, unflatten_client_state
 from nestfed.federation.secure_sum import encode
 from nestfed.flower.framing import process_age_s
+from nestfed.flower.node_state import NodeStateStore
 from nestfed.flower.records import arrays_to_record, record_to_arrays, record_to_config, reply_to_content
 from nestfed.flower.secure import fit_reply, is_secure, read_fit_instruction, secure_mod
 from nestfed.nn.backbone import default_cache_dir
 
-EXPERIMENT = "experiment"  # ConfigRecord with "toml" (the resolved experiment) and, for TRAIN, "cid"
-CLIENT_STATE = "nestfed-client-state"  # ArrayRecord in Context.state: run_dir.flatten_client_state's keys
+EXPERIMENT = "experiment"  # ConfigRecord: "toml" (the resolved experiment), "run-dir" and, for TRAIN, "cid"
 INITIAL_ARRAYS = "initial-arrays"  # ArrayRecord in the QUERY reply (e.g. FedNL's fresh memory rules)
 # Timings a TRAIN reply carries as metrics (handle_train); the ServerApp moves them to the metrics line.
 TRANSPORT_METRICS = ("encode_s", "decode_s", "prepare_s", "process_age_s", "handler_entered_at", "delivery_s",
-                     "client_state_arrays")
+                     "client_state_arrays", "client_state_round")
 
 
 @dataclass
@@ -221,25 +222,39 @@ def handle_query(msg: Message, context: Context) -> Message:
     return Message(content, reply_to=msg)
 
 
-def restore_client_state(context: Context, nc: NodeClient) -> int:
-    """Put the state this node's client kept from earlier rounds (``context.state``) into its
-    trainer; an empty one when there is none yet (the first round, or a restarted SuperNode).
-    Returns how many arrays were restored (logged per client and round as ``client_state_arrays``:
-    0 after round 1 for FedALA or FedNL rules-only means the node lost its state)."""
-    rec = context.state.array_records.get(CLIENT_STATE)
-    flat = {} if rec is None else record_to_arrays(rec)
-    nc.trainer.client_state[nc.cid] = unflatten_client_state(flat).get(nc.cid, {})
-    return len(flat)
+def client_state_store(node_config: dict[str, Any]) -> NodeStateStore:
+    """Where this node keeps its clients' state between rounds: node config ``client-state``
+    (a directory), default ``~/.cache/nestfed/client-state`` (``$XDG_CACHE_HOME`` respected)."""
+    value = str(node_config.get("client-state", "") or "")
+    return NodeStateStore(Path(value).expanduser() if value else default_cache_dir() / "client-state")
 
 
-def store_client_state(context: Context, nc: NodeClient) -> None:
-    """Keep this node's client state (after a TRAIN) in ``context.state`` for its next message."""
-    context.state[CLIENT_STATE] = arrays_to_record(flatten_client_state({nc.cid: nc.trainer.client_state.get(nc.cid, {})}))
+def _run_dir(msg: Message) -> str:
+    """The server's run directory, as the message names it (the key of the kept client state)."""
+    return str(msg.content.config_records[EXPERIMENT].get("run-dir", ""))
+
+
+def restore_client_state(context: Context, nc: NodeClient, run_dir: str, up_to: int) -> tuple[int, int]:
+    """Put the newest state this node's client kept in a round <= ``up_to`` (nestfed.flower.node_state)
+    into its trainer; an empty one when there is none (its first round). Returns (that round, -1
+    for none; how many arrays), logged per client and round as ``client_state_round`` and
+    ``client_state_arrays``: for FedALA or FedNL rules-only, none after the client's first round
+    means the node lost its state. Raises DataError for an unreadable state file."""
+    rnd, state = client_state_store(dict(context.node_config)).load(run_dir, nc.cid, up_to)
+    nc.trainer.client_state[nc.cid] = state.get(nc.cid, {})
+    return (-1 if rnd is None else rnd), sum(len(g) for g in nc.trainer.client_state[nc.cid].values())
+
+
+def store_client_state(context: Context, nc: NodeClient, run_dir: str, rnd: int) -> None:
+    """Write this node's client state after its TRAIN of round ``rnd`` (atomically; nothing for a
+    client that keeps none)."""
+    client_state_store(dict(context.node_config)).save(run_dir, nc.cid, rnd,
+                                                        {nc.cid: nc.trainer.client_state.get(nc.cid, {})})
 
 
 def release_client_state(nc: NodeClient) -> None:
     """Drop the client's state from the shared trainer once the message is answered: the node's
-    Context holds it, so a process serving many virtual nodes holds one client's state at a time."""
+    disk holds it, so a process serving many virtual nodes holds one client's state at a time."""
     nc.trainer.client_state.pop(nc.cid, None)
 
 
@@ -259,16 +274,18 @@ def handle_secure_train(msg: Message, context: Context) -> Message:
     nc = node_client(fi.cfg_text, dict(context.node_config))
     if fi.cid != nc.cid:
         raise ConfigError(f"this node serves partition {nc.cid}, the message is for client {fi.cid}")
-    restored = restore_client_state(context, nc)
+    rnd = int(fi.instruction.config.get("round", 0))
+    state_round, restored = restore_client_state(context, nc, fi.run_dir, rnd - 1)
     try:
         reply = nc.trainer.fit(nc.cid, fi.instruction)
-        store_client_state(context, nc)
+        store_client_state(context, nc, fi.run_dir, rnd)
     finally:
         release_client_state(nc)
     vectors, facts = encode(fi.instruction.arrays, reply.arrays, reply.num_examples, fi.layout, fi.scale, fi.clip)
     metrics = {k: float(v) for k, v in reply.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     metrics.update(facts)
-    metrics.update({"prepare_s": nc.built_s, "process_age_s": entered, "client_state_arrays": float(restored)})
+    metrics.update({"prepare_s": nc.built_s, "process_age_s": entered, "client_state_arrays": float(restored),
+                    "client_state_round": float(state_round)})
     return Message(fit_reply(vectors, metrics), reply_to=msg)
 
 
@@ -285,10 +302,11 @@ def handle_train(msg: Message, context: Context) -> Message:
     instruction = Instruction(record_to_arrays(msg.content.array_records["arrays"]),
                               record_to_config(msg.content.config_records["config"]))
     decode_s = time.perf_counter() - t0
-    restored = restore_client_state(context, nc)
+    rnd = int(instruction.config.get("round", 0))
+    state_round, restored = restore_client_state(context, nc, _run_dir(msg), rnd - 1)
     try:
         reply = nc.trainer.fit(nc.cid, instruction)
-        store_client_state(context, nc)
+        store_client_state(context, nc, _run_dir(msg), rnd)
     finally:
         release_client_state(nc)
     t1 = time.perf_counter()
@@ -301,6 +319,7 @@ def handle_train(msg: Message, context: Context) -> Message:
     mr["handler_entered_at"] = t_in
     mr["delivery_s"] = t_in - float(msg.metadata.created_at)
     mr["client_state_arrays"] = restored
+    mr["client_state_round"] = state_round
     return Message(content, reply_to=msg)
 
 
@@ -310,7 +329,7 @@ def handle_evaluate(msg: Message, context: Context) -> Message:
     _check_cid(msg, nc)
     cfg = record_to_config(msg.content.config_records["config"])
     arrays = record_to_arrays(msg.content.array_records["arrays"]) if "arrays" in msg.content.array_records else {}
-    restore_client_state(context, nc)
+    restore_client_state(context, nc, _run_dir(msg), int(cfg.get("round", 0)))
     try:
         metrics = nc.trainer.evaluate(nc.cid, arrays, float(cfg["scaling"]))
     finally:
@@ -323,5 +342,5 @@ app.query()(handle_query)
 app.train(mods=[secure_mod])(handle_train)  # SecAgg+ only for the messages that carry its configs
 app.evaluate()(handle_evaluate)
 
-__all__ = ["app", "handle_evaluate", "handle_query", "handle_train", "node_client", "NodeClient", "NodeHost",
-           "release_client_state", "restore_client_state", "store_client_state"]
+__all__ = ["app", "client_state_store", "handle_evaluate", "handle_query", "handle_train", "node_client", "NodeClient",
+           "NodeHost", "release_client_state", "restore_client_state", "store_client_state"]

@@ -134,21 +134,27 @@ class LocalDeployment:
         self.procs.append(proc)
         return proc
 
-    def start_superlink(self, timeout_s: float = 60.0, attempts: int = 3) -> Proc:
+    def start_superlink(self, timeout_s: float = 60.0, attempts: int = 3, same_port: bool = False) -> Proc:
         """Start the SuperLink (Fleet, Control and Runtime APIs on one port) and wait for /health.
 
-        Retried on another free port when it exits at once (another process took the port).
+        Retried on another free port when it exits at once (another process took the port);
+        ``same_port``: on the port of the SuperLink started before (a restart the SuperNodes
+        reconnect to), retried on it.
         """
         for attempt in range(attempts):
             try:
-                return self._start_superlink(timeout_s)
+                return self._start_superlink(timeout_s, same_port and self.port > 0)
             except RuntimeError:
                 if attempt == attempts - 1:
                     raise
+                time.sleep(1.0)
         raise AssertionError("unreachable")  # pragma: no cover
 
-    def _start_superlink(self, timeout_s: float) -> Proc:
-        self.port = free_port()
+    def _start_superlink(self, timeout_s: float, same_port: bool = False) -> Proc:
+        if not same_port:
+            self.port = free_port()
+        log_name = "superlink" if not any(p.name == "superlink" for p in self.procs) else \
+            f"superlink-{sum(p.name.startswith('superlink') for p in self.procs)}"
         args = [str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port),
                 "--disable-runtime-dependency-installation"]
         if self.database:
@@ -162,7 +168,7 @@ class LocalDeployment:
                      "--ssl-keyfile", str(self.tls.server_key)]
         if self.supernode_auth:
             args.append("--enable-supernode-auth")
-        proc = self._start("superlink", args)
+        proc = self._start(log_name, args)
         self.write_cli_config()
         self.wait_healthy(proc, timeout_s)
         return proc
@@ -290,6 +296,27 @@ class LocalDeployment:
         except subprocess.TimeoutExpired:
             pass
 
+    def processes(self, command: str = "") -> list[int]:
+        """PIDs of the live processes of this deployment (their environment holds its FLWR_HOME)
+        whose command line holds ``command``: e.g. ``flwr-serverapp``, which the SuperLink's
+        SuperExec starts in a session of its own. Read from /proc (Linux)."""
+        mark = f"FLWR_HOME={self.home}".encode()
+        out = []
+        for d in Path("/proc").iterdir():
+            if not d.name.isdigit() or int(d.name) == os.getpid():
+                continue
+            try:
+                if mark not in (d / "environ").read_bytes().split(b"\0"):
+                    continue
+                if (d / "stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":  # exited, not yet reaped
+                    continue
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if command in cmd:
+                out.append(int(d.name))
+        return sorted(out)
+
     def kill(self, proc: Proc) -> None:
         """SIGKILL a process and its group at once (a crash, for dropout tests)."""
         try:
@@ -304,6 +331,14 @@ class LocalDeployment:
         is doing; their logs are kept in ``root/workers``)."""
         for proc in reversed(self.procs):
             self.stop_proc(proc)
+        deadline = time.monotonic() + 10.0
+        while (left := self.processes()) and time.monotonic() < deadline:  # what the SuperLink's SuperExec
+            for pid in left:  # started in sessions of their own (a ServerApp), and the nodes' workers
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            time.sleep(0.2)
         if self.worker_dir.is_dir():
             logs = self.root / "workers"
             for f in self.worker_dir.iterdir():

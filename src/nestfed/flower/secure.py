@@ -1,11 +1,13 @@
 """Secure aggregation on Flower's deployment engine with Flower's own SecAgg+ (flwr 1.42).
 
-The protocol is Flower's, unchanged: ``flwr.server.workflow.SecAggPlusWorkflow`` on the server
-(setup, share keys, collect masked vectors, unmask: four TRAIN messages per node) and
+The protocol is Flower's: ``flwr.server.workflow.SecAggPlusWorkflow`` on the server (setup, share
+keys, collect masked vectors, unmask: four TRAIN messages per node) and
 ``flwr.client.mod.secaggplus_mod`` on every node (keys, Shamir shares, quantisation, masks). The
-server learns the sum of the nodes' vectors and who contributed, never one node's vector; a node
-that drops out after sharing its keys is survived while every node keeps at least ``threshold``
-live neighbours (its pairwise masks are rebuilt from the survivors' shares).
+server learns the sum of the nodes' vectors and who contributed, never one node's vector. A node
+lost at any stage is survived while every node keeps at least ``threshold`` live neighbours: one
+that shared its keys has its pairwise masks rebuilt from the survivors' shares; one lost before
+(at setup or share keys) is in no survivor's masks, and :class:`SurvivingSecAggPlus` corrects
+flwr 1.42's workflow, which would ask for its shares all the same.
 
 What is summed (nestfed.federation.secure_sum): per LoRA key the zero-padded update
 n_k / n_max * pad(reply - sent) and one count vector [r] with n_k / n_max at rank rows < r_k.
@@ -185,11 +187,13 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def fit_instruction(ins: Instruction, cid: int, cfg_text: str, lay: Layout, scale: float, clip: float) -> FitIns:
+def fit_instruction(ins: Instruction, cid: int, cfg_text: str, lay: Layout, scale: float, clip: float,
+                    run_dir: str = "") -> FitIns:
     """One node's instruction as a legacy FitIns: its arrays as Parameters (in key order), the
-    instruction config, the experiment, the layout and the encoding's scale and clip in the config."""
+    instruction config, the experiment, the server's run directory (the key of the node's kept
+    client state), the layout and the encoding's scale and clip in the config."""
     keys = list(ins.arrays)
-    config = {f"{_PREFIX}experiment": cfg_text, f"{_PREFIX}cid": cid, f"{_PREFIX}config": json.dumps(ins.config),
+    config = {f"{_PREFIX}experiment": cfg_text, f"{_PREFIX}cid": cid, f"{_PREFIX}run-dir": run_dir, f"{_PREFIX}config": json.dumps(ins.config),
               f"{_PREFIX}keys": json.dumps(keys), f"{_PREFIX}layout": json.dumps({k: list(v) for k, v in lay.items()}),
               f"{_PREFIX}scale": float(scale), f"{_PREFIX}clip": float(clip)}
     return FitIns(ndarrays_to_parameters([_numpy(ins.arrays[k]) for k in keys]), config)
@@ -205,6 +209,7 @@ class FitInstruction:
     layout: Layout
     scale: float
     clip: float
+    run_dir: str = ""
 
 
 def is_secure(content: RecordDict) -> bool:
@@ -224,7 +229,8 @@ def read_fit_instruction(content: RecordDict) -> FitInstruction:
     lay = {k: tuple(int(x) for x in v) for k, v in json.loads(str(cfg[f"{_PREFIX}layout"])).items()}
     return FitInstruction(str(cfg[f"{_PREFIX}experiment"]), int(cfg[f"{_PREFIX}cid"]),
                           Instruction(arrays, json.loads(str(cfg[f"{_PREFIX}config"]))), lay,
-                          float(cfg[f"{_PREFIX}scale"]), float(cfg[f"{_PREFIX}clip"]))
+                          float(cfg[f"{_PREFIX}scale"]), float(cfg[f"{_PREFIX}clip"]),
+                          str(cfg.get(f"{_PREFIX}run-dir", "")))
 
 
 def fit_reply(vectors: list[torch.Tensor], metrics: dict[str, float]) -> RecordDict:
@@ -233,9 +239,29 @@ def fit_reply(vectors: list[torch.Tensor], metrics: dict[str, float]) -> RecordD
     return compat.fitres_to_recorddict(FitRes(Status(Code.OK, "ok"), params, 1, dict(metrics)), keep_input=False)
 
 
+class SurvivingSecAggPlus(SecAggPlusWorkflow):
+    """Flower's SecAgg+ workflow that survives a node lost before it shared its keys.
+
+    flwr 1.42's unmask stage counts as dead every sampled node that sent no masked vector and asks
+    the survivors for shares of its key; a node lost at setup or share keys never gave any (the
+    survivors' mod raises KeyError, the server finds too few shares), so the round halts. In the
+    protocol (Bell et al., CCS 2020, Algorithm 2: only U2 \\ U3 is unmasked) and in flwr's own mod
+    (a node masks only with the neighbours whose key shares reached it) those nodes take no part
+    after share keys: once it is over, the sampled set and every neighbourhood are narrowed to the
+    nodes that shared their keys, and the threshold is checked on them.
+    """
+
+    def share_keys_stage(self, grid: Any, context: LegacyContext, state: Any) -> bool:
+        super().share_keys_stage(grid, context, state)
+        shared = set(state.active_node_ids)
+        state.sampled_node_ids = shared
+        state.nid_to_neighbours = {n: nb & shared for n, nb in state.nid_to_neighbours.items() if n in shared}
+        return self._check_threshold(state)
+
+
 def secure_fit(grid: Any, exchange: Callable[..., Any], rnd: int, instructions: dict[int, Instruction],
                node_of: dict[int, int], cfg_text: str, sa: SecAggSettings, n_max: int, timeout_s: float,
-               poll_s: float, say: Callable[[str], None]) -> FitResults:
+               poll_s: float, say: Callable[[str], None], run_dir: str = "") -> FitResults:
     """One TRAIN round through Flower's SecAgg+ workflow; the FitResults carry only the
     :class:`~nestfed.federation.messages.SecureSum` (``secure``), per-node transport info and the
     reasons of the nodes that dropped out (halted: every node dropped with the reason)."""
@@ -248,7 +274,7 @@ def secure_fit(grid: Any, exchange: Callable[..., Any], rnd: int, instructions: 
     cid_of = {node_of[c]: c for c in cids}
     fitins = []
     for c in cids:
-        fi = fit_instruction(instructions[c], c, cfg_text, lay, scale, sa.clipping_range)
+        fi = fit_instruction(instructions[c], c, cfg_text, lay, scale, sa.clipping_range, run_dir)
         fitins.append((GridClientProxy(node_of[c], grid, 0), fi))
         out.info[c] = {"node_id": node_of[c], "wire_bytes_down": sum(len(t) for t in fi.parameters.tensors)}
     shim = SumOnly(fitins)
@@ -256,7 +282,7 @@ def secure_fit(grid: Any, exchange: Callable[..., Any], rnd: int, instructions: 
     ctx.state.config_records["config"] = ConfigRecord({"current_round": rnd})
     ctx.state.array_records["parameters"] = ArrayRecord()
     shares, threshold = sa.shares(k), sa.threshold_for(k)
-    workflow = SecAggPlusWorkflow(shares / k, threshold, max_weight=1.0, clipping_range=sa.clipping_range,
+    workflow = SurvivingSecAggPlus(shares / k, threshold, max_weight=1.0, clipping_range=sa.clipping_range,
                                   quantization_range=sa.quantization_range, modulus_range=MODULUS, timeout=timeout_s)
     stages = StageGrid(grid, exchange, timeout_s, poll_s)
     workflow(stages, ctx)

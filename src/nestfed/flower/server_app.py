@@ -29,9 +29,10 @@ Run config (``[tool.flwr.app.config]`` of ``flower_app/pyproject.toml``, overrid
 
 Before the rounds: a QUERY message to every node (its partition, rank, n_k, LoRA shapes, base
 model and, for a method that needs them, the initial arrays only a model gives, e.g. FedNL's fresh
-memory rules). Clients' kept state stays on the nodes (Context.state), so a method whose clients
-keep state cannot be resumed on Flower (a new ``flwr run`` starts the nodes' state afresh): such a
-resume is refused with one line.
+memory rules). Clients' kept state stays on the nodes, on their disks, keyed by the run directory
+and round (nestfed.flower.node_state), so a method whose clients keep state resumes on Flower too:
+after a crash of the SuperLink or of the ServerApp, ``resume = true`` with the same ``run-dir``
+continues from the latest checkpoint and each node from its state of that round.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import FitResults, RoundLoop
 from nestfed.federation.population import Population
 from nestfed.federation.messages import Arrays, ClientInfo, Instruction, Reply
-from nestfed.federation.run_dir import ClientState, Exports, RunDir
+from nestfed.federation.run_dir import ON_NODES, ClientState, Exports, RunDir
 from nestfed.federation.secure_sum import supports_secure_aggregation
 from nestfed.flower.client_app import EXPERIMENT, INITIAL_ARRAYS, TRANSPORT_METRICS
 from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply, record_to_arrays
@@ -211,8 +212,8 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout_s: float, poll_s:
                     sorted(unsent))
 
 
-def _experiment_record(cfg_text: str, cid: int | None = None) -> ConfigRecord:
-    rec = ConfigRecord({"toml": cfg_text})
+def _experiment_record(cfg_text: str, cid: int | None = None, run_dir: str = "") -> ConfigRecord:
+    rec = ConfigRecord({"toml": cfg_text, "run-dir": run_dir})
     if cid is not None:
         rec["cid"] = cid
     return rec
@@ -242,7 +243,8 @@ class FlowerTransport:
 
     grid: the Flower grid; settings: the run settings; node_of: {cid: node id}; cfg_text: the
     resolved experiment (sent with every message, so server and nodes agree on it); query: the
-    QUERY round's result (its node info goes into the round-0 line); say: logging.
+    QUERY round's result (its node info goes into the round-0 line); say: logging; run_dir: the
+    run directory's resolved path (the key under which the nodes keep their clients' state).
     """
 
     grid: Grid
@@ -251,13 +253,15 @@ class FlowerTransport:
     cfg_text: str
     query: QueryResult
     say: Callable[[str], None]
+    run_dir: str = ""
+    client_state_home: str = ON_NODES
 
     def open(self) -> dict[str, Any]:
         """The QUERY round's node info and duration for the round-0 line."""
         return {"nodes": self.query.info, "query_s": self.query.seconds}
 
     def _message(self, cid: int, content: RecordDict, kind: str, group: str) -> Message:
-        content[EXPERIMENT] = _experiment_record(self.cfg_text, cid)
+        content[EXPERIMENT] = _experiment_record(self.cfg_text, cid, self.run_dir)
         return Message(content, dst_node_id=self.node_of[cid], message_type=kind, group_id=group,
                        ttl=self.settings.round_timeout_s + 60)
 
@@ -268,7 +272,7 @@ class FlowerTransport:
         if self.settings.secure_aggregation:
             return secure_fit(self.grid, exchange, rnd, instructions, self.node_of, self.cfg_text, self.settings.secagg,
                               max(c.num_examples for c in self.query.clients), self.settings.round_timeout_s,
-                              self.settings.poll_interval_s, self.say)
+                              self.settings.poll_interval_s, self.say, self.run_dir)
         t0 = time.perf_counter()
         out = FitResults()
         msgs, cid_of = {}, {}
@@ -319,7 +323,7 @@ class FlowerTransport:
             msgs, cid_of = {}, {}
             for cid in cids[i:i + EVALUATE_BATCH]:
                 arrays, scale = deployments[cid]
-                content = RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale})})
+                content = RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale, "round": rnd})})
                 msgs[self.node_of[cid]] = self._message(cid, content, MessageType.EVALUATE, f"eval-{rnd}")
                 cid_of[self.node_of[cid]] = cid
             ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
@@ -333,8 +337,8 @@ class FlowerTransport:
         return dict(sorted(out.items(), key=lambda kv: int(kv[0])))
 
     def client_state(self) -> ClientState | None:
-        """None: the nodes keep their clients' state (Context.state), never the server."""
-        return None  # the nodes keep their clients' state (Context.state)
+        """None: the nodes keep their clients' state (nestfed.flower.node_state), never the server."""
+        return None
 
     def restore_client_state(self, state: ClientState | None) -> None:
         """Nothing to restore on the server (see :meth:`client_state`)."""
@@ -433,7 +437,7 @@ class FlowerRun:
         tracking.check_store(cfg.tracking, cfg.output.dir)
         if s.resume:
             rd = RunDir.open(run_dir, cfg_text)
-            rd.check_resume(method.keeps_client_state(cfg))  # refuses before any message is sent
+            rd.check_resume(method.keeps_client_state(cfg), ON_NODES)  # refuses before any message is sent
             for change in rd.accept_config(stored_config(rd), cfg, cfg_text):
                 self.say(f"resume: config.toml now has {change}")
         elif run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
@@ -466,7 +470,7 @@ class FlowerRun:
             self.say(f"resuming {run_dir}")
         else:
             rd = RunDir.create(run_dir, cfg_text, C.per_client_inline(cfg))
-        transport = FlowerTransport(self.grid, s, q.node_of, cfg_text, q, self.say)
+        transport = FlowerTransport(self.grid, s, q.node_of, cfg_text, q, self.say, str(run_dir.resolve()))
         loop = RoundLoop.from_config(cfg, strategy, transport, q.clients, rd, keeps_state, min_clients=min_clients,
                                      population=population,
                                      on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None,

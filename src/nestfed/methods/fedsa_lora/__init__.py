@@ -25,8 +25,8 @@ the clients, but only A (which the paper finds learns general knowledge) is sent
 - Robust rules and central DP work per rank segment of A (the blocks whose rows are held by the
   same clients, as PreLort's); secure aggregation rebuilds the holder mean from sums alone.
 
-Under Flower the B's stay on the nodes (``Context.state``), so a resume is refused there as for
-every method whose clients keep state.
+Under Flower the B's stay on the nodes' disks (nestfed.flower.node_state), so a resumed Flower run
+continues each client from its own B.
 """
 
 from __future__ import annotations
