@@ -77,7 +77,7 @@ def one(setting: dict) -> dict:
         c = methods.load_config(TINY, overrides + [f"strategy.name={label}"] + ([f"robust.rule={rule}"] if rule else []))
         commits: dict[int, float] = {}
 
-        def on_event(kind, info):
+        def on_event(kind, info, commits=commits):
             if kind == "round_done":
                 commits[info["round"]] = info["commit_s"]
 

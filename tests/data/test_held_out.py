@@ -1,7 +1,6 @@
 """The server text: held out from every client's train blocks and test records."""
 
 import pytest
-import torch
 
 from nestfed import methods
 from nestfed.nn.backbone import byte_tokenizer

@@ -46,7 +46,7 @@ def test_special_values_and_empty_and_non_contiguous_tensors_survive():
 def test_heterogeneous_ranks_each_node_its_own_shapes():
     full = adapter(8)
     per_node = {node: truncate_rank(full, r) for node, r in ((11, 2), (12, 4), (13, 8))}
-    for node, arrays in per_node.items():
+    for arrays in per_node.values():
         rec = arrays_to_record(arrays)
         assert list(rec) == list(arrays)  # keys and order kept
         back = record_to_arrays(rec)

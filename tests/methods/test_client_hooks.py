@@ -70,7 +70,7 @@ def test_hetlora_regulariser_adds_lambda_times_tail_norm(model):
     ids = torch.randint(0, 258, (2, 12))
     batch = Batch(ids.clone(), input_ids=ids)
     assert tail_size(4, 0.25) == 1 and tail_size(16, 0.25) == 4 and tail_size(1, 0.25) == 0 and tail_size(2, 0.9) == 1
-    expected = sum((0.5 * l.lora_B.weight[:, 3:] @ l.lora_A.weight[3:]).norm() for l in lora_modules(model).values())
+    expected = sum((0.5 * m.lora_B.weight[:, 3:] @ m.lora_A.weight[3:]).norm() for m in lora_modules(model).values())
     torch.testing.assert_close(tail_norm(model, 0.25), expected)
     ClientHooks().step_loss(ctx_for(model), batch)
     g_plain = grads(model)

@@ -38,8 +38,8 @@ def test_active_rank_context_restores_and_rejects_too_high(tiny_llama):
     m = tiny_llama.model
     inject_lora(m, TARGETS, rank=4, scaling=1.0)
     with active_rank(m, 2):
-        assert all(l.active_rank == 2 for l in lora_modules(m).values())
-    assert all(l.active_rank is None for l in lora_modules(m).values())
+        assert all(layer.active_rank == 2 for layer in lora_modules(m).values())
+    assert all(layer.active_rank is None for layer in lora_modules(m).values())
     with pytest.raises(ValueError, match="exceeds"):
         with active_rank(m, 5):
             pass

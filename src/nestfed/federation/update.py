@@ -9,7 +9,6 @@ are not part of an update: they are never counted, scaled or clipped.
 
 from __future__ import annotations
 
-import math
 
 import torch
 

@@ -262,8 +262,8 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
 
         UQ3 = UQ.view(NB, 2 * C, V)
         U = UQ3[:, :C]
-        O = torch.baddbmm(UQ3[:, C:], P, U, beta=-scale, alpha=scale)  # scale (Q S_n + P U_n)
-        o = _unchunk(O.view(N, BH, C, V), B, T, H, q.dtype)
+        out = torch.baddbmm(UQ3[:, C:], P, U, beta=-scale, alpha=scale)  # scale (Q S_n + P U_n)
+        o = _unchunk(out.view(N, BH, C, V), B, T, H, q.dtype)
         final = S[N].reshape(B, H, K, V).clone()
 
         ctx.save_for_backward(WQ, kc, vc, bc, kk, P, Tinv, UQ, S)

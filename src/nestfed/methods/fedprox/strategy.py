@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 from torch import nn
 
@@ -11,7 +10,6 @@ from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays
 from nestfed.federation.training import Batch
 from nestfed.methods.fedavg.strategy import FedAvg
-from nestfed.methods.fedprox import FedProxOptions
 from nestfed.methods.implementation import lora_implementation, lora_settings
 
 

@@ -14,7 +14,7 @@ from nestfed.federation.run_dir import Exports
 from nestfed.methods.compressed.evaluation import (client_memory, compressed_clients, core_train, evaluate_server,
                                                    mean_ppl)
 from nestfed.methods.compressed.groups import GroupedTrainer
-from nestfed.methods.compressed.setup import CompressedSetup, client_ratios, prepare_compressed
+from nestfed.methods.compressed.setup import CompressedSetup, prepare_compressed
 from nestfed.methods.fedslm.elicitation import elicit
 from nestfed.methods.fedslm.strategy import FedSLM, SLMGroups
 from nestfed.methods.fedslm.weak_model import weak_model, weak_views

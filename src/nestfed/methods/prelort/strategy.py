@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -17,7 +16,6 @@ from nestfed.federation.robust import Block, BlockRule
 from nestfed.federation.secure_sum import SecureSum, segment_mean
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys, reply_rank
 from nestfed.federation.training import Batch
-from nestfed.methods.prelort import PreLortOptions
 from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.methods.zeropad.strategy import ZeroPad
 from nestfed.nn.keys import rank_dim
