@@ -23,16 +23,28 @@ from nestfed.federation.messages import ClientInfo, Reply
 
 def strategy(name: str, ranks: list[int], lora_alpha: float, *overrides: str, initial=None):
     """The server strategy of ``name`` as its home builds it, for these client ranks."""
-    cfg = methods.load_config(None, [f"strategy.name={name}", f"data.num_clients={len(ranks)}",
-                                     f"lora.ranks={list(ranks)}", f"lora.lora_alpha={lora_alpha}", *overrides])
+    cfg = methods.load_config(
+        None,
+        [
+            f"strategy.name={name}",
+            f"data.num_clients={len(ranks)}",
+            f"lora.ranks={list(ranks)}",
+            f"lora.lora_alpha={lora_alpha}",
+            *overrides,
+        ],
+    )
     return methods.get(name).server(cfg, initial or {})
 
 
 def shapes(layers: int) -> dict[str, tuple[int, int]]:
     out = {}
     for i in range(layers):
-        for name, (o, n) in {"q_proj": (576, 576), "k_proj": (192, 576), "v_proj": (192, 576),
-                             "o_proj": (576, 576)}.items():
+        for name, (o, n) in {
+            "q_proj": (576, 576),
+            "k_proj": (192, 576),
+            "v_proj": (192, 576),
+            "o_proj": (576, 576),
+        }.items():
             out[f"model.layers.{i}.self_attn.{name}"] = (o, n)
     return out
 
@@ -43,8 +55,10 @@ def bench(name: str, ranks: list[int], layers: int, repeats: int) -> dict:
     state = st.initialize(shapes(layers), clients)
     ins = st.configure(1, state, clients)
     g = torch.Generator().manual_seed(0)
-    replies = {c.cid: Reply({k: torch.randn(s, generator=g) * 0.01 for k, s in ins[c.cid].expect.items()},
-                            c.num_examples) for c in clients}
+    replies = {
+        c.cid: Reply({k: torch.randn(s, generator=g) * 0.01 for k, s in ins[c.cid].expect.items()}, c.num_examples)
+        for c in clients
+    }
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -66,8 +80,14 @@ def main() -> None:
     homogeneous = [a.rank] * a.clients
     cycle = [2, 4, 8, 16]
     heterogeneous = [cycle[i % 4] for i in range(a.clients)]
-    result = {"clients": a.clients, "layers": a.layers, "modules": 4 * a.layers, "threads": a.threads,
-              "equal_rank": {}, "heterogeneous_ranks_2_4_8_16": {}}
+    result = {
+        "clients": a.clients,
+        "layers": a.layers,
+        "modules": 4 * a.layers,
+        "threads": a.threads,
+        "equal_rank": {},
+        "heterogeneous_ranks_2_4_8_16": {},
+    }
     for name in ("fedavg", "zeropad", "hetlora", "prelort", "ffa_lora", "flora"):
         result["equal_rank"][name] = bench(name, homogeneous, a.layers, a.repeats)
     for name in ("zeropad", "hetlora", "prelort", "flora"):

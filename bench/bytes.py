@@ -22,9 +22,18 @@ from nestfed.federation.payload import payload_stats
 
 def strategy(name: str, ranks: list[int], lora_alpha: float, *overrides: str, initial=None):
     """The server strategy of ``name`` as its home builds it, for these client ranks."""
-    cfg = methods.load_config(None, [f"strategy.name={name}", f"data.num_clients={len(ranks)}",
-                                     f"lora.ranks={list(ranks)}", f"lora.lora_alpha={lora_alpha}", *overrides])
+    cfg = methods.load_config(
+        None,
+        [
+            f"strategy.name={name}",
+            f"data.num_clients={len(ranks)}",
+            f"lora.ranks={list(ranks)}",
+            f"lora.lora_alpha={lora_alpha}",
+            *overrides,
+        ],
+    )
     return methods.get(name).server(cfg, initial or {})
+
 
 RANKS = [2, 4, 4, 8, 16]
 FULL_PARAMS = 134_515_008  # SmolLM2-135M (tied embeddings), counted from the loaded model
@@ -33,8 +42,12 @@ FULL_PARAMS = 134_515_008  # SmolLM2-135M (tied embeddings), counted from the lo
 def shapes(layers: list[int]) -> dict[str, tuple[int, int]]:
     out = {}
     for i in layers:
-        for name, (o, n) in {"q_proj": (576, 576), "k_proj": (192, 576), "v_proj": (192, 576),
-                             "o_proj": (576, 576)}.items():
+        for name, (o, n) in {
+            "q_proj": (576, 576),
+            "k_proj": (192, 576),
+            "v_proj": (192, 576),
+            "o_proj": (576, 576),
+        }.items():
             out[f"model.layers.{i}.self_attn.{name}"] = (o, n)
     return out
 
@@ -50,10 +63,14 @@ def method_bytes(name: str, layer_ids: list[int], rounds: int = 3) -> dict:
         replies = {c.cid: Reply({k: torch.zeros(s) for k, s in ins[c.cid].expect.items()}, 24) for c in clients}
         down = {c.cid: payload_stats(ins[c.cid].arrays) for c in clients}
         up = {c.cid: payload_stats(replies[c.cid].arrays) for c in clients}
-        per_round.append({"round": rnd,
-                          "down_bytes_per_client": {str(c): d["bytes"] for c, d in down.items()},
-                          "up_bytes_per_client": {str(c): u["bytes"] for c, u in up.items()},
-                          "mean_bytes_per_client": sum(d["bytes"] + up[c]["bytes"] for c, d in down.items()) / len(clients)})
+        per_round.append(
+            {
+                "round": rnd,
+                "down_bytes_per_client": {str(c): d["bytes"] for c, d in down.items()},
+                "up_bytes_per_client": {str(c): u["bytes"] for c, u in up.items()},
+                "mean_bytes_per_client": sum(d["bytes"] + up[c]["bytes"] for c, d in down.items()) / len(clients),
+            }
+        )
         state = st.aggregate(rnd, state, replies)
     return {"ranks": ranks, "rounds": per_round}
 

@@ -19,8 +19,11 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-COMMANDS = {"help": ["--help"], "methods": ["methods"],
-            "config_error": ["run", "configs/tiny.toml", "--set", "lora.rank=3"]}
+COMMANDS = {
+    "help": ["--help"],
+    "methods": ["methods"],
+    "config_error": ["run", "configs/tiny.toml", "--set", "lora.rank=3"],
+}
 
 
 def timed(args: list[str], src: str | None) -> float:
@@ -28,8 +31,13 @@ def timed(args: list[str], src: str | None) -> float:
     if src:
         env["PYTHONPATH"] = src
     t0 = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "from nestfed.cli import main; main()", *args], cwd=ROOT, env=env,
-                   capture_output=True, check=False)
+    subprocess.run(
+        [sys.executable, "-c", "from nestfed.cli import main; main()", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        check=False,
+    )
     return time.perf_counter() - t0
 
 
@@ -45,9 +53,13 @@ def main() -> None:
         for name, cmd in COMMANDS.items():
             for side, src in sides.items():
                 times[side][name].append(timed(cmd, src))
-    out = {"bench": "cli_start", "repeats": args.repeats, "load_1min": os.getloadavg()[0],
-           "median_s": {s: {c: round(statistics.median(v), 3) for c, v in t.items()} for s, t in times.items()},
-           "all_s": {s: {c: [round(x, 3) for x in v] for c, v in t.items()} for s, t in times.items()}}
+    out = {
+        "bench": "cli_start",
+        "repeats": args.repeats,
+        "load_1min": os.getloadavg()[0],
+        "median_s": {s: {c: round(statistics.median(v), 3) for c, v in t.items()} for s, t in times.items()},
+        "all_s": {s: {c: [round(x, 3) for x in v] for c, v in t.items()} for s, t in times.items()},
+    }
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

@@ -78,16 +78,19 @@ def saved_bytes(fn, ins, chunk_size: int) -> dict[str, int]:
 def _dumps(obj) -> str:
     """JSON with one key per line but lists and small dicts of numbers kept on one line."""
     text = json.dumps(obj, indent=1)
-    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]",
-                  lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
+    return re.sub(r"\[\s+([^\[\]{}]*?)\s+\]", lambda m: "[" + " ".join(m.group(1).split()) + "]", text)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="T = 256, 1024, one recurrent run each")
-    ap.add_argument("--threads", type=int, default=1,
-                    help="torch intra-op threads (default 1: on a shared 2-core machine two "
-                         "OpenMP threads collapse when another process holds a core)")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads (default 1: on a shared 2-core machine two "
+        "OpenMP threads collapse when another process holds a core)",
+    )
     ap.add_argument("--chunk-sizes", default="32,64", help="chunkwise chunk sizes to time")
     ap.add_argument("--repeats", type=int, default=5, help="chunkwise repeats per T")
     args = ap.parse_args()
@@ -124,58 +127,67 @@ def main() -> None:
         ref = outs["recurrent"]
         mem = {f"chunkwise_C{c}": saved_bytes(delta_rule_chunkwise, ins, c) for c in chunk_sizes}
         mem["recurrent"] = saved_bytes(delta_rule_recurrent, ins, 64)
-        results.append({
-            "T": T,
-            "fwd_bwd_s_median": {n: round(t, 5) for n, t in med.items()},
-            "fwd_bwd_s_all": {n: [round(t, 5) for t in ts] for n, ts in times.items()},
-            "speedup_vs_recurrent": {
-                n: round(med["recurrent"] / t, 2) for n, t in med.items() if n != "recurrent"
-            },
-            "speedup_vs_recurrent_of_min_times": {
-                n: round(min(times["recurrent"]) / min(ts), 2)
-                for n, ts in times.items() if n != "recurrent"
-            },
-            "max_abs_diff_o_vs_recurrent": {
-                n: float((o - ref).abs().max()) for n, o in outs.items() if n != "recurrent"
-            },
-            "saved_for_backward_MiB": {
-                n: {kind: round(b / 2**20, 2) for kind, b in m.items()} for n, m in mem.items()
-            },
-            "saved_for_backward_bytes_per_token_per_head": {
-                n: round(m["unique_storage"] / (T * B * H), 1) for n, m in mem.items()
-            },
-            "saved_ratio_chunkwise_over_recurrent": {
-                n: round(m["unique_storage"] / mem["recurrent"]["unique_storage"], 3)
-                for n, m in mem.items() if n != "recurrent"
-            },
-        })
+        results.append(
+            {
+                "T": T,
+                "fwd_bwd_s_median": {n: round(t, 5) for n, t in med.items()},
+                "fwd_bwd_s_all": {n: [round(t, 5) for t in ts] for n, ts in times.items()},
+                "speedup_vs_recurrent": {n: round(med["recurrent"] / t, 2) for n, t in med.items() if n != "recurrent"},
+                "speedup_vs_recurrent_of_min_times": {
+                    n: round(min(times["recurrent"]) / min(ts), 2) for n, ts in times.items() if n != "recurrent"
+                },
+                "max_abs_diff_o_vs_recurrent": {
+                    n: float((o - ref).abs().max()) for n, o in outs.items() if n != "recurrent"
+                },
+                "saved_for_backward_MiB": {
+                    n: {kind: round(b / 2**20, 2) for kind, b in m.items()} for n, m in mem.items()
+                },
+                "saved_for_backward_bytes_per_token_per_head": {
+                    n: round(m["unique_storage"] / (T * B * H), 1) for n, m in mem.items()
+                },
+                "saved_ratio_chunkwise_over_recurrent": {
+                    n: round(m["unique_storage"] / mem["recurrent"]["unique_storage"], 3)
+                    for n, m in mem.items()
+                    if n != "recurrent"
+                },
+            }
+        )
 
     target = next((r for r in results if r["T"] == TARGET_T), None)
     best = None
     if target is not None:
         best_name, best_speed = max(target["speedup_vs_recurrent"].items(), key=lambda kv: kv[1])
-        best = {"T": TARGET_T, "required": TARGET_SPEEDUP, "best": best_name,
-                "speedup": best_speed, "met": best_speed >= TARGET_SPEEDUP}
-    print(_dumps({
-        "benchmark": "delta rule forward+backward, CPU, fp32",
-        "shape": {"B": B, "H": H, "K": K, "V": V},
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "load_avg_1_5_15_before": [round(x, 2) for x in load_before],
-        "load_avg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
-        "method": "implementations interleaved within each repeat; median of repeats; "
-                  "recurrence repeats: " + ", ".join(f"T={T}: {n}" for T, n in plan),
-        "memory_method": "torch.autograd.graph.saved_tensors_hooks over one forward pass: "
-                         "'sum' adds every tensor saved for backward (views counted separately), "
-                         "'unique_storage' counts each distinct storage they keep alive once at "
-                         "full size (the memory held for backward; excludes the gradient "
-                         "temporaries of backward itself)",
-        "results": results,
-        "target": best,
-        "wall_s": round(time.perf_counter() - t_start, 1),
-    }))
+        best = {
+            "T": TARGET_T,
+            "required": TARGET_SPEEDUP,
+            "best": best_name,
+            "speedup": best_speed,
+            "met": best_speed >= TARGET_SPEEDUP,
+        }
+    print(
+        _dumps(
+            {
+                "benchmark": "delta rule forward+backward, CPU, fp32",
+                "shape": {"B": B, "H": H, "K": K, "V": V},
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "cpu": platform.processor() or platform.machine(),
+                "cpu_count": os.cpu_count(),
+                "load_avg_1_5_15_before": [round(x, 2) for x in load_before],
+                "load_avg_1_5_15_after": [round(x, 2) for x in os.getloadavg()],
+                "method": "implementations interleaved within each repeat; median of repeats; "
+                "recurrence repeats: " + ", ".join(f"T={T}: {n}" for T, n in plan),
+                "memory_method": "torch.autograd.graph.saved_tensors_hooks over one forward pass: "
+                "'sum' adds every tensor saved for backward (views counted separately), "
+                "'unique_storage' counts each distinct storage they keep alive once at "
+                "full size (the memory held for backward; excludes the gradient "
+                "temporaries of backward itself)",
+                "results": results,
+                "target": best,
+                "wall_s": round(time.perf_counter() - t_start, 1),
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

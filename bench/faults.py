@@ -30,8 +30,15 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
-BASE = ["data.num_clients=3", "federation.rounds=3", "train.local_steps=4", "train.lr=1e-2", "output.plots=false",
-        "output.truncations=[]", "train.threads=2"]
+BASE = [
+    "data.num_clients=3",
+    "federation.rounds=3",
+    "train.local_steps=4",
+    "train.lr=1e-2",
+    "output.plots=false",
+    "output.truncations=[]",
+    "train.threads=2",
+]
 EXTRA = {"fednl": ['lora.target_modules=["q_proj","k_proj","v_proj"]']}  # FedNL keeps o_proj frozen
 FAULTS = {
     "update x 1e6": ["attack.kind=scale", "attack.scale=1e6", "attack.clients=[0]"],
@@ -114,12 +121,15 @@ def main() -> None:
                     cells[fault + " (line)"] = str(exc).split(": ", 1)[-1]
                 cells[fault + " (ppl)"] = ppl
                 print(f"{name} / {fault}: {cells[fault]} ({ppl:.2f}, clean {clean:.2f})", file=sys.stderr)
-            rows.append({"method": name, "backbone_ppl": backbone, "clean_ppl": clean,
-                         **cells})
-    result = {"bench": "faults", "faults": {k: v for k, v in FAULTS.items()}, "rows": rows,
-              "silent": [(r["method"], f) for r in rows for f in FAULTS if r[f] == "SILENT"],
-              "degraded": [(r["method"], f, r[f]) for r in rows for f in FAULTS if r[f].startswith("degraded")],
-              "wall_s": time.perf_counter() - t0}
+            rows.append({"method": name, "backbone_ppl": backbone, "clean_ppl": clean, **cells})
+    result = {
+        "bench": "faults",
+        "faults": {k: v for k, v in FAULTS.items()},
+        "rows": rows,
+        "silent": [(r["method"], f) for r in rows for f in FAULTS if r[f] == "SILENT"],
+        "degraded": [(r["method"], f, r[f]) for r in rows for f in FAULTS if r[f].startswith("degraded")],
+        "wall_s": time.perf_counter() - t0,
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:
@@ -133,8 +143,11 @@ def table(result: dict) -> str:
     head = "| method | backbone ppl | clean ppl | " + " | ".join(faults) + " |"
     rows = [head, "|" + "---|" * (len(faults) + 3)]
     for r in result["rows"]:
-        rows.append(f"| {r['method']} | {r['backbone_ppl']:.2f} | {r['clean_ppl']:.2f} | "
-                    + " | ".join(r[f] for f in faults) + " |")
+        rows.append(
+            f"| {r['method']} | {r['backbone_ppl']:.2f} | {r['clean_ppl']:.2f} | "
+            + " | ".join(r[f] for f in faults)
+            + " |"
+        )
     return "\n".join(rows) + "\n"
 
 

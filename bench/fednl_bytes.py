@@ -22,8 +22,15 @@ def smollm2_shaped(layers: int = 30):
     """A randomly initialised Llama with SmolLM2-135M's shapes (hidden 576, 9 heads, 3 KV heads)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=layers,
-                      num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=576,
+        intermediate_size=1536,
+        num_hidden_layers=layers,
+        num_attention_heads=9,
+        num_key_value_heads=3,
+        tie_word_embeddings=True,
+    )
     with torch.device("meta"):
         shell = LlamaForCausalLM(cfg)
     n_params = sum(p.numel() for p in shell.parameters())
@@ -49,8 +56,13 @@ def account(rank: int, lora_layers: tuple[int, ...], gate: str) -> dict:
     shapes = module_shapes(model)
     out = {"rank": rank, "layers": len(layers), "gate": gate}
     clients = [ClientInfo(0, rank, 1)]
-    base = ["data.num_clients=1", f"lora.ranks=[{rank}]", f"lora.lora_alpha={2.0 * rank}", f"memory.gate={gate}",
-            'lora.target_modules=["q_proj","k_proj","v_proj"]']
+    base = [
+        "data.num_clients=1",
+        f"lora.ranks=[{rank}]",
+        f"lora.lora_alpha={2.0 * rank}",
+        f"memory.gate={gate}",
+        'lora.target_modules=["q_proj","k_proj","v_proj"]',
+    ]
     for travel in ("all", "rules"):
         cfg = methods.load_config(None, base + ["strategy.name=fednl", f"fednl.travel={travel}"])
         st = methods.get("fednl").server(cfg, rules)
@@ -68,10 +80,18 @@ def account(rank: int, lora_layers: tuple[int, ...], gate: str) -> dict:
 
 def main() -> None:
     torch.set_num_threads(1)
-    rows = [account(16, (), "learned"), account(32, (-4, -3, -2, -1), "learned"), account(16, (), "dynamic"),
-            account(16, (), "constant")]
-    res = {"bench": "fednl_bytes", "model_shapes": "SmolLM2-135M (30 layers, hidden 576, 9 heads / 3 KV heads)",
-           "unit": "bytes per client per round, one direction (down = up for FedNL)", "rows": rows}
+    rows = [
+        account(16, (), "learned"),
+        account(32, (-4, -3, -2, -1), "learned"),
+        account(16, (), "dynamic"),
+        account(16, (), "constant"),
+    ]
+    res = {
+        "bench": "fednl_bytes",
+        "model_shapes": "SmolLM2-135M (30 layers, hidden 576, 9 heads / 3 KV heads)",
+        "unit": "bytes per client per round, one direction (down = up for FedNL)",
+        "rows": rows,
+    }
     out = Path(__file__).parent / "results" / "fednl_bytes.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")

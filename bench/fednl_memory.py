@@ -89,10 +89,10 @@ def one(method: str, length: int, chunk: int, window: int, threads: int) -> dict
     import torch
 
     torch.set_num_threads(threads)
-    from nestfed.nn.memory import MemorySettings, install_memory, set_memory_enabled
-    from nestfed.nn.backbone import load_backbone
     from nestfed.config import ModelConfig
     from nestfed.evaluation.streaming import StreamStats, stream_nll, stream_nll_hf
+    from nestfed.nn.backbone import load_backbone
+    from nestfed.nn.memory import MemorySettings, install_memory, set_memory_enabled
 
     bb = load_backbone(ModelConfig(name="smollm2-135m"))
     ids, corpus = text_ids(bb.tokenizer, length)
@@ -114,10 +114,19 @@ def one(method: str, length: int, chunk: int, window: int, threads: int) -> dict
             nll = stream_nll(model, ids, chunk=chunk, mode="memory", window=window, stats=stats)
         else:
             nll = stream_nll_hf(model, ids, chunk=chunk, stats=stats)
-    return {"method": method, "tokens": length, "chunk": chunk, "window": window if method == "fednl" else None,
-            "text": corpus, "base_rss_mib": round(base, 1), "peak_rss_mib": round(s.peak, 1),
-            "increment_mib": round(s.peak - base, 1), "state_mib": round(stats.state_bytes[-1] / 2**20, 2),
-            "time_s": round(time.perf_counter() - t0, 1), "mean_ce_nats": round(float(nll.mean()), 4)}
+    return {
+        "method": method,
+        "tokens": length,
+        "chunk": chunk,
+        "window": window if method == "fednl" else None,
+        "text": corpus,
+        "base_rss_mib": round(base, 1),
+        "peak_rss_mib": round(s.peak, 1),
+        "increment_mib": round(s.peak - base, 1),
+        "state_mib": round(stats.state_bytes[-1] / 2**20, 2),
+        "time_s": round(time.perf_counter() - t0, 1),
+        "mean_ce_nats": round(float(nll.mean()), 4),
+    }
 
 
 def main() -> None:
@@ -136,23 +145,40 @@ def main() -> None:
     rows = []
     for method in a.methods:
         for n in a.lengths:
-            cmd = [sys.executable, __file__, "--one", method, str(n), "--chunk", str(a.chunk), "--window",
-                   str(a.window), "--threads", str(a.threads)]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--one",
+                method,
+                str(n),
+                "--chunk",
+                str(a.chunk),
+                "--window",
+                str(a.window),
+                "--threads",
+                str(a.threads),
+            ]
             out = subprocess.run(cmd, capture_output=True, text=True)
             if out.returncode != 0:
                 rows.append({"method": method, "tokens": n, "error": out.stderr.strip().splitlines()[-1:]})
             else:
                 rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    res = {"bench": "fednl_memory", "model": "SmolLM2-135M-Instruct fp32", "host": platform.node(),
-           "cpu_threads": a.threads, "rows": rows}
+    res = {
+        "bench": "fednl_memory",
+        "model": "SmolLM2-135M-Instruct fp32",
+        "host": platform.node(),
+        "cpu_threads": a.threads,
+        "rows": rows,
+    }
     for method in a.methods:
         by_n = {r["tokens"]: r for r in rows if r["method"] == method and "peak_rss_mib" in r}
         lo, hi = min(a.lengths), max(a.lengths)
         if lo in by_n and hi in by_n:
             res[f"{method}_peak_ratio_{hi}_over_{lo}"] = round(by_n[hi]["peak_rss_mib"] / by_n[lo]["peak_rss_mib"], 3)
             res[f"{method}_increment_ratio_{hi}_over_{lo}"] = round(
-                by_n[hi]["increment_mib"] / max(by_n[lo]["increment_mib"], 1e-9), 3)
+                by_n[hi]["increment_mib"] / max(by_n[lo]["increment_mib"], 1e-9), 3
+            )
     res["target"] = "fednl peak ratio 16K/1K <= 1.1"
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(json.dumps(res, indent=2) + "\n")

@@ -59,19 +59,25 @@ def main() -> None:
     ap.add_argument("--bin", type=int, default=1024)
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--sink", type=int, default=None, help="attention-sink tokens (default: the FedNL run's memory.sink_tokens)")
-    ap.add_argument("--sink-positions", choices=["cache", "absolute"], default="cache",
-                    help="the sinks' RoPE positions: just before the window (StreamingLLM) or their own")
+    ap.add_argument(
+        "--sink", type=int, default=None, help="attention-sink tokens (default: the FedNL run's memory.sink_tokens)"
+    )
+    ap.add_argument(
+        "--sink-positions",
+        choices=["cache", "absolute"],
+        default="cache",
+        help="the sinks' RoPE positions: just before the window (StreamingLLM) or their own",
+    )
     ap.add_argument("--streams", nargs="+", default=["fednl", "fedavg_window", "fedavg_full", "backbone_full"])
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fednl_streaming_ce.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
+    from nestfed.config import r_max
+    from nestfed.evaluation.streaming import binned_ce, stream_nll
+    from nestfed.nn.arrays import apply_arrays
+    from nestfed.nn.backbone import load_backbone
     from nestfed.nn.lora import inject_lora
     from nestfed.nn.memory import MemorySettings, install_memory
-    from nestfed.nn.backbone import load_backbone
-    from nestfed.config import r_max
-    from nestfed.nn.arrays import apply_arrays
-    from nestfed.evaluation.streaming import binned_ce, stream_nll
 
     cfg_nl, arrays_nl = load_run(a.fednl)
     cfg_avg, arrays_avg = load_run(a.fedavg)
@@ -79,34 +85,70 @@ def main() -> None:
         raise SystemExit("the two runs must share lora.target_modules and lora.layers")
     bb = load_backbone(cfg_nl.model)
     model = bb.model
-    inject_lora(model, cfg_nl.lora.target_modules, r_max(cfg_nl), cfg_nl.lora.lora_alpha / r_max(cfg_nl),
-                cfg_nl.lora.layers)
+    inject_lora(
+        model, cfg_nl.lora.target_modules, r_max(cfg_nl), cfg_nl.lora.lora_alpha / r_max(cfg_nl), cfg_nl.lora.layers
+    )
     m = cfg_nl.memory
-    install_memory(model, MemorySettings(gate=m.gate, alpha_init=m.alpha_init, window=m.window,
-                                         beta_window=m.beta_window, dynamic_kernel=m.dynamic_kernel,
-                                         chunk_size=m.chunk_size, sink=m.sink_tokens))
+    install_memory(
+        model,
+        MemorySettings(
+            gate=m.gate,
+            alpha_init=m.alpha_init,
+            window=m.window,
+            beta_window=m.beta_window,
+            dynamic_kernel=m.dynamic_kernel,
+            chunk_size=m.chunk_size,
+            sink=m.sink_tokens,
+        ),
+    )
     ids, source = probe_text(bb.tokenizer, a.tokens + 1)
     window = m.window or 1024
     sink = m.sink_tokens if a.sink is None else a.sink
-    plans = {"fednl": (arrays_nl, cfg_nl, "memory"), "fedavg_window": (arrays_avg, cfg_avg, "window"),
-             "fedavg_full": (arrays_avg, cfg_avg, "full"), "backbone_full": ({}, cfg_nl, "full")}
-    res = {"bench": "fednl_streaming_ce", "text": source, "tokens": a.tokens, "bin": a.bin, "chunk": a.chunk,
-           "window": window, "sink": sink, "sink_positions": a.sink_positions, "fednl_run": str(a.fednl),
-           "fedavg_run": str(a.fedavg), "streams": {}}
+    plans = {
+        "fednl": (arrays_nl, cfg_nl, "memory"),
+        "fedavg_window": (arrays_avg, cfg_avg, "window"),
+        "fedavg_full": (arrays_avg, cfg_avg, "full"),
+        "backbone_full": ({}, cfg_nl, "full"),
+    }
+    res = {
+        "bench": "fednl_streaming_ce",
+        "text": source,
+        "tokens": a.tokens,
+        "bin": a.bin,
+        "chunk": a.chunk,
+        "window": window,
+        "sink": sink,
+        "sink_positions": a.sink_positions,
+        "fednl_run": str(a.fednl),
+        "fedavg_run": str(a.fedavg),
+        "streams": {},
+    }
     for name in a.streams:
         arrays, cfg, mode = plans[name]
         apply_arrays(model, arrays, cfg.lora.lora_alpha / r_max(cfg))  # enables the memory where FedNL trained it
         t0 = time.perf_counter()
-        nll = stream_nll(model, ids, chunk=a.chunk, mode=mode, window=window, sink=sink,
-                         sink_positions=a.sink_positions)
+        nll = stream_nll(
+            model, ids, chunk=a.chunk, mode=mode, window=window, sink=sink, sink_positions=a.sink_positions
+        )
         curve = binned_ce(nll, a.bin)
-        curve.update({"mode": mode, "time_s": round(time.perf_counter() - t0, 1),
-                      "change_last_over_first_pct": round(100 * (curve["relative"][-1] - 1), 2),
-                      "mean_relative_after_first_pct": round(100 * (sum(curve["relative"][1:]) /
-                                                                    max(len(curve["relative"]) - 1, 1) - 1), 2)})
+        curve.update(
+            {
+                "mode": mode,
+                "time_s": round(time.perf_counter() - t0, 1),
+                "change_last_over_first_pct": round(100 * (curve["relative"][-1] - 1), 2),
+                "mean_relative_after_first_pct": round(
+                    100 * (sum(curve["relative"][1:]) / max(len(curve["relative"]) - 1, 1) - 1), 2
+                ),
+            }
+        )
         res["streams"][name] = curve
-        print(name, json.dumps({k: curve[k] for k in ("mode", "time_s", "change_last_over_first_pct",
-                                                      "mean_relative_after_first_pct")}), flush=True)
+        print(
+            name,
+            json.dumps(
+                {k: curve[k] for k in ("mode", "time_s", "change_last_over_first_pct", "mean_relative_after_first_pct")}
+            ),
+            flush=True,
+        )
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

@@ -30,16 +30,25 @@ def tables(dirs: list[Path]) -> dict:
             table = tomllib.loads(cfg)  # [fednl] travel (runs before the spine redesign: strategy.fednl_travel)
             travel = table.get("fednl", {}).get("travel") or table.get("strategy", {}).get("fednl_travel", "all")
             cfg_travel = "rules" if travel == "rules" else "all"
-        rows.append({"run": str(d), "method": s["method"] + (f" ({cfg_travel})" if cfg_travel else ""),
-                     "labels": s.get("client_labels", {}),
-                     "federated": {c: v.get("accuracy") for c, v in s["final"].items()},
-                     "backbone": {c: v.get("accuracy") for c, v in s["initial"].items()},
-                     "local": s.get("local_accuracy", {}), "drop": s.get("aggregation_drop", {}),
-                     "mean_accuracy": s.get("mean_accuracy"), "mean_drop": s.get("mean_aggregation_drop"),
-                     "by_length": s.get("accuracy_by_length", {}), "by_depth": s.get("accuracy_by_depth", {}),
-                     "bytes_down_per_client_round": s["bytes_down_per_client_round"],
-                     "bytes_up_per_client_round": s["bytes_up_per_client_round"],
-                     "train_time_s": s.get("train_time_s"), "wall_time_s": s.get("wall_time_s")})
+        rows.append(
+            {
+                "run": str(d),
+                "method": s["method"] + (f" ({cfg_travel})" if cfg_travel else ""),
+                "labels": s.get("client_labels", {}),
+                "federated": {c: v.get("accuracy") for c, v in s["final"].items()},
+                "backbone": {c: v.get("accuracy") for c, v in s["initial"].items()},
+                "local": s.get("local_accuracy", {}),
+                "drop": s.get("aggregation_drop", {}),
+                "mean_accuracy": s.get("mean_accuracy"),
+                "mean_drop": s.get("mean_aggregation_drop"),
+                "by_length": s.get("accuracy_by_length", {}),
+                "by_depth": s.get("accuracy_by_depth", {}),
+                "bytes_down_per_client_round": s["bytes_down_per_client_round"],
+                "bytes_up_per_client_round": s["bytes_up_per_client_round"],
+                "train_time_s": s.get("train_time_s"),
+                "wall_time_s": s.get("wall_time_s"),
+            }
+        )
     return {"runs": rows}
 
 
@@ -53,29 +62,51 @@ def markdown(t: dict) -> str:
     out = ["accuracy (%) per client: federated / local before aggregation / drop (local - federated)", ""]
     out.append("| method | " + " | ".join(f"c{c} {labels.get(c, '')}" for c in cids) + " | mean | mean drop |")
     out.append("|---|" + "---|" * (len(cids) + 2))
-    out.append("| backbone | " + " | ".join(pct(rows[0]["backbone"][c]) for c in cids) + " | "
-               + pct(sum(rows[0]["backbone"][c] or 0 for c in cids) / len(cids)) + " | - |")
+    out.append(
+        "| backbone | "
+        + " | ".join(pct(rows[0]["backbone"][c]) for c in cids)
+        + " | "
+        + pct(sum(rows[0]["backbone"][c] or 0 for c in cids) / len(cids))
+        + " | - |"
+    )
     for r in rows:
         cells = []
         for c in cids:
             f, lo, dr = r["federated"].get(c), r["local"].get(c), r["drop"].get(c)
             cells.append(f"{pct(f)} / {pct(lo)} / {pct(dr)}" if lo is not None else pct(f))
-        out.append(f"| {r['method']} | " + " | ".join(cells) + f" | {pct(r['mean_accuracy'])} | {pct(r['mean_drop'])} |")
+        out.append(
+            f"| {r['method']} | " + " | ".join(cells) + f" | {pct(r['mean_accuracy'])} | {pct(r['mean_drop'])} |"
+        )
     if any(r["by_length"] for r in rows):
         lengths = sorted({k for r in rows for k in r["by_length"]}, key=int)
         depths = sorted({k for r in rows for k in r["by_depth"]}, key=float)
         out += ["", "NIAH accuracy (%) by context length and by gold depth (mean over clients)", ""]
-        out.append("| method | " + " | ".join(f"{L} tok" for L in lengths) + " | "
-                   + " | ".join(f"depth {d}" for d in depths) + " |")
+        out.append(
+            "| method | "
+            + " | ".join(f"{L} tok" for L in lengths)
+            + " | "
+            + " | ".join(f"depth {d}" for d in depths)
+            + " |"
+        )
         out.append("|---|" + "---|" * (len(lengths) + len(depths)))
         for r in rows:
-            out.append(f"| {r['method']} | " + " | ".join(pct(r["by_length"].get(L, {}).get("mean")) for L in lengths)
-                       + " | " + " | ".join(pct(r["by_depth"].get(d, {}).get("mean")) for d in depths) + " |")
-    out += ["", "| method | bytes down / client / round | bytes up / client / round | train s | wall s |",
-            "|---|---|---|---|---|"]
+            out.append(
+                f"| {r['method']} | "
+                + " | ".join(pct(r["by_length"].get(L, {}).get("mean")) for L in lengths)
+                + " | "
+                + " | ".join(pct(r["by_depth"].get(d, {}).get("mean")) for d in depths)
+                + " |"
+            )
+    out += [
+        "",
+        "| method | bytes down / client / round | bytes up / client / round | train s | wall s |",
+        "|---|---|---|---|---|",
+    ]
     for r in rows:
-        out.append(f"| {r['method']} | {r['bytes_down_per_client_round']:.0f} | {r['bytes_up_per_client_round']:.0f} | "
-                   f"{r['train_time_s'] or 0:.0f} | {r['wall_time_s'] or 0:.0f} |")
+        out.append(
+            f"| {r['method']} | {r['bytes_down_per_client_round']:.0f} | {r['bytes_up_per_client_round']:.0f} | "
+            f"{r['train_time_s'] or 0:.0f} | {r['wall_time_s'] or 0:.0f} |"
+        )
     return "\n".join(out) + "\n"
 
 

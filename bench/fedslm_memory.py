@@ -162,15 +162,30 @@ def accounting(model, trainable, step_fn) -> dict:
         step_fn()
     PASS_STARTS.clear()
     tr = sum(p.numel() * p.element_size() for p in trainable)
-    out = {"parameter_bytes": p_bytes, "buffer_bytes": b_bytes, "trainable_bytes": tr, "gradient_bytes": tr,
-           "adamw_state_bytes": 2 * tr, "saved_activation_bytes": max(sum(p.values()) for p in passes),
-           "forward_passes": len(passes)}
+    out = {
+        "parameter_bytes": p_bytes,
+        "buffer_bytes": b_bytes,
+        "trainable_bytes": tr,
+        "gradient_bytes": tr,
+        "adamw_state_bytes": 2 * tr,
+        "saved_activation_bytes": max(sum(p.values()) for p in passes),
+        "forward_passes": len(passes),
+    }
     out["train_peak_est_bytes"] = p_bytes + b_bytes + 2 * tr + 2 * tr + out["saved_activation_bytes"]
     return out
 
 
-def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, tokens: int, threads: int,
-          levers: str = "none", micro: int = 1) -> dict:
+def child(
+    setting: str,
+    ratio: float,
+    model_dir: Path,
+    bases: Path,
+    batch: int,
+    tokens: int,
+    threads: int,
+    levers: str = "none",
+    micro: int = 1,
+) -> dict:
     """Measure one setting in this (fresh) process. levers: ``none`` (the model's own forward and a
     full [B, T, V] loss, as first measured), ``nestfed`` (nestfed's training loss, LM head on the
     labelled positions), ``checkpoint`` (that, with activation checkpointing of every decoder
@@ -179,11 +194,11 @@ def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, 
     import transformers  # noqa: F401  (imported before the baseline RSS on purpose)
 
     torch.set_num_threads(threads)
+    from nestfed.federation.training import Batch
+    from nestfed.nn.checkpointing import enable_activation_checkpointing
+    from nestfed.nn.frozen_prefix import causal_lm_loss
     from nestfed.nn.lora import inject_lora, lora_modules
     from nestfed.nn.svd import svd_modules
-    from nestfed.nn.frozen_prefix import causal_lm_loss
-    from nestfed.nn.checkpointing import enable_activation_checkpointing
-    from nestfed.federation.training import Batch
 
     rss0 = rss()
     if setting.startswith("full+lora"):
@@ -198,8 +213,11 @@ def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, 
         trainable = [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
         factorised = 0
     else:
-        target = TOP4 if setting.startswith("svd-top4") else \
-            r"(.*\.)?layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+        target = (
+            TOP4
+            if setting.startswith("svd-top4")
+            else r"(.*\.)?layers\.\d+\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
+        )
         model, targets = build_compressed(model_dir, bases, ratio, target)
         for p in model.parameters():
             p.requires_grad_(False)
@@ -236,11 +254,21 @@ def child(setting: str, ratio: float, model_dir: Path, bases: Path, batch: int, 
     with PeakSampler() as s:
         step()
     step_s = time.perf_counter() - t0
-    return {"setting": setting, "ratio": ratio, "levers": levers, "micro_batch_rows": micro if levers.endswith("micro") else batch,
-            "factorised_layers": factorised, "accounting": acc,
-            "rss": {"model_built_bytes": rss_built - rss0, "train_step_peak_bytes": s.peak - rss0,
-                    "lifetime_peak_bytes": _maxrss() - rss0},
-            "train_step_s": step_s, "train_tokens_per_s": batch * tokens / step_s}
+    return {
+        "setting": setting,
+        "ratio": ratio,
+        "levers": levers,
+        "micro_batch_rows": micro if levers.endswith("micro") else batch,
+        "factorised_layers": factorised,
+        "accounting": acc,
+        "rss": {
+            "model_built_bytes": rss_built - rss0,
+            "train_step_peak_bytes": s.peak - rss0,
+            "lifetime_peak_bytes": _maxrss() - rss0,
+        },
+        "train_step_s": step_s,
+        "train_tokens_per_s": batch * tokens / step_s,
+    }
 
 
 def speed(model_dir: Path, bases: Path, ratios: list[float], threads: int, repeats: int) -> dict:
@@ -267,8 +295,13 @@ def speed(model_dir: Path, bases: Path, ratios: list[float], threads: int, repea
                 if rep:  # the first round warms up
                     times[name]["prefill"].append(t1 - t0)
                     times[name]["decode"].append(t2 - t1)
-    out = {n: {"prefill_tokens_per_s": 128 / statistics.median(t["prefill"]),
-               "decode_tokens_per_s": 16 / statistics.median(t["decode"])} for n, t in times.items()}
+    out = {
+        n: {
+            "prefill_tokens_per_s": 128 / statistics.median(t["prefill"]),
+            "decode_tokens_per_s": 16 / statistics.median(t["decode"]),
+        }
+        for n, t in times.items()
+    }
     for n in out:
         out[n]["prefill_vs_full"] = out[n]["prefill_tokens_per_s"] / out["full"]["prefill_tokens_per_s"]
         out[n]["decode_vs_full"] = out[n]["decode_tokens_per_s"] / out["full"]["decode_tokens_per_s"]
@@ -313,14 +346,27 @@ def main() -> None:
             ratios = [float(x) for x in a.child[1].split(",")]
             print(json.dumps(speed(a.model_dir, a.bases, ratios, a.threads, a.repeats)))
         else:
-            print(json.dumps(child(a.child[0], float(a.child[1]), a.model_dir, a.bases, a.batch, a.tokens,
-                                   a.threads, a.levers, a.micro)))
+            print(
+                json.dumps(
+                    child(
+                        a.child[0],
+                        float(a.child[1]),
+                        a.model_dir,
+                        a.bases,
+                        a.batch,
+                        a.tokens,
+                        a.threads,
+                        a.levers,
+                        a.micro,
+                    )
+                )
+            )
         return
     import torch
 
-    from nestfed.nn.svd import compute_bases, save_bases
-    from nestfed.nn.backbone import SMOLLM2, convert_builtin, default_cache_dir, load_backbone
     from nestfed.config import ModelConfig
+    from nestfed.nn.backbone import SMOLLM2, convert_builtin, default_cache_dir, load_backbone
+    from nestfed.nn.svd import compute_bases, save_bases
 
     model_dir = convert_builtin(SMOLLM2, default_cache_dir())
     top = max(a.ratios + [0.5])
@@ -334,8 +380,11 @@ def main() -> None:
         t_svd = time.perf_counter() - t0
         save_bases(bases, bases_path, {"ratio": str(top)})
         del model, bases
-    settings = [("full+lora", 0.0)] + [(f"svd rho={r:g}", r) for r in a.ratios] + [("full+lora-top4", 0.0),
-                                                                                   ("svd-top4 rho=0.5", 0.5)]
+    settings = (
+        [("full+lora", 0.0)]
+        + [(f"svd rho={r:g}", r) for r in a.ratios]
+        + [("full+lora-top4", 0.0), ("svd-top4 rho=0.5", 0.5)]
+    )
     settings = [(n, r) for n, r in settings if not a.only or n in a.only]
     partial = (a.out or Path("/tmp/fedslm_memory.json")).with_suffix(".partial.json")
     done = json.loads(partial.read_text()) if partial.is_file() else {}
@@ -345,9 +394,29 @@ def main() -> None:
         if f"{name}|{args_key}" in done:  # a rerun resumes after the settings already measured
             results.append(done[f"{name}|{args_key}"])
             continue
-        cmd = [sys.executable, __file__, "--child", name, str(r), "--model-dir", str(model_dir), "--bases",
-               str(bases_path), "--batch", str(a.batch), "--tokens", str(a.tokens), "--threads", str(a.threads),
-               "--repeats", str(a.repeats), "--levers", a.levers, "--micro", str(a.micro)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            name,
+            str(r),
+            "--model-dir",
+            str(model_dir),
+            "--bases",
+            str(bases_path),
+            "--batch",
+            str(a.batch),
+            "--tokens",
+            str(a.tokens),
+            "--threads",
+            str(a.threads),
+            "--repeats",
+            str(a.repeats),
+            "--levers",
+            a.levers,
+            "--micro",
+            str(a.micro),
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
         if p.returncode != 0:
             raise SystemExit(f"{name} failed:\n{p.stderr[-3000:]}")
@@ -359,8 +428,21 @@ def main() -> None:
     if a.no_speed:
         done[speed_key] = None
     if speed_key not in done:
-        cmd = [sys.executable, __file__, "--child", "speed", ",".join(f"{r:g}" for r in a.ratios), "--model-dir",
-               str(model_dir), "--bases", str(bases_path), "--threads", str(a.threads), "--repeats", str(a.repeats)]
+        cmd = [
+            sys.executable,
+            __file__,
+            "--child",
+            "speed",
+            ",".join(f"{r:g}" for r in a.ratios),
+            "--model-dir",
+            str(model_dir),
+            "--bases",
+            str(bases_path),
+            "--threads",
+            str(a.threads),
+            "--repeats",
+            str(a.repeats),
+        ]
         p = subprocess.run(cmd, capture_output=True, text=True, env=dict(os.environ, TOKENIZERS_PARALLELISM="false"))
         if p.returncode != 0:
             raise SystemExit(f"speed failed:\n{p.stderr[-3000:]}")
@@ -375,12 +457,21 @@ def main() -> None:
             "compared_with": full["setting"],
             "parameter_and_buffer_bytes": (r["accounting"]["parameter_bytes"] + r["accounting"]["buffer_bytes"])
             / (full["accounting"]["parameter_bytes"] + full["accounting"]["buffer_bytes"]),
-            "train_peak_est_bytes": r["accounting"]["train_peak_est_bytes"] / full["accounting"]["train_peak_est_bytes"],
-            "rss_train_step_peak": r["rss"]["train_step_peak_bytes"] / full["rss"]["train_step_peak_bytes"]}
-    out = {"bench": "fedslm_memory", "model": "SmolLM2-135M-Instruct fp32", "batch": [a.batch, a.tokens],
-           "levers": a.levers,
-           "threads": a.threads, "svd_seconds": t_svd, "method": __doc__.split("Memory, measured")[1].strip(),
-           "results": results, "speed": done[speed_key]}
+            "train_peak_est_bytes": r["accounting"]["train_peak_est_bytes"]
+            / full["accounting"]["train_peak_est_bytes"],
+            "rss_train_step_peak": r["rss"]["train_step_peak_bytes"] / full["rss"]["train_step_peak_bytes"],
+        }
+    out = {
+        "bench": "fedslm_memory",
+        "model": "SmolLM2-135M-Instruct fp32",
+        "batch": [a.batch, a.tokens],
+        "levers": a.levers,
+        "threads": a.threads,
+        "svd_seconds": t_svd,
+        "method": __doc__.split("Memory, measured")[1].strip(),
+        "results": results,
+        "speed": done[speed_key],
+    }
     text = json.dumps(out, indent=2)
     if a.out:
         a.out.parent.mkdir(parents=True, exist_ok=True)

@@ -77,10 +77,21 @@ def main() -> None:
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     k = args.clients
-    overrides = (f"data.num_clients={k}", "data.partition=iid", "data.unit=block", "lora.ranks=[2]",
-                 "population.rank_shares={2=0.5,4=0.25,8=0.25}", "federation.fraction=0.1", "strategy.name=prelort",
-                 "federation.rounds=2", "train.threads=1", "output.plots=false", "train.client_cache=off",
-                 "evaluation.clients=0", "output.client_detail=inline")
+    overrides = (
+        f"data.num_clients={k}",
+        "data.partition=iid",
+        "data.unit=block",
+        "lora.ranks=[2]",
+        "population.rank_shares={2=0.5,4=0.25,8=0.25}",
+        "federation.fraction=0.1",
+        "strategy.name=prelort",
+        "federation.rounds=2",
+        "train.threads=1",
+        "output.plots=false",
+        "train.client_cache=off",
+        "evaluation.clients=0",
+        "output.client_detail=inline",
+    )
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         t0 = time.perf_counter()
@@ -91,25 +102,42 @@ def main() -> None:
             link = d.start_superlink()
             t0 = time.perf_counter()
             with TreeMemory(link.popen.pid) as mem:
-                run_id = d.submit(APP_DIR, {"experiment": str(TINY), "overrides": ";".join(overrides),
-                                            "run-dir": str(run_dir), "connect-timeout-s": 900.0,
-                                            "round-timeout-s": 900.0},
-                                  {"num-supernodes": k, "client-resources-num-cpus": 1,
-                                   "client-resources-num-gpus": 0.0})
+                run_id = d.submit(
+                    APP_DIR,
+                    {
+                        "experiment": str(TINY),
+                        "overrides": ";".join(overrides),
+                        "run-dir": str(run_dir),
+                        "connect-timeout-s": 900.0,
+                        "round-timeout-s": 900.0,
+                    },
+                    {"num-supernodes": k, "client-resources-num-cpus": 1, "client-resources-num-gpus": 0.0},
+                )
                 status = d.wait_run(run_id, 1800)
             wall = time.perf_counter() - t0
             workers = len(list(d.worker_dir.iterdir()))
-        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if run_dir.exists() else []
+        lines = (
+            [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()] if run_dir.exists() else []
+        )
         a, b = adapter_tensors(reference), adapter_tensors(run_dir) if (run_dir / "adapter").exists() else {}
         same = sorted(a) == sorted(b) and all(a[key].shape == b[key].shape and (a[key] == b[key]).all() for key in a)
-    out = {"bench": "flower_scale", "clients": k, "status": status["status"], "wall_s": round(wall, 1),
-           "embedded_s": round(embedded_s, 1), "query_s": round(lines[0].get("query_s", float("nan")), 1) if lines else None,
-           "nodes_answered": len(lines[0].get("nodes", {})) if lines else 0,
-           "dropped": sum(len(ln.get("dropped", {})) for ln in lines[1:]),
-           "sampled": [len(ln.get("sampled", [])) for ln in lines[1:]],
-           "peak_tree_rss_mb": round(mem.peak / 2**20), "processes_at_peak": mem.procs_at_peak,
-           "peak_used_above_start_mb": round((mem.peak_used - mem.base_used) / 2**20),
-           "worker_sockets": workers, "same_adapter_as_embedded": bool(same), "cpus": psutil.cpu_count()}
+    out = {
+        "bench": "flower_scale",
+        "clients": k,
+        "status": status["status"],
+        "wall_s": round(wall, 1),
+        "embedded_s": round(embedded_s, 1),
+        "query_s": round(lines[0].get("query_s", float("nan")), 1) if lines else None,
+        "nodes_answered": len(lines[0].get("nodes", {})) if lines else 0,
+        "dropped": sum(len(ln.get("dropped", {})) for ln in lines[1:]),
+        "sampled": [len(ln.get("sampled", [])) for ln in lines[1:]],
+        "peak_tree_rss_mb": round(mem.peak / 2**20),
+        "processes_at_peak": mem.procs_at_peak,
+        "peak_used_above_start_mb": round((mem.peak_used - mem.base_used) / 2**20),
+        "worker_sockets": workers,
+        "same_adapter_as_embedded": bool(same),
+        "cpus": psutil.cpu_count(),
+    }
     text = json.dumps(out, indent=1)
     print(text)
     if args.out:

@@ -54,8 +54,14 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 APP_DIR = ROOT / "flower_app"
-OVERRIDES = ["data.num_clients=3", "lora.ranks=[2,4,8]", "strategy.name=prelort", "federation.rounds=2",
-             "train.threads=1", "output.plots=false"]
+OVERRIDES = [
+    "data.num_clients=3",
+    "lora.ranks=[2,4,8]",
+    "strategy.name=prelort",
+    "federation.rounds=2",
+    "train.threads=1",
+    "output.plots=false",
+]
 CONFIG = TINY
 
 
@@ -96,16 +102,25 @@ def embedded(out: Path) -> dict:
     prep = prepare(cfg)
     prep_s = time.perf_counter() - t0
     mr = methods.get(cfg.strategy.name).build(prep, cfg)
-    loop = RoundLoop(mr.strategy, no_eval_transport(mr.trainer), mr.clients, cfg.federation.rounds,
-                     RunDir.create(out, C.dumps_toml(cfg)), seed=cfg.federation.seed)
+    loop = RoundLoop(
+        mr.strategy,
+        no_eval_transport(mr.trainer),
+        mr.clients,
+        cfg.federation.rounds,
+        RunDir.create(out, C.dumps_toml(cfg)),
+        seed=cfg.federation.seed,
+    )
     t0 = time.perf_counter()
     loop.run(prep.shapes)
     total = time.perf_counter() - t0
     rounds = [ln for ln in lines(out) if ln["round"] > 0]
-    return {"prepare_s": round(prep_s, 3), "rounds_s": [round(ln["time_s"], 3) for ln in rounds],
-            "mean_round_s": mean(ln["time_s"] for ln in rounds),
-            "fit_s_per_client": mean(c["metrics"]["train_time_s"] for ln in rounds for c in ln["clients"].values()),
-            "run_s": round(total, 3)}
+    return {
+        "prepare_s": round(prep_s, 3),
+        "rounds_s": [round(ln["time_s"], 3) for ln in rounds],
+        "mean_round_s": mean(ln["time_s"] for ln in rounds),
+        "fit_s_per_client": mean(c["metrics"]["train_time_s"] for ln in rounds for c in ln["clients"].values()),
+        "run_s": round(total, 3),
+    }
 
 
 def in_process(out: Path, node_config: dict) -> dict:
@@ -116,13 +131,19 @@ def in_process(out: Path, node_config: dict) -> dict:
     client_app._CACHE.clear()
     grid = LocalGrid(client_app.app, {101 + i: {"partition-id": i, **node_config} for i in range(3)})
     t0 = time.perf_counter()
-    run_on_grid(grid, {"experiment": str(CONFIG), "overrides": ";".join(OVERRIDES), "run-dir": str(out),
-                       "poll-interval-s": 0.01})
+    run_on_grid(
+        grid,
+        {"experiment": str(CONFIG), "overrides": ";".join(OVERRIDES), "run-dir": str(out), "poll-interval-s": 0.01},
+    )
     total = time.perf_counter() - t0
     ls = lines(out)
     rounds = [ln for ln in ls if ln["round"] > 0]
-    return {"query_s_incl_prepare": round(ls[0]["query_s"], 3), "rounds_s": [round(ln["time_s"], 3) for ln in rounds],
-            "mean_round_s": mean(ln["time_s"] for ln in rounds), "run_s": round(total, 3)}
+    return {
+        "query_s_incl_prepare": round(ls[0]["query_s"], 3),
+        "rounds_s": [round(ln["time_s"], 3) for ln in rounds],
+        "mean_round_s": mean(ln["time_s"] for ln in rounds),
+        "run_s": round(total, 3),
+    }
 
 
 def deployment(work: Path, node_config: dict) -> tuple[dict, Path]:
@@ -144,8 +165,16 @@ def deployment(work: Path, node_config: dict) -> tuple[dict, Path]:
             time.sleep(0.2)
         supernodes_s = time.perf_counter() - t0
         t0 = time.perf_counter()
-        run_id = d.submit(APP_DIR, {"experiment": str(CONFIG), "overrides": ";".join(OVERRIDES), "run-dir": str(run_dir),
-                                    "connect-timeout-s": 900.0, "round-timeout-s": 1800.0})
+        run_id = d.submit(
+            APP_DIR,
+            {
+                "experiment": str(CONFIG),
+                "overrides": ";".join(OVERRIDES),
+                "run-dir": str(run_dir),
+                "connect-timeout-s": 900.0,
+                "round-timeout-s": 1800.0,
+            },
+        )
         submit_s = time.perf_counter() - t0
         status = d.wait_run(run_id, 900, poll_s=1.0)
         total = time.perf_counter() - t0
@@ -161,31 +190,57 @@ def deployment(work: Path, node_config: dict) -> tuple[dict, Path]:
         return mean(c[key] for c in fits)
 
     to_node = mean(c["delivery_s"] - c["process_age_s"] for c in fits)
-    server_compute = mean(ln["flower"]["encode_s"] + ln["flower"]["decode_s"] + ln["timing"]["configure_s"]
-                          + ln["timing"]["validate_s"] + ln["timing"]["aggregate_s"] for ln in rounds)
+    server_compute = mean(
+        ln["flower"]["encode_s"]
+        + ln["flower"]["decode_s"]
+        + ln["timing"]["configure_s"]
+        + ln["timing"]["validate_s"]
+        + ln["timing"]["aggregate_s"]
+        for ln in rounds
+    )
     slowest = []
     for ln in rounds:  # the critical path: the client whose reply came last
-        c = max(map(flat, ln["clients"].values()), key=lambda c: c["delivery_s"] + c.get("prepare_s", 0) + c["train_time_s"]
-                + c["reply_latency_s"])
-        slowest.append({"to_node_s": c["delivery_s"] - c["process_age_s"], "process_start_s": c["process_age_s"],
-                        "rebuild_s": c["prepare_s"], "fit_s": c["train_time_s"], "to_server_s": c["reply_latency_s"]})
+        c = max(
+            map(flat, ln["clients"].values()),
+            key=lambda c: c["delivery_s"] + c.get("prepare_s", 0) + c["train_time_s"] + c["reply_latency_s"],
+        )
+        slowest.append(
+            {
+                "to_node_s": c["delivery_s"] - c["process_age_s"],
+                "process_start_s": c["process_age_s"],
+                "rebuild_s": c["prepare_s"],
+                "fit_s": c["train_time_s"],
+                "to_server_s": c["reply_latency_s"],
+            }
+        )
     out = {
-        "startup_s": {"superlink": round(superlink_s, 3), "three_supernodes_online": round(supernodes_s, 3),
-                      "flwr_run_submit": round(submit_s, 3),
-                      "query_round_incl_node_builds": round(ls[0]["query_s"], 3),
-                      "run_total_after_submit": round(total, 3)},
+        "startup_s": {
+            "superlink": round(superlink_s, 3),
+            "three_supernodes_online": round(supernodes_s, 3),
+            "flwr_run_submit": round(submit_s, 3),
+            "query_round_incl_node_builds": round(ls[0]["query_s"], 3),
+            "run_total_after_submit": round(total, 3),
+        },
         "rounds_s": [round(ln["time_s"], 3) for ln in rounds],
         "mean_round_s": mean(ln["time_s"] for ln in rounds),
-        "per_client_mean_s": {"to_node_s": to_node, "process_start_s": per_client("process_age_s"),
-                              "rebuild_s": per_client("prepare_s"), "fit_s": per_client("train_time_s"),
-                              "to_server_s": per_client("reply_latency_s"),
-                              "decode_encode_on_node_s": mean(c["decode_s"] + c["encode_s"] for c in fits)},
+        "per_client_mean_s": {
+            "to_node_s": to_node,
+            "process_start_s": per_client("process_age_s"),
+            "rebuild_s": per_client("prepare_s"),
+            "fit_s": per_client("train_time_s"),
+            "to_server_s": per_client("reply_latency_s"),
+            "decode_encode_on_node_s": mean(c["decode_s"] + c["encode_s"] for c in fits),
+        },
         "critical_path_mean_s": {k: mean(s[k] for s in slowest) for k in slowest[0]},
-        "server_per_round_s": {"push_s": mean(ln["flower"]["push_s"] for ln in rounds),
-                               "pull_s_total_over_polls": mean(ln["flower"]["pull_s"] for ln in rounds),
-                               "compute_s": server_compute},
-        "wire_bytes_per_round": {"down": mean(sum(c["wire_bytes_down"] for c in ln["clients"].values()) for ln in rounds),
-                                 "up": mean(sum(c["wire_bytes_up"] for c in ln["clients"].values()) for ln in rounds)},
+        "server_per_round_s": {
+            "push_s": mean(ln["flower"]["push_s"] for ln in rounds),
+            "pull_s_total_over_polls": mean(ln["flower"]["pull_s"] for ln in rounds),
+            "compute_s": server_compute,
+        },
+        "wire_bytes_per_round": {
+            "down": mean(sum(c["wire_bytes_down"] for c in ln["clients"].values()) for ln in rounds),
+            "up": mean(sum(c["wire_bytes_up"] for c in ln["clients"].values()) for ln in rounds),
+        },
         "flwr_ls": {k: status.get(k) for k in ("elapsed", "network-traffic", "compute-time")},
     }
     return out, run_dir
@@ -195,10 +250,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
     ap.add_argument("--config", type=Path, default=TINY, help="the experiment (default configs/tiny.toml)")
-    ap.add_argument("--set", dest="overrides", action="append", default=None,
-                    help="section.key=value (replaces the default overrides when given)")
-    ap.add_argument("--client-cache", choices=("on", "off"), default="on",
-                    help="SuperNodes keep their prepared data between ClientApp processes (default on)")
+    ap.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=None,
+        help="section.key=value (replaces the default overrides when given)",
+    )
+    ap.add_argument(
+        "--client-cache",
+        choices=("on", "off"),
+        default="on",
+        help="SuperNodes keep their prepared data between ClientApp processes (default on)",
+    )
     ap.add_argument("--embedded-threads", type=int, default=0, help="torch threads of the embedded run (0 = config)")
     ap.add_argument("--node-threads", type=int, default=0, help="torch threads per SuperNode (node config 'threads')")
     ap.add_argument("--skip-in-process", action="store_true", help="leave out the in-process apps run")
@@ -216,12 +280,18 @@ def main() -> None:
     try:
         import os
 
-        result = {"experiment": {"config": str(args.config), "overrides": OVERRIDES, "client_cache": args.client_cache,
-                                 "embedded_threads": args.embedded_threads or "config",
-                                 "node_threads": args.node_threads or "config",
-                                 "per_round_work": "configure, 3 fits, validate, aggregate, checkpoint (no evaluation)",
-                                 "client_app": "nestfed.flower.node_forwarder -> a long-running worker per node"},
-                  "machine": {"cpus": os.cpu_count(), "loadavg_at_start": list(os.getloadavg())}}
+        result = {
+            "experiment": {
+                "config": str(args.config),
+                "overrides": OVERRIDES,
+                "client_cache": args.client_cache,
+                "embedded_threads": args.embedded_threads or "config",
+                "node_threads": args.node_threads or "config",
+                "per_round_work": "configure, 3 fits, validate, aggregate, checkpoint (no evaluation)",
+                "client_app": "nestfed.flower.node_forwarder -> a long-running worker per node",
+            },
+            "machine": {"cpus": os.cpu_count(), "loadavg_at_start": list(os.getloadavg())},
+        }
         if args.embedded_threads:
             torch.set_num_threads(args.embedded_threads)
         result["embedded"] = embedded(work / "embedded_run")
@@ -235,8 +305,9 @@ def main() -> None:
         if not args.skip_in_process:
             a = load_file(str(work / "in_process_run" / "adapter" / "adapter_model.safetensors"))
             b = load_file(str(dep_dir / "adapter" / "adapter_model.safetensors"))
-            result["deployment_adapter_equals_in_process"] = sorted(a) == sorted(b) and all(torch.equal(a[k], b[k])
-                                                                                            for k in a)
+            result["deployment_adapter_equals_in_process"] = sorted(a) == sorted(b) and all(
+                torch.equal(a[k], b[k]) for k in a
+            )
         e, dep = result["embedded"]["mean_round_s"], result["deployment"]["mean_round_s"]
         result["deployment_over_embedded_round_time"] = round(dep / e, 2) if e else None
         result["machine"]["loadavg_at_end"] = list(os.getloadavg())

@@ -90,8 +90,7 @@ def timeit(fn, ins, scale, device, repeats, warmup=2, **kw):
     def once():
         for x in leaves:
             x.grad = None
-        o, ht = fn(*leaves[:4], scale=scale, initial_state=leaves[4],
-                   output_final_state=True, **kw)
+        o, ht = fn(*leaves[:4], scale=scale, initial_state=leaves[4], output_final_state=True, **kw)
         (o.float().sum() + ht.float().sum()).backward()
 
     for _ in range(warmup):
@@ -111,8 +110,7 @@ def timeit(fn, ins, scale, device, repeats, warmup=2, **kw):
             torch.cuda.synchronize()
         ts.append(time.perf_counter() - t0)
     ts.sort()
-    out = {"median_ms": round(1e3 * ts[len(ts) // 2], 3), "min_ms": round(1e3 * ts[0], 3),
-           "repeats": repeats}
+    out = {"median_ms": round(1e3 * ts[len(ts) // 2], 3), "min_ms": round(1e3 * ts[0], 3), "repeats": repeats}
     if cuda:
         out["peak_extra_GiB"] = round((torch.cuda.max_memory_allocated() - base) / 2**30, 3)
     return out
@@ -120,12 +118,11 @@ def timeit(fn, ins, scale, device, repeats, warmup=2, **kw):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cpu-dry-run", action="store_true",
-                    help="tiny sizes on CPU; exercises the code path, not fla")
-    ap.add_argument("--tol-out", type=float, default=0.02,
-                    help="relative RMS tolerance for o and the final state (bf16)")
-    ap.add_argument("--tol-grad", type=float, default=0.04,
-                    help="relative RMS tolerance for the gradients (bf16)")
+    ap.add_argument("--cpu-dry-run", action="store_true", help="tiny sizes on CPU; exercises the code path, not fla")
+    ap.add_argument(
+        "--tol-out", type=float, default=0.02, help="relative RMS tolerance for o and the final state (bf16)"
+    )
+    ap.add_argument("--tol-grad", type=float, default=0.04, help="relative RMS tolerance for the gradients (bf16)")
     ap.add_argument("--chunk-size", type=int, default=64, help="chunk size of the fp32 side")
     args = ap.parse_args(argv)
 
@@ -154,29 +151,27 @@ def main(argv: list[str] | None = None) -> int:
         "scale": K**-0.5,
         "fp32_side": f"delta_rule_chunkwise, fp32, chunk_size={args.chunk_size}",
         "bf16_side": "delta_rule (dispatcher) on bf16 inputs",
-        "metric": "relative RMS error ||x - ref|| / ||ref||, ref = fp32 chunkwise on the same "
-                  "bf16-rounded inputs",
+        "metric": "relative RMS error ||x - ref|| / ||ref||, ref = fp32 chunkwise on the same bf16-rounded inputs",
     }
     if device.type == "cuda" and fla_fn is None:
         report["error"] = "fla (fla-core) is not importable: nothing to check"
         print(json.dumps(report, indent=1))
         return 3
 
-    report["checks"] = [
-        check(T, B, H, K, V, device, args.tol_out, args.tol_grad, args.chunk_size)
-        for T in check_T
-    ]
+    report["checks"] = [check(T, B, H, K, V, device, args.tol_out, args.tol_grad, args.chunk_size) for T in check_T]
     timings = []
     for T in time_T:
         ins = make_inputs(B, T, H, K, V, device, seed=T)
         half = [x.bfloat16() for x in ins[:4]] + [ins[4]]
         chunk_reps = reps if T <= 8192 else max(2, reps // 3)
-        row = {"T": T,
-               "bf16_dispatcher": timeit(dr.delta_rule, half, K**-0.5, device, reps),
-               "fp32_chunkwise": timeit(dr.delta_rule_chunkwise, ins, K**-0.5, device,
-                                        chunk_reps, chunk_size=args.chunk_size)}
-        row["speedup"] = round(row["fp32_chunkwise"]["median_ms"]
-                               / max(row["bf16_dispatcher"]["median_ms"], 1e-9), 2)
+        row = {
+            "T": T,
+            "bf16_dispatcher": timeit(dr.delta_rule, half, K**-0.5, device, reps),
+            "fp32_chunkwise": timeit(
+                dr.delta_rule_chunkwise, ins, K**-0.5, device, chunk_reps, chunk_size=args.chunk_size
+            ),
+        }
+        row["speedup"] = round(row["fp32_chunkwise"]["median_ms"] / max(row["bf16_dispatcher"]["median_ms"], 1e-9), 2)
         timings.append(row)
         del ins, half
         if device.type == "cuda":

@@ -34,11 +34,13 @@ def main() -> None:
     from nestfed.experiments.prepare import prepare
     from nestfed.nn.frozen_prefix import first_adapted_layer, labelled_length, prefix_features
 
-    cfg = methods.replace_config(methods.load_config(a.config), train={"cache_frozen_prefix": False, "threads": a.threads})
+    cfg = methods.replace_config(
+        methods.load_config(a.config), train={"cache_frozen_prefix": False, "threads": a.threads}
+    )
     prep = prepare(cfg, only_clients=[a.client])
     torch.set_num_threads(a.threads)
     d, model = prep.data[a.client], prep.backbone.model
-    ids, labels = d.train_ids[:a.rows], d.train_labels[:a.rows]
+    ids, labels = d.train_ids[: a.rows], d.train_labels[: a.rows]
     start, bs = first_adapted_layer(model), cfg.train.eval_batch_size
     lengths = labelled_length(labels)
     t0 = time.perf_counter()
@@ -52,12 +54,24 @@ def main() -> None:
     hook.remove()
     diff = max(float((trimmed[r, :n] - full[r, :n]).abs().max()) for r, n in enumerate(lengths.tolist()) if n)
     computed = sum(int(b) * int(t) for b, t in seen)
-    res = {"bench": "prefix_cache", "config": str(a.config.relative_to(ROOT)), "client": d.label, "rows": int(ids.shape[0]),
-           "block": int(ids.shape[1]), "frozen_layers": start, "batch_size": bs, "threads": a.threads,
-           "mean_labelled_length": round(float(lengths.float().mean()), 1),
-           "positions_full": int(ids.numel()), "positions_trimmed": computed,
-           "full_s": round(t_full, 2), "trimmed_s": round(t_trim, 2), "speedup": round(t_full / t_trim, 2),
-           "max_abs_diff": diff, "max_abs_value": float(full.abs().max())}
+    res = {
+        "bench": "prefix_cache",
+        "config": str(a.config.relative_to(ROOT)),
+        "client": d.label,
+        "rows": int(ids.shape[0]),
+        "block": int(ids.shape[1]),
+        "frozen_layers": start,
+        "batch_size": bs,
+        "threads": a.threads,
+        "mean_labelled_length": round(float(lengths.float().mean()), 1),
+        "positions_full": int(ids.numel()),
+        "positions_trimmed": computed,
+        "full_s": round(t_full, 2),
+        "trimmed_s": round(t_trim, 2),
+        "speedup": round(t_full / t_trim, 2),
+        "max_abs_diff": diff,
+        "max_abs_value": float(full.abs().max()),
+    }
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

@@ -40,6 +40,7 @@ def nested(model, batch, cfg) -> float:
     """PreLort's nested objective over ``cfg["subranks"]``."""
     return nested_loss(model, batch, cfg["subranks"])
 
+
 def sampled(model, batch, cfg) -> float:
     """PreLort's sampled objective: one sub-rank of ``cfg["subranks"]`` drawn for step ``cfg["step"]``."""
     r = sampled_subrank(cfg["subranks"], 0, 1, 1, cfg["step"])
@@ -66,15 +67,25 @@ def measure(model_name: str, layers: tuple[int, ...], cached: bool, batch_size: 
     vocab = model.config.vocab_size
     ids = torch.randint(0, vocab, (batch_size, T), generator=torch.Generator().manual_seed(0))
     start = first_adapted_layer(model) if cached else 0
-    batch = Batch(ids.clone(), hidden=prefix_features(model, ids, start), start=start) if start else Batch(ids.clone(), input_ids=ids)
+    batch = (
+        Batch(ids.clone(), hidden=prefix_features(model, ids, start), start=start)
+        if start
+        else Batch(ids.clone(), input_ids=ids)
+    )
     params = [p for n, p in model.named_parameters() if "lora_" in n]
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=1e-5)
     model.train()
     step(model, params, opt, plain, batch, {})  # warm-up
-    out = {"model": model_name, "lora_layers": "all" if not layers else list(layers), "frozen_prefix_cached": bool(start),
-           "batch": [batch_size, T], "threads": torch.get_num_threads(), "by_num_subranks": {}}
+    out = {
+        "model": model_name,
+        "lora_layers": "all" if not layers else list(layers),
+        "frozen_prefix_cached": bool(start),
+        "batch": [batch_size, T],
+        "threads": torch.get_num_threads(),
+        "by_num_subranks": {},
+    }
     for n, ranks in SUBRANKS.items():
         t_plain, t_nested, t_sampled = [], [], []
         for i in range(repeats):  # interleaved
@@ -82,11 +93,14 @@ def measure(model_name: str, layers: tuple[int, ...], cached: bool, batch_size: 
             t_nested.append(step(model, params, opt, nested, batch, {"subranks": ranks}))
             t_sampled.append(step(model, params, opt, sampled, batch, {"subranks": ranks, "step": i}))
         p = statistics.median(t_plain)
-        out["by_num_subranks"][str(n)] = {"subranks": ranks, "plain_step_s": p,
-                                          "prelort_step_s": statistics.median(t_nested),
-                                          "ratio": statistics.median(t_nested) / p,
-                                          "sampled_step_s": statistics.median(t_sampled),
-                                          "sampled_ratio": statistics.median(t_sampled) / p}
+        out["by_num_subranks"][str(n)] = {
+            "subranks": ranks,
+            "plain_step_s": p,
+            "prelort_step_s": statistics.median(t_nested),
+            "ratio": statistics.median(t_nested) / p,
+            "sampled_step_s": statistics.median(t_sampled),
+            "sampled_ratio": statistics.median(t_sampled) / p,
+        }
     return out
 
 

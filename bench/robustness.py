@@ -28,11 +28,21 @@ from nestfed import methods  # noqa: E402
 from nestfed.experiments.prepare import prepare  # noqa: E402
 from nestfed.experiments.run import run_method  # noqa: E402
 
-ATTACKS = {"none": {"kind": "none"}, "sign flip": {"kind": "sign_flip"}, "x100 scaling": {"kind": "scale", "scale": 100.0},
-           "noise": {"kind": "noise", "noise_std": 1.0}, "free-rider": {"kind": "free_rider"},
-           "poisoning (shuffled text)": {"kind": "shuffle"}}
-RULES = {"plain": {"rule": "mean"}, "median": {"rule": "median"}, "trimmed mean": {"rule": "trimmed_mean", "trim_fraction": 0.2},
-         "krum": {"rule": "krum", "byzantine": 2}, "norm bound": {"rule": "mean"}}
+ATTACKS = {
+    "none": {"kind": "none"},
+    "sign flip": {"kind": "sign_flip"},
+    "x100 scaling": {"kind": "scale", "scale": 100.0},
+    "noise": {"kind": "noise", "noise_std": 1.0},
+    "free-rider": {"kind": "free_rider"},
+    "poisoning (shuffled text)": {"kind": "shuffle"},
+}
+RULES = {
+    "plain": {"rule": "mean"},
+    "median": {"rule": "median"},
+    "trimmed mean": {"rule": "trimmed_mean", "trim_fraction": 0.2},
+    "krum": {"rule": "krum", "byzantine": 2},
+    "norm bound": {"rule": "mean"},
+}
 NOISE = (0.0, 0.01, 0.03, 0.1, 0.5, 1.0, 2.0)
 OUT = Path(__file__).parent / "results"
 
@@ -48,12 +58,17 @@ def main() -> None:
     ap.add_argument("--config", default=str(Path(__file__).parents[1] / "configs" / "robustness.toml"))
     ap.add_argument("--method", default="prelort")
     ap.add_argument("--quick", action="store_true", help="one round, two attacks, two rules (a smoke test)")
-    ap.add_argument("--privacy-only", action="store_true",
-                    help="run only the noise multipliers missing from bench/results/robustness.json")
+    ap.add_argument(
+        "--privacy-only",
+        action="store_true",
+        help="run only the noise multipliers missing from bench/results/robustness.json",
+    )
     args = ap.parse_args()
     if args.privacy_only:
         return privacy_only(args)
-    base = methods.load_config(args.config, [f"strategy.name={args.method}"] + (["federation.rounds=1"] if args.quick else []))
+    base = methods.load_config(
+        args.config, [f"strategy.name={args.method}"] + (["federation.rounds=1"] if args.quick else [])
+    )
     attacks = dict(list(ATTACKS.items())[:3]) if args.quick else ATTACKS
     rules = dict(list(RULES.items())[:2]) if args.quick else RULES
     tmp = Path(tempfile.mkdtemp(prefix="nestfed-robustness-"))
@@ -62,11 +77,13 @@ def main() -> None:
     results: dict[str, dict[str, dict]] = {}
     bound = None
     for attack, a in attacks.items():
-        prep = clean_prep if a["kind"] not in ("shuffle", "random_text") else prepare(
-            methods.replace_config(base, attack=a))
+        prep = (
+            clean_prep
+            if a["kind"] not in ("shuffle", "random_text")
+            else prepare(methods.replace_config(base, attack=a))
+        )
         for rule, r in rules.items():
-            overrides = {"attack": a if a["kind"] != "none" else {"kind": "none", "clients": []},
-                         "robust": r}
+            overrides = {"attack": a if a["kind"] != "none" else {"kind": "none", "clients": []}, "robust": r}
             if rule == "norm bound":
                 overrides["validation"] = {"max_update_norm": bound, "on_norm": "clip"}
             cfg = methods.replace_config(base, **overrides)
@@ -75,18 +92,32 @@ def main() -> None:
             s = run_method(prep, cfg, run_dir)
             if attack == "none" and rule == "plain":  # the norm bound: the clean run's median update norm
                 bound = statistics.median(update_norms(run_dir))
-            results.setdefault(attack, {})[rule] = {"mean_ppl": s["mean_ppl"], "rejected": s["rejected_updates"],
-                                                   "time_s": time.perf_counter() - t}
+            results.setdefault(attack, {})[rule] = {
+                "mean_ppl": s["mean_ppl"],
+                "rejected": s["rejected_updates"],
+                "time_s": time.perf_counter() - t,
+            }
             print(f"{attack:>28} | {rule:>12} | ppl {s['mean_ppl']:.2f} | {time.perf_counter() - t:.0f} s", flush=True)
     clean = results["none"]["plain"]["mean_ppl"]
     for row in results.values():
         for v in row.values():
             v["vs_clean"] = v["mean_ppl"] / clean - 1
     privacy = privacy_curve(base, clean_prep, bound, tmp, NOISE[:2] if args.quick else NOISE)
-    report = {"config": args.config, "method": args.method, "attackers": list(base.attack.clients),
-              "ranks": list(base.lora.ranks), "rounds": base.federation.rounds, "norm_bound": bound,
-              "clean_mean_ppl": clean, "backbone_mean_ppl": None, "results": results, "privacy": privacy,
-              "delta": 1e-5, "wall_s": time.perf_counter() - t0, "quick": args.quick}
+    report = {
+        "config": args.config,
+        "method": args.method,
+        "attackers": list(base.attack.clients),
+        "ranks": list(base.lora.ranks),
+        "rounds": base.federation.rounds,
+        "norm_bound": bound,
+        "clean_mean_ppl": clean,
+        "backbone_mean_ppl": None,
+        "results": results,
+        "privacy": privacy,
+        "delta": 1e-5,
+        "wall_s": time.perf_counter() - t0,
+        "quick": args.quick,
+    }
     first = json.loads((tmp / "none-plain" / "metrics.jsonl").read_text().splitlines()[0])
     report["backbone_mean_ppl"] = statistics.mean(v["ppl"] for v in first["eval"].values())
     print(json.dumps(report, indent=1))
@@ -98,8 +129,11 @@ def privacy_curve(base, prep, bound: float, tmp: Path, noise: tuple[float, ...])
     """Central DP runs (clip = ``bound``) at each noise multiplier: epsilon and final mean ppl."""
     out = []
     for z in noise:
-        cfg = methods.replace_config(base, privacy={"mode": "central", "clip_norm": bound, "noise_multiplier": z,
-                                                    "delta": 1e-5}, attack={"kind": "none", "clients": []})
+        cfg = methods.replace_config(
+            base,
+            privacy={"mode": "central", "clip_norm": bound, "noise_multiplier": z, "delta": 1e-5},
+            attack={"kind": "none", "clients": []},
+        )
         s = run_method(prep, cfg, tmp / f"dp-{z}")
         out.append({"noise_multiplier": z, "epsilon": s["privacy"]["epsilon"], "mean_ppl": s["mean_ppl"]})
         print(f"DP z={z}: epsilon {s['privacy']['epsilon']} ppl {s['mean_ppl']:.2f}", flush=True)
@@ -113,8 +147,10 @@ def privacy_only(args: argparse.Namespace) -> None:
     have = {p["noise_multiplier"] for p in report["privacy"]}
     missing = tuple(z for z in NOISE if z not in have)
     tmp = Path(tempfile.mkdtemp(prefix="nestfed-privacy-"))
-    report["privacy"] = sorted(report["privacy"] + privacy_curve(base, prepare(base), report["norm_bound"], tmp, missing),
-                               key=lambda p: p["noise_multiplier"])
+    report["privacy"] = sorted(
+        report["privacy"] + privacy_curve(base, prepare(base), report["norm_bound"], tmp, missing),
+        key=lambda p: p["noise_multiplier"],
+    )
     print(json.dumps(report["privacy"], indent=1))
     write(report)
 
@@ -136,8 +172,10 @@ def write(report: dict) -> None:
     (OUT / "robustness.json").write_text(json.dumps(report, indent=1) + "\n")
     res = report["results"]
     rules = list(next(iter(res.values())))
-    rows = ["| attack (clients " + ", ".join(map(str, report["attackers"])) + ") | " + " | ".join(rules) + " |",
-            "|---" * (len(rules) + 1) + "|"]
+    rows = [
+        "| attack (clients " + ", ".join(map(str, report["attackers"])) + ") | " + " | ".join(rules) + " |",
+        "|---" * (len(rules) + 1) + "|",
+    ]
     for attack, row in res.items():
         rows.append(f"| {attack} | " + " | ".join(cell(row[r]) for r in rules) + " |")
     rows += ["", "| noise multiplier z | epsilon (delta 1e-5) | mean ppl |", "|---|---|---|"]
@@ -149,8 +187,12 @@ def write(report: dict) -> None:
     attacks = list(res)
     width = 0.8 / len(rules)
     for i, r in enumerate(rules):
-        ax1.bar([j + i * width for j in range(len(attacks))], [min(res[a][r]["mean_ppl"], 1000) for a in attacks],
-                width, label=r)
+        ax1.bar(
+            [j + i * width for j in range(len(attacks))],
+            [min(res[a][r]["mean_ppl"], 1000) for a in attacks],
+            width,
+            label=r,
+        )
     ax1.axhline(report["clean_mean_ppl"], color="k", ls="--", lw=1, label="clean, plain")
     ax1.set_yscale("log")
     ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(attacks))], attacks, rotation=20, fontsize=8)

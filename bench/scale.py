@@ -39,13 +39,34 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
-BASE = ["data.partition=iid", "data.unit=block", "lora.ranks=[8]", "population.rank_shares={2=0.4,4=0.3,8=0.2,16=0.1}",
-        "evaluation.final=panel", "train.client_cache=off", "output.plots=false", "output.truncations=[]",
-        "train.threads=2"]
-MODELS = {"tiny": ["model.name=tiny-llama", "data.block_size=64", "data.max_train=8", "data.max_test=2",
-                   "train.local_steps=2"],
-          "smollm2": ["model.name=smollm2-135m", "data.block_size=128", "data.max_train=4", "data.max_test=2",
-                      "train.local_steps=2", "lora.layers=[-4,-3,-2,-1]"]}
+BASE = [
+    "data.partition=iid",
+    "data.unit=block",
+    "lora.ranks=[8]",
+    "population.rank_shares={2=0.4,4=0.3,8=0.2,16=0.1}",
+    "evaluation.final=panel",
+    "train.client_cache=off",
+    "output.plots=false",
+    "output.truncations=[]",
+    "train.threads=2",
+]
+MODELS = {
+    "tiny": [
+        "model.name=tiny-llama",
+        "data.block_size=64",
+        "data.max_train=8",
+        "data.max_test=2",
+        "train.local_steps=2",
+    ],
+    "smollm2": [
+        "model.name=smollm2-135m",
+        "data.block_size=128",
+        "data.max_train=4",
+        "data.max_test=2",
+        "train.local_steps=2",
+        "lora.layers=[-4,-3,-2,-1]",
+    ],
+}
 SIZES = {"tiny": (10, 100, 1000, 10000), "smollm2": (10, 100)}
 FRACTIONS = (0.1, 0.01)
 
@@ -64,17 +85,32 @@ def one(setting: dict) -> dict:
     from nestfed.experiments.run import run_method
 
     k, fraction = setting["clients"], setting["fraction"]
-    overrides = BASE + MODELS[setting["model"]] + [f"data.num_clients={k}", f"federation.fraction={fraction}",
-                                                  f"federation.rounds={setting['rounds']}",
-                                                  f"evaluation.clients={min(10, k)}"] + setting.get("extra", [])
+    overrides = (
+        BASE
+        + MODELS[setting["model"]]
+        + [
+            f"data.num_clients={k}",
+            f"federation.fraction={fraction}",
+            f"federation.rounds={setting['rounds']}",
+            f"evaluation.clients={min(10, k)}",
+        ]
+        + setting.get("extra", [])
+    )
     cfg = methods.load_config(TINY, overrides + [f"strategy.name={setting['methods'][0]}"])
     t0 = time.perf_counter()
     prep = prepare(cfg)
-    out = {**setting, "sampled_per_round": max(1, round(fraction * k)), "prepare_s": time.perf_counter() - t0,
-           "rss_after_prepare_mb": rss_mb(), "runs": {}}
+    out = {
+        **setting,
+        "sampled_per_round": max(1, round(fraction * k)),
+        "prepare_s": time.perf_counter() - t0,
+        "rss_after_prepare_mb": rss_mb(),
+        "runs": {},
+    }
     for name in setting["methods"]:
         label, _, rule = name.partition("+")
-        c = methods.load_config(TINY, overrides + [f"strategy.name={label}"] + ([f"robust.rule={rule}"] if rule else []))
+        c = methods.load_config(
+            TINY, overrides + [f"strategy.name={label}"] + ([f"robust.rule={rule}"] if rule else [])
+        )
         commits: dict[int, float] = {}
 
         def on_event(kind, info, commits=commits):
@@ -89,11 +125,18 @@ def one(setting: dict) -> dict:
         for ln in steady:
             t = ln["timing"]
             server = t["configure_s"] + t["validate_s"] + t["aggregate_s"] + commits.get(ln["round"], 0.0)
-            rounds.append({"round_s": ln["time_s"] + commits.get(ln["round"], 0.0), "client_s": t["exchange_s"],
-                           "server_s": server, "evaluate_s": t["evaluate_s"], "aggregate_s": t["aggregate_s"],
-                           "commit_s": commits.get(ln["round"], 0.0),
-                           "held_bytes": ln.get("replies", {}).get("held_bytes"),
-                           "bytes_per_round": ln["bytes_down"] + ln["bytes_up"]})
+            rounds.append(
+                {
+                    "round_s": ln["time_s"] + commits.get(ln["round"], 0.0),
+                    "client_s": t["exchange_s"],
+                    "server_s": server,
+                    "evaluate_s": t["evaluate_s"],
+                    "aggregate_s": t["aggregate_s"],
+                    "commit_s": commits.get(ln["round"], 0.0),
+                    "held_bytes": ln.get("replies", {}).get("held_bytes"),
+                    "bytes_per_round": ln["bytes_down"] + ln["bytes_up"],
+                }
+            )
         med = {key: statistics.median(r[key] for r in rounds) for key in rounds[0] if rounds[0][key] is not None}
         med["server_share"] = med["server_s"] / (med["server_s"] + med["client_s"])
         med["held_bytes"] = max((r["held_bytes"] or 0) for r in rounds)
@@ -128,8 +171,10 @@ def plot(result: dict, path: Path) -> None:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     for model, marker in (("tiny", "o"), ("smollm2", "s")):  # one line per number sampled: flat is the target
         for sampled in sorted({r["sampled_per_round"] for r in result["settings"] if r["model"] == model}):
-            rows = sorted((r for r in result["settings"] if r["model"] == model and r["sampled_per_round"] == sampled),
-                          key=lambda r: r["clients"])
+            rows = sorted(
+                (r for r in result["settings"] if r["model"] == model and r["sampled_per_round"] == sampled),
+                key=lambda r: r["clients"],
+            )
             ks = [r["clients"] for r in rows]
             lab = f"{model}, {sampled} sampled"
             axes[0].plot(ks, [r["runs"]["prelort"]["round_s"] for r in rows], marker=marker, label=lab)
@@ -148,20 +193,29 @@ def plot(result: dict, path: Path) -> None:
 
 def table(result: dict) -> str:
     """The README's markdown table of a result (one row per setting)."""
-    rows = ["| model | clients | fraction | sampled / round | prepare s | peak RSS MB | clients built | PreLort s / round "
-            "| server share | ZeroPad s / round | server share | MB / round |", "|" + "---|" * 12]
+    rows = [
+        "| model | clients | fraction | sampled / round | prepare s | peak RSS MB | clients built | PreLort s / round "
+        "| server share | ZeroPad s / round | server share | MB / round |",
+        "|" + "---|" * 12,
+    ]
     for r in result["settings"]:
         p, z = r["runs"]["prelort"], r["runs"]["zeropad"]
-        rows.append(f"| {r['model']} | {r['clients']:,} | {r['fraction']:g} | {r['sampled_per_round']:,} | "
-                    f"{r['prepare_s']:.1f} | {r['peak_rss_mb']:,.0f} | {r['pool']['built']:,} | {p['round_s']:.3g} | "
-                    f"{100 * p['server_share']:.1f}% | {z['round_s']:.3g} | {100 * z['server_share']:.1f}% | "
-                    f"{p['bytes_per_round'] / 1e6:.2f} |")
-    extra = [(r, name, v) for r in result["settings"] for name, v in r["runs"].items() if name not in ("prelort", "zeropad")]
+        rows.append(
+            f"| {r['model']} | {r['clients']:,} | {r['fraction']:g} | {r['sampled_per_round']:,} | "
+            f"{r['prepare_s']:.1f} | {r['peak_rss_mb']:,.0f} | {r['pool']['built']:,} | {p['round_s']:.3g} | "
+            f"{100 * p['server_share']:.1f}% | {z['round_s']:.3g} | {100 * z['server_share']:.1f}% | "
+            f"{p['bytes_per_round'] / 1e6:.2f} |"
+        )
+    extra = [
+        (r, name, v) for r in result["settings"] for name, v in r["runs"].items() if name not in ("prelort", "zeropad")
+    ]
     if extra:
         rows += ["", "| rule (setting) | s / round | server share | aggregation s | held MB |", "|---|---|---|---|---|"]
-        rows += [f"| {name} ({r['model']}, {r['clients']:,} x {r['fraction']:g}) | {v['round_s']:.3g} | "
-                 f"{100 * v['server_share']:.1f}% | {v['aggregate_s']:.4f} | {v['held_bytes'] / 1e6:.2f} |"
-                 for r, name, v in extra]
+        rows += [
+            f"| {name} ({r['model']}, {r['clients']:,} x {r['fraction']:g}) | {v['round_s']:.3g} | "
+            f"{100 * v['server_share']:.1f}% | {v['aggregate_s']:.4f} | {v['held_bytes'] / 1e6:.2f} |"
+            for r, name, v in extra
+        ]
     return "\n".join(rows) + "\n"
 
 
@@ -186,16 +240,18 @@ def main() -> None:
     results = []
     for s in settings(args.only, args.rounds):
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, __file__, "--one", json.dumps(s)], capture_output=True, text=True,
-                           cwd=ROOT)
+        r = subprocess.run([sys.executable, __file__, "--one", json.dumps(s)], capture_output=True, text=True, cwd=ROOT)
         if r.returncode != 0:
             raise SystemExit(f"{s}: failed\n{r.stderr[-3000:]}")
         row = json.loads(r.stdout.strip().splitlines()[-1])
         row["process_s"] = time.perf_counter() - t0
         results.append(row)
-        print(f"{s['model']} {s['clients']} x {s['fraction']}: prepare {row['prepare_s']:.1f} s, peak "
-              f"{row['peak_rss_mb']:.0f} MB, prelort round {row['runs']['prelort']['round_s']:.2f} s "
-              f"(server {100 * row['runs']['prelort']['server_share']:.1f}%)", file=sys.stderr)
+        print(
+            f"{s['model']} {s['clients']} x {s['fraction']}: prepare {row['prepare_s']:.1f} s, peak "
+            f"{row['peak_rss_mb']:.0f} MB, prelort round {row['runs']['prelort']['round_s']:.2f} s "
+            f"(server {100 * row['runs']['prelort']['server_share']:.1f}%)",
+            file=sys.stderr,
+        )
     result = {"bench": "scale", "settings": results}
     text = json.dumps(result, indent=1)
     print(text)

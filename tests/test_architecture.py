@@ -30,9 +30,14 @@ def test_the_layer_and_acyclic_contracts_hold():
 
 
 def _code_names(tree: ast.AST):
-    docs = {id(n.body[0].value) for n in ast.walk(tree)
-            if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
-            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+    docs = {
+        id(n.body[0].value)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.Module, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+        and n.body
+        and isinstance(n.body[0], ast.Expr)
+        and isinstance(n.body[0].value, ast.Constant)
+    }
     for n in ast.walk(tree):
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
             yield n.lineno, n.value
@@ -90,8 +95,11 @@ def test_every_method_is_listed_once_and_the_cli_and_schema_follow_the_registry(
         for section, cls in m.sections.items():
             assert methods.schema().sections[section] is cls
     r = subprocess.run([sys.executable, "-m", "nestfed.cli", "methods"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 0 and [ln.split()[0] for ln in r.stdout.splitlines() if ln.strip() and not ln.startswith(" ")
-                                  and ln.split()[0] in methods.REGISTRY] == list(methods.REGISTRY)
+    assert r.returncode == 0 and [
+        ln.split()[0]
+        for ln in r.stdout.splitlines()
+        if ln.strip() and not ln.startswith(" ") and ln.split()[0] in methods.REGISTRY
+    ] == list(methods.REGISTRY)
 
 
 @pytest.mark.parametrize("doc", ["docs/architecture.md", "docs/methods.md"])
@@ -99,18 +107,28 @@ def test_the_docs_the_code_cites_exist_and_are_cited(doc):
     assert (ROOT / doc).is_file()
     cited = sum(doc in f.read_text() for f in modules())
     assert cited >= 1
-    stale = [str(f.relative_to(SRC)) for f in modules()
-             if re.search(r"(?<![/\w])(methods|design|resources)\.md", f.read_text())]
+    stale = [
+        str(f.relative_to(SRC))
+        for f in modules()
+        if re.search(r"(?<![/\w])(methods|design|resources)\.md", f.read_text())
+    ]
     assert not stale, stale
 
 
 def test_the_command_line_answers_without_loading_a_model_library():
     """``nestfed --help``, ``nestfed methods`` and a config error import neither torch nor transformers
     (their start time is measured by bench/cli_start.py)."""
-    probe = ("import sys; from nestfed import cli; sys.argv = ['nestfed', *sys.argv[1:]]\n"
-             "try:\n    cli.main()\nexcept SystemExit as e:\n    code = e.code\n"
-             "print('LOADED', sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))")
-    for args in (["--help"], ["methods"], ["run", "configs/tiny.toml", "--set", "lora.rank=3"], ["run", "nothere.toml"]):
+    probe = (
+        "import sys; from nestfed import cli; sys.argv = ['nestfed', *sys.argv[1:]]\n"
+        "try:\n    cli.main()\nexcept SystemExit as e:\n    code = e.code\n"
+        "print('LOADED', sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    )
+    for args in (
+        ["--help"],
+        ["methods"],
+        ["run", "configs/tiny.toml", "--set", "lora.rank=3"],
+        ["run", "nothere.toml"],
+    ):
         r = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
         assert "LOADED []" in r.stdout, (args, r.stdout[-500:], r.stderr[-500:])
 

@@ -13,7 +13,6 @@ import pytest
 
 from nestfed.nn.backbone import byte_tokenizer, tiny_model
 
-
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
 
@@ -21,23 +20,36 @@ TINY = ROOT / "configs" / "tiny.toml"
 def nestfed(*args, cwd):
     """The installed command in a subprocess."""
     env = dict(os.environ, COLUMNS="200")
-    return subprocess.run([sys.executable, "-m", "nestfed.cli", *args], cwd=cwd, capture_output=True, text=True,
-                          env=env, timeout=600)
+    return subprocess.run(
+        [sys.executable, "-m", "nestfed.cli", *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600
+    )
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--set", "strategy.name=fedsgd"], "strategy.name: unknown method 'fedsgd'"),
-    (["--set", "lora.ranks=[2,4,x]"], "lora.ranks"),
-    (["--set", "lora.ranks=[2,4,4,8,64]", "--set", "lora.r_max=16"], "above the global maximum lora.r_max = 16"),
-    (["--set", "train.nonsense=1"], "unknown key 'train.nonsense'"),
-    (["--set", "data.source=mmlu", "--set", "data.path=/does/not/exist"], "data.path: /does/not/exist does not exist"),
-    (["--methods", "prelort,magic"], "--methods: unknown method 'magic'"),
-    (["--set", "robust.rule=trimmed_mean", "--set", "robust.trim_fraction=0.6"], "robust.trim_fraction must be in [0, 0.5)"),
-    (["--set", "robust.rule=krum", "--set", "robust.byzantine=2"], "robust.byzantine: Krum tolerates f byzantine"),
-    (["--set", "privacy.mode=central"], "privacy.clip_norm: differential privacy needs a clip norm"),
-    (["--set", "attack.kind=scale", "--set", "attack.clients=[9]"], "attack.clients: client 9 does not exist"),
-    (["--set", "strategy.name=flora", "--set", "robust.rule=median"], "robust.rule: flora cannot aggregate robustly"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--set", "strategy.name=fedsgd"], "strategy.name: unknown method 'fedsgd'"),
+        (["--set", "lora.ranks=[2,4,x]"], "lora.ranks"),
+        (["--set", "lora.ranks=[2,4,4,8,64]", "--set", "lora.r_max=16"], "above the global maximum lora.r_max = 16"),
+        (["--set", "train.nonsense=1"], "unknown key 'train.nonsense'"),
+        (
+            ["--set", "data.source=mmlu", "--set", "data.path=/does/not/exist"],
+            "data.path: /does/not/exist does not exist",
+        ),
+        (["--methods", "prelort,magic"], "--methods: unknown method 'magic'"),
+        (
+            ["--set", "robust.rule=trimmed_mean", "--set", "robust.trim_fraction=0.6"],
+            "robust.trim_fraction must be in [0, 0.5)",
+        ),
+        (["--set", "robust.rule=krum", "--set", "robust.byzantine=2"], "robust.byzantine: Krum tolerates f byzantine"),
+        (["--set", "privacy.mode=central"], "privacy.clip_norm: differential privacy needs a clip norm"),
+        (["--set", "attack.kind=scale", "--set", "attack.clients=[9]"], "attack.clients: client 9 does not exist"),
+        (
+            ["--set", "strategy.name=flora", "--set", "robust.rule=median"],
+            "robust.rule: flora cannot aggregate robustly",
+        ),
+    ],
+)
 def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, cli, args, needle):
     r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
     assert r.returncode == 2, r.stderr
@@ -49,8 +61,19 @@ def test_bad_input_is_one_line_exit_2_and_no_run_dir(tmp_path, cli, args, needle
 def test_malformed_data_file_names_the_file(tmp_path, cli):
     bad = tmp_path / "alpaca.json"
     bad.write_text('[{"instruction": "x", "output": "y"}, {"instruction": ')
-    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", "--set", "data.source=instructions",
-                "--set", f"data.path={bad}", "--set", "data.task=instruction", cwd=tmp_path)
+    r = cli(
+        "run",
+        str(TINY),
+        "--set",
+        f"output.dir={tmp_path / 'runs'}",
+        "--set",
+        "data.source=instructions",
+        "--set",
+        f"data.path={bad}",
+        "--set",
+        "data.task=instruction",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and "alpaca.json" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "runs").exists()
 
@@ -66,8 +89,15 @@ def test_a_model_nestfed_cannot_compute_exactly_is_one_line_before_any_run_dir(t
     model.config.final_logit_softcapping = 30.0
     model.save_pretrained(tmp_path / "capped")
     byte_tokenizer(bos=True).save_pretrained(tmp_path / "capped")
-    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", "--set", f"model.name={tmp_path / 'capped'}",
-            cwd=tmp_path)
+    r = cli(
+        "run",
+        str(TINY),
+        "--set",
+        f"output.dir={tmp_path / 'runs'}",
+        "--set",
+        f"model.name={tmp_path / 'capped'}",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2, r.stderr
     assert "Gemma3ForCausalLM sets final_logit_softcapping = 30.0" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
@@ -75,29 +105,64 @@ def test_a_model_nestfed_cannot_compute_exactly_is_one_line_before_any_run_dir(t
 
 def test_an_unexpected_error_prints_no_locals(tmp_path):
     """A bug (here: a loss that raises) is a traceback of code lines only, never of local variables."""
-    script = ("import sys, torch.nn.functional as F\n"
-              "def boom(*a, **k):\n    raise RuntimeError('boom')\n"
-              "F.cross_entropy = boom\n"
-              "from nestfed.cli import main\nmain()\n")
-    r = subprocess.run([sys.executable, "-c", script, "run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}",
-                        "--set", "federation.rounds=1"], cwd=tmp_path, capture_output=True, text=True,
-                       env=dict(os.environ, COLUMNS="200"), timeout=600)
+    script = (
+        "import sys, torch.nn.functional as F\n"
+        "def boom(*a, **k):\n    raise RuntimeError('boom')\n"
+        "F.cross_entropy = boom\n"
+        "from nestfed.cli import main\nmain()\n"
+    )
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            script,
+            "run",
+            str(TINY),
+            "--set",
+            f"output.dir={tmp_path / 'runs'}",
+            "--set",
+            "federation.rounds=1",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, COLUMNS="200"),
+        timeout=600,
+    )
     assert r.returncode == 1 and "RuntimeError: boom" in r.stderr
     assert "locals" not in r.stderr and len(r.stderr.splitlines()) < 300
 
 
 def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path, cli):
     runs = tmp_path / "runs"
-    r = nestfed("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1",
-                "--set", "output.name=cmp", "--methods", "prelort,flora", cwd=tmp_path)
+    r = nestfed(
+        "run",
+        str(TINY),
+        "--set",
+        f"output.dir={runs}",
+        "--set",
+        "federation.rounds=1",
+        "--set",
+        "output.name=cmp",
+        "--methods",
+        "prelort,flora",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     parent = next(runs.iterdir())
     assert parent.name.startswith("cmp-")
     for method in ("prelort", "flora"):
         d = parent / method
-        for f in ("config.toml", "metrics.jsonl", "summary.json", "checkpoints/round_001.safetensors",
-                  "adapter/adapter_config.json", "adapter/adapter_model.safetensors", "plots/eval_ppl.png",
-                  "plots/bytes.png"):
+        for f in (
+            "config.toml",
+            "metrics.jsonl",
+            "summary.json",
+            "checkpoints/round_001.safetensors",
+            "adapter/adapter_config.json",
+            "adapter/adapter_model.safetensors",
+            "plots/eval_ppl.png",
+            "plots/bytes.png",
+        ):
             assert (d / f).is_file(), f"{method}/{f}"
         s = json.loads((d / "summary.json").read_text())
         assert s["method"] == method and s["rounds"] == 1
@@ -113,9 +178,19 @@ def test_a_run_of_many_clients_reads_by_rank_group_and_writes_small_files(tmp_pa
     preparation is one line of counts, the table has a column per rank group (none per client), the
     metrics lines stay small, and the per-client numbers are in their own files."""
     runs = tmp_path / "runs"
-    sets = ["data.num_clients=120", "data.partition=iid", "data.unit=block", "data.source=newsgroups",
-            "lora.ranks=[2]", "population.rank_shares={2=0.5,8=0.5}", "federation.fraction=0.1",
-            "federation.rounds=2", "evaluation.clients=5", "train.client_cache=off", f"output.dir={runs}"]
+    sets = [
+        "data.num_clients=120",
+        "data.partition=iid",
+        "data.unit=block",
+        "data.source=newsgroups",
+        "lora.ranks=[2]",
+        "population.rank_shares={2=0.5,8=0.5}",
+        "federation.fraction=0.1",
+        "federation.rounds=2",
+        "evaluation.clients=5",
+        "train.client_cache=off",
+        f"output.dir={runs}",
+    ]
     r = cli("run", str(TINY), *[x for s in sets for x in ("--set", s)], "--methods", "prelort,local_only", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "prepared 120 clients in" in r.stderr and "clients per rank 2: 60, 8: 60" in r.stderr
@@ -131,8 +206,20 @@ def test_a_run_of_many_clients_reads_by_rank_group_and_writes_small_files(tmp_pa
 
 def test_resume_after_interruption_gives_the_same_adapter(tmp_path, cli):
     runs = tmp_path / "runs"
-    args = ["run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=2",
-            "--set", "data.num_clients=2", "--set", "lora.ranks=[2,4]", "--set", "strategy.name=hetlora"]
+    args = [
+        "run",
+        str(TINY),
+        "--set",
+        f"output.dir={runs}",
+        "--set",
+        "federation.rounds=2",
+        "--set",
+        "data.num_clients=2",
+        "--set",
+        "lora.ranks=[2,4]",
+        "--set",
+        "strategy.name=hetlora",
+    ]
     assert cli(*args, "--set", "output.name=full", cwd=tmp_path).returncode == 0
     assert cli(*args, "--set", "output.name=cut", cwd=tmp_path).returncode == 0
     full, cut = sorted(runs.glob("full-*"))[0], sorted(runs.glob("cut-*"))[0]
@@ -140,6 +227,7 @@ def test_resume_after_interruption_gives_the_same_adapter(tmp_path, cli):
     (cut / "checkpoints" / "round_002.safetensors").unlink()
     (cut / "summary.json").unlink()
     import shutil
+
     shutil.rmtree(cut / "adapter")
     lines = (cut / "metrics.jsonl").read_text().splitlines()
     (cut / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
@@ -153,37 +241,96 @@ def test_resume_after_interruption_gives_the_same_adapter(tmp_path, cli):
 
 def test_instruction_and_multiple_choice_tasks_run(tmp_path, cli):
     data = tmp_path / "dolly.jsonl"
-    rows = [{"instruction": f"Say the number {i}.", "context": "", "response": f"The number is {i}.",
-             "category": ["open_qa", "brainstorming"][i % 2]} for i in range(24)]
+    rows = [
+        {
+            "instruction": f"Say the number {i}.",
+            "context": "",
+            "response": f"The number is {i}.",
+            "category": ["open_qa", "brainstorming"][i % 2],
+        }
+        for i in range(24)
+    ]
     data.write_text("\n".join(json.dumps(r) for r in rows))
-    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'a'}", "--set", "data.source=instructions",
-                "--set", f"data.path={data}", "--set", "data.task=instruction", "--set", "data.num_clients=2",
-                "--set", "lora.ranks=[2,4]", "--set", "federation.rounds=1", cwd=tmp_path)
+    r = cli(
+        "run",
+        str(TINY),
+        "--set",
+        f"output.dir={tmp_path / 'a'}",
+        "--set",
+        "data.source=instructions",
+        "--set",
+        f"data.path={data}",
+        "--set",
+        "data.task=instruction",
+        "--set",
+        "data.num_clients=2",
+        "--set",
+        "lora.ranks=[2,4]",
+        "--set",
+        "federation.rounds=1",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(next((tmp_path / "a").glob("*/summary.json")).read_text())
     assert set(s["client_labels"].values()) == {"brainstorming", "open_qa"}
     mmlu = Path(__file__).resolve().parents[2] / "shared" / "data" / "mmlu"
     if not mmlu.is_dir():
         pytest.skip("no MMLU copy")
-    r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'b'}", "--set", "data.source=mmlu",
-                "--set", f"data.path={mmlu}", "--set", "data.task=multiple_choice", "--set", "data.num_clients=2",
-                "--set", 'data.client_labels=[["astronomy"], ["virology", "nutrition"]]', "--set", "data.block_size=256",
-                "--set", "lora.ranks=[2,4]", "--set", "federation.rounds=1", cwd=tmp_path)
+    r = cli(
+        "run",
+        str(TINY),
+        "--set",
+        f"output.dir={tmp_path / 'b'}",
+        "--set",
+        "data.source=mmlu",
+        "--set",
+        f"data.path={mmlu}",
+        "--set",
+        "data.task=multiple_choice",
+        "--set",
+        "data.num_clients=2",
+        "--set",
+        'data.client_labels=[["astronomy"], ["virology", "nutrition"]]',
+        "--set",
+        "data.block_size=256",
+        "--set",
+        "lora.ranks=[2,4]",
+        "--set",
+        "federation.rounds=1",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     s = json.loads(next((tmp_path / "b").glob("*/summary.json")).read_text())
     assert 0.0 <= s["mean_accuracy"] <= 1.0 and "accuracy" in s["final"]["0"]
     assert s["client_labels"] == {"0": "astronomy", "1": "nutrition+virology"}
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--set", "lora.ranks=[a,b]"], "lora.ranks[0]: expected an integer, got '[a,b]'"),
-    (["--set", "federaton.rounds=2"], "unknown section '[federaton]'"),
-    (["--set", "federation.min_clients=6"], "federation.min_clients = 6 is above the 5 clients sampled per round"),
-    (["--set", "lora.ranks=[100000]"], "lora.ranks: rank 100000 exceeds 32, the smallest adapted layer's min(out, in)"),
-    (["--set", "train.lr=nan"], "train.lr: expected a finite number, got nan"),
-    (["--set", "strategy.name=fednl", "--set", "lora.ranks=[4]", "--set", 'lora.target_modules=["q_proj"]',
-      "--set", "memory.layers=[7]"], "memory.layers: index 7 out of range for 2 layers"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--set", "lora.ranks=[a,b]"], "lora.ranks[0]: expected an integer, got '[a,b]'"),
+        (["--set", "federaton.rounds=2"], "unknown section '[federaton]'"),
+        (["--set", "federation.min_clients=6"], "federation.min_clients = 6 is above the 5 clients sampled per round"),
+        (
+            ["--set", "lora.ranks=[100000]"],
+            "lora.ranks: rank 100000 exceeds 32, the smallest adapted layer's min(out, in)",
+        ),
+        (["--set", "train.lr=nan"], "train.lr: expected a finite number, got nan"),
+        (
+            [
+                "--set",
+                "strategy.name=fednl",
+                "--set",
+                "lora.ranks=[4]",
+                "--set",
+                'lora.target_modules=["q_proj"]',
+                "--set",
+                "memory.layers=[7]",
+            ],
+            "memory.layers: index 7 out of range for 2 layers",
+        ),
+    ],
+)
 def test_errors_keep_their_words_and_model_checks_come_before_any_file(tmp_path, cli, args, needle):
     r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
@@ -212,8 +359,18 @@ def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path, cli):
     r = cli("run", "--resume", str(run_dir), cwd=tmp_path)
     assert r.returncode == 2 and "strategy.name: 'prelort' -> 'zeropad'" in r.stderr, r.stderr[-2000:]
     (run_dir / "config.toml").write_text(text)
-    more = cli("run", "--resume", str(run_dir), "--set", "train.lr=0.001", "--set", "federation.rounds=2",
-               "--set", "tracking.tensorboard=true", cwd=tmp_path)  # restating a value is fine, so are
+    more = cli(
+        "run",
+        "--resume",
+        str(run_dir),
+        "--set",
+        "train.lr=0.001",
+        "--set",
+        "federation.rounds=2",
+        "--set",
+        "tracking.tensorboard=true",
+        cwd=tmp_path,
+    )  # restating a value is fine, so are
     assert more.returncode == 0, more.stderr[-2000:]  # extending the run and adding a tracking sink
     assert "config.toml now has federation.rounds: 1 -> 2" in more.stderr
     assert "config.toml now has tracking.tensorboard: False -> True" in more.stderr
@@ -231,14 +388,17 @@ def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path, cli):
     assert len(r.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["--methods", ","], "--methods: unknown method ''"),
-    (["--methods", "prelort,prelort"], "--methods: 'prelort' is listed twice"),
-    (["--set", "model.dtype=int8"], "model.dtype: 'int8' is not a floating dtype"),
-    (["--set", "lora.lora_alpha=0"], "lora.lora_alpha must be > 0"),
-    (["--set", "data.max_train=0"], "data.max_train and data.max_test must be >= 1"),
-    (["--set", "federation.rounds=0"], "federation.rounds=0: federation.rounds must be >= 1"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (["--methods", ","], "--methods: unknown method ''"),
+        (["--methods", "prelort,prelort"], "--methods: 'prelort' is listed twice"),
+        (["--set", "model.dtype=int8"], "model.dtype: 'int8' is not a floating dtype"),
+        (["--set", "lora.lora_alpha=0"], "lora.lora_alpha must be > 0"),
+        (["--set", "data.max_train=0"], "data.max_train and data.max_test must be >= 1"),
+        (["--set", "federation.rounds=0"], "federation.rounds=0: federation.rounds must be >= 1"),
+    ],
+)
 def test_more_bad_input_found_by_trying_it(tmp_path, cli, args, needle):
     r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", *args, cwd=tmp_path)
     assert r.returncode == 2 and needle in r.stderr, r.stderr
@@ -260,8 +420,21 @@ def test_resume_refuses_a_config_or_methods_beside_it_and_compare_dedupes(tmp_pa
 
 def test_seeds_run_every_method_per_seed_and_report_intervals(tmp_path, cli):
     runs = tmp_path / "runs"
-    r = cli("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1", "--set", "output.name=s",
-            "--methods", "prelort,zeropad,local_only", "--seeds", "2", cwd=tmp_path)
+    r = cli(
+        "run",
+        str(TINY),
+        "--set",
+        f"output.dir={runs}",
+        "--set",
+        "federation.rounds=1",
+        "--set",
+        "output.name=s",
+        "--methods",
+        "prelort,zeropad,local_only",
+        "--seeds",
+        "2",
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     parent = next(runs.iterdir())
     for seed in (0, 1):
@@ -273,7 +446,9 @@ def test_seeds_run_every_method_per_seed_and_report_intervals(tmp_path, cli):
     for name in ("comparison.png", "truncation.png", "dimension_importance.png"):
         assert (parent / name).is_file()
     rows = json.loads((parent / "comparison.json").read_text())
-    assert sorted((r["label"], r["seed"]) for r in rows) == [(m, s) for m in ("local_only", "prelort", "zeropad") for s in (0, 1)]
+    assert sorted((r["label"], r["seed"]) for r in rows) == [
+        (m, s) for m in ("local_only", "prelort", "zeropad") for s in (0, 1)
+    ]
     # the two seeds drew different batches and initialisations
     ppl = {(r["label"], r["seed"]): r["mean_ppl"] for r in rows}
     assert ppl[("prelort", 0)] != ppl[("prelort", 1)]
@@ -282,8 +457,17 @@ def test_seeds_run_every_method_per_seed_and_report_intervals(tmp_path, cli):
     r = cli("run", "--resume", str(parent), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (parent / "seed1" / "zeropad" / "summary.json").is_file()
-    c = cli("compare", str(parent), "--reference", "zeropad", "--plot", str(tmp_path / "c.png"),
-            "--table", str(tmp_path / "c.md"), cwd=tmp_path)
+    c = cli(
+        "compare",
+        str(parent),
+        "--reference",
+        "zeropad",
+        "--plot",
+        str(tmp_path / "c.png"),
+        "--table",
+        str(tmp_path / "c.md"),
+        cwd=tmp_path,
+    )
     assert c.returncode == 0 and "reference" in c.stdout and (tmp_path / "c_truncation.png").is_file()
     assert "| zeropad |" in (tmp_path / "c.md").read_text() and len(json.loads((tmp_path / "c.json").read_text())) == 6
     bad = cli("compare", str(parent), "--reference", "magic", cwd=tmp_path)
@@ -295,8 +479,17 @@ def test_compare_of_runs_that_share_a_label_and_seed_is_one_line(tmp_path, cli):
     """Two runs of one method and seed that differ only in [data] cannot be paired by seed: one
     line naming the fix (output.label), exit 2, no traceback."""
     for n in (4, 6):
-        r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / str(n)}", "--set", "federation.rounds=1",
-                "--set", f"data.max_train={n}", cwd=tmp_path)
+        r = cli(
+            "run",
+            str(TINY),
+            "--set",
+            f"output.dir={tmp_path / str(n)}",
+            "--set",
+            "federation.rounds=1",
+            "--set",
+            f"data.max_train={n}",
+            cwd=tmp_path,
+        )
         assert r.returncode == 0, r.stderr[-2000:]
     a, b = (next((tmp_path / str(n)).iterdir()) for n in (4, 6))
     r = cli("compare", str(a), str(b), "--plot", str(tmp_path / "c.png"), cwd=tmp_path)

@@ -22,9 +22,11 @@ from nestfed.nn.frozen_prefix import lm_logits, prefix_features
 from nestfed.nn.memory import MemorySettings, install_memory
 
 pytestmark = pytest.mark.e2e
-PARAGRAPH = ("Paris is the capital and largest city of France. With an estimated population of over two million "
-             "residents, it is the centre of the Île-de-France region. Since the seventeenth century, Paris has been "
-             "one of the world's major centres of finance, diplomacy, commerce, culture, fashion and gastronomy.")
+PARAGRAPH = (
+    "Paris is the capital and largest city of France. With an estimated population of over two million "
+    "residents, it is the centre of the Île-de-France region. Since the seventeenth century, Paris has been "
+    "one of the world's major centres of finance, diplomacy, commerce, culture, fashion and gastronomy."
+)
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,14 @@ import torch
 from peft import AutoPeftModelForCausalLM
 from safetensors.torch import load_file
 
+from nestfed.config import ModelConfig
 from nestfed.experiments.export import export_adapter
 from nestfed.federation.aggregation import truncate_rank
 from nestfed.nn.arrays import apply_arrays
+from nestfed.nn.backbone import load_backbone
+from nestfed.nn.frozen_prefix import lm_logits
 from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
 from nestfed.nn.peft_export import export_peft_adapter
-from nestfed.nn.backbone import load_backbone
-from nestfed.config import ModelConfig
-from nestfed.nn.frozen_prefix import lm_logits
 
 pytestmark = pytest.mark.e2e
 ROOT = Path(__file__).resolve().parents[1]
@@ -46,8 +46,9 @@ def test_smollm2_is_a_real_pretrained_model(smollm2):
     assert m.config.num_hidden_layers == 30 and m.config.hidden_size == 576
     assert sum(p.numel() for p in m.parameters()) == 134_515_008
     assert not any(p.requires_grad for p in m.parameters())
-    ids = tok("The cat sat on the mat. It was a sunny day and the children played in the park.",
-              return_tensors="pt").input_ids
+    ids = tok(
+        "The cat sat on the mat. It was a sunny day and the children played in the park.", return_tensors="pt"
+    ).input_ids
     with torch.no_grad():
         ppl = m(ids, labels=ids).loss.exp().item()
     assert ppl < 40, ppl  # a random model of this shape scores tens of thousands
@@ -74,11 +75,34 @@ def test_peft_loads_a_smollm2_adapter_with_the_same_logits(smollm2, tmp_path):
 def test_prelort_round_on_real_bbc_news_lowers_held_out_loss(tmp_path):
     _need_smollm2()
     runs = tmp_path / "runs"
-    r = subprocess.run([sys.executable, "-m", "nestfed.cli", "run", str(ROOT / "configs" / "bbc_news.toml"),
-                        "--set", f"output.dir={runs}", "--set", "federation.rounds=1", "--set", "data.num_clients=2",
-                        "--set", "lora.ranks=[2,8]", "--set", "data.max_train=4", "--set", "data.max_test=2",
-                        "--set", "train.local_steps=3", "--set", "lora.layers=[-1]"],
-                       capture_output=True, text=True, timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "nestfed.cli",
+            "run",
+            str(ROOT / "configs" / "bbc_news.toml"),
+            "--set",
+            f"output.dir={runs}",
+            "--set",
+            "federation.rounds=1",
+            "--set",
+            "data.num_clients=2",
+            "--set",
+            "lora.ranks=[2,8]",
+            "--set",
+            "data.max_train=4",
+            "--set",
+            "data.max_test=2",
+            "--set",
+            "train.local_steps=3",
+            "--set",
+            "lora.layers=[-1]",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     run_dir = next(runs.iterdir())
     s = json.loads((run_dir / "summary.json").read_text())

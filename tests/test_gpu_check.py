@@ -13,8 +13,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def test_gpu_check_dry_run_runs_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
-    p = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(out)],
-                       capture_output=True, text=True, cwd=ROOT, timeout=600)
+    p = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(out)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=600,
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(out.read_text())
     parts = ["cuda_tests", "lora_vs_peft", "prelort", "fednl", "fedslm", "two_rounds"]
@@ -24,8 +29,13 @@ def test_gpu_check_dry_run_runs_every_part(tmp_path):
     assert got["two_rounds"]["result"]["finished"] is True
     assert got["lora_vs_peft"]["result"]["tiny"]["tokens_per_s_ratio"] > 0
     assert [f"R_k={n}" for n in (1, 2, 3, 4)] == sorted(got["prelort"]["result"])
-    assert set(got["criteria"]) == {"lora_tokens_per_s_vs_peft>=0.9", "fednl_fused_vs_lora>=0.7",
-                                    "fedslm_peak_memory<=0.6", "two_rounds_finished", "cuda_tests_passed"}
+    assert set(got["criteria"]) == {
+        "lora_tokens_per_s_vs_peft>=0.9",
+        "fednl_fused_vs_lora>=0.7",
+        "fedslm_peak_memory<=0.6",
+        "two_rounds_finished",
+        "cuda_tests_passed",
+    }
 
 
 def test_gpu_check_without_cuda_says_so():

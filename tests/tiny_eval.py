@@ -25,8 +25,16 @@ def write_mmlu(root: Path, n: int = 2, answers: dict[str, list[int]] | None = No
             w.writerow(["question", "choice0", "choice1", "choice2", "choice3", "answer"])
             for i in range(n):
                 gold = answers[subject][i] if answers else i % 4
-                w.writerow([f"In {subject}, which item {i} is {'odd' if i % 2 else 'even'}", f"a{i}", f"b{i}",
-                            f"c{i}", f"d{i}", gold])
+                w.writerow(
+                    [
+                        f"In {subject}, which item {i} is {'odd' if i % 2 else 'even'}",
+                        f"a{i}",
+                        f"b{i}",
+                        f"c{i}",
+                        f"d{i}",
+                        gold,
+                    ]
+                )
     return root
 
 
@@ -40,9 +48,10 @@ def save_tiny(root: Path) -> tuple[Path, Path]:
     base = root / "tiny"
     model.save_pretrained(base)
     tok.save_pretrained(base)
-    peft_model = get_peft_model(tiny_model("llama", len(tok), seed=1),
-                                LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"],
-                                           init_lora_weights=False))
+    peft_model = get_peft_model(
+        tiny_model("llama", len(tok), seed=1),
+        LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False),
+    )
     torch.manual_seed(5)
     with torch.no_grad():
         for name, p in peft_model.named_parameters():

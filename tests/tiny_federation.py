@@ -25,9 +25,20 @@ from nestfed.nn.backbone import load_backbone
 from nestfed.nn.frozen_prefix import first_adapted_layer
 from nestfed.nn.lora import inject_lora, module_shapes
 
-BASE = ("model.name=tiny-llama", "data.num_clients=3", "lora.ranks=[2,4,8]", 'lora.target_modules=["q_proj","v_proj"]',
-        "lora.layers=[-1]", "lora.lora_alpha=16.0", "train.local_steps=2", "train.batch_size=2", "train.lr=1e-2",
-        "federation.seed=1", "federation.rounds=3", "output.plots=false")
+BASE = (
+    "model.name=tiny-llama",
+    "data.num_clients=3",
+    "lora.ranks=[2,4,8]",
+    'lora.target_modules=["q_proj","v_proj"]',
+    "lora.layers=[-1]",
+    "lora.lora_alpha=16.0",
+    "train.local_steps=2",
+    "train.batch_size=2",
+    "train.lr=1e-2",
+    "federation.seed=1",
+    "federation.rounds=3",
+    "output.plots=false",
+)
 
 
 def tiny_config(*overrides: str) -> ExperimentConfig:
@@ -62,8 +73,15 @@ def tiny_run(run_dir: Path, cfg: ExperimentConfig, prep: Prepared | None = None,
     mr = methods.get(cfg.strategy.name).build(prep, cfg)
     trainer = wrap(mr.trainer) if wrap is not None else mr.trainer
     rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, dumps_toml(cfg), per_client_inline(cfg))
-    loop = RoundLoop.from_config(cfg, mr.strategy, InProcessTransport(trainer), mr.clients, rd, mr.keeps_client_state,
-                                 sinks=tracking.sinks(cfg.tracking, Path(run_dir), cfg.output.dir, cfg.output.name))
+    loop = RoundLoop.from_config(
+        cfg,
+        mr.strategy,
+        InProcessTransport(trainer),
+        mr.clients,
+        rd,
+        mr.keeps_client_state,
+        sinks=tracking.sinks(cfg.tracking, Path(run_dir), cfg.output.dir, cfg.output.name),
+    )
     return loop.run(mr.shapes, resume=resume), loop, mr
 
 

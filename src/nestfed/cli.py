@@ -29,8 +29,12 @@ from nestfed import methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_show_locals=False,
-                  help="Federated fine-tuning of LLMs under heterogeneity.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_show_locals=False,
+    help="Federated fine-tuning of LLMs under heterogeneity.",
+)
 console = Console(stderr=True, highlight=False)
 out = Console(width=max(Console().width, 132), highlight=False)
 
@@ -45,20 +49,31 @@ def prepared_line(prep) -> str:
     the clients per rank and the spread of n_k."""
     head = f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s"
     if len(prep.clients) <= C.INLINE_CLIENTS:
-        return head + ": " + ", ".join(f"c{c.cid} rank {c.rank} n={c.num_examples} ({prep.label(c.cid)})"
-                                       for c in prep.clients)
+        return (
+            head
+            + ": "
+            + ", ".join(f"c{c.cid} rank {c.rank} n={c.num_examples} ({prep.label(c.cid)})" for c in prep.clients)
+        )
     counts: dict[int, int] = {}
     for c in prep.clients:
         counts[c.rank] = counts.get(c.rank, 0) + 1
     n = sorted(c.num_examples for c in prep.clients)
-    return (f"{head} (a client's data are built when it is first sampled or evaluated): clients per rank "
-            + ", ".join(f"{r}: {k}" for r, k in sorted(counts.items()))
-            + f"; n_k min {n[0]}, median {n[len(n) // 2]}, max {n[-1]}")
+    return (
+        f"{head} (a client's data are built when it is first sampled or evaluated): clients per rank "
+        + ", ".join(f"{r}: {k}" for r, k in sorted(counts.items()))
+        + f"; n_k min {n[0]}, median {n[len(n) // 2]}, max {n[-1]}"
+    )
 
 
 def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=False)
+    return Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=console,
+        transient=False,
+    )
 
 
 def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], resume: bool) -> None:
@@ -95,8 +110,11 @@ def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], r
                     progress.update(task, description=f"{name} round {info['round']}: {what}")
                     if not console.is_terminal:  # logs and CI: one plain line per round
                         glob = f", global {ln['eval_global']['ppl']:.2f}" if "eval_global" in ln else ""
-                        progress.console.print(f"{name} round {info['round']}/{rounds}: {what}{glob}, "
-                                               f"{ln['time_s']:.0f} s, {len(ln['rejected'])} rejected", markup=False)
+                        progress.console.print(
+                            f"{name} round {info['round']}/{rounds}: {what}{glob}, "
+                            f"{ln['time_s']:.0f} s, {len(ln['rejected'])} rejected",
+                            markup=False,
+                        )
 
             run_method(prep, cfg, run_dirs[name], resume=resume, on_event=on_event)
 
@@ -106,8 +124,13 @@ def _finished(parent: Path) -> list[Path]:
     return sorted({p.parent for p in [*parent.glob("*/summary.json"), *parent.glob("*/*/summary.json")]})
 
 
-def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None, reference: str | None = None,
-            table: Path | None = None) -> None:
+def _report(
+    run_dirs: list[Path],
+    parent: Path | None,
+    plot: Path | None = None,
+    reference: str | None = None,
+    table: Path | None = None,
+) -> None:
     """Print the comparison; write comparison.md / .json / .png (and, where the runs measured them,
     truncation.png and dimension_importance.png) into ``parent``, or only the plot at ``plot``. Runs
     of one label over several seeds are reported with 95% intervals and paired differences against
@@ -120,8 +143,10 @@ def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None,
     try:
         groups = seed_report.by_label(rows)
     except ValueError as exc:  # two runs of one label and seed: different experiments, or one run twice
-        raise NestfedError(f"{exc}: these runs share a label and a seed (the same run twice, or runs that differ "
-                           "only in sections the label does not show, e.g. [data]); set output.label on them") from None
+        raise NestfedError(
+            f"{exc}: these runs share a label and a seed (the same run twice, or runs that differ "
+            "only in sections the label does not show, e.g. [data]); set output.label on them"
+        ) from None
     over_seeds = any(len(g) > 1 for g in groups.values())
     if reference is not None and reference not in groups:
         raise NestfedError(f"--reference: '{reference}' is not among the compared runs ({', '.join(groups)})")
@@ -150,15 +175,21 @@ def _report(run_dirs: list[Path], parent: Path | None, plot: Path | None = None,
         markdown += seed_report.truncation_markdown(curves)
         ref = reference or next(iter(groups))
         if over_seeds and ref in curves and len(curves) > 1:
-            markdown += (f"\nPaired difference of the truncated adapters' held-out perplexity against {ref} at the "
-                         "same r (%, 95% interval over seed x client pairs; bold: significant):\n\n")
+            markdown += (
+                f"\nPaired difference of the truncated adapters' held-out perplexity against {ref} at the "
+                "same r (%, 95% interval over seed x client pairs; bold: significant):\n\n"
+            )
             markdown += seed_report.truncation_differences_markdown(seed_report.truncation_differences(rows, ref), ref)
     on_global = seed_report.global_truncation_stats(rows)
     if on_global:
-        markdown += ("\nHeld-out perplexity of the final global adapter truncated to rank r on the global held-out set "
-                     "(mean ± 95% over seeds):\n\n" + seed_report.truncation_markdown(on_global))
-    figures = {"truncation.png": seed_report.truncation_plot(curves) if curves else None,
-               "dimension_importance.png": seed_report.importance_plot(importance) if importance else None}
+        markdown += (
+            "\nHeld-out perplexity of the final global adapter truncated to rank r on the global held-out set "
+            "(mean ± 95% over seeds):\n\n" + seed_report.truncation_markdown(on_global)
+        )
+    figures = {
+        "truncation.png": seed_report.truncation_plot(curves) if curves else None,
+        "dimension_importance.png": seed_report.importance_plot(importance) if importance else None,
+    }
     if parent is not None:
         atomic.write_text(parent / "comparison.md", markdown)
         atomic.write_json(parent / "comparison.json", rows)
@@ -225,19 +256,29 @@ def _resume_configs(todo: dict[str, Path], overrides: list[str]) -> dict[str, Ex
 def run(
     config: Annotated[Optional[Path], typer.Argument(help="experiment TOML file")] = None,
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override section.key=value")] = None,
-    methods_: Annotated[Optional[str], typer.Option("--methods", help="comma-separated methods run on the same clients, then compared")] = None,
+    methods_: Annotated[
+        Optional[str], typer.Option("--methods", help="comma-separated methods run on the same clients, then compared")
+    ] = None,
     resume: Annotated[Optional[Path], typer.Option(help="continue an interrupted run directory")] = None,
-    seeds: Annotated[int, typer.Option("--seeds", help="repeat every method over N seeds (federation.seed and "
-                                       "lora.init_seed + 0..N-1: data order, initialisation, client sampling) on "
-                                       "the same clients; report means with 95% intervals")] = 1,
+    seeds: Annotated[
+        int,
+        typer.Option(
+            "--seeds",
+            help="repeat every method over N seeds (federation.seed and "
+            "lora.init_seed + 0..N-1: data order, initialisation, client sampling) on "
+            "the same clients; report means with 95% intervals",
+        ),
+    ] = 1,
 ) -> None:
     """Run an experiment: federated rounds, checkpoints, PEFT adapter, plots, a comparison table
     (over seeds: means with 95% intervals and paired differences against the first method)."""
     t0 = time.perf_counter()
     if resume is not None:
         if config is not None or methods_:
-            raise NestfedError("--resume runs the run directory's own config and methods; drop CONFIG and --methods "
-                               "(--set may restate a value or raise federation.rounds)")
+            raise NestfedError(
+                "--resume runs the run directory's own config and methods; drop CONFIG and --methods "
+                "(--set may restate a value or raise federation.rounds)"
+            )
         todo, parent = _resumable(resume)
         cfgs = _resume_configs(todo, set_ or [])
         _run_methods(cfgs, todo, resume=True)
@@ -256,6 +297,7 @@ def run(
             raise NestfedError(f"--seeds must be >= 1, got {seeds}")
         per_method = {m: methods.with_method(cfg, m) for m in names}  # validates e.g. fedavg with unequal ranks
         from nestfed.experiments.run import new_run_dir  # the model libraries load once the config is valid
+
         parent = None
         if len(names) > 1 or seeds > 1:
             parent = new_run_dir(methods.replace_config(cfg, output={"name": cfg.output.name or "compare"}))
@@ -265,8 +307,9 @@ def run(
                 if seeds == 1:
                     cfgs[m], dirs[m] = c, new_run_dir(c, parent)
                     continue
-                c = methods.replace_config(c, federation={"seed": c.federation.seed + i},
-                                           lora={"init_seed": c.lora.init_seed + i})
+                c = methods.replace_config(
+                    c, federation={"seed": c.federation.seed + i}, lora={"init_seed": c.lora.init_seed + i}
+                )
                 key = f"seed{c.federation.seed}/{m}"
                 cfgs[key], dirs[key] = c, parent / key
         _run_methods(cfgs, dirs, resume=False)
@@ -281,10 +324,13 @@ def run(
 def compare(
     run_dirs: Annotated[list[Path], typer.Argument(help="finished run directories (or a multi-method parent)")],
     plot: Annotated[Path, typer.Option(help="write the comparison plot here")] = Path("comparison.png"),
-    reference: Annotated[Optional[str], typer.Option(help="the method (label) the others are paired against "
-                                                     "over seeds (default: the first)")] = None,
-    table: Annotated[Optional[Path], typer.Option(help="also write the Markdown tables here (and the rows as "
-                                                  "JSON beside it)")] = None,
+    reference: Annotated[
+        Optional[str],
+        typer.Option(help="the method (label) the others are paired against over seeds (default: the first)"),
+    ] = None,
+    table: Annotated[
+        Optional[Path], typer.Option(help="also write the Markdown tables here (and the rows as JSON beside it)")
+    ] = None,
 ) -> None:
     """Print a side-by-side table of finished runs and write the comparison plot (default
     ./comparison.png; the truncation curve and dimension importance beside it when measured). Runs
@@ -298,23 +344,36 @@ def compare(
                 dirs.append(p)
     if not dirs:
         raise NestfedError(f"no finished run directory among {', '.join(map(str, run_dirs))}")
-    experiments = {(str(C.to_dict(c)["model"]), str(C.to_dict(c)["data"]))
-                   for c in (methods.load_config(d / "config.toml") for d in dirs)}
+    experiments = {
+        (str(C.to_dict(c)["model"]), str(C.to_dict(c)["data"]))
+        for c in (methods.load_config(d / "config.toml") for d in dirs)
+    }
     if len(experiments) > 1:
-        say("warning: these runs differ in [model] or [data]: their perplexities are not on one test set, and the "
-            f"first row is {dirs[0]}'s round 0")
+        say(
+            "warning: these runs differ in [model] or [data]: their perplexities are not on one test set, and the "
+            f"first row is {dirs[0]}'s round 0"
+        )
     _report(dirs, None, plot, reference, table)
 
 
 @app.command("export")
 def export(
     run_dir: Annotated[Path, typer.Argument(help="a run directory (its latest checkpoint is exported)")],
-    rank: Annotated[Optional[int], typer.Option("--rank", help="the global adapter's prefix of rank r, at the scale "
-                                                "a client of rank r runs it")] = None,
-    client: Annotated[Optional[int], typer.Option("--client", help="exactly the adapter client k runs (its rank, "
-                                                  "its kept state)")] = None,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="where to write the PEFT adapter directory "
-                                                    "(default RUN_DIR/adapter_r<r> or RUN_DIR/adapter_client<k>)")] = None,
+    rank: Annotated[
+        Optional[int],
+        typer.Option("--rank", help="the global adapter's prefix of rank r, at the scale a client of rank r runs it"),
+    ] = None,
+    client: Annotated[
+        Optional[int], typer.Option("--client", help="exactly the adapter client k runs (its rank, its kept state)")
+    ] = None,
+    out_dir: Annotated[
+        Optional[Path],
+        typer.Option(
+            "--out",
+            help="where to write the PEFT adapter directory "
+            "(default RUN_DIR/adapter_r<r> or RUN_DIR/adapter_client<k>)",
+        ),
+    ] = None,
 ) -> None:
     """Write a PEFT adapter that PEFT runs exactly as nestfed does: the global adapter truncated to
     rank r (lora_alpha set so that PEFT's lora_alpha / r is the client's scale), or client k's own
@@ -323,30 +382,48 @@ def export(
 
     path, info = export_adapter(run_dir, rank, client, out_dir)
     who = f"client {info['client']}'s adapter" if info["client"] is not None else "the global adapter"
-    out.print(f"{who} of {info['method']} after round {info['round']}: rank {info['rank']}, scale {info['scale']:g}, "
-              f"base model {info['base_model'] or '(none: a tiny random model)'}", markup=False)
+    out.print(
+        f"{who} of {info['method']} after round {info['round']}: rank {info['rank']}, scale {info['scale']:g}, "
+        f"base model {info['base_model'] or '(none: a tiny random model)'}",
+        markup=False,
+    )
     out.print(f"PEFT adapter: {path}", markup=False)
 
 
 @app.command("eval")
 def eval_(
-    run_dirs: Annotated[list[Path], typer.Argument(help="run directories, or a parent holding them (e.g. "
-                                                   "runs/bbc_news-<stamp>)")],
+    run_dirs: Annotated[
+        list[Path], typer.Argument(help="run directories, or a parent holding them (e.g. runs/bbc_news-<stamp>)")
+    ],
     mmlu_root: Annotated[Path, typer.Option("--mmlu", help="MMLU root folder holding test/<subject>_test.csv")] = Path(
-        "../shared/data/mmlu"),
-    fraction: Annotated[float, typer.Option("--fraction", help="score a seeded sample of this fraction of every "
-                                            "subject (1 = FlowerTune's whole protocol)")] = 1.0,
+        "../shared/data/mmlu"
+    ),
+    fraction: Annotated[
+        float,
+        typer.Option(
+            "--fraction",
+            help="score a seeded sample of this fraction of every subject (1 = FlowerTune's whole protocol)",
+        ),
+    ] = 1.0,
     seed: Annotated[int, typer.Option("--seed", help="the sample's seed")] = 0,
-    categories: Annotated[str, typer.Option("--categories", help="comma-separated, of stem, social_sciences, "
-                                            "humanities")] = "stem,social_sciences,humanities",
+    categories: Annotated[
+        str, typer.Option("--categories", help="comma-separated, of stem, social_sciences, humanities")
+    ] = "stem,social_sciences,humanities",
     batch_size: Annotated[int, typer.Option("--batch-size", help="prompts per forward pass")] = 16,
     device: Annotated[str, typer.Option("--device", help="auto | cpu | cuda | cuda:N")] = "auto",
-    dtype: Annotated[str, typer.Option("--dtype", help="auto (float32 on the CPU, bfloat16 on CUDA) | float32 | "
-                                       "bfloat16 | float16")] = "auto",
-    backbone: Annotated[bool, typer.Option("--backbone/--no-backbone", help="also score the bare backbone (the "
-                                           "reference of the paired differences)")] = True,
-    out_dir: Annotated[Optional[Path], typer.Option("--out", help="where the per-model results and the table go "
-                                                    "(default <first run's parent>/eval)")] = None,
+    dtype: Annotated[
+        str, typer.Option("--dtype", help="auto (float32 on the CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16")
+    ] = "auto",
+    backbone: Annotated[
+        bool,
+        typer.Option(
+            "--backbone/--no-backbone", help="also score the bare backbone (the reference of the paired differences)"
+        ),
+    ] = True,
+    out_dir: Annotated[
+        Optional[Path],
+        typer.Option("--out", help="where the per-model results and the table go (default <first run's parent>/eval)"),
+    ] = None,
 ) -> None:
     """Score the backbone and each run's final adapter on FlowerTune's General-NLP protocol (MMLU
     STEM / social sciences / humanities, its prompt, greedy one-token answers) and by the letters'
@@ -357,11 +434,19 @@ def eval_(
     from nestfed.io import atomic
 
     base, entries = general_nlp.models(run_dirs, backbone)
-    protocol = harness.Protocol(str(mmlu_root), tuple(c.strip() for c in categories.split(",") if c.strip()),
-                                fraction, seed, batch_size, device, dtype)
+    protocol = harness.Protocol(
+        str(mmlu_root),
+        tuple(c.strip() for c in categories.split(",") if c.strip()),
+        fraction,
+        seed,
+        batch_size,
+        device,
+        dtype,
+    )
     protocol.placement()  # a bad --device or --dtype is one line before anything runs
-    target = out_dir or (run_dirs[0].resolve().parent if (run_dirs[0] / "config.toml").is_file()
-                         else run_dirs[0]) / "eval"
+    target = (
+        out_dir or (run_dirs[0].resolve().parent if (run_dirs[0] / "config.toml").is_file() else run_dirs[0]) / "eval"
+    )
     target.mkdir(parents=True, exist_ok=True)
 
     def progress(label: str, cached: bool) -> None:
@@ -380,7 +465,9 @@ def eval_(
 def fedslm(
     config: Annotated[Path, typer.Argument(help="experiment TOML file (e.g. configs/fedslm_bbc_news.toml)")],
     set_: Annotated[Optional[list[str]], typer.Option("--set", help="override section.key=value")] = None,
-    methods_: Annotated[str, typer.Option("--methods", help="comma-separated: fedslm, fedmkt, fedavg, hetlora")] = "fedslm,fedmkt,fedavg,hetlora",
+    methods_: Annotated[
+        str, typer.Option("--methods", help="comma-separated: fedslm, fedmkt, fedavg, hetlora")
+    ] = "fedslm,fedmkt,fedavg,hetlora",
 ) -> None:
     """FedSLM against FedMKT, FedAvg+LoRA and HetLoRA on the same clients: client and server
     perplexity, client memory, bytes per round (nestfed/experiments/compressed_comparison.py)."""
@@ -392,13 +479,16 @@ def fedslm(
     def on_event(kind, info):
         if kind == "round_done" and "eval" in info["line"]:
             ev = info["line"]["eval"]
-            say(f"  round {info['round']}: mean client held-out ppl "
-                f"{sum(v['ppl'] for v in ev.values()) / len(ev):.2f}, {info['line']['time_s']:.0f} s")
+            say(
+                f"  round {info['round']}: mean client held-out ppl "
+                f"{sum(v['ppl'] for v in ev.values()) / len(ev):.2f}, {info['line']['time_s']:.0f} s"
+            )
         elif kind == "log":
             say(info["text"])
 
-    parent = compare_compressed(cfg, [m.strip() for m in methods_.split(",") if m.strip()], on_status=say,
-                                on_event=on_event)
+    parent = compare_compressed(
+        cfg, [m.strip() for m in methods_.split(",") if m.strip()], on_status=say, on_event=on_event
+    )
     out.print((parent / "comparison.md").read_text(), markup=False)
     out.print(f"run directory: {parent}", markup=False)
     out.print(f"total wall time {time.perf_counter() - t0:.0f} s")

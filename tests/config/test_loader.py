@@ -22,8 +22,16 @@ def write(tmp_path, text, name="exp.toml", raw=None):
 
 def test_load_applies_overrides_and_roundtrips(tmp_path):
     p = write(tmp_path, '[lora]\nranks = [2, 4]\n[data]\nnum_clients = 2\n[strategy]\nname = "zeropad"\n')
-    cfg = methods.load_config(p, ["federation.rounds=5", "lora.lora_alpha=8", "lora.target_modules=[\"q_proj\"]",
-                                  "strategy.name=hetlora", "hetlora.reg=0.5"])
+    cfg = methods.load_config(
+        p,
+        [
+            "federation.rounds=5",
+            "lora.lora_alpha=8",
+            'lora.target_modules=["q_proj"]',
+            "strategy.name=hetlora",
+            "hetlora.reg=0.5",
+        ],
+    )
     assert cfg.federation.rounds == 5 and cfg.lora.lora_alpha == 8.0
     assert cfg.lora.ranks == (2, 4) and cfg.lora.target_modules == ("q_proj",)
     assert cfg.strategy.name == "hetlora" and cfg.section("hetlora").reg == 0.5
@@ -49,33 +57,48 @@ def test_scalar_rank_is_broadcast():
     assert C.client_ranks(cfg) == [8, 8, 8]
 
 
-@pytest.mark.parametrize("data,message", [
-    ({"strategy": {"name": "fedsgd"}}, "strategy.name: unknown method 'fedsgd'"),
-    ({"lora": {"rankz": [1]}}, "unknown key 'lora.rankz'"),
-    ({"lorra": {}}, "unknown section '[lorra]'"),
-    ({"federaton": {}}, "unknown section '[federaton]' (known: model, lora, data, train, strategy, federation"),
-    ({"federaton": {}}, "did you mean 'federation'?"),
-    ({"strategy": {"hetlora_reg": 0.1}}, "a method's options live in its own section: [hetlora] reg"),
-    ({"lora": {"ranks": [2, 0, 4]}, "data": {"num_clients": 3}}, "lora.ranks: every rank must be a positive"),
-    ({"lora": {"ranks": [2, 4]}, "data": {"num_clients": 3}}, "lora.ranks: 2 ranks for data.num_clients = 3"),
-    ({"lora": {"ranks": [2, 32], "r_max": 16}, "data": {"num_clients": 2}}, "above the global maximum lora.r_max = 16"),
-    ({"lora": {"ranks": [2, 4]}, "data": {"num_clients": 2}, "strategy": {"name": "fedavg"}}, "fedavg needs equal ranks"),
-    ({"lora": {"ranks": [2, 4]}, "data": {"num_clients": 2}, "strategy": {"name": "fedala"}}, "fedala needs equal ranks"),
-    ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
-    ({"federation": {"fraction": 1.5}}, "federation.fraction"),
-    ({"federation": {"min_clients": 6}}, "federation.min_clients = 6 is above the 5 clients sampled per round"),
-    ({"federation": {"min_clients": 3, "fraction": 0.4}}, "above the 2 clients sampled per round"),
-    ({"data": {"dirichlet_alpha": 0}}, "Dirichlet concentration"),
-    ({"compression": {"whitening": "pca"}}, "compression.whitening must be 'none' or 'activation', got 'pca'"),
-    ({"compression": {"whitening": 1}}, "compression.whitening: expected a string"),
-    ({"compression": {"client_ratios": [0.5, 0.5]}, "strategy": {"name": "fedslm"}}, "compression.client_ratios: 2 ratios"),
-    ({"hetlora": {"weighting": "loss"}}, "hetlora.weighting must be 'norm' or 'examples'"),
-    ({"fedssi": {"psm_lambda": 0.0}}, "fedssi.psm_lambda must be in (0, 1]"),
-    ({"fednl": {"travel": "some"}}, "fednl.travel must be 'all', 'rules' or 'none'"),
-    ({"fedmkt": {"topk": 0}}, "fedmkt.topk >= 1"),
-    ({"elicitation": {"alpha": 2.0}}, "elicitation.alpha / compare_alphas must be in [0, 1]"),
-    ({"memory": {"gate": "open"}}, "memory.gate: unknown gate 'open'"),
-])
+@pytest.mark.parametrize(
+    "data,message",
+    [
+        ({"strategy": {"name": "fedsgd"}}, "strategy.name: unknown method 'fedsgd'"),
+        ({"lora": {"rankz": [1]}}, "unknown key 'lora.rankz'"),
+        ({"lorra": {}}, "unknown section '[lorra]'"),
+        ({"federaton": {}}, "unknown section '[federaton]' (known: model, lora, data, train, strategy, federation"),
+        ({"federaton": {}}, "did you mean 'federation'?"),
+        ({"strategy": {"hetlora_reg": 0.1}}, "a method's options live in its own section: [hetlora] reg"),
+        ({"lora": {"ranks": [2, 0, 4]}, "data": {"num_clients": 3}}, "lora.ranks: every rank must be a positive"),
+        ({"lora": {"ranks": [2, 4]}, "data": {"num_clients": 3}}, "lora.ranks: 2 ranks for data.num_clients = 3"),
+        (
+            {"lora": {"ranks": [2, 32], "r_max": 16}, "data": {"num_clients": 2}},
+            "above the global maximum lora.r_max = 16",
+        ),
+        (
+            {"lora": {"ranks": [2, 4]}, "data": {"num_clients": 2}, "strategy": {"name": "fedavg"}},
+            "fedavg needs equal ranks",
+        ),
+        (
+            {"lora": {"ranks": [2, 4]}, "data": {"num_clients": 2}, "strategy": {"name": "fedala"}},
+            "fedala needs equal ranks",
+        ),
+        ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
+        ({"federation": {"fraction": 1.5}}, "federation.fraction"),
+        ({"federation": {"min_clients": 6}}, "federation.min_clients = 6 is above the 5 clients sampled per round"),
+        ({"federation": {"min_clients": 3, "fraction": 0.4}}, "above the 2 clients sampled per round"),
+        ({"data": {"dirichlet_alpha": 0}}, "Dirichlet concentration"),
+        ({"compression": {"whitening": "pca"}}, "compression.whitening must be 'none' or 'activation', got 'pca'"),
+        ({"compression": {"whitening": 1}}, "compression.whitening: expected a string"),
+        (
+            {"compression": {"client_ratios": [0.5, 0.5]}, "strategy": {"name": "fedslm"}},
+            "compression.client_ratios: 2 ratios",
+        ),
+        ({"hetlora": {"weighting": "loss"}}, "hetlora.weighting must be 'norm' or 'examples'"),
+        ({"fedssi": {"psm_lambda": 0.0}}, "fedssi.psm_lambda must be in (0, 1]"),
+        ({"fednl": {"travel": "some"}}, "fednl.travel must be 'all', 'rules' or 'none'"),
+        ({"fedmkt": {"topk": 0}}, "fedmkt.topk >= 1"),
+        ({"elicitation": {"alpha": 2.0}}, "elicitation.alpha / compare_alphas must be in [0, 1]"),
+        ({"memory": {"gate": "open"}}, "memory.gate: unknown gate 'open'"),
+    ],
+)
 def test_bad_values_name_the_key(data, message):
     with pytest.raises(ConfigError) as exc:
         methods.config_from_dict(data, "exp.toml")
@@ -107,7 +130,7 @@ def test_every_shipped_config_loads():
 
 
 def test_extends_merges_over_the_base_and_detects_loops(tmp_path):
-    (tmp_path / "base.toml").write_text('[lora]\nranks = [2, 4]\nlora_alpha = 4.0\n[data]\nnum_clients = 2\n')
+    (tmp_path / "base.toml").write_text("[lora]\nranks = [2, 4]\nlora_alpha = 4.0\n[data]\nnum_clients = 2\n")
     (tmp_path / "child.toml").write_text('extends = "base.toml"\n[lora]\nlora_alpha = 8.0\n')
     cfg = methods.load_config(tmp_path / "child.toml")
     assert cfg.lora.ranks == (2, 4) and cfg.lora.lora_alpha == 8.0

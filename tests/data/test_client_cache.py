@@ -49,8 +49,12 @@ def test_a_second_prepare_loads_the_first_ones_data_bit_for_bit(tmp_path, monkey
 def test_the_key_covers_the_inputs(tmp_path):
     base = client_cache.key(cfg(), 0)
     assert client_cache.key(cfg(), 0) == base
-    for other in (client_cache.key(cfg(), 1), client_cache.key(cfg("data.max_train=4"), 0),
-                  client_cache.key(cfg("lora.layers=[0]"), 0), client_cache.key(cfg("train.eval_batch_size=2"), 0)):
+    for other in (
+        client_cache.key(cfg(), 1),
+        client_cache.key(cfg("data.max_train=4"), 0),
+        client_cache.key(cfg("lora.layers=[0]"), 0),
+        client_cache.key(cfg("train.eval_batch_size=2"), 0),
+    ):
         assert other != base
     n = torch.get_num_threads()
     try:

@@ -37,8 +37,19 @@ def corpus(tmp_path_factory):
 
 
 def cfg(*extra):
-    return methods.load_config(TINY, ["lora.layers=[-1]", "train.threads=1", "data.partition=iid", "data.source=file",
-                                      f"data.path={CORPUS}", "data.num_clients=40", "lora.ranks=[4]", *extra])
+    return methods.load_config(
+        TINY,
+        [
+            "lora.layers=[-1]",
+            "train.threads=1",
+            "data.partition=iid",
+            "data.source=file",
+            f"data.path={CORPUS}",
+            "data.num_clients=40",
+            "lora.ranks=[4]",
+            *extra,
+        ],
+    )
 
 
 def same(a, b):

@@ -3,12 +3,12 @@
 import pytest
 
 from nestfed import methods
-from nestfed.nn.backbone import byte_tokenizer
 from nestfed.data import partition
+from nestfed.data.clients import build_client_data, load_partitions
 from nestfed.data.held_out import consumed_texts, load_server_text, server_pools, server_text
 from nestfed.data.sources import Document
 from nestfed.errors import ConfigError, DataError
-from nestfed.data.clients import build_client_data, load_partitions
+from nestfed.nn.backbone import byte_tokenizer
 
 
 def test_consumed_texts_hand_computed():
@@ -25,7 +25,9 @@ def test_consumed_texts_hand_computed():
 
 def test_pools_exclude_every_used_record_and_fill_blocks():
     tok = byte_tokenizer()
-    records = [Document("x" * 30 + str(i), "a") for i in range(10)] + [Document("y" * 30 + str(i), "b") for i in range(10)]
+    records = [Document("x" * 30 + str(i), "a") for i in range(10)] + [
+        Document("y" * 30 + str(i), "b") for i in range(10)
+    ]
     parts = [list(range(10)), list(range(10, 20))]
     pools = server_pools(records, parts, 0.2, 0, tok, block_size=16, max_train=4)  # 64 tokens: 2 texts of 31 + eos
     for cid, (idx, pool) in enumerate(zip(parts, pools)):
@@ -39,7 +41,9 @@ def test_pools_exclude_every_used_record_and_fill_blocks():
 
 
 def test_bbc_server_text_shares_no_block_with_any_client():
-    cfg = methods.load_config(None, ["model.name='tiny-llama'", "data.block_size=32", "data.max_train=4", "data.max_test=2"])
+    cfg = methods.load_config(
+        None, ["model.name='tiny-llama'", "data.block_size=32", "data.max_train=4", "data.max_test=2"]
+    )
     tok = byte_tokenizer()
     loaded = load_partitions(cfg.data)
     data, _ = build_client_data(cfg, tok, loaded)

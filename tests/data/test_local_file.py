@@ -20,8 +20,10 @@ TOPICS = ("cooking", "sailing", "chess", "opera")
 
 
 def rows(n_per_topic=12):
-    return [{"body": f"{t} note {i}: " + " ".join([t] * (20 + i)), "topic": t, "id": k}
-            for k, (t, i) in enumerate((t, i) for i in range(n_per_topic) for t in TOPICS)]
+    return [
+        {"body": f"{t} note {i}: " + " ".join([t] * (20 + i)), "topic": t, "id": k}
+        for k, (t, i) in enumerate((t, i) for i in range(n_per_topic) for t in TOPICS)
+    ]
 
 
 @pytest.fixture(params=["jsonl", "csv", "parquet"])
@@ -31,7 +33,7 @@ def data_file(request, tmp_path):
     if request.param == "jsonl":
         path.write_text("".join(json.dumps(r) + "\n" for r in data))
     elif request.param == "csv":
-        path.write_text("body,topic,id\n" + "".join(f"\"{r['body']}\",{r['topic']},{r['id']}\n" for r in data))
+        path.write_text("body,topic,id\n" + "".join(f'"{r["body"]}",{r["topic"]},{r["id"]}\n' for r in data))
     else:
         pq.write_table(pa.Table.from_pylist(data), path)
     return path
@@ -42,16 +44,27 @@ def test_every_format_reads_the_same_documents(data_file):
     assert [(d.text, d.label) for d in docs] == [(r["body"], r["topic"]) for r in rows()]
 
 
-@pytest.mark.parametrize("partition, extra, labels_per_client", [
-    ("label", {}, [1, 1, 1, 1]),
-    ("pathological", {"classes_per_client": 2}, [2, 2, 2, 2]),
-    ("iid", {}, None),
-    ("dirichlet", {"dirichlet_alpha": 0.5}, None),
-])
-def test_partitions_of_a_local_file_are_disjoint_covering_and_skewed_as_configured(data_file, partition, extra,
-                                                                                    labels_per_client):
-    d = DataConfig(source="file", path=str(data_file), text_column="body", label_column="topic", partition=partition,
-                   num_clients=4, **extra)
+@pytest.mark.parametrize(
+    "partition, extra, labels_per_client",
+    [
+        ("label", {}, [1, 1, 1, 1]),
+        ("pathological", {"classes_per_client": 2}, [2, 2, 2, 2]),
+        ("iid", {}, None),
+        ("dirichlet", {"dirichlet_alpha": 0.5}, None),
+    ],
+)
+def test_partitions_of_a_local_file_are_disjoint_covering_and_skewed_as_configured(
+    data_file, partition, extra, labels_per_client
+):
+    d = DataConfig(
+        source="file",
+        path=str(data_file),
+        text_column="body",
+        label_column="topic",
+        partition=partition,
+        num_clients=4,
+        **extra,
+    )
     records, labels, parts = load_partitions(d)
     flat = [i for p in parts for i in p]
     assert len(flat) == len(set(flat))  # disjoint
@@ -66,8 +79,11 @@ def test_partitions_of_a_local_file_are_disjoint_covering_and_skewed_as_configur
 
 
 def test_missing_columns_and_files_are_named(tmp_path, data_file):
-    with pytest.raises(ConfigError, match=r"data.label_column: .*notes\.\w+ has no column 'label' \(its columns: "
-                                          r"body, topic, id\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"data.label_column: .*notes\.\w+ has no column 'label' \(its columns: "
+        r"body, topic, id\)",
+    ):
         local_file(data_file, "body", "label")
     with pytest.raises(ConfigError, match=r"data.text_column: .* has no column 'text'"):
         local_file(data_file, "text", "topic")
@@ -78,8 +94,11 @@ def test_missing_columns_and_files_are_named(tmp_path, data_file):
         local_file(tmp_path / "notes.txt", "body")
     nolabel = tmp_path / "nolabel.jsonl"
     nolabel.write_text('{"body": "a", "topic": "x"}\n{"body": "b", "topic": null}\n')
-    with pytest.raises(DataError, match=r"nolabel.jsonl: 1 rows have no value in data.label_column 'topic' "
-                                        r"\(first: row 2\)"):
+    with pytest.raises(
+        DataError,
+        match=r"nolabel.jsonl: 1 rows have no value in data.label_column 'topic' "
+        r"\(first: row 2\)",
+    ):
         local_file(nolabel, "body", "topic")
     (tmp_path / "broken.jsonl").write_text('{"body": "a"}\n{not json\n')
     with pytest.raises(DataError, match=r"broken.jsonl: not a readable jsonl file"):
@@ -89,30 +108,80 @@ def test_missing_columns_and_files_are_named(tmp_path, data_file):
 def test_cli_trains_on_a_local_file_and_bad_input_is_one_line(tmp_path, cli, caplog):
     path = tmp_path / "notes.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows()))
-    base = ["run", TINY, "--set", f"output.dir={tmp_path / 'runs'}", "--set", "data.source=file",
-            "--set", f"data.path={path}", "--set", "data.text_column=body", "--set", "data.label_column=topic",
-            "--set", "data.num_clients=4", "--set", "lora.ranks=[2,4,4,8]", "--set", "data.block_size=32"]
+    base = [
+        "run",
+        TINY,
+        "--set",
+        f"output.dir={tmp_path / 'runs'}",
+        "--set",
+        "data.source=file",
+        "--set",
+        f"data.path={path}",
+        "--set",
+        "data.text_column=body",
+        "--set",
+        "data.label_column=topic",
+        "--set",
+        "data.num_clients=4",
+        "--set",
+        "lora.ranks=[2,4,4,8]",
+        "--set",
+        "data.block_size=32",
+    ]
     r = cli(*base, "--set", "data.label_column=topik", cwd=tmp_path)
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
-        f"error: data.label_column: {path} has no column 'topik' (its columns: body, topic, id)"]
+        f"error: data.label_column: {path} has no column 'topik' (its columns: body, topic, id)"
+    ]
     # 5 clients, one label each (label i mod 4): clients 0 and 4 share 'chess' (first in order of
     # appearance and by name), whose one row goes to one of them; the other's partition is empty
     one_each = tmp_path / "one.jsonl"
     topics = ["chess"] + ["cooking", "opera", "sailing"] * 3
     one_each.write_text("".join(json.dumps({"body": "x " * 40, "topic": t}) + "\n" for t in topics))
-    r = cli(*base, "--set", f"data.path={one_each}", "--set", "data.partition=pathological",
-            "--set", "data.classes_per_client=1", "--set", "data.num_clients=5", "--set", "lora.ranks=[2,2,2,2,2]",
-            cwd=tmp_path)
+    r = cli(
+        *base,
+        "--set",
+        f"data.path={one_each}",
+        "--set",
+        "data.partition=pathological",
+        "--set",
+        "data.classes_per_client=1",
+        "--set",
+        "data.num_clients=5",
+        "--set",
+        "lora.ranks=[2,2,2,2,2]",
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1, r.stderr  # flwr-datasets refuses it
     assert "error: data.partition: Label: chess is needed to be assigned to more partitions (2)" in r.stderr
-    r = cli(*base, "--set", f"data.path={one_each}", "--set", "data.num_clients=5", "--set", "lora.ranks=[2,2,2,2,2]",
-            "--set", 'data.client_labels=[["chess"],["chess"],["cooking"],["opera"],["sailing"]]', cwd=tmp_path)
+    r = cli(
+        *base,
+        "--set",
+        f"data.path={one_each}",
+        "--set",
+        "data.num_clients=5",
+        "--set",
+        "lora.ranks=[2,2,2,2,2]",
+        "--set",
+        'data.client_labels=[["chess"],["chess"],["cooking"],["opera"],["sailing"]]',
+        cwd=tmp_path,
+    )
     assert r.returncode == 2 and r.stderr.strip().splitlines() == [
         "error: client 1: empty partition (data.partition = label gave it no records); change the partition's "
-        "settings or data.num_clients"], r.stderr
+        "settings or data.num_clients"
+    ], r.stderr
     assert not (tmp_path / "runs").exists()
-    r = cli(*base, "--set", "federation.rounds=1", "--set", "data.num_clients=3", "--set", "lora.ranks=[2,4,8]",
-            "--set", f"output.dir={tmp_path / 'three'}", cwd=tmp_path)  # fewer clients than labels: said
+    r = cli(
+        *base,
+        "--set",
+        "federation.rounds=1",
+        "--set",
+        "data.num_clients=3",
+        "--set",
+        "lora.ranks=[2,4,8]",
+        "--set",
+        f"output.dir={tmp_path / 'three'}",
+        cwd=tmp_path,
+    )  # fewer clients than labels: said
     assert r.returncode == 0, r.stderr[-2000:]
     assert "data.partition: label gives the 3 clients the first 3 of 4 labels; sailing go unused" in caplog.text
     r = cli(*base, "--set", "federation.rounds=1", cwd=tmp_path)

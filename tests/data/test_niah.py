@@ -2,16 +2,15 @@
 haystack, rendering is exact in length and depth, everything is seeded."""
 
 import importlib.util
-
 import random
 import re
 
 import pytest
 import torch
 
-from nestfed.nn.backbone import byte_tokenizer
 from nestfed.data import sources
 from nestfed.data.niah import EVENT_DEPTHS, TEMPLATES, Haystack, group_rows, make_item, niah_dataset, render
+from nestfed.nn.backbone import byte_tokenizer
 
 SENTENCES = [f"Sentence number {i} talks about the river and the hills near town {i % 7}." for i in range(400)]
 TEXT = " ".join(SENTENCES)
@@ -111,8 +110,10 @@ def test_haystack_halves_are_disjoint():
     assert tr.docs[0] + te.docs[0] == full
 
 
-@pytest.mark.skipif(not (sources.AUSTEN_DIR / "Rdata.rdb").is_file() or importlib.util.find_spec("rdata") is None,
-                    reason="r-cran-janeaustenr or rdata not installed")
+@pytest.mark.skipif(
+    not (sources.AUSTEN_DIR / "Rdata.rdb").is_file() or importlib.util.find_spec("rdata") is None,
+    reason="r-cran-janeaustenr or rdata not installed",
+)
 def test_real_haystacks_from_austen_and_wikipedia():
     novels = sources.austen_novels()
     assert [n.title for n in novels] == list(sources.AUSTEN_NOVELS)

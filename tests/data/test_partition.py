@@ -9,8 +9,16 @@ from itertools import combinations
 import numpy as np
 import pytest
 
-from nestfed.data.partition import (by_label, dirichlet, iid, inner_dirichlet, largest_dirichlet, natural_id,
-                                   pathological, train_test_split)
+from nestfed.data.partition import (
+    by_label,
+    dirichlet,
+    iid,
+    inner_dirichlet,
+    largest_dirichlet,
+    natural_id,
+    pathological,
+    train_test_split,
+)
 
 
 def _check_disjoint_sorted(parts):
@@ -75,8 +83,11 @@ def test_dirichlet_impossible():
     with pytest.raises(ValueError, match="alpha"):
         dirichlet(["a"] * 5, num_clients=2, alpha=0.0)
     # 2 labels x 5 items over 5 clients, each needing 2 of them, with near-one-hot proportions
-    with pytest.raises(ValueError, match=r"dirichlet: .*at most 2 clients can be served; for 5: partition = "
-                                         r"'inner_dirichlet' .* unit = 'block' .* or a larger alpha"):
+    with pytest.raises(
+        ValueError,
+        match=r"dirichlet: .*at most 2 clients can be served; for 5: partition = "
+        r"'inner_dirichlet' .* unit = 'block' .* or a larger alpha",
+    ):
         dirichlet(["a"] * 5 + ["b"] * 5, num_clients=5, alpha=0.001, min_size=2)
 
 
@@ -88,8 +99,12 @@ def test_iid():
     assert iid(103, 4, seed=1) == parts and iid(103, 4, seed=2) != parts
     # IidPartitioner's contiguous shards of the seeded permutation, by hand
     perm = np.random.default_rng(1).permutation(103)
-    assert parts == [sorted(perm[:26].tolist()), sorted(perm[26:52].tolist()), sorted(perm[52:78].tolist()),
-                     sorted(perm[78:].tolist())]
+    assert parts == [
+        sorted(perm[:26].tolist()),
+        sorted(perm[26:52].tolist()),
+        sorted(perm[52:78].tolist()),
+        sorted(perm[78:].tolist()),
+    ]
     with pytest.raises(ValueError):
         iid(3, 4)
 

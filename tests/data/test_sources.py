@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nestfed.data.sources import (Document, InstructionExample, MultipleChoice, bbc_news,
-                                  instructions, mmlu, newsgroups)
+from nestfed.data.sources import Document, InstructionExample, MultipleChoice, bbc_news, instructions, mmlu, newsgroups
 from nestfed.errors import DataError
 
 REAL_MMLU = Path(__file__).resolve().parents[3] / "shared" / "data" / "mmlu"
@@ -26,8 +25,13 @@ HAS_GENSIM = importlib.util.find_spec("gensim") is not None
 def test_bbc_news_real_counts_and_order():
     docs = bbc_news()
     assert len(docs) == 2225
-    assert Counter(d.label for d in docs) == {"sport": 511, "business": 510, "politics": 417,
-                                              "tech": 401, "entertainment": 386}
+    assert Counter(d.label for d in docs) == {
+        "sport": 511,
+        "business": 510,
+        "politics": 417,
+        "tech": 401,
+        "entertainment": 386,
+    }
     labels = [d.label for d in docs]
     assert labels == sorted(labels)  # grouped by label, labels in sorted order
     assert all(isinstance(d, Document) and d.text.strip() for d in docs)
@@ -46,9 +50,11 @@ def test_bbc_news_root_override(tmp_path):
     (tmp_path / "sports" / "001.txt").write_bytes("Fee of \u00a35m\n\nbody".encode("latin-1"))
     (tmp_path / "tech" / "notes.md").write_text("ignored")
     docs = bbc_news(tmp_path)
-    assert docs == [Document("Fee of \u00a35m\n\nbody", "sport"),
-                    Document("First\n\nbody one", "tech"),
-                    Document("Second\n\nbody two", "tech")]
+    assert docs == [
+        Document("Fee of \u00a35m\n\nbody", "sport"),
+        Document("First\n\nbody one", "tech"),
+        Document("Second\n\nbody two", "tech"),
+    ]
 
 
 def test_bbc_news_missing_root(tmp_path):
@@ -94,12 +100,15 @@ def _write(path: Path, text: str) -> Path:
 
 
 def test_mmlu_both_formats(tmp_path):
-    _write(tmp_path / "test" / "anatomy_test.csv",
-           "question,choice0,choice1,choice2,choice3,answer\n"
-           '"What is 1, really?",one,two,three,four,0\n'
-           '"Multi\nline",a,b,c,d,3\n')
-    _write(tmp_path / "test" / "high_school_physics_test.csv",
-           "Speed of light?,c,v,g,h,A\nUnits of force?,kg,N,J,W,b\n")
+    _write(
+        tmp_path / "test" / "anatomy_test.csv",
+        "question,choice0,choice1,choice2,choice3,answer\n"
+        '"What is 1, really?",one,two,three,four,0\n'
+        '"Multi\nline",a,b,c,d,3\n',
+    )
+    _write(
+        tmp_path / "test" / "high_school_physics_test.csv", "Speed of light?,c,v,g,h,A\nUnits of force?,kg,N,J,W,b\n"
+    )
     _write(tmp_path / "dev" / "anatomy_dev.csv", "Q,a,b,c,d,D\n")
     items = mmlu(tmp_path)
     assert items == [
@@ -117,8 +126,10 @@ def test_mmlu_errors(tmp_path):
         mmlu(tmp_path / "absent")
     with pytest.raises(DataError, match="validation"):
         mmlu(tmp_path, split="validation")
-    f = _write(tmp_path / "test" / "law_test.csv",
-               "question,choice0,choice1,choice2,choice3,answer\nok,a,b,c,d,1\nshort,a,b,c,2\n")
+    f = _write(
+        tmp_path / "test" / "law_test.csv",
+        "question,choice0,choice1,choice2,choice3,answer\nok,a,b,c,d,1\nshort,a,b,c,2\n",
+    )
     with pytest.raises(DataError, match=r"law_test\.csv: row 3 .*5 columns"):
         mmlu(tmp_path)
     f.write_text("Q1,a,b,c,d,A\nQ2,a,b,c,d,E\n", encoding="utf-8")
@@ -144,25 +155,34 @@ def test_mmlu_real():
 
 def test_instructions_alpaca_json(tmp_path):
     f = tmp_path / "alpaca.json"
-    f.write_text(json.dumps([
-        {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
-        {"instruction": "Say hi.", "input": "", "output": "Hi!"},
-        {"instruction": "Name a colour.", "output": "Blue"},
-    ]), encoding="utf-8")
-    assert instructions(f) == [InstructionExample("Add the numbers.", "2 and 3", "5", ""),
-                               InstructionExample("Say hi.", "", "Hi!", ""),
-                               InstructionExample("Name a colour.", "", "Blue", "")]
+    f.write_text(
+        json.dumps(
+            [
+                {"instruction": "Add the numbers.", "input": "2 and 3", "output": "5"},
+                {"instruction": "Say hi.", "input": "", "output": "Hi!"},
+                {"instruction": "Name a colour.", "output": "Blue"},
+            ]
+        ),
+        encoding="utf-8",
+    )
+    assert instructions(f) == [
+        InstructionExample("Add the numbers.", "2 and 3", "5", ""),
+        InstructionExample("Say hi.", "", "Hi!", ""),
+        InstructionExample("Name a colour.", "", "Blue", ""),
+    ]
 
 
 def test_instructions_dolly_jsonl(tmp_path):
     f = tmp_path / "dolly.jsonl"
-    recs = [{"instruction": "Who wrote Emma?", "context": "", "response": "Jane Austen.",
-             "category": "open_qa"},
-            {"instruction": "Summarise.", "context": "A long text.", "response": "Short.",
-             "category": "summarization"}]
+    recs = [
+        {"instruction": "Who wrote Emma?", "context": "", "response": "Jane Austen.", "category": "open_qa"},
+        {"instruction": "Summarise.", "context": "A long text.", "response": "Short.", "category": "summarization"},
+    ]
     f.write_text(json.dumps(recs[0]) + "\n\n" + json.dumps(recs[1]) + "\n", encoding="utf-8")
-    assert instructions(f) == [InstructionExample("Who wrote Emma?", "", "Jane Austen.", "open_qa"),
-                               InstructionExample("Summarise.", "A long text.", "Short.", "summarization")]
+    assert instructions(f) == [
+        InstructionExample("Who wrote Emma?", "", "Jane Austen.", "open_qa"),
+        InstructionExample("Summarise.", "A long text.", "Short.", "summarization"),
+    ]
 
 
 def test_instructions_malformed(tmp_path):

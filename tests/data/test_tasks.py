@@ -7,11 +7,21 @@ from pathlib import Path
 import pytest
 import torch
 
-from nestfed.nn.backbone import byte_tokenizer
 from nestfed.data.sources import InstructionExample, MultipleChoice
-from nestfed.data.tasks import (IGNORE_INDEX, TokenDataset, alpaca_prompt, answer_positions, bos_id,
-                                choice_logits, instruction_examples, letter_token_ids,
-                                mc_prompt, multiple_choice_examples, pack_causal_lm)
+from nestfed.data.tasks import (
+    IGNORE_INDEX,
+    TokenDataset,
+    alpaca_prompt,
+    answer_positions,
+    bos_id,
+    choice_logits,
+    instruction_examples,
+    letter_token_ids,
+    mc_prompt,
+    multiple_choice_examples,
+    pack_causal_lm,
+)
+from nestfed.nn.backbone import byte_tokenizer
 
 SMOLLM2_TOKENIZER = Path.home() / ".cache" / "nestfed" / "smollm2-135m-instruct" / "tokenizer.json"
 
@@ -104,8 +114,9 @@ def test_blocks_and_rows_start_with_the_bos_the_tokenizer_adds(tok):
     defines_only = byte_tokenizer()
     defines_only.bos_token = "<eos>"  # a BOS id the tokenizer never puts before a text
     assert defines_only.bos_token_id is not None and bos_id(defines_only) is None and bos_id(tok) is None
-    assert torch.equal(pack_causal_lm(["abc", "de"], defines_only, 3).input_ids,
-                       pack_causal_lm(["abc", "de"], tok, 3).input_ids)
+    assert torch.equal(
+        pack_causal_lm(["abc", "de"], defines_only, 3).input_ids, pack_causal_lm(["abc", "de"], tok, 3).input_ids
+    )
 
 
 @pytest.mark.skipif(not SMOLLM2_TOKENIZER.is_file(), reason="converted SmolLM2 tokenizer not cached")
@@ -125,8 +136,10 @@ def _labelled_text(tok, ds, row):
 
 
 def test_instruction_examples_mask_exactly_the_response(tok):
-    items = [InstructionExample("Add the numbers.", "2 and 3", "5", ""),
-             InstructionExample("Say hello politely.", "", "Hello, nice to meet you.", "")]
+    items = [
+        InstructionExample("Add the numbers.", "2 and 3", "5", ""),
+        InstructionExample("Say hello politely.", "", "Hello, nice to meet you.", ""),
+    ]
     ds = instruction_examples(items, tok, max_length=512)
     lengths = []
     for r, it in enumerate(items):
@@ -137,9 +150,9 @@ def test_instruction_examples_mask_exactly_the_response(tok):
         assert _labelled_text(tok, ds, r) == it.output + "<eos>"
         assert (ds.labels[r, :n_prompt] == IGNORE_INDEX).all()
         assert tok.decode(ds.input_ids[r, :n_prompt]) == prompt
-        assert (ds.labels[r, n_prompt:n_prompt + n_resp] == ds.input_ids[r, n_prompt:n_prompt + n_resp]).all()
-        assert (ds.input_ids[r, lengths[-1]:] == tok.pad_token_id).all()
-        assert (ds.labels[r, lengths[-1]:] == IGNORE_INDEX).all()
+        assert (ds.labels[r, n_prompt : n_prompt + n_resp] == ds.input_ids[r, n_prompt : n_prompt + n_resp]).all()
+        assert (ds.input_ids[r, lengths[-1] :] == tok.pad_token_id).all()
+        assert (ds.labels[r, lengths[-1] :] == IGNORE_INDEX).all()
     assert ds.input_ids.shape == (2, max(lengths))
     assert "### Input:\n2 and 3\n\n### Response:\n" in alpaca_prompt("x", "2 and 3")
     assert "### Input" not in alpaca_prompt("Say hello politely.", "")
@@ -161,8 +174,10 @@ def test_instruction_examples_truncation(tok):
 # ----------------------------------------------------------------------------- multiple choice
 
 
-ITEMS = [MultipleChoice("What is 2+2?", ("3", "4", "5", "6"), 1, "math"),
-         MultipleChoice("Largest planet?", ("Mars", "Venus", "Jupiter", "Earth"), 2, "astronomy")]
+ITEMS = [
+    MultipleChoice("What is 2+2?", ("3", "4", "5", "6"), 1, "math"),
+    MultipleChoice("Largest planet?", ("Mars", "Venus", "Jupiter", "Earth"), 2, "astronomy"),
+]
 
 
 def test_letter_token_ids_byte_tokenizer(tok):
@@ -201,7 +216,10 @@ def test_multiple_choice_examples(tok):
         labelled = (ds.labels[r] != IGNORE_INDEX).nonzero().flatten().tolist()
         assert labelled == [int(pos[r]) + 1]
         assert int(ds.labels[r, labelled[0]]) == letters[it.answer]
-        assert tok.decode(ds.input_ids[r, : labelled[0] + 1]) == mc_prompt(it.question, it.choices) + " " + "ABCD"[it.answer]
+        assert (
+            tok.decode(ds.input_ids[r, : labelled[0] + 1])
+            == mc_prompt(it.question, it.choices) + " " + "ABCD"[it.answer]
+        )
     assert mc_prompt("q", ("a", "b", "c", "d")) == "Question: q\nA. a\nB. b\nC. c\nD. d\nAnswer:"
     short = multiple_choice_examples(ITEMS[:1], tok, max_length=12)
     assert short.input_ids.shape == (1, 12)

@@ -13,8 +13,13 @@ from nestfed.evaluation.lm import evaluate_lm
 
 
 def test_pooling_is_token_weighted_for_loss_and_row_weighted_for_accuracy():
-    got = pool_groups([("a", {"loss": 1.0, "tokens": 30.0, "accuracy": 0.5}, 4),
-                       ("b", {"loss": 2.0, "tokens": 10.0, "accuracy": 1.0}, 12)], per_group=True)
+    got = pool_groups(
+        [
+            ("a", {"loss": 1.0, "tokens": 30.0, "accuracy": 0.5}, 4),
+            ("b", {"loss": 2.0, "tokens": 10.0, "accuracy": 1.0}, 12),
+        ],
+        per_group=True,
+    )
     assert got["loss"] == pytest.approx((1.0 * 30 + 2.0 * 10) / 40) and got["tokens"] == 40.0
     assert got["accuracy"] == pytest.approx((0.5 * 4 + 1.0 * 12) / 16)
     assert got["ppl"] == pytest.approx(math.exp(1.25))

@@ -18,17 +18,30 @@ pytest.importorskip("lm_eval")
 
 def test_prompt_is_flowertunes_format():
     text = harness.prompt("What is 2 + 2", ("3", "4", "5", "6"))
-    assert text == ("<|im_start|>question\nAnswer the following multiple choice question.\n"
-                    "Question: What is 2 + 2?\n\nOptions:\nA. 3\nB. 4\nC. 5\nD. 6\nThe answer is:\n"
-                    "<|im_end|>\n<|im_start|>answer\n")
+    assert text == (
+        "<|im_start|>question\nAnswer the following multiple choice question.\n"
+        "Question: What is 2 + 2?\n\nOptions:\nA. 3\nB. 4\nC. 5\nD. 6\nThe answer is:\n"
+        "<|im_end|>\n<|im_start|>answer\n"
+    )
     assert "Question: Why?\n" in harness.prompt("Why?", ("a", "b", "c", "d"))
     assert "Question: Pick one.\n" in harness.prompt("Pick one.", ("a", "b", "c", "d"))
 
 
-@pytest.mark.parametrize("output, expected", [
-    ("A", "a"), (" b.", "b"), ("(D)", "d"), ("C is right", "c"), ("\n## B\nbecause", "b"),
-    ("The answer", "the answer"), ("", ""), ("é", "é"), ("42", "42"), ("e", "e"),
-])
+@pytest.mark.parametrize(
+    "output, expected",
+    [
+        ("A", "a"),
+        (" b.", "b"),
+        ("(D)", "d"),
+        ("C is right", "c"),
+        ("\n## B\nbecause", "b"),
+        ("The answer", "the answer"),
+        ("", ""),
+        ("é", "é"),
+        ("42", "42"),
+        ("e", "e"),
+    ],
+)
 def test_extract_answer_as_flowertune_does(output, expected):
     assert harness.extract_answer(output) == expected
 
@@ -43,8 +56,10 @@ def test_categories_are_flowertunes_three_groups_of_real_subjects():
 
 def _items(n_per_subject: dict[str, int]):
     from nestfed.data.sources import MultipleChoice
-    return [MultipleChoice(f"{s} q{i}", ("w", "x", "y", "z"), i % 4, s)
-            for s, n in n_per_subject.items() for i in range(n)]
+
+    return [
+        MultipleChoice(f"{s} q{i}", ("w", "x", "y", "z"), i % 4, s) for s, n in n_per_subject.items() for i in range(n)
+    ]
 
 
 def test_sample_keeps_every_subject_in_proportion_and_is_seeded():

@@ -31,8 +31,16 @@ def _one_thread(one_thread):
 def build(family: str, impl: str):
     """A tiny random model (hidden 64, 2 layers) of ``family`` under attention ``impl``."""
     torch.manual_seed(0)
-    shape = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+    shape = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
     if family == "qwen2-window":
         model = Qwen2ForCausalLM(Qwen2Config(**shape, use_sliding_window=True, sliding_window=8, max_window_layers=0))
     elif family == "qwen3":
@@ -54,8 +62,9 @@ def ids_of(B: int, T: int, seed: int) -> torch.Tensor:
 
 def next_token_nll(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """NLL [B, T - 1] of tokens 1..T-1 under logits [B, T, V]."""
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1),
-                           reduction="none").view(ids.shape[0], -1)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none").view(
+        ids.shape[0], -1
+    )
 
 
 def close(got: torch.Tensor, want: torch.Tensor) -> None:

@@ -4,9 +4,9 @@ baseline's cache grows, and the binned-CE probe arithmetic."""
 import pytest
 import torch
 
-from nestfed.nn.memory import MemorySettings, install_memory, memory_rules, set_memory_enabled
-from nestfed.nn.frozen_prefix import lm_logits
 from nestfed.evaluation.streaming import StreamStats, binned_ce, stream_nll, stream_nll_hf
+from nestfed.nn.frozen_prefix import lm_logits
+from nestfed.nn.memory import MemorySettings, install_memory, memory_rules, set_memory_enabled
 
 
 @pytest.fixture(autouse=True)
@@ -17,24 +17,29 @@ def _one_thread(one_thread):
 
 def one_pass_nll(model, ids):
     logits = lm_logits(model, ids)
-    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                             ids[:, 1:].reshape(-1), reduction="none").view(ids.shape[0], -1)
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1), reduction="none"
+    ).view(ids.shape[0], -1)
 
 
 def memory_model(tiny, gate="dynamic", window=0, sink=0):
     model = tiny.model.double()
     for r in memory_rules(model).values():  # rebuild: a second call on one model replaces the settings
-        r.settings = MemorySettings(gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3,
-                                    dynamic_kernel=5, sink=sink)
-    install_memory(model, MemorySettings(gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3,
-                                         dynamic_kernel=5, sink=sink))
+        r.settings = MemorySettings(
+            gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3, dynamic_kernel=5, sink=sink
+        )
+    install_memory(
+        model,
+        MemorySettings(
+            gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3, dynamic_kernel=5, sink=sink
+        ),
+    )
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for r in memory_rules(model).values():
             r.beta_weight.copy_(0.3 * torch.randn(r.beta_weight.shape, generator=g, dtype=torch.float64))
             if gate == "dynamic":
-                r.gate_conv.weight.copy_(0.05 * torch.randn(r.gate_conv.weight.shape, generator=g,
-                                                            dtype=torch.float64))
+                r.gate_conv.weight.copy_(0.05 * torch.randn(r.gate_conv.weight.shape, generator=g, dtype=torch.float64))
     set_memory_enabled(model, True)
     return model
 
@@ -49,8 +54,9 @@ def test_chunked_stream_equals_one_pass(tiny, window, sink):
     if sink:  # the sinks change the output (so the test below can fail)
         assert not torch.allclose(ref, one_pass_nll(memory_model(tiny, window=window), ids))
     for chunk in (1, 5, 29):
-        got = stream_nll(model, ids, chunk=chunk, mode="memory", window=window or 10_000, sink=sink,
-                         sink_positions="absolute")
+        got = stream_nll(
+            model, ids, chunk=chunk, mode="memory", window=window or 10_000, sink=sink, sink_positions="absolute"
+        )
         assert got.shape == ref.shape
         assert torch.allclose(got, ref, atol=1e-9, rtol=0), chunk
 
@@ -128,8 +134,9 @@ def test_stream_evaluate_equals_the_one_pass_evaluation(tiny_llama, sink):
     ref = evaluate_lm(model, labels, ids, letter_ids=letters)
     from nestfed.evaluation.streaming import stream_evaluate
 
-    got = stream_evaluate(model, ids, labels, chunk=4, window=6, letter_ids=letters, sink=sink,
-                          sink_positions="absolute")
+    got = stream_evaluate(
+        model, ids, labels, chunk=4, window=6, letter_ids=letters, sink=sink, sink_positions="absolute"
+    )
     assert got["tokens"] == ref["tokens"] == 3
     assert got["loss"] == pytest.approx(ref["loss"], abs=1e-5)  # evaluate_lm takes the CE in fp32
     assert got["accuracy"] == ref["accuracy"]
@@ -150,17 +157,16 @@ def test_cache_sink_positions_put_the_sinks_just_before_the_window():
     cache = stream_nll(model, ids, chunk=1, mode="window", window=W, sink=S)
     absolute = stream_nll(model, ids, chunk=1, mode="window", window=W, sink=S, sink_positions="absolute")
     for p in range(S + W - 1, N - 1):
-        packed = torch.cat([ids[:, :S], ids[:, p - W + 1:p + 1]], dim=1)  # [1, S + W]
+        packed = torch.cat([ids[:, :S], ids[:, p - W + 1 : p + 1]], dim=1)  # [1, S + W]
         ref = torch.nn.functional.cross_entropy(lm_logits(model, packed)[:, -1], ids[:, p + 1])
         # RoPE's cos / sin come in fp32, so a composed rotation differs from a direct one by ~1e-9
         assert cache[0, p] == pytest.approx(float(ref), abs=1e-7), p
     late = slice(S + W + 2, N - 1)  # the sinks have moved by at least 3 positions
     assert (cache[:, late] - absolute[:, late]).abs().min() > 1e-5  # 300x the tolerance above
     # before the shift is positive both agree
-    assert torch.equal(cache[:, :S + W - 1], absolute[:, :S + W - 1])
+    assert torch.equal(cache[:, : S + W - 1], absolute[:, : S + W - 1])
     with pytest.raises(ValueError, match="sink_positions"):
         stream_nll(model, ids, chunk=1, mode="window", window=W, sink=S, sink_positions="relative")
-
 
 
 def test_cache_sink_positions_refuse_position_dependent_rope(tiny_llama):

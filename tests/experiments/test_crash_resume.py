@@ -11,10 +11,22 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
-ARGS = ["--set", "federation.rounds=2", "--set", "data.num_clients=3", "--set", "lora.ranks=[2,4,8]",
-        "--set", "train.threads=1", "--set", "output.plots=false", "--set", "output.name=k"]
+ARGS = [
+    "--set",
+    "federation.rounds=2",
+    "--set",
+    "data.num_clients=3",
+    "--set",
+    "lora.ranks=[2,4,8]",
+    "--set",
+    "train.threads=1",
+    "--set",
+    "output.plots=false",
+    "--set",
+    "output.name=k",
+]
 
-KILLER = '''
+KILLER = """
 import os, signal, sys
 from pathlib import Path
 from nestfed.io import atomic
@@ -37,7 +49,7 @@ for name in ("write_bytes", "append_line", "write_dir"):
 from nestfed.cli import main
 sys.argv = ["nestfed"] + sys.argv[1:]
 main()
-'''
+"""
 
 
 def nestfed(tmp, *args, kill_at=None):
@@ -51,9 +63,14 @@ def nestfed(tmp, *args, kill_at=None):
     return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env, timeout=600)
 
 
-@pytest.mark.parametrize("kill_at,where", [(4, "mid-append of round 1's line"),
-                                           (5, "writing round 1's checkpoint, its line already written"),
-                                           (8, "exporting the adapter after the last round")])
+@pytest.mark.parametrize(
+    "kill_at,where",
+    [
+        (4, "mid-append of round 1's line"),
+        (5, "writing round 1's checkpoint, its line already written"),
+        (8, "exporting the adapter after the last round"),
+    ],
+)
 def test_a_killed_run_resumes_to_the_same_adapter(tmp_path, kill_at, where):
     ref = nestfed(tmp_path, "run", str(TINY), "--set", f"output.dir={tmp_path / 'ref'}", *ARGS)
     assert ref.returncode == 0, ref.stderr[-2000:]

@@ -11,14 +11,12 @@ from nestfed import methods
 from nestfed.config import ModelConfig
 from nestfed.errors import NestfedError
 from nestfed.experiments.export import export_adapter
-from nestfed.federation.aggregation import one_adapter
-from nestfed.federation.aggregation import truncate_rank
+from nestfed.federation.aggregation import one_adapter, truncate_rank
 from nestfed.methods.implementation import lora_settings
 from nestfed.nn.arrays import apply_arrays
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.frozen_prefix import lm_logits
 from nestfed.nn.keys import merged_key, peft_key
-
 from tests.tiny_federation import tiny_config, tiny_run
 
 IDS = torch.tensor([[3, 7, 11, 15, 19, 23, 27, 31, 35, 39], [2, 4, 6, 8, 10, 12, 14, 16, 18, 20]])
@@ -69,8 +67,9 @@ def test_truncating_the_run_adapter_by_hand_gets_the_scale_wrong(prelort_run, tm
     assert (peft_logits(good) - expected).abs().max().item() == 0.0
 
 
-@pytest.mark.parametrize("method", ["prelort", "hetlora", "flexlora", "local_only", "fedsa_lora", "flora",
-                                    "fedex_lora"])
+@pytest.mark.parametrize(
+    "method", ["prelort", "hetlora", "flexlora", "local_only", "fedsa_lora", "flora", "fedex_lora"]
+)
 def test_client_export_runs_in_peft_as_the_client_runs_it(tmp_path, method):
     """Each client's exported adapter against the client's own evaluation path: the strategy's
     deployment with the client's kept state (local-only's own adapter, FedSA-LoRA's local B).
@@ -96,8 +95,14 @@ def test_one_adapter_stacks_merged_factors_exactly():
     mA, mB = torch.randn(3, 5, generator=g), torch.randn(4, 3, generator=g)
     A, B = torch.randn(2, 5, generator=g), torch.randn(4, 2, generator=g)
     A2, B2 = torch.randn(2, 5, generator=g), torch.randn(4, 2, generator=g)
-    arrays = {merged_key("x", "A"): mA, merged_key("x", "B"): mB, peft_key("x", "lora_A"): A,
-              peft_key("x", "lora_B"): B, peft_key("y", "lora_A"): A2, peft_key("y", "lora_B"): B2}
+    arrays = {
+        merged_key("x", "A"): mA,
+        merged_key("x", "B"): mB,
+        peft_key("x", "lora_A"): A,
+        peft_key("x", "lora_B"): B,
+        peft_key("y", "lora_A"): A2,
+        peft_key("y", "lora_B"): B2,
+    }
     out, s = one_adapter(arrays, 0.5)
     assert s == 1.0 and out[peft_key("x", "lora_A")].shape == (5, 5) and out[peft_key("y", "lora_A")].shape == (5, 5)
     torch.testing.assert_close(out[peft_key("x", "lora_B")] @ out[peft_key("x", "lora_A")], mB @ mA + 0.5 * B @ A)

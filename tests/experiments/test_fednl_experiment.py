@@ -28,12 +28,17 @@ def _one_thread(one_thread):
 
 def tiny_cfg(tmp_path, name="fednl", travel="all"):
     base = methods.load_config(ROOT / "configs" / "fednl" / "mmlu.toml")
-    return methods.replace_config(base, model={"name": "tiny-llama"},
-                                  data={"path": str(MMLU), "max_train": 6, "max_test": 4, "block_size": 96},
-                                  lora={"ranks": (4,), "lora_alpha": 8.0, "layers": (-1,)},
-                                  train={"local_steps": 2, "batch_size": 2, "lr": 1e-2, "threads": 0},
-                                  federation={"rounds": 2}, output={"dir": str(tmp_path), "plots": False},
-                                  strategy={"name": name}, fednl={"travel": travel})
+    return methods.replace_config(
+        base,
+        model={"name": "tiny-llama"},
+        data={"path": str(MMLU), "max_train": 6, "max_test": 4, "block_size": 96},
+        lora={"ranks": (4,), "lora_alpha": 8.0, "layers": (-1,)},
+        train={"local_steps": 2, "batch_size": 2, "lr": 1e-2, "threads": 0},
+        federation={"rounds": 2},
+        output={"dir": str(tmp_path), "plots": False},
+        strategy={"name": name},
+        fednl={"travel": travel},
+    )
 
 
 def test_domains_match_the_paper():
@@ -49,8 +54,13 @@ def test_domains_match_the_paper():
 def test_fednl_then_fedavg_on_one_preparation(tmp_path):
     cfg = tiny_cfg(tmp_path, travel="rules")
     prep = prepare(cfg)
-    assert [d.label for d in prep.data.values()] == ["law_ethics", "humanities", "stem", "math_cs",
-                                                     "medical_psychology"]
+    assert [d.label for d in prep.data.values()] == [
+        "law_ethics",
+        "humanities",
+        "stem",
+        "math_cs",
+        "medical_psychology",
+    ]
     assert not memory_rules(prep.backbone.model)  # prepare installs no memory
     s_nl = run_method(prep, cfg, tmp_path / "fednl")
     assert set(memory_rules(prep.backbone.model)) == {1}  # FedNL put it on the LoRA layer

@@ -17,8 +17,14 @@ TINY = ROOT / "configs" / "fedslm" / "tiny.toml"
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fedslm")
     env = dict(os.environ, COLUMNS="200")
-    r = subprocess.run([sys.executable, "-m", "nestfed.cli", "fedslm", str(TINY), "--set", f"output.dir={tmp / 'runs'}"],
-                       cwd=tmp, capture_output=True, text=True, env=env, timeout=900)
+    r = subprocess.run(
+        [sys.executable, "-m", "nestfed.cli", "fedslm", str(TINY), "--set", f"output.dir={tmp / 'runs'}"],
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=900,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     (parent,) = list((tmp / "runs").iterdir())
     return parent, r.stdout
@@ -36,8 +42,14 @@ def test_every_method_writes_a_run_directory_and_the_comparison(run):
         assert (d / "adapter" / "adapter_model.safetensors").is_file()
         assert list((d / "checkpoints").glob("round_*.safetensors"))
     rows = json.loads((parent / "comparison.json").read_text())
-    assert [r["method"] for r in rows] == ["fedslm (none)", "fedslm (alpha=0)", "fedslm (alpha=0.5)", "fedmkt",
-                                           "fedavg", "hetlora"]
+    assert [r["method"] for r in rows] == [
+        "fedslm (none)",
+        "fedslm (alpha=0)",
+        "fedslm (alpha=0.5)",
+        "fedmkt",
+        "fedavg",
+        "hetlora",
+    ]
     assert "fedslm (alpha=0.5)" in stdout
 
 
@@ -102,16 +114,16 @@ def test_weak_model_fuses_the_frozen_layers_by_the_chosen_rule():
 
     cfg, prep, setup = _prepared([])
     assert setup.client_group == {0: 0, 1: 1, 2: 1, 3: 2, 4: 2}
-    fused = {core_key(n): torch.diag(setup.bases[n].S[:setup.ranks(2)[n]]) for n in setup.trained}
+    fused = {core_key(n): torch.diag(setup.bases[n].S[: setup.ranks(2)[n]]) for n in setup.trained}
     name = "model.layers.0.mlp.down_proj"  # compressed, not trained: [64, 128]
     f = setup.bases[name]
     r = [setup.models[g].get_submodule(name).rank for g in range(3)]
     n = setup.group_examples()
     cov = weak_model(setup, prep, fused, "coverage").get_submodule(name).sigma
-    assert torch.allclose(cov, torch.diag(f.S[:r[2]]))
+    assert torch.allclose(cov, torch.diag(f.S[: r[2]]))
     avg = weak_model(setup, prep, fused, "average").get_submodule(name).sigma
     share = torch.tensor([sum(n[g] for g in range(3) if r[g] > k) for k in range(r[2])]) / sum(n.values())
-    assert torch.allclose(torch.diag(avg), f.S[:r[2]] * share, atol=1e-6)
+    assert torch.allclose(torch.diag(avg), f.S[: r[2]] * share, atol=1e-6)
     assert float(share[-1]) == pytest.approx(n[2] / sum(n.values())) and float(share[-1]) < 1.0
 
 
@@ -160,8 +172,11 @@ def test_too_little_calibration_text_names_compression_server_blocks():
     """tiny.toml: blocks of 32 tokens, widest compressed input 128 (down_proj): 1 block is too few."""
     from nestfed.errors import ConfigError
 
-    with pytest.raises(ConfigError, match=r"compression\.server_blocks: .* 32 tokens, fewer than the 128 inputs.*"
-                                          r"server_blocks >= 4"):
+    with pytest.raises(
+        ConfigError,
+        match=r"compression\.server_blocks: .* 32 tokens, fewer than the 128 inputs.*"
+        r"server_blocks >= 4",
+    ):
         _prepared(["compression.server_blocks=1"])
     _, _, setup = _prepared(["compression.server_blocks=4", "compression.whitening=none"])
     assert all(f.D is None for f in setup.bases.values())

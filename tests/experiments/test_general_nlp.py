@@ -23,8 +23,10 @@ def _result(correct: dict[str, list[int]]) -> dict:
 
 
 def test_rows_by_hand():
-    results = {"backbone": _result({"stem": [1, 0, 1, 0], "humanities": [0, 0]}),
-               "prelort": _result({"stem": [1, 1, 1, 0], "humanities": [0, 1]})}
+    results = {
+        "backbone": _result({"stem": [1, 0, 1, 0], "humanities": [0, 0]}),
+        "prelort": _result({"stem": [1, 1, 1, 0], "humanities": [0, 1]}),
+    }
     rows = {(r["model"], r["scoring"]): r for r in general_nlp.rows(results)}
     b, p = rows[("backbone", "generation")], rows[("prelort", "generation")]
     assert b["categories"]["stem"]["accuracy"] == 50.0 and p["categories"]["stem"]["accuracy"] == 75.0
@@ -65,14 +67,14 @@ def test_nestfed_eval_prints_the_table_and_reuses_scores(tmp_path, cli):
     assert "| backbone |" in res.stdout and "| prelort |" in res.stdout
     assert "leaderboard" not in res.stdout  # not SmolLM2: no leaderboard rows
     table = json.loads((parent / "eval" / "flowertune_general_nlp.json").read_text())
-    assert {(r["model"], r["scoring"]) for r in table} == {(m, s) for m in ("backbone", "prelort")
-                                                           for s in ("generation", "loglik")}
+    assert {(r["model"], r["scoring"]) for r in table} == {
+        (m, s) for m in ("backbone", "prelort") for s in ("generation", "loglik")
+    }
     assert all(r["categories"]["stem"]["n"] == 19 for r in table)
     assert all("vs_backbone" in r for r in table if r["model"] == "prelort")
     again = cli("eval", parent / "prelort", "--mmlu", mmlu, "--batch-size", "4", cwd=tmp_path)
     assert again.returncode == 0 and again.stderr.count("scored before") == 2  # backbone and prelort
-    shrunk = cli("eval", parent / "prelort", "--mmlu", mmlu, "--fraction", "0.5", "--categories", "stem",
-                 cwd=tmp_path)
+    shrunk = cli("eval", parent / "prelort", "--mmlu", mmlu, "--fraction", "0.5", "--categories", "stem", cwd=tmp_path)
     assert shrunk.returncode == 0 and "scored before" not in shrunk.stderr and "humanities" not in shrunk.stdout
 
 

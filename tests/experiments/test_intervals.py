@@ -8,8 +8,14 @@ import warnings
 import pytest
 
 from nestfed.experiments.intervals import mean_interval, paired_difference, relative_differences
-from nestfed.experiments.seed_report import (by_label, importance_stats, label_stats, seeds_markdown,
-                                             truncation_differences, truncation_stats)
+from nestfed.experiments.seed_report import (
+    by_label,
+    importance_stats,
+    label_stats,
+    seeds_markdown,
+    truncation_differences,
+    truncation_stats,
+)
 
 T_975_2 = 4.302652729749464  # Student's t quantile 0.975 with 2 degrees of freedom (tables)
 T_975_3 = 3.182446305284263  # ... with 3
@@ -37,22 +43,38 @@ def test_paired_difference_by_hand():
     none = paired_difference([0.5, -0.5, 0.25, -0.25])
     assert none.p_value == pytest.approx(1.0) and not none.significant
     assert paired_difference([0.0, 0.0]).p_value == 1.0 and paired_difference([2.0, 2.0]).p_value == 0.0
-    assert relative_differences({(0, "0"): 11.0, (1, "0"): 9.0, (2, "0"): 1.0}, {(0, "0"): 10.0, (1, "0"): 10.0}) \
-        == pytest.approx([10.0, -10.0])
+    assert relative_differences(
+        {(0, "0"): 11.0, (1, "0"): 9.0, (2, "0"): 1.0}, {(0, "0"): 10.0, (1, "0"): 10.0}
+    ) == pytest.approx([10.0, -10.0])
     with pytest.raises(ValueError, match="cannot be paired"):
         relative_differences({(0, "0"): 1.0}, {(1, "0"): 1.0})
 
 
 def row(label, seed, ppl, truncation=None, importance=None):
-    return {"label": label, "seed": seed, "ranks": "2,4", "ppl": ppl, "mean_ppl": sum(ppl.values()) / len(ppl),
-            "initial_ppl": {"0": 20.0, "1": 40.0}, "initial_mean_ppl": 30.0, "round0": "backbone",
-            "labels": {"0": "a", "1": "b"}, "bytes_per_client_round": 2048.0, "wall_time_s": 10.0,
-            "truncation": truncation, "dimension_importance": importance}
+    return {
+        "label": label,
+        "seed": seed,
+        "ranks": "2,4",
+        "ppl": ppl,
+        "mean_ppl": sum(ppl.values()) / len(ppl),
+        "initial_ppl": {"0": 20.0, "1": 40.0},
+        "initial_mean_ppl": 30.0,
+        "round0": "backbone",
+        "labels": {"0": "a", "1": "b"},
+        "bytes_per_client_round": 2048.0,
+        "wall_time_s": 10.0,
+        "truncation": truncation,
+        "dimension_importance": importance,
+    }
 
 
 def test_label_stats_pair_by_seed_and_client():
-    rows = [row("ref", 0, {"0": 10.0, "1": 20.0}), row("ref", 1, {"0": 12.0, "1": 20.0}),
-            row("m", 1, {"0": 13.2, "1": 22.0}), row("m", 0, {"0": 11.0, "1": 22.0})]
+    rows = [
+        row("ref", 0, {"0": 10.0, "1": 20.0}),
+        row("ref", 1, {"0": 12.0, "1": 20.0}),
+        row("m", 1, {"0": 13.2, "1": 22.0}),
+        row("m", 0, {"0": 11.0, "1": 22.0}),
+    ]
     with warnings.catch_warnings():  # differences equal up to rounding: scipy warns about precision
         warnings.simplefilter("ignore", RuntimeWarning)
         stats = {s.label: s for s in label_stats(rows)}
@@ -75,10 +97,12 @@ def test_truncation_and_importance_over_seeds():
     def curve(a, b):
         return {"1": {"0": {"ppl": a}, "1": {"ppl": a}}, "2": {"0": {"ppl": b}, "1": {"ppl": b}}}
 
-    rows = [row("ref", 0, {"0": 1.0, "1": 1.0}, curve(10.0, 8.0), [3.0, 1.0]),
-            row("ref", 1, {"0": 1.0, "1": 1.0}, curve(10.0, 8.0), [1.0, 1.0]),
-            row("m", 0, {"0": 1.0, "1": 1.0}, curve(11.0, 8.0), None),
-            row("m", 1, {"0": 1.0, "1": 1.0}, curve(12.0, 8.0), None)]
+    rows = [
+        row("ref", 0, {"0": 1.0, "1": 1.0}, curve(10.0, 8.0), [3.0, 1.0]),
+        row("ref", 1, {"0": 1.0, "1": 1.0}, curve(10.0, 8.0), [1.0, 1.0]),
+        row("m", 0, {"0": 1.0, "1": 1.0}, curve(11.0, 8.0), None),
+        row("m", 1, {"0": 1.0, "1": 1.0}, curve(12.0, 8.0), None),
+    ]
     curves = truncation_stats(rows)
     assert curves["m"][1].mean == pytest.approx(11.5) and curves["ref"][2].half_width == 0.0
     diffs = truncation_differences(rows, "ref")

@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from tiny_federation import lines, tiny_config, tiny_run
 
 from nestfed.experiments.mechanisms import adapter_rank, dimension_importance, mechanisms
 from nestfed.nn.keys import peft_key
-from tiny_federation import lines, tiny_config, tiny_run
 
 
 def test_dimension_importance_by_hand():
@@ -17,15 +17,20 @@ def test_dimension_importance_by_hand():
     B1 = torch.tensor([[1.0, 0.0], [0.0, 2.0], [0.0, 0.0]])  # column norms 1, 2
     A2 = torch.tensor([[0.0, 2.0], [1.0, 0.0]])  # row norms 2, 1
     B2 = torch.tensor([[2.0, 3.0], [0.0, 4.0], [0.0, 0.0]])  # column norms 2, 5
-    arrays = {peft_key("l1", "lora_A"): A1, peft_key("l1", "lora_B"): B1,
-              peft_key("l2", "lora_A"): A2, peft_key("l2", "lora_B"): B2}
+    arrays = {
+        peft_key("l1", "lora_A"): A1,
+        peft_key("l1", "lora_B"): B1,
+        peft_key("l2", "lora_A"): A2,
+        peft_key("l2", "lora_B"): B2,
+    }
     s = 0.5
     # component 0: layer 1 s*1*5 = 2.5, layer 2 s*2*2 = 2; component 1: s*2*1 = 1, s*5*1 = 2.5
-    expected = [math.sqrt(2.5 ** 2 + 2.0 ** 2), math.sqrt(1.0 ** 2 + 2.5 ** 2)]
+    expected = [math.sqrt(2.5**2 + 2.0**2), math.sqrt(1.0**2 + 2.5**2)]
     assert dimension_importance(arrays, s) == pytest.approx(expected, rel=1e-12)
     # each component's norm is the Frobenius norm of s B[:, i] A[i, :] itself
-    direct = math.sqrt(sum(float(torch.linalg.matrix_norm(s * torch.outer(B[:, 0], A[0])) ** 2)
-                           for A, B in ((A1, B1), (A2, B2))))
+    direct = math.sqrt(
+        sum(float(torch.linalg.matrix_norm(s * torch.outer(B[:, 0], A[0])) ** 2) for A, B in ((A1, B1), (A2, B2)))
+    )
     assert dimension_importance(arrays, s)[0] == pytest.approx(direct, rel=1e-12)
     assert adapter_rank({peft_key("l1", "lora_A"): A1, peft_key("l2", "lora_A"): A1[:1]}) is None
     with pytest.raises(ValueError, match="lora_A without lora_B"):

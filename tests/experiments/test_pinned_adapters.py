@@ -23,10 +23,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_federation import state_digest
 from typer.testing import CliRunner
 
 from nestfed.cli import app
-from tiny_federation import state_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 PINNED_ON = ("x86_64", "AVX2")
@@ -37,16 +37,60 @@ CASES = {  # name: (config, method, extra overrides, sha256)
     "zeropad": ("configs/tiny.toml", "zeropad", [], "ee2a616a8c244f4e422fab8e710bd0376f3cb027a6ae82ba4e193535f5e290b8"),
     "hetlora": ("configs/tiny.toml", "hetlora", [], "16bfeddf3706841f3eb47d6463071077133d84f84072b2cce5a286ddab700180"),
     "flora": ("configs/tiny.toml", "flora", [], "d4cdb1f44109ff8aef31644e8c170227dbc248fd20f5471142f47fac44726f36"),
-    "ffa_lora": ("configs/tiny.toml", "ffa_lora", [], "a88feadfb67818baf3ae77b6d5065d7a9535ee7997d5799a5b3468b8fadd0067"),
-    "fedavg": ("configs/tiny.toml", "fedavg", EQUAL, "9fccbe1f47bce204d4fc5dfc48610c2f02de86bab03b5d3531c55f158cc5112a"),
-    "fedprox": ("configs/tiny.toml", "fedprox", EQUAL, "1a31b1ccfa37423d4c9e4df776cda4ad937d36c91ecd0a2473822f5da7de9d65"),
-    "fedala": ("configs/tiny.toml", "fedala", EQUAL, "a42fcf804291759ca09ad0922574be4bee00a747949ad92b1336159086298f0f"),
-    "fedssi": ("configs/tiny.toml", "fedssi", EQUAL, "eb14777f4ab33230d2c5c2f985169b6d8c4631d0c2d64924c629de7069833e2c"),
-    "fednl": ("configs/tiny.toml", "fednl", EQUAL + QKV, "7a5fa98cc5c65c18d856f801ec2b51c267bbdf6937393450222288a66d4d71a1"),
-    "fednl-rules": ("configs/tiny.toml", "fednl", EQUAL + QKV + ["--set", "fednl.travel=rules"],
-                    "dc7b9556c1540fc4424106df44bfcffe88c90a0db5f77b496aa3e73e16a45806"),
-    "fedslm": ("configs/fedslm/tiny.toml", "fedslm", [], "cacc1dbd7b7e8e22fd47a1e441d042eb805ffe169f393055c973f537e8464794"),
-    "fedmkt": ("configs/fedslm/tiny.toml", "fedmkt", [], "e47512c2c854c5b0c83c47a1994add17288b52ac5e176501205c93a11e9ea041"),
+    "ffa_lora": (
+        "configs/tiny.toml",
+        "ffa_lora",
+        [],
+        "a88feadfb67818baf3ae77b6d5065d7a9535ee7997d5799a5b3468b8fadd0067",
+    ),
+    "fedavg": (
+        "configs/tiny.toml",
+        "fedavg",
+        EQUAL,
+        "9fccbe1f47bce204d4fc5dfc48610c2f02de86bab03b5d3531c55f158cc5112a",
+    ),
+    "fedprox": (
+        "configs/tiny.toml",
+        "fedprox",
+        EQUAL,
+        "1a31b1ccfa37423d4c9e4df776cda4ad937d36c91ecd0a2473822f5da7de9d65",
+    ),
+    "fedala": (
+        "configs/tiny.toml",
+        "fedala",
+        EQUAL,
+        "a42fcf804291759ca09ad0922574be4bee00a747949ad92b1336159086298f0f",
+    ),
+    "fedssi": (
+        "configs/tiny.toml",
+        "fedssi",
+        EQUAL,
+        "eb14777f4ab33230d2c5c2f985169b6d8c4631d0c2d64924c629de7069833e2c",
+    ),
+    "fednl": (
+        "configs/tiny.toml",
+        "fednl",
+        EQUAL + QKV,
+        "7a5fa98cc5c65c18d856f801ec2b51c267bbdf6937393450222288a66d4d71a1",
+    ),
+    "fednl-rules": (
+        "configs/tiny.toml",
+        "fednl",
+        EQUAL + QKV + ["--set", "fednl.travel=rules"],
+        "dc7b9556c1540fc4424106df44bfcffe88c90a0db5f77b496aa3e73e16a45806",
+    ),
+    "fedslm": (
+        "configs/fedslm/tiny.toml",
+        "fedslm",
+        [],
+        "cacc1dbd7b7e8e22fd47a1e441d042eb805ffe169f393055c973f537e8464794",
+    ),
+    "fedmkt": (
+        "configs/fedslm/tiny.toml",
+        "fedmkt",
+        [],
+        "e47512c2c854c5b0c83c47a1994add17288b52ac5e176501205c93a11e9ea041",
+    ),
 }
 
 
@@ -65,9 +109,26 @@ def test_final_state_is_pinned(case, tmp_path, monkeypatch, single_thread):
     config, method, extra, want = CASES[case]
     monkeypatch.chdir(ROOT)
     out = tmp_path / "runs"
-    res = CliRunner().invoke(app, ["run", config, "--set", f"strategy.name={method}", "--set", "federation.rounds=3",
-                                   "--set", f"output.dir={out}", "--set", "train.threads=1",
-                                   "--set", "output.plots=false", "--set", "model.device=cpu", *extra])
+    res = CliRunner().invoke(
+        app,
+        [
+            "run",
+            config,
+            "--set",
+            f"strategy.name={method}",
+            "--set",
+            "federation.rounds=3",
+            "--set",
+            f"output.dir={out}",
+            "--set",
+            "train.threads=1",
+            "--set",
+            "output.plots=false",
+            "--set",
+            "model.device=cpu",
+            *extra,
+        ],
+    )
     assert res.exit_code == 0, res.output
     run_dir = next(p.parent for p in out.rglob("summary.json"))
     assert state_digest(run_dir) == want
@@ -78,7 +139,22 @@ def test_the_pins_hold_under_avx2_kernels_on_an_avx512_machine():
     if here != ("x86_64", "AVX512"):
         pytest.skip(f"checked directly on {PINNED_ON}; this machine is {here}")
     env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2"}
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                        "-k", "test_final_state_is_pinned"], cwd=ROOT, env=env, capture_output=True, text=True,
-                       timeout=900)
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            str(Path(__file__)),
+            "-k",
+            "test_final_state_is_pinned",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert r.returncode == 0 and f"{len(CASES)} passed" in r.stdout, r.stdout[-3000:] + r.stderr[-2000:]

@@ -3,11 +3,11 @@
 
 import pytest
 import torch
+from tiny_federation import tiny_config, tiny_prepared
 
 from nestfed import methods
 from nestfed.data.poisoning import poison_tokens
 from nestfed.federation.update import update_norm
-from tiny_federation import tiny_config, tiny_prepared
 
 
 def fit(*overrides, cid=1):

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tiny_federation import lines, tiny_config, tiny_prepared, tiny_run
 
 from nestfed import methods
 from nestfed.config import dumps_toml
@@ -17,8 +18,6 @@ from nestfed.federation.relative_screen import RelativeScreen, round_blocks
 from nestfed.federation.run_dir import RunDir
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.update import block_norms, origin
-
-from tiny_federation import lines, tiny_config, tiny_prepared, tiny_run
 
 A = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 B = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"
@@ -153,7 +152,7 @@ def test_aggregation_never_overflows_for_any_finite_float32_reply(name, exponent
     st = mr.strategy
     state = st.initialize(mr.shapes, mr.clients)
     ins = st.configure(1, state, mr.clients)
-    big = min(10.0 ** exponent, float(torch.finfo(torch.float32).max))
+    big = min(10.0**exponent, float(torch.finfo(torch.float32).max))
     replies = {}
     for c, i in ins.items():
         g = torch.Generator().manual_seed(c)
@@ -206,8 +205,14 @@ def test_a_failed_run_records_its_outcome_and_exports_nothing(tmp_path):
 
     from nestfed.experiments.run import run_method
 
-    cfg = _config("zeropad", "validation.norm_ratio=0", "validation.stall_rounds=1", "attack.kind=noise",
-                  "attack.noise_std=1e30", "attack.clients=[0,1,2]")
+    cfg = _config(
+        "zeropad",
+        "validation.norm_ratio=0",
+        "validation.stall_rounds=1",
+        "attack.kind=noise",
+        "attack.noise_std=1e30",
+        "attack.clients=[0,1,2]",
+    )
     with pytest.raises(RunFailed, match=r"run: round 1: no update aggregated for 1 rounds in a row"):
         run_method(tiny_prepared(cfg), cfg, tmp_path / "run")
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
@@ -258,6 +263,9 @@ def test_block_norms_agree_between_the_gathered_and_per_array_paths(monkeypatch,
     reply = {A: torch.randn(4, 3, generator=g), B: torch.randn(5, 4, generator=g), "rule": torch.ones(3)}
     got = block_norms(sent, reply, (2, 4, 8))  # a reply of rank 4 against a sent rank 8 (HetLoRA's pruning)
     dA, dB = reply[A] - sent[A][:4], reply[B] - sent[B][:, :4]
-    want = {"0:2": math.sqrt(float(dA[:2].pow(2).sum() + dB[:, :2].pow(2).sum())),
-            "2:4": math.sqrt(float(dA[2:].pow(2).sum() + dB[:, 2:].pow(2).sum())), "other": math.sqrt(3.0)}
+    want = {
+        "0:2": math.sqrt(float(dA[:2].pow(2).sum() + dB[:, :2].pow(2).sum())),
+        "2:4": math.sqrt(float(dA[2:].pow(2).sum() + dB[:, 2:].pow(2).sum())),
+        "other": math.sqrt(3.0),
+    }
     assert got == pytest.approx(want, rel=1e-6)

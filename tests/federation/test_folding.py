@@ -7,13 +7,13 @@ import json
 
 import pytest
 import torch
+from tiny_federation import tiny_config, tiny_prepared, tiny_run
 
 from nestfed import methods
 from nestfed.config import RobustConfig
 from nestfed.federation.folding import ReplyFolder
 from nestfed.federation.robust import BlockRule
 from nestfed.federation.safeguards import Safeguards
-from tiny_federation import tiny_config, tiny_prepared, tiny_run
 
 FOLDING = ["prelort", "zeropad", "fedsa_lora", "local_only"]
 SIX = ("data.num_clients=6", "lora.ranks=[2,2,4,4,8,8]")
@@ -36,7 +36,9 @@ def round_of(name, ranks=SIX):
 
 
 def fold(strategy, state, ins, replies, hold, safeguards=None):
-    f = ReplyFolder(strategy, safeguards or Safeguards(), 1, state, ins, hold, max(r.num_examples for r in replies.values()))
+    f = ReplyFolder(
+        strategy, safeguards or Safeguards(), 1, state, ins, hold, max(r.num_examples for r in replies.values())
+    )
     for c in sorted(replies):
         f.add(c, replies[c])
     return f
@@ -83,4 +85,3 @@ def test_a_run_that_folds_every_round_ends_at_the_held_runs_adapter(tmp_path):
     ln = [json.loads(x) for x in (tmp_path / "folded" / "metrics.jsonl").read_text().splitlines()]
     assert ln[1]["replies"] == {"held_replies": 0, "held_bytes": 0, "folded_replies": 6}
     assert "replies" not in json.loads((tmp_path / "held" / "metrics.jsonl").read_text().splitlines()[1])
-

@@ -3,12 +3,12 @@ rejection, min_clients, bytes, sampling, every LoRA method's wiring, non-LoRA pa
 
 import pytest
 import torch
+from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
+from nestfed.federation.loop import sample_clients
 from nestfed.federation.messages import ClientInfo, Instruction, Reply
 from nestfed.federation.payload import encode
-from nestfed.federation.loop import sample_clients
 from nestfed.federation.run_dir import RunDir
-from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 RANKS = [2, 4, 8]
 
@@ -38,12 +38,17 @@ def test_resume_reaches_the_same_final_adapter_exactly(tmp_path):
     assert [ln["eval"] for ln in lines(tmp_path / "part")] == [ln["eval"] for ln in lines(tmp_path / "full")]
 
 
-@pytest.mark.parametrize("corrupt,reason", [
-    (lambda a: {k: v * float("nan") for k, v in a.items()}, "NaN"),
-    (lambda a: {k: v for k, v in a.items() if "q_proj" not in k}, "missing keys"),
-    (lambda a: {k: (v[:2] if k.endswith("lora_A.weight") else v[:, :2]) for k, v in a.items()},
-     "rank 2 but the instructed rank is 4"),
-])
+@pytest.mark.parametrize(
+    "corrupt,reason",
+    [
+        (lambda a: {k: v * float("nan") for k, v in a.items()}, "NaN"),
+        (lambda a: {k: v for k, v in a.items() if "q_proj" not in k}, "missing keys"),
+        (
+            lambda a: {k: (v[:2] if k.endswith("lora_A.weight") else v[:, :2]) for k, v in a.items()},
+            "rank 2 but the instructed rank is 4",
+        ),
+    ],
+)
 def test_bad_update_is_rejected_and_never_reaches_the_global_model(tmp_path, corrupt, reason):
     def bad_client_1(trainer):
         real = trainer.fit
@@ -53,6 +58,7 @@ def test_bad_update_is_rejected_and_never_reaches_the_global_model(tmp_path, cor
             if cid == 1:
                 return Reply(corrupt(reply.arrays), reply.num_examples, reply.metrics)
             return reply
+
         trainer.fit = fit
         return trainer
 
@@ -80,6 +86,7 @@ def test_round_without_enough_updates_keeps_the_global_state(tmp_path):
         def fit(cid, ins):
             r = real(cid, ins)
             return Reply({k: v * float("inf") for k, v in r.arrays.items()}, r.num_examples, r.metrics)
+
         trainer.fit = fit
         return trainer
 
@@ -113,6 +120,7 @@ def test_a_clients_metrics_never_overwrite_the_servers_fields(tmp_path):
         def fit(cid, ins):
             r = real(cid, ins)
             return Reply(r.arrays, r.num_examples, {**r.metrics, "bytes_up": 1.0, "status": 7.0, "train_loss": 0.5})
+
         trainer.fit = fit
         return trainer
 
@@ -156,7 +164,9 @@ def test_non_lora_parameters_in_a_payload_are_loaded_trained_and_returned():
     trainer = methods.get("fedavg").build(tiny_prepared(cfg), cfg).trainer
     norm_key = "base_model.model.model.layers.1.input_layernorm.weight"
     before = trainer.model.get_parameter("model.layers.1.input_layernorm.weight").detach().clone()
-    reply = trainer.fit(0, Instruction({norm_key: torch.full_like(before, 2.0)}, {"rank": 0, "scaling": 1.0, "round": 1}))
+    reply = trainer.fit(
+        0, Instruction({norm_key: torch.full_like(before, 2.0)}, {"rank": 0, "scaling": 1.0, "round": 1})
+    )
     assert set(reply.arrays) == {norm_key}
     assert not torch.equal(reply.arrays[norm_key], torch.full_like(before, 2.0))  # it trained from 2.0
     assert (reply.arrays[norm_key] - 2.0).abs().max() < 0.1

@@ -8,16 +8,21 @@ import json
 
 import numpy as np
 import pytest
+from tiny_federation import tiny_config, tiny_prepared
 
 from nestfed.experiments import group_report
 from nestfed.experiments.run import run_method
 from nestfed.federation.evaluation_plan import EvalPlan
 from nestfed.federation.rank_groups import by_rank, describe
 from nestfed.federation.run_dir import RunDir
-from tiny_federation import tiny_config, tiny_prepared
 
-SIXTEEN = ("data.num_clients=16", "lora.ranks=[2]", "population.rank_shares={2=0.5,8=0.5}",
-           "federation.fraction=0.25", "federation.rounds=3")
+SIXTEEN = (
+    "data.num_clients=16",
+    "lora.ranks=[2]",
+    "population.rank_shares={2=0.5,8=0.5}",
+    "federation.fraction=0.25",
+    "federation.rounds=3",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -37,12 +42,15 @@ def test_describe_and_by_rank_by_hand():
 def test_the_panel_is_fixed_by_the_data_seed_and_the_first_and_last_rounds_see_everyone():
     cfg = tiny_config(*SIXTEEN, "evaluation.clients=4")
     plan = EvalPlan.from_config(cfg)
-    assert len(plan.panel) == 4 and plan.panel == EvalPlan.from_config(tiny_config(*SIXTEEN, "evaluation.clients=4",
-                                                                                    "federation.seed=9")).panel
+    assert (
+        len(plan.panel) == 4
+        and plan.panel == EvalPlan.from_config(tiny_config(*SIXTEEN, "evaluation.clients=4", "federation.seed=9")).panel
+    )
     assert plan.clients(0, 3, range(16)) == list(range(16)) == plan.clients(3, 3, range(16))
     assert plan.clients(1, 3, range(16)) == list(plan.panel)
-    sparse = EvalPlan.from_config(tiny_config(*SIXTEEN, "evaluation.clients=4", "evaluation.every=2",
-                                              "evaluation.final=panel"))
+    sparse = EvalPlan.from_config(
+        tiny_config(*SIXTEEN, "evaluation.clients=4", "evaluation.every=2", "evaluation.final=panel")
+    )
     assert sparse.clients(1, 3, range(16)) == [] and sparse.clients(3, 3, range(16)) == list(sparse.panel)
 
 
@@ -76,8 +84,17 @@ def test_a_run_of_many_clients_writes_small_lines_and_its_numbers_by_rank_group(
 
 
 def rows_of(label, seed, ppl, ranks):
-    return {"label": label, "seed": seed, "ppl": ppl, "initial_ppl": {c: 10.0 for c in ppl}, "client_ranks": ranks,
-            "round0": "backbone", "ranks": "", "bytes_per_client_round": 0.0, "wall_time_s": 0.0}
+    return {
+        "label": label,
+        "seed": seed,
+        "ppl": ppl,
+        "initial_ppl": {c: 10.0 for c in ppl},
+        "client_ranks": ranks,
+        "round0": "backbone",
+        "ranks": "",
+        "bytes_per_client_round": 0.0,
+        "wall_time_s": 0.0,
+    }
 
 
 def test_the_comparison_by_rank_group_and_the_collaboration_gain_by_hand():
@@ -95,7 +112,9 @@ def test_the_comparison_by_rank_group_and_the_collaboration_gain_by_hand():
     # gain = 100 (1 - fed / local): rank 2: 100 (1 - 8/10) = 20 (seed 0), 100 (1 - 9/11) = 18.18 (seed 1)
     g = p.gain["2"].interval
     assert g.mean == pytest.approx((20.0 + 100 * (1 - 9 / 11)) / 2) and p.gain["2"].significant
-    assert stats["local_only"].versus["8"].interval.mean == pytest.approx(np.mean([100 * (10 / 5 - 1), 100 * (11 / 6 - 1)]))
+    assert stats["local_only"].versus["8"].interval.mean == pytest.approx(
+        np.mean([100 * (10 / 5 - 1), 100 * (11 / 6 - 1)])
+    )
     text = group_report.seeds_markdown(rows, list(stats.values()), "prelort")
     assert "Collaboration gain" in text and "r = 2 (10)" in text and "**" in text
     single = group_report.markdown([rows[0], rows[1]])

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_federation import tiny_config, tiny_run
 
 from nestfed.config import ModelConfig
 from nestfed.errors import ConfigError
@@ -12,7 +13,6 @@ from nestfed.federation.training import Batch
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.checkpointing import enable_activation_checkpointing
 from nestfed.nn.lora import inject_lora, lora_modules
-from tiny_federation import tiny_config, tiny_run
 
 
 def _model(seed: int = 0):
@@ -103,7 +103,9 @@ def test_checkpointing_refused_for_a_model_without_it():
 def test_a_run_with_micro_batches_ends_where_the_whole_batch_run_ends(tmp_path, method):
     extra = ["fedprox.mu=0.5", "lora.ranks=[4]"] if method == "fedprox" else []
     whole = tiny_run(tmp_path / "a", tiny_config(f"strategy.name={method}", *extra))[0].arrays
-    micro = tiny_run(tmp_path / "b", tiny_config(f"strategy.name={method}", "train.micro_batch_size=1", *extra))[0].arrays
+    micro = tiny_run(tmp_path / "b", tiny_config(f"strategy.name={method}", "train.micro_batch_size=1", *extra))[
+        0
+    ].arrays
     assert whole.keys() == micro.keys()
     for k in whole:
         torch.testing.assert_close(micro[k], whole[k], rtol=1e-4, atol=1e-6)

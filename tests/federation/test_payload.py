@@ -26,15 +26,21 @@ def test_encode_roundtrip_and_byte_count():
     assert 136 < stats["bytes"] < 136 + 400
 
 
-@pytest.mark.parametrize("mutate,reason", [
-    (lambda a: a.__setitem__(A, torch.full((4, 6), float("nan"))), "NaN or Inf"),
-    (lambda a: a.__setitem__(B, torch.full((5, 4), float("inf"))), "NaN or Inf"),
-    (lambda a: a.pop(B), "missing keys"),
-    (lambda a: a.__setitem__("base_model.model.x.lora_A.weight", torch.ones(1)), "unexpected keys"),
-    (lambda a: a.__setitem__(A, torch.ones(4, 7)), "shape"),
-    (lambda a: (a.__setitem__(A, torch.ones(8, 6)), a.__setitem__(B, torch.ones(5, 8))), "rank 8 but the instructed rank is 4"),
-    (lambda a: (a.__setitem__(A, torch.ones(2, 6)), a.__setitem__(B, torch.ones(5, 2))), "instructed rank is 4"),
-])
+@pytest.mark.parametrize(
+    "mutate,reason",
+    [
+        (lambda a: a.__setitem__(A, torch.full((4, 6), float("nan"))), "NaN or Inf"),
+        (lambda a: a.__setitem__(B, torch.full((5, 4), float("inf"))), "NaN or Inf"),
+        (lambda a: a.pop(B), "missing keys"),
+        (lambda a: a.__setitem__("base_model.model.x.lora_A.weight", torch.ones(1)), "unexpected keys"),
+        (lambda a: a.__setitem__(A, torch.ones(4, 7)), "shape"),
+        (
+            lambda a: (a.__setitem__(A, torch.ones(8, 6)), a.__setitem__(B, torch.ones(5, 8))),
+            "rank 8 but the instructed rank is 4",
+        ),
+        (lambda a: (a.__setitem__(A, torch.ones(2, 6)), a.__setitem__(B, torch.ones(5, 2))), "instructed rank is 4"),
+    ],
+)
 def test_bad_updates_are_rejected_with_reason(mutate, reason):
     arrays = good()
     mutate(arrays)
@@ -60,8 +66,10 @@ def test_the_counted_bytes_are_the_serialised_bytes_whatever_the_values_and_orde
     for trial in range(20):
         keys = [f"base_model.model.l{i}.lora_{'AB'[i % 2]}.weight" for i in range(rng.randint(1, 6))]
         rng.shuffle(keys)
-        arrays = {k: torch.randn(rng.randint(1, 40), rng.randint(1, 9), dtype=rng.choice([torch.float32, torch.float64]))
-                  for k in keys}
+        arrays = {
+            k: torch.randn(rng.randint(1, 40), rng.randint(1, 9), dtype=rng.choice([torch.float32, torch.float64]))
+            for k in keys
+        }
         if trial % 3 == 0:  # a view (a rank prefix), serialised contiguous
             k = keys[0]
             arrays[k] = arrays[k][:, : max(1, arrays[k].shape[1] // 2)]

@@ -4,14 +4,14 @@ segments at an elastic rank by hand."""
 
 import pytest
 import torch
+from tiny_federation import lines, tiny_config, tiny_prepared, tiny_run
 
 from nestfed import methods
+from nestfed.errors import ConfigError
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.population import Population, read_trace
 from nestfed.federation.strategy import LoraSettings
-from nestfed.errors import ConfigError
 from nestfed.methods.prelort.strategy import PreLort
-from tiny_federation import lines, tiny_config, tiny_prepared, tiny_run
 
 EIGHT = ("data.num_clients=8", "lora.ranks=[2,2,4,4,8,8,8,8]", "federation.fraction=0.5", "federation.rounds=2")
 
@@ -64,8 +64,10 @@ def test_a_round_most_of_whose_clients_dropped_says_so(tmp_path):
     _, loop, _ = tiny_run(tmp_path, cfg, prep=tiny_prepared(cfg, (4,) * 8))
     ln = lines(tmp_path)[1]
     assert 2 * len(ln["dropped"]) > len(ln["sampled"])
-    assert any(f"round 1: WARNING {len(ln['dropped'])} of the {len(ln['sampled'])} sampled clients dropped out" in m
-               for m in loop.log)
+    assert any(
+        f"round 1: WARNING {len(ln['dropped'])} of the {len(ln['sampled'])} sampled clients dropped out" in m
+        for m in loop.log
+    )
 
 
 def test_elastic_uniform_ranks_stay_in_the_federations_ranks_up_to_each_clients_own():
@@ -82,13 +84,14 @@ def test_the_trace_is_read_with_one_line_naming_the_file_and_line(tmp_path):
     ok.write_text("round,client,rank\n1,0,2\n2,1,4\n")
     own = {0: 8, 1: 4, 2: 2}
     assert read_trace(ok, own) == {(1, 0): 2, (2, 1): 4}
-    for body, message in [("round,client\n1,0\n", "missing column\\(s\\) rank"),
-                          ("round,client,rank\n1,0,x\n", "t.csv:2: round, client and rank must be integers"),
-                          ("round,client,rank\n1,5,2\n", "t.csv:2: client 5 is not in the federation"),
-                          ("round,client,rank\n1,1,8\n", "t.csv:2: rank 8 is above client 1's own rank 4"),
-                          ("round,client,rank\n1,0,3\n", "t.csv:2: rank 3 is not one of the federation's ranks "
-                                                          "\\[2, 4, 8\\]"),
-                          ("round,client,rank\n1,0,2\n1,0,2\n", "t.csv:3: round 1, client 0 is given twice")]:
+    for body, message in [
+        ("round,client\n1,0\n", "missing column\\(s\\) rank"),
+        ("round,client,rank\n1,0,x\n", "t.csv:2: round, client and rank must be integers"),
+        ("round,client,rank\n1,5,2\n", "t.csv:2: client 5 is not in the federation"),
+        ("round,client,rank\n1,1,8\n", "t.csv:2: rank 8 is above client 1's own rank 4"),
+        ("round,client,rank\n1,0,3\n", "t.csv:2: rank 3 is not one of the federation's ranks \\[2, 4, 8\\]"),
+        ("round,client,rank\n1,0,2\n1,0,2\n", "t.csv:3: round 1, client 0 is given twice"),
+    ]:
         ok.write_text(body)
         with pytest.raises(ConfigError, match=message):
             read_trace(ok, own)
@@ -97,7 +100,7 @@ def test_the_trace_is_read_with_one_line_naming_the_file_and_line(tmp_path):
 def test_a_trace_of_memory_budgets_gives_the_largest_rank_that_fits_or_sits_the_round_out(tmp_path):
     trace = tmp_path / "budgets.csv"
     trace.write_text("round,client,memory_mib\n1,0,3\n1,1,1\n2,0,100\n")
-    mib = 2 ** 20
+    mib = 2**20
     got = read_trace(trace, {0: 8, 1: 8, 2: 2}, {2: 1 * mib, 8: 4 * mib}.__getitem__)
     assert got == {(1, 0): 2, (1, 1): 2, (2, 0): 8}
     got = read_trace(trace, {0: 8, 1: 8, 2: 2}, {2: 2 * mib, 8: 4 * mib}.__getitem__)
@@ -165,6 +168,8 @@ def test_hetlora_never_prunes_a_clients_own_rank_in_a_round_at_an_elastic_rank()
     ins = st.configure(1, state, [ClientInfo(0, 8, 1), ClientInfo(1, 8, 1, round_rank=4)])
     assert ins[1].config["rank"] == 4 and ins[1].config["hetlora_prev_tail"] == -1.0
     assert ins[0].config["hetlora_prev_tail"] == 0.5
-    reply = {c: Reply({key_a: torch.ones(r, 2), key_b: torch.ones(2, r)}, 1, {"tail_norm": 0.1}) for c, r in ((0, 7), (1, 3))}
+    reply = {
+        c: Reply({key_a: torch.ones(r, 2), key_b: torch.ones(2, r)}, 1, {"tail_norm": 0.1}) for c, r in ((0, 7), (1, 3))
+    }
     new = st.aggregate(1, state, reply)
     assert new.meta["ranks"] == {"0": 7, "1": 8}  # client 0 pruned at its own rank; client 1 keeps 8

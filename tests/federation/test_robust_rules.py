@@ -35,8 +35,9 @@ RANKS = {0: 1, 1: 2, 2: 2, 3: 2, 4: 2}
 
 
 def replies():
-    return {c: Reply({A: torch.tensor(ROWS[c]).reshape(-1, 1), B: torch.tensor(COLS[c]).reshape(1, -1)}, 1)
-            for c in ROWS}
+    return {
+        c: Reply({A: torch.tensor(ROWS[c]).reshape(-1, 1), B: torch.tensor(COLS[c]).reshape(1, -1)}, 1) for c in ROWS
+    }
 
 
 def start(strategy):
@@ -60,7 +61,7 @@ def test_primitives_by_hand():
     assert trimmed_mean(torch.tensor([[1.0], [2.0], [3.0], [100.0], [-50.0]]), 0.2).item() == 2.0
     # points 0, 1, 3, 100 on a line, f = 0: each score sums the m - 2 = 2 nearest squared distances
     scores = krum_scores(torch.tensor([[0.0], [1.0], [3.0], [100.0]]), 0)
-    assert scores.tolist() == [1.0 + 9.0, 1.0 + 4.0, 4.0 + 9.0, 97.0 ** 2 + 99.0 ** 2]
+    assert scores.tolist() == [1.0 + 9.0, 1.0 + 4.0, 4.0 + 9.0, 97.0**2 + 99.0**2]
 
 
 def test_prelort_median_per_segment():
@@ -114,16 +115,18 @@ def test_the_mean_rule_through_blocks_is_the_strategys_own_aggregate(name):
     g = torch.Generator().manual_seed(3)
     ranks = {0: 2, 1: 4, 2: 4, 3: 8} if name != "fedavg" else {0: 4, 1: 4, 2: 4, 3: 4}
     settings = LoraSettings(r_max=8, lora_alpha=8.0)
-    strategy = {"prelort": lambda: PreLort(settings), "zeropad": lambda: ZeroPad(settings),
-                "hetlora": lambda: HetLoRA(settings, HetLoRAOptions(weighting="examples")),
-                "fedavg": lambda: FedAvg(LoraSettings(r_max=4, lora_alpha=8.0))}[name]()
+    strategy = {
+        "prelort": lambda: PreLort(settings),
+        "zeropad": lambda: ZeroPad(settings),
+        "hetlora": lambda: HetLoRA(settings, HetLoRAOptions(weighting="examples")),
+        "fedavg": lambda: FedAvg(LoraSettings(r_max=4, lora_alpha=8.0)),
+    }[name]()
     clients = [ClientInfo(c, r, 1) for c, r in ranks.items()]
     st = strategy.initialize({"m": (6, 5)}, clients)
     for k in list(st.arrays):
         st.arrays[k] = torch.randn(st.arrays[k].shape, generator=g)
     ins = strategy.configure(1, st, clients)
-    rs = {c: Reply({k: v + torch.randn(v.shape, generator=g) for k, v in ins[c].arrays.items()}, 1 + c)
-          for c in ranks}
+    rs = {c: Reply({k: v + torch.randn(v.shape, generator=g) for k, v in ins[c].arrays.items()}, 1 + c) for c in ranks}
     rule = BlockRule(RobustConfig(rule="mean"), PrivacyConfig())
     own, blocks = strategy.aggregate(1, st, rs), strategy.robust_aggregate(1, st, rs, rule)
     for k in own.arrays:

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import save_file
+from tiny_federation import lines, state_digest, tiny_config, tiny_prepared, with_build
 
 from nestfed.errors import DataError, NestfedError
 from nestfed.experiments.run import run_method
@@ -18,7 +19,6 @@ from nestfed.federation.messages import GlobalState, Reply
 from nestfed.federation.run_dir import RunDir, flatten_client_state
 from nestfed.io import atomic
 from nestfed.nn.peft_export import export_peft_adapter
-from tiny_federation import lines, state_digest, tiny_config, tiny_prepared, with_build
 
 CASES = {
     "prelort": (),
@@ -106,8 +106,15 @@ def test_files_and_folders_take_the_users_umask(tmp_path):
     finally:
         os.umask(old)
     rd = tmp_path / "run"
-    for f in ("config.toml", "summary.json", "metrics.jsonl", "checkpoints/round_001.safetensors",
-              "adapter/adapter_model.safetensors", "adapter/adapter_config.json", "plots/bytes.png"):
+    for f in (
+        "config.toml",
+        "summary.json",
+        "metrics.jsonl",
+        "checkpoints/round_001.safetensors",
+        "adapter/adapter_model.safetensors",
+        "adapter/adapter_config.json",
+        "plots/bytes.png",
+    ):
         assert (rd / f).stat().st_mode & 0o777 == 0o640, f
     for d in ("", "checkpoints", "adapter", "plots"):
         assert (rd / d).stat().st_mode & 0o777 == 0o750, d
@@ -200,8 +207,14 @@ def test_a_run_in_which_no_round_aggregated_exports_no_adapter(tmp_path):
     assert summary["aggregated_rounds"] == 0 and summary["adapter"] is None and summary["rejected_updates"] == 6
     assert not (tmp_path / "run" / "adapter").exists()
     with pytest.raises(ValueError, match="rank 0"):
-        export_peft_adapter({"base_model.model.m.lora_A.weight": torch.zeros(0, 2),
-                             "base_model.model.m.lora_B.weight": torch.zeros(2, 0)}, 1.0, tmp_path / "a")
+        export_peft_adapter(
+            {
+                "base_model.model.m.lora_A.weight": torch.zeros(0, 2),
+                "base_model.model.m.lora_B.weight": torch.zeros(2, 0),
+            },
+            1.0,
+            tmp_path / "a",
+        )
 
 
 @pytest.mark.parametrize("method", ["fedslm", "fedmkt"])
@@ -212,8 +225,10 @@ def test_compressed_methods_resume_exactly_after_a_crash_in_a_later_round(tmp_pa
     from nestfed.experiments.prepare import prepare
 
     root = Path(__file__).resolve().parents[2]
-    cfg = methods.load_config(root / "configs" / "fedslm" / "tiny.toml",
-                              [f"strategy.name={method}", "federation.rounds=3", "output.plots=false"])
+    cfg = methods.load_config(
+        root / "configs" / "fedslm" / "tiny.toml",
+        [f"strategy.name={method}", "federation.rounds=3", "output.plots=false"],
+    )
     seen: list[str] = []
     inject(monkeypatch, 10**9, seen)
     run_method(prepare(cfg), cfg, tmp_path / "ref")

@@ -8,6 +8,7 @@ import pytest
 import torch
 from scipy.optimize import brentq
 from scipy.stats import norm
+from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_run, with_build
 
 from nestfed.config import PrivacyConfig, ValidationConfig
 from nestfed.errors import UpdateRejected
@@ -17,7 +18,6 @@ from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.hetlora import HetLoRAOptions
 from nestfed.methods.hetlora.strategy import HetLoRA
-from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_run, with_build
 
 
 def poison_round_1(value, cid=1):
@@ -31,8 +31,10 @@ def poison_round_1(value, cid=1):
             if c == cid and ins.config["round"] == 1:
                 return Reply({k: torch.full_like(v, value) for k, v in r.arrays.items()}, r.num_examples, r.metrics)
             return r
+
         trainer.fit = fit
         return trainer
+
     return wrap
 
 
@@ -95,11 +97,11 @@ def test_norm_clip_by_hand():
 
 def test_inflated_num_examples_is_refused_or_capped():
     ins = instruction()
-    reply = Reply({k: v + 0.1 for k, v in ins.arrays.items()}, 10 ** 9)
+    reply = Reply({k: v + 0.1 for k, v in ins.arrays.items()}, 10**9)
     with pytest.raises(UpdateRejected, match="num_examples 1000000000 is above the 16 the client declared"):
         Safeguards().screen(ins, reply, 16)
     out, facts = Safeguards(ValidationConfig(num_examples="cap")).screen(ins, reply, 16)
-    assert out.num_examples == 16 and facts["num_examples_capped_from"] == 10 ** 9
+    assert out.num_examples == 16 and facts["num_examples_capped_from"] == 10**9
 
 
 def test_inflated_num_examples_in_a_run_is_rejected(tmp_path):
@@ -108,7 +110,8 @@ def test_inflated_num_examples_in_a_run_is_rejected(tmp_path):
 
         def fit(c, ins):
             r = real(c, ins)
-            return Reply(r.arrays, 10 ** 9 if c == 2 else r.num_examples, r.metrics)
+            return Reply(r.arrays, 10**9 if c == 2 else r.num_examples, r.metrics)
+
         trainer.fit = fit
         return trainer
 
@@ -122,7 +125,10 @@ def test_a_wrong_dtype_is_rejected(tmp_path):
 
         def fit(c, ins):
             r = real(c, ins)
-            return Reply({k: v.double() for k, v in r.arrays.items()} if c == 0 else r.arrays, r.num_examples, r.metrics)
+            return Reply(
+                {k: v.double() for k, v in r.arrays.items()} if c == 0 else r.arrays, r.num_examples, r.metrics
+            )
+
         trainer.fit = fit
         return trainer
 
@@ -146,6 +152,7 @@ def test_a_non_finite_aggregate_is_never_the_new_global_state(tmp_path):
                 k = next(iter(new.arrays))
                 new.arrays[k] = new.arrays[k] * float("nan")
             return new
+
         mr.strategy.aggregate = aggregate
         return mr
 
@@ -163,8 +170,10 @@ def test_a_non_finite_aggregate_is_never_the_new_global_state(tmp_path):
 def analytic_gaussian_epsilon(sigma: float, delta: float) -> float:
     """The exact epsilon of the Gaussian mechanism with sensitivity 1 and noise sigma (Balle and
     Wang 2018, Theorem 8): delta(eps) = Phi(1/(2 sigma) - eps sigma) - e^eps Phi(-1/(2 sigma) - eps sigma)."""
+
     def gap(eps):
         return norm.cdf(0.5 / sigma - eps * sigma) - math.exp(eps) * norm.cdf(-0.5 / sigma - eps * sigma) - delta
+
     return brentq(gap, 1e-6, 100)
 
 
@@ -193,8 +202,9 @@ def test_a_dp_run_writes_epsilon_per_round(tmp_path):
 
 
 def test_local_dp_clips_and_noises_on_the_client(tmp_path):
-    cfg = tiny_config("privacy.mode=local", "privacy.clip_norm=0.01", "privacy.noise_multiplier=0.0",
-                      "federation.rounds=1")
+    cfg = tiny_config(
+        "privacy.mode=local", "privacy.clip_norm=0.01", "privacy.noise_multiplier=0.0", "federation.rounds=1"
+    )
     tiny_run(tmp_path, cfg)
     ln = lines(tmp_path)[1]
     for c in ln["clients"].values():
@@ -202,15 +212,19 @@ def test_local_dp_clips_and_noises_on_the_client(tmp_path):
     assert ln["privacy"]["mode"] == "local" and ln["privacy"]["epsilon"] is None  # no noise: infinite epsilon
 
 
-@pytest.mark.parametrize("trust", [
-    ("privacy.mode=central", "privacy.clip_norm=0.5", "privacy.noise_multiplier=1.0"),
-    ("robust.rule=median", "attack.kind=scale", "attack.clients=[0]", "validation.max_update_norm=2.0"),
-])
+@pytest.mark.parametrize(
+    "trust",
+    [
+        ("privacy.mode=central", "privacy.clip_norm=0.5", "privacy.noise_multiplier=1.0"),
+        ("robust.rule=median", "attack.kind=scale", "attack.clients=[0]", "validation.max_update_norm=2.0"),
+    ],
+)
 def test_robust_and_dp_runs_resume_exactly(tmp_path, trust):
     full, resumed = crash_and_resume(tmp_path, tiny_config(*trust))
     assert same_arrays(resumed.arrays, full.arrays)
-    assert [ln.get("privacy") for ln in lines(tmp_path / "part")] == \
-        [ln.get("privacy") for ln in lines(tmp_path / "full")]
+    assert [ln.get("privacy") for ln in lines(tmp_path / "part")] == [
+        ln.get("privacy") for ln in lines(tmp_path / "full")
+    ]
 
 
 def test_epsilon_at_tiny_noise_stays_small_in_memory_and_below_rdp():
@@ -219,6 +233,9 @@ def test_epsilon_at_tiny_noise_stays_small_in_memory_and_below_rdp():
 
     tiny = PrivacyConfig(mode="central", clip_norm=1.0, noise_multiplier=0.01)
     eps = epsilon(tiny, 2, 1.0)
-    assert 1e3 < eps <= epsilon(PrivacyConfig(mode="central", clip_norm=1.0, noise_multiplier=0.01,
-                                              accountant="rdp"), 2, 1.0)
+    assert (
+        1e3
+        < eps
+        <= epsilon(PrivacyConfig(mode="central", clip_norm=1.0, noise_multiplier=0.01, accountant="rdp"), 2, 1.0)
+    )
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 8 * 1024 * 1024  # KiB: under 8 GiB

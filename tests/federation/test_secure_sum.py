@@ -8,14 +8,22 @@ import pytest
 import torch
 
 from nestfed.federation.messages import ClientInfo, GlobalState, Reply
-from nestfed.federation.secure_sum import (decode, encode, layout, padded_mean, plain_sum, segment_mean, sum_error,
-                                           supports_secure_aggregation)
+from nestfed.federation.secure_sum import (
+    decode,
+    encode,
+    layout,
+    padded_mean,
+    plain_sum,
+    segment_mean,
+    sum_error,
+    supports_secure_aggregation,
+)
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.fednl.strategy import FedNL
 from nestfed.methods.fedprox.strategy import FedProx
 from nestfed.methods.ffa_lora.strategy import FFALoRA
 from nestfed.methods.flora.strategy import FLoRA
-from nestfed.methods.fednl.strategy import FedNL
 from nestfed.methods.hetlora.strategy import HetLoRA
 from nestfed.methods.prelort.strategy import PreLort
 from nestfed.methods.zeropad.strategy import ZeroPad
@@ -53,15 +61,20 @@ def _round(strategy, ranks, n, seed=0, drop=()):
     clients = [ClientInfo(c, r, n[c]) for c, r in enumerate(ranks)]
     state = GlobalState(arrays, {"ranks": {str(c.cid): c.rank for c in clients}})
     ins = strategy.configure(1, state, clients)
-    replies = {c: Reply({k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in ins[c].arrays.items()}, n[c])
-               for c in ins if c not in drop}
+    replies = {
+        c: Reply({k: v + 0.1 * torch.randn(v.shape, generator=gen) for k, v in ins[c].arrays.items()}, n[c])
+        for c in ins
+        if c not in drop
+    }
     lay = layout(ins[c].expect for c in replies)
     secure = plain_sum({c: ins[c].arrays for c in replies}, {c: r.arrays for c, r in replies.items()}, n, lay)
     return state, replies, secure
 
 
 @pytest.mark.parametrize("cls", [PreLort, ZeroPad])
-@pytest.mark.parametrize("ranks,drop", [([2, 4, 4], ()), ([2, 4, 4, 8], ()), ([2, 4, 4, 8], (3,)), ([8, 2, 4, 2], (0,))])
+@pytest.mark.parametrize(
+    "ranks,drop", [([2, 4, 4], ()), ([2, 4, 4, 8], ()), ([2, 4, 4, 8], (3,)), ([8, 2, 4, 2], (0,))]
+)
 def test_secure_aggregate_equals_the_methods_own_aggregate(cls, ranks, drop):
     strategy = cls(LoraSettings(r_max=8, lora_alpha=16.0))
     n = {c: k for c, k in enumerate([3, 5, 7, 2][: len(ranks)])}
@@ -71,7 +84,10 @@ def test_secure_aggregate_equals_the_methods_own_aggregate(cls, ranks, drop):
     assert sorted(sec.arrays) == sorted(plain.arrays)
     for k in plain.arrays:
         assert sec.arrays[k].dtype == plain.arrays[k].dtype
-        assert torch.allclose(sec.arrays[k], plain.arrays[k], atol=1e-6, rtol=0), (k, (sec.arrays[k] - plain.arrays[k]).abs().max())
+        assert torch.allclose(sec.arrays[k], plain.arrays[k], atol=1e-6, rtol=0), (
+            k,
+            (sec.arrays[k] - plain.arrays[k]).abs().max(),
+        )
     assert sec.meta == plain.meta
 
 
@@ -90,7 +106,7 @@ def test_the_quantised_sum_stays_within_the_stated_bound():
     state, replies, exact = _round(strategy, [2, 4, 4, 8], n)
     ins = strategy.configure(1, state, [ClientInfo(c, r, n[c]) for c, r in enumerate([2, 4, 4, 8])])
     lay = layout(ins[c].expect for c in ins)
-    clip, q = 1.0, 2 ** 16  # coarse on purpose, so the error is visible
+    clip, q = 1.0, 2**16  # coarse on purpose, so the error is visible
     scale = 1.0 / max(n.values())
     gen = torch.Generator().manual_seed(1)
     total = None

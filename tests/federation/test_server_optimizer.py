@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from safetensors import safe_open
+from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_run, with_build
 
 from nestfed import config as C
 from nestfed import methods
@@ -25,7 +26,6 @@ from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fedslm.strategy import FedSLM, SLMGroups
 from nestfed.methods.prelort.strategy import PreLort
 from nestfed.nn.svd import core_key
-from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_run, with_build
 
 ROOT = Path(__file__).resolve().parents[2]
 X0 = np.array([[0.5, -1.0, 2.0]])
@@ -41,7 +41,7 @@ def _one_thread(one_thread):
 def paper(name, lr, mu=0.9):
     """x_1, x_2 and the moments after round 2 from the formulas (numpy, float64): FedAvgM
     m_t = mu m_{t-1} + D_t, x += lr m_t; Algorithm 2 lines 11-15 with m_{-1} = 0, v_{-1} = tau^2."""
-    x, m, v, xs = X0.copy(), np.zeros_like(X0), np.full_like(X0, TAU ** 2), []
+    x, m, v, xs = X0.copy(), np.zeros_like(X0), np.full_like(X0, TAU**2), []
     for d in DELTAS:
         if name == "sgd":
             x = x + lr * d
@@ -51,11 +51,11 @@ def paper(name, lr, mu=0.9):
         else:
             m = B1 * m + (1 - B1) * d
             if name == "adagrad":
-                v = v + d ** 2
+                v = v + d**2
             elif name == "yogi":
-                v = v - (1 - B2) * d ** 2 * np.sign(v - d ** 2)
+                v = v - (1 - B2) * d**2 * np.sign(v - d**2)
             else:
-                v = B2 * v + (1 - B2) * d ** 2
+                v = B2 * v + (1 - B2) * d**2
             x = x + lr * m / (np.sqrt(v) + TAU)
         xs.append(x)
     return xs, m, v
@@ -140,8 +140,10 @@ A, B = "base_model.model.m.lora_A.weight", "base_model.model.m.lora_B.weight"
 
 def _hetero_state():
     g = torch.Generator().manual_seed(3)
-    arrays = {A: torch.randn(4, 3, generator=g, dtype=torch.float64),
-              B: torch.randn(2, 4, generator=g, dtype=torch.float64)}
+    arrays = {
+        A: torch.randn(4, 3, generator=g, dtype=torch.float64),
+        B: torch.randn(2, 4, generator=g, dtype=torch.float64),
+    }
     return GlobalState(arrays, {"ranks": {"0": 2, "1": 4}})
 
 
@@ -167,14 +169,14 @@ def test_rank_rows_no_accepted_client_holds_are_frozen_in_value_and_moments(rule
             assert torch.equal(s2.optimizer[mom + key][tail], s1.optimizer[mom + key][tail])
     # the held rows, by the formulas: round 1 D = mean(0.1, 0.3) on rows 0-1 of A (-mean on B's columns)
     # and 0.3 on rows 2-3; round 2 D = -0.2 on rows 0-1
-    m, v, x = 0.0, TAU ** 2, s0.arrays[A][0, 0].item()
+    m, v, x = 0.0, TAU**2, s0.arrays[A][0, 0].item()
     for d in (0.2, -0.2):
         m = B1 * m + (1 - B1) * d
         v = B2 * v + (1 - B2) * d * d
         x = x + 0.05 * m / (np.sqrt(v) + TAU)
     assert s2.arrays[A][0, 0].item() == pytest.approx(x, abs=1e-14)
     m_tail = (1 - B1) * 0.3
-    v_tail = B2 * TAU ** 2 + (1 - B2) * 0.09
+    v_tail = B2 * TAU**2 + (1 - B2) * 0.09
     x_tail = s0.arrays[A][3, 2].item() + 0.05 * m_tail / (np.sqrt(v_tail) + TAU)
     assert s2.arrays[A][3, 2].item() == pytest.approx(x_tail, abs=1e-14)
 
@@ -226,13 +228,15 @@ def test_crash_and_resume_with_fedadam_is_exact(tmp_path):
         assert {k.split("/")[0] for k in f.keys()} == {"global", "optimizer"}
 
 
-@pytest.mark.parametrize("name,extra", [("zeropad", ()), ("hetlora", ()), ("ffa_lora", ()),
-                                        ("fednl", ("lora.ranks=[4]",))])
+@pytest.mark.parametrize(
+    "name,extra", [("zeropad", ()), ("hetlora", ()), ("ffa_lora", ()), ("fednl", ("lora.ranks=[4]",))]
+)
 def test_other_lora_strategies_compose(tmp_path, name, extra):
     """Zero-padding, norm weights with pruning, B-only updates (A never moves: every A entry is frozen)
     and FedNL's memory rules beside its LoRA: every floating array gets its moments."""
-    cfg = tiny_config(f"strategy.name={name}", "server_optimizer.name=adam", "server_optimizer.lr=0.01",
-                      "federation.rounds=2", *extra)
+    cfg = tiny_config(
+        f"strategy.name={name}", "server_optimizer.name=adam", "server_optimizer.lr=0.01", "federation.rounds=2", *extra
+    )
     state, _, _ = tiny_run(tmp_path / name, cfg)
     assert set(state.optimizer) == {p + k for k in state.arrays for p in ("m/", "v/")}
     assert all(torch.isfinite(v).all() for v in list(state.arrays.values()) + list(state.optimizer.values()))
@@ -256,12 +260,14 @@ def test_a_non_finite_round_keeps_the_old_moments_too(tmp_path, monkeypatch):
                 k = sorted(new.arrays)[0]
                 new.arrays[k] = new.arrays[k] * float("nan")
             return new
+
         mr.strategy.aggregate = aggregate
         return mr
 
     monkeypatch.setitem(methods.REGISTRY, "zeropad", with_build("zeropad", build))
-    cfg = tiny_config("strategy.name=zeropad", "server_optimizer.name=adam", "server_optimizer.lr=0.01",
-                      "federation.rounds=2")
+    cfg = tiny_config(
+        "strategy.name=zeropad", "server_optimizer.name=adam", "server_optimizer.lr=0.01", "federation.rounds=2"
+    )
     tiny_run(tmp_path / "r", cfg)
     rd = RunDir(tmp_path / "r")
     one, two = (rd.load_checkpoint(rd.checkpoint_path(r)).state for r in (1, 2))
@@ -280,20 +286,36 @@ def test_clients_deployments_and_the_export_never_see_the_optimiser_state(tmp_pa
         assert set(arrays) <= set(state.arrays) and not any(k.startswith(("m/", "v/")) for k in arrays)
 
 
-@pytest.mark.parametrize("args,needle", [
-    (["server_optimizer.name=fedadam"], "server_optimizer.name: unknown server optimiser 'fedadam' (known: sgd, "
-                                        "sgdm, adagrad, adam, yogi); did you mean 'adam'?"),
-    (["server_optimizer.lr=0"], "server_optimizer.lr: the server learning rate eta must be > 0, got 0"),
-    (["server_optimizer.momentum=1.0"], "server_optimizer.momentum: mu must be in [0, 1), got 1.0"),
-    (["server_optimizer.beta2=-0.1"], "server_optimizer.beta2: the decay parameters must be in [0, 1)"),
-    (["server_optimizer.tau=0.0"], "server_optimizer.tau: the adaptivity tau must be > 0"),
-    (["server_optimizer.tau=\"x\""], "server_optimizer.tau: expected a number"),
-    (["strategy.name=flora", "server_optimizer.name=adam"],
-     "server_optimizer.name: flora cannot take a server optimiser ('adam'): its global state is a stack"),
-    (["strategy.name=flora", "server_optimizer.lr=0.5"], "flora cannot take a server optimiser ('sgd')"),
-    (["strategy.name=fednl", "lora.ranks=[4]", "lora.target_modules=[\"q_proj\"]", "memory.gate=constant",
-      "server_optimizer.name=sgdm"], "fednl cannot take a server optimiser ('sgdm') with memory.gate = 'constant'"),
-])
+@pytest.mark.parametrize(
+    "args,needle",
+    [
+        (
+            ["server_optimizer.name=fedadam"],
+            "server_optimizer.name: unknown server optimiser 'fedadam' (known: sgd, "
+            "sgdm, adagrad, adam, yogi); did you mean 'adam'?",
+        ),
+        (["server_optimizer.lr=0"], "server_optimizer.lr: the server learning rate eta must be > 0, got 0"),
+        (["server_optimizer.momentum=1.0"], "server_optimizer.momentum: mu must be in [0, 1), got 1.0"),
+        (["server_optimizer.beta2=-0.1"], "server_optimizer.beta2: the decay parameters must be in [0, 1)"),
+        (["server_optimizer.tau=0.0"], "server_optimizer.tau: the adaptivity tau must be > 0"),
+        (['server_optimizer.tau="x"'], "server_optimizer.tau: expected a number"),
+        (
+            ["strategy.name=flora", "server_optimizer.name=adam"],
+            "server_optimizer.name: flora cannot take a server optimiser ('adam'): its global state is a stack",
+        ),
+        (["strategy.name=flora", "server_optimizer.lr=0.5"], "flora cannot take a server optimiser ('sgd')"),
+        (
+            [
+                "strategy.name=fednl",
+                "lora.ranks=[4]",
+                'lora.target_modules=["q_proj"]',
+                "memory.gate=constant",
+                "server_optimizer.name=sgdm",
+            ],
+            "fednl cannot take a server optimiser ('sgdm') with memory.gate = 'constant'",
+        ),
+    ],
+)
 def test_bad_values_exit_2_with_one_line_and_no_run_dir(tmp_path, cli, args, needle):
     sets = [a for s in args for a in ("--set", s)]
     r = cli("run", ROOT / "configs" / "tiny.toml", "--set", f"output.dir={tmp_path / 'runs'}", *sets, cwd=tmp_path)
@@ -306,10 +328,12 @@ def test_bad_values_exit_2_with_one_line_and_no_run_dir(tmp_path, cli, args, nee
 def test_the_section_round_trips_and_the_refusals_follow_the_registry():
     cfg = methods.load_config(None, ["server_optimizer.name=yogi", "server_optimizer.lr=0.03"])
     assert cfg.server_optimizer == ServerOptimizerConfig(name="yogi", lr=0.03)
-    assert "[server_optimizer]\nname = \"yogi\"\nlr = 0.03\n" in C.dumps_toml(cfg)
+    assert '[server_optimizer]\nname = "yogi"\nlr = 0.03\n' in C.dumps_toml(cfg)
     assert methods.config_from_dict(C.to_dict(cfg)) == cfg
-    assert C.differences(methods.load_config(None), cfg) == ["server_optimizer.lr: 1.0 -> 0.03",
-                                                                     "server_optimizer.name: 'sgd' -> 'yogi'"]
+    assert C.differences(methods.load_config(None), cfg) == [
+        "server_optimizer.lr: 1.0 -> 0.03",
+        "server_optimizer.name: 'sgd' -> 'yogi'",
+    ]
     refused = sorted(n for n, m in methods.REGISTRY.items() if m.server_optimizer)
     assert {"flora", "fedmkt"} <= set(refused) and not {"prelort", "zeropad", "hetlora", "fedslm"} & set(refused)
     with pytest.raises(ConfigError, match="fedmkt cannot take a server optimiser"):

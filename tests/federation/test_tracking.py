@@ -9,14 +9,19 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from nestfed.errors import ConfigError
 from nestfed.federation import tracking
 from nestfed.federation.tracking import scalars
-
 from tests.tiny_federation import Interrupt, crash_at, lines, tiny_config, tiny_run
 
 
 def tracked(tmp_path, *extra):
-    return tiny_config("strategy.name=prelort", "tracking.tensorboard=true", "tracking.mlflow=true",
-                       f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}", "tracking.mlflow_experiment=t",
-                       f"output.dir={tmp_path}", *extra)
+    return tiny_config(
+        "strategy.name=prelort",
+        "tracking.tensorboard=true",
+        "tracking.mlflow=true",
+        f"tracking.mlflow_uri=sqlite:///{tmp_path / 'mlflow.db'}",
+        "tracking.mlflow_experiment=t",
+        f"output.dir={tmp_path}",
+        *extra,
+    )
 
 
 def tensorboard_values(run_dir) -> dict[str, list[tuple[int, float]]]:
@@ -37,7 +42,9 @@ def python_loader_steps(run_dir, tag: str) -> list[int]:
 def mlflow_values(tmp_path, run_dir) -> dict[str, list[tuple[int, float]]]:
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.get_run((run_dir / "mlflow_run_id").read_text().strip())
-    return {k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics}
+    return {
+        k: sorted((m.step, m.value) for m in client.get_metric_history(run.info.run_id, k)) for k in run.data.metrics
+    }
 
 
 def expected(run_dir, as_float32=False) -> dict[str, list[tuple[int, float]]]:
@@ -49,12 +56,25 @@ def expected(run_dir, as_float32=False) -> dict[str, list[tuple[int, float]]]:
 
 
 def test_scalars_flattens_a_line_by_hand():
-    line = {"round": 2, "aggregated": True, "sampled": [0, 1], "eval": {"0": {"ppl": 4.0, "loss": 1.0},
-                                                                         "1": {"ppl": 6.0, "loss": float("nan")}},
-            "clients": {"1": {"bytes_up": 10, "status": "accepted", "metrics": {"train_loss": 0.5}}}, "time_s": 1.5}
-    assert scalars(line) == {"round": 2.0, "eval/0/ppl": 4.0, "eval/0/loss": 1.0, "eval/1/ppl": 6.0,
-                             "clients/1/bytes_up": 10.0, "clients/1/metrics/train_loss": 0.5, "time_s": 1.5,
-                             "eval/mean/ppl": 5.0, "eval/mean/loss": 1.0}
+    line = {
+        "round": 2,
+        "aggregated": True,
+        "sampled": [0, 1],
+        "eval": {"0": {"ppl": 4.0, "loss": 1.0}, "1": {"ppl": 6.0, "loss": float("nan")}},
+        "clients": {"1": {"bytes_up": 10, "status": "accepted", "metrics": {"train_loss": 0.5}}},
+        "time_s": 1.5,
+    }
+    assert scalars(line) == {
+        "round": 2.0,
+        "eval/0/ppl": 4.0,
+        "eval/0/loss": 1.0,
+        "eval/1/ppl": 6.0,
+        "clients/1/bytes_up": 10.0,
+        "clients/1/metrics/train_loss": 0.5,
+        "time_s": 1.5,
+        "eval/mean/ppl": 5.0,
+        "eval/mean/loss": 1.0,
+    }
 
 
 def test_both_sinks_hold_what_metrics_jsonl_holds(tmp_path):

@@ -9,8 +9,14 @@ TINY = ROOT / "configs" / "tiny.toml"
 APP_DIR = ROOT / "flower_app"
 # 3 clients with heterogeneous ranks, 2 rounds of PreLort on the tiny random Llama, one torch
 # thread everywhere (the embedded run and every ClientApp process), so results can match exactly.
-OVERRIDES = ("data.num_clients=3", "lora.ranks=[2,4,8]", "strategy.name=prelort", "federation.rounds=2",
-             "train.threads=1", "output.plots=false")
+OVERRIDES = (
+    "data.num_clients=3",
+    "lora.ranks=[2,4,8]",
+    "strategy.name=prelort",
+    "federation.rounds=2",
+    "train.threads=1",
+    "output.plots=false",
+)
 
 
 def embedded_run(run_dir: Path, overrides=OVERRIDES) -> Path:

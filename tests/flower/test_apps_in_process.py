@@ -12,6 +12,7 @@ import torch
 
 pytest.importorskip("flwr")
 
+from flower_helpers import OVERRIDES, TINY, assert_same_adapter, embedded_run, expected_round_without  # noqa: E402
 from flwr.app import Message  # noqa: E402
 from flwr.clientapp import ClientApp  # noqa: E402
 
@@ -24,14 +25,17 @@ from nestfed.flower.local import LocalGrid  # noqa: E402
 from nestfed.flower.records import content_to_reply, reply_to_content  # noqa: E402
 from nestfed.flower.server_app import RunSettings, resolve_experiment, run_on_grid  # noqa: E402
 
-from flower_helpers import OVERRIDES, TINY, assert_same_adapter, embedded_run, expected_round_without  # noqa: E402
-
 NODES = {101: {"partition-id": 0, "num-partitions": 3}, 102: {"partition-id": 1}, 103: {"partition-id": 2}}
 
 
 def run_config(run_dir, **kw):
-    rc = {"experiment": str(TINY), "overrides": ";".join(OVERRIDES), "run-dir": str(run_dir), "round-timeout-s": 5.0,
-          "poll-interval-s": 0.01}
+    rc = {
+        "experiment": str(TINY),
+        "overrides": ";".join(OVERRIDES),
+        "run-dir": str(run_dir),
+        "round-timeout-s": 5.0,
+        "poll-interval-s": 0.01,
+    }
     rc.update(kw)
     return rc
 
@@ -57,8 +61,10 @@ def test_same_final_adapter_and_evaluation_as_the_embedded_runner(tmp_path, keep
             assert a["bytes_down"] == b["bytes_down"] and a["bytes_up"] == b["bytes_up"]
             assert {c: v["rank_sent"] for c, v in a["clients"].items()} == {"0": 2, "1": 4, "2": 8}
     assert fl[0]["nodes"]["2"]["rank"] == 8 and fl[0]["nodes"]["0"]["node_id"] == 101
-    assert summary["engine"] == "flower" and summary["mean_ppl"] == json.loads(
-        (emb / "summary.json").read_text())["mean_ppl"]
+    assert (
+        summary["engine"] == "flower"
+        and summary["mean_ppl"] == json.loads((emb / "summary.json").read_text())["mean_ppl"]
+    )
     # one QUERY per node, then one TRAIN per node per round, plus EVALUATE at rounds 0, 1, 2
     kinds = [m.metadata.message_type for m in grid.pushed]
     assert kinds.count("query") == 3 and kinds.count("train") == 6 and kinds.count("evaluate") == 9
@@ -77,7 +83,9 @@ def test_silent_and_failing_nodes_are_dropped_and_rounds_aggregate_the_others(tm
     got = state_of(tmp_path, 2)
     assert all(torch.equal(got.arrays[k], expected.arrays[k]) for k in expected.arrays)
     summary = json.loads((tmp_path / "summary.json").read_text())
-    assert summary["dropped_updates"] == 2 and any("client 1 dropped: node 102: no reply" in m for m in summary["rejections"])
+    assert summary["dropped_updates"] == 2 and any(
+        "client 1 dropped: node 102: no reply" in m for m in summary["rejections"]
+    )
 
 
 def test_below_min_clients_the_round_keeps_the_global_state(tmp_path, keep_threads):
@@ -129,8 +137,13 @@ def test_query_leaves_out_duplicate_partitions_and_broken_nodes(tmp_path, keep_t
 def test_node_config_and_run_config_are_checked():
     cfg = methods.load_config(TINY, list(OVERRIDES))
     assert CA.node_settings({"partition-id": 2, "rank": 4, "threads": 2}, cfg) == (2, 4, 2)
-    for bad in ({}, {"partition-id": 3}, {"partition-id": "0"}, {"partition-id": 0, "num-partitions": 5},
-                {"partition-id": 0, "rank": 9}):
+    for bad in (
+        {},
+        {"partition-id": 3},
+        {"partition-id": "0"},
+        {"partition-id": 0, "num-partitions": 5},
+        {"partition-id": 0, "rank": 9},
+    ):
         with pytest.raises(ConfigError):
             CA.node_settings(bad, cfg)
     assert CA.node_placement({"partition-id": 0}, cfg) is cfg
@@ -159,8 +172,10 @@ def test_a_rank_from_the_node_config_reaches_the_strategy(tmp_path, keep_threads
     assert sd["ranks"] == [1, 4, 8]
 
 
-@pytest.mark.parametrize("name,ranks", [("zeropad", "[2,4,8]"), ("hetlora", "[2,4,8]"), ("flora", "[2,4,8]"),
-                                        ("ffa_lora", "[2,4,8]"), ("fedavg", "[4]")])
+@pytest.mark.parametrize(
+    "name,ranks",
+    [("zeropad", "[2,4,8]"), ("hetlora", "[2,4,8]"), ("flora", "[2,4,8]"), ("ffa_lora", "[2,4,8]"), ("fedavg", "[4]")],
+)
 def test_every_strategy_runs_unchanged_and_matches_the_embedded_runner(tmp_path, keep_threads, name, ranks):
     over = OVERRIDES + (f"strategy.name={name}", f"lora.ranks={ranks}")
     emb = embedded_run(tmp_path / "embedded", over)
@@ -192,8 +207,7 @@ def nodes_with_state(root):
     return {n: {**cfg, "client-state": str(root / f"node-{n}")} for n, cfg in NODES.items()}
 
 
-@pytest.mark.parametrize("name,extra", [("fednl", ("fednl.travel=rules",)), ("fednl", ()),
-                                        ("fedala", ())])
+@pytest.mark.parametrize("name,extra", [("fednl", ("fednl.travel=rules",)), ("fednl", ()), ("fedala", ())])
 def test_client_state_survives_fresh_processes_on_the_nodes_disk(tmp_path, keep_threads, name, extra):
     """FedNL rules-only (each client's own LoRA) and FedALA (its weights and local model) keep
     per-client state between rounds; FedNL with everything travelling keeps none. On each node's
@@ -207,7 +221,7 @@ def test_client_state_survives_fresh_processes_on_the_nodes_disk(tmp_path, keep_
     from nestfed.federation.run_dir import flatten_client_state
     from nestfed.flower.node_state import NodeStateStore
 
-    over = OVERRIDES + (f"strategy.name={name}", "lora.ranks=[4]", "lora.target_modules=[\"q_proj\",\"v_proj\"]") + extra
+    over = OVERRIDES + (f"strategy.name={name}", "lora.ranks=[4]", 'lora.target_modules=["q_proj","v_proj"]') + extra
     emb = embedded_run(tmp_path / "embedded", over)
     nodes = nodes_with_state(tmp_path / "state")
     grid = LocalGrid(CA.app, nodes, fail=fresh_process)
@@ -242,8 +256,10 @@ def test_client_state_survives_fresh_processes_on_the_nodes_disk(tmp_path, keep_
         fresh_process(node, msg)
         shutil.rmtree(nodes[node]["client-state"], ignore_errors=True)
 
-    run_on_grid(LocalGrid(CA.app, nodes, fail=amnesia), run_config(tmp_path / "amnesia", overrides=";".join(over),
-                                                                   evaluate=True))
+    run_on_grid(
+        LocalGrid(CA.app, nodes, fail=amnesia),
+        run_config(tmp_path / "amnesia", overrides=";".join(over), evaluate=True),
+    )
     lost = lines(tmp_path / "amnesia")
     assert all(v["client_state_arrays"] == 0 for ln in lost[1:] for v in ln["clients"].values())
     assert lost[0]["eval"] == em[0]["eval"]  # before any training nothing was kept
@@ -258,18 +274,22 @@ def test_a_stateful_method_resumes_on_flower_from_the_nodes_state(tmp_path, keep
     emb = embedded_run(tmp_path / "embedded", over)
     nodes = nodes_with_state(tmp_path / "state")
     part = tmp_path / "part"
-    run_on_grid(LocalGrid(CA.app, nodes, fail=fresh_process),
-                run_config(part, overrides=";".join(over + ("federation.rounds=1",))))
-    summary = run_on_grid(LocalGrid(CA.app, nodes, fail=fresh_process),
-                          run_config(part, overrides=";".join(over), resume=True))
+    run_on_grid(
+        LocalGrid(CA.app, nodes, fail=fresh_process),
+        run_config(part, overrides=";".join(over + ("federation.rounds=1",))),
+    )
+    summary = run_on_grid(
+        LocalGrid(CA.app, nodes, fail=fresh_process), run_config(part, overrides=";".join(over), resume=True)
+    )
     assert any("resuming" in m for m in summary["events"])
     fl = lines(part)
     assert [ln["round"] for ln in fl] == [0, 1, 2]
     assert {c: v["client_state_round"] for c, v in fl[2]["clients"].items()} == {"0": 1, "1": 1, "2": 1}
     assert_same_adapter(emb, part)
     with pytest.raises(NestfedError, match="holds itself"):
-        run_on_grid(LocalGrid(CA.app, nodes), run_config(emb, overrides=";".join(over + ("federation.rounds=3",)),
-                                                         resume=True))
+        run_on_grid(
+            LocalGrid(CA.app, nodes), run_config(emb, overrides=";".join(over + ("federation.rounds=3",)), resume=True)
+        )
 
 
 def test_a_run_is_never_overwritten_and_embedded_only_methods_are_refused(tmp_path, keep_threads):
@@ -298,5 +318,6 @@ def test_a_flower_checkpoint_of_a_stateful_method_is_refused_by_the_embedded_res
     run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "p", overrides=other))
     (tmp_path / "p" / "summary.json").unlink()
     with pytest.raises(NestfedError, match="a resumed run keeps its config; these differ: lora.lora_alpha"):
-        run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "p", overrides=other + ";lora.lora_alpha=4.0",
-                                                         resume=True))
+        run_on_grid(
+            LocalGrid(CA.app, NODES), run_config(tmp_path / "p", overrides=other + ";lora.lora_alpha=4.0", resume=True)
+        )

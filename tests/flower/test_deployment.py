@@ -30,8 +30,13 @@ RUN_TIMEOUT_S = 420
 
 
 def run_config(run_dir, **kw):
-    rc = {"experiment": str(TINY), "overrides": ";".join(OVERRIDES), "run-dir": str(run_dir),
-          "connect-timeout-s": 240.0, "round-timeout-s": 300.0}
+    rc = {
+        "experiment": str(TINY),
+        "overrides": ";".join(OVERRIDES),
+        "run-dir": str(run_dir),
+        "connect-timeout-s": 240.0,
+        "round-timeout-s": 300.0,
+    }
     rc.update(kw)
     return rc
 
@@ -49,8 +54,7 @@ def metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_rounds_of_prelort_on_three_supernodes_match_the_embedded_runner(deployment, tmp_path,
-                                                                              embedded_reference):
+def test_two_rounds_of_prelort_on_three_supernodes_match_the_embedded_runner(deployment, tmp_path, embedded_reference):
     d = deployment
     d.start_superlink()
     nodes = [d.start_supernode({"partition-id": i, "num-partitions": 3}) for i in range(3)]
@@ -91,8 +95,7 @@ def test_a_supernode_killed_mid_run_is_dropped_and_nothing_is_corrupted(deployme
     for ln in lines[1:]:  # round 1: killed while its message was in flight; round 2: known offline
         assert ln["aggregated"] and list(ln["dropped"]) == ["2"], ln["dropped"]
         assert "Node Unavailable" in ln["dropped"]["2"]
-        assert {c: v["status"] for c, v in ln["clients"].items()} == {"0": "accepted", "1": "accepted",
-                                                                       "2": "dropped"}
+        assert {c: v["status"] for c, v in ln["clients"].items()} == {"0": "accepted", "1": "accepted", "2": "dropped"}
     # nothing corrupted: checkpoints and the adapter load and are finite, no temporary files are
     # left, and each round is exactly the aggregation of the two surviving clients' updates
     for rnd in (1, 2):
@@ -135,8 +138,10 @@ def test_tls_and_supernode_authentication_admit_registered_nodes_only(tmp_path):
         # the registered node serves a nestfed run over TLS (one round, the other partitions absent)
         run_dir = tmp_path / "run"
         over = ";".join(OVERRIDES + ("federation.rounds=1", "federation.min_clients=1"))
-        finish(d, d.submit(APP_DIR, run_config(run_dir, overrides=over, **{"num-supernodes": 1,
-                                                                            "connect-timeout-s": 30.0})))
+        finish(
+            d,
+            d.submit(APP_DIR, run_config(run_dir, overrides=over, **{"num-supernodes": 1, "connect-timeout-s": 30.0})),
+        )
         line = metrics(run_dir)[1]
         assert line["aggregated"] and line["clients"]["0"]["status"] == "accepted" and line["sampled"] == [0]
         assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
@@ -150,8 +155,12 @@ def test_fednl_rules_only_keeps_each_clients_lora_across_fresh_processes(deploym
     and export exactly as the embedded runner does."""
     from flower_helpers import embedded_run
 
-    over = OVERRIDES + ("strategy.name=fednl", "fednl.travel=rules", "lora.ranks=[4]",
-                        "lora.target_modules=[\"q_proj\",\"v_proj\"]")
+    over = OVERRIDES + (
+        "strategy.name=fednl",
+        "fednl.travel=rules",
+        "lora.ranks=[4]",
+        'lora.target_modules=["q_proj","v_proj"]',
+    )
     emb = embedded_run(tmp_path / "embedded", over)
     d = deployment
     d.start_superlink()

@@ -9,9 +9,17 @@ from flwr.app import ArrayRecord, ConfigRecord, Message, RecordDict  # noqa: E40
 
 from nestfed.federation.aggregation import truncate_rank  # noqa: E402
 from nestfed.federation.messages import Reply  # noqa: E402
-from nestfed.flower.records import (JSON_KEY, array_to_tensor, arrays_to_record, config_to_record,  # noqa: E402
-                                    content_to_reply, record_to_arrays, record_to_config, reply_to_content,
-                                    tensor_to_array)
+from nestfed.flower.records import (  # noqa: E402
+    JSON_KEY,
+    array_to_tensor,
+    arrays_to_record,
+    config_to_record,
+    content_to_reply,
+    record_to_arrays,
+    record_to_config,
+    reply_to_content,
+    tensor_to_array,
+)
 
 
 def adapter(rank, shapes=(("q_proj", 16, 8), ("v_proj", 4, 8)), dtype=torch.float32):
@@ -66,9 +74,23 @@ def test_arrays_survive_a_message_serialisation():
 
 
 def test_config_round_trip_keeps_types_and_falls_back_to_json():
-    cfg = {"rank": 4, "scaling": 2.0, "objective": "nested", "train": "AB", "round": 3, "seed": 0,
-           "subranks": [2, 4], "flag": True, "blob": b"\x00\x01", "weights": [0.5, 0.25],
-           "empty": [], "none": None, "nested": {"a": [1, 2]}, "mixed": [1, "x"], "tuple": (1, 2)}
+    cfg = {
+        "rank": 4,
+        "scaling": 2.0,
+        "objective": "nested",
+        "train": "AB",
+        "round": 3,
+        "seed": 0,
+        "subranks": [2, 4],
+        "flag": True,
+        "blob": b"\x00\x01",
+        "weights": [0.5, 0.25],
+        "empty": [],
+        "none": None,
+        "nested": {"a": [1, 2]},
+        "mixed": [1, "x"],
+        "tuple": (1, 2),
+    }
     rec = config_to_record(cfg)
     assert isinstance(rec, ConfigRecord) and JSON_KEY in rec and "rank" in rec
     back = record_to_config(rec)
@@ -109,8 +131,13 @@ def test_run_config_values_survive_flwrs_command_line_parser():
 
     from nestfed.flower.deploy import toml_value
 
-    rc = {"overrides": 'train.threads=1;lora.target_modules=["q_proj","v_proj"]', "run-dir": "/tmp/a b",
-          "evaluate": True, "round-timeout-s": 2.5, "min-clients": 2}
+    rc = {
+        "overrides": 'train.threads=1;lora.target_modules=["q_proj","v_proj"]',
+        "run-dir": "/tmp/a b",
+        "evaluate": True,
+        "round-timeout-s": 2.5,
+        "min-clients": 2,
+    }
     line = " ".join(f"{k}={toml_value(v)}" for k, v in rc.items())
     assert parse_config_args([line]) == rc
     with pytest.raises(ValueError, match="both"):

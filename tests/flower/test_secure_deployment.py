@@ -21,15 +21,21 @@ pytest.importorskip("flwr")
 from flower_helpers import APP_DIR  # noqa: E402
 from test_secure_in_process import SECURE_OVERRIDES, TINY, assert_within_bound, line  # noqa: E402
 
-
 pytestmark = pytest.mark.flower
 
 RUN_TIMEOUT_S = 420
 
 
 def submit(d, run_dir, **kw):
-    rc = {"experiment": str(TINY), "overrides": ";".join(SECURE_OVERRIDES), "run-dir": str(run_dir),
-          "connect-timeout-s": 240.0, "round-timeout-s": 300.0, "poll-interval-s": 0.2, "secure-aggregation": True}
+    rc = {
+        "experiment": str(TINY),
+        "overrides": ";".join(SECURE_OVERRIDES),
+        "run-dir": str(run_dir),
+        "connect-timeout-s": 240.0,
+        "round-timeout-s": 300.0,
+        "poll-interval-s": 0.2,
+        "secure-aggregation": True,
+    }
     rc.update(kw)
     return d.submit(APP_DIR, rc)
 
@@ -56,8 +62,10 @@ def test_secure_aggregation_on_four_supernodes_equals_the_plain_aggregate(deploy
     assert set(sa["stages_s"]) == {"setup", "share_keys", "collect_masked_vectors", "unmask"}
     worst, eps = assert_within_bound(run_dir)
     assert worst > 0  # quantised: the sum went through SecAgg+, not around it
-    print(f"\nsecure deployment: max |secure - plain| = {worst:.3g}, eps = {eps:.3g}, "
-          f"{time.monotonic() - t0:.0f} s, stages {json.dumps({k: round(v, 1) for k, v in sa['stages_s'].items()})}")
+    print(
+        f"\nsecure deployment: max |secure - plain| = {worst:.3g}, eps = {eps:.3g}, "
+        f"{time.monotonic() - t0:.0f} s, stages {json.dumps({k: round(v, 1) for k, v in sa['stages_s'].items()})}"
+    )
     assert all(p.popen.poll() is None for p in nodes)
 
 
@@ -66,8 +74,12 @@ def test_secure_aggregation_survives_a_supernode_killed_mid_protocol(deployment,
     t0 = time.monotonic()
     d.start_superlink()
     victim_workers = d.worker_dir / "victim"  # client 3's worker alone in its folder, to find it
-    nodes = [d.start_supernode({"partition-id": i, "num-partitions": 4,
-                                **({"worker-dir": str(victim_workers)} if i == 3 else {})}) for i in range(4)]
+    nodes = [
+        d.start_supernode(
+            {"partition-id": i, "num-partitions": 4, **({"worker-dir": str(victim_workers)} if i == 3 else {})}
+        )
+        for i in range(4)
+    ]
     run_dir = tmp_path / "run"
     run_id = submit(d, run_dir, **{"min-clients": 2})
     victim = nodes[3]  # client 3, rank 8: the only holder of rank rows 4..7
@@ -84,8 +96,9 @@ def test_secure_aggregation_survives_a_supernode_killed_mid_protocol(deployment,
     # (the collect stage) cannot be answered; kill the node when that message arrives, before its
     # masked vector and the unmask stage.
     wait_for("Sending: train message", 2)
-    worker = subprocess.run(["pgrep", "-f", f"nestfed.flower.worker --socket {victim_workers}"], capture_output=True,
-                            text=True).stdout.split()
+    worker = subprocess.run(
+        ["pgrep", "-f", f"nestfed.flower.worker --socket {victim_workers}"], capture_output=True, text=True
+    ).stdout.split()
     assert len(worker) == 1, worker
     os.kill(int(worker[0]), signal.SIGSTOP)
     wait_for("Receiving: train message", 3)
@@ -96,9 +109,15 @@ def test_secure_aggregation_survives_a_supernode_killed_mid_protocol(deployment,
     assert ln["aggregated"] and list(ln["dropped"]) == ["3"], ln["dropped"]
     assert "collect_masked_vectors" in ln["dropped"]["3"]
     assert ln["secure_aggregation"]["in_sum"] == [0, 1, 2]
-    assert {c: v["status"] for c, v in ln["clients"].items()} == {"0": "secure", "1": "secure", "2": "secure",
-                                                                   "3": "dropped"}
+    assert {c: v["status"] for c, v in ln["clients"].items()} == {
+        "0": "secure",
+        "1": "secure",
+        "2": "secure",
+        "3": "dropped",
+    }
     worst, eps = assert_within_bound(run_dir, {3})
-    print(f"\nsecure deployment, node killed: max |secure - plain| = {worst:.3g}, eps = {eps:.3g}, "
-          f"{time.monotonic() - t0:.0f} s, reason: {ln['dropped']['3']}")
+    print(
+        f"\nsecure deployment, node killed: max |secure - plain| = {worst:.3g}, eps = {eps:.3g}, "
+        f"{time.monotonic() - t0:.0f} s, reason: {ln['dropped']['3']}"
+    )
     assert all(p.popen.poll() is None for p in nodes[:3])

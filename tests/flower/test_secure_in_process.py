@@ -10,6 +10,7 @@ import torch
 
 pytest.importorskip("flwr")
 
+from flower_helpers import TINY, expected_round_without  # noqa: E402
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Stage  # noqa: E402
 
 from nestfed.errors import ConfigError  # noqa: E402
@@ -18,17 +19,27 @@ from nestfed.flower import client_app as CA  # noqa: E402
 from nestfed.flower.local import LocalGrid  # noqa: E402
 from nestfed.flower.server_app import RunSettings, run_on_grid  # noqa: E402
 
-from flower_helpers import TINY, expected_round_without  # noqa: E402
-
 # 4 clients, heterogeneous ranks, one round of PreLort on the tiny model, one thread
-SECURE_OVERRIDES = ("data.num_clients=4", "lora.ranks=[2,4,4,8]", "strategy.name=prelort", "federation.rounds=1",
-                    "train.threads=1", "output.plots=false")
+SECURE_OVERRIDES = (
+    "data.num_clients=4",
+    "lora.ranks=[2,4,4,8]",
+    "strategy.name=prelort",
+    "federation.rounds=1",
+    "train.threads=1",
+    "output.plots=false",
+)
 NODES = {100 + i: {"partition-id": i} for i in range(4)}
 
 
 def run_config(run_dir, overrides=SECURE_OVERRIDES, **kw):
-    rc = {"experiment": str(TINY), "overrides": ";".join(overrides), "run-dir": str(run_dir), "round-timeout-s": 5.0,
-          "poll-interval-s": 0.01, "secure-aggregation": True}
+    rc = {
+        "experiment": str(TINY),
+        "overrides": ";".join(overrides),
+        "run-dir": str(run_dir),
+        "round-timeout-s": 5.0,
+        "poll-interval-s": 0.01,
+        "secure-aggregation": True,
+    }
     rc.update(kw)
     return rc
 
@@ -72,15 +83,24 @@ def test_secure_round_equals_the_plain_aggregate_within_the_quantisation_error(t
     assert worst > 0 and eps < 1e-5  # quantised, not exact: the sum really went through SecAgg+
 
 
-@pytest.mark.parametrize("stage,mode", [(Stage.SETUP, "error"), (Stage.SETUP, "silent"), (Stage.SHARE_KEYS, "error"),
-                                        (Stage.SHARE_KEYS, "silent"), (Stage.COLLECT_MASKED_VECTORS, "error"),
-                                        (Stage.UNMASK, "error")])
+@pytest.mark.parametrize(
+    "stage,mode",
+    [
+        (Stage.SETUP, "error"),
+        (Stage.SETUP, "silent"),
+        (Stage.SHARE_KEYS, "error"),
+        (Stage.SHARE_KEYS, "silent"),
+        (Stage.COLLECT_MASKED_VECTORS, "error"),
+        (Stage.UNMASK, "error"),
+    ],
+)
 def test_a_node_lost_at_any_stage_is_survived(tmp_path, keep_threads, stage, mode):
     """Node 103 (client 3, rank 8) errs or never answers at one SecAgg+ stage. Lost before its
     masked vector (setup, share keys, collect), it is out of the sum and the survivors' sum equals
     their plain aggregate within the bound (flwr 1.42's own workflow halts when the node is lost at
     setup or share keys: nestfed.flower.secure.SurvivingSecAggPlus); lost at unmask, its vector is
     already in the sum."""
+
     def fail(node, msg):
         cfg = msg.content.config_records.get(RECORD_KEY_CONFIGS)
         return mode if node == 103 and cfg is not None and cfg.get("stage") == stage else None
@@ -106,6 +126,7 @@ def test_a_node_lost_at_any_stage_is_survived(tmp_path, keep_threads, stage, mod
 def test_the_round_halts_when_a_node_is_left_below_the_threshold(tmp_path, keep_threads):
     """Two of four nodes lost at setup: each survivor has 2 live neighbours, below the threshold of
     3; the round keeps the global state and every node is dropped with the reason."""
+
     def fail(node, msg):
         cfg = msg.content.config_records.get(RECORD_KEY_CONFIGS)
         return "error" if node in (102, 103) and cfg is not None and cfg.get("stage") == Stage.SETUP else None
@@ -127,15 +148,19 @@ def test_methods_that_need_individual_updates_are_refused_before_anything_is_wri
 
 
 def test_secagg_run_config_is_typed_and_checked():
-    s = RunSettings.from_run_config({"secure-aggregation": True, "secagg-num-shares": 5,
-                                     "secagg-reconstruction-threshold": 3})
+    s = RunSettings.from_run_config(
+        {"secure-aggregation": True, "secagg-num-shares": 5, "secagg-reconstruction-threshold": 3}
+    )
     assert s.secure_aggregation and (s.secagg.num_shares, s.secagg.threshold) == (5, 3)
     assert s.secagg.shares(4) == 4 and s.secagg.threshold_for(4) == 3 and RunSettings().secagg.threshold_for(5) == 3
-    for bad, match in [({"secure-aggregation": "yes"}, "true or false"), ({"secagg-num-shares": 2}, "secagg-num-shares"),
-                       ({"secagg-reconstruction-threshold": 1}, "threshold"),
-                       ({"secagg-num-shares": 3, "secagg-reconstruction-threshold": 4}, "above"),
-                       ({"secagg-clipping-range": 0.5}, "clipping-range"),
-                       ({"secagg-quantization-range": 2**31}, "quantization-range")]:
+    for bad, match in [
+        ({"secure-aggregation": "yes"}, "true or false"),
+        ({"secagg-num-shares": 2}, "secagg-num-shares"),
+        ({"secagg-reconstruction-threshold": 1}, "threshold"),
+        ({"secagg-num-shares": 3, "secagg-reconstruction-threshold": 4}, "above"),
+        ({"secagg-clipping-range": 0.5}, "clipping-range"),
+        ({"secagg-quantization-range": 2**31}, "quantization-range"),
+    ]:
         with pytest.raises(ConfigError, match=match):
             RunSettings.from_run_config(bad)
     with pytest.raises(ConfigError, match="wrap"):

@@ -17,9 +17,19 @@ from nestfed.flower.deploy import LocalDeployment  # noqa: E402
 
 pytestmark = pytest.mark.flower
 
-TWELVE = ("data.num_clients=12", "data.partition=iid", "lora.ranks=[2]", "population.rank_shares={2=0.5,4=0.25,8=0.25}",
-          "federation.fraction=0.25", "strategy.name=prelort", "federation.rounds=2", "train.threads=1",
-          "output.plots=false", "output.client_detail=inline", "train.client_cache=off")
+TWELVE = (
+    "data.num_clients=12",
+    "data.partition=iid",
+    "lora.ranks=[2]",
+    "population.rank_shares={2=0.5,4=0.25,8=0.25}",
+    "federation.fraction=0.25",
+    "strategy.name=prelort",
+    "federation.rounds=2",
+    "train.threads=1",
+    "output.plots=false",
+    "output.client_detail=inline",
+    "train.client_cache=off",
+)
 
 
 def test_twelve_virtual_clients_on_ray_actors_match_the_embedded_runner_bit_for_bit(tmp_path):
@@ -27,9 +37,17 @@ def test_twelve_virtual_clients_on_ray_actors_match_the_embedded_runner_bit_for_
     run_dir = tmp_path / "sim"
     with LocalDeployment(tmp_path / "flower", simulation=True) as d:
         d.start_superlink()
-        run_id = d.submit(APP_DIR, {"experiment": str(TINY), "overrides": ";".join(TWELVE), "run-dir": str(run_dir),
-                                    "connect-timeout-s": 240.0, "round-timeout-s": 300.0},
-                          {"num-supernodes": 12, "client-resources-num-cpus": 1, "client-resources-num-gpus": 0.0})
+        run_id = d.submit(
+            APP_DIR,
+            {
+                "experiment": str(TINY),
+                "overrides": ";".join(TWELVE),
+                "run-dir": str(run_dir),
+                "connect-timeout-s": 240.0,
+                "round-timeout-s": 300.0,
+            },
+            {"num-supernodes": 12, "client-resources-num-cpus": 1, "client-resources-num-gpus": 0.0},
+        )
         status = d.wait_run(run_id, 420)
         assert status["status"] == "finished:completed", (status, d.logs(run_id)[-4000:])
         assert list(d.worker_dir.iterdir()) == []  # no worker per virtual node: the actors ran the ClientApp

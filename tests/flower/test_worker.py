@@ -15,15 +15,14 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from flower_helpers import OVERRIDES, assert_same_adapter, embedded_run  # noqa: E402
 from flwr.app import ConfigRecord, Context, Message, RecordDict  # noqa: E402
 from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
+from test_apps_in_process import NODES, lines, run_config  # noqa: E402
 
 from nestfed.flower import node_forwarder as NF  # noqa: E402
 from nestfed.flower.local import LocalGrid  # noqa: E402
 from nestfed.flower.server_app import run_on_grid  # noqa: E402
-
-from flower_helpers import OVERRIDES, assert_same_adapter, embedded_run  # noqa: E402
-from test_apps_in_process import NODES, lines, run_config  # noqa: E402
 
 
 @pytest.fixture
@@ -41,7 +40,7 @@ def _worker_pids(folder: Path) -> set[int]:
 
 
 def test_forwarded_messages_give_the_embedded_runners_adapter_and_state(tmp_path, worker_dir, keep_threads):
-    over = OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]", "lora.target_modules=[\"q_proj\",\"v_proj\"]")
+    over = OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]", 'lora.target_modules=["q_proj","v_proj"]')
     emb = embedded_run(tmp_path / "embedded", over)
     grid = LocalGrid(NF.app, NODES)
     run_on_grid(grid, run_config(tmp_path / "flower", overrides=";".join(over), evaluate=True))

@@ -22,8 +22,14 @@ from nestfed.methods.prelort.strategy import PreLort, segment_average, segments
 from nestfed.methods.zeropad.strategy import ZeroPad
 from nestfed.nn.keys import merged_key
 
-CLASSES = {"fedavg": FedAvg, "ffa_lora": FFALoRA, "flora": FLoRA, "hetlora": HetLoRA, "prelort": PreLort,
-           "zeropad": ZeroPad}
+CLASSES = {
+    "fedavg": FedAvg,
+    "ffa_lora": FFALoRA,
+    "flora": FLoRA,
+    "hetlora": HetLoRA,
+    "prelort": PreLort,
+    "zeropad": ZeroPad,
+}
 
 
 def make(name, settings, **options):
@@ -31,6 +37,7 @@ def make(name, settings, **options):
     if name == "hetlora":
         return HetLoRA(settings, HetLoRAOptions(**options))
     return CLASSES[name](settings)
+
 
 A_KEY = "base_model.model.m.lora_A.weight"
 B_KEY = "base_model.model.m.lora_B.weight"
@@ -92,8 +99,10 @@ def test_hetlora_norm_weighted_hand_computed():
 
 def test_hetlora_remembers_pruned_rank_and_truncates():
     st, state = start_state("hetlora")
-    pruned = {1: Reply({A_KEY: A1, B_KEY: B1}, 1, {"tail_norm": 0.5}),
-              2: Reply({A_KEY: A2[:1], B_KEY: B2[:, :1]}, 3, {"tail_norm": 0.1})}
+    pruned = {
+        1: Reply({A_KEY: A1, B_KEY: B1}, 1, {"tail_norm": 0.5}),
+        2: Reply({A_KEY: A2[:1], B_KEY: B2[:, :1]}, 3, {"tail_norm": 0.1}),
+    }
     new = st.aggregate(1, state, pruned)
     assert new.meta["ranks"] == {"1": 1, "2": 1}
     assert new.meta["tail_norms"] == {"1": 0.5, "2": 0.1}
@@ -141,8 +150,14 @@ def test_ffa_lora_averages_b_only_and_keeps_a():
 def test_fedavg_hand_computed_equal_ranks():
     st = FedAvg(LoraSettings(r_max=1, lora_alpha=1.0))
     state = st.initialize({"m": (2, 2)}, [ClientInfo(1, 1, 1), ClientInfo(2, 1, 3)])
-    new = st.aggregate(1, state, {1: Reply({A_KEY: T([[1.0, 2.0]]), B_KEY: T([[4.0], [0.0]])}, 1),
-                                  2: Reply({A_KEY: T([[5.0, 6.0]]), B_KEY: T([[0.0], [8.0]])}, 3)})
+    new = st.aggregate(
+        1,
+        state,
+        {
+            1: Reply({A_KEY: T([[1.0, 2.0]]), B_KEY: T([[4.0], [0.0]])}, 1),
+            2: Reply({A_KEY: T([[5.0, 6.0]]), B_KEY: T([[0.0], [8.0]])}, 3),
+        },
+    )
     torch.testing.assert_close(new.arrays[A_KEY], T([[4.0, 5.0]]))
     torch.testing.assert_close(new.arrays[B_KEY], T([[1.0], [6.0]]))
 
@@ -152,8 +167,9 @@ def test_rank_above_global_maximum_is_refused():
         strategy("prelort").initialize({"m": (2, 2)}, [ClientInfo(1, 3, 1)])
 
 
-@pytest.mark.parametrize("name,options", [("zeropad", {}), ("prelort", {}),
-                                          ("hetlora", {"weighting": "examples", "pruning": False})])
+@pytest.mark.parametrize(
+    "name,options", [("zeropad", {}), ("prelort", {}), ("hetlora", {"weighting": "examples", "pruning": False})]
+)
 def test_equal_ranks_make_heterogeneous_rules_equal_fedavg(name, options):
     torch.manual_seed(3)
     clients = [ClientInfo(i, 4, n) for i, n in enumerate([5, 1, 7])]
@@ -163,8 +179,9 @@ def test_equal_ranks_make_heterogeneous_rules_equal_fedavg(name, options):
     other = make(name, settings, **options)
     state = ref.initialize(shapes, clients)
     state.arrays = {k: torch.randn_like(v) for k, v in state.arrays.items()}
-    reps = {c.cid: Reply({k: v + torch.randn_like(v) for k, v in state.arrays.items()}, c.num_examples)
-            for c in clients}
+    reps = {
+        c.cid: Reply({k: v + torch.randn_like(v) for k, v in state.arrays.items()}, c.num_examples) for c in clients
+    }
     expected = ref.aggregate(1, state, reps)
     got = other.aggregate(1, state, reps)
     for k in expected.arrays:
@@ -175,8 +192,10 @@ def test_hetlora_norm_weighting_equals_mean_when_norms_equal():
     clients = [ClientInfo(1, 1, 1), ClientInfo(2, 1, 9)]
     st = HetLoRA(LoraSettings(r_max=1, lora_alpha=1.0))
     state = st.initialize({"m": (2, 2)}, clients)
-    reps = {1: Reply({A_KEY: T([[1.0, 0.0]]), B_KEY: T([[1.0], [0.0]])}, 1),
-            2: Reply({A_KEY: T([[0.0, 1.0]]), B_KEY: T([[0.0], [1.0]])}, 9)}
+    reps = {
+        1: Reply({A_KEY: T([[1.0, 0.0]]), B_KEY: T([[1.0], [0.0]])}, 1),
+        2: Reply({A_KEY: T([[0.0, 1.0]]), B_KEY: T([[0.0], [1.0]])}, 9),
+    }
     new = st.aggregate(1, state, reps)  # both updates have norm 1: plain mean, n_k ignored
     torch.testing.assert_close(new.arrays[A_KEY], T([[0.5, 0.5]]))
 

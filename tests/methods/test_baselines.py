@@ -3,20 +3,26 @@ exactly when its extra term is off, and its term does what its paper says when o
 
 import pytest
 import torch
+from tiny_federation import lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 from nestfed import methods
-from nestfed.nn.arrays import apply_arrays
-from nestfed.nn.lora import lora_modules
 from nestfed.federation.hooks import FitContext
 from nestfed.federation.training import Batch
 from nestfed.methods.fedala.strategy import ala_keys, ala_mix
 from nestfed.methods.fedprox.strategy import ProxHooks
 from nestfed.methods.fedssi import FedSSIOptions
 from nestfed.methods.fedssi.strategy import SSIHooks, surrogate_importance
-from tiny_federation import lines, same_arrays, tiny_config, tiny_prepared, tiny_run
+from nestfed.nn.arrays import apply_arrays
+from nestfed.nn.lora import lora_modules
 
-BASE = ('lora.target_modules=["q_proj","k_proj","v_proj"]', "lora.ranks=[4]", "lora.lora_alpha=8.0",
-        "lora.layers=[-2,-1]", "train.local_steps=3", "federation.rounds=2")
+BASE = (
+    'lora.target_modules=["q_proj","k_proj","v_proj"]',
+    "lora.ranks=[4]",
+    "lora.lora_alpha=8.0",
+    "lora.layers=[-2,-1]",
+    "train.local_steps=3",
+    "federation.rounds=2",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -36,7 +42,9 @@ def built(name, *options):
 def test_off_switches_reduce_to_fedavg_exactly(tmp_path):
     ref, _, _ = tiny_run(tmp_path / "avg", cfg_of("fedavg"))
     prox_state, _, _ = tiny_run(tmp_path / "prox", cfg_of("fedprox", "fedprox.mu=0.0"))
-    ssi_state, _, _ = tiny_run(tmp_path / "ssi", cfg_of("fedssi", "fedssi.c=0.0", "fedssi.psm_steps=2"))  # PSM runs, leaves no trace
+    ssi_state, _, _ = tiny_run(
+        tmp_path / "ssi", cfg_of("fedssi", "fedssi.c=0.0", "fedssi.psm_steps=2")
+    )  # PSM runs, leaves no trace
     ala_state, _, _ = tiny_run(tmp_path / "ala", cfg_of("fedala", "fedala.layers=1", "fedala.steps=0"))  # W stays 1
     assert same_arrays(prox_state.arrays, ref.arrays)
     assert same_arrays(ssi_state.arrays, ref.arrays)
@@ -87,8 +95,7 @@ def test_surrogate_importance_is_nonnegative_mean_one_and_restores_theta():
         p.requires_grad_(True)
     before = [p.detach().clone() for p in params]
     ctx = FitContext(0, dict(ins.config), {}, trainer.model, trainer.data[0], trainer.train)
-    omega, metrics = surrogate_importance(ctx, params, [p.detach().clone() for p in params],
-                                          FedSSIOptions(psm_steps=3))
+    omega, metrics = surrogate_importance(ctx, params, [p.detach().clone() for p in params], FedSSIOptions(psm_steps=3))
     assert all((o >= 0).all() for o in omega) and metrics["psm_loss"] > 0
     total = sum(float(o.sum()) for o in omega) / sum(o.numel() for o in omega)
     assert total == pytest.approx(1.0, rel=1e-5)
@@ -99,8 +106,9 @@ def test_surrogate_importance_is_nonnegative_mean_one_and_restores_theta():
 
 
 def test_fedala_mixes_top_layers_with_learned_weights(tmp_path):
-    state, _, mr = tiny_run(tmp_path, cfg_of("fedala", "fedala.layers=1", "fedala.steps=3", "fedala.eta=1.0",
-                                             "federation.rounds=3"))
+    state, _, mr = tiny_run(
+        tmp_path, cfg_of("fedala", "fedala.layers=1", "fedala.steps=3", "fedala.eta=1.0", "federation.rounds=3")
+    )
     st = mr.trainer.client_state[0]
     w = st["ala_weights"]
     assert w and all(k.split(".layers.")[1].startswith("1.") for k in w)  # only the top LoRA layer
@@ -115,8 +123,11 @@ def test_fedala_mixes_top_layers_with_learned_weights(tmp_path):
 
 
 def test_ala_keys_and_mix_arithmetic():
-    arrays = {f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{m}.weight": torch.ones(2)
-              for i in range(3) for m in "AB"}
+    arrays = {
+        f"base_model.model.model.layers.{i}.self_attn.q_proj.lora_{m}.weight": torch.ones(2)
+        for i in range(3)
+        for m in "AB"
+    }
     assert [k.split(".layers.")[1][0] for k in ala_keys(arrays, 2)] == ["1", "1", "2", "2"]
     g, loc = {"k": torch.tensor([1.0, 3.0])}, {"k": torch.tensor([5.0, 5.0])}
     mixed = ala_mix(g, loc, {"k": torch.tensor([0.0, 0.5])})

@@ -90,8 +90,9 @@ def test_hetlora_client_prunes_only_when_the_tail_norm_fell():
     inject_lora(m, ("q_proj",), rank=8, scaling=1.0)
     ids = torch.randint(0, 258, (4, 12))
     hooks = HetLoRAHooks(HetLoRAOptions(reg=0.01, tail=0.25, prune_ratio=0.5))
-    trainer = ClientTrainer(m, {0: ClientData(ids, ids.clone(), ids[:1], ids[:1].clone())},
-                            TrainConfig(local_steps=1, batch_size=2), hooks)
+    trainer = ClientTrainer(
+        m, {0: ClientData(ids, ids.clone(), ids[:1], ids[:1].clone())}, TrainConfig(local_steps=1, batch_size=2), hooks
+    )
     state = {k: torch.randn_like(v) * 0.1 for k, v in get_adapter_state(m).items()}
     base = {"rank": 8, "scaling": 1.0}
     kept = trainer.fit(0, Instruction(state, {**base, "hetlora_prev_tail": -1.0}))
@@ -122,10 +123,16 @@ def test_ffa_lora_trains_and_returns_b_only():
     m = load_backbone(ModelConfig(name="tiny-llama")).model
     inject_lora(m, ("q_proj",), rank=2, scaling=1.0)
     ids = torch.randint(0, 258, (4, 12))
-    trainer = ClientTrainer(m, {0: ClientData(ids, ids.clone(), ids[:1], ids[:1].clone())},
-                            TrainConfig(local_steps=2, batch_size=2, lr=1e-2), FFALoRAHooks())
+    trainer = ClientTrainer(
+        m,
+        {0: ClientData(ids, ids.clone(), ids[:1], ids[:1].clone())},
+        TrainConfig(local_steps=2, batch_size=2, lr=1e-2),
+        FFALoRAHooks(),
+    )
     state = {k: torch.randn_like(v) * 0.1 for k, v in get_adapter_state(m).items()}
     reply = trainer.fit(0, Instruction(state, {"rank": 2, "scaling": 1.0, "round": 1}))
     assert all(k.endswith("lora_B.weight") for k in reply.arrays) and len(reply.arrays) == 2
-    assert all(torch.equal(lora_modules(m)[n].lora_A.weight, state[f"base_model.model.{n}.lora_A.weight"])
-               for n in lora_modules(m))
+    assert all(
+        torch.equal(lora_modules(m)[n].lora_A.weight, state[f"base_model.model.{n}.lora_A.weight"])
+        for n in lora_modules(m)
+    )

@@ -6,8 +6,16 @@ import pytest
 import torch
 
 from nestfed.federation.training import block_batches
-from nestfed.methods.fedmkt.distillation import (CE, INDICES, VALUES, dense_target, knowledge, merge_knowledge,
-                                                 mutual_loss, select_min_ce)
+from nestfed.methods.fedmkt.distillation import (
+    CE,
+    INDICES,
+    VALUES,
+    dense_target,
+    knowledge,
+    merge_knowledge,
+    mutual_loss,
+    select_min_ce,
+)
 from nestfed.nn.frozen_prefix import causal_lm_loss
 
 
@@ -25,8 +33,11 @@ def test_knowledge_keeps_topk_log_probs_and_per_block_ce():
 
 def test_min_ce_selection_per_block_hand_computed():
     def cand(v, ce):
-        return {VALUES: torch.full((3, 2, 1), float(v)), INDICES: torch.full((3, 2, 1), v, dtype=torch.int32),
-                CE: torch.tensor(ce)}
+        return {
+            VALUES: torch.full((3, 2, 1), float(v)),
+            INDICES: torch.full((3, 2, 1), v, dtype=torch.int32),
+            CE: torch.tensor(ce),
+        }
 
     own, a, b = cand(0, [1.0, 5.0, 2.0]), cand(1, [2.0, 4.0, 2.0]), cand(2, [3.0, 3.0, 0.5])
     sel, choice = select_min_ce([own, a, b])
@@ -57,8 +68,10 @@ def test_mutual_loss_mixes_lm_and_soft_ce():
 
 
 def test_merge_and_batches():
-    parts = [{VALUES: torch.zeros(2, 1, 1), INDICES: torch.zeros(2, 1, 1, dtype=torch.int32), CE: torch.zeros(2)},
-             {VALUES: torch.ones(1, 1, 1), INDICES: torch.ones(1, 1, 1, dtype=torch.int32), CE: torch.ones(1)}]
+    parts = [
+        {VALUES: torch.zeros(2, 1, 1), INDICES: torch.zeros(2, 1, 1, dtype=torch.int32), CE: torch.zeros(2)},
+        {VALUES: torch.ones(1, 1, 1), INDICES: torch.ones(1, 1, 1, dtype=torch.int32), CE: torch.ones(1)},
+    ]
     assert merge_knowledge(parts)[CE].tolist() == [0.0, 0.0, 1.0]
     batches = [b.tolist() for b in block_batches(5, 5, 2, seed=0)]
     assert all(len(b) == 2 for b in batches)

@@ -5,10 +5,10 @@ import math
 import pytest
 import torch
 
-from nestfed.nn.lora import get_adapter_state, inject_lora, lora_modules, set_adapter_state
-from nestfed.nn.svd import compute_bases, derive_compressed
 from nestfed.methods.fedslm.elicitation import confidence_loss, elicit
 from nestfed.nn.frozen_prefix import CachedText, lm_logits
+from nestfed.nn.lora import get_adapter_state, inject_lora, lora_modules, set_adapter_state
+from nestfed.nn.svd import compute_bases, derive_compressed
 
 Q = torch.log(torch.tensor([[[0.25, 0.5, 0.25]]]))  # student: q = (1/4, 1/2, 1/4)
 P = torch.log(torch.tensor([[[0.5, 0.25, 0.25]]]))  # weak: p = (1/2, 1/4, 1/4)
@@ -16,8 +16,9 @@ CE_PQ = -(0.5 * math.log(0.25) + 0.25 * math.log(0.5) + 0.25 * math.log(0.25))  
 HARD = math.log(2.0)  # -log q(argmax q) = -log 1/2
 
 
-@pytest.mark.parametrize("alpha, expect", [(0.0, CE_PQ), (1.0, HARD), (0.5, 0.5 * CE_PQ + 0.5 * HARD),
-                                           (0.25, 0.75 * CE_PQ + 0.25 * HARD)])
+@pytest.mark.parametrize(
+    "alpha, expect", [(0.0, CE_PQ), (1.0, HARD), (0.5, 0.5 * CE_PQ + 0.5 * HARD), (0.25, 0.75 * CE_PQ + 0.25 * HARD)]
+)
 def test_confidence_loss_hand_computed(alpha, expect):
     assert float(confidence_loss(Q, P, alpha)) == pytest.approx(expect, rel=1e-6)
 

@@ -11,6 +11,7 @@ import json
 
 import pytest
 import torch
+from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 from nestfed.config import ConfigError
 from nestfed.experiments.run import run_method
@@ -19,7 +20,6 @@ from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fedavg.strategy import FedAvg
 from nestfed.methods.fedex_lora.strategy import ClientFactors, FedExLoRA, compact, round_residual
 from nestfed.nn.keys import merged_key
-from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 A_KEY = "base_model.model.m.lora_A.weight"
 B_KEY = "base_model.model.m.lora_B.weight"
@@ -73,11 +73,13 @@ def test_hand_computed_first_and_second_round():
 def test_round_residual_factors_hand_computed():
     A_old, B_old = T([[1.0, 1.0], [1.0, 1.0]]), T([[0.0, 2.0], [0.0, 0.0]])
     A_new, B_new = T([[2.5, 3.5], [3.75, 4.5]]), T([[1.0, 1.5], [3.0, 3.0]])
-    rows, cols = round_residual(A_old, B_old, [ClientFactors(A1, B1, 0.25, 1.0), ClientFactors(A2, B2, 0.75, 1.0)],
-                                A_new, B_new, 1.0)
+    rows, cols = round_residual(
+        A_old, B_old, [ClientFactors(A1, B1, 0.25, 1.0), ClientFactors(A2, B2, 0.75, 1.0)], A_new, B_new, 1.0
+    )
     # d_0 = 0 (both clients hold row 0); d_1 = 0.25 (client 1 ran row 1 frozen), column B_old[:, 1] = [2, 0]
-    torch.testing.assert_close(rows, T([[0.25, 0.25], [0.25, 0.5], [2.25, 3.0], [3.75, 4.5], [-2.5, -3.5],
-                                        [-3.75, -4.5]]))
+    torch.testing.assert_close(
+        rows, T([[0.25, 0.25], [0.25, 0.5], [2.25, 3.0], [3.75, 4.5], [-2.5, -3.5], [-3.75, -4.5]])
+    )
     torch.testing.assert_close(cols, T([[2.0, 1.0, 1.0, 2.0, 1.0, 1.5], [0.0, 3.0, 3.0, 4.0, 3.0, 3.0]]))
 
 
@@ -140,8 +142,9 @@ def test_export_is_one_rank_for_every_layer_and_the_global_delta_exactly():
     reps = {}
     for c in clients:
         arrays = st.configure(1, state, clients)[c.cid].arrays
-        reps[c.cid] = Reply({k: torch.randn_like(v) for k, v in arrays.items() if k.endswith(".weight")},
-                            c.num_examples)
+        reps[c.cid] = Reply(
+            {k: torch.randn_like(v) for k, v in arrays.items() if k.endswith(".weight")}, c.num_examples
+        )
     new = st.aggregate(1, state, reps)
     out, scale = st.export(new)
     assert scale == 1.0 and len({v.shape[0] for k, v in out.items() if k.endswith("lora_A.weight")}) == 1

@@ -12,8 +12,11 @@ A, B = "base_model.model.l.lora_A.weight", "base_model.model.l.lora_B.weight"
 
 
 def know(v):
-    return {VALUES: torch.full((2, 3, 1), float(v), dtype=torch.float16),
-            INDICES: torch.full((2, 3, 1), v, dtype=torch.int32), CE: torch.full((2,), float(v))}
+    return {
+        VALUES: torch.full((2, 3, 1), float(v), dtype=torch.float16),
+        INDICES: torch.full((2, 3, 1), v, dtype=torch.int32),
+        CE: torch.full((2,), float(v)),
+    }
 
 
 class FakeServer:

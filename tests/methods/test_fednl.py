@@ -3,6 +3,7 @@ FedAvg of theta by n_k, the kept LoRA and an exact resume, the constant gate's s
 
 import pytest
 import torch
+from tiny_federation import Interrupt, crash_at, lines, tiny_config, tiny_prepared, tiny_run
 
 from nestfed import methods
 from nestfed.config import ConfigError
@@ -12,7 +13,6 @@ from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fednl import FedNLOptions
 from nestfed.methods.fednl.strategy import FedNL
 from nestfed.nn.memory import memory_rules
-from tiny_federation import Interrupt, crash_at, lines, tiny_config, tiny_prepared, tiny_run
 
 RULE = "base_model.model.model.layers.1.self_attn.memory."
 
@@ -23,10 +23,23 @@ def _one_thread(one_thread):
 
 
 def cfg_of(travel="all", gate="learned", *extra):
-    return tiny_config("strategy.name=fednl", f"fednl.travel={travel}", "lora.ranks=[4]", "lora.lora_alpha=8.0",
-                       'lora.target_modules=["q_proj","k_proj","v_proj"]', "memory.layers=[1]", f"memory.gate={gate}",
-                       "memory.alpha_init=0.2", "memory.chunk_size=4", "memory.alpha_start=0.0", "memory.alpha_end=0.6",
-                       "memory.alpha_warmup_steps=6", "train.local_steps=3", "federation.rounds=2", *extra)
+    return tiny_config(
+        "strategy.name=fednl",
+        f"fednl.travel={travel}",
+        "lora.ranks=[4]",
+        "lora.lora_alpha=8.0",
+        'lora.target_modules=["q_proj","k_proj","v_proj"]',
+        "memory.layers=[1]",
+        f"memory.gate={gate}",
+        "memory.alpha_init=0.2",
+        "memory.chunk_size=4",
+        "memory.alpha_start=0.0",
+        "memory.alpha_end=0.6",
+        "memory.alpha_warmup_steps=6",
+        "train.local_steps=3",
+        "federation.rounds=2",
+        *extra,
+    )
 
 
 def setup(travel="all", gate="learned", n_examples=(6, 6, 6)):
@@ -103,11 +116,13 @@ def test_constant_gate_follows_its_schedule(tmp_path):
             def gate(x, tail=None):
                 seen.append((ins.config["round"], round(float(rule.alpha.detach()), 6)))
                 return orig(x, tail)
+
             rule.gate = gate
             try:
                 return real(cid, ins)
             finally:
                 del rule.gate
+
         trainer.fit = fit
         return trainer
 
@@ -157,8 +172,9 @@ def test_travel_none_is_local_only_training_with_no_aggregation_drop(tmp_path):
     cfg = cfg_of("none", "learned", "train.eval_local=true")
     state, _, mr = tiny_run(tmp_path / "none", cfg)
     initial = mr.strategy.initialize(mr.shapes, mr.clients)
-    assert set(state.arrays) == set(initial.arrays) and all(torch.equal(state.arrays[k], initial.arrays[k])
-                                                              for k in state.arrays)
+    assert set(state.arrays) == set(initial.arrays) and all(
+        torch.equal(state.arrays[k], initial.arrays[k]) for k in state.arrays
+    )
     kept = [mr.trainer.client_state[c]["kept_rules"] for c in range(3)]
     key = RULE + "beta_weight"
     assert kept[0][key].abs().max() > 0 and not torch.equal(kept[0][key], kept[1][key])

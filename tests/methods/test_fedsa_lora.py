@@ -8,6 +8,7 @@ client 2 rank 2 (n 3).
 
 import pytest
 import torch
+from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 from nestfed.config import PrivacyConfig, RobustConfig
 from nestfed.experiments.run import run_method
@@ -20,7 +21,6 @@ from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fedavg.strategy import FedAvg
 from nestfed.methods.fedsa_lora.strategy import OWN_B, FedSAHooks, FedSALoRA, holder_mean, rank_segments
 from nestfed.nn.lora import module_shapes
-from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 A_KEY = "base_model.model.m.lora_A.weight"
 B_KEY = "base_model.model.m.lora_B.weight"
@@ -45,8 +45,9 @@ def test_only_a_travels_and_is_averaged_over_the_clients_holding_each_row():
     ins = st.configure(1, state, CLIENTS)
     assert set(ins[1].arrays) == {A_KEY} and ins[1].arrays[A_KEY].shape == (1, 2)
     assert ins[2].expect == {A_KEY: (2, 2)}  # no B comes back
-    new = st.aggregate(1, state, {1: Reply({A_KEY: T([[1.0, 2.0]])}, 1),
-                                  2: Reply({A_KEY: T([[3.0, 4.0], [5.0, 6.0]])}, 3)})
+    new = st.aggregate(
+        1, state, {1: Reply({A_KEY: T([[1.0, 2.0]])}, 1), 2: Reply({A_KEY: T([[3.0, 4.0], [5.0, 6.0]])}, 3)}
+    )
     # row 0: (1 * [1, 2] + 3 * [3, 4]) / 4; row 1: client 2 alone (no zero-padding dilution)
     torch.testing.assert_close(new.arrays[A_KEY], T([[2.5, 3.5], [5.0, 6.0]]))
     assert torch.equal(new.arrays[B_KEY], torch.zeros(2, 2))  # there is no global B
@@ -68,16 +69,20 @@ def test_equal_ranks_are_fedavg_on_a_bit_for_bit():
     state = FedAvg(settings).initialize({"m": (6, 5)}, clients)
     reps = {c.cid: Reply({A_KEY: torch.randn(4, 5), B_KEY: torch.randn(6, 4)}, c.num_examples) for c in clients}
     ref = FedAvg(settings).aggregate(1, state, reps)
-    got = FedSALoRA(settings).aggregate(1, state, {c: Reply({A_KEY: r.arrays[A_KEY]}, r.num_examples)
-                                                   for c, r in reps.items()})
+    got = FedSALoRA(settings).aggregate(
+        1, state, {c: Reply({A_KEY: r.arrays[A_KEY]}, r.num_examples) for c, r in reps.items()}
+    )
     assert torch.equal(got.arrays[A_KEY], ref.arrays[A_KEY])
 
 
 def test_robust_median_works_per_rank_segment_of_a():
     clients = [ClientInfo(1, 1, 1), ClientInfo(2, 2, 1), ClientInfo(3, 2, 1)]
     st, state = start(clients)
-    reps = {1: Reply({A_KEY: T([[9.0, 1.0]])}, 1), 2: Reply({A_KEY: T([[3.0, 4.0], [5.0, 6.0]])}, 1),
-            3: Reply({A_KEY: T([[2.0, 8.0], [7.0, 0.0]])}, 1)}
+    reps = {
+        1: Reply({A_KEY: T([[9.0, 1.0]])}, 1),
+        2: Reply({A_KEY: T([[3.0, 4.0], [5.0, 6.0]])}, 1),
+        3: Reply({A_KEY: T([[2.0, 8.0], [7.0, 0.0]])}, 1),
+    }
     new = st.robust_aggregate(1, state, reps, BlockRule(RobustConfig(rule="median"), PrivacyConfig()))
     # row 0, three members: medians of (9, 3, 2) and (1, 4, 8); row 1, two members: means of the middle two
     torch.testing.assert_close(new.arrays[A_KEY], T([[3.0, 4.0], [6.0, 3.0]]))
@@ -93,8 +98,12 @@ def test_secure_sums_rebuild_the_holder_mean():
     st, state = start()
     ins = st.configure(1, state, CLIENTS)
     reps = {1: Reply({A_KEY: T([[1.0, 2.0]])}, 1), 2: Reply({A_KEY: T([[3.0, 4.0], [5.0, 6.0]])}, 3)}
-    secure = plain_sum({c: ins[c].arrays for c in reps}, {c: r.arrays for c, r in reps.items()},
-                       {1: 1, 2: 3}, layout(ins[c].expect for c in reps))
+    secure = plain_sum(
+        {c: ins[c].arrays for c in reps},
+        {c: r.arrays for c, r in reps.items()},
+        {1: 1, 2: 3},
+        layout(ins[c].expect for c in reps),
+    )
     torch.testing.assert_close(st.aggregate_secure(1, state, secure).arrays[A_KEY], T([[2.5, 3.5], [5.0, 6.0]]))
 
 

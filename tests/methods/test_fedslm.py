@@ -3,10 +3,9 @@
 import pytest
 import torch
 
-from nestfed.nn.svd import project, reconstruct
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.methods.fedslm.strategy import FedSLM, SLMGroups, fuse_cores, intra_group_mean
-from nestfed.nn.svd import core_key
+from nestfed.nn.svd import core_key, project, reconstruct
 
 L = "model.layers.0.mlp.up_proj"
 K = core_key(L)
@@ -116,9 +115,9 @@ def test_three_groups_in_one_federation_hand_computed():
     }
     new = st.aggregate(1, state, replies)
     # average: (4 * pad([5]) + 4 * pad(S1) + 2 * S2) / 10
-    expect = torch.tensor([[(20 + 4 + 14) / 10, (8 + 2) / 10, 2 / 10],
-                           [(12 + 2) / 10, (16 + 12) / 10, 2 / 10],
-                           [2 / 10, 2 / 10, 10 / 10]])
+    expect = torch.tensor(
+        [[(20 + 4 + 14) / 10, (8 + 2) / 10, 2 / 10], [(12 + 2) / 10, (16 + 12) / 10, 2 / 10], [2 / 10, 2 / 10, 10 / 10]]
+    )
     assert torch.allclose(new.arrays[K], expect)
     assert new.meta["group_examples"] == {"0": 4.0, "1": 4.0, "2": 2.0}
     assert torch.equal(state.arrays[K], torch.diag(torch.tensor([4.0, 2.0, 1.0])))  # input untouched

@@ -10,6 +10,7 @@ import math
 import numpy as np
 import pytest
 import torch
+from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared
 
 from nestfed.config import ConfigError
 from nestfed.experiments.run import run_method
@@ -17,7 +18,6 @@ from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fedavg.strategy import FedAvg
 from nestfed.methods.flexlora.strategy import DISCARDED, SVD_FORM, FlexLoRA, product_svd, split_factors
-from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared
 
 A_KEY = "base_model.model.m.lora_A.weight"
 B_KEY = "base_model.model.m.lora_B.weight"
@@ -43,8 +43,10 @@ def test_hand_computed_diagonal_mean_and_its_truncations():
     clients = [ClientInfo(1, 1, 1), ClientInfo(2, 2, 1)]
     st = strategy()
     state = st.initialize({"m": (2, 2)}, clients)
-    reps = {1: Reply({A_KEY: T([[2.0, 0.0]]), B_KEY: T([[3.0], [0.0]])}, 1),
-            2: Reply({A_KEY: T([[0.0, 0.0], [0.0, 1.0]]), B_KEY: T([[0.0, 0.0], [0.0, 2.0]])}, 1)}
+    reps = {
+        1: Reply({A_KEY: T([[2.0, 0.0]]), B_KEY: T([[3.0], [0.0]])}, 1),
+        2: Reply({A_KEY: T([[0.0, 0.0], [0.0, 1.0]]), B_KEY: T([[0.0, 0.0], [0.0, 2.0]])}, 1),
+    }
     new = st.aggregate(1, state, reps)
     r3 = math.sqrt(3.0)
     # symmetric split: B = U sqrt(S), A = sqrt(S) V^T (s = 1); signs: U's largest entry positive
@@ -66,8 +68,10 @@ def test_mean_product_and_truncation_against_numpy():
     clients = [ClientInfo(1, 1, 1), ClientInfo(2, 2, 3)]
     st = strategy()
     state = st.initialize({"m": (2, 2)}, clients)
-    reps = {1: Reply({A_KEY: T([[1.0, 2.0]]), B_KEY: T([[1.0], [3.0]])}, 1),
-            2: Reply({A_KEY: T([[3.0, 4.0], [5.0, 6.0]]), B_KEY: T([[1.0, 2.0], [3.0, 4.0]])}, 3)}
+    reps = {
+        1: Reply({A_KEY: T([[1.0, 2.0]]), B_KEY: T([[1.0], [3.0]])}, 1),
+        2: Reply({A_KEY: T([[3.0, 4.0], [5.0, 6.0]]), B_KEY: T([[1.0, 2.0], [3.0, 4.0]])}, 3),
+    }
     new = st.aggregate(1, state, reps)
     W = np.array([[10.0, 12.5], [22.5, 28.5]])
     U, S, Vt = np.linalg.svd(W)
@@ -118,7 +122,7 @@ def test_beyond_r_max_the_global_state_is_the_best_rank_r_max_approximation():
     U, S, Vt = np.linalg.svd(W)
     best2 = (U[:, :2] * S[:2]) @ Vt[:2]
     np.testing.assert_allclose(product(new.arrays, 1.0).numpy(), best2, rtol=1e-5, atol=1e-5)
-    assert new.meta[DISCARDED] == pytest.approx(float((S[2:] ** 2).sum() / (S ** 2).sum()), rel=1e-6)
+    assert new.meta[DISCARDED] == pytest.approx(float((S[2:] ** 2).sum() / (S**2).sum()), rel=1e-6)
 
 
 def test_product_svd_against_the_dense_svd_with_canonical_signs():
@@ -144,8 +148,14 @@ def test_a_zero_product_keeps_the_previous_factors():
     clients = [ClientInfo(1, 1, 1), ClientInfo(2, 2, 1)]
     st = strategy()
     state = st.initialize({"m": (2, 2)}, clients)
-    new = st.aggregate(1, state, {1: Reply({A_KEY: T([[1.0, 2.0]]), B_KEY: torch.zeros(2, 1)}, 1),
-                                  2: Reply({A_KEY: T([[3.0, 4.0], [5.0, 6.0]]), B_KEY: torch.zeros(2, 2)}, 1)})
+    new = st.aggregate(
+        1,
+        state,
+        {
+            1: Reply({A_KEY: T([[1.0, 2.0]]), B_KEY: torch.zeros(2, 1)}, 1),
+            2: Reply({A_KEY: T([[3.0, 4.0], [5.0, 6.0]]), B_KEY: torch.zeros(2, 2)}, 1),
+        },
+    )
     assert same_arrays(new.arrays, state.arrays)  # not A = B = 0, which no gradient would leave
 
 

@@ -7,6 +7,7 @@ from collections import Counter
 
 import pytest
 import torch
+from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 from nestfed import methods
 from nestfed.config import ConfigError
@@ -16,7 +17,6 @@ from nestfed.methods.prelort import PreLortOptions
 from nestfed.methods.prelort.strategy import PreLort, PreLortHooks, sampled_subrank
 from nestfed.methods.zeropad.strategy import ZeroPad
 from nestfed.nn.lora import active_rank
-from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 
 def test_sampled_subrank_is_uniform_and_follows_the_seed_rule():
@@ -48,6 +48,7 @@ def test_each_objective_runs_the_sub_ranks_it_names(monkeypatch):
 
             def __exit__(self, *a):
                 model.current = None
+
         return Ctx()
 
     monkeypatch.setattr("nestfed.methods.prelort.strategy.active_rank", fake_active_rank)
@@ -58,8 +59,11 @@ def test_each_objective_runs_the_sub_ranks_it_names(monkeypatch):
         cid, seed, round = 1, 5, 2
         scratch = {}
 
-    for objective, expected in (("nested", [2, 4, 8]), ("full_rank", [8]),
-                                ("sampled", [sampled_subrank([2, 4, 8], 5, 2, 1, 7)])):
+    for objective, expected in (
+        ("nested", [2, 4, 8]),
+        ("full_rank", [8]),
+        ("sampled", [sampled_subrank([2, 4, 8], 5, 2, 1, 7)]),
+    ):
         seen.clear()
         hooks = PreLortHooks(objective)
         hooks.before_step(Ctx, 7)
@@ -74,6 +78,7 @@ def test_nested_loss_with_one_sub_rank_is_the_plain_loss_at_that_rank():
     model = prep.backbone.model
     from nestfed.federation.training import client_batches
     from nestfed.methods.prelort.strategy import nested_loss
+
     torch.manual_seed(0)
     for m in model.modules():
         if hasattr(m, "lora_B"):
@@ -93,11 +98,15 @@ def test_zeropad_aggregation_ablation_equals_zeropad():
     g = torch.Generator().manual_seed(0)
     replies = {}
     for c in clients:
-        arrays = {k: torch.randn(v.narrow(0 if k.endswith("lora_A.weight") else 1, 0, c.rank).shape, generator=g)
-                  for k, v in state.arrays.items()}
+        arrays = {
+            k: torch.randn(v.narrow(0 if k.endswith("lora_A.weight") else 1, 0, c.rank).shape, generator=g)
+            for k, v in state.arrays.items()
+        }
         replies[c.cid] = Reply(arrays, c.num_examples)
     assert same_arrays(ablation.aggregate(1, state, replies).arrays, zp.aggregate(1, state, replies).arrays)
-    assert not same_arrays(PreLort(settings).aggregate(1, state, replies).arrays, zp.aggregate(1, state, replies).arrays)
+    assert not same_arrays(
+        PreLort(settings).aggregate(1, state, replies).arrays, zp.aggregate(1, state, replies).arrays
+    )
 
 
 def test_unknown_options_name_the_field():

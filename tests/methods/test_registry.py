@@ -4,6 +4,7 @@ is validated, listed, run by the round loop and resumed, with no other edit."""
 from dataclasses import dataclass
 
 import pytest
+from tiny_federation import lines, tiny_config, tiny_prepared
 
 from nestfed import methods
 from nestfed.config import ConfigError, ExperimentConfig
@@ -14,7 +15,6 @@ from nestfed.federation.strategy import LoraStrategy, copy_state, lora_keys
 from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.methods.method import lora_method
 from nestfed.nn.keys import rank_dim
-from tiny_federation import lines, tiny_config, tiny_prepared
 
 
 @dataclass(frozen=True)
@@ -46,8 +46,12 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> Toy:
     return Toy(lora_settings(cfg), cfg.section("toy"))
 
 
-TOY = lora_method("toy", "a toy: ZeroPad's mean update with a server step", lora_implementation(_strategy),
-                  sections={"toy": ToyOptions})
+TOY = lora_method(
+    "toy",
+    "a toy: ZeroPad's mean update with a server step",
+    lora_implementation(_strategy),
+    sections={"toy": ToyOptions},
+)
 
 
 @pytest.fixture

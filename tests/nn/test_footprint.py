@@ -24,8 +24,10 @@ def test_the_footprint_counts_weights_parameters_and_a_linear_saved_activation(m
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     fp = Footprint.measure(model, TrainConfig(batch_size=4), 32, start)
     mods = lora_modules(model)
-    storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
-                for t in list(model.parameters()) + list(model.buffers())}
+    storages = {
+        t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+        for t in list(model.parameters()) + list(model.buffers())
+    }
     lora = sum(p.numel() * 4 for m in mods.values() for p in (m.lora_A.weight, m.lora_B.weight))
     assert fp.weights == weight_bytes(model) == sum(storages.values()) - lora  # each storage once, LoRA apart
     assert fp.per_rank == sum(m.in_features + m.out_features for m in mods.values())
@@ -41,20 +43,32 @@ def test_the_footprint_counts_weights_parameters_and_a_linear_saved_activation(m
 def test_memory_budgets_become_ranks_through_the_footprint(keep_threads, monkeypatch, tmp_path):
     """prepare measures the footprint and gives each client the largest rank its budget holds:
     with bytes(r) = 99 MiB + 2 r MiB, a 104 MiB budget holds rank 2 and 115 MiB rank 4 (of 1, 2, 4, 8)."""
-    mib = 2 ** 20
+    mib = 2**20
     fake = Footprint(weights=100 * mib, per_rank=mib // 16, saved_at_1=0, saved_slope=float(mib))
     assert [fake.bytes(r) // mib for r in (1, 2, 4, 8)] == [101, 103, 107, 115]
     monkeypatch.setattr(Footprint, "measure", classmethod(lambda cls, *a, **kw: fake))
-    base = ["model.name=tiny-llama", "data.num_clients=4", "lora.ranks=[8]", "lora.layers=[-1]", "train.threads=1",
-            "population.rank_choices=[1,2,4,8]", "train.client_cache=off"]
+    base = [
+        "model.name=tiny-llama",
+        "data.num_clients=4",
+        "lora.ranks=[8]",
+        "lora.layers=[-1]",
+        "train.threads=1",
+        "population.rank_choices=[1,2,4,8]",
+        "train.client_cache=off",
+    ]
     prep = prepare(methods.load_config("configs/tiny.toml", base + ["population.memory_mib={104=0.5,112=0.5}"]))
     assert sorted(c.rank for c in prep.clients) == [2, 2, 4, 4]
     assert all(prep.budgets[c.cid] == {2: 104, 4: 112}[c.rank] for c in prep.clients)
     assert prep.roster()["0"]["memory_mib"] == prep.budgets[0] and prep.footprint is fake
-    cfg = methods.load_config("configs/tiny.toml", base + ["population.memory_mib={104=0.5,112=0.5}",
-                                                           "federation.rounds=1", "output.plots=false"])
+    cfg = methods.load_config(
+        "configs/tiny.toml",
+        base + ["population.memory_mib={104=0.5,112=0.5}", "federation.rounds=1", "output.plots=false"],
+    )
     summary = run_method(prep, cfg, tmp_path / "run")  # the method's clients get the budgets' ranks
     assert summary["rank_counts"] == {"2": 2, "4": 2}
-    with pytest.raises(Exception, match="population.memory_mib: client 0's budget of 100 MiB holds no rank of "
-                                        "\\[1, 2, 4, 8\\] \\(rank 1 needs 101 MiB"):
+    with pytest.raises(
+        Exception,
+        match="population.memory_mib: client 0's budget of 100 MiB holds no rank of "
+        "\\[1, 2, 4, 8\\] \\(rank 1 needs 101 MiB",
+    ):
         prepare(methods.load_config("configs/tiny.toml", base + ["population.memory_mib={100=1.0}"]))

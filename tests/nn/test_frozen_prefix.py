@@ -1,12 +1,17 @@
 import torch
-
-from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
 from torch.nn import functional as F
 
 from nestfed.evaluation.lm import evaluate_lm
 from nestfed.federation.training import Batch
-from nestfed.nn.frozen_prefix import (causal_lm_loss, first_adapted_layer, labelled_length, labelled_logits, lm_logits,
-                                   prefix_features)
+from nestfed.nn.frozen_prefix import (
+    causal_lm_loss,
+    first_adapted_layer,
+    labelled_length,
+    labelled_logits,
+    lm_logits,
+    prefix_features,
+)
+from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
 
 
 def test_split_forward_equals_full_model(tiny):
@@ -37,9 +42,9 @@ def test_labelled_logits_equal_full_head_on_labelled_positions_and_same_loss_and
     set_adapter_state(m, {k: torch.randn_like(v) for k, v in get_adapter_state(m).items()})
     ids = torch.randint(0, 258, (3, 16))
     labels = torch.full_like(ids, -100)
-    labels[0, 5] = ids[0, 5]                 # one answer token (multiple choice)
-    labels[1, 9:] = ids[1, 9:]               # a response (instruction tuning)
-    labels[2, 1:] = ids[2, 1:]               # every token (causal LM)
+    labels[0, 5] = ids[0, 5]  # one answer token (multiple choice)
+    labels[1, 9:] = ids[1, 9:]  # a response (instruction tuning)
+    labels[2, 1:] = ids[2, 1:]  # every token (causal LM)
     full = lm_logits(m, ids)
     logits, targets = labelled_logits(m, labels, ids)
     assert logits.shape == (1 + 7 + 15, 258)

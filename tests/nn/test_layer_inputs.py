@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from nestfed.config import ModelConfig
 from nestfed.errors import ConfigError
@@ -15,8 +14,16 @@ from nestfed.nn.backbone import byte_tokenizer, load_backbone, tiny_model
 from nestfed.nn.frozen_prefix import lm_logits, prefix_features
 from nestfed.nn.layer_inputs import check_architecture, decoder_inputs, layer_types, positional_mask
 
-COMMON = dict(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+COMMON = dict(
+    vocab_size=258,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=256,
+    tie_word_embeddings=False,
+)
 
 
 def qwen2_sliding(attn: str = "sdpa") -> Qwen2ForCausalLM:
@@ -45,9 +52,11 @@ def maskless_logits(model, ids):
     return model.lm_head(inner.norm(h))
 
 
-@pytest.mark.parametrize("build", [lambda: qwen2_sliding("sdpa"), lambda: qwen2_sliding("eager"),
-                                   lambda: llama("eager")], ids=["qwen2-window-sdpa", "qwen2-window-eager",
-                                                                 "llama-eager"])
+@pytest.mark.parametrize(
+    "build",
+    [lambda: qwen2_sliding("sdpa"), lambda: qwen2_sliding("eager"), lambda: llama("eager")],
+    ids=["qwen2-window-sdpa", "qwen2-window-eager", "llama-eager"],
+)
 @torch.no_grad()
 def test_prefix_logits_equal_the_models_own(build):
     model = build()
@@ -85,8 +94,10 @@ def test_positional_masks_take_the_implementations_format():
     own = positional_mask(config, q, k, torch.float32, window=2, sink=1, own_window=5)[0, 0]
     assert own.tolist() == [seen[0], [False] + seen[1][1:]]
     assert positional_mask(config, torch.arange(3, 6), k, torch.float32, window=3)[0, 0].tolist() == [
-        [False, True, True, True, False, False], [False, False, True, True, True, False],
-        [False, False, False, True, True, True]]
+        [False, True, True, True, False, False],
+        [False, False, True, True, True, False],
+        [False, False, False, True, True, True],
+    ]
     config._attn_implementation = "eager"
     additive = positional_mask(config, q, k, torch.float32, window=2, sink=1)[0, 0]
     assert torch.equal(additive, torch.where(torch.tensor(seen), 0.0, torch.finfo(torch.float32).min))

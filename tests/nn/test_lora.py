@@ -1,10 +1,20 @@
 import pytest
 import torch
 
-from nestfed.nn.lora import (LoraLinear, active_rank, get_adapter_state, init_adapter_state, inject_lora,
-                                   lora_modules, module_of, module_shapes, peft_key, set_adapter_state,
-                                   target_module_names)
 from nestfed.nn.frozen_prefix import lm_logits
+from nestfed.nn.lora import (
+    LoraLinear,
+    active_rank,
+    get_adapter_state,
+    init_adapter_state,
+    inject_lora,
+    lora_modules,
+    module_of,
+    module_shapes,
+    peft_key,
+    set_adapter_state,
+    target_module_names,
+)
 
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -49,7 +59,10 @@ def test_layers_selection_and_regex(tiny_llama):
     m = tiny_llama.model
     assert target_module_names(m, ("q_proj",), layers=(-1,)) == ["model.layers.1.self_attn.q_proj"]
     assert target_module_names(m, (r"model\.layers\.0\.mlp\..*",)) == [
-        "model.layers.0.mlp.gate_proj", "model.layers.0.mlp.up_proj", "model.layers.0.mlp.down_proj"]
+        "model.layers.0.mlp.gate_proj",
+        "model.layers.0.mlp.up_proj",
+        "model.layers.0.mlp.down_proj",
+    ]
     with pytest.raises(ValueError, match="matched no Linear"):
         target_module_names(m, ("nope",))
     with pytest.raises(ValueError, match="out of range"):

@@ -4,10 +4,17 @@ on q, k, v, beta's projection, the gate) and nothing else, chunkwise and recurre
 import pytest
 import torch
 
-from nestfed.nn.lora import inject_lora, lora_modules
-from nestfed.nn.memory import (MemorySettings, alpha_schedule, install_memory, memory_arrays, memory_rules,
-                                     set_constant_alpha, set_memory_enabled)
 from nestfed.nn.frozen_prefix import causal_lm_loss, lm_logits
+from nestfed.nn.lora import inject_lora, lora_modules
+from nestfed.nn.memory import (
+    MemorySettings,
+    alpha_schedule,
+    install_memory,
+    memory_arrays,
+    memory_rules,
+    set_constant_alpha,
+    set_memory_enabled,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -134,10 +141,11 @@ def test_memory_arrays_name_parameters(tiny_llama):
     model = tiny_llama.model
     install_memory(model, MemorySettings(gate="learned"), layers=(-1,))
     arrays = memory_arrays(model)
-    assert sorted(arrays) == [f"base_model.model.model.layers.1.self_attn.memory.{n}"
-                              for n in ("beta_bias", "beta_weight", "gate_logit")]
+    assert sorted(arrays) == [
+        f"base_model.model.model.layers.1.self_attn.memory.{n}" for n in ("beta_bias", "beta_weight", "gate_logit")
+    ]
     for k, v in arrays.items():
-        assert torch.equal(model.get_parameter(k[len("base_model.model."):]).detach(), v)
+        assert torch.equal(model.get_parameter(k[len("base_model.model.") :]).detach(), v)
 
 
 @torch.no_grad()
@@ -147,9 +155,19 @@ def test_a_disabled_memory_keeps_the_q_and_k_norms_of_qwen3():
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(0)
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                         max_position_embeddings=256, tie_word_embeddings=False)).eval()
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=258,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
+    ).eval()
     for layer in model.model.layers:  # norms far from the identity, so dropping them would show
         layer.self_attn.q_norm.weight.uniform_(0.2, 3.0)
         layer.self_attn.k_norm.weight.uniform_(0.2, 3.0)
@@ -170,8 +188,9 @@ def test_left_padding_changes_nothing_in_the_memory_path(tiny_llama, gate, windo
     beta's average and the gate's convolution; under a window with attention sinks the sinks are
     the row's first real tokens, not its pads."""
     model = tiny_llama.model
-    install_memory(model, MemorySettings(gate=gate, alpha_init=0.5, beta_window=4, dynamic_kernel=3, window=window,
-                                         sink=sink))
+    install_memory(
+        model, MemorySettings(gate=gate, alpha_init=0.5, beta_window=4, dynamic_kernel=3, window=window, sink=sink)
+    )
     set_memory_enabled(model, True)
     torch.manual_seed(3)
     for rule in memory_rules(model).values():

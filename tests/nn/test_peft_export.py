@@ -3,11 +3,11 @@ import json
 import pytest
 import torch
 
+from nestfed.config import ModelConfig
+from nestfed.nn.backbone import load_backbone
+from nestfed.nn.frozen_prefix import lm_logits
 from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
 from nestfed.nn.peft_export import export_peft_adapter
-from nestfed.nn.backbone import load_backbone
-from nestfed.config import ModelConfig
-from nestfed.nn.frozen_prefix import lm_logits
 
 
 @pytest.mark.parametrize("family", ["tiny-llama", "tiny-qwen2"])
@@ -30,8 +30,12 @@ def test_peft_loads_exported_adapter_with_same_logits(tmp_path, family):
 
 
 def test_export_rejects_mixed_ranks(tmp_path):
-    state = {"base_model.model.a.lora_A.weight": torch.zeros(2, 3), "base_model.model.a.lora_B.weight": torch.zeros(3, 2),
-             "base_model.model.b.lora_A.weight": torch.zeros(4, 3), "base_model.model.b.lora_B.weight": torch.zeros(3, 4)}
+    state = {
+        "base_model.model.a.lora_A.weight": torch.zeros(2, 3),
+        "base_model.model.a.lora_B.weight": torch.zeros(3, 2),
+        "base_model.model.b.lora_A.weight": torch.zeros(4, 3),
+        "base_model.model.b.lora_B.weight": torch.zeros(3, 4),
+    }
     with pytest.raises(ValueError, match="one rank"):
         export_peft_adapter(state, 1.0, tmp_path / "x")
     assert not (tmp_path / "x").exists()

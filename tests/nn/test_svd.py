@@ -4,11 +4,24 @@ import pytest
 import torch
 from torch import nn
 
-from nestfed.nn.lora import inject_lora
-from nestfed.nn.svd import (DEFAULT_TARGET, SVDLinear, compute_bases, derive_compressed, layer_ranks,
-                                  load_bases, parameter_bytes, project, rank_for_ratio, reconstruct, save_bases,
-                                  select_layers, svd_modules, target_linear_names)
 from nestfed.nn.frozen_prefix import lm_logits
+from nestfed.nn.lora import inject_lora
+from nestfed.nn.svd import (
+    DEFAULT_TARGET,
+    SVDLinear,
+    compute_bases,
+    derive_compressed,
+    layer_ranks,
+    load_bases,
+    parameter_bytes,
+    project,
+    rank_for_ratio,
+    reconstruct,
+    save_bases,
+    select_layers,
+    svd_modules,
+    target_linear_names,
+)
 
 FULL = 100.0  # a ratio large enough for full rank at every layer of the tiny models
 

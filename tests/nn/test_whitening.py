@@ -5,11 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from nestfed.nn.lora import inject_lora
-from nestfed.nn.svd import (compute_bases, derive_compressed, layer_ranks, load_bases, project, reconstruct,
-                                  save_bases)
-from nestfed.nn.whitening import second_moments, token_hash, whitened_svd, whitening_factor
 from nestfed.nn.frozen_prefix import lm_logits
+from nestfed.nn.lora import inject_lora
+from nestfed.nn.svd import compute_bases, derive_compressed, layer_ranks, load_bases, project, reconstruct, save_bases
+from nestfed.nn.whitening import second_moments, token_hash, whitened_svd, whitening_factor
 
 FULL = 100.0  # full rank at every layer
 
@@ -88,6 +87,7 @@ def test_whitened_truncation_beats_plain_svd_on_a_tiny_models_own_activations(ti
     def record(name):
         def hook(_module, args):
             acts[name] = args[0].reshape(-1, args[0].shape[-1])
+
         return hook
 
     hooks = [model.get_submodule(n).register_forward_pre_hook(record(n)) for n in white]
@@ -159,8 +159,7 @@ def test_second_moments_are_the_linear_inputs_outer_products(tiny_llama):
         assert got.dtype == torch.float64 and torch.allclose(got, x.T @ x / 48, atol=1e-10)
     inject_lora(model, ("q_proj",), rank=2, scaling=1.0)
     again = second_moments(model, ids, names=["model.layers.0.self_attn.q_proj"])
-    assert torch.allclose(again["model.layers.0.self_attn.q_proj"], C["model.layers.0.self_attn.q_proj"],
-                          atol=1e-10)
+    assert torch.allclose(again["model.layers.0.self_attn.q_proj"], C["model.layers.0.self_attn.q_proj"], atol=1e-10)
     with pytest.raises(ValueError, match="non-empty"):
         second_moments(model, torch.zeros(0, 4, dtype=torch.long))
 
@@ -192,8 +191,9 @@ def test_isotropic_inputs_give_the_plain_svd():
     white = compute_bases(model, [0.5], pattern="proj", whitening={"proj": 5.0 * torch.eye(24)}, damping=0.0)["proj"]
     plain = compute_bases(model, [0.5], pattern="proj")["proj"]
     assert torch.allclose(white.S, plain.S, rtol=1e-5)
-    assert torch.allclose((white.U * plain.U).sum(0).abs(), torch.ones(white.U.shape[1], dtype=torch.float64),
-                          atol=1e-5)
+    assert torch.allclose(
+        (white.U * plain.U).sum(0).abs(), torch.ones(white.U.shape[1], dtype=torch.float64), atol=1e-5
+    )
     assert torch.allclose(white.D, white.V, atol=1e-10)
 
 

@@ -108,10 +108,8 @@ def test_chaining_equals_one_pass(fn):
     q, k, v, beta, h0 = make_inputs(2, 100, 2, 8, 6, init=True, seed=3)
     o_full, s_full = fn(q, k, v, beta, scale=0.5, initial_state=h0, chunk_size=16)
     cut = 37  # not a multiple of the chunk size
-    o1, s1 = fn(q[:, :cut], k[:, :cut], v[:, :cut], beta[:, :cut], scale=0.5,
-                initial_state=h0, chunk_size=16)
-    o2, s2 = fn(q[:, cut:], k[:, cut:], v[:, cut:], beta[:, cut:], scale=0.5,
-                initial_state=s1, chunk_size=16)
+    o1, s1 = fn(q[:, :cut], k[:, :cut], v[:, :cut], beta[:, :cut], scale=0.5, initial_state=h0, chunk_size=16)
+    o2, s2 = fn(q[:, cut:], k[:, cut:], v[:, cut:], beta[:, cut:], scale=0.5, initial_state=s1, chunk_size=16)
     torch.testing.assert_close(torch.cat([o1, o2], dim=1), o_full, rtol=1e-10, atol=1e-12)
     torch.testing.assert_close(s2, s_full, rtol=1e-10, atol=1e-12)
 
@@ -226,8 +224,14 @@ def _bad(name):
 def test_value_errors_name_the_argument(fn, name, pattern):
     args = _bad(name)
     with pytest.raises(ValueError, match=pattern):
-        fn(args["q"], args["k"], args["v"], args["beta"], initial_state=args["initial_state"],
-           chunk_size=args["chunk_size"])
+        fn(
+            args["q"],
+            args["k"],
+            args["v"],
+            args["beta"],
+            initial_state=args["initial_state"],
+            chunk_size=args["chunk_size"],
+        )
 
 
 def test_dispatcher_uses_chunkwise_on_cpu():
@@ -243,11 +247,25 @@ def test_dispatcher_passes_fla_arguments(monkeypatch):
     # No GPU here: check the wiring to fla's chunk_delta_rule with a stand-in of its signature.
     calls = {}
 
-    def fake_chunk_delta_rule(q, k, v, beta, scale=None, initial_state=None,
-                              output_final_state=False, use_qk_l2norm_in_kernel=False,
-                              cu_seqlens=None, head_first=False):
-        calls.update(scale=scale, initial_state=initial_state, beta_dtype=beta.dtype,
-                     output_final_state=output_final_state, head_first=head_first)
+    def fake_chunk_delta_rule(
+        q,
+        k,
+        v,
+        beta,
+        scale=None,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=False,
+        cu_seqlens=None,
+        head_first=False,
+    ):
+        calls.update(
+            scale=scale,
+            initial_state=initial_state,
+            beta_dtype=beta.dtype,
+            output_final_state=output_final_state,
+            head_first=head_first,
+        )
         return "o", "ht"
 
     monkeypatch.setattr(dr, "_fla_chunk_delta_rule", lambda: fake_chunk_delta_rule)
@@ -255,8 +273,9 @@ def test_dispatcher_passes_fla_arguments(monkeypatch):
     q, k, v, beta, h0 = make_inputs(1, 8, 2, 4, 4, dtype=torch.bfloat16, init=True)
     out = delta_rule(q, k, v, beta.float(), scale=0.125, initial_state=h0)
     assert out == ("o", "ht")
-    assert calls == dict(scale=0.125, initial_state=h0, beta_dtype=torch.bfloat16,
-                         output_final_state=True, head_first=False)
+    assert calls == dict(
+        scale=0.125, initial_state=h0, beta_dtype=torch.bfloat16, output_final_state=True, head_first=False
+    )
 
 
 def test_fla_absent_is_not_an_error(monkeypatch):
@@ -307,4 +326,8 @@ def test_bf16_inputs_under_cpu_autocast_follow_the_dtype_policy(fn):
     # differently there, the chunkwise form's own backward does not
     for g, r in zip(grads, grads_ref):
         assert g.dtype == torch.bfloat16
-        assert torch.equal(g, r) if fn is delta_rule_chunkwise else torch.allclose(g.float(), r.float(), rtol=2e-2, atol=2e-2)
+        assert (
+            torch.equal(g, r)
+            if fn is delta_rule_chunkwise
+            else torch.allclose(g.float(), r.float(), rtol=2e-2, atol=2e-2)
+        )

@@ -2,20 +2,62 @@
 (:mod:`nestfed.config.loader`). Method homes declare their own sections through a
 :class:`~nestfed.config.loader.Schema`; nestfed.methods builds the one every entry point uses."""
 
-from nestfed.config.loader import Schema, differences, dumps_toml, from_dict, load, parse_override, replace, to_dict
 from nestfed.config.evaluation import EvaluationConfig
+from nestfed.config.loader import Schema, differences, dumps_toml, from_dict, load, parse_override, replace, to_dict
 from nestfed.config.population import PopulationConfig
-from nestfed.config.schema import (CORE_SECTIONS, INLINE_CLIENTS, DataConfig, ExperimentConfig, FederationConfig,
-                                   LoraConfig, MemoryConfig, ModelConfig, OutputConfig, StrategyConfig, TrainConfig,
-                                   client_ranks, per_client_inline, r_max, sampled_per_round)
+from nestfed.config.schema import (
+    CORE_SECTIONS,
+    INLINE_CLIENTS,
+    DataConfig,
+    ExperimentConfig,
+    FederationConfig,
+    LoraConfig,
+    MemoryConfig,
+    ModelConfig,
+    OutputConfig,
+    StrategyConfig,
+    TrainConfig,
+    client_ranks,
+    per_client_inline,
+    r_max,
+    sampled_per_round,
+)
 from nestfed.config.server_optimizer import ServerOptimizerConfig
 from nestfed.config.tracking import TrackingConfig
 from nestfed.config.trust import AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig
 from nestfed.errors import ConfigError
 
-__all__ = ["AttackConfig", "CORE_SECTIONS", "ConfigError", "DataConfig", "EvaluationConfig", "ExperimentConfig",
-           "FederationConfig", "INLINE_CLIENTS", "LoraConfig", "MemoryConfig", "ModelConfig", "OutputConfig",
-           "PopulationConfig", "PrivacyConfig", "RobustConfig", "Schema", "ServerOptimizerConfig", "StrategyConfig",
-           "TrackingConfig", "TrainConfig", "ValidationConfig", "client_ranks", "differences", "dumps_toml",
-           "from_dict", "load", "parse_override", "per_client_inline", "r_max", "replace", "sampled_per_round",
-           "to_dict"]
+__all__ = [
+    "AttackConfig",
+    "CORE_SECTIONS",
+    "ConfigError",
+    "DataConfig",
+    "EvaluationConfig",
+    "ExperimentConfig",
+    "FederationConfig",
+    "INLINE_CLIENTS",
+    "LoraConfig",
+    "MemoryConfig",
+    "ModelConfig",
+    "OutputConfig",
+    "PopulationConfig",
+    "PrivacyConfig",
+    "RobustConfig",
+    "Schema",
+    "ServerOptimizerConfig",
+    "StrategyConfig",
+    "TrackingConfig",
+    "TrainConfig",
+    "ValidationConfig",
+    "client_ranks",
+    "differences",
+    "dumps_toml",
+    "from_dict",
+    "load",
+    "parse_override",
+    "per_client_inline",
+    "r_max",
+    "replace",
+    "sampled_per_round",
+    "to_dict",
+]

@@ -82,8 +82,12 @@ def _is_table(tp: Any) -> bool:
     """Whether ``tp`` is a {value: share} table: ``tuple[tuple[int, float], ...]`` (written as an
     inline TOML table, nestfed.config.population.Shares)."""
     args = typing.get_args(tp)
-    return (typing.get_origin(tp) is tuple and len(args) == 2 and args[1] is Ellipsis
-            and typing.get_args(args[0]) == (int, float))
+    return (
+        typing.get_origin(tp) is tuple
+        and len(args) == 2
+        and args[1] is Ellipsis
+        and typing.get_args(args[0]) == (int, float)
+    )
 
 
 def _key(k: Any, where: str) -> int:
@@ -107,9 +111,10 @@ def _section(cls: type, table: dict[str, Any], name: str, source: str, schema: S
     for key, value in table.items():
         if key not in known:
             moved = next((s for s in schema.sections if key.startswith(s + "_")), None)
-            where = f" (a method's options live in its own section: [{moved}] {key[len(moved) + 1:]})" if moved else ""
-            raise ConfigError(f"{source}: unknown key '{name}.{key}' (known: {', '.join(sorted(known))})"
-                              f"{where or _hint(key, known)}")
+            where = f" (a method's options live in its own section: [{moved}] {key[len(moved) + 1 :]})" if moved else ""
+            raise ConfigError(
+                f"{source}: unknown key '{name}.{key}' (known: {', '.join(sorted(known))}){where or _hint(key, known)}"
+            )
         kwargs[key] = _coerce(value, hints[key], f"{source}: {name}.{key}")
     try:
         return cls(**kwargs)
@@ -164,8 +169,9 @@ def validate(cfg: ExperimentConfig, source: str, schema: Schema) -> None:
     """The core checks, the method's name, then the method's own cross-section checks.
     Raises ConfigError("<source>: <section.key>: <reason>")."""
     if schema.methods and cfg.strategy.name not in schema.methods:
-        raise ConfigError(f"{source}: strategy.name: unknown method '{cfg.strategy.name}' "
-                          f"(known: {', '.join(schema.methods)})")
+        raise ConfigError(
+            f"{source}: strategy.name: unknown method '{cfg.strategy.name}' (known: {', '.join(schema.methods)})"
+        )
     try:
         check_core(cfg)
         if schema.check is not None:
@@ -217,8 +223,9 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     return data
 
 
-def load(path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), schema: Schema = Schema()
-         ) -> ExperimentConfig:
+def load(
+    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), schema: Schema = Schema()
+) -> ExperimentConfig:
     """Read a TOML experiment file (following ``extends``) and apply ``section.key=value`` overrides.
 
     Raises ConfigError (file missing or unreadable, not UTF-8, TOML syntax, unknown section or

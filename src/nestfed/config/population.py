@@ -71,7 +71,7 @@ class PopulationConfig:
         if self.memory_mib:
             if self.rank_choices:
                 return sorted(set(self.rank_choices))
-            return [2 ** i for i in range(int(math.log2(r_max_setting)) + 1)] if r_max_setting else []
+            return [2**i for i in range(int(math.log2(r_max_setting)) + 1)] if r_max_setting else []
         return []
 
 
@@ -99,13 +99,16 @@ def check_population(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setti
         raise ValueError("population.rank_shares and population.memory_mib both choose the ranks; set one")
     if p.draws_ranks and len(lora_ranks) > 1:
         which = "rank_shares" if p.rank_shares else "memory_mib"
-        raise ValueError(f"population.{which} draws the clients' ranks and lora.ranks lists {list(lora_ranks)}; "
-                         "set one (lora.ranks = [r] is then ignored)")
+        raise ValueError(
+            f"population.{which} draws the clients' ranks and lora.ranks lists {list(lora_ranks)}; "
+            "set one (lora.ranks = [r] is then ignored)"
+        )
     if any(r < 1 for r in p.rank_choices):
         raise ValueError(f"population.rank_choices: every rank must be >= 1, got {list(p.rank_choices)}")
     if p.memory_mib and not p.rank_choices and not r_max_setting:
-        raise ValueError("population.memory_mib: give population.rank_choices or lora.r_max (the ranks a "
-                         "budget chooses from)")
+        raise ValueError(
+            "population.memory_mib: give population.rank_choices or lora.r_max (the ranks a budget chooses from)"
+        )
     if p.rank_choices and not p.memory_mib:
         raise ValueError("population.rank_choices: only population.memory_mib chooses from it")
     if p.rank_draw not in RANK_DRAWS:
@@ -113,8 +116,9 @@ def check_population(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setti
     if p.elastic not in ELASTIC:
         raise ValueError(f"population.elastic: '{p.elastic}' is not one of {', '.join(ELASTIC)}")
     if (p.elastic == "trace") != bool(p.elastic_trace):
-        raise ValueError("population.elastic_trace: a trace file goes with population.elastic = 'trace', and only "
-                         "with it")
+        raise ValueError(
+            "population.elastic_trace: a trace file goes with population.elastic = 'trace', and only with it"
+        )
     if not 0 < p.availability <= 1:
         raise ValueError(f"population.availability must be in (0, 1], got {p.availability}")
     if not 0 <= p.dropout < 1:
@@ -145,8 +149,14 @@ def draw(shares: Shares, n: int, how: str, seed: int, stream: str) -> list[int]:
     return [int(v) for v in out[rng.permutation(n)]]
 
 
-def assign_ranks(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setting: int, num_clients: int, seed: int,
-                 footprint: Callable[[int], int] | None = None) -> tuple[list[int], list[int] | None]:
+def assign_ranks(
+    p: PopulationConfig,
+    lora_ranks: Sequence[int],
+    r_max_setting: int,
+    num_clients: int,
+    seed: int,
+    footprint: Callable[[int], int] | None = None,
+) -> tuple[list[int], list[int] | None]:
     """(rank r_k of every client, its memory budget in MiB or None).
 
     From ``rank_shares`` (:func:`draw`, stream ``population/rank``), from ``memory_mib`` (budgets
@@ -159,8 +169,10 @@ def assign_ranks(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setting: 
         return draw(p.rank_shares, num_clients, p.rank_draw, seed, "population/rank"), None
     if p.memory_mib:
         if footprint is None:
-            raise ValueError("population.memory_mib: the ranks follow from the backbone's footprint, known once the "
-                             "experiment is prepared")
+            raise ValueError(
+                "population.memory_mib: the ranks follow from the backbone's footprint, known once the "
+                "experiment is prepared"
+            )
         budgets = draw(p.memory_mib, num_clients, p.rank_draw, seed, "population/memory")
         choices = p.support(r_max_setting)
         sizes = {r: footprint(r) for r in choices}
@@ -168,9 +180,11 @@ def assign_ranks(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setting: 
         for cid, mib in enumerate(budgets):
             fits = [r for r in choices if sizes[r] <= mib * 2**20]
             if not fits:
-                raise ValueError(f"population.memory_mib: client {cid}'s budget of {mib} MiB holds no rank of "
-                                 f"{choices} (rank {choices[0]} needs {sizes[choices[0]] / 2**20:.0f} MiB; "
-                                 "nestfed.nn.footprint)")
+                raise ValueError(
+                    f"population.memory_mib: client {cid}'s budget of {mib} MiB holds no rank of "
+                    f"{choices} (rank {choices[0]} needs {sizes[choices[0]] / 2**20:.0f} MiB; "
+                    "nestfed.nn.footprint)"
+                )
             out.append(max(fits))
         return out, budgets
     ranks = list(lora_ranks)

@@ -25,7 +25,8 @@ from nestfed.config.evaluation import EvaluationConfig, check_evaluation
 from nestfed.config.population import PopulationConfig, assign_ranks, check_population
 from nestfed.config.server_optimizer import ServerOptimizerConfig, check_server_optimizer
 from nestfed.config.tracking import TrackingConfig, check_tracking
-from nestfed.config.trust import (AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig, check_trust)
+from nestfed.config.trust import AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig, check_trust
+
 
 @dataclass(frozen=True)
 class ModelConfig:
@@ -249,12 +250,30 @@ class ExperimentConfig:
         try:
             return self.sections[name]
         except KeyError:
-            raise KeyError(f"no [{name}] section in this config (known: {', '.join(self.sections) or 'none'})") from None
+            raise KeyError(
+                f"no [{name}] section in this config (known: {', '.join(self.sections) or 'none'})"
+            ) from None
 
 
 #: The core sections, in the order a resolved config is written.
-CORE_SECTIONS = ("model", "lora", "data", "train", "strategy", "federation", "output", "memory", "validation",
-                 "robust", "privacy", "attack", "server_optimizer", "tracking", "population", "evaluation")
+CORE_SECTIONS = (
+    "model",
+    "lora",
+    "data",
+    "train",
+    "strategy",
+    "federation",
+    "output",
+    "memory",
+    "validation",
+    "robust",
+    "privacy",
+    "attack",
+    "server_optimizer",
+    "tracking",
+    "population",
+    "evaluation",
+)
 SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts", "file")
 TASKS = ("causal_lm", "instruction", "multiple_choice")
 PARTITIONS = ("label", "dirichlet", "inner_dirichlet", "pathological", "iid")
@@ -277,14 +296,14 @@ def client_ranks(cfg: ExperimentConfig, footprint=None) -> list[int]:
     """Rank r_k of every client: drawn by ``[population]`` (rank shares, or memory budgets through
     ``footprint(r) -> bytes``, nestfed.config.population.assign_ranks), else ``lora.ranks``
     broadcast. Raises ValueError when memory budgets need a footprint and none is given."""
-    return assign_ranks(cfg.population, cfg.lora.ranks, cfg.lora.r_max, cfg.data.num_clients, cfg.data.seed,
-                        footprint)[0]
+    return assign_ranks(cfg.population, cfg.lora.ranks, cfg.lora.r_max, cfg.data.num_clients, cfg.data.seed, footprint)[
+        0
+    ]
 
 
 def r_max(cfg: ExperimentConfig) -> int:
     """The global adapter's rank: ``lora.r_max`` or, when 0, the largest rank a client may have."""
     return cfg.lora.r_max or max(cfg.population.support(cfg.lora.r_max) or cfg.lora.ranks)
-
 
 
 def sampled_per_round(cfg: ExperimentConfig) -> int:
@@ -328,8 +347,10 @@ def check_core(cfg: ExperimentConfig) -> None:
         if not d.text_column:
             raise ValueError("data.text_column: the source 'file' needs the name of its text column")
         if not d.label_column and d.partition != "iid":
-            raise ValueError(f"data.label_column: the {d.partition} partition reads labels; name the label column "
-                             "or use partition = 'iid'")
+            raise ValueError(
+                f"data.label_column: the {d.partition} partition reads labels; name the label column "
+                "or use partition = 'iid'"
+            )
         if d.task != "causal_lm":
             raise ValueError("data.task: the source 'file' holds plain texts (task = 'causal_lm')")
     if not 0 < d.test_fraction < 1:
@@ -382,9 +403,11 @@ def check_core(cfg: ExperimentConfig) -> None:
     if cfg.evaluation.global_test and d.source == "niah":
         raise ValueError("evaluation.global_test: the niah clients have no shared records to draw from")
     if f.min_clients > sampled_per_round(cfg):
-        raise ValueError(f"federation.min_clients = {f.min_clients} is above the {sampled_per_round(cfg)} clients "
-                         f"sampled per round (federation.fraction = {f.fraction:g} of data.num_clients = "
-                         f"{d.num_clients}): no round could ever aggregate")
+        raise ValueError(
+            f"federation.min_clients = {f.min_clients} is above the {sampled_per_round(cfg)} clients "
+            f"sampled per round (federation.fraction = {f.fraction:g} of data.num_clients = "
+            f"{d.num_clients}): no round could ever aggregate"
+        )
     if any(r < 1 for r in cfg.output.truncations):
         raise ValueError(f"output.truncations: every rank must be >= 1, got {list(cfg.output.truncations)}")
     t = cfg.train
@@ -395,10 +418,19 @@ def check_core(cfg: ExperimentConfig) -> None:
     if t.client_memory_mb < 1 or t.client_cache_mb < 1:
         raise ValueError("train.client_memory_mb and train.client_cache_mb must be >= 1")
     if t.threads < 0 or t.eval_stream_chunk < 0 or t.eval_batch_size < 1 or t.micro_batch_size < 0:
-        raise ValueError("train.threads, train.eval_stream_chunk and train.micro_batch_size must be >= 0, "
-                         "train.eval_batch_size >= 1")
-    check_trust(cfg.validation, cfg.robust, cfg.privacy, cfg.attack, d.num_clients, sampled_per_round(cfg),
-                f.fraction, f.sampling)
+        raise ValueError(
+            "train.threads, train.eval_stream_chunk and train.micro_batch_size must be >= 0, train.eval_batch_size >= 1"
+        )
+    check_trust(
+        cfg.validation,
+        cfg.robust,
+        cfg.privacy,
+        cfg.attack,
+        d.num_clients,
+        sampled_per_round(cfg),
+        f.fraction,
+        f.sampling,
+    )
     check_server_optimizer(cfg.server_optimizer)
     check_tracking(cfg.tracking)
     m = cfg.memory

@@ -61,8 +61,9 @@ def check_server_optimizer(o: ServerOptimizerConfig) -> None:
         low = o.name.lower()
         guess = _HINTS.get(low[3:] if low.startswith("fed") else low)
         hint = f"; did you mean '{guess}'?" if guess else ""
-        raise ValueError(f"server_optimizer.name: unknown server optimiser '{o.name}' (known: {', '.join(NAMES)})"
-                         f"{hint}")
+        raise ValueError(
+            f"server_optimizer.name: unknown server optimiser '{o.name}' (known: {', '.join(NAMES)}){hint}"
+        )
     if not o.lr > 0:
         raise ValueError(f"server_optimizer.lr: the server learning rate eta must be > 0, got {o.lr}")
     if not 0 <= o.momentum < 1:
@@ -71,5 +72,7 @@ def check_server_optimizer(o: ServerOptimizerConfig) -> None:
         if not 0 <= getattr(o, key) < 1:
             raise ValueError(f"server_optimizer.{key}: the decay parameters must be in [0, 1), got {getattr(o, key)}")
     if not o.tau > 0:
-        raise ValueError(f"server_optimizer.tau: the adaptivity tau must be > 0 (it bounds the step's "
-                         f"denominator sqrt(v) + tau), got {o.tau}")
+        raise ValueError(
+            f"server_optimizer.tau: the adaptivity tau must be > 0 (it bounds the step's "
+            f"denominator sqrt(v) + tau), got {o.tau}"
+        )

@@ -30,5 +30,7 @@ class TrackingConfig:
 def check_tracking(t: TrackingConfig) -> None:
     """Check ``[tracking]``. Raises ValueError("tracking.<key>: <reason>") for a value at fault."""
     if t.mlflow_uri and "://" not in t.mlflow_uri and not t.mlflow_uri.startswith("databricks"):
-        raise ValueError(f"tracking.mlflow_uri: '{t.mlflow_uri}' is not a URI (e.g. sqlite:///runs/mlflow.db or "
-                         "http://localhost:5000)")
+        raise ValueError(
+            f"tracking.mlflow_uri: '{t.mlflow_uri}' is not a URI (e.g. sqlite:///runs/mlflow.db or "
+            "http://localhost:5000)"
+        )

@@ -92,8 +92,16 @@ class AttackConfig:
     value: float = 1e9
 
 
-def check_trust(v: ValidationConfig, r: RobustConfig, p: PrivacyConfig, a: AttackConfig, num_clients: int,
-                sampled: int, fraction: float, sampling: str) -> None:
+def check_trust(
+    v: ValidationConfig,
+    r: RobustConfig,
+    p: PrivacyConfig,
+    a: AttackConfig,
+    num_clients: int,
+    sampled: int,
+    fraction: float,
+    sampling: str,
+) -> None:
     """Check the trust sections. Raises ValueError("<section.key>: <reason>") for the first value at fault.
 
     num_clients: K; sampled: clients per round (Krum's m must allow its f); fraction and sampling:
@@ -106,8 +114,9 @@ def check_trust(v: ValidationConfig, r: RobustConfig, p: PrivacyConfig, a: Attac
     if v.on_norm not in NORM_ACTIONS:
         raise ValueError(f"validation.on_norm must be 'reject' or 'clip', got '{v.on_norm}'")
     if not (v.norm_ratio == 0 or v.norm_ratio >= 1):
-        raise ValueError(f"validation.norm_ratio must be 0 (off) or >= 1 (a multiple of the peers' median), "
-                         f"got {v.norm_ratio}")
+        raise ValueError(
+            f"validation.norm_ratio must be 0 (off) or >= 1 (a multiple of the peers' median), got {v.norm_ratio}"
+        )
     if v.stall_rounds < 0:
         raise ValueError(f"validation.stall_rounds must be >= 0 (0 = never stop), got {v.stall_rounds}")
     if p.noise_multiplier < 0:  # refused whether privacy is on or not: a value that would be wrong if it were
@@ -115,13 +124,16 @@ def check_trust(v: ValidationConfig, r: RobustConfig, p: PrivacyConfig, a: Attac
     if r.rule not in RULES:
         raise ValueError(f"robust.rule: unknown rule '{r.rule}' (known: {', '.join(RULES)})")
     if not 0 <= r.trim_fraction < 0.5:
-        raise ValueError(f"robust.trim_fraction must be in [0, 0.5) (it drops that fraction at each end), "
-                         f"got {r.trim_fraction}")
+        raise ValueError(
+            f"robust.trim_fraction must be in [0, 0.5) (it drops that fraction at each end), got {r.trim_fraction}"
+        )
     if r.byzantine < 0:
         raise ValueError(f"robust.byzantine must be >= 0, got {r.byzantine}")
     if r.rule in ("krum", "multi_krum") and sampled < 2 * r.byzantine + 3:
-        raise ValueError(f"robust.byzantine: Krum tolerates f byzantine clients among m >= 2f + 3; {sampled} clients "
-                         f"per round tolerate at most f = {max(0, (sampled - 3) // 2)}, got f = {r.byzantine}")
+        raise ValueError(
+            f"robust.byzantine: Krum tolerates f byzantine clients among m >= 2f + 3; {sampled} clients "
+            f"per round tolerate at most f = {max(0, (sampled - 3) // 2)}, got f = {r.byzantine}"
+        )
     if r.multi_krum_keep < 0 or r.multi_krum_keep > sampled:
         raise ValueError(f"robust.multi_krum_keep must be in [0, {sampled}] (0 = m - f), got {r.multi_krum_keep}")
     if p.mode not in PRIVACY_MODES:
@@ -134,11 +146,15 @@ def check_trust(v: ValidationConfig, r: RobustConfig, p: PrivacyConfig, a: Attac
         if not 0 < p.delta < 1:
             raise ValueError(f"privacy.delta must be in (0, 1), got {p.delta}")
         if p.mode == "central" and r.rule != "mean":
-            raise ValueError(f"privacy.mode: central DP replaces the aggregation rule by its noisy mean; "
-                             f"robust.rule = '{r.rule}' cannot be combined with it")
+            raise ValueError(
+                f"privacy.mode: central DP replaces the aggregation rule by its noisy mean; "
+                f"robust.rule = '{r.rule}' cannot be combined with it"
+            )
         if p.mode == "central" and fraction < 1 and sampling != "poisson":
-            raise ValueError("federation.sampling: central DP with federation.fraction < 1 needs "
-                             "sampling = 'poisson' (the accountant's subsampling amplification assumes it)")
+            raise ValueError(
+                "federation.sampling: central DP with federation.fraction < 1 needs "
+                "sampling = 'poisson' (the accountant's subsampling amplification assumes it)"
+            )
     if a.kind not in ATTACKS:
         raise ValueError(f"attack.kind: unknown attack '{a.kind}' (known: {', '.join(ATTACKS)})")
     bad = [c for c in a.clients if not 0 <= c < num_clients]

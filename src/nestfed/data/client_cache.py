@@ -72,11 +72,19 @@ def key(cfg: ExperimentConfig, cid: int) -> str:
     """The SHA-256 (hex) naming client ``cid``'s prepared data under ``cfg`` (see the module
     docstring for what it covers)."""
     d = to_dict(cfg)
-    inputs = {"format": FORMAT, "cid": cid, "model": d["model"], "data": d["data"],
-              "lora": {k: d["lora"][k] for k in ("target_modules", "layers")},
-              "train": {k: d["train"][k] for k in ("cache_frozen_prefix", "eval_batch_size")},
-              "threads": torch.get_num_threads(), "torch": torch.__version__, "transformers": transformers.__version__,
-              "path": _path_stamp(cfg.data.path), "code": code_digest()}
+    inputs = {
+        "format": FORMAT,
+        "cid": cid,
+        "model": d["model"],
+        "data": d["data"],
+        "lora": {k: d["lora"][k] for k in ("target_modules", "layers")},
+        "train": {k: d["train"][k] for k in ("cache_frozen_prefix", "eval_batch_size")},
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "path": _path_stamp(cfg.data.path),
+        "code": code_digest(),
+    }
     if cfg.attack.kind in DATA_ATTACKS and cid in cfg.attack.clients:
         inputs["attack"] = d["attack"]
         inputs["seed"] = cfg.federation.seed
@@ -90,15 +98,24 @@ def path_for(cache_dir: str | Path, cfg: ExperimentConfig, cid: int) -> Path:
 
 def save(path: str | Path, data: ClientData) -> Path:
     """Write ``data`` to ``path`` atomically (see the module docstring). Raises OSError."""
-    tensors = {"train_ids": data.train_ids, "train_labels": data.train_labels, "test_ids": data.test_ids,
-               "test_labels": data.test_labels}
+    tensors = {
+        "train_ids": data.train_ids,
+        "train_labels": data.train_labels,
+        "test_ids": data.test_ids,
+        "test_labels": data.test_labels,
+    }
     for name in _OPTIONAL:
         if getattr(data, name) is not None:
             tensors[name] = getattr(data, name)
     for name, rows in (data.test_groups or {}).items():
         tensors[f"group/{name}"] = rows
-    meta = {"format": FORMAT, "start": str(data.start), "label": data.label,
-            "letter_ids": json.dumps(data.letter_ids), "groups": json.dumps(sorted(data.test_groups or {}))}
+    meta = {
+        "format": FORMAT,
+        "start": str(data.start),
+        "label": data.label,
+        "letter_ids": json.dumps(data.letter_ids),
+        "groups": json.dumps(sorted(data.test_groups or {})),
+    }
     return atomic.write_tensors(path, tensors, meta)
 
 
@@ -115,10 +132,18 @@ def load(path: str | Path) -> ClientData | None:
             return None
         t = load_file(str(path))
         groups = json.loads(meta["groups"])
-        return ClientData(t["train_ids"], t["train_labels"], t["test_ids"], t["test_labels"],
-                          train_hidden=t.get("train_hidden"), test_hidden=t.get("test_hidden"),
-                          start=int(meta["start"]), letter_ids=json.loads(meta["letter_ids"]), label=meta["label"],
-                          test_groups={g: t[f"group/{g}"] for g in groups} or None)
+        return ClientData(
+            t["train_ids"],
+            t["train_labels"],
+            t["test_ids"],
+            t["test_labels"],
+            train_hidden=t.get("train_hidden"),
+            test_hidden=t.get("test_hidden"),
+            start=int(meta["start"]),
+            letter_ids=json.loads(meta["letter_ids"]),
+            label=meta["label"],
+            test_groups={g: t[f"group/{g}"] for g in groups} or None,
+        )
     except (SafetensorError, OSError, KeyError, ValueError):
         return None
 

@@ -27,8 +27,8 @@ from nestfed.data.niah import niah_clients
 from nestfed.errors import DataError
 from nestfed.nn.frozen_prefix import labelled_length, prefix_features
 
-
 log = logging.getLogger(__name__)
+
 
 @dataclass
 class ClientData:
@@ -65,10 +65,12 @@ class ClientData:
             was = model.training  # the frozen layers' outputs, as evaluation sees them
             model.eval()
             try:
-                self.train_hidden = prefix_features(model, self.train_ids, start, batch_size,
-                                                    labelled_length(self.train_labels))
-                self.test_hidden = prefix_features(model, self.test_ids, start, batch_size,
-                                                   labelled_length(self.test_labels))
+                self.train_hidden = prefix_features(
+                    model, self.train_ids, start, batch_size, labelled_length(self.train_labels)
+                )
+                self.test_hidden = prefix_features(
+                    model, self.test_ids, start, batch_size, labelled_length(self.test_labels)
+                )
             finally:
                 model.train(was)
 
@@ -144,12 +146,19 @@ def _partition(labels: list[str], d: DataConfig) -> list[list[int]]:
     if not client_labels:  # one natural id per client: the first num_clients labels, sorted
         distinct = sorted(set(labels))
         if len(distinct) < d.num_clients:
-            raise ConfigError(f"data.client_labels: {d.num_clients} clients but only {len(distinct)} labels "
-                              f"({', '.join(distinct)}); list the labels of each client")
+            raise ConfigError(
+                f"data.client_labels: {d.num_clients} clients but only {len(distinct)} labels "
+                f"({', '.join(distinct)}); list the labels of each client"
+            )
         if len(distinct) > d.num_clients:  # said, never silent: these records train no one
-            log.warning("data.partition: label gives the %d clients the first %d of %d labels; %s go unused "
-                        "(set data.client_labels to choose)", d.num_clients, d.num_clients, len(distinct),
-                        ", ".join(distinct[d.num_clients:]))
+            log.warning(
+                "data.partition: label gives the %d clients the first %d of %d labels; %s go unused "
+                "(set data.client_labels to choose)",
+                d.num_clients,
+                d.num_clients,
+                len(distinct),
+                ", ".join(distinct[d.num_clients :]),
+            )
         return partition.natural_id(labels, distinct[: d.num_clients])
     if len(client_labels) != d.num_clients:
         raise ConfigError(f"data.client_labels: {len(client_labels)} entries for data.num_clients = {d.num_clients}")
@@ -205,8 +214,10 @@ def load_partitions(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str]
         raise ConfigError(f"data.partition: {exc}") from None
     empty = [cid for cid, idx in enumerate(parts) if not idx]
     if empty:
-        raise DataError(f"client {', '.join(map(str, empty))}: empty partition (data.partition = {d.partition} gave "
-                        "it no records); change the partition's settings or data.num_clients")
+        raise DataError(
+            f"client {', '.join(map(str, empty))}: empty partition (data.partition = {d.partition} gave "
+            "it no records); change the partition's settings or data.num_clients"
+        )
     return records, labels, parts
 
 
@@ -252,19 +263,28 @@ class ClientSource:
             if self._niah is None:
                 self._niah = _niah_client_data(self.cfg, self.tokenizer)[0]
             n = self._niah[cid]  # a copy: what the pool builds from it is changed in place (poisoning, prefix)
-            return ClientData(n.train_ids.clone(), n.train_labels.clone(), n.test_ids.clone(), n.test_labels.clone(),
-                              letter_ids=n.letter_ids, label=n.label,
-                              test_groups={g: i.clone() for g, i in (n.test_groups or {}).items()} or None)
+            return ClientData(
+                n.train_ids.clone(),
+                n.train_labels.clone(),
+                n.test_ids.clone(),
+                n.test_labels.clone(),
+                letter_ids=n.letter_ids,
+                label=n.label,
+                test_groups={g: i.clone() for g, i in (n.test_groups or {}).items()} or None,
+            )
         records, labels, parts = self.loaded
         train_idx, test_idx = self.records_of(cid)
         train = tokenise(records, train_idx, d, self.tokenizer, d.max_train)
         test = tokenise(records, test_idx, d, self.tokenizer, d.max_test)
         if len(train) == 0 or len(test) == 0:
-            raise DataError(f"client {cid}: no {'training' if len(train) == 0 else 'test'} examples after "
-                            f"partitioning ({len(parts[cid])} records); lower data.block_size or add data")
+            raise DataError(
+                f"client {cid}: no {'training' if len(train) == 0 else 'test'} examples after "
+                f"partitioning ({len(parts[cid])} records); lower data.block_size or add data"
+            )
         letter_ids = tasks.letter_token_ids(self.tokenizer) if d.task == "multiple_choice" else None
-        return ClientData(train.input_ids, train.labels, test.input_ids, test.labels, letter_ids=letter_ids,
-                          label=self.label(cid))
+        return ClientData(
+            train.input_ids, train.labels, test.input_ids, test.labels, letter_ids=letter_ids, label=self.label(cid)
+        )
 
 
 def build_client_data(cfg: ExperimentConfig, tokenizer, loaded=None) -> tuple[dict[int, ClientData], list[list[str]]]:
@@ -289,7 +309,16 @@ def _niah_client_data(cfg: ExperimentConfig, tokenizer) -> tuple[dict[int, Clien
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     letter_ids = tasks.letter_token_ids(tokenizer)
-    out = {cid: ClientData(c["train"].input_ids, c["train"].labels, c["test"].input_ids, c["test"].labels,
-                           letter_ids=letter_ids, label=c["label"], test_groups=c["groups"])
-           for cid, c in enumerate(clients)}
+    out = {
+        cid: ClientData(
+            c["train"].input_ids,
+            c["train"].labels,
+            c["test"].input_ids,
+            c["test"].labels,
+            letter_ids=letter_ids,
+            label=c["label"],
+            test_groups=c["groups"],
+        )
+        for cid, c in enumerate(clients)
+    }
     return out, [[c["label"]] for c in clients]

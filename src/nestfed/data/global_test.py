@@ -32,5 +32,6 @@ def global_test_set(source: ClientSource, rows: int, num_clients: int, seed: int
         raise DataError("evaluation.global_test: the clients' held-out records give no row")
     empty = torch.zeros(0, test.input_ids.shape[1], dtype=torch.long)
     letter_ids = tasks.letter_token_ids(source.tokenizer) if d.task == "multiple_choice" else None
-    return ClientData(empty, empty.clone(), test.input_ids[:rows], test.labels[:rows], letter_ids=letter_ids,
-                      label="global")
+    return ClientData(
+        empty, empty.clone(), test.input_ids[:rows], test.labels[:rows], letter_ids=letter_ids, label="global"
+    )

@@ -34,8 +34,15 @@ def consumed_texts(texts: Sequence[str], tokenizer, block_size: int, max_blocks:
     return len(texts)
 
 
-def server_pools(records: Sequence, parts: Sequence[Sequence[int]], test_fraction: float, seed: int,
-                 tokenizer, block_size: int, max_train: int) -> list[list[int]]:
+def server_pools(
+    records: Sequence,
+    parts: Sequence[Sequence[int]],
+    test_fraction: float,
+    seed: int,
+    tokenizer,
+    block_size: int,
+    max_train: int,
+) -> list[list[int]]:
     """Per client, the indices of its records used by no client (neither train blocks nor test).
 
     Mirrors build_client_data's split (seed + cid) and packing (causal_lm). Returns one index list
@@ -50,8 +57,9 @@ def server_pools(records: Sequence, parts: Sequence[Sequence[int]], test_fractio
     return pools
 
 
-def server_text(records: Sequence, pools: Sequence[Sequence[int]], tokenizer, block_size: int,
-                blocks: int) -> tasks.TokenDataset:
+def server_text(
+    records: Sequence, pools: Sequence[Sequence[int]], tokenizer, block_size: int, blocks: int
+) -> tasks.TokenDataset:
     """``blocks`` blocks of ``block_size`` tokens drawn evenly from the clients' pools (ceil(blocks/K)
     per client, packed per client, then cut to ``blocks``). input_ids/labels [blocks, block_size];
     the labels are only for evaluation: elicitation never reads them.
@@ -63,8 +71,10 @@ def server_text(records: Sequence, pools: Sequence[Sequence[int]], tokenizer, bl
     for cid, pool in enumerate(pools):
         ds = tasks.pack_causal_lm([records[i].text for i in pool], tokenizer, block_size, max_blocks=per)
         if len(ds) < per:
-            raise DataError(f"client {cid}: only {len(ds)} held-out blocks for the server text "
-                            f"({per} needed); lower compression.server_blocks or data.max_train")
+            raise DataError(
+                f"client {cid}: only {len(ds)} held-out blocks for the server text "
+                f"({per} needed); lower compression.server_blocks or data.max_train"
+            )
         parts.append(ds.input_ids)
     ids = torch.cat(parts)[:blocks]
     return tasks.TokenDataset(ids, ids.clone())
@@ -78,7 +88,9 @@ def load_server_text(cfg, tokenizer, blocks: int, loaded=None) -> tasks.TokenDat
     """
     d = cfg.data
     if d.task != "causal_lm":
-        raise ConfigError(f"data.task: the server text is packed for language modelling and needs 'causal_lm', got '{d.task}'")
+        raise ConfigError(
+            f"data.task: the server text is packed for language modelling and needs 'causal_lm', got '{d.task}'"
+        )
     records, _, parts = loaded or load_partitions(d)
     pools = server_pools(records, parts, d.test_fraction, d.seed, tokenizer, d.block_size, d.max_train)
     return server_text(records, pools, tokenizer, d.block_size, blocks)

@@ -24,8 +24,10 @@ def local_file(path: str | Path, text_column: str, label_column: str = "") -> li
     path = Path(path)
     reader = READERS.get(path.suffix.lower())
     if reader is None:
-        raise DataError(f"data.path: {path} is not a JSON lines, JSON, CSV or parquet file "
-                        f"(suffix {path.suffix or 'none'}; known: {', '.join(READERS)})")
+        raise DataError(
+            f"data.path: {path} is not a JSON lines, JSON, CSV or parquet file "
+            f"(suffix {path.suffix or 'none'}; known: {', '.join(READERS)})"
+        )
     if not path.is_file():
         raise DataError(f"data.path: {path} does not exist")
     import datasets
@@ -34,8 +36,10 @@ def local_file(path: str | Path, text_column: str, label_column: str = "") -> li
     try:
         ds = getattr(datasets.Dataset, reader)(str(path))
     except Exception as exc:  # the readers raise many kinds (pyarrow, json, csv)
-        raise DataError(f"{path}: not a readable {path.suffix[1:]} file ({type(exc).__name__}: "
-                        f"{str(exc).splitlines()[0] if str(exc) else ''})") from None
+        raise DataError(
+            f"{path}: not a readable {path.suffix[1:]} file ({type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
     for field, col in (("data.text_column", text_column), ("data.label_column", label_column)):
         if col and col not in ds.column_names:
             raise ConfigError(f"{field}: {path} has no column '{col}' (its columns: {', '.join(ds.column_names)})")
@@ -43,9 +47,11 @@ def local_file(path: str | Path, text_column: str, label_column: str = "") -> li
     labels = ds[label_column] if label_column else ["all"] * len(texts)
     missing = [i for i, lab in enumerate(labels) if lab is None or (isinstance(lab, str) and not lab.strip())]
     if missing:
-        raise DataError(f"{path}: {len(missing)} rows have no value in data.label_column '{label_column}' (first: row "
-                        f"{missing[0] + 1}); give every row a label, or set data.label_column = \"\" and "
-                        "partition = \"iid\"")
+        raise DataError(
+            f"{path}: {len(missing)} rows have no value in data.label_column '{label_column}' (first: row "
+            f'{missing[0] + 1}); give every row a label, or set data.label_column = "" and '
+            'partition = "iid"'
+        )
     docs = [Document(str(t), str(lab)) for t, lab in zip(texts, labels) if t is not None and str(t).strip()]
     if not docs:
         raise DataError(f"{path}: no row has text in column '{text_column}'")

@@ -48,19 +48,124 @@ from nestfed.data.tasks import IGNORE_INDEX, TokenDataset, _answer_tokens, _bos,
 TEMPLATES = ("passkey", "uuid_code", "name_date", "phrase_code", "counter_state", "mk_niah", "mv_niah")
 EVENT_DEPTHS = (0.10, 0.30, 0.50, 0.70)
 
-SURNAMES = ("Hale", "Moreno", "Quinn", "Abbott", "Lindqvist", "Okafor", "Brennan", "Castillo", "Devereux", "Fischer",
-            "Gallagher", "Haddad", "Ivanova", "Jansen", "Kowalski", "Larkin", "Mbeki", "Nakamura", "Oyelaran", "Petrov",
-            "Rasmussen", "Sato", "Thorne", "Underwood", "Varga", "Whitaker", "Yilmaz", "Zielinski")
-MISSIONS = ("Aurora", "Bastion", "Cinder", "Driftwood", "Ember", "Falconry", "Glacier", "Harbor", "Ironwood", "Juniper",
-            "Keystone", "Lodestar", "Meridian", "Nightjar", "Obsidian", "Paragon", "Quarry", "Redwing")
-ADJECTIVES = ("silver", "crimson", "quiet", "amber", "hollow", "northern", "velvet", "broken", "golden", "pale",
-              "restless", "frozen", "distant", "scarlet", "iron", "hidden")
-NOUNS = ("falcon", "lantern", "harbor", "compass", "orchard", "meadow", "anchor", "beacon", "willow", "canyon",
-         "sparrow", "citadel", "glacier", "thistle", "comet", "ember")
-KEYWORDS = ("maple", "cobalt", "saffron", "granite", "lagoon", "pepper", "quartz", "tundra", "walnut", "zephyr",
-            "basil", "cedar", "delta", "fjord", "garnet", "hazel")
-MONTHS = ("January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
-          "November", "December")
+SURNAMES = (
+    "Hale",
+    "Moreno",
+    "Quinn",
+    "Abbott",
+    "Lindqvist",
+    "Okafor",
+    "Brennan",
+    "Castillo",
+    "Devereux",
+    "Fischer",
+    "Gallagher",
+    "Haddad",
+    "Ivanova",
+    "Jansen",
+    "Kowalski",
+    "Larkin",
+    "Mbeki",
+    "Nakamura",
+    "Oyelaran",
+    "Petrov",
+    "Rasmussen",
+    "Sato",
+    "Thorne",
+    "Underwood",
+    "Varga",
+    "Whitaker",
+    "Yilmaz",
+    "Zielinski",
+)
+MISSIONS = (
+    "Aurora",
+    "Bastion",
+    "Cinder",
+    "Driftwood",
+    "Ember",
+    "Falconry",
+    "Glacier",
+    "Harbor",
+    "Ironwood",
+    "Juniper",
+    "Keystone",
+    "Lodestar",
+    "Meridian",
+    "Nightjar",
+    "Obsidian",
+    "Paragon",
+    "Quarry",
+    "Redwing",
+)
+ADJECTIVES = (
+    "silver",
+    "crimson",
+    "quiet",
+    "amber",
+    "hollow",
+    "northern",
+    "velvet",
+    "broken",
+    "golden",
+    "pale",
+    "restless",
+    "frozen",
+    "distant",
+    "scarlet",
+    "iron",
+    "hidden",
+)
+NOUNS = (
+    "falcon",
+    "lantern",
+    "harbor",
+    "compass",
+    "orchard",
+    "meadow",
+    "anchor",
+    "beacon",
+    "willow",
+    "canyon",
+    "sparrow",
+    "citadel",
+    "glacier",
+    "thistle",
+    "comet",
+    "ember",
+)
+KEYWORDS = (
+    "maple",
+    "cobalt",
+    "saffron",
+    "granite",
+    "lagoon",
+    "pepper",
+    "quartz",
+    "tundra",
+    "walnut",
+    "zephyr",
+    "basil",
+    "cedar",
+    "delta",
+    "fjord",
+    "garnet",
+    "hazel",
+)
+MONTHS = (
+    "January",
+    "February",
+    "March",
+    "April",
+    "May",
+    "June",
+    "July",
+    "August",
+    "September",
+    "October",
+    "November",
+    "December",
+)
 
 
 @dataclass(frozen=True)
@@ -96,8 +201,15 @@ def _slots(depth: float) -> tuple[int, list[int]]:
     return gold, [i for i in range(4) if i != gold]
 
 
-def _facts(rng: random.Random, depth: float, subjects: list[str], values: list[str], sentence: str,
-           question: str, template: str) -> NiahItem:
+def _facts(
+    rng: random.Random,
+    depth: float,
+    subjects: list[str],
+    values: list[str],
+    sentence: str,
+    question: str,
+    template: str,
+) -> NiahItem:
     """Four facts "subject -> value": the gold (subjects[0]) at ``depth``, three decoys at the
     event depths other than the one nearest it; options = the four values, shuffled."""
     gold_slot, others = _slots(depth)
@@ -108,8 +220,15 @@ def _facts(rng: random.Random, depth: float, subjects: list[str], values: list[s
     order = list(range(4))
     rng.shuffle(order)
     options = tuple(values[i] for i in order)
-    return NiahItem(template, tuple(p[1] for p in placed), tuple(p[0] for p in placed),
-                    question.format(s=subjects[0]), options, order.index(0), depth)  # type: ignore[arg-type]
+    return NiahItem(
+        template,
+        tuple(p[1] for p in placed),
+        tuple(p[0] for p in placed),
+        question.format(s=subjects[0]),
+        options,
+        order.index(0),
+        depth,
+    )  # type: ignore[arg-type]
 
 
 def make_item(template: str, rng: random.Random, depth: float = 0.5) -> NiahItem:
@@ -123,22 +242,50 @@ def make_item(template: str, rng: random.Random, depth: float = 0.5) -> NiahItem
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"NIAH depth must be a fraction in [0, 1], got {depth}")
     if template == "passkey":
-        return _facts(rng, depth, rng.sample(SURNAMES, 4), _distinct(rng, lambda: str(rng.randint(10**6, 10**7 - 1)), 4),
-                      "Officer {s}'s passkey is {v}.", "What is Officer {s}'s passkey?", template)
+        return _facts(
+            rng,
+            depth,
+            rng.sample(SURNAMES, 4),
+            _distinct(rng, lambda: str(rng.randint(10**6, 10**7 - 1)), 4),
+            "Officer {s}'s passkey is {v}.",
+            "What is Officer {s}'s passkey?",
+            template,
+        )
     if template == "uuid_code":
         hexes = "0123456789ABCDEF"
         devices = _distinct(rng, lambda: f"{rng.choice('BCDKMRTX')}{rng.choice('BCDKMRTX')}-{rng.randint(10, 99)}", 4)
         codes = _distinct(rng, lambda: "-".join("".join(rng.choice(hexes) for _ in range(4)) for _ in range(3)), 4)
-        return _facts(rng, depth, devices, codes, "The access code of device {s} is {v}.",
-                      "What is the access code of device {s}?", template)
+        return _facts(
+            rng,
+            depth,
+            devices,
+            codes,
+            "The access code of device {s} is {v}.",
+            "What is the access code of device {s}?",
+            template,
+        )
     if template == "name_date":
         dates = _distinct(rng, lambda: f"{rng.choice(MONTHS)} {rng.randint(1, 28)}, {rng.randint(1950, 2020)}", 4)
-        return _facts(rng, depth, rng.sample(SURNAMES, 4), dates, "Officer {s} filed the report on {v}.",
-                      "On what date did Officer {s} file the report?", template)
+        return _facts(
+            rng,
+            depth,
+            rng.sample(SURNAMES, 4),
+            dates,
+            "Officer {s} filed the report on {v}.",
+            "On what date did Officer {s} file the report?",
+            template,
+        )
     if template == "phrase_code":
         phrases = _distinct(rng, lambda: f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}", 4)
-        return _facts(rng, depth, rng.sample(MISSIONS, 4), phrases, "The codeword for mission {s} is {v}.",
-                      "What is the codeword for mission {s}?", template)
+        return _facts(
+            rng,
+            depth,
+            rng.sample(MISSIONS, 4),
+            phrases,
+            "The codeword for mission {s} is {v}.",
+            "What is the codeword for mission {s}?",
+            template,
+        )
     if template == "counter_state":
         base = rng.randint(0, 20)
         deltas = [rng.choice([-1, 1]) * rng.randint(1, 9) for _ in range(3)]
@@ -153,8 +300,15 @@ def make_item(template: str, rng: random.Random, depth: float = 0.5) -> NiahItem
         values += [r for r in rng.sample(range(8), 8) if r not in values][: 4 - len(values)]
         order = list(range(4))
         rng.shuffle(order)
-        return NiahItem(template, tuple(needles), EVENT_DEPTHS, "After all the changes, what is the counter's value "
-                        "modulo 8?", tuple(str(values[i]) for i in order), order.index(0), EVENT_DEPTHS[-1])  # type: ignore[arg-type]
+        return NiahItem(
+            template,
+            tuple(needles),
+            EVENT_DEPTHS,
+            "After all the changes, what is the counter's value modulo 8?",
+            tuple(str(values[i]) for i in order),
+            order.index(0),
+            EVENT_DEPTHS[-1],
+        )  # type: ignore[arg-type]
     gold_slot, others = _slots(depth)
     if template == "mk_niah":
         keys = rng.sample(KEYWORDS, 4)
@@ -171,8 +325,15 @@ def make_item(template: str, rng: random.Random, depth: float = 0.5) -> NiahItem
         values = words
     order = [gold_slot] + others
     rng.shuffle(order)
-    return NiahItem(template, needles, EVENT_DEPTHS, question, tuple(values[i] for i in order),  # type: ignore[arg-type]
-                    order.index(gold_slot), EVENT_DEPTHS[gold_slot])
+    return NiahItem(
+        template,
+        needles,
+        EVENT_DEPTHS,
+        question,
+        tuple(values[i] for i in order),  # type: ignore[arg-type]
+        order.index(gold_slot),
+        EVENT_DEPTHS[gold_slot],
+    )
 
 
 # ----------------------------------------------------------------------------- haystacks
@@ -215,12 +376,12 @@ class Haystack:
         if fits:
             d = rng.choice(fits)
             s = rng.randint(0, len(d) - n)
-            return d[s:s + n]
+            return d[s : s + n]
         joined = [t for d in self.docs for t in d]
         while len(joined) < n:
             joined += joined
         s = rng.randint(0, len(joined) - n)
-        return joined[s:s + n]
+        return joined[s : s + n]
 
     def insertion_point(self, hay: list[int], depth: float, lo: int) -> int:
         """The first sentence boundary at or after ``depth * len(hay)`` (and after ``lo``); the
@@ -237,7 +398,9 @@ def _ends_sentence(text: str) -> bool:
     return "\n" in text or t.endswith((".", "!", "?", '."', ".'"))
 
 
-def render(item: NiahItem, tokenizer, haystack: Haystack, length: int, rng: random.Random) -> tuple[list[int], list[int], float]:
+def render(
+    item: NiahItem, tokenizer, haystack: Haystack, length: int, rng: random.Random
+) -> tuple[list[int], list[int], float]:
     """One example of exactly ``length`` tokens: the BOS token (where the tokenizer puts one,
     :func:`nestfed.data.tasks.bos_id`), haystack with the needles inserted, the question prompt,
     the gold letter (the only labelled token).
@@ -251,8 +414,10 @@ def render(item: NiahItem, tokenizer, haystack: Haystack, length: int, rng: rand
     ids: list[int] = _bos(tokenizer)
     n_hay = length - 1 - len(ids) - len(question) - sum(len(x) for x in needles)
     if n_hay < 32:
-        raise ValueError(f"NIAH length {length} leaves {n_hay} haystack tokens for template {item.template} "
-                         "(need >= 32); use longer contexts")
+        raise ValueError(
+            f"NIAH length {length} leaves {n_hay} haystack tokens for template {item.template} "
+            "(need >= 32); use longer contexts"
+        )
     hay = haystack.span(rng, n_hay)
     prev = 0
     gold_at = 0.0
@@ -269,8 +434,9 @@ def render(item: NiahItem, tokenizer, haystack: Haystack, length: int, rng: rand
     return ids, labels, gold_at
 
 
-def niah_dataset(template: str, n: int, length: int, depths: Sequence[float], tokenizer, haystack: Haystack,
-                 seed: int) -> tuple[TokenDataset, list[dict]]:
+def niah_dataset(
+    template: str, n: int, length: int, depths: Sequence[float], tokenizer, haystack: Haystack, seed: int
+) -> tuple[TokenDataset, list[dict]]:
     """``n`` examples of ``template`` at context ``length`` tokens, the gold depths cycling through
     ``depths`` (equal counts per depth); seeded (same arguments, same tensors).
 
@@ -313,8 +479,10 @@ def niah_clients(d, tokenizer) -> list[dict]:
     """
     templates = list(d.niah_templates) or list(TEMPLATES)
     if len(templates) != d.num_clients:
-        raise ValueError(f"data.niah_templates: {len(templates)} templates for data.num_clients = {d.num_clients} "
-                         "(one template per client)")
+        raise ValueError(
+            f"data.niah_templates: {len(templates)} templates for data.num_clients = {d.num_clients} "
+            "(one template per client)"
+        )
     for t in templates:
         if t not in TEMPLATES:
             raise ValueError(f"data.niah_templates: unknown template '{t}' (known: {', '.join(TEMPLATES)})")
@@ -322,19 +490,23 @@ def niah_clients(d, tokenizer) -> list[dict]:
     train_hay, test_hay = Haystack(texts, tokenizer, "train"), Haystack(texts, tokenizer, "test")
     out = []
     for cid, t in enumerate(templates):
-        train, _ = niah_dataset(t, d.max_train, d.niah_train_length, d.niah_depths, tokenizer, train_hay,
-                                seed=d.seed * 1000 + cid)
+        train, _ = niah_dataset(
+            t, d.max_train, d.niah_train_length, d.niah_depths, tokenizer, train_hay, seed=d.seed * 1000 + cid
+        )
         parts, meta = [], []
         for length in d.niah_test_lengths:
-            ds, m = niah_dataset(t, d.max_test, length, d.niah_depths, tokenizer, test_hay,
-                                 seed=d.seed * 1000 + 500 + cid)
+            ds, m = niah_dataset(
+                t, d.max_test, length, d.niah_depths, tokenizer, test_hay, seed=d.seed * 1000 + 500 + cid
+            )
             parts.append(ds)
             meta += m
         width = max(p.input_ids.shape[1] for p in parts)
         pad = _pad_id(tokenizer)
-        ids = torch.cat([torch.nn.functional.pad(p.input_ids, (0, width - p.input_ids.shape[1]), value=pad)
-                         for p in parts])
-        labs = torch.cat([torch.nn.functional.pad(p.labels, (0, width - p.labels.shape[1]), value=IGNORE_INDEX)
-                          for p in parts])
+        ids = torch.cat(
+            [torch.nn.functional.pad(p.input_ids, (0, width - p.input_ids.shape[1]), value=pad) for p in parts]
+        )
+        labs = torch.cat(
+            [torch.nn.functional.pad(p.labels, (0, width - p.labels.shape[1]), value=IGNORE_INDEX) for p in parts]
+        )
         out.append({"train": train, "test": TokenDataset(ids, labs), "groups": group_rows(meta), "label": t})
     return out

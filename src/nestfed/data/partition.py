@@ -58,8 +58,10 @@ def by_label(labels: Sequence[str], client_labels: Sequence[Sequence[str]], seed
             labs = [labs]
         for lab in dict.fromkeys(labs):  # dedupe, keep order
             if lab not in groups:
-                raise ValueError(f"by_label: client {c} lists label '{lab}', which no item has "
-                                 f"(labels present: {', '.join(map(str, groups))})")
+                raise ValueError(
+                    f"by_label: client {c} lists label '{lab}', which no item has "
+                    f"(labels present: {', '.join(map(str, groups))})"
+                )
             owners.setdefault(lab, []).append(c)
     rng = np.random.default_rng(seed)
     clients: list[list[int]] = [[] for _ in client_labels]
@@ -99,8 +101,9 @@ def iid(n: int, num_clients: int, seed: int = 0) -> list[list[int]]:
     return _flwr_partitions({"index": perm.tolist()}, IidPartitioner(num_clients), num_clients)
 
 
-def dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int = 0,
-              min_size: int = 1) -> list[list[int]]:
+def dirichlet(
+    labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int = 0, min_size: int = 1
+) -> list[list[int]]:
     """Label-Dirichlet non-IID split (Hsu et al. 2019; flwr-datasets' ``DirichletPartitioner``
     with self-balancing, the NIID-Bench variant): for each label, client proportions
     p ~ Dir(alpha * 1), clients already holding more than N / num_clients items get no more; the
@@ -120,25 +123,32 @@ def dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: 
     if num_clients * min_size > n:
         raise ValueError(f"dirichlet: {num_clients} clients x min_size {min_size} exceeds the {n} items")
     try:
-        return _flwr_partitions({"label": [str(x) for x in labels], "index": list(range(n))},
-                                _dirichlet_partitioner(num_clients, alpha, min_size, seed), num_clients)
+        return _flwr_partitions(
+            {"label": [str(x) for x in labels], "index": list(range(n))},
+            _dirichlet_partitioner(num_clients, alpha, min_size, seed),
+            num_clients,
+        )
     except ValueError as exc:
         most = largest_dirichlet(labels, alpha, seed, min_size, num_clients - 1)
-        raise ValueError(f"dirichlet: {exc} (alpha={alpha}, N={n}, {num_clients} clients, min_size {min_size}); "
-                         f"at this alpha and min_size at most {most} clients can be served; for {num_clients}: partition = "
-                         "'inner_dirichlet' (equal shares, the same label mixes), unit = 'block' (the corpus as "
-                         "blocks: more items), or a larger alpha") from None
+        raise ValueError(
+            f"dirichlet: {exc} (alpha={alpha}, N={n}, {num_clients} clients, min_size {min_size}); "
+            f"at this alpha and min_size at most {most} clients can be served; for {num_clients}: partition = "
+            "'inner_dirichlet' (equal shares, the same label mixes), unit = 'block' (the corpus as "
+            "blocks: more items), or a larger alpha"
+        ) from None
 
 
 def _dirichlet_partitioner(num_clients: int, alpha: float, min_size: int, seed: int):
     from flwr_datasets.partitioner import DirichletPartitioner
 
-    return DirichletPartitioner(num_clients, "label", float(alpha), min_partition_size=min_size, self_balancing=True,
-                                shuffle=True, seed=seed)
+    return DirichletPartitioner(
+        num_clients, "label", float(alpha), min_partition_size=min_size, self_balancing=True, shuffle=True, seed=seed
+    )
 
 
-def largest_dirichlet(labels: Sequence[Hashable], alpha: float, seed: int = 0, min_size: int = 1,
-                      upper: int | None = None) -> int:
+def largest_dirichlet(
+    labels: Sequence[Hashable], alpha: float, seed: int = 0, min_size: int = 1, upper: int | None = None
+) -> int:
     """The largest client count up to ``upper`` (default N) for which :func:`dirichlet` succeeds
     with this seed, by bisection (a failure above a success is assumed, as the draws' retries make
     it in practice); 0 when even one client fails."""
@@ -200,8 +210,9 @@ def inner_dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, 
     return [sorted(p) for p in out]
 
 
-def pathological(labels: Sequence[Hashable], num_clients: int, classes_per_client: int,
-                 seed: int = 0) -> list[list[int]]:
+def pathological(
+    labels: Sequence[Hashable], num_clients: int, classes_per_client: int, seed: int = 0
+) -> list[list[int]]:
     """Pathological (label-based) split (McMahan et al. 2017's shards; flwr-datasets'
     ``PathologicalPartitioner``, ``first-deterministic``): client i holds ``classes_per_client``
     labels, the first label i mod L, the others drawn at random (seeded); each label's items are
@@ -213,12 +224,14 @@ def pathological(labels: Sequence[Hashable], num_clients: int, classes_per_clien
     if num_clients < 1:
         raise ValueError(f"pathological: num_clients must be >= 1, got {num_clients}")
     if not 1 <= classes_per_client <= distinct:
-        raise ValueError(f"pathological: classes_per_client must be in 1..{distinct} (the labels present), "
-                         f"got {classes_per_client}")
+        raise ValueError(
+            f"pathological: classes_per_client must be in 1..{distinct} (the labels present), got {classes_per_client}"
+        )
     from flwr_datasets.partitioner import PathologicalPartitioner
 
-    part = PathologicalPartitioner(num_clients, "label", classes_per_client, class_assignment_mode="first-deterministic",
-                                   shuffle=True, seed=seed)
+    part = PathologicalPartitioner(
+        num_clients, "label", classes_per_client, class_assignment_mode="first-deterministic", shuffle=True, seed=seed
+    )
     return _flwr_partitions({"label": [str(x) for x in labels], "index": list(range(len(labels)))}, part, num_clients)
 
 
@@ -229,8 +242,9 @@ def natural_id(labels: Sequence[Hashable], ids: Sequence[Hashable]) -> list[list
     present = {str(x) for x in labels}
     for i, x in enumerate(ids):
         if str(x) not in present:
-            raise ValueError(f"natural_id: client {i}'s id '{x}' is carried by no item "
-                             f"(ids present: {', '.join(sorted(present))})")
+            raise ValueError(
+                f"natural_id: client {i}'s id '{x}' is carried by no item (ids present: {', '.join(sorted(present))})"
+            )
     if len({str(x) for x in ids}) != len(ids):
         raise ValueError("natural_id: an id is given to two clients (use the label partition to split one)")
     from flwr_datasets.partitioner import NaturalIdPartitioner

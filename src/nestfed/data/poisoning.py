@@ -9,8 +9,9 @@ import torch
 from nestfed.data.clients import ClientData
 
 
-def poison_tokens(ids: torch.Tensor, labels: torch.Tensor, kind: str, vocab_size: int,
-                  generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+def poison_tokens(
+    ids: torch.Tensor, labels: torch.Tensor, kind: str, vocab_size: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Poisoned copies of ids [N, T] and labels [N, T] (-100 = no loss).
 
     shuffle: within each row the labelled positions' tokens are permuted (same words, no order);

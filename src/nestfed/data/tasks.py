@@ -53,11 +53,15 @@ class TokenDataset:
         for name in ("input_ids", "labels"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype != torch.long:
-                raise ValueError(f"TokenDataset.{name} must be a 2-D int64 tensor, got "
-                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+                raise ValueError(
+                    f"TokenDataset.{name} must be a 2-D int64 tensor, got "
+                    f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}"
+                )
         if self.input_ids.shape != self.labels.shape:
-            raise ValueError(f"TokenDataset: input_ids {tuple(self.input_ids.shape)} and labels "
-                             f"{tuple(self.labels.shape)} differ in shape")
+            raise ValueError(
+                f"TokenDataset: input_ids {tuple(self.input_ids.shape)} and labels "
+                f"{tuple(self.labels.shape)} differ in shape"
+            )
 
     def __len__(self) -> int:
         """Number of examples N."""
@@ -143,8 +147,9 @@ def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> TokenDataset:
 # ----------------------------------------------------------------------------- causal LM
 
 
-def pack_causal_lm(texts: Sequence[str], tokenizer, block_size: int, max_blocks: int | None = None,
-                   batch_size: int = 64) -> TokenDataset:
+def pack_causal_lm(
+    texts: Sequence[str], tokenizer, block_size: int, max_blocks: int | None = None, batch_size: int = 64
+) -> TokenDataset:
     """Pack documents into full blocks for language modelling.
 
     Each text is tokenised without special tokens and followed by eos; the streams are
@@ -170,7 +175,7 @@ def pack_causal_lm(texts: Sequence[str], tokenizer, block_size: int, max_blocks:
     for start in range(0, len(texts), max(1, batch_size)):
         if limit is not None and len(stream) >= limit:
             break
-        for ids in _encode(tokenizer, texts[start:start + batch_size]):
+        for ids in _encode(tokenizer, texts[start : start + batch_size]):
             stream.extend(ids)
             stream.append(eos)
     n_blocks = len(stream) // width
@@ -216,7 +221,7 @@ def instruction_examples(items: Sequence, tokenizer, max_length: int) -> TokenDa
     for p, r in zip(_encode(tokenizer, prompts), _encode(tokenizer, responses)):
         r = r + [eos]
         if len(p) > room - 1:
-            p = p[len(p) - max(room - 1, 0):]
+            p = p[len(p) - max(room - 1, 0) :]
         r = r[: max(1, room - len(p))]
         p = bos + p
         rows.append((p + r, [IGNORE_INDEX] * len(p) + r))
@@ -245,9 +250,8 @@ def _answer_tokens(tokenizer) -> tuple[list[int], list[int]]:
     conts = []
     for letter, full in zip(LETTERS, _encode(tokenizer, [f"Answer: {c}" for c in LETTERS])):
         if full[: len(base)] != base:
-            raise ValueError(f"letter_token_ids: 'Answer: {letter}' does not tokenise as 'Answer:' "
-                             "plus a continuation")
-        conts.append(full[len(base):])
+            raise ValueError(f"letter_token_ids: 'Answer: {letter}' does not tokenise as 'Answer:' plus a continuation")
+        conts.append(full[len(base) :])
     k = 0
     while all(len(c) > k for c in conts) and len({c[k] for c in conts}) == 1:
         k += 1
@@ -255,8 +259,10 @@ def _answer_tokens(tokenizer) -> tuple[list[int], list[int]]:
     letters = []
     for letter, c in zip(LETTERS, conts):
         if len(c) - k != 1:
-            raise ValueError(f"letter_token_ids: the answer letter '{letter}' after 'Answer:' is "
-                             f"{len(c) - k} tokens, not a single token")
+            raise ValueError(
+                f"letter_token_ids: the answer letter '{letter}' after 'Answer:' is "
+                f"{len(c) - k} tokens, not a single token"
+            )
         letters.append(int(c[k]))
     return [int(t) for t in bridge], letters
 
@@ -293,11 +299,12 @@ def multiple_choice_examples(items: Sequence, tokenizer, max_length: int) -> Tok
     rows = []
     for it, p in zip(items, _encode(tokenizer, prompts)):
         if not 0 <= int(it.answer) <= 3:
-            raise ValueError(f"multiple_choice_examples: answer {it.answer} outside 0-3 "
-                             f"(question '{it.question[:60]}')")
+            raise ValueError(
+                f"multiple_choice_examples: answer {it.answer} outside 0-3 (question '{it.question[:60]}')"
+            )
         p = p + bridge
         if len(p) > room - 1:
-            p = p[len(p) - max(room - 1, 0):]
+            p = p[len(p) - max(room - 1, 0) :]
         p = bos + p
         gold = letters[int(it.answer)]
         rows.append((p + [gold], [IGNORE_INDEX] * len(p) + [gold]))
@@ -336,8 +343,9 @@ def choice_logits(logits: torch.Tensor, labels: torch.Tensor, letter_ids: Sequen
     Raises ValueError on mismatched shapes or a row without exactly one labelled token.
     """
     if logits.dim() != 3 or logits.shape[:2] != labels.shape:
-        raise ValueError(f"choice_logits: logits {tuple(logits.shape)} must be [N, T, V] with "
-                         f"[N, T] = labels {tuple(labels.shape)}")
+        raise ValueError(
+            f"choice_logits: logits {tuple(logits.shape)} must be [N, T, V] with [N, T] = labels {tuple(labels.shape)}"
+        )
     ids = torch.as_tensor(letter_ids, dtype=torch.long, device=logits.device)
     if ids.numel() and (ids.min() < 0 or ids.max() >= logits.shape[-1]):
         raise ValueError(f"choice_logits: letter ids {ids.tolist()} outside the vocabulary ({logits.shape[-1]})")

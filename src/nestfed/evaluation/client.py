@@ -49,15 +49,28 @@ def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict
     if train.eval_stream_chunk > 0:
         return evaluate_streamed(model, d, train)
     if not d.test_groups:
-        return evaluate_lm(model, d.test_labels, None if d.test_hidden is not None else d.test_ids,
-                           d.test_hidden, d.start, train.eval_batch_size, d.letter_ids)
+        return evaluate_lm(
+            model,
+            d.test_labels,
+            None if d.test_hidden is not None else d.test_ids,
+            d.test_hidden,
+            d.start,
+            train.eval_batch_size,
+            d.letter_ids,
+        )
     results = []
     for name, idx in d.test_groups.items():
         lab = d.test_labels[idx]
         keep = int((lab != -100).any(0).nonzero().max()) + 1 if (lab != -100).any() else lab.shape[1]
-        ev = evaluate_lm(model, lab[:, :keep], None if d.test_hidden is not None else d.test_ids[idx, :keep],
-                         None if d.test_hidden is None else d.test_hidden[idx, :keep], d.start,
-                         train.eval_batch_size, d.letter_ids)
+        ev = evaluate_lm(
+            model,
+            lab[:, :keep],
+            None if d.test_hidden is not None else d.test_ids[idx, :keep],
+            None if d.test_hidden is None else d.test_hidden[idx, :keep],
+            d.start,
+            train.eval_batch_size,
+            d.letter_ids,
+        )
         results.append((name, ev, len(idx)))
     return pool_groups(results, per_group=True)
 
@@ -75,6 +88,14 @@ def evaluate_streamed(model: nn.Module, d: ClientData, train: TrainConfig) -> di
     window = max((r.settings.window for r in rules.values()), default=0) or 1024
     sink = max((r.settings.sink for r in rules.values()), default=0)
     groups = d.test_groups or {"all": torch.arange(d.test_ids.shape[0])}
-    results = [(name, stream_evaluate(model, d.test_ids[idx], d.test_labels[idx], train.eval_stream_chunk, window,
-                                      d.letter_ids, sink), len(idx)) for name, idx in groups.items()]
+    results = [
+        (
+            name,
+            stream_evaluate(
+                model, d.test_ids[idx], d.test_labels[idx], train.eval_stream_chunk, window, d.letter_ids, sink
+            ),
+            len(idx),
+        )
+        for name, idx in groups.items()
+    ]
     return pool_groups(results, per_group=bool(d.test_groups))

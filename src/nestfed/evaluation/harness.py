@@ -51,19 +51,56 @@ from nestfed.nn.placement import resolve_device, resolve_dtype
 
 #: FlowerTune's MMLU category groups (benchmarks.py, MMLU_CATEGORY), the three on the leaderboard
 CATEGORIES: dict[str, tuple[str, ...]] = {
-    "stem": ("abstract_algebra", "anatomy", "astronomy", "college_biology", "college_chemistry",
-             "college_computer_science", "college_mathematics", "college_physics", "computer_security",
-             "conceptual_physics", "electrical_engineering", "elementary_mathematics", "high_school_biology",
-             "high_school_chemistry", "high_school_computer_science", "high_school_mathematics",
-             "high_school_physics", "high_school_statistics", "machine_learning"),
-    "social_sciences": ("econometrics", "high_school_geography", "high_school_government_and_politics",
-                        "high_school_macroeconomics", "high_school_microeconomics", "high_school_psychology",
-                        "human_sexuality", "professional_psychology", "public_relations", "security_studies",
-                        "sociology", "us_foreign_policy"),
-    "humanities": ("formal_logic", "high_school_european_history", "high_school_us_history",
-                   "high_school_world_history", "international_law", "jurisprudence", "logical_fallacies",
-                   "moral_disputes", "moral_scenarios", "philosophy", "prehistory", "professional_law",
-                   "world_religions"),
+    "stem": (
+        "abstract_algebra",
+        "anatomy",
+        "astronomy",
+        "college_biology",
+        "college_chemistry",
+        "college_computer_science",
+        "college_mathematics",
+        "college_physics",
+        "computer_security",
+        "conceptual_physics",
+        "electrical_engineering",
+        "elementary_mathematics",
+        "high_school_biology",
+        "high_school_chemistry",
+        "high_school_computer_science",
+        "high_school_mathematics",
+        "high_school_physics",
+        "high_school_statistics",
+        "machine_learning",
+    ),
+    "social_sciences": (
+        "econometrics",
+        "high_school_geography",
+        "high_school_government_and_politics",
+        "high_school_macroeconomics",
+        "high_school_microeconomics",
+        "high_school_psychology",
+        "human_sexuality",
+        "professional_psychology",
+        "public_relations",
+        "security_studies",
+        "sociology",
+        "us_foreign_policy",
+    ),
+    "humanities": (
+        "formal_logic",
+        "high_school_european_history",
+        "high_school_us_history",
+        "high_school_world_history",
+        "international_law",
+        "jurisprudence",
+        "logical_fallacies",
+        "moral_disputes",
+        "moral_scenarios",
+        "philosophy",
+        "prehistory",
+        "professional_law",
+        "world_religions",
+    ),
 }
 INSTRUCTION = "Answer the following multiple choice question."
 LETTERS = "ABCD"
@@ -121,9 +158,18 @@ def sample_subjects(items: list[MultipleChoice], fraction: float, seed: int) -> 
 
 def _docs(items: list[MultipleChoice]) -> list[dict]:
     """lm-eval documents: question, choices, subject, the gold letter (lower case) and the prompt."""
-    return [{"question": x.question, "choices": list(x.choices), "subject": x.subject, "answer": x.answer,
-             "gold": LETTERS[x.answer].lower(), "prompt": prompt(x.question, x.choices), "doc_id": i}
-            for i, x in enumerate(items)]
+    return [
+        {
+            "question": x.question,
+            "choices": list(x.choices),
+            "subject": x.subject,
+            "answer": x.answer,
+            "gold": LETTERS[x.answer].lower(),
+            "prompt": prompt(x.question, x.choices),
+            "doc_id": i,
+        }
+        for i, x in enumerate(items)
+    ]
 
 
 def _extract_filter(resps, docs):
@@ -159,8 +205,10 @@ def questions(protocol: Protocol) -> dict[str, list[MultipleChoice]]:
     unknown = [c for c in protocol.categories if c not in CATEGORIES]
     if unknown:
         raise ConfigError(f"--categories: unknown {', '.join(unknown)} (known: {', '.join(CATEGORIES)})")
-    return {c: sample_subjects(mmlu(protocol.mmlu_root, "test", CATEGORIES[c]), protocol.fraction, protocol.seed)
-            for c in protocol.categories}
+    return {
+        c: sample_subjects(mmlu(protocol.mmlu_root, "test", CATEGORIES[c]), protocol.fraction, protocol.seed)
+        for c in protocol.categories
+    }
 
 
 def task_name(category: str, scoring: str) -> str:
@@ -183,25 +231,50 @@ def tasks(items_by_category: dict[str, list[MultipleChoice]]) -> list:
         def dataset(docs=docs, **_):
             return datasets.DatasetDict({"test": datasets.Dataset.from_list(docs)})
 
-        common = {"custom_dataset": dataset, "test_split": "test", "doc_to_text": "{{prompt}}", "num_fewshot": 0,
-                  "metadata": {"version": 1.0}}
-        out.append(ConfigurableTask(config={
-            **common, "task": task_name(category, "generation"), "doc_to_target": "{{gold}}",
-            "output_type": "generate_until",
-            "generation_kwargs": {"until": ["<|im_end|>"], "max_gen_toks": 1, "do_sample": False},
-            "filter_list": [{"name": "flowertune", "filter": [{"function": "custom", "filter_fn": _extract_filter}]}],
-            "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
-        }))
-        out.append(ConfigurableTask(config={
-            **common, "task": task_name(category, "loglik"), "doc_to_target": "{{answer}}",
-            "output_type": "multiple_choice", "doc_to_choice": list(LETTERS), "target_delimiter": "",
-            "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
-        }))
+        common = {
+            "custom_dataset": dataset,
+            "test_split": "test",
+            "doc_to_text": "{{prompt}}",
+            "num_fewshot": 0,
+            "metadata": {"version": 1.0},
+        }
+        out.append(
+            ConfigurableTask(
+                config={
+                    **common,
+                    "task": task_name(category, "generation"),
+                    "doc_to_target": "{{gold}}",
+                    "output_type": "generate_until",
+                    "generation_kwargs": {"until": ["<|im_end|>"], "max_gen_toks": 1, "do_sample": False},
+                    "filter_list": [
+                        {"name": "flowertune", "filter": [{"function": "custom", "filter_fn": _extract_filter}]}
+                    ],
+                    "metric_list": [{"metric": "exact_match", "aggregation": "mean", "higher_is_better": True}],
+                }
+            )
+        )
+        out.append(
+            ConfigurableTask(
+                config={
+                    **common,
+                    "task": task_name(category, "loglik"),
+                    "doc_to_target": "{{answer}}",
+                    "output_type": "multiple_choice",
+                    "doc_to_choice": list(LETTERS),
+                    "target_delimiter": "",
+                    "metric_list": [{"metric": "acc", "aggregation": "mean", "higher_is_better": True}],
+                }
+            )
+        )
     return out
 
 
-def evaluate(backbone_dir: str | Path, adapter_dir: str | Path | None, protocol: Protocol,
-             items_by_category: dict[str, list[MultipleChoice]] | None = None) -> dict[str, dict[str, list[int]]]:
+def evaluate(
+    backbone_dir: str | Path,
+    adapter_dir: str | Path | None,
+    protocol: Protocol,
+    items_by_category: dict[str, list[MultipleChoice]] | None = None,
+) -> dict[str, dict[str, list[int]]]:
     """Score the Hugging Face model in ``backbone_dir`` (with the PEFT adapter in ``adapter_dir``
     on top, if given) on FlowerTune's protocol through ``lm_eval.simple_evaluate``, on the
     protocol's device in its dtype (fp32 on the CPU).
@@ -225,10 +298,18 @@ def evaluate(backbone_dir: str | Path, adapter_dir: str | Path | None, protocol:
     model_args = {"pretrained": str(backbone_dir), "dtype": dtype, "device": device}
     if adapter_dir is not None:
         model_args["peft"] = str(adapter_dir)
-    res = lm_eval.simple_evaluate(model="hf", model_args=model_args, tasks=tasks(items),
-                                  batch_size=protocol.batch_size, log_samples=True, bootstrap_iters=0,
-                                  random_seed=protocol.seed, numpy_random_seed=protocol.seed,
-                                  torch_random_seed=protocol.seed, fewshot_random_seed=protocol.seed)
+    res = lm_eval.simple_evaluate(
+        model="hf",
+        model_args=model_args,
+        tasks=tasks(items),
+        batch_size=protocol.batch_size,
+        log_samples=True,
+        bootstrap_iters=0,
+        random_seed=protocol.seed,
+        numpy_random_seed=protocol.seed,
+        torch_random_seed=protocol.seed,
+        fewshot_random_seed=protocol.seed,
+    )
     out: dict[str, dict[str, list[int]]] = {s: {} for s in SCORINGS}
     for scoring, metric in zip(SCORINGS, ("exact_match", "acc")):
         for category, its in items.items():

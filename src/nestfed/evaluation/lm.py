@@ -13,9 +13,15 @@ from nestfed.nn.frozen_prefix import labelled_logits
 
 
 @torch.no_grad()
-def evaluate_lm(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor | None = None,
-                hidden: torch.Tensor | None = None, start: int = 0, batch_size: int = 8,
-                letter_ids: list[int] | None = None) -> dict[str, float]:
+def evaluate_lm(
+    model: nn.Module,
+    labels: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    start: int = 0,
+    batch_size: int = 8,
+    letter_ids: list[int] | None = None,
+) -> dict[str, float]:
     """Token-weighted next-token cross-entropy over a dataset.
 
     labels: [N, T] (HF convention, -100 ignored); input_ids: [N, T] or hidden: [N, T, d] entering
@@ -29,8 +35,9 @@ def evaluate_lm(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor 
     for i in range(0, N, batch_size):
         sl = slice(i, i + batch_size)
         lab = labels[sl]
-        logits, targets = labelled_logits(model, lab, None if input_ids is None else input_ids[sl],
-                                                 None if hidden is None else hidden[sl], start)
+        logits, targets = labelled_logits(
+            model, lab, None if input_ids is None else input_ids[sl], None if hidden is None else hidden[sl], start
+        )
         total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
         count += int(targets.numel())
         if letters is not None:

@@ -51,8 +51,9 @@ class StreamStats:
 
 
 @contextmanager
-def streaming(model: nn.Module, mode: str = "memory", window: int = 512,
-              sink: int = 0, sink_positions: str = "cache") -> Iterator[dict[int, LayerStream]]:
+def streaming(
+    model: nn.Module, mode: str = "memory", window: int = 512, sink: int = 0, sink_positions: str = "cache"
+) -> Iterator[dict[int, LayerStream]]:
     """Attach a fresh :class:`LayerStream` to every attention layer for the duration of a stream.
 
     mode: ``memory`` -- layers whose memory is enabled run it, every softmax path uses the window;
@@ -80,12 +81,15 @@ def streaming(model: nn.Module, mode: str = "memory", window: int = 512,
     rules = memory_rules(model)
     missing = [i for i in attention_modules(model) if i not in rules]
     if missing:
-        raise ValueError(f"streaming needs a memory module on every attention layer; layer {missing[0]} has none "
-                         "(install_memory(model, settings) on all layers; disabled ones run plain attention)")
+        raise ValueError(
+            f"streaming needs a memory module on every attention layer; layer {missing[0]} has none "
+            "(install_memory(model, settings) on all layers; disabled ones run plain attention)"
+        )
     streams = {}
     for i, rule in rules.items():
-        streams[i] = LayerStream(window=0 if mode == "full" else window, memory=mode == "memory", sink=sink,
-                                 sink_positions=sink_positions)
+        streams[i] = LayerStream(
+            window=0 if mode == "full" else window, memory=mode == "memory", sink=sink, sink_positions=sink_positions
+        )
         rule.stream = streams[i]
     try:
         yield streams
@@ -118,9 +122,11 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
             continue
         kind, scale = rope_kind(model, types[i])
         if kind not in STATIC_ROPE:
-            raise ValueError(f"sink_positions 'cache' needs position-independent RoPE frequencies "
-                             f"({', '.join(STATIC_ROPE)}); this model's rope_type is '{kind}': "
-                             "use sink_positions 'absolute'")
+            raise ValueError(
+                f"sink_positions 'cache' needs position-independent RoPE frequencies "
+                f"({', '.join(STATIC_ROPE)}); this model's rope_type is '{kind}': "
+                "use sink_positions 'absolute'"
+            )
         cos, sin = rotary(model, ref[:1].unsqueeze(0), torch.tensor([[delta]], device=ref.device), types[i])
         st.sink_rotation = (cos / scale, sin / scale)  # each [1, 1, D]
 
@@ -154,16 +160,26 @@ def _nll_of_chunk(logits: torch.Tensor, prev_last: torch.Tensor | None, ids: tor
         parts.append(F.cross_entropy(prev_last.to(dt), ids[:, 0], reduction="none").unsqueeze(1))
     if ids.shape[1] > 1:
         lg = logits[:, :-1].to(dt)
-        parts.append(F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1),
-                                     reduction="none").view(ids.shape[0], -1))
+        parts.append(
+            F.cross_entropy(lg.reshape(-1, lg.shape[-1]), ids[:, 1:].reshape(-1), reduction="none").view(
+                ids.shape[0], -1
+            )
+        )
     return torch.cat(parts, dim=1) if parts else logits.new_zeros(ids.shape[0], 0, dtype=dt)
 
 
 @torch.no_grad()
-def stream_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, mode: str = "memory", window: int = 512,
-               stats: StreamStats | None = None, sink: int = 0,
-               on_chunk: Callable[[int, StreamStats], None] | None = None,
-               sink_positions: str = "cache") -> torch.Tensor:
+def stream_nll(
+    model: nn.Module,
+    ids: torch.Tensor,
+    chunk: int = 1024,
+    mode: str = "memory",
+    window: int = 512,
+    stats: StreamStats | None = None,
+    sink: int = 0,
+    on_chunk: Callable[[int, StreamStats], None] | None = None,
+    sink_positions: str = "cache",
+) -> torch.Tensor:
     """Next-token NLL (nats; fp32, fp64 for an fp64 model) of tokens 1..N-1 of ``ids`` [B, N], streamed ``chunk`` tokens
     at a time through the model's memory layers (see :func:`streaming` for ``mode``, ``window``,
     ``sink`` and ``sink_positions``; with sinks at cache positions the NLL depends on ``chunk``).
@@ -182,7 +198,7 @@ def stream_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, mode: str
     prev_last = None
     with streaming(model, mode, window, sink, sink_positions) as streams:
         for n, start in enumerate(range(0, ids.shape[1], chunk)):
-            part = ids[:, start:start + chunk]
+            part = ids[:, start : start + chunk]
             logits = _chunk_logits(model, part, start)
             out.append(_nll_of_chunk(logits, prev_last, part))
             prev_last = logits[:, -1]
@@ -196,8 +212,13 @@ def stream_nll(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, mode: str
 
 
 @torch.no_grad()
-def stream_nll_hf(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, stats: StreamStats | None = None,
-                  on_chunk: Callable[[int, StreamStats], None] | None = None) -> torch.Tensor:
+def stream_nll_hf(
+    model: nn.Module,
+    ids: torch.Tensor,
+    chunk: int = 1024,
+    stats: StreamStats | None = None,
+    on_chunk: Callable[[int, StreamStats], None] | None = None,
+) -> torch.Tensor:
     """The plain-attention baseline: the same NLL [B, N - 1] through Hugging Face's DynamicCache,
     whose keys and values grow with every token (the backbone as it ships).
 
@@ -209,7 +230,7 @@ def stream_nll_hf(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, stats:
     cache = DynamicCache(config=model.config)
     out, prev_last = [], None
     for n, start in enumerate(range(0, ids.shape[1], chunk)):
-        part = ids[:, start:start + chunk]
+        part = ids[:, start : start + chunk]
         with autocast(model):
             logits = model(input_ids=to_model(model, part), past_key_values=cache, use_cache=True).logits
         out.append(_nll_of_chunk(logits, prev_last, part))
@@ -217,8 +238,14 @@ def stream_nll_hf(model: nn.Module, ids: torch.Tensor, chunk: int = 1024, stats:
         del logits
         stats.tokens += part.shape[1]
         stats.chunks += 1
-        stats.state_bytes.append(sum(t.numel() * t.element_size() for layer in cache.layers
-                                     for t in (layer.keys, layer.values) if t is not None))
+        stats.state_bytes.append(
+            sum(
+                t.numel() * t.element_size()
+                for layer in cache.layers
+                for t in (layer.keys, layer.values)
+                if t is not None
+            )
+        )
         if on_chunk is not None:
             on_chunk(n, stats)
     return torch.cat(out, dim=1)
@@ -237,16 +264,23 @@ def binned_ce(nll: torch.Tensor, bin_size: int = 1024) -> dict[str, list[float]]
     x = nll.float().mean(0) if nll.dim() == 2 else nll.float()
     ce, tokens = [], []
     for s in range(0, x.numel(), bin_size):
-        b = x[s:s + bin_size]
+        b = x[s : s + bin_size]
         ce.append(float(b.mean()))
         tokens.append(int(b.numel()))
     return {"ce": ce, "relative": [c / ce[0] for c in ce], "tokens": tokens}
 
 
 @torch.no_grad()
-def stream_evaluate(model: nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, chunk: int, window: int,
-                    letter_ids: list[int] | None = None, sink: int = 0,
-                    sink_positions: str = "cache") -> dict[str, float]:
+def stream_evaluate(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    window: int,
+    letter_ids: list[int] | None = None,
+    sink: int = 0,
+    sink_positions: str = "cache",
+) -> dict[str, float]:
     """Held-out metrics of right-padded rows, each streamed alone at constant memory (mode
     ``memory``: enabled memory layers run their memory, every softmax path sees ``window``
     tokens). For contexts whose one-pass forward does not fit (NIAH at 8K/16K on a CPU).
@@ -269,17 +303,17 @@ def stream_evaluate(model: nn.Module, input_ids: torch.Tensor, labels: torch.Ten
         if marked.numel() == 0:
             continue
         end = int(marked.max()) + 1
-        ids = input_ids[r:r + 1, :end]
+        ids = input_ids[r : r + 1, :end]
         want = set((marked - 1).clamp(min=0).tolist())  # positions whose logits predict a label
         with streaming(model, "memory", window, sink, sink_positions):
             for start in range(0, end, chunk):
-                part = ids[:, start:start + chunk]
+                part = ids[:, start : start + chunk]
                 logits = _chunk_logits(model, part, start)[0]  # [t, V]
                 for p in sorted(x for x in want if start <= x < start + part.shape[1]):
                     if p + 1 >= end or int(lab[p + 1]) == -100:
                         continue
                     row = logits[p - start].float().cpu()  # one row of logits [V], in host memory
-                    total += float(F.cross_entropy(row.unsqueeze(0), lab[p + 1:p + 2]))
+                    total += float(F.cross_entropy(row.unsqueeze(0), lab[p + 1 : p + 2]))
                     count += 1
                     if letters is not None:
                         correct += int(letters[row[letters].argmax()] == lab[p + 1])

@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from nestfed import methods
-from nestfed.config import ExperimentConfig, client_ranks, r_max
-from nestfed.config import ConfigError
+from nestfed.config import ConfigError, ExperimentConfig, client_ranks, r_max
 from nestfed.experiments.prepare import prepare
 from nestfed.experiments.run import new_run_dir, run_method
 from nestfed.federation.loop import OnEvent
@@ -34,7 +33,9 @@ COMPRESSED = ("fedslm", "fedmkt")
 def baseline_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
     """The config of one method: FedAvg at rank lora.r_max for every client; others as given."""
     if method == "fedavg":
-        return methods.replace_config(cfg, strategy={"name": method}, lora={"ranks": (r_max(cfg),), "r_max": r_max(cfg)})
+        return methods.replace_config(
+            cfg, strategy={"name": method}, lora={"ranks": (r_max(cfg),), "r_max": r_max(cfg)}
+        )
     return methods.with_method(cfg, method)
 
 
@@ -42,13 +43,15 @@ def lora_client_memory(prep: Prepared, cfg: ExperimentConfig) -> dict[str, Any]:
     """Client model bytes of a LoRA method: the full backbone plus an fp32 LoRA of rank r_k."""
     full = model_bytes(prep.backbone.model)
     ranks = client_ranks(cfg)
-    per = {str(c): (full + 4 * ranks[c] * sum(o + i for o, i in prep.shapes.values())) / full
-           for c in range(len(ranks))}
+    per = {
+        str(c): (full + 4 * ranks[c] * sum(o + i for o, i in prep.shapes.values())) / full for c in range(len(ranks))
+    }
     return {"full_model_bytes": full, "clients": per, "mean_ratio_to_full": sum(per.values()) / len(per)}
 
 
-def run_lora_baseline(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, on_event: OnEvent | None = None
-                      ) -> dict[str, Any]:
+def run_lora_baseline(
+    prep: Prepared, cfg: ExperimentConfig, run_dir: Path, on_event: OnEvent | None = None
+) -> dict[str, Any]:
     """A LoRA method's run, with its global adapter on the full model (the server model) evaluated
     on every client's test set and its clients' memory in summary.json."""
 
@@ -65,16 +68,26 @@ def rows_of(summaries: dict[str, dict[str, Any]], backbone_ppl: float) -> list[d
     pretrained full model's mean held-out perplexity."""
     rows = []
     for method, s in summaries.items():
-        base = {"method": method, "client_mean_ppl": s["mean_ppl"], "client_round0_mean_ppl": s["initial_mean_ppl"],
-                "backbone_mean_ppl": backbone_ppl,
-                "server_mean_ppl": s.get("server_mean_ppl"),
-                "client_memory_ratio": s["client_memory"]["mean_ratio_to_full"],
-                "kb_per_client_round": (s["bytes_down_per_client_round"] + s["bytes_up_per_client_round"]) / 1024,
-                "wall_time_s": s.get("wall_time_s", 0.0)}
+        base = {
+            "method": method,
+            "client_mean_ppl": s["mean_ppl"],
+            "client_round0_mean_ppl": s["initial_mean_ppl"],
+            "backbone_mean_ppl": backbone_ppl,
+            "server_mean_ppl": s.get("server_mean_ppl"),
+            "client_memory_ratio": s["client_memory"]["mean_ratio_to_full"],
+            "kb_per_client_round": (s["bytes_down_per_client_round"] + s["bytes_up_per_client_round"]) / 1024,
+            "wall_time_s": s.get("wall_time_s", 0.0),
+        }
         if method == "fedslm":
             for variant, info in s["elicitation"].items():
-                rows.append({**base, "method": f"fedslm ({variant})", "server_mean_ppl": info["mean_ppl"],
-                             "weak_mean_ppl": s["weak_mean_ppl"]})
+                rows.append(
+                    {
+                        **base,
+                        "method": f"fedslm ({variant})",
+                        "server_mean_ppl": info["mean_ppl"],
+                        "weak_mean_ppl": s["weak_mean_ppl"],
+                    }
+                )
         else:
             rows.append(base)
     return rows
@@ -82,22 +95,36 @@ def rows_of(summaries: dict[str, dict[str, Any]], backbone_ppl: float) -> list[d
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The comparison as a Markdown table."""
-    head = ["method", "client ppl (round 0)", "client ppl", "server ppl", "weak W_g ppl", "client memory / full",
-            "KB/client/round", "time s"]
+    head = [
+        "method",
+        "client ppl (round 0)",
+        "client ppl",
+        "server ppl",
+        "weak W_g ppl",
+        "client memory / full",
+        "KB/client/round",
+        "time s",
+    ]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if rows:
         b = rows[0]["backbone_mean_ppl"]
         out.append(f"| backbone (no training) | {b:.2f} | {b:.2f} | {b:.2f} | - | 1.000 | - | - |")
     for r in rows:
         weak = f"{r['weak_mean_ppl']:.2f}" if r.get("weak_mean_ppl") is not None else "-"
-        out.append(f"| {r['method']} | {r['client_round0_mean_ppl']:.2f} | {r['client_mean_ppl']:.2f} | "
-                   f"{r['server_mean_ppl']:.2f} | {weak} | "
-                   f"{r['client_memory_ratio']:.3f} | {r['kb_per_client_round']:.1f} | {r['wall_time_s']:.0f} |")
+        out.append(
+            f"| {r['method']} | {r['client_round0_mean_ppl']:.2f} | {r['client_mean_ppl']:.2f} | "
+            f"{r['server_mean_ppl']:.2f} | {weak} | "
+            f"{r['client_memory_ratio']:.3f} | {r['kb_per_client_round']:.1f} | {r['wall_time_s']:.0f} |"
+        )
     return "\n".join(out) + "\n"
 
 
-def compare(cfg: ExperimentConfig, names: list[str] | tuple[str, ...] = METHODS,
-            on_status: Callable[[str], None] | None = None, on_event: OnEvent | None = None) -> Path:
+def compare(
+    cfg: ExperimentConfig,
+    names: list[str] | tuple[str, ...] = METHODS,
+    on_status: Callable[[str], None] | None = None,
+    on_event: OnEvent | None = None,
+) -> Path:
     """Prepare once, run every method into ``<output.dir>/<name>-<time>/<method>``, write the
     comparison there; return that directory. Raises ConfigError for an unknown method."""
     for m in names:

@@ -34,7 +34,6 @@ from nestfed.methods.implementation import lora_settings
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.peft_export import export_peft_adapter
 
-
 #: what an adapter directory written by PEFT (or by us) holds; only such a directory is replaced
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "README.md"}
 
@@ -51,8 +50,9 @@ def check_target(target: Path, run_dir: Path) -> None:
     if target.is_dir():
         other = sorted(p.name for p in target.iterdir() if p.name not in ADAPTER_FILES)
         if other:
-            raise NestfedError(f"--out {target}: holds files that are not an adapter's ({', '.join(other[:3])}); "
-                               "give a new path")
+            raise NestfedError(
+                f"--out {target}: holds files that are not an adapter's ({', '.join(other[:3])}); give a new path"
+            )
 
 
 def _base_model(rd: RunDir, cfg) -> str:
@@ -64,8 +64,9 @@ def _base_model(rd: RunDir, cfg) -> str:
     return load_backbone(cfg.model).source
 
 
-def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | None = None,
-                   out: str | Path | None = None) -> tuple[Path, dict]:
+def export_adapter(
+    run_dir: str | Path, rank: int | None = None, client: int | None = None, out: str | Path | None = None
+) -> tuple[Path, dict]:
     """Write the adapter of run ``run_dir``'s latest checkpoint at ``rank`` and/or as ``client``
     runs it (see the module docstring) to ``out`` (default ``RUN_DIR/adapter_r<r>`` or
     ``RUN_DIR/adapter_client<k>``), atomically; an existing target is replaced only when it is an
@@ -86,8 +87,9 @@ def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | N
     cfg = methods.load_config(rd.config_path)
     method = methods.get(cfg.strategy.name)
     if not method.on_flower:
-        raise NestfedError(f"{run_dir}: {method.name}'s clients do not run a LoRA adapter on the backbone; "
-                           "nothing PEFT could load")
+        raise NestfedError(
+            f"{run_dir}: {method.name}'s clients do not run a LoRA adapter on the backbone; nothing PEFT could load"
+        )
     keeps = method.keeps_client_state(cfg) and client is not None
     ck = rd.latest_checkpoint(keeps)
     strategy = method.server(cfg, {})
@@ -97,8 +99,9 @@ def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | N
         if client not in ranks:
             raise NestfedError(f"--client {client}: {run_dir} has clients {', '.join(map(str, sorted(ranks)))}")
         if rank is not None and rank != ranks[client]:
-            raise NestfedError(f"--rank {rank}: client {client} runs rank {ranks[client]} (give that rank or "
-                               "leave --rank out)")
+            raise NestfedError(
+                f"--rank {rank}: client {client} runs rank {ranks[client]} (give that rank or leave --rank out)"
+            )
         hooks = method.client_hooks(cfg)
         if hooks is None:
             raise NestfedError(f"--client: {method.name}'s clients do not run the LoRA client trainer")
@@ -107,8 +110,10 @@ def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | N
         arrays = hooks.evaluation_arrays(kept, arrays)
         files = strategy.export_files(ck.state)
         if files:
-            raise NestfedError(f"--client: {method.name}'s clients also run {', '.join(sorted(files))}, which a "
-                               "PEFT LoRA adapter cannot hold")
+            raise NestfedError(
+                f"--client: {method.name}'s clients also run {', '.join(sorted(files))}, which a "
+                "PEFT LoRA adapter cannot hold"
+            )
         r = ranks[client]
     else:
         arrays, scale = strategy.export(ck.state)
@@ -122,13 +127,22 @@ def export_adapter(run_dir: str | Path, rank: int | None = None, client: int | N
         arrays, scale = one_adapter(arrays, scale)
     except ValueError as exc:
         raise NestfedError(f"{run_dir}: {exc}") from None
-    target = Path(out) if out is not None else rd.path / (f"adapter_client{client}" if client is not None
-                                                          else f"adapter_r{rank}")
+    target = (
+        Path(out)
+        if out is not None
+        else rd.path / (f"adapter_client{client}" if client is not None else f"adapter_r{rank}")
+    )
     check_target(target, rd.path)
     base = _base_model(rd, cfg)
     try:
         path = export_peft_adapter(arrays, scale, target, base)
     except ValueError as exc:
         raise NestfedError(f"{run_dir}: {exc}") from None
-    return path, {"round": ck.round, "rank": r, "scale": scale, "client": client, "base_model": base,
-                  "method": method.name}
+    return path, {
+        "round": ck.round,
+        "rank": r,
+        "scale": scale,
+        "client": client,
+        "base_model": base,
+        "method": method.name,
+    }

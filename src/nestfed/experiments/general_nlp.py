@@ -70,8 +70,10 @@ def models(paths: list[Path], include_backbone: bool = True) -> tuple[Path, list
         adapter = run / "adapter"
         config = adapter / "adapter_config.json"
         if not config.is_file():
-            raise NestfedError(f"{run}: no PEFT adapter (adapter/adapter_config.json): the run is unfinished or its "
-                               f"method ({cfg.get('strategy', {}).get('name')}) exports no LoRA adapter")
+            raise NestfedError(
+                f"{run}: no PEFT adapter (adapter/adapter_config.json): the run is unfinished or its "
+                f"method ({cfg.get('strategy', {}).get('name')}) exports no LoRA adapter"
+            )
         try:
             base = json.loads(config.read_text()).get("base_model_name_or_path") or ""
         except (json.JSONDecodeError, AttributeError) as exc:
@@ -136,8 +138,9 @@ def _key(backbone: Path, adapter: Path | None, protocol: harness.Protocol) -> st
     return h.hexdigest()
 
 
-def score(backbone: Path, entries: list[tuple[str, Path | None]], protocol: harness.Protocol, out_dir: Path,
-          progress=None) -> dict[str, dict]:
+def score(
+    backbone: Path, entries: list[tuple[str, Path | None]], protocol: harness.Protocol, out_dir: Path, progress=None
+) -> dict[str, dict]:
     """Score every (label, adapter) on ``protocol``, reusing ``out_dir/<label>.json`` when its key
     matches; returns {label: {"correct": {scoring: {category: [0/1, ...]}}, ...}}. ``progress(label,
     cached)`` is called before each model. Each model's file is written atomically once it is scored,
@@ -153,9 +156,15 @@ def score(backbone: Path, entries: list[tuple[str, Path | None]], protocol: harn
             if progress:
                 progress(label, False)
             correct = harness.evaluate(backbone, adapter, protocol, items)
-            cached = {"key": key, "label": label, "backbone": str(backbone),
-                      "adapter": str(adapter) if adapter else None, "protocol": asdict(protocol), "correct": correct,
-                      "questions": {c: len(v) for c, v in items.items()}}
+            cached = {
+                "key": key,
+                "label": label,
+                "backbone": str(backbone),
+                "adapter": str(adapter) if adapter else None,
+                "protocol": asdict(protocol),
+                "correct": correct,
+                "questions": {c: len(v) for c, v in items.items()},
+            }
             atomic.write_json(path, cached)
         elif progress:
             progress(label, True)
@@ -178,15 +187,26 @@ def rows(results: dict[str, dict]) -> list[dict]:
     for label, res in results.items():
         for scoring in harness.SCORINGS:
             correct = res["correct"][scoring]
-            cats = {c: {"accuracy": 100 * sum(v) / len(v), "interval": _wilson(sum(v), len(v)), "n": len(v)}
-                    for c, v in correct.items()}
-            row = {"model": label, "scoring": scoring, "categories": cats,
-                   "average": sum(c["accuracy"] for c in cats.values()) / len(cats)}
+            cats = {
+                c: {"accuracy": 100 * sum(v) / len(v), "interval": _wilson(sum(v), len(v)), "n": len(v)}
+                for c, v in correct.items()
+            }
+            row = {
+                "model": label,
+                "scoring": scoring,
+                "categories": cats,
+                "average": sum(c["accuracy"] for c in cats.values()) / len(cats),
+            }
             if base is not None and label != BACKBONE:
                 diffs = [100 * (a - b) for c in correct for a, b in zip(correct[c], base["correct"][scoring][c])]
                 d = paired_difference(diffs)
-                row["vs_backbone"] = {"mean": d.interval.mean, "low": d.interval.low, "high": d.interval.high,
-                                      "p": d.p_value, "significant": d.significant}
+                row["vs_backbone"] = {
+                    "mean": d.interval.mean,
+                    "low": d.interval.low,
+                    "high": d.interval.high,
+                    "p": d.p_value,
+                    "significant": d.significant,
+                }
             out.append(row)
     return out
 
@@ -200,19 +220,35 @@ def markdown(table: list[dict], leaderboard: bool) -> str:
         if not sub:
             continue
         cats = list(sub[0]["categories"])
-        text.append(f"**{scoring}** ({'FlowerTune: greedy, one token' if scoring == 'generation' else 'log-likelihood of A-D'})\n")
-        text.append("| model | " + " | ".join(f"{c} (n={sub[0]['categories'][c]['n']})" for c in cats)
-                    + " | average | vs backbone (pp, 95%) |")
+        text.append(
+            f"**{scoring}** ({'FlowerTune: greedy, one token' if scoring == 'generation' else 'log-likelihood of A-D'})\n"
+        )
+        text.append(
+            "| model | "
+            + " | ".join(f"{c} (n={sub[0]['categories'][c]['n']})" for c in cats)
+            + " | average | vs backbone (pp, 95%) |"
+        )
         text.append("|---" * (len(cats) + 3) + "|")
         for r in sub:
-            cells = [f"{r['categories'][c]['accuracy']:.2f} [{r['categories'][c]['interval'][0]:.1f}, "
-                     f"{r['categories'][c]['interval'][1]:.1f}]" for c in cats]
+            cells = [
+                f"{r['categories'][c]['accuracy']:.2f} [{r['categories'][c]['interval'][0]:.1f}, "
+                f"{r['categories'][c]['interval'][1]:.1f}]"
+                for c in cats
+            ]
             vs = r.get("vs_backbone")
-            vs_text = "" if vs is None else (f"{vs['mean']:+.2f} [{vs['low']:+.2f}, {vs['high']:+.2f}]"
-                                             + (" significant" if vs["significant"] else ""))
+            vs_text = (
+                ""
+                if vs is None
+                else (
+                    f"{vs['mean']:+.2f} [{vs['low']:+.2f}, {vs['high']:+.2f}]"
+                    + (" significant" if vs["significant"] else "")
+                )
+            )
             text.append(f"| {r['model']} | " + " | ".join(cells) + f" | {r['average']:.2f} | {vs_text} |")
         if scoring == "generation" and leaderboard and cats == list(harness.CATEGORIES):
             for name, *acc in LEADERBOARD:
-                text.append(f"| leaderboard {name} | " + " | ".join(f"{a:.2f}" for a in acc[:3]) + f" | {acc[3]:.2f} | |")
+                text.append(
+                    f"| leaderboard {name} | " + " | ".join(f"{a:.2f}" for a in acc[:3]) + f" | {acc[3]:.2f} | |"
+                )
         text.append("")
     return "\n".join(text)

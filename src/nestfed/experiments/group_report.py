@@ -54,13 +54,33 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         out.append(_row(rows[0]["round0"], "-", rows[0]["initial_ppl"], rows[0], ranks, "initial_ppl", None, "-", "-"))
     for r in rows:
         g = _global_ppl(r)
-        out.append(_row(r["label"], r["ranks"], r["ppl"], r, ranks, "ppl", g, f"{r['bytes_per_client_round'] / 1024:.1f}",
-                        f"{r['wall_time_s']:.0f}"))
+        out.append(
+            _row(
+                r["label"],
+                r["ranks"],
+                r["ppl"],
+                r,
+                ranks,
+                "ppl",
+                g,
+                f"{r['bytes_per_client_round'] / 1024:.1f}",
+                f"{r['wall_time_s']:.0f}",
+            )
+        )
     return "\n".join(out) + "\n"
 
 
-def _row(name: str, ranks_text: str, values: dict[str, float], row: dict[str, Any], ranks: list[int], key: str,
-         glob: float | None, kb: str, secs: str) -> str:
+def _row(
+    name: str,
+    ranks_text: str,
+    values: dict[str, float],
+    row: dict[str, Any],
+    ranks: list[int],
+    key: str,
+    glob: float | None,
+    kb: str,
+    secs: str,
+) -> str:
     d = describe(list(values.values()))
     cells = [name, ranks_text, str(d["n"])] + [f"{d[k]:.2f}" for k in ("mean", "median", "p10", "p90", "worst")]
     for rank in ranks:
@@ -73,12 +93,15 @@ def _row(name: str, ranks_text: str, values: dict[str, float], row: dict[str, An
 def table(rows: list[dict[str, Any]]) -> Table:
     """:func:`markdown`'s table for the terminal."""
     ranks = groups_of(rows)
-    t = Table(title="final held-out perplexity over clients (lower is better): distribution and rank-group means; "
-                    "the first run's round 0 first")
+    t = Table(
+        title="final held-out perplexity over clients (lower is better): distribution and rank-group means; "
+        "the first run's round 0 first"
+    )
     for col in ["method", "clients", "mean", "median", "p10", "p90", "worst"] + [f"r={r}" for r in ranks] + ["global"]:
         t.add_column(col, justify="left" if col == "method" else "right")
-    for name, values, key, row in ([(rows[0]["round0"], rows[0]["initial_ppl"], "initial_ppl", rows[0])] if rows else []) + \
-            [(r["label"], r["ppl"], "ppl", r) for r in rows]:
+    for name, values, key, row in (
+        [(rows[0]["round0"], rows[0]["initial_ppl"], "initial_ppl", rows[0])] if rows else []
+    ) + [(r["label"], r["ppl"], "ppl", r) for r in rows]:
         d = describe(list(values.values()))
         cells = [f"{d[k]:.2f}" for k in ("mean", "median", "p10", "p90", "worst")]
         means = []
@@ -100,7 +123,9 @@ def plot(rows: list[dict[str, Any]]) -> bytes:
     for i, r in enumerate(rows):
         data, pos = [], []
         for j, rank in enumerate(ranks):
-            rel = [100.0 * (v / r["initial_ppl"][c] - 1.0) for c, v in _members(r, rank).items() if c in r["initial_ppl"]]
+            rel = [
+                100.0 * (v / r["initial_ppl"][c] - 1.0) for c, v in _members(r, rank).items() if c in r["initial_ppl"]
+            ]
             if rel:
                 data.append(rel)
                 pos.append(j + i * width)
@@ -154,7 +179,9 @@ def _paired(mine: dict, theirs: dict, fn) -> PairedDifference | None:
     return paired_difference([fn(mine[k], theirs[k]) for k in keys]) if keys else None
 
 
-def seed_stats(rows: list[dict[str, Any]], by_label: dict[str, list[dict[str, Any]]], reference: str) -> list[GroupStats]:
+def seed_stats(
+    rows: list[dict[str, Any]], by_label: dict[str, list[dict[str, Any]]], reference: str
+) -> list[GroupStats]:
     """:class:`GroupStats` per label (``by_label``: nestfed.experiments.seed_report.by_label)."""
     ranks = [str(r) for r in groups_of(rows)] + ["all"]
     ref, local = by_label[reference], by_label.get(LOCAL)
@@ -163,28 +190,48 @@ def seed_stats(rows: list[dict[str, Any]], by_label: dict[str, list[dict[str, An
         mean, versus, gain, gmean, ggain = {}, {}, {}, {}, {}
         for key in ranks:
             rank = None if key == "all" else int(key)
-            members = [[v for c, v in r["ppl"].items() if rank is None or r["client_ranks"].get(c) == rank]
-                       for r in group]
+            members = [
+                [v for c, v in r["ppl"].items() if rank is None or r["client_ranks"].get(c) == rank] for r in group
+            ]
             per_seed = [float(np.mean(m)) for m in members if m]  # a seed whose evaluation held none is left out
             if per_seed:
                 mean[key] = mean_interval(per_seed)
             mine = _pairs(group, rank)
             if label != reference and (d := _paired(mine, _pairs(ref, rank), lambda a, b: 100.0 * (a / b - 1.0))):
                 versus[key] = d
-            if local is not None and label != LOCAL and (g := _paired(mine, _pairs(local, rank),
-                                                                       lambda a, b: 100.0 * (1.0 - a / b))):
+            if (
+                local is not None
+                and label != LOCAL
+                and (g := _paired(mine, _pairs(local, rank), lambda a, b: 100.0 * (1.0 - a / b)))
+            ):
                 gain[key] = g
             mine_g = _pairs(group, rank, "global_by_client")
-            gvals = [np.mean([v for (s, _), v in mine_g.items() if s == r["seed"]]) for r in group
-                     if any(s == r["seed"] for s, _ in mine_g)]
+            gvals = [
+                np.mean([v for (s, _), v in mine_g.items() if s == r["seed"]])
+                for r in group
+                if any(s == r["seed"] for s, _ in mine_g)
+            ]
             if gvals:
                 gmean[key] = mean_interval(gvals)
-            if local is not None and label != LOCAL and (g := _paired(mine_g, _pairs(local, rank, "global_by_client"),
-                                                                       lambda a, b: 100.0 * (1.0 - a / b))):
+            if (
+                local is not None
+                and label != LOCAL
+                and (g := _paired(mine_g, _pairs(local, rank, "global_by_client"), lambda a, b: 100.0 * (1.0 - a / b)))
+            ):
                 ggain[key] = g
         server = [g for g in (_global_ppl(r) for r in group) if g is not None]
-        out.append(GroupStats(label, [r["seed"] for r in group], mean, versus, gain,
-                              mean_interval(server) if server else None, gmean, ggain))
+        out.append(
+            GroupStats(
+                label,
+                [r["seed"] for r in group],
+                mean,
+                versus,
+                gain,
+                mean_interval(server) if server else None,
+                gmean,
+                ggain,
+            )
+        )
     return out
 
 
@@ -207,8 +254,12 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[GroupStats], referenc
     names = [f"r = {k}" if k != "all" else "all clients" for k in ranks]
     counts = {k: len({c for r in rows for c, rk in r["client_ranks"].items() if str(rk) == k}) for k in ranks[:-1]}
     names = [f"{n} ({counts[k]})" if k in counts else n for n, k in zip(names, ranks)]
-    out = ["Final held-out perplexity per rank group (clients in brackets): mean over clients, then mean ± 95% "
-           "interval over seeds\n", "| method | seeds | " + " | ".join(names) + " |", "|" + "---|" * (len(ranks) + 2)]
+    out = [
+        "Final held-out perplexity per rank group (clients in brackets): mean over clients, then mean ± 95% "
+        "interval over seeds\n",
+        "| method | seeds | " + " | ".join(names) + " |",
+        "|" + "---|" * (len(ranks) + 2),
+    ]
     if rows:
         r0 = rows[0]
         cells = []
@@ -217,31 +268,49 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[GroupStats], referenc
             cells.append(f"{np.mean(v):.2f}" if v else "-")
         out.append(f"| {r0['round0']} | - | " + " | ".join(cells) + " |")
     for s in stats:
-        out.append(f"| {s.label} | {','.join(map(str, s.seeds))} | "
-                   + " | ".join(s.mean[k].text() if k in s.mean else "-" for k in ranks) + " |")
-    out += ["", f"Paired difference against {reference} (% perplexity over the group's seed x client pairs, 95% "
-            "interval; bold: significant; below zero: lower perplexity)\n",
-            "| method | " + " | ".join(names) + " |", "|" + "---|" * (len(ranks) + 1)]
+        out.append(
+            f"| {s.label} | {','.join(map(str, s.seeds))} | "
+            + " | ".join(s.mean[k].text() if k in s.mean else "-" for k in ranks)
+            + " |"
+        )
+    out += [
+        "",
+        f"Paired difference against {reference} (% perplexity over the group's seed x client pairs, 95% "
+        "interval; bold: significant; below zero: lower perplexity)\n",
+        "| method | " + " | ".join(names) + " |",
+        "|" + "---|" * (len(ranks) + 1),
+    ]
     for s in stats:
         if s.label != reference:
             out.append(f"| {s.label} | " + " | ".join(_diff_text(s.versus.get(k)) for k in ranks) + " |")
     if any(s.gain for s in stats):
-        out += ["", "Collaboration gain against local-only training: 100 (1 - ppl_federated / ppl_local) over the "
-                "group's seed x client pairs (95% interval; bold: significant; positive: the federation helps)\n",
-                "| method | " + " | ".join(names) + " |", "|" + "---|" * (len(ranks) + 1)]
+        out += [
+            "",
+            "Collaboration gain against local-only training: 100 (1 - ppl_federated / ppl_local) over the "
+            "group's seed x client pairs (95% interval; bold: significant; positive: the federation helps)\n",
+            "| method | " + " | ".join(names) + " |",
+            "|" + "---|" * (len(ranks) + 1),
+        ]
         for s in stats:
             if s.gain:
                 out.append(f"| {s.label} | " + " | ".join(_diff_text(s.gain.get(k)) for k in ranks) + " |")
     if any(s.global_mean or s.global_server for s in stats):
-        out += ["", "Global held-out set: the server model (the global adapter at r_max) and, per rank group, what "
-                "each panel client runs (mean ± 95% over seeds); then the collaboration gain on it\n",
-                "| method | server model | " + " | ".join(names) + " | " + " | ".join(f"gain {n}" for n in names) + " |",
-                "|" + "---|" * (2 + 2 * len(ranks))]
+        out += [
+            "",
+            "Global held-out set: the server model (the global adapter at r_max) and, per rank group, what "
+            "each panel client runs (mean ± 95% over seeds); then the collaboration gain on it\n",
+            "| method | server model | " + " | ".join(names) + " | " + " | ".join(f"gain {n}" for n in names) + " |",
+            "|" + "---|" * (2 + 2 * len(ranks)),
+        ]
         for s in stats:
             server = "-" if s.global_server is None else s.global_server.text()
-            out.append(f"| {s.label} | {server} | " + " | ".join(s.global_mean[k].text() if k in s.global_mean else "-"
-                                                               for k in ranks)
-                       + " | " + " | ".join(_diff_text(s.global_gain.get(k)) for k in ranks) + " |")
+            out.append(
+                f"| {s.label} | {server} | "
+                + " | ".join(s.global_mean[k].text() if k in s.global_mean else "-" for k in ranks)
+                + " | "
+                + " | ".join(_diff_text(s.global_gain.get(k)) for k in ranks)
+                + " |"
+            )
     return "\n".join(out) + "\n"
 
 
@@ -255,6 +324,9 @@ def seeds_table(rows: list[dict[str, Any]], stats: list[GroupStats]) -> Table:
     for k in ranks:
         t.add_column(f"gain r={k}" if k != "all" else "gain all", justify="right")
     for s in stats:
-        t.add_row(s.label, *[s.mean[k].text() if k in s.mean else "-" for k in ranks],
-                  *[_diff_text(s.gain.get(k)).replace("**", "") for k in ranks])
+        t.add_row(
+            s.label,
+            *[s.mean[k].text() if k in s.mean else "-" for k in ranks],
+            *[_diff_text(s.gain.get(k)).replace("**", "") for k in ranks],
+        )
     return t

@@ -83,8 +83,13 @@ def skip_reason(cfg: ExperimentConfig, arrays: Arrays, files: dict[str, Arrays])
 PER_CLIENT = ("truncation", "global_by_client")
 
 
-def mechanisms(cfg: ExperimentConfig, mr: MethodRun, state: GlobalState, panel: Sequence[int] | None = None,
-               global_data: ClientData | None = None) -> dict[str, Any]:
+def mechanisms(
+    cfg: ExperimentConfig,
+    mr: MethodRun,
+    state: GlobalState,
+    panel: Sequence[int] | None = None,
+    global_data: ClientData | None = None,
+) -> dict[str, Any]:
     """The summary fields of a finished run: ``truncation`` {r: {cid: held-out metrics}},
     ``dimension_importance`` [r_max floats], or ``mechanisms_skipped`` with the reason; with many
     clients ``truncation_by_rank`` ({r: the curve's metrics by rank group}); with the global held-out

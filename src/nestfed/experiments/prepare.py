@@ -41,8 +41,12 @@ def client_cache_of(cfg: ExperimentConfig, override: str | Path | None = None) -
     return client_cache_io.ClientCache(Path(where), cfg.train.client_cache_mb * 2**20)
 
 
-def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = None,
-            only_clients: list[int] | None = None, client_cache: str | Path | None = None) -> Prepared:
+def prepare(
+    cfg: ExperimentConfig,
+    on_status: Callable[[str], None] | None = None,
+    only_clients: list[int] | None = None,
+    client_cache: str | Path | None = None,
+) -> Prepared:
     """Load the backbone, inject LoRA (rank r_max), register the clients; their data are built when
     first read from ``Prepared.data`` (a :class:`~nestfed.data.client_pool.ClientPool`).
 
@@ -68,8 +72,10 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
         raise ConfigError(str(exc)) from None  # names lora.layers or lora.target_modules
     smallest = min(min(backbone.model.get_submodule(n).weight.shape) for n in names)
     if r_max(cfg) > smallest:  # checked before any [r, in] matrix is allocated
-        raise ConfigError(f"lora.ranks: rank {r_max(cfg)} exceeds {smallest}, the smallest adapted layer's min(out, in) "
-                          "(a LoRA update of a [out, in] layer has rank at most min(out, in))")
+        raise ConfigError(
+            f"lora.ranks: rank {r_max(cfg)} exceeds {smallest}, the smallest adapted layer's min(out, in) "
+            "(a LoRA update of a [out, in] layer has rank at most min(out, in))"
+        )
     inject_lora(backbone.model, cfg.lora.target_modules, r_max(cfg), cfg.lora.lora_alpha / r_max(cfg), cfg.lora.layers)
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(backbone.model)
@@ -77,11 +83,20 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
     start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
     p = cfg.population
     budgets_trace = p.elastic == "trace" and trace_has_budgets(p.elastic_trace)
-    footprint = Footprint.measure(backbone.model, cfg.train, cfg.data.block_size, start) \
-        if p.memory_mib or budgets_trace else None
+    footprint = (
+        Footprint.measure(backbone.model, cfg.train, cfg.data.block_size, start)
+        if p.memory_mib or budgets_trace
+        else None
+    )
     try:
-        ranks, budgets = assign_ranks(cfg.population, cfg.lora.ranks, cfg.lora.r_max, cfg.data.num_clients,
-                                      cfg.data.seed, footprint.bytes if footprint is not None else None)
+        ranks, budgets = assign_ranks(
+            cfg.population,
+            cfg.lora.ranks,
+            cfg.lora.r_max,
+            cfg.data.num_clients,
+            cfg.data.seed,
+            footprint.bytes if footprint is not None else None,
+        )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
     attackers = set(cfg.attack.clients) if cfg.attack.kind in DATA_ATTACKS else set()
@@ -93,14 +108,29 @@ def prepare(cfg: ExperimentConfig, on_status: Callable[[str], None] | None = Non
             poison_client(d, cfg.attack.kind, vocab, stream_seed(cfg.federation.seed, 0, cid, "poison"))
         d.cache_prefix(backbone.model, start, bs)
 
-    pool = ClientPool(ClientSource(cfg, backbone.tokenizer), range(cfg.data.num_clients), finish,
-                      lambda cid: client_cache_io.key(cfg, cid), client_cache_of(cfg, client_cache),
-                      cfg.train.client_memory_mb * 2**20)
+    pool = ClientPool(
+        ClientSource(cfg, backbone.tokenizer),
+        range(cfg.data.num_clients),
+        finish,
+        lambda cid: client_cache_io.key(cfg, cid),
+        client_cache_of(cfg, client_cache),
+        cfg.train.client_memory_mb * 2**20,
+    )
     cids = list(range(cfg.data.num_clients)) if only_clients is None else list(only_clients)
     say(f"registering {len(cids)} clients")
     clients = [ClientInfo(cid, ranks[cid], pool.num_examples(cid)) for cid in cids]
-    return Prepared(cfg, backbone, pool, clients, shapes, time.perf_counter() - t0, start=start, ranks=ranks,
-                    budgets=None if budgets is None else {cid: budgets[cid] for cid in cids}, footprint=footprint)
+    return Prepared(
+        cfg,
+        backbone,
+        pool,
+        clients,
+        shapes,
+        time.perf_counter() - t0,
+        start=start,
+        ranks=ranks,
+        budgets=None if budgets is None else {cid: budgets[cid] for cid in cids},
+        footprint=footprint,
+    )
 
 
 def install_stream_modules(prep: Prepared, cfg: ExperimentConfig) -> None:
@@ -109,8 +139,10 @@ def install_stream_modules(prep: Prepared, cfg: ExperimentConfig) -> None:
     attention) where a method installed none. Called after the method's setup, on the server's
     model and on every Flower node alike."""
     if cfg.train.eval_stream_chunk > 0:
-        install_memory(prep.backbone.model, MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window,
-                                                           sink=cfg.memory.sink_tokens))
+        install_memory(
+            prep.backbone.model,
+            MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window, sink=cfg.memory.sink_tokens),
+        )
 
 
 __all__ = ["client_cache_of", "client_ranks", "install_stream_modules", "prepare"]

@@ -72,19 +72,28 @@ def per_client(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
             rows = list(csv.DictReader(f))
     if rows is not None and "final" not in summary:
         metrics = ("loss", "ppl", "accuracy")
-        final = {str(r["cid"]): {k: float(r[f"final_{k}"]) for k in metrics if r.get(f"final_{k}") not in (None, "")}
-                 for r in rows}
-        initial = {str(r["cid"]): {k: float(r[f"initial_{k}"]) for k in metrics
-                                   if r.get(f"initial_{k}") not in (None, "")} for r in rows}
+        final = {
+            str(r["cid"]): {k: float(r[f"final_{k}"]) for k in metrics if r.get(f"final_{k}") not in (None, "")}
+            for r in rows
+        }
+        initial = {
+            str(r["cid"]): {k: float(r[f"initial_{k}"]) for k in metrics if r.get(f"initial_{k}") not in (None, "")}
+            for r in rows
+        }
         final = {c: v for c, v in final.items() if "ppl" in v}
         initial = {c: v for c, v in initial.items() if "ppl" in v}
     else:
         final, initial = summary["final"], summary["initial"]
     ranks = {str(r["cid"]): int(r["rank"]) for r in rows} if rows is not None else {}
-    labels = ({str(r["cid"]): r.get("label", "") for r in rows} if rows is not None
-              else summary.get("client_labels", {}))
-    return {"final": final, "initial": initial, "ranks": ranks, "labels": summary.get("client_labels") or labels,
-            "truncation": extra.get("truncation"), "global_by_client": extra.get("global_by_client")}
+    labels = {str(r["cid"]): r.get("label", "") for r in rows} if rows is not None else summary.get("client_labels", {})
+    return {
+        "final": final,
+        "initial": initial,
+        "ranks": ranks,
+        "labels": summary.get("client_labels") or labels,
+        "truncation": extra.get("truncation"),
+        "global_by_client": extra.get("global_by_client"),
+    }
 
 
 def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
@@ -103,20 +112,32 @@ def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
             ranks = ",".join(f"{r}x{n}" for r, n in s["rank_counts"].items())
         else:
             ranks = ",".join(map(str, s["ranks"]))
-        rows.append({"run": Path(rd).name, "method": s["method"], "ranks": ranks, "round0": s.get("round0", "backbone"),
-                     "ppl": {c: v["ppl"] for c, v in pc["final"].items()},
-                     "initial_ppl": {c: v["ppl"] for c, v in pc["initial"].items()},
-                     "accuracy": {c: v["accuracy"] for c, v in pc["final"].items() if "accuracy" in v},
-                     "mean_ppl": s["mean_ppl"], "initial_mean_ppl": s["initial_mean_ppl"],
-                     "mean_accuracy": s.get("mean_accuracy"),
-                     "bytes_per_client_round": s["bytes_down_per_client_round"] + s["bytes_up_per_client_round"],
-                     "wall_time_s": s.get("wall_time_s", 0.0), "labels": pc["labels"],
-                     "client_ranks": pc["ranks"],
-                     "rounds": cfg["federation"]["rounds"], "seed": cfg["federation"]["seed"],
-                     "label": run_label(cfg, s["method"]), "truncation": pc["truncation"],
-                     "dimension_importance": s.get("dimension_importance"),
-                     "global_eval": s.get("global_eval"), "truncation_global": s.get("truncation_global"),
-                     "global_by_client": pc["global_by_client"]})
+        rows.append(
+            {
+                "run": Path(rd).name,
+                "method": s["method"],
+                "ranks": ranks,
+                "round0": s.get("round0", "backbone"),
+                "ppl": {c: v["ppl"] for c, v in pc["final"].items()},
+                "initial_ppl": {c: v["ppl"] for c, v in pc["initial"].items()},
+                "accuracy": {c: v["accuracy"] for c, v in pc["final"].items() if "accuracy" in v},
+                "mean_ppl": s["mean_ppl"],
+                "initial_mean_ppl": s["initial_mean_ppl"],
+                "mean_accuracy": s.get("mean_accuracy"),
+                "bytes_per_client_round": s["bytes_down_per_client_round"] + s["bytes_up_per_client_round"],
+                "wall_time_s": s.get("wall_time_s", 0.0),
+                "labels": pc["labels"],
+                "client_ranks": pc["ranks"],
+                "rounds": cfg["federation"]["rounds"],
+                "seed": cfg["federation"]["seed"],
+                "label": run_label(cfg, s["method"]),
+                "truncation": pc["truncation"],
+                "dimension_importance": s.get("dimension_importance"),
+                "global_eval": s.get("global_eval"),
+                "truncation_global": s.get("truncation_global"),
+                "global_by_client": pc["global_by_client"],
+            }
+        )
     return rows
 
 
@@ -140,13 +161,20 @@ def comparison_table(rows: list[dict[str, Any]]):
     table.add_column("time s", justify="right")
     if rows:
         r0 = rows[0]
-        table.add_row(r0["round0"], "-", *[f"{r0['initial_ppl'][c]:.2f}" for c in cids],
-                      f"{r0['initial_mean_ppl']:.2f}", "-", "-")
+        table.add_row(
+            r0["round0"], "-", *[f"{r0['initial_ppl'][c]:.2f}" for c in cids], f"{r0['initial_mean_ppl']:.2f}", "-", "-"
+        )
     best = min(r["mean_ppl"] for r in rows) if rows else math.inf
     for r in rows:
         mean = f"{r['mean_ppl']:.2f}" + (" *" if r["mean_ppl"] == best else "")
-        table.add_row(r["label"], r["ranks"], *[f"{r['ppl'][c]:.2f}" for c in cids], mean,
-                      f"{r['bytes_per_client_round'] / 1024:.1f}", f"{r['wall_time_s']:.0f}")
+        table.add_row(
+            r["label"],
+            r["ranks"],
+            *[f"{r['ppl'][c]:.2f}" for c in cids],
+            mean,
+            f"{r['bytes_per_client_round'] / 1024:.1f}",
+            f"{r['wall_time_s']:.0f}",
+        )
     return table
 
 
@@ -154,16 +182,25 @@ def comparison_markdown(rows: list[dict[str, Any]]) -> str:
     """The comparison as a Markdown table (for notes and READMEs)."""
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     labels = rows[0]["labels"] if rows else {}
-    head = ["method", "ranks"] + [f"c{c} {labels.get(c, '')}".strip() for c in cids] + ["mean ppl", "KB/client/round", "time s"]
+    head = (
+        ["method", "ranks"]
+        + [f"c{c} {labels.get(c, '')}".strip() for c in cids]
+        + ["mean ppl", "KB/client/round", "time s"]
+    )
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if rows:
         r0 = rows[0]
-        out.append(f"| {r0['round0']} | - | " + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
-                   + f" | {r0['initial_mean_ppl']:.2f} | - | - |")
+        out.append(
+            f"| {r0['round0']} | - | "
+            + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
+            + f" | {r0['initial_mean_ppl']:.2f} | - | - |"
+        )
     for r in rows:
-        out.append(f"| {r['label']} | {r['ranks']} | "
-                   + " | ".join(f"{r['ppl'][c]:.2f}" for c in cids)
-                   + f" | {r['mean_ppl']:.2f} | {r['bytes_per_client_round'] / 1024:.1f} | {r['wall_time_s']:.0f} |")
+        out.append(
+            f"| {r['label']} | {r['ranks']} | "
+            + " | ".join(f"{r['ppl'][c]:.2f}" for c in cids)
+            + f" | {r['mean_ppl']:.2f} | {r['bytes_per_client_round'] / 1024:.1f} | {r['wall_time_s']:.0f} |"
+        )
     return "\n".join(out) + "\n"
 
 

@@ -16,9 +16,9 @@ from typing import Any
 from nestfed import config as C
 from nestfed import methods
 from nestfed.config import ConfigError, ExperimentConfig
-from nestfed.errors import RunFailed
 from nestfed.data.clients import ClientData
 from nestfed.data.global_test import global_test_set
+from nestfed.errors import RunFailed
 from nestfed.evaluation.client import evaluate_client
 from nestfed.experiments.mechanisms import PER_CLIENT, mechanisms
 from nestfed.experiments.prepare import install_stream_modules
@@ -71,8 +71,9 @@ def global_test_data(prep: Prepared, cfg: ExperimentConfig) -> ClientData | None
     return prep.cache[key]
 
 
-def server_evaluation(mr: MethodRun, cfg: ExperimentConfig, data: ClientData | None
-                      ) -> Callable[[int, GlobalState], dict[str, float]] | None:
+def server_evaluation(
+    mr: MethodRun, cfg: ExperimentConfig, data: ClientData | None
+) -> Callable[[int, GlobalState], dict[str, float]] | None:
     """The round's ``eval_global``: the global adapter (the strategy's ``deploy`` for no client, what
     ``nestfed export`` writes) on the global held-out set; None without the set, for a method without
     one global adapter (local-only's clients keep their own) or whose clients run other models."""
@@ -99,9 +100,14 @@ def stored_config(rd: RunDir) -> ExperimentConfig:
     return methods.config_from_dict(data, f"{path} (the config it recorded)")
 
 
-def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: bool = False,
-               on_event: OnEvent | None = None,
-               report: Callable[[MethodRun, GlobalState], dict[str, Any]] | None = None) -> dict[str, Any]:
+def run_method(
+    prep: Prepared,
+    cfg: ExperimentConfig,
+    run_dir: Path,
+    resume: bool = False,
+    on_event: OnEvent | None = None,
+    report: Callable[[MethodRun, GlobalState], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Run ``cfg.strategy.name`` over the prepared clients into ``run_dir``; return the summary.
 
     ``cfg`` may differ from ``prep.cfg`` only in the sections no preparation reads (strategy,
@@ -122,19 +128,36 @@ def run_method(prep: Prepared, cfg: ExperimentConfig, run_dir: Path, resume: boo
     tracking.check_store(cfg.tracking, cfg.output.dir)  # an unwritable store is refused before anything is written
     text = C.dumps_toml(cfg)
     rd = RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, C.per_client_inline(cfg))
-    loop = RoundLoop.from_config(cfg, mr.strategy, InProcessTransport(mr.trainer), mr.clients, rd,
-                                 mr.keeps_client_state, on_event=on_event, population=population,
-                                 sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name),
-                                 server_evaluate=server_evaluation(mr, cfg, glob))
+    loop = RoundLoop.from_config(
+        cfg,
+        mr.strategy,
+        InProcessTransport(mr.trainer),
+        mr.clients,
+        rd,
+        mr.keeps_client_state,
+        on_event=on_event,
+        population=population,
+        sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name),
+        server_evaluate=server_evaluation(mr, cfg, glob),
+    )
     try:
         state = loop.run(mr.shapes, resume=resume)
     except RunFailed as exc:  # the rounds so far are committed; the summary says why it stopped
-        rd.fail(cfg, str(exc), exc.round, {"engine": "embedded", "wall_time_s": time.perf_counter() - t0,
-                                           "rejections": loop.log})
+        rd.fail(
+            cfg,
+            str(exc),
+            exc.round,
+            {"engine": "embedded", "wall_time_s": time.perf_counter() - t0, "rejections": loop.log},
+        )
         raise RunFailed(f"{rd.path}: {exc}", exc.round) from None
     exports = mr.finish(state)
-    extra = {"engine": "embedded", "wall_time_s": time.perf_counter() - t0, "prepare_time_s": prep.prepare_time_s,
-             "rejections": loop.log, "frozen_prefix_layers": prep.frozen_prefix_layers}
+    extra = {
+        "engine": "embedded",
+        "wall_time_s": time.perf_counter() - t0,
+        "prepare_time_s": prep.prepare_time_s,
+        "rejections": loop.log,
+        "frozen_prefix_layers": prep.frozen_prefix_layers,
+    }
     pool = getattr(prep.data, "stats", None)
     if pool is not None:
         extra["client_pool"] = dataclasses.asdict(pool)

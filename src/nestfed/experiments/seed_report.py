@@ -15,7 +15,13 @@ from typing import Any
 
 from rich.table import Table
 
-from nestfed.experiments.intervals import Interval, PairedDifference, mean_interval, paired_difference, relative_differences
+from nestfed.experiments.intervals import (
+    Interval,
+    PairedDifference,
+    mean_interval,
+    paired_difference,
+    relative_differences,
+)
 from nestfed.federation.plots import png, pyplot
 
 plt = pyplot()  # matplotlib.pyplot on Agg
@@ -79,9 +85,19 @@ def label_stats(rows: list[dict[str, Any]], reference: str | None = None) -> lis
             ref_mean = {r["seed"]: r["mean_ppl"] for r in groups[ref]}
             per_seed = [100.0 * (r["mean_ppl"] / ref_mean[r["seed"]] - 1.0) for r in group if r["seed"] in ref_mean]
             versus_seeds = mean_interval(per_seed) if per_seed else None
-        out.append(LabelStats(label, group[0]["ranks"], [r["seed"] for r in group], per_client, mean, versus,
-                              versus_seeds, sum(r["bytes_per_client_round"] for r in group) / len(group),
-                              sum(r["wall_time_s"] for r in group) / len(group)))
+        out.append(
+            LabelStats(
+                label,
+                group[0]["ranks"],
+                [r["seed"] for r in group],
+                per_client,
+                mean,
+                versus,
+                versus_seeds,
+                sum(r["bytes_per_client_round"] for r in group) / len(group),
+                sum(r["wall_time_s"] for r in group) / len(group),
+            )
+        )
     return out
 
 
@@ -100,38 +116,58 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[LabelStats]) -> str:
     against the reference (mean [95% interval] over seed x client pairs, p-value, significance)."""
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     labels = rows[0]["labels"] if rows else {}
-    head = (["method", "ranks", "seeds"] + [f"c{c} {labels.get(c, '')}".strip() for c in cids]
-            + ["mean ppl", "vs reference (% ppl, pairs)", "vs reference (% mean, seeds)", "KB/client/round", "time s"])
+    head = (
+        ["method", "ranks", "seeds"]
+        + [f"c{c} {labels.get(c, '')}".strip() for c in cids]
+        + ["mean ppl", "vs reference (% ppl, pairs)", "vs reference (% mean, seeds)", "KB/client/round", "time s"]
+    )
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     if rows:
         r0 = rows[0]
-        out.append(f"| {r0['round0']} | - | - | " + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
-                   + f" | {r0['initial_mean_ppl']:.2f} | - | - | - | - |")
+        out.append(
+            f"| {r0['round0']} | - | - | "
+            + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
+            + f" | {r0['initial_mean_ppl']:.2f} | - | - | - | - |"
+        )
     for s in stats:
         seeds = ",".join(map(str, s.seeds))
         v = s.versus_seeds
-        vs = "-" if v is None else (f"{v.mean:+.2f}%" if math.isnan(v.half_width) else f"{v.mean:+.2f} ± {v.half_width:.2f}%")
-        out.append(f"| {s.label} | {s.ranks} | {seeds} | "
-                   + " | ".join(s.per_client[c].text() if c in s.per_client else "-" for c in cids)
-                   + f" | {s.mean.text()} | {_versus_text(s)} | {vs} | {s.bytes_per_client_round / 1024:.1f} "
-                     f"| {s.wall_time_s:.0f} |")
+        vs = (
+            "-"
+            if v is None
+            else (f"{v.mean:+.2f}%" if math.isnan(v.half_width) else f"{v.mean:+.2f} ± {v.half_width:.2f}%")
+        )
+        out.append(
+            f"| {s.label} | {s.ranks} | {seeds} | "
+            + " | ".join(s.per_client[c].text() if c in s.per_client else "-" for c in cids)
+            + f" | {s.mean.text()} | {_versus_text(s)} | {vs} | {s.bytes_per_client_round / 1024:.1f} "
+            f"| {s.wall_time_s:.0f} |"
+        )
     return "\n".join(out) + "\n"
 
 
 def seeds_table(rows: list[dict[str, Any]], stats: list[LabelStats]) -> Table:
     """The same comparison as a rich Table for the terminal."""
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
-    table = Table(title="held-out perplexity, mean ± 95% half width over seeds; difference vs the reference "
-                        "paired over seed x client (lower is better)")
+    table = Table(
+        title="held-out perplexity, mean ± 95% half width over seeds; difference vs the reference "
+        "paired over seed x client (lower is better)"
+    )
     for col in ["method", "seeds"] + [f"c{c}" for c in cids] + ["mean", "vs reference"]:
         table.add_column(col, justify="left" if col in ("method", "seeds", "vs reference") else "right")
     if rows:
         r0 = rows[0]
-        table.add_row(r0["round0"], "-", *[f"{r0['initial_ppl'][c]:.2f}" for c in cids], f"{r0['initial_mean_ppl']:.2f}", "-")
+        table.add_row(
+            r0["round0"], "-", *[f"{r0['initial_ppl'][c]:.2f}" for c in cids], f"{r0['initial_mean_ppl']:.2f}", "-"
+        )
     for s in stats:
-        table.add_row(s.label, ",".join(map(str, s.seeds)),
-                      *[s.per_client[c].text() if c in s.per_client else "-" for c in cids], s.mean.text(),
-                      _versus_text(s).replace("**", ""))
+        table.add_row(
+            s.label,
+            ",".join(map(str, s.seeds)),
+            *[s.per_client[c].text() if c in s.per_client else "-" for c in cids],
+            s.mean.text(),
+            _versus_text(s).replace("**", ""),
+        )
     return table
 
 
@@ -146,7 +182,9 @@ def truncation_stats(rows: list[dict[str, Any]]) -> dict[str, dict[int, Interval
         ranks = sorted({int(k) for c in curves for k in c})
         out[label] = {}
         for rank in ranks:
-            per_seed = [sum(v["ppl"] for v in c[str(rank)].values()) / len(c[str(rank)]) for c in curves if str(rank) in c]
+            per_seed = [
+                sum(v["ppl"] for v in c[str(rank)].values()) / len(c[str(rank)]) for c in curves if str(rank) in c
+            ]
             out[label][rank] = mean_interval(per_seed)
     return out
 
@@ -159,7 +197,9 @@ def global_truncation_stats(rows: list[dict[str, Any]]) -> dict[str, dict[int, I
         curves = [r["truncation_global"] for r in group if r.get("truncation_global")]
         if curves:
             ranks = sorted({int(k) for c in curves for k in c})
-            out[label] = {rank: mean_interval([c[str(rank)]["ppl"] for c in curves if str(rank) in c]) for rank in ranks}
+            out[label] = {
+                rank: mean_interval([c[str(rank)]["ppl"] for c in curves if str(rank) in c]) for rank in ranks
+            }
     return out
 
 
@@ -189,8 +229,12 @@ def truncation_differences(rows: list[dict[str, Any]], reference: str) -> dict[s
         raise ValueError(f"reference '{reference}' has no truncation curve")
 
     def at(group: list[dict[str, Any]], rank: int) -> dict[tuple[int, str], float]:
-        return {(r["seed"], c): v["ppl"] for r in group if r.get("truncation") and str(rank) in r["truncation"]
-                for c, v in r["truncation"][str(rank)].items()}
+        return {
+            (r["seed"], c): v["ppl"]
+            for r in group
+            if r.get("truncation") and str(rank) in r["truncation"]
+            for c, v in r["truncation"][str(rank)].items()
+        }
 
     out: dict[str, dict[int, PairedDifference]] = {}
     for label, group in groups.items():
@@ -228,7 +272,14 @@ def truncation_plot(curves: dict[str, dict[int, Interval]]) -> bytes:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, c in curves.items():
         ranks = sorted(c)
-        ax.errorbar(ranks, [c[r].mean for r in ranks], yerr=_half_widths([c[r] for r in ranks]), marker="o", capsize=3, label=label)
+        ax.errorbar(
+            ranks,
+            [c[r].mean for r in ranks],
+            yerr=_half_widths([c[r] for r in ranks]),
+            marker="o",
+            capsize=3,
+            label=label,
+        )
     ax.set_xscale("log", base=2)
     ax.set_xlabel("truncation rank r of the global adapter")
     ax.set_ylabel("held-out perplexity, mean over clients")
@@ -278,8 +329,14 @@ def comparison_plot(rows: list[dict[str, Any]], stats: list[LabelStats]) -> byte
         per_seed = [[100.0 * (r["ppl"][c] / initial[c] - 1.0) for c in cids] for r in groups[s.label]]
         cols = [mean_interval([p[j] for p in per_seed]) for j in range(len(cids))]
         cols.append(mean_interval([sum(p) / len(p) for p in per_seed]))
-        ax.bar([j + i * width for j in range(len(cols))], [x.mean for x in cols], width=width, yerr=_half_widths(cols),
-               capsize=2, label=s.label)
+        ax.bar(
+            [j + i * width for j in range(len(cols))],
+            [x.mean for x in cols],
+            width=width,
+            yerr=_half_widths(cols),
+            capsize=2,
+            label=s.label,
+        )
     ax.axhline(0.0, color="k", linewidth=0.8)
     ax.set_xticks([j + width * (len(stats) - 1) / 2 for j in range(len(cids) + 1)])
     ax.set_xticklabels([f"c{c}\n{labels.get(c, '')}" for c in cids] + ["mean"])

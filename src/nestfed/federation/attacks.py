@@ -42,9 +42,13 @@ def attacked_reply(kind: str, sent: Arrays, reply: Arrays, attack: AttackConfig,
     if kind == "scale":
         return scale_update(sent, reply, attack.scale)
     if kind == "noise":
-        return {k: origin(sent, k, v) + (torch.randn(v.shape, generator=generator, dtype=torch.float64)
-                                         * attack.noise_std).to(v.dtype) if v.is_floating_point() else v
-                for k, v in reply.items()}
+        return {
+            k: origin(sent, k, v)
+            + (torch.randn(v.shape, generator=generator, dtype=torch.float64) * attack.noise_std).to(v.dtype)
+            if v.is_floating_point()
+            else v
+            for k, v in reply.items()
+        }
     if kind == "free_rider":
         return {k: origin(sent, k, v).clone() if v.is_floating_point() else v for k, v in reply.items()}
     raise ValueError(f"attack.kind: '{kind}' is not an attack on the update")

@@ -55,8 +55,9 @@ class ClientTrainer:
         Raises KeyError for an unknown client.
         """
         hooks = self.hooks
-        ctx = FitContext(cid, dict(instruction.config), self.client_state.setdefault(cid, {}), self.model,
-                         self.data[cid], self.train)
+        ctx = FitContext(
+            cid, dict(instruction.config), self.client_state.setdefault(cid, {}), self.model, self.data[cid], self.train
+        )
         t0 = time.perf_counter()
         arrays = hooks.arrays_to_load(ctx, dict(instruction.arrays))
         apply_arrays(self.model, arrays, float(ctx.config["scaling"]))
@@ -75,7 +76,9 @@ class ClientTrainer:
         for step, batch in enumerate(ctx.batches(steps, "batches")):
             hooks.before_step(ctx, step)
             opt.zero_grad(set_to_none=True)  # micro-batches accumulate one step's gradient
-            losses.append(sum(hooks.step_loss(ctx, micro) for micro in batch.micro_batches(self.train.micro_batch_size)))
+            losses.append(
+                sum(hooks.step_loss(ctx, micro) for micro in batch.micro_batches(self.train.micro_batch_size))
+            )
             tokens += int((batch.labels[:, 1:] != -100).sum())
             if self.train.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)

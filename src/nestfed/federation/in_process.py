@@ -39,8 +39,9 @@ class InProcessTransport:
         """Nothing to add to the round-0 line."""
         return {}
 
-    def fit(self, rnd: int, instructions: dict[int, Instruction],
-            on_reply: Callable[[int, Reply], None] | None = None) -> FitResults:
+    def fit(
+        self, rnd: int, instructions: dict[int, Instruction], on_reply: Callable[[int, Reply], None] | None = None
+    ) -> FitResults:
         """Each client trains on what crossed the (simulated) wire and replies through it; each reply
         goes to ``on_reply`` as soon as it is back (else into FitResults.replies)."""
         out = FitResults()

@@ -75,8 +75,9 @@ class Transport(Protocol):
     def open(self) -> dict[str, Any]:
         """Fields for the round-0 metrics line (e.g. the nodes that answered)."""
 
-    def fit(self, rnd: int, instructions: dict[int, Instruction],
-            on_reply: Callable[[int, Reply], None] | None = None) -> FitResults:
+    def fit(
+        self, rnd: int, instructions: dict[int, Instruction], on_reply: Callable[[int, Reply], None] | None = None
+    ) -> FitResults:
         """Deliver one instruction per client; hand each reply to ``on_reply(cid, reply)`` as it
         arrives (then keep it no longer), or collect them in FitResults.replies without one."""
 
@@ -91,8 +92,14 @@ class Transport(Protocol):
         """Give the clients the kept state of a resumed checkpoint."""
 
 
-def sample_clients(clients: Sequence[ClientInfo], fraction: float, seed: int, rnd: int,
-                   sampling: str = "fixed", population: int | None = None) -> list[ClientInfo]:
+def sample_clients(
+    clients: Sequence[ClientInfo],
+    fraction: float,
+    seed: int,
+    rnd: int,
+    sampling: str = "fixed",
+    population: int | None = None,
+) -> list[ClientInfo]:
     """Seeded client sampling (the seed rule's stream ``sampling`` of round ``rnd``), sorted by id.
 
     clients: those that can be sampled (the online ones); population: the federation's size K
@@ -153,17 +160,30 @@ class RoundLoop:
     server_evaluate: Callable[[int, GlobalState], dict[str, Any]] | None = None
 
     @classmethod
-    def from_config(cls, cfg: ExperimentConfig, strategy: Strategy, transport: Transport, clients: list[ClientInfo],
-                    run_dir: RunDir, keeps_client_state: bool, **kw: Any) -> RoundLoop:
+    def from_config(
+        cls,
+        cfg: ExperimentConfig,
+        strategy: Strategy,
+        transport: Transport,
+        clients: list[ClientInfo],
+        run_dir: RunDir,
+        keeps_client_state: bool,
+        **kw: Any,
+    ) -> RoundLoop:
         """The loop of an experiment: its rounds, sampling, min_clients, seed, safeguards, population,
         evaluation plan and reply bound from ``cfg``; ``kw`` sets the other fields (on_event, sinks,
         server_evaluate) or replaces one (min_clients on Flower). Raises ConfigError for a bad
         elastic trace (nestfed.federation.population.read_trace)."""
         f = cfg.federation
         settings: dict[str, Any] = {
-            "fraction": f.fraction, "min_clients": f.min_clients, "seed": f.seed, "sampling": f.sampling,
-            "safeguards": Safeguards.from_config(cfg), "evaluation": EvalPlan.from_config(cfg),
-            "hold_replies": f.hold_replies}
+            "fraction": f.fraction,
+            "min_clients": f.min_clients,
+            "seed": f.seed,
+            "sampling": f.sampling,
+            "safeguards": Safeguards.from_config(cfg),
+            "evaluation": EvalPlan.from_config(cfg),
+            "hold_replies": f.hold_replies,
+        }
         settings.update(kw)
         if "population" not in settings:
             settings["population"] = Population.from_config(cfg, clients)
@@ -190,8 +210,10 @@ class RoundLoop:
                 sink.log(line)
             except Exception as exc:
                 self.sinks.remove(sink)
-                self._say(f"round {line['round']}: tracking sink {sink.name} failed ({type(exc).__name__}: {exc}); "
-                          "it is dropped for this run (metrics.jsonl has every round; a resume catches it up)")
+                self._say(
+                    f"round {line['round']}: tracking sink {sink.name} failed ({type(exc).__name__}: {exc}); "
+                    "it is dropped for this run (metrics.jsonl has every round; a resume catches it up)"
+                )
 
     def _close_sinks(self, finished: bool) -> None:
         for sink in self.sinks:
@@ -252,17 +274,25 @@ class RoundLoop:
         """One round: sample, configure, exchange, validate and fold, aggregate, evaluate, commit."""
         t0 = time.perf_counter()
         online = self.population.online(rnd, self.clients)
-        sampled = self.population.this_round(rnd, sample_clients(online, self.fraction, self.seed, rnd, self.sampling,
-                                                                len(self.clients)))
+        sampled = self.population.this_round(
+            rnd, sample_clients(online, self.fraction, self.seed, rnd, self.sampling, len(self.clients))
+        )
         declared = {c.cid: c.num_examples for c in sampled}
         instructions = self.strategy.configure(rnd, state, sampled)
         why_gone = self.population.dropouts(rnd, sampled)
         gone = set(why_gone)
         t_conf = time.perf_counter()
         ratio = self.safeguards.validation.norm_ratio
-        folder = ReplyFolder(self.strategy, self.safeguards, rnd, state, instructions, self.hold_replies,
-                             max(declared.values(), default=1),
-                             screen=RelativeScreen(ratio, round_blocks(instructions)) if ratio > 0 else None)
+        folder = ReplyFolder(
+            self.strategy,
+            self.safeguards,
+            rnd,
+            state,
+            instructions,
+            self.hold_replies,
+            max(declared.values(), default=1),
+            screen=RelativeScreen(ratio, round_blocks(instructions)) if ratio > 0 else None,
+        )
         per_client: dict[str, dict[str, Any]] = {}
         rejected: dict[str, str] = {}
         dropped: dict[str, str] = {str(c): why_gone[c] for c in sorted(gone)}
@@ -273,8 +303,14 @@ class RoundLoop:
             ins = instructions[cid]
             up = payload_stats(reply.arrays)
             info = per_client.setdefault(str(cid), {})
-            info.update({"bytes_up": up["bytes"], "params_up": up["params"], "dtypes_up": up["dtypes"],
-                         "num_examples": reply.num_examples})
+            info.update(
+                {
+                    "bytes_up": up["bytes"],
+                    "params_up": up["params"],
+                    "dtypes_up": up["dtypes"],
+                    "num_examples": reply.num_examples,
+                }
+            )
             try:
                 validate_reply(ins, reply)
                 norms = folder.block_norms(cid, reply)
@@ -304,8 +340,12 @@ class RoundLoop:
         t_fit = time.perf_counter()
         for cid, ins in instructions.items():
             down = payload_stats(ins.arrays)
-            info = {"bytes_down": down["bytes"], "params_down": down["params"], "dtypes_down": down["dtypes"],
-                    "rank_sent": ins.config.get("rank")}
+            info = {
+                "bytes_down": down["bytes"],
+                "params_down": down["params"],
+                "dtypes_down": down["dtypes"],
+                "rank_sent": ins.config.get("rank"),
+            }
             info.update(res.info.get(cid, {}))
             info.update(per_client.get(str(cid), {}))
             if cid in gone:
@@ -321,8 +361,10 @@ class RoundLoop:
             per_client[str(cid)] = info
         per_client = {str(c): per_client[str(c)] for c in sorted(instructions)}
         if sampled and len(dropped) * 2 > len(sampled):
-            self._say(f"round {rnd}: WARNING {len(dropped)} of the {len(sampled)} sampled clients dropped out; the round "
-                      "aggregates the others only")
+            self._say(
+                f"round {rnd}: WARNING {len(dropped)} of the {len(sampled)} sampled clients dropped out; the round "
+                "aggregates the others only"
+            )
         count = len(res.secure.clients) if res.secure is not None else folder.count
         aggregated = count >= self.min_clients
         trust: dict[str, Any] = {}
@@ -335,8 +377,10 @@ class RoundLoop:
             if bad:  # never accepted as the global state: the round keeps the old one
                 aggregated = False
                 trust["aggregate_rejected"] = f"non-finite values in {bad[:3]}{' ...' if len(bad) > 3 else ''}"
-                self._say(f"round {rnd}: the aggregate has non-finite values in {len(bad)} arrays "
-                          f"({bad[0]}, ...); global state kept")
+                self._say(
+                    f"round {rnd}: the aggregate has non-finite values in {len(bad)} arrays "
+                    f"({bad[0]}, ...); global state kept"
+                )
             else:
                 state = new_state
         else:
@@ -346,23 +390,37 @@ class RoundLoop:
         cids = self.evaluation.clients(rnd, self.rounds, [c.cid for c in self.clients])
         evaluation = self.transport.evaluate(rnd, Deployments(self.strategy, state, cids)) if cids else None
         t_eval = time.perf_counter()
-        line: dict[str, Any] = {"round": rnd, "sampled": [c.cid for c in sampled], "aggregated": aggregated,
-                                "clients": per_client, "rejected": rejected, "dropped": dropped}
+        line: dict[str, Any] = {
+            "round": rnd,
+            "sampled": [c.cid for c in sampled],
+            "aggregated": aggregated,
+            "clients": per_client,
+            "rejected": rejected,
+            "dropped": dropped,
+        }
         if evaluation is not None:
             line["eval"] = evaluation
         if self.server_evaluate is not None and self.evaluation.evaluates(rnd, self.rounds):
             line["eval_global"] = self.server_evaluate(rnd, state)
         line.update(trust)
-        line.update({"bytes_down": sum(c["bytes_down"] for c in per_client.values()),
-                     "bytes_up": sum(c["bytes_up"] for c in per_client.values())})
+        line.update(
+            {
+                "bytes_down": sum(c["bytes_down"] for c in per_client.values()),
+                "bytes_up": sum(c["bytes_up"] for c in per_client.values()),
+            }
+        )
         if self.population.availability < 1:
             line["online"] = len(online)
         if folder.count > self.hold_replies or folder.folded:
             line["replies"] = folder.facts()
         line.update(res.round_info)
-        line["timing"] = {"configure_s": t_conf - t0, "exchange_s": t_fit - t_conf - timing["validate_s"],
-                          "validate_s": timing["validate_s"], "aggregate_s": t_agg - t_fit,
-                          "evaluate_s": t_eval - t_agg}
+        line["timing"] = {
+            "configure_s": t_conf - t0,
+            "exchange_s": t_fit - t_conf - timing["validate_s"],
+            "validate_s": timing["validate_s"],
+            "aggregate_s": t_agg - t_fit,
+            "evaluate_s": t_eval - t_agg,
+        }
         line["time_s"] = time.perf_counter() - t0
         self._summarise(line)
         t_commit = time.perf_counter()
@@ -382,12 +440,18 @@ class RoundLoop:
             ppl.append(line["eval_global"].get("ppl"))
         bad = [p for p in ppl if isinstance(p, float) and not math.isfinite(p)]
         if bad:
-            raise RunFailed(f"round {rnd}: the global model's held-out perplexity is {bad[0]} for "
-                            f"{len(bad)} of {len(ppl)} evaluations: the model is destroyed; the run stops", rnd)
+            raise RunFailed(
+                f"round {rnd}: the global model's held-out perplexity is {bad[0]} for "
+                f"{len(bad)} of {len(ppl)} evaluations: the model is destroyed; the run stops",
+                rnd,
+            )
         limit = self.safeguards.validation.stall_rounds
         if limit and self._stalled >= limit:
-            raise RunFailed(f"round {rnd}: no update aggregated for {self._stalled} rounds in a row "
-                            f"(validation.stall_rounds = {limit}; the rounds' lines say why); the run stops", rnd)
+            raise RunFailed(
+                f"round {rnd}: no update aggregated for {self._stalled} rounds in a row "
+                f"(validation.stall_rounds = {limit}; the rounds' lines say why); the run stops",
+                rnd,
+            )
 
     def _summarise(self, line: dict[str, Any]) -> None:
         """With the per-client numbers in their own file (RunDir.inline False), what the metrics

@@ -72,26 +72,36 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:
             raise UpdateRejected(f"{key}: not a tensor")
         dim = rank_dim(key)
         if tuple(t.shape) != tuple(shape):
-            ok = (instruction.may_shrink_rank and dim is not None and t.dim() == len(shape)
-                  and all(a == b for i, (a, b) in enumerate(zip(t.shape, shape)) if i != dim)
-                  and 1 <= t.shape[dim] <= shape[dim])
+            ok = (
+                instruction.may_shrink_rank
+                and dim is not None
+                and t.dim() == len(shape)
+                and all(a == b for i, (a, b) in enumerate(zip(t.shape, shape)) if i != dim)
+                and 1 <= t.shape[dim] <= shape[dim]
+            )
             if not ok:
                 if dim is not None and t.dim() == len(shape) and t.shape[dim] != shape[dim]:
                     raise UpdateRejected(f"{key}: rank {t.shape[dim]} but the instructed rank is {shape[dim]}")
                 raise UpdateRejected(f"{key}: shape {tuple(t.shape)}, expected {tuple(shape)}")
         sent = instruction.arrays.get(key)
         if sent is not None and t.dtype != sent.dtype:
-            raise UpdateRejected(f"{key}: dtype {str(t.dtype).replace('torch.', '')}, but "
-                                 f"{str(sent.dtype).replace('torch.', '')} was sent")
+            raise UpdateRejected(
+                f"{key}: dtype {str(t.dtype).replace('torch.', '')}, but "
+                f"{str(sent.dtype).replace('torch.', '')} was sent"
+            )
         if sent is None:  # an array the server did not send (FLoRA's fresh factors): the payload's dtype
             if unsent is None:
                 unsent = unsent_dtype(instruction.arrays)
             if t.is_floating_point() and t.dtype != unsent:
-                raise UpdateRejected(f"{key}: dtype {str(t.dtype).replace('torch.', '')}, but the method's "
-                                     f"arrays are {str(unsent).replace('torch.', '')}")
+                raise UpdateRejected(
+                    f"{key}: dtype {str(t.dtype).replace('torch.', '')}, but the method's "
+                    f"arrays are {str(unsent).replace('torch.', '')}"
+                )
             if not t.is_floating_point() and (t.dtype == torch.bool or t.is_complex()):
-                raise UpdateRejected(f"{key}: dtype {str(t.dtype).replace('torch.', '')} is neither the method's "
-                                     "floating-point dtype nor an integer index")
+                raise UpdateRejected(
+                    f"{key}: dtype {str(t.dtype).replace('torch.', '')} is neither the method's "
+                    "floating-point dtype nor an integer index"
+                )
         if dim is not None:
             module = key.rsplit(".", 2)[0]
             r = t.shape[dim]
@@ -114,6 +124,7 @@ def non_finite_keys(arrays: Arrays) -> list[str]:
     one pass over their concatenation first (a few kernels per reply, not per array)."""
     floats = [(k, t) for k, t in arrays.items() if t.is_floating_point()]
     if sum(t.numel() for _, t in floats) <= FLAT_NUMEL and (
-            not floats or bool(torch.isfinite(torch.cat([t.reshape(-1) for _, t in floats])).all())):
+        not floats or bool(torch.isfinite(torch.cat([t.reshape(-1) for _, t in floats])).all())
+    ):
         return []
     return sorted(k for k, t in floats if not bool(torch.isfinite(t).all()))

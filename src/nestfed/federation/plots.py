@@ -11,7 +11,6 @@ import numpy as np
 from nestfed.config import INLINE_CLIENTS
 
 
-
 def pyplot():
     """matplotlib.pyplot on the Agg backend, imported on first use: a Flower ClientApp process,
     which imports the round loop but never plots, does not pay its second of import."""
@@ -89,12 +88,14 @@ def group_plots(evaluated: list[dict[str, Any]], title: str, ranks: dict[str, in
                 mean.append(float(np.mean(ppl)))
                 lo.append(float(np.percentile(ppl, 10)))
                 hi.append(float(np.percentile(ppl, 90)))
-        line, = ax.plot(xs, mean, marker="o", label=f"rank {r} (mean)")
+        (line,) = ax.plot(xs, mean, marker="o", label=f"rank {r} (mean)")
         ax.fill_between(xs, lo, hi, alpha=0.15, color=line.get_color())
     ax.set_xlabel("round")
     ax.set_ylabel("held-out perplexity")
-    ax.set_title(f"{title}: mean per rank group, 10th-90th percentile band\n"
-                 f"(the {len(common)} clients evaluated every round)", fontsize=10)
+    ax.set_title(
+        f"{title}: mean per rank group, 10th-90th percentile band\n(the {len(common)} clients evaluated every round)",
+        fontsize=10,
+    )
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
     out = {"eval_ppl.png": png(fig)}

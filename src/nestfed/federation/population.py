@@ -35,8 +35,9 @@ def trace_has_budgets(path: str | Path) -> bool:
         return False
 
 
-def read_trace(path: str | Path, ranks: dict[int, int], footprint: Callable[[int], int] | None = None
-               ) -> dict[tuple[int, int], int]:
+def read_trace(
+    path: str | Path, ranks: dict[int, int], footprint: Callable[[int], int] | None = None
+) -> dict[tuple[int, int], int]:
     """{(round, client): rank} from a CSV file with columns ``round``, ``client`` and ``rank``, or
     ``memory_mib`` (the client's memory budget that round: its rank is then the largest of the
     federation's ranks up to its own whose ``footprint(r)`` bytes fit, nestfed.nn.footprint, and 0
@@ -57,11 +58,14 @@ def read_trace(path: str | Path, ranks: dict[int, int], footprint: Callable[[int
         value = "memory_mib" if "memory_mib" in fields and "rank" not in fields else "rank"
         missing = {"round", "client", value} - fields
         if missing:
-            raise ConfigError(f"{p}: missing column(s) {', '.join(sorted(missing))} (needs round, client and rank "
-                              "or memory_mib)")
+            raise ConfigError(
+                f"{p}: missing column(s) {', '.join(sorted(missing))} (needs round, client and rank or memory_mib)"
+            )
         if value == "memory_mib" and footprint is None:
-            raise ConfigError(f"{p}: memory budgets become ranks through the backbone's footprint, which this server "
-                              "does not measure (give ranks, or run embedded)")
+            raise ConfigError(
+                f"{p}: memory budgets become ranks through the backbone's footprint, which this server "
+                "does not measure (give ranks, or run embedded)"
+            )
         sizes = {r: footprint(r) for r in federation} if value == "memory_mib" else {}
         for line, row in enumerate(reader, 2):
             try:
@@ -104,16 +108,16 @@ class Population:
     seed: int = 0
 
     @classmethod
-    def from_config(cls, cfg: ExperimentConfig, clients: Sequence[ClientInfo],
-                    footprint: Callable[[int], int] | None = None) -> Population:
+    def from_config(
+        cls, cfg: ExperimentConfig, clients: Sequence[ClientInfo], footprint: Callable[[int], int] | None = None
+    ) -> Population:
         """The population of ``cfg``'s ``[population]`` over ``clients`` (their ranks r_k); footprint:
         bytes(r) of the backbone (nestfed.nn.footprint), for a trace of memory budgets. Raises
         ConfigError for a bad elastic trace (:func:`read_trace`)."""
         p: PopulationConfig = cfg.population
         own = {c.cid: c.rank for c in clients}
         trace = read_trace(p.elastic_trace, own, footprint) if p.elastic == "trace" else {}
-        return cls(p.availability, p.dropout, p.elastic, sorted({c.rank for c in clients}), trace,
-                   cfg.federation.seed)
+        return cls(p.availability, p.dropout, p.elastic, sorted({c.rank for c in clients}), trace, cfg.federation.seed)
 
     def online(self, rnd: int, clients: Sequence[ClientInfo]) -> list[ClientInfo]:
         """The clients online in round ``rnd``: each with probability ``availability`` (all at 1)."""
@@ -126,13 +130,21 @@ class Population:
     def dropouts(self, rnd: int, sampled: Sequence[ClientInfo]) -> dict[int, str]:
         """{cid: why} of the sampled clients that drop out of round ``rnd`` before replying: each with
         probability ``dropout`` (none at 0), and those whose budget in the trace holds no rank."""
-        out = {c.cid: "its memory budget this round holds no rank (population.elastic_trace)"
-               for c in sampled if self.trace.get((rnd, c.cid), -1) == 0}
+        out = {
+            c.cid: "its memory budget this round holds no rank (population.elastic_trace)"
+            for c in sampled
+            if self.trace.get((rnd, c.cid), -1) == 0
+        }
         if self.dropout > 0:
             rng = np.random.default_rng(stream_seed(self.seed, rnd, 0, "dropout"))
             gone = rng.random(len(sampled)) < self.dropout
-            out.update({c.cid: f"dropped out after sampling (population.dropout = {self.dropout:g})"
-                        for c, g in zip(sampled, gone) if g and c.cid not in out})
+            out.update(
+                {
+                    c.cid: f"dropped out after sampling (population.dropout = {self.dropout:g})"
+                    for c, g in zip(sampled, gone)
+                    if g and c.cid not in out
+                }
+            )
         return out
 
     def this_round(self, rnd: int, sampled: Sequence[ClientInfo]) -> list[ClientInfo]:

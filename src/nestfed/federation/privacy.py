@@ -17,7 +17,6 @@ from nestfed.federation.messages import Arrays
 from nestfed.federation.update import clip_update
 
 
-
 def epsilon(privacy: PrivacyConfig, rounds: int, q: float) -> float:
     """The epsilon spent at ``privacy.delta`` after ``rounds`` rounds (math.inf without noise).
 
@@ -47,8 +46,11 @@ def epsilon(privacy: PrivacyConfig, rounds: int, q: float) -> float:
     # needs over 20 GB. A coarser interval keeps it small; the pessimistic discretisation stays an
     # upper bound on epsilon (dp-accounting's connect-the-dots PLD).
     interval = 1e-4 * max(1.0, (0.5 / z) ** 2)
-    acc = pld.PLDAccountant(value_discretization_interval=interval) if privacy.accountant == "pld" \
+    acc = (
+        pld.PLDAccountant(value_discretization_interval=interval)
+        if privacy.accountant == "pld"
         else rdp.RdpAccountant()
+    )
     acc.compose(event, rounds)
     return float(acc.get_epsilon(privacy.delta))
 

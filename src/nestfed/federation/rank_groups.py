@@ -23,13 +23,20 @@ def describe(values: list[float], higher_is_worse: bool = True) -> dict[str, flo
         raise ValueError("no values to describe")
     x = np.asarray(values, dtype=np.float64)
     worst, best = (x.max(), x.min()) if higher_is_worse else (x.min(), x.max())
-    return {"n": int(x.size), "mean": float(x.mean()), "median": float(np.median(x)),
-            "p10": float(np.percentile(x, 10)), "p90": float(np.percentile(x, 90)),
-            "worst": float(worst), "best": float(best)}
+    return {
+        "n": int(x.size),
+        "mean": float(x.mean()),
+        "median": float(np.median(x)),
+        "p10": float(np.percentile(x, 10)),
+        "p90": float(np.percentile(x, 90)),
+        "worst": float(worst),
+        "best": float(best),
+    }
 
 
-def by_rank(values: Mapping[str, float], ranks: Mapping[str, int], higher_is_worse: bool = True
-            ) -> dict[str, dict[str, float]]:
+def by_rank(
+    values: Mapping[str, float], ranks: Mapping[str, int], higher_is_worse: bool = True
+) -> dict[str, dict[str, float]]:
     """{str(rank): :func:`describe` of its clients' values, ..., "all": of every client} over the
     clients in ``values`` ({cid: value}; ``ranks``: {cid: r_k}, keyed alike), ranks ascending.
     Raises KeyError naming a client without a rank."""

@@ -62,8 +62,10 @@ class RelativeScreen:
         if ratio <= self.ratio:
             return None
         ref = statistics.median_low(among[block])
-        return (f"update norm {norms[block]:.4g} in rank block {block} is {ratio:.3g} x its peers' median "
-                f"{ref:.4g} (above validation.norm_ratio = {self.ratio:g})")
+        return (
+            f"update norm {norms[block]:.4g} in rank block {block} is {ratio:.3g} x its peers' median "
+            f"{ref:.4g} (above validation.norm_ratio = {self.ratio:g})"
+        )
 
     def accept(self, norms: dict[str, float]) -> None:
         """Count an accepted reply's block norms among the references of later arrivals."""

@@ -69,7 +69,7 @@ def trimmed_mean(stack: torch.Tensor, fraction: float) -> torch.Tensor:
     smallest and largest values of each coordinate (Yin et al. 2018, Definition 2)."""
     m = stack.shape[0]
     k = int(fraction * m)
-    return stack.sort(dim=0).values[k:m - k].mean(dim=0)
+    return stack.sort(dim=0).values[k : m - k].mean(dim=0)
 
 
 def krum_scores(flat: torch.Tensor, f: int) -> torch.Tensor:
@@ -185,6 +185,10 @@ class BlockRule:
             total = stacked(block, key).double().sum(dim=0)
             noise = torch.randn(total.shape, generator=g, dtype=torch.float64) * std
             out[key] = block.start[key] + ((total + noise) / denom).to(block.start[key].dtype)
-        self.notes[block.name] = {"members": block.members, "rule": "dp_noisy_mean", "denominator": denom,
-                                  "noise_std_of_mean": std / denom}
+        self.notes[block.name] = {
+            "members": block.members,
+            "rule": "dp_noisy_mean",
+            "denominator": denom,
+            "noise_std_of_mean": std / denom,
+        }
         return out

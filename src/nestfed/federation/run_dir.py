@@ -76,8 +76,12 @@ def _leftover(p: Path) -> bool:
 
 def flatten_client_state(state: ClientState) -> dict[str, torch.Tensor]:
     """{cid: {group: {key: t}}} -> {"<cid>/<group>/<key>": t} (for one safetensors file or record)."""
-    return {f"{cid}/{g}/{k}": t.contiguous() for cid, groups in state.items()
-            for g, arrays in groups.items() for k, t in arrays.items()}
+    return {
+        f"{cid}/{g}/{k}": t.contiguous()
+        for cid, groups in state.items()
+        for g, arrays in groups.items()
+        for k, t in arrays.items()
+    }
 
 
 def unflatten_client_state(flat: dict[str, torch.Tensor]) -> ClientState:
@@ -249,8 +253,11 @@ class RunDir:
     def checkpoints(self) -> list[tuple[int, Path]]:
         """Every checkpoint as (round, path), sorted by round number (not by name)."""
         folder = self.path / "checkpoints"
-        found = [(int(m.group(1)), p) for p in folder.glob("round_*.safetensors")
-                 if (m := _ROUND_FILE.fullmatch(p.name))] if folder.is_dir() else []
+        found = (
+            [(int(m.group(1)), p) for p in folder.glob("round_*.safetensors") if (m := _ROUND_FILE.fullmatch(p.name))]
+            if folder.is_dir()
+            else []
+        )
         return sorted(found)
 
     def save_checkpoint(self, rnd: int, state: GlobalState, client_state: ClientState | None) -> Path:
@@ -262,8 +269,12 @@ class RunDir:
         tensors.update({f"optimizer/{k}": v.contiguous() for k, v in state.optimizer.items()})
         if client_state:
             tensors.update({f"client/{k}": v for k, v in flatten_client_state(client_state).items()})
-        meta = {"format": FORMAT, "round": str(rnd), "meta": json.dumps(state.meta),
-                "client_state": KEPT if client_state is not None else ON_NODES}
+        meta = {
+            "format": FORMAT,
+            "round": str(rnd),
+            "meta": json.dumps(state.meta),
+            "client_state": KEPT if client_state is not None else ON_NODES,
+        }
         if self.config_text is not None:  # what a resume checks config.toml against (tamper-evident)
             meta["config"] = self.config_text
             meta["config_sha256"] = hashlib.sha256(self.config_text.encode()).hexdigest()
@@ -286,18 +297,26 @@ class RunDir:
             except (SafetensorError, OSError, ValueError) as exc:
                 raise DataError(f"{side}: not a readable client-state file ({exc})") from None
             return Checkpoint(rnd, GlobalState(raw, meta), clients, path, KEPT if clients is not None else ON_NODES)
-        arrays = {k[len("global/"):]: v for k, v in raw.items() if k.startswith("global/")}
-        optimizer = {k[len("optimizer/"):]: v for k, v in raw.items() if k.startswith("optimizer/")}
+        arrays = {k[len("global/") :]: v for k, v in raw.items() if k.startswith("global/")}
+        optimizer = {k[len("optimizer/") :]: v for k, v in raw.items() if k.startswith("optimizer/")}
         clients = None
         if md.get("client_state") == KEPT:
             try:
-                clients = unflatten_client_state({k[len("client/"):]: v for k, v in raw.items() if k.startswith("client/")})
+                clients = unflatten_client_state(
+                    {k[len("client/") :]: v for k, v in raw.items() if k.startswith("client/")}
+                )
             except ValueError as exc:
                 raise DataError(f"{path}: {exc}") from None
         return Checkpoint(rnd, GlobalState(arrays, meta, optimizer), clients, path, md.get("client_state", KEPT))
 
-    def commit(self, rnd: int, state: GlobalState, client_state: ClientState | None, line: dict[str, Any],
-               keep_checkpoints: bool = True) -> dict[str, Any]:
+    def commit(
+        self,
+        rnd: int,
+        state: GlobalState,
+        client_state: ClientState | None,
+        line: dict[str, Any],
+        keep_checkpoints: bool = True,
+    ) -> dict[str, Any]:
         """Commit round ``rnd``: its per-client line (the :data:`DETAIL_KEYS` of ``line``, when they
         have their own file), its metrics line, then its checkpoint (see the module docstring).
         Without ``keep_checkpoints`` the earlier checkpoints are removed afterwards. Returns the
@@ -328,15 +347,21 @@ class RunDir:
             raise NestfedError(f"{self.path}: no checkpoint to resume from (checkpoints/round_NNN.safetensors)")
         ck = self.load_checkpoint(found[-1][1])
         if ck.round != found[-1][0]:
-            raise DataError(f"{ck.path}: holds the state of round {ck.round}, not of round {found[-1][0]} "
-                            "(a renamed or copied checkpoint)")
+            raise DataError(
+                f"{ck.path}: holds the state of round {ck.round}, not of round {found[-1][0]} "
+                "(a renamed or copied checkpoint)"
+            )
         if keeps_client_state and ck.round > 0 and home == KEPT and ck.client_state is None:
-            raise NestfedError(f"{ck.path}: this method keeps per-client state, which this checkpoint does not hold "
-                               "(written on Flower, whose nodes keep it, or its clients_NNN file is gone); it cannot be "
-                               "resumed exactly here (resume it on Flower)")
+            raise NestfedError(
+                f"{ck.path}: this method keeps per-client state, which this checkpoint does not hold "
+                "(written on Flower, whose nodes keep it, or its clients_NNN file is gone); it cannot be "
+                "resumed exactly here (resume it on Flower)"
+            )
         if keeps_client_state and ck.round > 0 and home == ON_NODES and ck.client_state_home != ON_NODES:
-            raise NestfedError(f"{ck.path}: this method keeps per-client state, which this checkpoint holds itself "
-                               "(an embedded run): Flower's nodes do not have it; resume it with nestfed run --resume")
+            raise NestfedError(
+                f"{ck.path}: this method keeps per-client state, which this checkpoint holds itself "
+                "(an embedded run): Flower's nodes do not have it; resume it with nestfed run --resume"
+            )
         return ck
 
     def _kept_lines(self, path: Path, last: int | None) -> tuple[list[dict[str, Any]], list[str], bool]:
@@ -348,12 +373,14 @@ class RunDir:
         keep = [] if last is None else [ln for ln in lines if int(ln.get("round", -1)) <= last]
         if last is not None and len(keep) != len(lines):
             later = sorted({int(ln["round"]) for ln in lines if int(ln.get("round", -1)) > last})
-            notes.append(f"{path}: dropped the lines of rounds {later}, after the checkpoint of round "
-                         f"{last} (they are redone)")
+            notes.append(
+                f"{path}: dropped the lines of rounds {later}, after the checkpoint of round {last} (they are redone)"
+            )
         return keep, notes, torn or len(keep) != len(lines)
 
-    def _resume_plan(self, keeps_client_state: bool, home: str = KEPT
-                     ) -> tuple[Checkpoint | None, dict[Path, tuple[list[dict[str, Any]], bool]], list[str]]:
+    def _resume_plan(
+        self, keeps_client_state: bool, home: str = KEPT
+    ) -> tuple[Checkpoint | None, dict[Path, tuple[list[dict[str, Any]], bool]], list[str]]:
         """(checkpoint or None, {file: (the lines to keep, whether to rewrite it)} for metrics.jsonl
         and clients.jsonl, notes): what :meth:`resume` does, computed without writing. Raises as
         :meth:`resume`."""
@@ -371,8 +398,9 @@ class RunDir:
                 notes.append(f"{path}: no round was committed yet; starting from round 0")
             rounds = [int(ln["round"]) for ln in keep]
             if ck is not None and rounds != list(range(ck.round + 1)):
-                raise DataError(f"{path}: holds rounds {rounds}, expected 0..{ck.round} once each "
-                                f"for the checkpoint {ck.path.name}")
+                raise DataError(
+                    f"{path}: holds rounds {rounds}, expected 0..{ck.round} once each for the checkpoint {ck.path.name}"
+                )
         return ck, plan, notes
 
     def check_resume(self, keeps_client_state: bool, home: str = KEPT) -> None:
@@ -406,12 +434,16 @@ class RunDir:
         diff = differences(stored, wanted)
         other = [d for d in diff if not d.startswith(("federation.rounds:", "tracking."))]
         if other:
-            raise NestfedError(f"{self.config_path}: a resumed run keeps its config; these differ: {'; '.join(other)} "
-                               "(start a new run instead)")
+            raise NestfedError(
+                f"{self.config_path}: a resumed run keeps its config; these differ: {'; '.join(other)} "
+                "(start a new run instead)"
+            )
         found = self.checkpoints()
         if diff and found and wanted.federation.rounds < found[-1][0]:
-            raise NestfedError(f"{self.config_path}: federation.rounds = {wanted.federation.rounds} is below the "
-                               f"{found[-1][0]} rounds already committed")
+            raise NestfedError(
+                f"{self.config_path}: federation.rounds = {wanted.federation.rounds} is below the "
+                f"{found[-1][0]} rounds already committed"
+            )
         if diff:
             atomic.write_text(self.config_path, config_text)
         return diff
@@ -432,8 +464,10 @@ class RunDir:
     def write_plots(self, lines: list[dict[str, Any]], ranks: dict[str, int] | None = None) -> list[Path]:
         """plots/ (nestfed.federation.plots: per client, or by rank group with many clients),
         atomically."""
-        return [atomic.write_bytes(self.path / "plots" / name, data)
-                for name, data in run_plots(lines, self.path.name, ranks).items()]
+        return [
+            atomic.write_bytes(self.path / "plots" / name, data)
+            for name, data in run_plots(lines, self.path.name, ranks).items()
+        ]
 
     def write_clients(self, rows: list[dict[str, Any]], per_client: dict[str, Any] | None = None) -> list[Path]:
         """``clients.csv`` (one row per client, :func:`nestfed.federation.summary.client_table`) and,
@@ -455,14 +489,26 @@ class RunDir:
         adapter, plots or per-client table. Returns the summary."""
         summary = summarise(self.read_rounds(), cfg)
         summary.update(extra)
-        summary.update({"adapter": None, "outcome": "failed", "failure": failure, "failed_round": failed_round,
-                        "run_dir": str(self.path)})
+        summary.update(
+            {
+                "adapter": None,
+                "outcome": "failed",
+                "failure": failure,
+                "failed_round": failed_round,
+                "run_dir": str(self.path),
+            }
+        )
         self.write_json("summary.json", summary)
         return summary
 
-    def finish(self, cfg: ExperimentConfig, exports: Exports, extra: dict[str, Any],
-               roster: dict[str, dict[str, Any]] | None = None, per_client: dict[str, Any] | None = None
-               ) -> dict[str, Any]:
+    def finish(
+        self,
+        cfg: ExperimentConfig,
+        exports: Exports,
+        extra: dict[str, Any],
+        roster: dict[str, dict[str, Any]] | None = None,
+        per_client: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         """Finalise a run whose rounds are all committed: the adapter (only when some round
         aggregated: a run that never aggregated has no adapter PEFT could load), the method's
         files, the plots (``output.plots``), the per-client table, then summary.json (last): the
@@ -491,8 +537,13 @@ class RunDir:
             self.write_plots(lines, ranks or None)
         if roster:
             budgets = {c: r["memory_mib"] for c, r in roster.items() if r.get("memory_mib") is not None} or None
-            rows = client_table(lines, ranks, {c: r.get("label", "") for c, r in roster.items()},
-                                {c: r.get("num_examples", 0) for c, r in roster.items()}, budgets)
+            rows = client_table(
+                lines,
+                ranks,
+                {c: r.get("label", "") for c, r in roster.items()},
+                {c: r.get("num_examples", 0) for c, r in roster.items()},
+                budgets,
+            )
             self.write_clients(rows, per_client)
             counts: dict[str, int] = {}
             for r in ranks.values():

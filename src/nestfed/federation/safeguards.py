@@ -44,11 +44,13 @@ class Safeguards:
         """The safeguards of an experiment's ``[validation]``, ``[robust]``, ``[privacy]``,
         ``[server_optimizer]`` and federation (sampling rate, seed)."""
         f = cfg.federation
-        return cls(cfg.validation, cfg.privacy, BlockRule(cfg.robust, cfg.privacy, f.fraction, f.seed),
-                   cfg.server_optimizer)
+        return cls(
+            cfg.validation, cfg.privacy, BlockRule(cfg.robust, cfg.privacy, f.fraction, f.seed), cfg.server_optimizer
+        )
 
-    def screen(self, instruction: Instruction, reply: Reply, declared: int,
-               block_norms: dict[str, float] | None = None) -> tuple[Reply, dict[str, Any]]:
+    def screen(
+        self, instruction: Instruction, reply: Reply, declared: int, block_norms: dict[str, float] | None = None
+    ) -> tuple[Reply, dict[str, Any]]:
         """Check one (already shape-validated) reply; return it, possibly capped or clipped, and the
         facts for the metrics line (``update_norm``; ``clipped_to``, ``num_examples_capped_from``).
 
@@ -72,8 +74,11 @@ class Safeguards:
         if self.privacy.mode == "central":
             bounds.append(("privacy.clip_norm", self.privacy.clip_norm, "clip"))
         # the update's norm: from its rank blocks' norms when the default screen measured them
-        norm = math.sqrt(sum(x * x for x in block_norms.values())) if block_norms is not None else \
-            update_norm(instruction.arrays, arrays)
+        norm = (
+            math.sqrt(sum(x * x for x in block_norms.values()))
+            if block_norms is not None
+            else update_norm(instruction.arrays, arrays)
+        )
         if not math.isfinite(norm) or norm > MAX_REPRESENTABLE_NORM:
             raise UpdateRejected(f"update norm {norm:.3g} overflows float32 (its square exceeds {FLOAT32_MAX:.3g})")
         facts["update_norm"] = norm
@@ -86,8 +91,9 @@ class Safeguards:
                 facts["clipped_to"] = bound
         return Reply(arrays, n, reply.metrics), facts
 
-    def aggregate(self, strategy: Strategy, rnd: int, state: GlobalState,
-                  replies: dict[int, Reply]) -> tuple[GlobalState, dict[str, Any]]:
+    def aggregate(
+        self, strategy: Strategy, rnd: int, state: GlobalState, replies: dict[int, Reply]
+    ) -> tuple[GlobalState, dict[str, Any]]:
         """The strategy's aggregate, or its block form under a robust rule or central DP, then the
         server optimiser's step (nestfed.federation.server_optimizer.server_step, whose ValueError
         propagates); returns the new state and, for the metrics line, ``robust`` (per block:
@@ -98,8 +104,9 @@ class Safeguards:
         new, facts = server_step(self.optimizer, state, strategy.robust_aggregate(rnd, state, replies, self.rule))
         return new, {"robust": dict(self.rule.notes), **facts}
 
-    def aggregate_secure(self, strategy: Strategy, rnd: int, state: GlobalState,
-                         secure: SecureSum) -> tuple[GlobalState, dict[str, Any]]:
+    def aggregate_secure(
+        self, strategy: Strategy, rnd: int, state: GlobalState, secure: SecureSum
+    ) -> tuple[GlobalState, dict[str, Any]]:
         """The strategy's rebuild from secure sums alone (``aggregate_secure``,
         nestfed.federation.secure_sum), then the server optimiser's step: it needs only the
         aggregate, never a single client's update, so it composes with secure aggregation. Returns
@@ -113,7 +120,14 @@ class Safeguards:
         if self.privacy.mode == "off":
             return {}
         eps = epsilon(self.privacy, rnd, fraction)
-        return {"privacy": {"mode": self.privacy.mode, "epsilon": eps if math.isfinite(eps) else None,
-                            "delta": self.privacy.delta, "rounds": rnd,
-                            "noise_multiplier": self.privacy.noise_multiplier, "clip_norm": self.privacy.clip_norm,
-                            "accountant": self.privacy.accountant}}
+        return {
+            "privacy": {
+                "mode": self.privacy.mode,
+                "epsilon": eps if math.isfinite(eps) else None,
+                "delta": self.privacy.delta,
+                "rounds": rnd,
+                "noise_multiplier": self.privacy.noise_multiplier,
+                "clip_norm": self.privacy.clip_norm,
+                "accountant": self.privacy.accountant,
+            }
+        }

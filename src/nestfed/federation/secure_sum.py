@@ -85,8 +85,9 @@ def _pad(t: torch.Tensor, dim: int, r: int) -> torch.Tensor:
     return torch.cat([t, t.new_zeros(shape)], dim=dim)
 
 
-def encode(sent: Arrays, reply: Arrays, num_examples: int, lay: Layout, scale: float,
-           clip: float) -> tuple[list[torch.Tensor], dict[str, float]]:
+def encode(
+    sent: Arrays, reply: Arrays, num_examples: int, lay: Layout, scale: float, clip: float
+) -> tuple[list[torch.Tensor], dict[str, float]]:
     """What one client adds to the secure sum: float64 tensors in ``lay``'s key order, then the
     count vector [r] (module docstring). The client validates its own update first (the server
     never sees it): every key of ``lay`` present with the shape of what it was sent, one rank r_k
@@ -140,8 +141,9 @@ def decode(total: list[torch.Tensor], lay: Layout, scale: float, clients: list[i
     return SecureSum(sums, total[-1].to(torch.float64) / scale, sorted(clients))
 
 
-def plain_sum(sent: Mapping[int, Arrays], replies: Mapping[int, Arrays], num_examples: Mapping[int, int],
-              lay: Layout) -> SecureSum:
+def plain_sum(
+    sent: Mapping[int, Arrays], replies: Mapping[int, Arrays], num_examples: Mapping[int, int], lay: Layout
+) -> SecureSum:
     """The exact (unquantised, unclipped) sums of the clients in ``replies``: what a perfect secure
     aggregation reveals. For tests and references."""
     total: list[torch.Tensor] | None = None

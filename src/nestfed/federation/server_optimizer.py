@@ -47,8 +47,7 @@ from nestfed.federation.messages import Arrays, GlobalState
 M, V = "m/", "v/"
 
 
-def momentum_step(o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def momentum_step(o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """FedAvgM's server step (Hsu et al. 2019; Reddi et al. 2021, section 5's baseline):
     m_t = mu m_{t-1} + Delta_t, step = eta m_t.
 
@@ -58,8 +57,9 @@ def momentum_step(o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor
     return o.lr * m_new, m_new
 
 
-def adaptive_step(o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor, v: torch.Tensor
-                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def adaptive_step(
+    o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor, v: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One step of FedAdagrad, FedYogi or FedAdam (Reddi et al. 2021, Algorithm 2, lines 11-15).
 
     delta: Delta_t, m: m_{t-1}, v: v_{t-1} (float64 tensors of one array's shape). Returns (step =
@@ -79,8 +79,9 @@ def adaptive_step(o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor
     return o.lr * m_new / (v_new.sqrt() + o.tau), m_new, v_new  # line 15
 
 
-def optimiser_step(o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor | None,
-                   v: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+def optimiser_step(
+    o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The step of ``o`` for one array, before the frozen-entries rule.
 
     delta: Delta_t; m, v: the moments before this round (None: m_{-1} = 0, v_{-1} = tau^2), float64
@@ -93,7 +94,7 @@ def optimiser_step(o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tenso
     if o.name == "sgdm":
         step, m_new = momentum_step(o, delta, m)
         return step, m_new, None
-    v = torch.full_like(delta, o.tau ** 2) if v is None else v
+    v = torch.full_like(delta, o.tau**2) if v is None else v
     return adaptive_step(o, delta, m, v)
 
 
@@ -139,8 +140,10 @@ def server_step(o: ServerOptimizerConfig, old: GlobalState, new: GlobalState) ->
         x0 = old.arrays.get(key)
         if x0 is None or x0.shape != x1.shape:
             was = "absent" if x0 is None else f"of shape {tuple(x0.shape)}"
-            raise ValueError(f"{key}: the aggregate has shape {tuple(x1.shape)} but the global array was {was}: "
-                             "no pseudo-gradient for the server optimiser")
+            raise ValueError(
+                f"{key}: the aggregate has shape {tuple(x1.shape)} but the global array was {was}: "
+                "no pseudo-gradient for the server optimiser"
+            )
         delta = x1.to(torch.float64) - x0.to(torch.float64)
         m0, v0 = _moment(old.optimizer, M + key, x1.shape), _moment(old.optimizer, V + key, x1.shape)
         step, m1, v1 = optimiser_step(o, delta, m0, v0)
@@ -150,11 +153,16 @@ def server_step(o: ServerOptimizerConfig, old: GlobalState, new: GlobalState) ->
         if m1 is not None:
             moments[M + key] = torch.where(held, m1, torch.zeros_like(m1) if m0 is None else m0)
         if v1 is not None:
-            moments[V + key] = torch.where(held, v1, torch.full_like(v1, o.tau ** 2) if v0 is None else v0)
+            moments[V + key] = torch.where(held, v1, torch.full_like(v1, o.tau**2) if v0 is None else v0)
         correction = step - delta  # x_t + step = aggregate + (step - Delta_t)
         arrays[key] = torch.where(correction == 0, x1, (x1.to(torch.float64) + correction).to(x1.dtype))
         step_sq += float((step * step).sum())
         delta_sq += float((delta * delta).sum())
-    facts = {"name": o.name, "lr": o.lr, "step_norm": _finite(math.sqrt(step_sq)),
-             "pseudo_gradient_norm": _finite(math.sqrt(delta_sq)), "frozen_entries": frozen}
+    facts = {
+        "name": o.name,
+        "lr": o.lr,
+        "step_norm": _finite(math.sqrt(step_sq)),
+        "pseudo_gradient_norm": _finite(math.sqrt(delta_sq)),
+        "frozen_entries": frozen,
+    }
     return GlobalState(arrays, new.meta, moments), {"server_optimizer": facts}

@@ -157,8 +157,9 @@ class LoraStrategy:
                 deltas[c][key] = (v - o) if d is None else pad_rank(v - o, d, g.shape[d])
                 starts.append(o if d is None else pad_rank(o, d, g.shape[d]))
             base[key] = weighted_mean(starts, [n[c] for c in cids])
-        block = Block("all", deltas, n, len(state.meta.get("ranks", {})) or len(cids), base,
-                      {k: state.arrays[k] for k in base})
+        block = Block(
+            "all", deltas, n, len(state.meta.get("ranks", {})) or len(cids), base, {k: state.arrays[k] for k in base}
+        )
         new.arrays.update(rule(block))
         return new
 
@@ -197,4 +198,3 @@ def examples(replies: dict[int, Reply]) -> dict[int, float]:
 def copy_state(state: GlobalState) -> GlobalState:
     """A deep copy (aggregation never mutates the state it was given)."""
     return GlobalState({k: v.clone() for k, v in state.arrays.items()}, copy.deepcopy(state.meta))
-

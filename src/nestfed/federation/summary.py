@@ -34,8 +34,9 @@ def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, A
         "train_time_s": sum(c.get("metrics", {}).get("train_time_s", 0.0) for c in fits),
     }
     out["aggregates_refused"] = sum(1 for ln in rounds if "aggregate_rejected" in ln)
-    out["rounds_mostly_dropped"] = [ln["round"] for ln in rounds
-                                    if ln.get("sampled") and 2 * len(ln.get("dropped", {})) > len(ln["sampled"])]
+    out["rounds_mostly_dropped"] = [
+        ln["round"] for ln in rounds if ln.get("sampled") and 2 * len(ln.get("dropped", {})) > len(ln["sampled"])
+    ]
     if rounds and "privacy" in rounds[-1]:  # the privacy spent by the whole run
         out["privacy"] = rounds[-1]["privacy"]
     if any("eval_global" in ln for ln in lines):
@@ -44,13 +45,15 @@ def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, A
     if not lines or not evaluated or evaluated[0]["round"] != 0 or evaluated[-1]["round"] != lines[-1]["round"]:
         return out
     first, last = evaluated[0]["eval"], evaluated[-1]["eval"]
-    out.update({
-        "final": last,
-        "initial": first,
-        "mean_ppl": sum(v["ppl"] for v in last.values()) / len(last),
-        "mean_loss": sum(v["loss"] for v in last.values()) / len(last),
-        "initial_mean_ppl": sum(v["ppl"] for v in first.values()) / len(first),
-    })
+    out.update(
+        {
+            "final": last,
+            "initial": first,
+            "mean_ppl": sum(v["ppl"] for v in last.values()) / len(last),
+            "mean_loss": sum(v["loss"] for v in last.values()) / len(last),
+            "initial_mean_ppl": sum(v["ppl"] for v in first.values()) / len(first),
+        }
+    )
     if all("accuracy" in v for v in last.values()):
         out["mean_accuracy"] = sum(v["accuracy"] for v in last.values()) / len(last)
     out.update(aggregation_drop(lines))
@@ -58,8 +61,13 @@ def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, A
     return out
 
 
-def client_table(lines: list[dict[str, Any]], ranks: Mapping[str, int], labels: Mapping[str, str],
-                 num_examples: Mapping[str, int], budgets: Mapping[str, int] | None = None) -> list[dict[str, Any]]:
+def client_table(
+    lines: list[dict[str, Any]],
+    ranks: Mapping[str, int],
+    labels: Mapping[str, str],
+    num_examples: Mapping[str, int],
+    budgets: Mapping[str, int] | None = None,
+) -> list[dict[str, Any]]:
     """One row per client (ids ascending): cid, rank r_k, label, n_k, memory_mib (when budgets
     drew the ranks), rounds_sampled, rounds_accepted, and its first and last held-out metrics
     (``initial_<metric>``, ``final_<metric>``: of rounds 0 and R; absent for a client neither
@@ -76,8 +84,12 @@ def client_table(lines: list[dict[str, Any]], ranks: Mapping[str, int], labels: 
             accepted[cid] = accepted.get(cid, 0) + (info.get("status") in ("accepted", "secure"))
     rows = []
     for cid in sorted(ranks, key=int):
-        row: dict[str, Any] = {"cid": int(cid), "rank": int(ranks[cid]), "label": labels.get(cid, ""),
-                               "num_examples": int(num_examples.get(cid, 0))}
+        row: dict[str, Any] = {
+            "cid": int(cid),
+            "rank": int(ranks[cid]),
+            "label": labels.get(cid, ""),
+            "num_examples": int(num_examples.get(cid, 0)),
+        }
         if budgets is not None:
             row["memory_mib"] = budgets.get(cid)
         row.update({"rounds_sampled": sampled.get(cid, 0), "rounds_accepted": accepted.get(cid, 0)})
@@ -97,8 +109,11 @@ def rank_summary(summary: Mapping[str, Any], ranks: Mapping[str, int]) -> dict[s
         return {}
     final, initial = summary["final"], summary["initial"]
     change = {c: 100.0 * (final[c]["ppl"] / initial[c]["ppl"] - 1.0) for c in final if c in initial}
-    return {"final": summarise_metrics(final, ranks), "initial": summarise_metrics(initial, ranks),
-            "change_pct": by_rank(change, ranks)}
+    return {
+        "final": summarise_metrics(final, ranks),
+        "initial": summarise_metrics(initial, ranks),
+        "change_pct": by_rank(change, ranks),
+    }
 
 
 def aggregation_drop(lines: list[dict[str, Any]]) -> dict[str, Any]:
@@ -110,14 +125,21 @@ def aggregation_drop(lines: list[dict[str, Any]]) -> dict[str, Any]:
     if not rounds:
         return {}
     last = rounds[-1]
-    local = {c: v["metrics"]["local_accuracy"] for c, v in last["clients"].items()
-             if "local_accuracy" in v.get("metrics", {})}
+    local = {
+        c: v["metrics"]["local_accuracy"]
+        for c, v in last["clients"].items()
+        if "local_accuracy" in v.get("metrics", {})
+    }
     fed = {c: last["eval"][c]["accuracy"] for c in local if "accuracy" in last["eval"].get(c, {})}
     if not fed:
         return {}
     drop = {c: local[c] - fed[c] for c in fed}
-    return {"local_accuracy": local, "federated_accuracy": fed, "aggregation_drop": drop,
-            "mean_aggregation_drop": sum(drop.values()) / len(drop)}
+    return {
+        "local_accuracy": local,
+        "federated_accuracy": fed,
+        "aggregation_drop": drop,
+        "mean_aggregation_drop": sum(drop.values()) / len(drop),
+    }
 
 
 def group_accuracy(evaluation: dict[str, dict[str, float]]) -> dict[str, Any]:
@@ -141,7 +163,12 @@ def group_accuracy(evaluation: dict[str, dict[str, float]]) -> dict[str, Any]:
         return sum(xs) / len(xs)
 
     def table(d: dict[str, dict[str, list[float]]]) -> dict[str, Any]:
-        return {g: {"clients": {c: mean(v) for c, v in sorted(per.items(), key=lambda kv: int(kv[0]))},
-                    "mean": mean([x for v in per.values() for x in v])} for g, per in d.items()}
+        return {
+            g: {
+                "clients": {c: mean(v) for c, v in sorted(per.items(), key=lambda kv: int(kv[0]))},
+                "mean": mean([x for v in per.values() for x in v]),
+            }
+            for g, per in d.items()
+        }
 
     return {"accuracy_by_length": table(by_len), "accuracy_by_depth": table(by_depth)}

@@ -64,8 +64,11 @@ def leaves(tree: dict[str, Any], sep: str) -> dict[str, Any]:
 def scalars(line: dict[str, Any]) -> dict[str, float]:
     """Every finite number of a metrics line (bools and lists left out) keyed by its path joined
     with "/", plus ``eval/mean/<metric>``: the mean over clients of each held-out metric."""
-    out = {k: float(v) for k, v in leaves(line, "/").items()
-           if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)}
+    out = {
+        k: float(v)
+        for k, v in leaves(line, "/").items()
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    }
     per_client = [v for v in line.get("eval", {}).values() if isinstance(v, dict)]
     for metric in sorted({k for v in per_client for k in v}):
         vals = [v[metric] for v in per_client if isinstance(v.get(metric), (int, float)) and math.isfinite(v[metric])]
@@ -85,8 +88,9 @@ class TensorBoardSink:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
-            raise ConfigError("tracking.tensorboard = true needs the tensorboard package "
-                              '(pip install -e ".[tracking]")') from None
+            raise ConfigError(
+                'tracking.tensorboard = true needs the tensorboard package (pip install -e ".[tracking]")'
+            ) from None
         self._writer_class = SummaryWriter
         self.log_dir = Path(log_dir)
         self.writer = None
@@ -124,7 +128,9 @@ class MlflowSink:
             from mlflow.entities import Metric, Param
             from mlflow.tracking import MlflowClient
         except ImportError:
-            raise ConfigError('tracking.mlflow = true needs the mlflow package (pip install -e ".[tracking]")') from None
+            raise ConfigError(
+                'tracking.mlflow = true needs the mlflow package (pip install -e ".[tracking]")'
+            ) from None
         self._metric, self._param = Metric, Param
         self.uri, self.experiment, self.run_name, self.id_file = uri, experiment, run_name, Path(id_file)
         self.params = params or {}
@@ -139,7 +145,7 @@ class MlflowSink:
         run_id = self.client.create_run(exp_id, run_name=self.run_name).info.run_id
         params = [self._param(k, v[:6000]) for k, v in sorted(self.params.items())]
         for i in range(0, len(params), 100):  # MLflow takes at most 100 params per batch
-            self.client.log_batch(run_id, params=params[i:i + 100])
+            self.client.log_batch(run_id, params=params[i : i + 100])
         atomic.write_text(self.id_file, run_id + "\n")
         return run_id
 
@@ -158,7 +164,7 @@ class MlflowSink:
         values = scalars(line)
         metrics = [self._metric(k, v, ts, step) for k, v in values.items()]
         for i in range(0, len(metrics), 1000):  # MLflow takes at most 1000 metrics per batch
-            self.client.log_batch(self.run_id, metrics=metrics[i:i + 1000])
+            self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def close(self, finished: bool) -> None:
         if self.run_id:
@@ -178,9 +184,9 @@ def check_store(t: TrackingConfig, output_dir: str) -> None:
         return
     uri = mlflow_uri(t, output_dir)
     if uri.startswith("sqlite:///"):
-        folder = Path(uri[len("sqlite:///"):]).parent
+        folder = Path(uri[len("sqlite:///") :]).parent
     elif uri.startswith("file:"):
-        folder = Path(uri[len("file:"):].removeprefix("//"))
+        folder = Path(uri[len("file:") :].removeprefix("//"))
     elif "://" in uri or uri.startswith("databricks"):
         return
     else:
@@ -189,8 +195,9 @@ def check_store(t: TrackingConfig, output_dir: str) -> None:
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
     if not probe.is_dir() or not os.access(probe, os.W_OK | os.X_OK):
-        raise ConfigError(f"tracking.mlflow_uri: {uri}: {probe} is not a writable folder, so the MLflow store "
-                          "cannot be created there")
+        raise ConfigError(
+            f"tracking.mlflow_uri: {uri}: {probe} is not a writable folder, so the MLflow store cannot be created there"
+        )
 
 
 def sinks(t: TrackingConfig, run_dir: Path, output_dir: str, output_name: str) -> list[Sink]:
@@ -203,8 +210,15 @@ def sinks(t: TrackingConfig, run_dir: Path, output_dir: str, output_name: str) -
     if t.tensorboard:
         out.append(TensorBoardSink(run_dir / "tensorboard"))
     if t.mlflow:
-        out.append(MlflowSink(mlflow_uri(t, output_dir), t.mlflow_experiment or output_name or "nestfed",
-                              _run_name(run_dir, output_dir), run_dir / "mlflow_run_id", config_params(run_dir)))
+        out.append(
+            MlflowSink(
+                mlflow_uri(t, output_dir),
+                t.mlflow_experiment or output_name or "nestfed",
+                _run_name(run_dir, output_dir),
+                run_dir / "mlflow_run_id",
+                config_params(run_dir),
+            )
+        )
     return out
 
 
@@ -214,8 +228,10 @@ def config_params(run_dir: Path) -> dict[str, str]:
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         return {}
-    return {k: json.dumps(v) if isinstance(v, (list, bool)) else str(v)
-            for k, v in leaves(tomllib.loads(path.read_text(encoding="utf-8")), ".").items()}
+    return {
+        k: json.dumps(v) if isinstance(v, (list, bool)) else str(v)
+        for k, v in leaves(tomllib.loads(path.read_text(encoding="utf-8")), ".").items()
+    }
 
 
 def _run_name(run_dir: Path, output_dir: str) -> str:

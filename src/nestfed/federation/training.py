@@ -52,9 +52,15 @@ class Batch:
         for i in range(0, B, size):
             sl = slice(i, i + size)
             labels = self.labels[sl]
-            out.append(Batch(labels, None if self.input_ids is None else self.input_ids[sl],
-                             None if self.hidden is None else self.hidden[sl], self.start,
-                             self.share * int((labels[:, 1:] != -100).sum()) / total))
+            out.append(
+                Batch(
+                    labels,
+                    None if self.input_ids is None else self.input_ids[sl],
+                    None if self.hidden is None else self.hidden[sl],
+                    self.start,
+                    self.share * int((labels[:, 1:] != -100).sum()) / total,
+                )
+            )
         return out
 
 
@@ -83,8 +89,16 @@ def client_batches(d: ClientData, steps: int, batch_size: int, seed: int) -> Ite
             yield Batch(d.train_labels[idx], input_ids=d.train_ids[idx])
 
 
-def train_on_blocks(params: list[nn.Parameter], loss_of: Callable[[torch.Tensor], torch.Tensor], n: int, steps: int,
-                    batch_size: int, lr: float, seed: int, max_grad_norm: float = 1.0) -> list[float]:
+def train_on_blocks(
+    params: list[nn.Parameter],
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    n: int,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    max_grad_norm: float = 1.0,
+) -> list[float]:
     """``steps`` AdamW steps (no weight decay) of ``loss_of(idx) -> scalar loss`` over seeded batches of
     the n rows (:func:`block_batches`), with gradient-norm clipping. ``params`` train only here
     (requires_grad is switched on, then off). Returns the loss of every step (nats)."""

@@ -9,7 +9,6 @@ are not part of an update: they are never counted, scaled or clipped.
 
 from __future__ import annotations
 
-
 import torch
 
 from nestfed.federation.messages import Arrays
@@ -88,13 +87,13 @@ def block_norms(sent: Arrays, reply: Arrays, ends: tuple[int, ...]) -> dict[str,
     lo = 0
     for hi in ends:
         if lo < reach:
-            out[f"{lo}:{hi}"] = float(rows[lo:min(hi, reach)].sum()) ** 0.5
+            out[f"{lo}:{hi}"] = float(rows[lo : min(hi, reach)].sum()) ** 0.5
         lo = hi
     if other_x:
         other_sq += float((torch.cat(other_x).double() - torch.cat(other_o).double()).pow(2).sum())
         has_other = True
     if has_other:
-        out[WHOLE] = other_sq ** 0.5
+        out[WHOLE] = other_sq**0.5
     return out
 
 

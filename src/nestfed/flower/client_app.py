@@ -79,8 +79,16 @@ from nestfed.nn.backbone import default_cache_dir
 EXPERIMENT = "experiment"  # ConfigRecord: "toml" (the resolved experiment), "run-dir" and, for TRAIN, "cid"
 INITIAL_ARRAYS = "initial-arrays"  # ArrayRecord in the QUERY reply (e.g. FedNL's fresh memory rules)
 # Timings a TRAIN reply carries as metrics (handle_train); the ServerApp moves them to the metrics line.
-TRANSPORT_METRICS = ("encode_s", "decode_s", "prepare_s", "process_age_s", "handler_entered_at", "delivery_s",
-                     "client_state_arrays", "client_state_round")
+TRANSPORT_METRICS = (
+    "encode_s",
+    "decode_s",
+    "prepare_s",
+    "process_age_s",
+    "handler_entered_at",
+    "delivery_s",
+    "client_state_arrays",
+    "client_state_round",
+)
 
 
 @dataclass
@@ -139,8 +147,9 @@ def node_settings(node_config: dict[str, Any], cfg: ExperimentConfig) -> tuple[i
         raise ConfigError(f"node config: partition-id = {pid!r}, expected an integer in [0, {cfg.data.num_clients})")
     n = node_config.get("num-partitions")
     if n is not None and n != cfg.data.num_clients:
-        raise ConfigError(f"node config: num-partitions = {n!r} but the experiment has data.num_clients = "
-                          f"{cfg.data.num_clients}")
+        raise ConfigError(
+            f"node config: num-partitions = {n!r} but the experiment has data.num_clients = {cfg.data.num_clients}"
+        )
     rank = node_config.get("rank")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= r_max(cfg)):
         raise ConfigError(f"node config: rank = {rank!r}, expected an integer in [1, {r_max(cfg)}]")
@@ -199,8 +208,18 @@ def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
         built = _HOSTS[key].prepare_s
     host = _HOSTS[key]
     rank = rank_override if rank_override is not None else host.prep.ranks[pid]
-    return NodeClient(cfg, pid, rank, host.trainer, host.prep.shapes, host.prep.backbone.source, host.prepare_s,
-                      host.initial_arrays, built, host)
+    return NodeClient(
+        cfg,
+        pid,
+        rank,
+        host.trainer,
+        host.prep.shapes,
+        host.prep.backbone.source,
+        host.prepare_s,
+        host.initial_arrays,
+        built,
+        host,
+    )
 
 
 def _experiment_text(msg: Message) -> str:
@@ -211,11 +230,18 @@ def handle_query(msg: Message, context: Context) -> Message:
     """QUERY: build (or reuse) this node's client; report its properties."""
     entered = process_age_s()
     nc = node_client(_experiment_text(msg), dict(context.node_config))
-    info = ConfigRecord({
-        "partition-id": nc.cid, "rank": nc.rank, "num-examples": nc.num_examples, "base-model": nc.base_model,
-        "shapes": json.dumps({k: list(v) for k, v in nc.shapes.items()}), "prepare-s": nc.prepare_s,
-        "process-age-s": entered, "torch-threads": torch.get_num_threads(),
-    })
+    info = ConfigRecord(
+        {
+            "partition-id": nc.cid,
+            "rank": nc.rank,
+            "num-examples": nc.num_examples,
+            "base-model": nc.base_model,
+            "shapes": json.dumps({k: list(v) for k, v in nc.shapes.items()}),
+            "prepare-s": nc.prepare_s,
+            "process-age-s": entered,
+            "torch-threads": torch.get_num_threads(),
+        }
+    )
     content = RecordDict({"node": info})
     if nc.initial_arrays:
         content[INITIAL_ARRAYS] = arrays_to_record(nc.initial_arrays)
@@ -248,8 +274,9 @@ def restore_client_state(context: Context, nc: NodeClient, run_dir: str, up_to: 
 def store_client_state(context: Context, nc: NodeClient, run_dir: str, rnd: int) -> None:
     """Write this node's client state after its TRAIN of round ``rnd`` (atomically; nothing for a
     client that keeps none)."""
-    client_state_store(dict(context.node_config)).save(run_dir, nc.cid, rnd,
-                                                        {nc.cid: nc.trainer.client_state.get(nc.cid, {})})
+    client_state_store(dict(context.node_config)).save(
+        run_dir, nc.cid, rnd, {nc.cid: nc.trainer.client_state.get(nc.cid, {})}
+    )
 
 
 def release_client_state(nc: NodeClient) -> None:
@@ -284,8 +311,14 @@ def handle_secure_train(msg: Message, context: Context) -> Message:
     vectors, facts = encode(fi.instruction.arrays, reply.arrays, reply.num_examples, fi.layout, fi.scale, fi.clip)
     metrics = {k: float(v) for k, v in reply.metrics.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
     metrics.update(facts)
-    metrics.update({"prepare_s": nc.built_s, "process_age_s": entered, "client_state_arrays": float(restored),
-                    "client_state_round": float(state_round)})
+    metrics.update(
+        {
+            "prepare_s": nc.built_s,
+            "process_age_s": entered,
+            "client_state_arrays": float(restored),
+            "client_state_round": float(state_round),
+        }
+    )
     return Message(fit_reply(vectors, metrics), reply_to=msg)
 
 
@@ -299,8 +332,9 @@ def handle_train(msg: Message, context: Context) -> Message:
     nc = node_client(_experiment_text(msg), dict(context.node_config))
     _check_cid(msg, nc)
     t0 = time.perf_counter()
-    instruction = Instruction(record_to_arrays(msg.content.array_records["arrays"]),
-                              record_to_config(msg.content.config_records["config"]))
+    instruction = Instruction(
+        record_to_arrays(msg.content.array_records["arrays"]), record_to_config(msg.content.config_records["config"])
+    )
     decode_s = time.perf_counter() - t0
     rnd = int(instruction.config.get("round", 0))
     state_round, restored = restore_client_state(context, nc, _run_dir(msg), rnd - 1)
@@ -342,5 +376,16 @@ app.query()(handle_query)
 app.train(mods=[secure_mod])(handle_train)  # SecAgg+ only for the messages that carry its configs
 app.evaluate()(handle_evaluate)
 
-__all__ = ["app", "client_state_store", "handle_evaluate", "handle_query", "handle_train", "node_client", "NodeClient",
-           "NodeHost", "release_client_state", "restore_client_state", "store_client_state"]
+__all__ = [
+    "app",
+    "client_state_store",
+    "handle_evaluate",
+    "handle_query",
+    "handle_train",
+    "node_client",
+    "NodeClient",
+    "NodeHost",
+    "release_client_state",
+    "restore_client_state",
+    "store_client_state",
+]

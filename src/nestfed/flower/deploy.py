@@ -16,10 +16,10 @@ import datetime
 import ipaddress
 import json
 import os
+import shutil
 import signal
 import socket
 import ssl
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,9 +42,16 @@ def free_port() -> int:
 def flwr_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment for flwr processes: private FLWR_HOME, no telemetry, no update check, no installs."""
     env = dict(os.environ)
-    env.update({"FLWR_HOME": str(home), "FLWR_TELEMETRY_ENABLED": "0", "FLWR_DISABLE_UPDATE_CHECK": "1",
-                "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1", "PYTHONUNBUFFERED": "1",
-                "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"})
+    env.update(
+        {
+            "FLWR_HOME": str(home),
+            "FLWR_TELEMETRY_ENABLED": "0",
+            "FLWR_DISABLE_UPDATE_CHECK": "1",
+            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
+            "PYTHONUNBUFFERED": "1",
+            "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
+        }
+    )
     env.update(extra or {})
     return env
 
@@ -65,8 +72,10 @@ def toml_value(v: Any) -> str:
     if '"' not in s:
         return json.dumps(s)
     if "'" in s or "\n" in s:
-        raise ValueError(f"run-config value {s!r}: flwr run --run-config cannot carry a string with both ' and \" "
-                         "(or a newline); use the other quote inside it")
+        raise ValueError(
+            f"run-config value {s!r}: flwr run --run-config cannot carry a string with both ' and \" "
+            "(or a newline); use the other quote inside it"
+        )
     return f"'{s}'"
 
 
@@ -126,8 +135,15 @@ class LocalDeployment:
         log = self.root / f"{name}.log"
         f = open(log, "wb")
         try:
-            p = subprocess.Popen(args, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env,
-                                 cwd=self.root, start_new_session=True)
+            p = subprocess.Popen(
+                args,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=self.env,
+                cwd=self.root,
+                start_new_session=True,
+            )
         finally:
             f.close()
         proc = Proc(name, p, log)
@@ -153,10 +169,19 @@ class LocalDeployment:
     def _start_superlink(self, timeout_s: float, same_port: bool = False) -> Proc:
         if not same_port:
             self.port = free_port()
-        log_name = "superlink" if not any(p.name == "superlink" for p in self.procs) else \
-            f"superlink-{sum(p.name.startswith('superlink') for p in self.procs)}"
-        args = [str(BIN / "flower-superlink"), "--host", "127.0.0.1", "--port", str(self.port),
-                "--disable-runtime-dependency-installation"]
+        log_name = (
+            "superlink"
+            if not any(p.name == "superlink" for p in self.procs)
+            else f"superlink-{sum(p.name.startswith('superlink') for p in self.procs)}"
+        )
+        args = [
+            str(BIN / "flower-superlink"),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            "--disable-runtime-dependency-installation",
+        ]
         if self.database:
             args += ["--database", self.database]
         if self.simulation:
@@ -164,8 +189,14 @@ class LocalDeployment:
         if self.tls is None:
             args.append("--insecure")
         else:
-            args += ["--ssl-ca-certfile", str(self.tls.ca_cert), "--ssl-certfile", str(self.tls.server_cert),
-                     "--ssl-keyfile", str(self.tls.server_key)]
+            args += [
+                "--ssl-ca-certfile",
+                str(self.tls.ca_cert),
+                "--ssl-certfile",
+                str(self.tls.server_cert),
+                "--ssl-keyfile",
+                str(self.tls.server_key),
+            ]
         if self.supernode_auth:
             args.append("--enable-supernode-auth")
         proc = self._start(log_name, args)
@@ -194,8 +225,15 @@ class LocalDeployment:
     def start_supernode(self, node_config: dict[str, Any], key: Path | None = None, name: str | None = None) -> Proc:
         """Start a SuperNode with this node config (e.g. {'partition-id': 0}), optionally its auth key."""
         cfg = " ".join(f"{k}={toml_value(v)}" for k, v in node_config.items())
-        args = [str(BIN / "flower-supernode"), "--superlink", f"127.0.0.1:{self.port}", "--port", str(free_port()),
-                "--node-config", cfg]
+        args = [
+            str(BIN / "flower-supernode"),
+            "--superlink",
+            f"127.0.0.1:{self.port}",
+            "--port",
+            str(free_port()),
+            "--node-config",
+            cfg,
+        ]
         args += ["--insecure"] if self.tls is None else ["--root-certificates", str(self.tls.ca_cert)]
         if key is not None:
             args += ["--auth-supernode-private-key", str(key)]
@@ -203,8 +241,13 @@ class LocalDeployment:
 
     def write_cli_config(self) -> None:
         """``$FLWR_HOME/config.toml``: the ``flwr`` CLI's connection to this SuperLink."""
-        lines = ["[superlink]", f'default = "{self.name}"', "", f"[superlink.{self.name}]",
-                 f'address = "127.0.0.1:{self.port}"']
+        lines = [
+            "[superlink]",
+            f'default = "{self.name}"',
+            "",
+            f"[superlink.{self.name}]",
+            f'address = "127.0.0.1:{self.port}"',
+        ]
         if self.tls is None:
             lines.append("insecure = true")
         else:
@@ -214,8 +257,15 @@ class LocalDeployment:
     # -- the flwr CLI --------------------------------------------------------------------------
     def flwr(self, *args: str, timeout_s: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
         """Run the ``flwr`` CLI against this deployment (its FLWR_HOME and connection)."""
-        res = subprocess.run([str(BIN / "flwr"), *args], env=self.env, cwd=self.root, capture_output=True, text=True,
-                             timeout=timeout_s, stdin=subprocess.DEVNULL)
+        res = subprocess.run(
+            [str(BIN / "flwr"), *args],
+            env=self.env,
+            cwd=self.root,
+            capture_output=True,
+            text=True,
+            timeout=timeout_s,
+            stdin=subprocess.DEVNULL,
+        )
         if check and res.returncode != 0:
             raise RuntimeError(f"flwr {' '.join(args)} exited {res.returncode}:\n{res.stdout}\n{res.stderr}")
         return res
@@ -225,7 +275,9 @@ class LocalDeployment:
         try:
             return json.loads(res.stdout)
         except json.JSONDecodeError:
-            raise RuntimeError(f"flwr {' '.join(args)}: no JSON (exit {res.returncode}):\n{res.stdout}\n{res.stderr}") from None
+            raise RuntimeError(
+                f"flwr {' '.join(args)}: no JSON (exit {res.returncode}):\n{res.stdout}\n{res.stderr}"
+            ) from None
 
     def nodes(self) -> list[dict[str, Any]]:
         """``flwr supernode list --format json``: the SuperNodes the SuperLink knows."""
@@ -365,28 +417,52 @@ def make_tls(out: Path, hostnames: tuple[str, ...] = ("localhost",), ips: tuple[
     now = datetime.datetime.now(datetime.timezone.utc)
     ca_key = ec.generate_private_key(ec.SECP256R1())
     ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nestfed test CA")])
-    ca = (x509.CertificateBuilder().subject_name(ca_name).issuer_name(ca_name).public_key(ca_key.public_key())
-          .serial_number(x509.random_serial_number()).not_valid_before(now - datetime.timedelta(minutes=5))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-                                       key_encipherment=False, data_encipherment=False, key_agreement=False,
-                                       encipher_only=False, decipher_only=False), critical=True)
-          .sign(ca_key, hashes.SHA256()))
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .add_extension(
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
     key = ec.generate_private_key(ec.SECP256R1())
     sans = [x509.DNSName(h) for h in hostnames] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
-    cert = (x509.CertificateBuilder().subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostnames[0])]))
-            .issuer_name(ca_name).public_key(key.public_key()).serial_number(x509.random_serial_number())
-            .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
-            .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-            .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-            .sign(ca_key, hashes.SHA256()))
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostnames[0])]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
     files = TLSFiles(out / "ca.crt", out / "server.pem", out / "server.key")
     files.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
     files.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files.server_key.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                                                   serialization.NoEncryption()))
+    files.server_key.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
     return files
 
 
@@ -398,8 +474,9 @@ def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
     out.mkdir(parents=True, exist_ok=True)
     key = ec.generate_private_key(ec.SECP384R1())
     priv, pub = out / name, out / f"{name}.pub"
-    priv.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH,
-                                       serialization.NoEncryption()))
+    priv.write_bytes(
+        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
+    )
     pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
     os.chmod(priv, 0o600)
     return priv, pub

@@ -29,6 +29,7 @@ def send(conn: socket.socket, parts: list[bytes]) -> None:
 
 def receive(conn: socket.socket) -> list[bytes]:
     """Receive what :func:`send` sent. Raises ConnectionError when the peer closes early."""
+
     def exactly(n: int) -> bytes:
         chunks, left = [], n
         while left:

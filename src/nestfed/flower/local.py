@@ -23,8 +23,9 @@ from flwr.serverapp import Grid
 def _delivered(msg: Message) -> Message:
     """The message as a node receives it: its own metadata and config records (a mod such as
     Flower's ``secaggplus_mod`` edits them in place; the sender's copy must not change)."""
-    content = RecordDict({name: ConfigRecord(dict(rec)) if isinstance(rec, ConfigRecord) else rec
-                          for name, rec in msg.content.items()})
+    content = RecordDict(
+        {name: ConfigRecord(dict(rec)) if isinstance(rec, ConfigRecord) else rec for name, rec in msg.content.items()}
+    )
     return Message(metadata=copy.copy(msg.metadata), content=content)
 
 
@@ -35,15 +36,24 @@ class LocalGrid(Grid):
     (answer with an error reply) or "silent" (never answer).
     """
 
-    def __init__(self, client_app: ClientApp, nodes: dict[int, dict[str, Any]],
-                 fail: Callable[[int, Message], str | None] | None = None, run_config: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        client_app: ClientApp,
+        nodes: dict[int, dict[str, Any]],
+        fail: Callable[[int, Message], str | None] | None = None,
+        run_config: dict[str, Any] | None = None,
+    ):
         self.client_app = client_app
         self.nodes = dict(nodes)
         self.fail = fail
         self._run = None
         self._replies: dict[str, Message] = {}
-        self._contexts = {n: Context(run_id=1, node_id=n, node_config=dict(cfg), state=RecordDict(),
-                                     run_config=dict(run_config or {})) for n, cfg in self.nodes.items()}
+        self._contexts = {
+            n: Context(
+                run_id=1, node_id=n, node_config=dict(cfg), state=RecordDict(), run_config=dict(run_config or {})
+            )
+            for n, cfg in self.nodes.items()
+        }
         self.pushed: list[Message] = []
         # Messages take their run, source node and task ids from the process's task identity,
         # which Flower's runtime sets in a deployed ServerApp process; set it here when unset.
@@ -60,8 +70,9 @@ class LocalGrid(Grid):
     def run(self):  # noqa: ANN201
         return self._run
 
-    def create_message(self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str,
-                       ttl: float | None = None) -> Message:
+    def create_message(
+        self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
+    ) -> Message:
         return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
 
     def get_node_ids(self) -> Iterable[int]:

@@ -48,7 +48,6 @@ from flwr.proto.recorddict_pb2 import RecordDict as ProtoRecordDict
 from nestfed.flower.framing import process_age_s, receive, send
 
 
-
 def worker_dir(node_config: dict[str, Any]) -> Path:
     """The node's worker directory (node config ``worker-dir``), created 0700. Raises
     PermissionError when it belongs to another user or others may enter it."""
@@ -57,8 +56,10 @@ def worker_dir(node_config: dict[str, Any]) -> Path:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if st.st_uid != os.getuid() or st.st_mode & 0o077:
-        raise PermissionError(f"node config worker-dir: {path} must belong to this user with mode 0700 "
-                              f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})")
+        raise PermissionError(
+            f"node config worker-dir: {path} must belong to this user with mode 0700 "
+            f"(owner uid {st.st_uid}, mode {oct(st.st_mode & 0o777)})"
+        )
     return path
 
 
@@ -79,16 +80,23 @@ def connect_worker(node_id: int, node_config: dict[str, Any]) -> socket.socket:
     folder = worker_dir(node_config)
     path = folder / f"n{node_id}.sock"
     if len(os.fsencode(path)) > 107:
-        raise RuntimeError(f"node config worker-dir: the socket path {path} is longer than a Unix socket's 107 bytes; "
-                           "give a shorter worker-dir")
+        raise RuntimeError(
+            f"node config worker-dir: the socket path {path} is longer than a Unix socket's 107 bytes; "
+            "give a shorter worker-dir"
+        )
     conn = _connect(path)
     if conn is not None:
         return conn
     log = folder / f"n{node_id}.log"
     idle = str(float(node_config.get("worker-idle-s", 900)))
     with open(log, "ab") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "nestfed.flower.worker", "--socket", str(path), "--idle-s", idle],
-                                stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "nestfed.flower.worker", "--socket", str(path), "--idle-s", idle],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=out,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + float(node_config.get("worker-start-s", 300))
     while time.monotonic() < deadline:
         conn = _connect(path)
@@ -99,8 +107,10 @@ def connect_worker(node_id: int, node_config: dict[str, Any]) -> socket.socket:
             raise RuntimeError(f"the nestfed worker for node {node_id} exited with code {proc.returncode}:\n{tail}")
         time.sleep(0.05)
     proc.kill()
-    raise RuntimeError(f"the nestfed worker for node {node_id} did not listen on {path} within "
-                       f"{node_config.get('worker-start-s', 300)} s (log: {log})")
+    raise RuntimeError(
+        f"the nestfed worker for node {node_id} did not listen on {path} within "
+        f"{node_config.get('worker-start-s', 300)} s (log: {log})"
+    )
 
 
 def in_ray_actor() -> bool:
@@ -128,7 +138,9 @@ def forward(msg: Message, context: Context) -> Message:
             break
         except (ConnectionError, BrokenPipeError) as exc:
             if attempt == 2:
-                raise RuntimeError(f"nestfed worker for node {context.node_id}: the connection failed twice ({exc})") from exc
+                raise RuntimeError(
+                    f"nestfed worker for node {context.node_id}: the connection failed twice ({exc})"
+                ) from exc
     if answer[0] != b"ok":
         raise RuntimeError(f"nestfed worker: {answer[1].decode(errors='replace')}")
     reply = serde.message_from_proto(ProtoMessage.FromString(answer[1]))

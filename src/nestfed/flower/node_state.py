@@ -52,8 +52,11 @@ class NodeStateStore:
     def rounds(self, run_dir: str, cid: int) -> list[tuple[int, Path]]:
         """[(round, file)] of this client's kept state, oldest first."""
         folder = self.folder(run_dir, cid)
-        found = [(int(m.group(1)), p) for p in folder.glob("round-*.safetensors")
-                 if (m := _ROUND_FILE.fullmatch(p.name))] if folder.is_dir() else []
+        found = (
+            [(int(m.group(1)), p) for p in folder.glob("round-*.safetensors") if (m := _ROUND_FILE.fullmatch(p.name))]
+            if folder.is_dir()
+            else []
+        )
         return sorted(found)
 
     def load(self, run_dir: str, cid: int, up_to: int) -> tuple[int | None, ClientState]:
@@ -81,8 +84,9 @@ class NodeStateStore:
         marker = self.root / run_key(run_dir) / "run.txt"
         if not marker.is_file():
             atomic.write_text(marker, run_dir + "\n")
-        path = atomic.write_tensors(self.folder(run_dir, cid) / f"round-{rnd:06d}.safetensors", flat,
-                                    {"round": str(rnd), "client": str(cid)})
+        path = atomic.write_tensors(
+            self.folder(run_dir, cid) / f"round-{rnd:06d}.safetensors", flat, {"round": str(rnd), "client": str(cid)}
+        )
         before = [p for r, p in self.rounds(run_dir, cid) if r < rnd]
         for p in before[:-1]:
             p.unlink(missing_ok=True)

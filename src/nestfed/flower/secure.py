@@ -80,19 +80,28 @@ class SecAggSettings:
     def check(self) -> None:
         """Raise ConfigError naming the run-config key for a value SecAgg+ cannot take."""
         if self.num_shares != 0 and self.num_shares < 3:
-            raise ConfigError(f"run config: secagg-num-shares = {self.num_shares}, expected 0 (every sampled node) or >= 3")
+            raise ConfigError(
+                f"run config: secagg-num-shares = {self.num_shares}, expected 0 (every sampled node) or >= 3"
+            )
         if self.threshold != 0 and self.threshold < 2:
-            raise ConfigError(f"run config: secagg-reconstruction-threshold = {self.threshold}, expected 0 (a majority "
-                              "of the shares) or >= 2")
+            raise ConfigError(
+                f"run config: secagg-reconstruction-threshold = {self.threshold}, expected 0 (a majority "
+                "of the shares) or >= 2"
+            )
         if self.num_shares and self.threshold > self.num_shares:
-            raise ConfigError(f"run config: secagg-reconstruction-threshold = {self.threshold} is above "
-                              f"secagg-num-shares = {self.num_shares}")
+            raise ConfigError(
+                f"run config: secagg-reconstruction-threshold = {self.threshold} is above "
+                f"secagg-num-shares = {self.num_shares}"
+            )
         if self.clipping_range < 1.0:
-            raise ConfigError(f"run config: secagg-clipping-range = {self.clipping_range}, expected >= 1 (the count "
-                              "vectors carry values up to 1)")
+            raise ConfigError(
+                f"run config: secagg-clipping-range = {self.clipping_range}, expected >= 1 (the count "
+                "vectors carry values up to 1)"
+            )
         if not 2 <= self.quantization_range < 2**31:
-            raise ConfigError(f"run config: secagg-quantization-range = {self.quantization_range}, expected an "
-                              "integer in [2, 2^31)")
+            raise ConfigError(
+                f"run config: secagg-quantization-range = {self.quantization_range}, expected an integer in [2, 2^31)"
+            )
 
     def shares(self, k: int) -> int:
         """Shares per key among k sampled nodes."""
@@ -107,11 +116,15 @@ class SecAggSettings:
         if k < 2:
             raise ConfigError(f"secure aggregation needs at least 2 clients per round, a round samples {k}")
         if k * self.quantization_range >= MODULUS:
-            raise ConfigError(f"run config: secagg-quantization-range = {self.quantization_range}: {k} clients times "
-                              f"it must stay below 2^32 (the sum would wrap)")
+            raise ConfigError(
+                f"run config: secagg-quantization-range = {self.quantization_range}: {k} clients times "
+                f"it must stay below 2^32 (the sum would wrap)"
+            )
         if self.threshold_for(k) > self.shares(k):
-            raise ConfigError(f"run config: secagg-reconstruction-threshold = {self.threshold} is above the "
-                              f"{self.shares(k)} shares a round of {k} clients has")
+            raise ConfigError(
+                f"run config: secagg-reconstruction-threshold = {self.threshold} is above the "
+                f"{self.shares(k)} shares a round of {k} clients has"
+            )
 
 
 # -- the server --------------------------------------------------------------------------------
@@ -173,7 +186,9 @@ class StageGrid:
             self.lost.setdefault(n, f"node {n}: no reply at SecAgg+ stage '{stage}' within {self.timeout_s:g} s")
         for n, m in ex.replies.items():
             if m.has_error():
-                self.lost.setdefault(n, f"node {n}: SecAgg+ stage '{stage}': node error {m.error.code}: {m.error.reason}")
+                self.lost.setdefault(
+                    n, f"node {n}: SecAgg+ stage '{stage}': node error {m.error.code}: {m.error.reason}"
+                )
             elif stage == Stage.COLLECT_MASKED_VECTORS:
                 masked = m.content.config_records[RECORD_KEY_CONFIGS].get(Key.MASKED_PARAMETERS, [])
                 self.masked_bytes[n] = sum(len(b) for b in masked)
@@ -187,15 +202,23 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
-def fit_instruction(ins: Instruction, cid: int, cfg_text: str, lay: Layout, scale: float, clip: float,
-                    run_dir: str = "") -> FitIns:
+def fit_instruction(
+    ins: Instruction, cid: int, cfg_text: str, lay: Layout, scale: float, clip: float, run_dir: str = ""
+) -> FitIns:
     """One node's instruction as a legacy FitIns: its arrays as Parameters (in key order), the
     instruction config, the experiment, the server's run directory (the key of the node's kept
     client state), the layout and the encoding's scale and clip in the config."""
     keys = list(ins.arrays)
-    config = {f"{_PREFIX}experiment": cfg_text, f"{_PREFIX}cid": cid, f"{_PREFIX}run-dir": run_dir, f"{_PREFIX}config": json.dumps(ins.config),
-              f"{_PREFIX}keys": json.dumps(keys), f"{_PREFIX}layout": json.dumps({k: list(v) for k, v in lay.items()}),
-              f"{_PREFIX}scale": float(scale), f"{_PREFIX}clip": float(clip)}
+    config = {
+        f"{_PREFIX}experiment": cfg_text,
+        f"{_PREFIX}cid": cid,
+        f"{_PREFIX}run-dir": run_dir,
+        f"{_PREFIX}config": json.dumps(ins.config),
+        f"{_PREFIX}keys": json.dumps(keys),
+        f"{_PREFIX}layout": json.dumps({k: list(v) for k, v in lay.items()}),
+        f"{_PREFIX}scale": float(scale),
+        f"{_PREFIX}clip": float(clip),
+    }
     return FitIns(ndarrays_to_parameters([_numpy(ins.arrays[k]) for k in keys]), config)
 
 
@@ -227,10 +250,15 @@ def read_fit_instruction(content: RecordDict) -> FitInstruction:
         raise ValueError(f"{len(nd)} arrays for {len(keys)} keys")
     arrays: Arrays = {k: torch.from_numpy(np.array(a, copy=True)) for k, a in zip(keys, nd)}
     lay = {k: tuple(int(x) for x in v) for k, v in json.loads(str(cfg[f"{_PREFIX}layout"])).items()}
-    return FitInstruction(str(cfg[f"{_PREFIX}experiment"]), int(cfg[f"{_PREFIX}cid"]),
-                          Instruction(arrays, json.loads(str(cfg[f"{_PREFIX}config"]))), lay,
-                          float(cfg[f"{_PREFIX}scale"]), float(cfg[f"{_PREFIX}clip"]),
-                          str(cfg.get(f"{_PREFIX}run-dir", "")))
+    return FitInstruction(
+        str(cfg[f"{_PREFIX}experiment"]),
+        int(cfg[f"{_PREFIX}cid"]),
+        Instruction(arrays, json.loads(str(cfg[f"{_PREFIX}config"]))),
+        lay,
+        float(cfg[f"{_PREFIX}scale"]),
+        float(cfg[f"{_PREFIX}clip"]),
+        str(cfg.get(f"{_PREFIX}run-dir", "")),
+    )
 
 
 def fit_reply(vectors: list[torch.Tensor], metrics: dict[str, float]) -> RecordDict:
@@ -259,9 +287,20 @@ class SurvivingSecAggPlus(SecAggPlusWorkflow):
         return self._check_threshold(state)
 
 
-def secure_fit(grid: Any, exchange: Callable[..., Any], rnd: int, instructions: dict[int, Instruction],
-               node_of: dict[int, int], cfg_text: str, sa: SecAggSettings, n_max: int, timeout_s: float,
-               poll_s: float, say: Callable[[str], None], run_dir: str = "") -> FitResults:
+def secure_fit(
+    grid: Any,
+    exchange: Callable[..., Any],
+    rnd: int,
+    instructions: dict[int, Instruction],
+    node_of: dict[int, int],
+    cfg_text: str,
+    sa: SecAggSettings,
+    n_max: int,
+    timeout_s: float,
+    poll_s: float,
+    say: Callable[[str], None],
+    run_dir: str = "",
+) -> FitResults:
     """One TRAIN round through Flower's SecAgg+ workflow; the FitResults carry only the
     :class:`~nestfed.federation.messages.SecureSum` (``secure``), per-node transport info and the
     reasons of the nodes that dropped out (halted: every node dropped with the reason)."""
@@ -282,8 +321,15 @@ def secure_fit(grid: Any, exchange: Callable[..., Any], rnd: int, instructions: 
     ctx.state.config_records["config"] = ConfigRecord({"current_round": rnd})
     ctx.state.array_records["parameters"] = ArrayRecord()
     shares, threshold = sa.shares(k), sa.threshold_for(k)
-    workflow = SurvivingSecAggPlus(shares / k, threshold, max_weight=1.0, clipping_range=sa.clipping_range,
-                                  quantization_range=sa.quantization_range, modulus_range=MODULUS, timeout=timeout_s)
+    workflow = SurvivingSecAggPlus(
+        shares / k,
+        threshold,
+        max_weight=1.0,
+        clipping_range=sa.clipping_range,
+        quantization_range=sa.quantization_range,
+        modulus_range=MODULUS,
+        timeout=timeout_s,
+    )
     stages = StageGrid(grid, exchange, timeout_s, poll_s)
     workflow(stages, ctx)
     contributors = sorted(cid_of[p.node_id] for p, _ in shim.results) if shim.mean is not None else []
@@ -291,19 +337,34 @@ def secure_fit(grid: Any, exchange: Callable[..., Any], rnd: int, instructions: 
         n = node_of[c]
         if c in contributors:
             continue
-        out.dropped[c] = stages.lost.get(n) or (f"node {n}: secure aggregation halted (fewer than {threshold} live "
-                                                 "neighbours for some node)")
-    info = {"clients": k, "shares": shares, "threshold": threshold, "clipping_range": sa.clipping_range,
-            "quantization_range": sa.quantization_range, "in_sum": contributors, "stages_s": stages.stage_s}
+        out.dropped[c] = stages.lost.get(n) or (
+            f"node {n}: secure aggregation halted (fewer than {threshold} live neighbours for some node)"
+        )
+    info = {
+        "clients": k,
+        "shares": shares,
+        "threshold": threshold,
+        "clipping_range": sa.clipping_range,
+        "quantization_range": sa.quantization_range,
+        "in_sum": contributors,
+        "stages_s": stages.stage_s,
+    }
     if contributors:
         total = [torch.from_numpy(np.asarray(a, dtype=np.float64) * len(contributors)) for a in shim.mean]
         out.secure = decode(total, lay, scale, contributors)
         info["sum_error_bound"] = sum_error(len(contributors), sa.clipping_range, sa.quantization_range, n_max)
         for proxy, res in shim.results:
             c = cid_of[proxy.node_id]
-            out.info[c].update({"bytes_up": stages.masked_bytes.get(proxy.node_id, 0),
-                                "metrics": {m: float(v) for m, v in res.metrics.items()
-                                            if isinstance(v, (int, float)) and not isinstance(v, bool)}})
+            out.info[c].update(
+                {
+                    "bytes_up": stages.masked_bytes.get(proxy.node_id, 0),
+                    "metrics": {
+                        m: float(v)
+                        for m, v in res.metrics.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool)
+                    },
+                }
+            )
     else:
         say(f"round {rnd}: secure aggregation produced no sum")
     out.round_info = {"secure_aggregation": info, "flower": {"exchange_s": time.perf_counter() - t0}}

@@ -56,11 +56,11 @@ from nestfed.config import ExperimentConfig
 from nestfed.errors import ConfigError, NestfedError, RunFailed
 from nestfed.experiments.run import new_run_dir, stored_config
 from nestfed.federation import tracking
-from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.loop import FitResults, RoundLoop
-from nestfed.federation.population import Population
 from nestfed.federation.messages import Arrays, ClientInfo, Instruction, Reply
+from nestfed.federation.population import Population
 from nestfed.federation.run_dir import ON_NODES, ClientState, Exports, RunDir
+from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.secure_sum import supports_secure_aggregation
 from nestfed.flower.client_app import EXPERIMENT, INITIAL_ARRAYS, TRANSPORT_METRICS
 from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply, record_to_arrays
@@ -129,10 +129,25 @@ class RunSettings:
         kinds = {k: type(v) for k, v in DEFAULTS.items()}
         v = {k: _typed(k, rc[k], kinds[k]) for k in DEFAULTS}
         overrides = tuple(s.strip() for s in v["overrides"].split(";") if s.strip())
-        out = cls(v["experiment"], overrides, v["run-dir"], v["resume"], v["num-supernodes"], v["connect-timeout-s"],
-                  v["round-timeout-s"], v["min-clients"], v["poll-interval-s"], v["evaluate"], v["secure-aggregation"],
-                  SecAggSettings(v["secagg-num-shares"], v["secagg-reconstruction-threshold"],
-                                 v["secagg-clipping-range"], v["secagg-quantization-range"]))
+        out = cls(
+            v["experiment"],
+            overrides,
+            v["run-dir"],
+            v["resume"],
+            v["num-supernodes"],
+            v["connect-timeout-s"],
+            v["round-timeout-s"],
+            v["min-clients"],
+            v["poll-interval-s"],
+            v["evaluate"],
+            v["secure-aggregation"],
+            SecAggSettings(
+                v["secagg-num-shares"],
+                v["secagg-reconstruction-threshold"],
+                v["secagg-clipping-range"],
+                v["secagg-quantization-range"],
+            ),
+        )
         out.secagg.check()
         if out.poll_interval_s <= 0 or out.round_timeout_s <= 0 or out.connect_timeout_s <= 0:
             raise ConfigError("run config: poll-interval-s, round-timeout-s and connect-timeout-s must be > 0")
@@ -149,8 +164,10 @@ def resolve_experiment(path: str, app_dir: Path | None) -> Path:
     for base in ([app_dir] if app_dir is not None else []) + [Path.cwd()]:
         if (base / p).is_file():
             return base / p
-    raise ConfigError(f"run config: experiment = {path!r} not found in the app bundle "
-                      f"({app_dir}) or the working directory ({Path.cwd()})")
+    raise ConfigError(
+        f"run config: experiment = {path!r} not found in the app bundle "
+        f"({app_dir}) or the working directory ({Path.cwd()})"
+    )
 
 
 def app_dir_of(grid: Grid) -> Path | None:
@@ -208,8 +225,9 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout_s: float, poll_s:
             break
         time.sleep(min(poll_s, max(0.0, deadline - time.perf_counter())))
     wait_s = time.perf_counter() - t0 - push_s
-    return Exchange(replies, sorted(list(pending.values()) + unsent), push_s, wait_s, pull_s, received_at, sent_at,
-                    sorted(unsent))
+    return Exchange(
+        replies, sorted(list(pending.values()) + unsent), push_s, wait_s, pull_s, received_at, sent_at, sorted(unsent)
+    )
 
 
 def _experiment_record(cfg_text: str, cid: int | None = None, run_dir: str = "") -> ConfigRecord:
@@ -262,32 +280,53 @@ class FlowerTransport:
 
     def _message(self, cid: int, content: RecordDict, kind: str, group: str) -> Message:
         content[EXPERIMENT] = _experiment_record(self.cfg_text, cid, self.run_dir)
-        return Message(content, dst_node_id=self.node_of[cid], message_type=kind, group_id=group,
-                       ttl=self.settings.round_timeout_s + 60)
+        return Message(
+            content,
+            dst_node_id=self.node_of[cid],
+            message_type=kind,
+            group_id=group,
+            ttl=self.settings.round_timeout_s + 60,
+        )
 
-    def fit(self, rnd: int, instructions: dict[int, Instruction],
-            on_reply: Callable[[int, Reply], None] | None = None) -> FitResults:
+    def fit(
+        self, rnd: int, instructions: dict[int, Instruction], on_reply: Callable[[int, Reply], None] | None = None
+    ) -> FitResults:
         """TRAIN messages with each node's own ArrayRecord (its rank's shapes) and ConfigRecord; under
         ``secure-aggregation``, Flower's SecAgg+ workflow instead (nestfed.flower.secure)."""
         if self.settings.secure_aggregation:
-            return secure_fit(self.grid, exchange, rnd, instructions, self.node_of, self.cfg_text, self.settings.secagg,
-                              max(c.num_examples for c in self.query.clients), self.settings.round_timeout_s,
-                              self.settings.poll_interval_s, self.say, self.run_dir)
+            return secure_fit(
+                self.grid,
+                exchange,
+                rnd,
+                instructions,
+                self.node_of,
+                self.cfg_text,
+                self.settings.secagg,
+                max(c.num_examples for c in self.query.clients),
+                self.settings.round_timeout_s,
+                self.settings.poll_interval_s,
+                self.say,
+                self.run_dir,
+            )
         t0 = time.perf_counter()
         out = FitResults()
         msgs, cid_of = {}, {}
         for cid, ins in instructions.items():
             arr = arrays_to_record(ins.arrays)
             out.info[cid] = {"node_id": self.node_of[cid], "wire_bytes_down": arr.count_bytes()}
-            msgs[self.node_of[cid]] = self._message(cid, RecordDict({"arrays": arr, "config": config_to_record(ins.config)}),
-                                                    MessageType.TRAIN, str(rnd))
+            msgs[self.node_of[cid]] = self._message(
+                cid, RecordDict({"arrays": arr, "config": config_to_record(ins.config)}), MessageType.TRAIN, str(rnd)
+            )
             cid_of[self.node_of[cid]] = cid
         t_enc = time.perf_counter()
         ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
         t_ex = time.perf_counter()
         for n in ex.missing:
-            out.dropped[cid_of[n]] = (f"node {n}: the SuperLink did not accept the message" if n in ex.unsent
-                                      else f"node {n}: no reply within {self.settings.round_timeout_s:g} s")
+            out.dropped[cid_of[n]] = (
+                f"node {n}: the SuperLink did not accept the message"
+                if n in ex.unsent
+                else f"node {n}: no reply within {self.settings.round_timeout_s:g} s"
+            )
         for n, msg in sorted(ex.replies.items()):
             cid = cid_of[n]
             if msg.has_error():
@@ -307,9 +346,16 @@ class FlowerTransport:
                 out.replies[cid] = reply
             else:
                 on_reply(cid, reply)
-        out.round_info = {"flower": {"encode_s": t_enc - t0, "push_s": ex.push_s, "wait_s": ex.wait_s,
-                                     "pull_s": ex.pull_s, "exchange_s": t_ex - t_enc,
-                                     "decode_s": time.perf_counter() - t_ex}}
+        out.round_info = {
+            "flower": {
+                "encode_s": t_enc - t0,
+                "push_s": ex.push_s,
+                "wait_s": ex.wait_s,
+                "pull_s": ex.pull_s,
+                "exchange_s": t_ex - t_enc,
+                "decode_s": time.perf_counter() - t_ex,
+            }
+        }
         return out
 
     def evaluate(self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
@@ -321,9 +367,11 @@ class FlowerTransport:
         cids = list(deployments)
         for i in range(0, len(cids), EVALUATE_BATCH):
             msgs, cid_of = {}, {}
-            for cid in cids[i:i + EVALUATE_BATCH]:
+            for cid in cids[i : i + EVALUATE_BATCH]:
                 arrays, scale = deployments[cid]
-                content = RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale, "round": rnd})})
+                content = RecordDict(
+                    {"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale, "round": rnd})}
+                )
                 msgs[self.node_of[cid]] = self._message(cid, content, MessageType.EVALUATE, f"eval-{rnd}")
                 cid_of[self.node_of[cid]] = cid
             ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
@@ -364,8 +412,10 @@ class FlowerRun:
         path = resolve_experiment(self.settings.experiment, self.app_dir)
         cfg = methods.load_config(path, list(self.settings.overrides))
         if not methods.get(cfg.strategy.name).on_flower:
-            raise ConfigError(f"{path}: strategy.name: '{cfg.strategy.name}' runs only embedded (its clients hold "
-                              "compressed models the ServerApp cannot set up); use nestfed run")
+            raise ConfigError(
+                f"{path}: strategy.name: '{cfg.strategy.name}' runs only embedded (its clients hold "
+                "compressed models the ServerApp cannot set up); use nestfed run"
+            )
         return cfg
 
     def wait_for_nodes(self, want: int) -> list[int]:
@@ -379,9 +429,16 @@ class FlowerRun:
     def query(self, nodes: list[int], cfg: ExperimentConfig, cfg_text: str) -> QueryResult:
         """QUERY every node; nodes that fail, repeat a partition or disagree on shapes are left out."""
         t0 = time.perf_counter()
-        msgs = {n: Message(RecordDict({EXPERIMENT: _experiment_record(cfg_text)}), dst_node_id=n,
-                           message_type=MessageType.QUERY, group_id="query",
-                           ttl=self.settings.connect_timeout_s + 60) for n in nodes}
+        msgs = {
+            n: Message(
+                RecordDict({EXPERIMENT: _experiment_record(cfg_text)}),
+                dst_node_id=n,
+                message_type=MessageType.QUERY,
+                group_id="query",
+                ttl=self.settings.connect_timeout_s + 60,
+            )
+            for n in nodes
+        }
         ex = exchange(self.grid, msgs, self.settings.connect_timeout_s, self.settings.poll_interval_s)
         for n in ex.missing:
             self.say(f"query: node {n} did not answer within {self.settings.connect_timeout_s:.0f} s; left out")
@@ -415,10 +472,14 @@ class FlowerRun:
             base_model = str(rec.get("base-model", ""))
             node_of[cid] = n
             clients.append(ClientInfo(cid, rank, n_k))
-            info[str(cid)] = {"node_id": n, "rank": rank, "num_examples": n_k,
-                              "prepare_s": float(rec.get("prepare-s", 0.0)),
-                              "process_age_s": float(rec.get("process-age-s", -1.0)),
-                              "torch_threads": int(rec.get("torch-threads", 0))}
+            info[str(cid)] = {
+                "node_id": n,
+                "rank": rank,
+                "num_examples": n_k,
+                "prepare_s": float(rec.get("prepare-s", 0.0)),
+                "process_age_s": float(rec.get("process-age-s", -1.0)),
+                "torch_threads": int(rec.get("torch-threads", 0)),
+            }
         clients.sort(key=lambda c: c.cid)
         missing = sorted(set(range(cfg.data.num_clients)) - set(node_of))
         if missing:
@@ -441,7 +502,9 @@ class FlowerRun:
             for change in rd.accept_config(stored_config(rd), cfg, cfg_text):
                 self.say(f"resume: config.toml now has {change}")
         elif run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
-            raise NestfedError(f"run config: run-dir {run_dir} exists and is not empty; set resume = true to continue it")
+            raise NestfedError(
+                f"run config: run-dir {run_dir} exists and is not empty; set resume = true to continue it"
+            )
         min_clients = s.min_clients or cfg.federation.min_clients
         want = s.num_supernodes or cfg.data.num_clients
         nodes = self.wait_for_nodes(want)
@@ -454,15 +517,21 @@ class FlowerRun:
                 raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
         strategy = method.server(cfg, q.initial_arrays)
         if cfg.evaluation.global_test:  # refused before anything is written
-            raise ConfigError("evaluation.global_test: on Flower no server holds the clients' held-out records "
-                              "to draw a global held-out set from (the embedded runner has one; docs/scale.md)")
+            raise ConfigError(
+                "evaluation.global_test: on Flower no server holds the clients' held-out records "
+                "to draw a global held-out set from (the embedded runner has one; docs/scale.md)"
+            )
         if s.secure_aggregation:  # refused before anything is written
             if not supports_secure_aggregation(strategy):
-                raise ConfigError(f"run config: secure-aggregation: strategy.name '{cfg.strategy.name}' cannot aggregate "
-                                  "from sums alone (its rule needs individual updates); docs/secure_aggregation.md")
+                raise ConfigError(
+                    f"run config: secure-aggregation: strategy.name '{cfg.strategy.name}' cannot aggregate "
+                    "from sums alone (its rule needs individual updates); docs/secure_aggregation.md"
+                )
             if Safeguards.from_config(cfg).rule.active:
-                raise ConfigError("run config: secure-aggregation: a robust rule or central DP needs individual "
-                                  "updates, which secure aggregation hides; docs/secure_aggregation.md")
+                raise ConfigError(
+                    "run config: secure-aggregation: a robust rule or central DP needs individual "
+                    "updates, which secure aggregation hides; docs/secure_aggregation.md"
+                )
             s.secagg.check_clients(max(1, round(cfg.federation.fraction * len(q.clients))))
         keeps_state = method.keeps_client_state(cfg)
         population = Population.from_config(cfg, q.clients)  # an elastic trace is read before anything is written
@@ -471,20 +540,41 @@ class FlowerRun:
         else:
             rd = RunDir.create(run_dir, cfg_text, C.per_client_inline(cfg))
         transport = FlowerTransport(self.grid, s, q.node_of, cfg_text, q, self.say, str(run_dir.resolve()))
-        loop = RoundLoop.from_config(cfg, strategy, transport, q.clients, rd, keeps_state, min_clients=min_clients,
-                                     population=population,
-                                     on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None,
-                                     sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name))
+        loop = RoundLoop.from_config(
+            cfg,
+            strategy,
+            transport,
+            q.clients,
+            rd,
+            keeps_state,
+            min_clients=min_clients,
+            population=population,
+            on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None,
+            sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name),
+        )
         try:
             state = loop.run(q.shapes, resume=s.resume)
         except RunFailed as exc:
-            rd.fail(cfg, str(exc), exc.round, {"engine": "flower", "wall_time_s": time.perf_counter() - t_start,
-                                               "rejections": list(loop.log), "events": list(self.log)})
+            rd.fail(
+                cfg,
+                str(exc),
+                exc.round,
+                {
+                    "engine": "flower",
+                    "wall_time_s": time.perf_counter() - t_start,
+                    "rejections": list(loop.log),
+                    "events": list(self.log),
+                },
+            )
             self.say(f"failed: {exc}")
             raise
         exports = Exports(strategy.export(state), q.base_model, strategy.export_files(state))
-        extra = {"engine": "flower", "wall_time_s": time.perf_counter() - t_start, "rejections": list(loop.log),
-                 "events": list(self.log)}
+        extra = {
+            "engine": "flower",
+            "wall_time_s": time.perf_counter() - t_start,
+            "rejections": list(loop.log),
+            "events": list(self.log),
+        }
         if rd.inline:
             extra.update({"clients": [c.cid for c in q.clients], "ranks": [c.rank for c in q.clients]})
         roster = {str(c.cid): {"rank": c.rank, "label": "", "num_examples": c.num_examples} for c in q.clients}

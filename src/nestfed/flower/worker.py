@@ -38,6 +38,7 @@ from google.protobuf.message import DecodeError
 from nestfed.flower.client_app import app
 from nestfed.flower.framing import receive, send
 
+
 def handle(conn: socket.socket) -> None:
     """Serve one request: run the ClientApp on (message, context); answer the reply and the state."""
     raw_message, raw_context = receive(conn)
@@ -51,8 +52,14 @@ def handle(conn: socket.socket) -> None:
     except Exception as exc:  # noqa: BLE001 - the forwarder re-raises it in the ClientApp process
         send(conn, [b"error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc(limit=8)}".encode()])
         return
-    send(conn, [b"ok", serde.message_to_proto(reply).SerializeToString(),
-                serde.recorddict_to_proto(context.state).SerializeToString()])
+    send(
+        conn,
+        [
+            b"ok",
+            serde.message_to_proto(reply).SerializeToString(),
+            serde.recorddict_to_proto(context.state).SerializeToString(),
+        ],
+    )
 
 
 def serve(path: Path, idle_s: float) -> None:

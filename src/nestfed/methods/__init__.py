@@ -14,28 +14,47 @@ from typing import Any
 
 from nestfed import config as C
 from nestfed.config import ConfigError, ExperimentConfig
-from nestfed.methods import fedala, fedavg, fedmkt, fednl, fedprox, fedslm, fedssi, ffa_lora, flora, hetlora, prelort
-from nestfed.methods import fedex_lora, fedsa_lora, flexlora, local_only, zeropad
+from nestfed.methods import (
+    fedala,
+    fedavg,
+    fedex_lora,
+    fedmkt,
+    fednl,
+    fedprox,
+    fedsa_lora,
+    fedslm,
+    fedssi,
+    ffa_lora,
+    flexlora,
+    flora,
+    hetlora,
+    local_only,
+    prelort,
+    zeropad,
+)
 from nestfed.methods.method import Method
 
-REGISTRY: dict[str, Method] = {m.name: m for m in (
-    prelort.METHOD,
-    zeropad.METHOD,
-    hetlora.METHOD,
-    flora.METHOD,
-    ffa_lora.METHOD,
-    fedavg.METHOD,
-    fednl.METHOD,
-    fedprox.METHOD,
-    fedala.METHOD,
-    fedssi.METHOD,
-    fedslm.METHOD,
-    fedmkt.METHOD,
-    local_only.METHOD,
-    flexlora.METHOD,
-    fedsa_lora.METHOD,
-    fedex_lora.METHOD,
-)}
+REGISTRY: dict[str, Method] = {
+    m.name: m
+    for m in (
+        prelort.METHOD,
+        zeropad.METHOD,
+        hetlora.METHOD,
+        flora.METHOD,
+        ffa_lora.METHOD,
+        fedavg.METHOD,
+        fednl.METHOD,
+        fedprox.METHOD,
+        fedala.METHOD,
+        fedssi.METHOD,
+        fedslm.METHOD,
+        fedmkt.METHOD,
+        local_only.METHOD,
+        flexlora.METHOD,
+        fedsa_lora.METHOD,
+        fedex_lora.METHOD,
+    )
+}
 
 
 def get(name: str) -> Method:
@@ -59,24 +78,31 @@ def _check(cfg: ExperimentConfig) -> None:
     """The running method's cross-section checks. Raises ValueError("<section.key>: <reason>")."""
     m = REGISTRY[cfg.strategy.name]
     if m.equal_ranks and len(set(cfg.lora.ranks)) > 1:
-        raise ValueError(f"lora.ranks: {m.name} needs equal ranks, got {list(cfg.lora.ranks)} "
-                         f"(heterogeneous ranks: {', '.join(heterogeneous())})")
+        raise ValueError(
+            f"lora.ranks: {m.name} needs equal ranks, got {list(cfg.lora.ranks)} "
+            f"(heterogeneous ranks: {', '.join(heterogeneous())})"
+        )
     drawn = cfg.population.support(cfg.lora.r_max)
     if m.equal_ranks and len(drawn) > 1:
-        raise ValueError(f"population: {m.name} needs equal ranks, and the population draws {drawn} "
-                         f"(heterogeneous ranks: {', '.join(heterogeneous())})")
+        raise ValueError(
+            f"population: {m.name} needs equal ranks, and the population draws {drawn} "
+            f"(heterogeneous ranks: {', '.join(heterogeneous())})"
+        )
     if cfg.population.elastic != "none":
         if m.equal_ranks:
-            raise ValueError(f"population.elastic: {m.name} needs one rank for every client, so no client can train "
-                             "at a lower one")
+            raise ValueError(
+                f"population.elastic: {m.name} needs one rank for every client, so no client can train at a lower one"
+            )
         if m.elastic_ranks:
             raise ValueError(f"population.elastic: {m.name} cannot train an elastic rank: {m.elastic_ranks}")
     if m.robust_aggregation and (cfg.robust.rule != "mean" or cfg.privacy.mode == "central"):
         field = "robust.rule" if cfg.robust.rule != "mean" else "privacy.mode"
         raise ValueError(f"{field}: {m.name} cannot aggregate robustly or with central DP: {m.robust_aggregation}")
     if m.server_optimizer and not cfg.server_optimizer.identity:
-        raise ValueError(f"server_optimizer.name: {m.name} cannot take a server optimiser "
-                         f"('{cfg.server_optimizer.name}'): {m.server_optimizer}")
+        raise ValueError(
+            f"server_optimizer.name: {m.name} cannot take a server optimiser "
+            f"('{cfg.server_optimizer.name}'): {m.server_optimizer}"
+        )
     if m.check_config is not None:
         m.check_config(cfg)
 

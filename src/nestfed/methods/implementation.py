@@ -68,14 +68,21 @@ class Implementation:
 def lora_settings(cfg: ExperimentConfig) -> LoraSettings:
     """The LoRA numbers every LoRA strategy needs, from the config: r_max, lora_alpha, the scaling
     convention, the initialisation seed and the federation's seed."""
-    return LoraSettings(r_max=r_max(cfg), lora_alpha=cfg.lora.lora_alpha, scaling=cfg.lora.scaling,
-                        init_seed=cfg.lora.init_seed, seed=cfg.federation.seed)
+    return LoraSettings(
+        r_max=r_max(cfg),
+        lora_alpha=cfg.lora.lora_alpha,
+        scaling=cfg.lora.scaling,
+        init_seed=cfg.lora.init_seed,
+        seed=cfg.federation.seed,
+    )
 
 
-def lora_implementation(strategy: Callable[[ExperimentConfig, Arrays], Strategy],
-                        hooks: Callable[[ExperimentConfig], ClientHooks] = lambda cfg: ClientHooks(),
-                        setup: Callable[[Prepared, ExperimentConfig], Arrays] | None = None,
-                        **kw: Any) -> Implementation:
+def lora_implementation(
+    strategy: Callable[[ExperimentConfig, Arrays], Strategy],
+    hooks: Callable[[ExperimentConfig], ClientHooks] = lambda cfg: ClientHooks(),
+    setup: Callable[[Prepared, ExperimentConfig], Arrays] | None = None,
+    **kw: Any,
+) -> Implementation:
     """The implementation of a method whose clients run the client trainer on the shared backbone.
 
     strategy(cfg, initial_arrays) -> its server strategy; hooks(cfg) -> its client hooks;
@@ -86,8 +93,12 @@ def lora_implementation(strategy: Callable[[ExperimentConfig, Arrays], Strategy]
 
     def client(prep: Prepared, cfg: ExperimentConfig) -> ClientSide:
         initial = setup(prep, cfg) if setup is not None else {}
-        return ClientSide(ClientTrainer(prep.backbone.model, prep.data, cfg.train, hooks(cfg),
-                                        privacy=cfg.privacy, attack=cfg.attack), initial)
+        return ClientSide(
+            ClientTrainer(
+                prep.backbone.model, prep.data, cfg.train, hooks(cfg), privacy=cfg.privacy, attack=cfg.attack
+            ),
+            initial,
+        )
 
     def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
         side = client(prep, cfg)
@@ -102,5 +113,11 @@ def lora_implementation(strategy: Callable[[ExperimentConfig, Arrays], Strategy]
         clients = [ClientInfo(c.cid, ranks[c.cid], c.num_examples) for c in prep.clients]
         return MethodRun(st, side.trainer, clients, prep.shapes, side.trainer.hooks.keeps_state, finish)
 
-    return Implementation(build, client=client, server=strategy, client_hooks=hooks,
-                          keeps_client_state=lambda cfg: hooks(cfg).keeps_state, **kw)
+    return Implementation(
+        build,
+        client=client,
+        server=strategy,
+        client_hooks=hooks,
+        keeps_client_state=lambda cfg: hooks(cfg).keeps_state,
+        **kw,
+    )

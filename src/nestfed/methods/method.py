@@ -27,8 +27,10 @@ if TYPE_CHECKING:  # the implementation side (torch, the round loop) is imported
     from nestfed.methods.implementation import ClientSide, Implementation, MethodRun
 
 NO_AGGREGATION = "its server does not aggregate LoRA updates (docs/trust.md)"
-NO_PSEUDO_GRADIENT = ("its server does not combine parameter updates, so its state has no pseudo-gradient "
-                      "(docs/architecture.md, Server optimisers)")
+NO_PSEUDO_GRADIENT = (
+    "its server does not combine parameter updates, so its state has no pseudo-gradient "
+    "(docs/architecture.md, Server optimisers)"
+)
 NO_ELASTIC = "its clients do not train a LoRA prefix of the global adapter (docs/scale.md, elastic ranks)"
 
 

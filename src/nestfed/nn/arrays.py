@@ -33,7 +33,7 @@ def extra_parameters(model: nn.Module, arrays: Arrays) -> dict[str, nn.Parameter
                 continue
         except KeyError:
             pass
-        path = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else None
+        path = key[len(PEFT_PREFIX) :] if key.startswith(PEFT_PREFIX) else None
         try:
             out[key] = model.get_parameter(path) if path else None
         except AttributeError:

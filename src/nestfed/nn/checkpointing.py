@@ -23,8 +23,9 @@ def enable_activation_checkpointing(model: nn.Module) -> None:
     Raises ConfigError naming the model class when it does not support checkpointing.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
-        raise ConfigError(f"train.gradient_checkpointing: {type(model).__name__} does not support "
-                          "activation checkpointing")
+        raise ConfigError(
+            f"train.gradient_checkpointing: {type(model).__name__} does not support activation checkpointing"
+        )
     kwargs = {"use_reentrant": False}
     if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.20
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)

@@ -78,7 +78,9 @@ def saved_bytes(model: nn.Module, batch: int, tokens: int, start: int, rank: int
         for p in params:
             p.requires_grad_(True)
         with active_rank(model, rank), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits, targets = labelled_logits(model, labels.to(dev), None if ids is None else ids.to(dev), hidden, start)
+            logits, targets = labelled_logits(
+                model, labels.to(dev), None if ids is None else ids.to(dev), hidden, start
+            )
             loss = F.cross_entropy(logits.float(), targets)
         del loss, logits
     finally:

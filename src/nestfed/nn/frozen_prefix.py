@@ -59,8 +59,9 @@ def labelled_length(labels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def prefix_features(model: nn.Module, input_ids: torch.Tensor, start: int, batch_size: int = 8,
-                    lengths: torch.Tensor | None = None) -> torch.Tensor:
+def prefix_features(
+    model: nn.Module, input_ids: torch.Tensor, start: int, batch_size: int = 8, lengths: torch.Tensor | None = None
+) -> torch.Tensor:
     """Hidden states entering decoder layer ``start``: input_ids [N, T] -> [N, T, hidden].
 
     start = 0 returns the token embeddings. Computed without gradients in batches of
@@ -78,20 +79,21 @@ def prefix_features(model: nn.Module, input_ids: torch.Tensor, start: int, batch
             return _run_layers(model, model.model.embed_tokens(to_model(model, ids)), 0, start).cpu()
 
     if lengths is None:
-        outs = [run(input_ids[i:i + batch_size]) for i in range(0, N, batch_size)]
+        outs = [run(input_ids[i : i + batch_size]) for i in range(0, N, batch_size)]
         return torch.cat(outs) if outs else torch.empty(0)
     emb = model.model.embed_tokens.weight
     out = torch.zeros(N, T, emb.shape[1], dtype=emb.dtype)
     order = torch.argsort(lengths.clamp(1, T), descending=True, stable=True)
     for i in range(0, N, batch_size):
-        rows = order[i:i + batch_size]
+        rows = order[i : i + batch_size]
         t = int(lengths[rows].clamp(1, T).max())
         out[rows, :t] = run(input_ids[rows, :t])
     return out
 
 
-def final_hidden(model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-                 start: int = 0) -> torch.Tensor:
+def final_hidden(
+    model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None, start: int = 0
+) -> torch.Tensor:
     """The normed last hidden states [B, T, d] (what the LM head reads) from input_ids [B, T], or
     from ``hidden`` [B, T, d] entering layer ``start``.
 
@@ -106,8 +108,9 @@ def final_hidden(model: nn.Module, input_ids: torch.Tensor | None = None, hidden
         return model.model.norm(_run_layers(model, to_model(model, hidden), start, len(model.model.layers)))
 
 
-def lm_logits(model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
-              start: int = 0) -> torch.Tensor:
+def lm_logits(
+    model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None, start: int = 0
+) -> torch.Tensor:
     """Logits [B, T, vocab] on the model's device from input_ids [B, T], or from ``hidden`` [B, T, d]
     entering layer ``start`` (either may be in host memory: moved to the model's device).
 
@@ -118,8 +121,13 @@ def lm_logits(model: nn.Module, input_ids: torch.Tensor | None = None, hidden: t
         return model.lm_head(h)
 
 
-def labelled_logits(model: nn.Module, labels: torch.Tensor, input_ids: torch.Tensor | None = None,
-                    hidden: torch.Tensor | None = None, start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+def labelled_logits(
+    model: nn.Module,
+    labels: torch.Tensor,
+    input_ids: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    start: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The LM head applied only where a next token is labelled: what every loss here needs.
 
     labels: [B, T] (HF convention: logits[t] predict labels[t + 1], -100 ignored); input_ids or
@@ -148,8 +156,12 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
 
     reduction ``mean`` (per labelled token) or ``sum``.
     """
-    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), labels[:, 1:].reshape(-1),
-                           ignore_index=-100, reduction=reduction)
+    return F.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+        labels[:, 1:].reshape(-1),
+        ignore_index=-100,
+        reduction=reduction,
+    )
 
 
 @dataclass

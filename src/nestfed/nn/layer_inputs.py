@@ -28,8 +28,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from transformers.masking_utils import (ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask,
-                                        create_sliding_window_causal_mask)
+from transformers.masking_utils import (
+    ALL_MASK_ATTENTION_FUNCTIONS,
+    create_causal_mask,
+    create_sliding_window_causal_mask,
+)
 
 from nestfed.errors import ConfigError
 
@@ -55,8 +58,10 @@ def check_architecture(model: nn.Module) -> None:
     name = type(model).__name__
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind not in FAMILIES:
-        raise ConfigError(f"model: {name} (model_type '{kind}') cannot be computed exactly by nestfed: its forward is "
-                          f"reproduced only for the families {', '.join(FAMILIES)}")
+        raise ConfigError(
+            f"model: {name} (model_type '{kind}') cannot be computed exactly by nestfed: its forward is "
+            f"reproduced only for the families {', '.join(FAMILIES)}"
+        )
     for path in PARTS:
         obj = model
         for part in path.split("."):
@@ -77,9 +82,11 @@ def layer_types(model: nn.Module) -> list[str]:
     types = list(getattr(inner.config, "layer_types", None) or ["full_attention"] * len(inner.layers))
     unknown = sorted(set(types) - set(MASKS))
     if unknown:
-        raise ConfigError(f"model: decoder layers of type {', '.join(unknown)} "
-                          f"({type(model).__name__}) cannot be computed exactly by nestfed "
-                          f"(it builds {', '.join(MASKS)} attention)")
+        raise ConfigError(
+            f"model: decoder layers of type {', '.join(unknown)} "
+            f"({type(model).__name__}) cannot be computed exactly by nestfed "
+            f"(it builds {', '.join(MASKS)} attention)"
+        )
     return types
 
 
@@ -92,8 +99,13 @@ def decoder_inputs(model: nn.Module, hidden: torch.Tensor, position_ids: torch.T
     inner = model.model
     types = layer_types(model)
     kinds = sorted(set(types))
-    args = {"config": inner.config, "inputs_embeds": hidden, "attention_mask": None, "past_key_values": None,
-            "position_ids": position_ids}
+    args = {
+        "config": inner.config,
+        "inputs_embeds": hidden,
+        "attention_mask": None,
+        "past_key_values": None,
+        "position_ids": position_ids,
+    }
     masks = {t: MASKS[t](**args) for t in kinds}
     return [masks[t] for t in types], layer_rotary(model, hidden, position_ids)
 
@@ -139,8 +151,15 @@ def layer_window(config: Any, index: int) -> int:
     return int(config.sliding_window) if types and types[index] == "sliding_attention" else 0
 
 
-def positional_mask(config: Any, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype: torch.dtype, window: int = 0,
-                    sink: int = 0, own_window: int = 0) -> torch.Tensor:
+def positional_mask(
+    config: Any,
+    q_pos: torch.Tensor,
+    k_pos: torch.Tensor,
+    dtype: torch.dtype,
+    window: int = 0,
+    sink: int = 0,
+    own_window: int = 0,
+) -> torch.Tensor:
     """The softmax mask [1, 1, Tq, Tk] of queries at absolute positions q_pos [Tq] over keys at
     absolute positions k_pos [Tk] (a cache's keys need not be contiguous: sinks, then a window),
     or [B, 1, Tq, Tk] for per-row positions q_pos [B, Tq], k_pos [B, Tk]:
@@ -152,8 +171,10 @@ def positional_mask(config: Any, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype
     attention takes no such mask)."""
     impl = config._attn_implementation
     if impl not in POSITIONAL:
-        raise ConfigError(f"model: attention implementation '{impl}' cannot take the mask of a stream or a window "
-                          f"over a key/value cache (nestfed builds it for {', '.join(POSITIONAL)})")
+        raise ConfigError(
+            f"model: attention implementation '{impl}' cannot take the mask of a stream or a window "
+            f"over a key/value cache (nestfed builds it for {', '.join(POSITIONAL)})"
+        )
 
     batched = q_pos.dim() == 2  # [B, T] per-row positions (a left-padded batch's real-token positions)
 
@@ -166,7 +187,12 @@ def positional_mask(config: Any, q_pos: torch.Tensor, k_pos: torch.Tensor, dtype
             ok = ok & ((k > q - window) | (k < sink))
         return ok
 
-    return ALL_MASK_ATTENTION_FUNCTIONS[impl](batch_size=q_pos.shape[0] if batched else 1, q_length=q_pos.shape[-1],
-                                              kv_length=k_pos.shape[-1],
-                                              mask_function=seen, allow_is_causal_skip=False, dtype=dtype,
-                                              device=q_pos.device)
+    return ALL_MASK_ATTENTION_FUNCTIONS[impl](
+        batch_size=q_pos.shape[0] if batched else 1,
+        q_length=q_pos.shape[-1],
+        kv_length=k_pos.shape[-1],
+        mask_function=seen,
+        allow_is_causal_skip=False,
+        dtype=dtype,
+        device=q_pos.device,
+    )

@@ -28,9 +28,21 @@ from nestfed.nn.keys import LAYER_INDEX, PEFT_PREFIX, layer_indices, module_of, 
 from nestfed.nn.placement import trainable_dtype
 from nestfed.seeds import stream_seed
 
-__all__ = ["PEFT_PREFIX", "LoraLinear", "active_rank", "get_adapter_state", "init_adapter_state", "inject_lora",
-           "lora_modules", "module_of", "module_shapes", "peft_key", "set_active_rank", "set_adapter_state",
-           "target_module_names"]
+__all__ = [
+    "PEFT_PREFIX",
+    "LoraLinear",
+    "active_rank",
+    "get_adapter_state",
+    "init_adapter_state",
+    "inject_lora",
+    "lora_modules",
+    "module_of",
+    "module_shapes",
+    "peft_key",
+    "set_active_rank",
+    "set_adapter_state",
+    "target_module_names",
+]
 
 
 class LoraLinear(nn.Module):
@@ -72,8 +84,10 @@ class LoraLinear(nn.Module):
         """
         r = A.shape[0]
         if A.shape != (r, self.in_features) or B.shape != (self.out_features, r):
-            raise ValueError(f"LoRA shapes A {tuple(A.shape)}, B {tuple(B.shape)} do not fit "
-                             f"in={self.in_features}, out={self.out_features}")
+            raise ValueError(
+                f"LoRA shapes A {tuple(A.shape)}, B {tuple(B.shape)} do not fit "
+                f"in={self.in_features}, out={self.out_features}"
+            )
         w = self.base_layer.weight
         dtype = trainable_dtype(w.dtype)
         self.lora_A.weight = nn.Parameter(A.detach().to(w.device, dtype).clone())
@@ -115,8 +129,9 @@ def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
 
 
-def target_module_names(model: nn.Module, target_modules: tuple[str, ...] | list[str],
-                        layers: tuple[int, ...] | list[int] = ()) -> list[str]:
+def target_module_names(
+    model: nn.Module, target_modules: tuple[str, ...] | list[str], layers: tuple[int, ...] | list[int] = ()
+) -> list[str]:
     """Paths of the ``nn.Linear`` modules to adapt.
 
     target_modules: names matched against the last path component (``q_proj``) or, when a name
@@ -137,8 +152,7 @@ def target_module_names(model: nn.Module, target_modules: tuple[str, ...] | list
         if name.endswith("base_layer") or ".lora_" in name:
             continue
         leaf = name.rsplit(".", 1)[-1]
-        ok = any((re.fullmatch(t, name) if re.search(r"[\\^$*+?\[\](){}|]", t) else leaf == t)
-                 for t in target_modules)
+        ok = any((re.fullmatch(t, name) if re.search(r"[\\^$*+?\[\](){}|]", t) else leaf == t) for t in target_modules)
         if not ok:
             continue
         if wanted_layers is not None:

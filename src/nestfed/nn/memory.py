@@ -138,8 +138,9 @@ class LayerStream:
 
     def nbytes(self) -> int:
         """Bytes held by this layer's stream state (KV cache, memory state, tails)."""
-        return sum(t.numel() * t.element_size() for t in (self.k, self.v, self.S, self.k_tail, self.x_tail)
-                   if t is not None)
+        return sum(
+            t.numel() * t.element_size() for t in (self.k, self.v, self.S, self.k_tail, self.x_tail) if t is not None
+        )
 
 
 def _logit(p: float) -> float:
@@ -184,7 +185,9 @@ class MemoryRule(nn.Module):
         self.padding: torch.Tensor | None = None  # [B, T] bool, True = a real token (set per model call)
 
     # -- beta ------------------------------------------------------------------------------------
-    def beta(self, k: torch.Tensor, tail: torch.Tensor | None = None, valid: torch.Tensor | None = None) -> torch.Tensor:
+    def beta(
+        self, k: torch.Tensor, tail: torch.Tensor | None = None, valid: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Write strengths beta [B, T, H] in (0, 1) from the raw keys k [B, T, H_kv, D].
 
         tail: up to ``beta_window - 1`` raw keys [B, n, H_kv, D] that precede k (a stream's
@@ -206,7 +209,9 @@ class MemoryRule(nn.Module):
         start = (end - bw).clamp(min=0)
         kbar = (pad[:, end] - pad[:, start]) / (counts[:, end] - counts[:, start]).clamp(min=1).view(-1, T, 1, 1)
         kbar = kbar.repeat_interleave(self.num_heads // self.num_kv_heads, dim=2)  # [B, T, H, D]
-        beta = torch.sigmoid(torch.einsum("bthd,hd->bth", kbar, self.beta_weight.to(k.dtype)) + self.beta_bias.to(k.dtype))
+        beta = torch.sigmoid(
+            torch.einsum("bthd,hd->bth", kbar, self.beta_weight.to(k.dtype)) + self.beta_bias.to(k.dtype)
+        )
         return beta if valid is None else beta * valid.to(beta.dtype)[:, :, None]
 
     # -- gate ------------------------------------------------------------------------------------
@@ -222,7 +227,7 @@ class MemoryRule(nn.Module):
         kern = self.settings.dynamic_kernel
         prev = x.new_zeros(x.shape[0], kern - 1, x.shape[2])
         if tail is not None and tail.shape[1]:
-            prev[:, kern - 1 - tail.shape[1]:] = tail.to(x.dtype)
+            prev[:, kern - 1 - tail.shape[1] :] = tail.to(x.dtype)
         xp = torch.cat([prev, x], dim=1).transpose(1, 2)  # [B, hidden, T + kern - 1]
         z = F.conv1d(xp, self.gate_conv.weight.to(x.dtype), self.gate_conv.bias.to(x.dtype))  # [B, 1, T]
         lo, hi = DYNAMIC_RANGE
@@ -250,8 +255,11 @@ def _combine(mask: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.T
     if attention_mask is None:
         return mask
     if mask.dtype == torch.bool:
-        return mask & attention_mask if attention_mask.dtype == torch.bool else \
-            attention_mask.masked_fill(~mask, torch.finfo(attention_mask.dtype).min)
+        return (
+            mask & attention_mask
+            if attention_mask.dtype == torch.bool
+            else attention_mask.masked_fill(~mask, torch.finfo(attention_mask.dtype).min)
+        )
     if attention_mask.dtype == torch.bool:
         return mask.masked_fill(~attention_mask, torch.finfo(mask.dtype).min)
     return torch.minimum(mask, attention_mask.to(mask.dtype))
@@ -268,15 +276,19 @@ def _shift_sinks(stream: LayerStream, keys: torch.Tensor) -> torch.Tensor:
     if stream.sink_rotation is None or not stream.n_sink:
         return keys
     cos, sin = (t.to(keys.dtype) for t in stream.sink_rotation)
-    sinks = keys[:, :, :stream.n_sink]
+    sinks = keys[:, :, : stream.n_sink]
     _, shifted = apply_rotary_pos_emb(sinks, sinks, cos, sin)  # the backbone's own rotation, by delta
-    return torch.cat([shifted, keys[:, :, stream.n_sink:]], dim=2)
+    return torch.cat([shifted, keys[:, :, stream.n_sink :]], dim=2)
 
 
-def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
-                             position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-                             attention_mask: torch.Tensor | None = None, past_key_values: Any = None,
-                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+def memory_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """Forward of an attention module with a :class:`MemoryRule` at ``self.memory``.
 
     hidden_states: [B, T, hidden] (the decoder layer's normed input); position_embeddings: the
@@ -319,8 +331,10 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
             raise ValueError(f"layer {self.layer_idx}: give a Hugging Face cache or a nestfed stream, not both")
         keys, values = past_key_values.update(k_rot, v_t, self.layer_idx)
         if keys.shape[2] > T and use_memory:
-            raise ValueError(f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the delta-rule memory "
-                             "state across calls; stream with nestfed.evaluation.streaming instead")
+            raise ValueError(
+                f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the delta-rule memory "
+                "state across calls; stream with nestfed.evaluation.streaming instead"
+            )
     cache_keys = keys  # what a stream carries on: the sinks at their own positions
     own = layer_window(self.config, self.layer_idx)  # the layer's own sliding window (0 = none)
     if stream is not None:
@@ -341,8 +355,16 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
             pos = valid.long().cumsum(1) - 1  # [B, T]: real-token positions (pads are masked anyway)
         mask = _combine(positional_mask(self.config, pos, pos, q_rot.dtype, window, sink, own), attention_mask)
     interface = _attention_interface(self)
-    soft, _ = interface(self, q_rot, keys, values, mask, dropout=0.0 if not self.training else self.attention_dropout,
-                        scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None))
+    soft, _ = interface(
+        self,
+        q_rot,
+        keys,
+        values,
+        mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=getattr(self, "sliding_window", None),
+    )
     # soft: [B, T, H, D]
     out = soft
     if use_memory:
@@ -350,7 +372,7 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
         G = H // k.shape[2]
         q_lin = F.normalize(F.silu(q), dim=-1)
         k_lin = F.normalize(F.silu(k), dim=-1).repeat_interleave(G, dim=2)
-        v_lin = (v * D ** -0.5).repeat_interleave(G, dim=2)
+        v_lin = (v * D**-0.5).repeat_interleave(G, dim=2)
         valid = mem.padding if stream is None and mem.padding is not None and mem.padding.shape == (B, T) else None
         gate_in = hidden_states
         if valid is not None:  # pads write nothing and feed neither beta's average nor the gate
@@ -360,8 +382,15 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
         beta = mem.beta(k, None if stream is None else stream.k_tail, valid)
         s0 = None if stream is None else stream.S
         op = delta_rule_recurrent if mem.settings.operator == "recurrent" else delta_rule
-        o_lin, s_new = op(q_lin, k_lin, v_lin, beta, initial_state=s0, output_final_state=stream is not None,
-                          chunk_size=mem.settings.chunk_size)
+        o_lin, s_new = op(
+            q_lin,
+            k_lin,
+            v_lin,
+            beta,
+            initial_state=s0,
+            output_final_state=stream is not None,
+            chunk_size=mem.settings.chunk_size,
+        )
         alpha = mem.gate(gate_in, None if stream is None else stream.x_tail)
         # RMS-normalised, then put on the softmax output's scale (per token and head), so that
         # alpha mixes two outputs of one magnitude (see the module docstring)
@@ -371,17 +400,24 @@ def memory_attention_forward(self: nn.Module, hidden_states: torch.Tensor,
             stream.S = s_new.detach()
             bw, kern = mem.settings.beta_window, mem.settings.dynamic_kernel
             kt = k.detach() if stream.k_tail is None else torch.cat([stream.k_tail, k.detach()], dim=1)
-            stream.k_tail = kt[:, kt.shape[1] - min(bw - 1, kt.shape[1]):]
+            stream.k_tail = kt[:, kt.shape[1] - min(bw - 1, kt.shape[1]) :]
             if mem.settings.gate == "dynamic":
-                xt = hidden_states.detach() if stream.x_tail is None else torch.cat([stream.x_tail, hidden_states.detach()], 1)
-                stream.x_tail = xt[:, xt.shape[1] - min(kern - 1, xt.shape[1]):]
+                xt = (
+                    hidden_states.detach()
+                    if stream.x_tail is None
+                    else torch.cat([stream.x_tail, hidden_states.detach()], 1)
+                )
+                stream.x_tail = xt[:, xt.shape[1] - min(kern - 1, xt.shape[1]) :]
     if stream is not None:
         # keep the sinks (positions < sink, under a window) and the last span - 1 keys, span the
         # narrower of the stream's window and the layer's own; everything when neither bounds it
         span = min((w for w in (window, own) if w > 0), default=0)
         sinks = (k_pos < sink) if window > 0 else torch.zeros_like(k_pos, dtype=torch.bool)
-        keep_mask = torch.ones(keys.shape[2], dtype=torch.bool, device=keys.device) if span == 0 else \
-            (k_pos >= stream.pos + T - (span - 1)) | sinks
+        keep_mask = (
+            torch.ones(keys.shape[2], dtype=torch.bool, device=keys.device)
+            if span == 0
+            else (k_pos >= stream.pos + T - (span - 1)) | sinks
+        )
         stream.k = cache_keys[:, :, keep_mask].detach()
         stream.v = values[:, :, keep_mask].detach()
         stream.n_sink = int((sinks & keep_mask).sum())

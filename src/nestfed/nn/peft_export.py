@@ -19,8 +19,9 @@ from nestfed.io import atomic
 from nestfed.nn.keys import module_of
 
 
-def export_peft_adapter(state: dict[str, torch.Tensor], scaling: float, out_dir: str | Path,
-                        base_model: str = "") -> Path:
+def export_peft_adapter(
+    state: dict[str, torch.Tensor], scaling: float, out_dir: str | Path, base_model: str = ""
+) -> Path:
     """Write ``state`` ({PEFT key: tensor}, one rank r for every layer) to ``out_dir``.
 
     scaling: the s that multiplies B @ A in nestfed (exported as lora_alpha = s * r).
@@ -36,8 +37,15 @@ def export_peft_adapter(state: dict[str, torch.Tensor], scaling: float, out_dir:
     if r < 1:
         raise ValueError("the adapter has rank 0 (nothing was aggregated into it); PEFT cannot load it")
     pattern = "^(" + "|".join(re.escape(m) for m in modules) + ")$"
-    config = LoraConfig(r=r, lora_alpha=scaling * r, target_modules=pattern, lora_dropout=0.0,
-                        bias="none", task_type="CAUSAL_LM", base_model_name_or_path=base_model or None)
+    config = LoraConfig(
+        r=r,
+        lora_alpha=scaling * r,
+        target_modules=pattern,
+        lora_dropout=0.0,
+        bias="none",
+        task_type="CAUSAL_LM",
+        base_model_name_or_path=base_model or None,
+    )
 
     def build(tmp: Path) -> None:
         config.save_pretrained(tmp)

@@ -44,8 +44,7 @@ def resolve_device(name: str) -> torch.device:
         index = int(name[5:]) if ":" in name else 0
         count = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if index >= count:
-            raise ConfigError(f"model.device = '{name}': this machine has {count} CUDA device(s) "
-                              f"(use 'cpu' or 'auto')")
+            raise ConfigError(f"model.device = '{name}': this machine has {count} CUDA device(s) (use 'cpu' or 'auto')")
         return torch.device("cuda", index)
     raise ConfigError(f"model.device: '{name}' is not auto, cpu, cuda or cuda:N")
 

@@ -29,10 +29,9 @@ import math
 from dataclasses import dataclass
 
 import torch
-from torch import nn
-
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch import nn
 
 from nestfed.io import atomic
 from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
@@ -40,9 +39,25 @@ from nestfed.nn.placement import trainable_dtype
 from nestfed.nn.targets import DEFAULT_TARGET, base_linear, target_linear_names
 from nestfed.nn.whitening import DAMPING, whitened_svd
 
-__all__ = ["CORE_SUFFIX", "DEFAULT_TARGET", "core_key", "SVDFactors", "SVDLinear", "base_linear", "compute_bases", "derive_compressed",
-           "layer_ranks", "load_bases", "project", "rank_for_ratio", "reconstruct", "save_bases",
-           "select_layers", "svd_modules", "target_linear_names"]
+__all__ = [
+    "CORE_SUFFIX",
+    "DEFAULT_TARGET",
+    "core_key",
+    "SVDFactors",
+    "SVDLinear",
+    "base_linear",
+    "compute_bases",
+    "derive_compressed",
+    "layer_ranks",
+    "load_bases",
+    "project",
+    "rank_for_ratio",
+    "reconstruct",
+    "save_bases",
+    "select_layers",
+    "svd_modules",
+    "target_linear_names",
+]
 
 
 CORE_SUFFIX = ".sigma"
@@ -68,8 +83,10 @@ class SVDLinear(nn.Module):
         super().__init__()
         r = U.shape[1]
         if U.dim() != 2 or V.dim() != 2 or V.shape[1] != r or tuple(sigma.shape) != (r, r):
-            raise ValueError(f"SVDLinear: U {tuple(U.shape)}, V {tuple(V.shape)}, sigma {tuple(sigma.shape)} "
-                             "must be [out, r], [in, r], [r, r]")
+            raise ValueError(
+                f"SVDLinear: U {tuple(U.shape)}, V {tuple(V.shape)}, sigma {tuple(sigma.shape)} "
+                "must be [out, r], [in, r], [r, r]"
+            )
         if bias is not None and tuple(bias.shape) != (U.shape[0],):
             raise ValueError(f"SVDLinear: bias {tuple(bias.shape)} does not fit out = {U.shape[0]}")
         self.out_features, self.in_features, self.rank = U.shape[0], V.shape[0], r
@@ -122,9 +139,13 @@ def rank_for_ratio(out_features: int, in_features: int, ratio: float) -> int:
     return max(1, min(min(out_features, in_features), r))
 
 
-def compute_bases(model: nn.Module, ratios: list[float], pattern: str = DEFAULT_TARGET,
-                  whitening: dict[str, torch.Tensor] | None = None, damping: float | None = None
-                  ) -> dict[str, SVDFactors]:
+def compute_bases(
+    model: nn.Module,
+    ratios: list[float],
+    pattern: str = DEFAULT_TARGET,
+    whitening: dict[str, torch.Tensor] | None = None,
+    damping: float | None = None,
+) -> dict[str, SVDFactors]:
     """One SVD per selected Linear, truncated to the largest rank any ratio needs (server side, once).
 
     Returns {module path: SVDFactors} with R = rank_for_ratio(out, in, max(ratios)).
@@ -175,8 +196,9 @@ def layer_ranks(bases: dict[str, SVDFactors], ratio: float) -> dict[str, int]:
     return ranks
 
 
-def derive_compressed(model: nn.Module, bases: dict[str, SVDFactors], ratio: float,
-                      cores: dict[str, torch.Tensor] | None = None) -> nn.Module:
+def derive_compressed(
+    model: nn.Module, bases: dict[str, SVDFactors], ratio: float, cores: dict[str, torch.Tensor] | None = None
+) -> nn.Module:
     """A compressed copy of ``model`` for compression ratio rho: each Linear in ``bases`` becomes an
     :class:`SVDLinear` with U[:, :r], V[:, :r] and core ``cores[name]`` (default diag(S[:r])).
 

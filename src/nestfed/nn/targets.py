@@ -10,7 +10,6 @@ from nestfed.nn.lora import LoraLinear
 from nestfed.nn.patterns import DEFAULT_TARGET
 
 
-
 def base_linear(module: nn.Module) -> nn.Linear:
     """The frozen ``nn.Linear`` of a module: itself, or a :class:`LoraLinear`'s ``base_layer``
     (the SVD is of the pretrained W; a LoRA update on top is ignored). Raises TypeError otherwise."""
@@ -30,9 +29,15 @@ def target_linear_names(model: nn.Module, pattern: str = DEFAULT_TARGET) -> list
         rx = re.compile(pattern)
     except re.error as exc:
         raise ValueError(f"svd target pattern {pattern!r} is not a valid regex: {exc}") from None
-    names = [n for n, m in model.named_modules()
-             if (isinstance(m, LoraLinear) or (isinstance(m, nn.Linear) and not n.endswith("base_layer")
-                                               and ".lora_" not in n)) and rx.fullmatch(n)]
+    names = [
+        n
+        for n, m in model.named_modules()
+        if (
+            isinstance(m, LoraLinear)
+            or (isinstance(m, nn.Linear) and not n.endswith("base_layer") and ".lora_" not in n)
+        )
+        and rx.fullmatch(n)
+    ]
     if not names:
         raise ValueError(f"svd target pattern {pattern!r} matched no Linear layer")
     return names

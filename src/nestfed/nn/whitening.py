@@ -53,8 +53,13 @@ DAMPING = 1e-2
 MAX_RETRIES = 6
 
 
-def second_moments(model: nn.Module, input_ids: torch.Tensor, names: list[str] | None = None,
-                   pattern: str | None = None, batch_size: int = 8) -> dict[str, torch.Tensor]:
+def second_moments(
+    model: nn.Module,
+    input_ids: torch.Tensor,
+    names: list[str] | None = None,
+    pattern: str | None = None,
+    batch_size: int = 8,
+) -> dict[str, torch.Tensor]:
     """The input second moment C = X^T X / N [in, in] (float64, in host memory) of each target Linear on token batches.
 
     model: a Llama/Qwen2-family causal LM (run through :func:`nestfed.nn.frozen_prefix.final_hidden`,
@@ -81,6 +86,7 @@ def second_moments(model: nn.Module, input_ids: torch.Tensor, names: list[str] |
                 sums[name].addmm_(x.T, x)
             else:
                 sums[name] = x.T @ x
+
         return pre
 
     for name in names:
@@ -90,7 +96,7 @@ def second_moments(model: nn.Module, input_ids: torch.Tensor, names: list[str] |
     try:
         with torch.no_grad():
             for i in range(0, input_ids.shape[0], batch_size):
-                final_hidden(model, input_ids=input_ids[i:i + batch_size])
+                final_hidden(model, input_ids=input_ids[i : i + batch_size])
     finally:
         for h in handles:
             h.remove()
@@ -128,8 +134,9 @@ def whitening_factor(C: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
     raise ValueError(f"second moment is not positive definite even with damping {eps / 10:g}")
 
 
-def whitened_svd(W: torch.Tensor, C: torch.Tensor, damping: float = DAMPING
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+def whitened_svd(
+    W: torch.Tensor, C: torch.Tensor, damping: float = DAMPING
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Activation-aware SVD of W [out, in] for input second moment C [in, in] (module docstring).
 
     Returns (U [out, k], S [k], V [in, k], D [in, k]) in float64, k = min(out, in), S descending:
@@ -140,8 +147,9 @@ def whitened_svd(W: torch.Tensor, C: torch.Tensor, damping: float = DAMPING
     Source: SVD-LLM (arXiv 2403.07378) section 3.1, truncation-aware data whitening.
     """
     if W.dim() != 2 or tuple(C.shape) != (W.shape[1], W.shape[1]):
-        raise ValueError(f"whitened SVD: W {tuple(W.shape)} needs C of shape ({W.shape[1]}, {W.shape[1]}), "
-                         f"got {tuple(C.shape)}")
+        raise ValueError(
+            f"whitened SVD: W {tuple(W.shape)} needs C of shape ({W.shape[1]}, {W.shape[1]}), got {tuple(C.shape)}"
+        )
     L = whitening_factor(C, damping)
     U, S, Vh = torch.linalg.svd(W.double() @ L, full_matrices=False)
     Vw = Vh.T

@@ -75,27 +75,20 @@ def _validate(
     if T < 1:
         raise ValueError(f"q must have at least one token (T >= 1), got shape {tuple(q.shape)}")
     if tuple(k.shape) != (B, T, H, K):
-        raise ValueError(
-            f"k must have the shape of q, [B, T, H, K] = {(B, T, H, K)}, got {tuple(k.shape)}"
-        )
+        raise ValueError(f"k must have the shape of q, [B, T, H, K] = {(B, T, H, K)}, got {tuple(k.shape)}")
     if v.dim() != 4 or tuple(v.shape[:3]) != (B, T, H):
-        raise ValueError(
-            f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}"
-        )
+        raise ValueError(f"v must have shape [B, T, H, V] = [{B}, {T}, {H}, V], got {tuple(v.shape)}")
     V = v.shape[3]
     if tuple(beta.shape) != (B, T, H):
         raise ValueError(f"beta must have shape [B, T, H] = {(B, T, H)}, got {tuple(beta.shape)}")
     if k.dtype != q.dtype or v.dtype != q.dtype:
-        raise ValueError(
-            f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}"
-        )
+        raise ValueError(f"q, k and v must share one dtype; got q {q.dtype}, k {k.dtype}, v {v.dtype}")
     if initial_state is not None:
         if not isinstance(initial_state, torch.Tensor) or not initial_state.is_floating_point():
             raise ValueError("initial_state must be a floating-point torch.Tensor or None")
         if tuple(initial_state.shape) != (B, H, K, V):
             raise ValueError(
-                f"initial_state must have shape [B, H, K, V] = {(B, H, K, V)}, "
-                f"got {tuple(initial_state.shape)}"
+                f"initial_state must have shape [B, H, K, V] = {(B, H, K, V)}, got {tuple(initial_state.shape)}"
             )
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
@@ -269,8 +262,7 @@ class _ChunkwiseDeltaRule(torch.autograd.Function):
         ctx.save_for_backward(WQ, kc, vc, bc, kk, P, Tinv, UQ, S)
         ctx.shape = (B, T, H, K, V, N, C)
         ctx.scale = scale
-        ctx.dtypes = (q.dtype, k.dtype, v.dtype, beta.dtype,
-                      None if initial_state is None else initial_state.dtype)
+        ctx.dtypes = (q.dtype, k.dtype, v.dtype, beta.dtype, None if initial_state is None else initial_state.dtype)
         ctx.set_materialize_grads(False)
         return o, final
 

@@ -13,7 +13,9 @@ from nestfed.federation.prepared import Prepared
 from nestfed.methods.compressed.setup import CompressedSetup
 
 
-def evaluate_server(prep: Prepared, cfg: ExperimentConfig, arrays: Arrays, scaling: float) -> dict[str, dict[str, float]]:
+def evaluate_server(
+    prep: Prepared, cfg: ExperimentConfig, arrays: Arrays, scaling: float
+) -> dict[str, dict[str, float]]:
     """The full server model (backbone + LoRA ``arrays`` at scale s) on every client's test set:
     {cid: held-out metrics}."""
     trainer = ClientTrainer(prep.backbone.model, prep.data, cfg.train)
@@ -38,8 +40,12 @@ def core_train(cfg: ExperimentConfig) -> TrainConfig:
 def client_memory(setup: CompressedSetup) -> dict[str, Any]:
     """Bytes of every group's client model against the full backbone (parameters + buffers)."""
     full = setup.bytes["full"]
-    return {"full_model_bytes": full,
-            "groups": {str(g): {"ratio": rho, "bytes": setup.bytes[g], "ratio_to_full": setup.bytes[g] / full}
-                       for g, rho in enumerate(setup.ratios)},
-            "mean_ratio_to_full": sum(setup.bytes[setup.client_group[c]] for c in setup.client_group)
-            / (full * len(setup.client_group))}
+    return {
+        "full_model_bytes": full,
+        "groups": {
+            str(g): {"ratio": rho, "bytes": setup.bytes[g], "ratio_to_full": setup.bytes[g] / full}
+            for g, rho in enumerate(setup.ratios)
+        },
+        "mean_ratio_to_full": sum(setup.bytes[setup.client_group[c]] for c in setup.client_group)
+        / (full * len(setup.client_group)),
+    }

@@ -54,5 +54,7 @@ def check_compression(cfg: ExperimentConfig) -> None:
     if n not in (1, cfg.data.num_clients):
         raise ValueError(f"compression.client_ratios: {n} ratios for data.num_clients = {cfg.data.num_clients} clients")
     if cfg.data.unit != "document":
-        raise ValueError("data.unit: the compressed methods draw the server text from the documents no client uses "
-                         "(data.unit = 'document')")
+        raise ValueError(
+            "data.unit: the compressed methods draw the server text from the documents no client uses "
+            "(data.unit = 'document')"
+        )

@@ -25,18 +25,27 @@ import torch
 from torch import nn
 
 from nestfed.config import ConfigError, ExperimentConfig
-from nestfed.nn.svd import (SVDFactors, base_linear, compute_bases, core_key, derive_compressed, load_bases,
-                                  save_bases, select_layers, target_linear_names)
-from nestfed.nn.whitening import DAMPING, second_moments, token_hash
-from nestfed.nn.backbone import default_cache_dir
 from nestfed.data.clients import ClientData
 from nestfed.data.held_out import load_server_text
 from nestfed.data.tasks import TokenDataset
 from nestfed.federation.messages import Arrays
 from nestfed.federation.prepared import Prepared
+from nestfed.nn.backbone import default_cache_dir
 from nestfed.nn.frozen_prefix import CachedText, prefix_features
 from nestfed.nn.keys import layer_of
 from nestfed.nn.placement import resolve_device, resolve_dtype
+from nestfed.nn.svd import (
+    SVDFactors,
+    base_linear,
+    compute_bases,
+    core_key,
+    derive_compressed,
+    load_bases,
+    save_bases,
+    select_layers,
+    target_linear_names,
+)
+from nestfed.nn.whitening import DAMPING, second_moments, token_hash
 
 
 @dataclass
@@ -94,7 +103,7 @@ def model_bytes(model: nn.Module) -> int:
 
 def client_ratios(cfg: ExperimentConfig) -> list[float]:
     """rho of every client: ``compression.client_ratios`` broadcast to data.num_clients."""
-    r = list(cfg.section('compression').client_ratios)
+    r = list(cfg.section("compression").client_ratios)
     return r * cfg.data.num_clients if len(r) == 1 else r
 
 
@@ -105,7 +114,7 @@ def bases_cache_key(source: str, cfg: ExperimentConfig, calibration: torch.Tenso
     token ids (another server text gives other bases). Plain SVD keeps the key of earlier versions,
     so existing caches stay valid. Raises ValueError when whitening needs calibration ids and gets none.
     """
-    c = cfg.section('compression')
+    c = cfg.section("compression")
     dtype = str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))).removeprefix("torch.")
     text = f"{source}|{c.target}|{max(client_ratios(cfg))}|{dtype}"
     if c.whitening != "none":
@@ -122,21 +131,24 @@ def check_calibration(model: nn.Module, cfg: ExperimentConfig, calibration: torc
     ``compression.server_blocks`` (and ``compression.target`` for a regex matching nothing).
     """
     try:
-        names = target_linear_names(model, cfg.section('compression').target)
+        names = target_linear_names(model, cfg.section("compression").target)
     except ValueError as exc:
         raise ConfigError(f"compression.target: {exc}") from None
     need = max(base_linear(model.get_submodule(n)).in_features for n in names)
     have = calibration.numel()
     if have < need:
         T = calibration.shape[-1]
-        raise ConfigError(f"compression.server_blocks: compression.whitening = 'activation' calibrates on the server "
-                          f"text, {calibration.shape[0]} blocks = {have} tokens, fewer than the {need} inputs of the "
-                          f"widest compressed layer; set compression.server_blocks >= {-(-need // T)} or "
-                          "compression.whitening = 'none'")
+        raise ConfigError(
+            f"compression.server_blocks: compression.whitening = 'activation' calibrates on the server "
+            f"text, {calibration.shape[0]} blocks = {have} tokens, fewer than the {need} inputs of the "
+            f"widest compressed layer; set compression.server_blocks >= {-(-need // T)} or "
+            "compression.whitening = 'none'"
+        )
 
 
-def cached_bases(model: nn.Module, cfg: ExperimentConfig, source: str, say,
-                 calibration: torch.Tensor | None = None) -> dict[str, SVDFactors]:
+def cached_bases(
+    model: nn.Module, cfg: ExperimentConfig, source: str, say, calibration: torch.Tensor | None = None
+) -> dict[str, SVDFactors]:
     """The SVD bases at the largest ratio, read from the cache when a real model was computed before.
 
     calibration: the server text's token ids [B, T] (data/held_out.py; held out from every client),
@@ -146,7 +158,7 @@ def cached_bases(model: nn.Module, cfg: ExperimentConfig, source: str, say,
     (only for models loaded from a directory; tiny random models are recomputed: milliseconds).
     Raises ConfigError for a bad target regex or ratio, too little calibration text or a missing one.
     """
-    c = cfg.section('compression')
+    c = cfg.section("compression")
     top = max(client_ratios(cfg))
     whiten = c.whitening == "activation"
     if whiten:
@@ -156,7 +168,9 @@ def cached_bases(model: nn.Module, cfg: ExperimentConfig, source: str, say,
     path = None
     if source:
         key = bases_cache_key(source, cfg, calibration if whiten else None)
-        path = (Path(cfg.model.cache_dir) if cfg.model.cache_dir else default_cache_dir()) / "svd" / f"{key}.safetensors"
+        path = (
+            (Path(cfg.model.cache_dir) if cfg.model.cache_dir else default_cache_dir()) / "svd" / f"{key}.safetensors"
+        )
         if path.is_file():
             return load_bases(path)[0]
     moments = None
@@ -172,8 +186,13 @@ def cached_bases(model: nn.Module, cfg: ExperimentConfig, source: str, say,
     if path is not None:
         meta = {"source": source, "target": c.target, "ratio": str(top), "whitening": c.whitening}
         if whiten:
-            meta.update({"damping": str(DAMPING), "calibration": token_hash(calibration),
-                         "calibration_tokens": str(calibration.numel())})
+            meta.update(
+                {
+                    "damping": str(DAMPING),
+                    "calibration": token_hash(calibration),
+                    "calibration_tokens": str(calibration.numel()),
+                }
+            )
         save_bases(bases, path, meta)
     return bases
 
@@ -188,8 +207,13 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
     DataError (too little held-out server text).
     """
     memo = prep.cache.setdefault("compressed", {})
-    key = (tuple(client_ratios(cfg)), cfg.section('compression').target, tuple(cfg.section('compression').train_layers),
-           cfg.section('compression').server_blocks, cfg.section('compression').whitening)
+    key = (
+        tuple(client_ratios(cfg)),
+        cfg.section("compression").target,
+        tuple(cfg.section("compression").train_layers),
+        cfg.section("compression").server_blocks,
+        cfg.section("compression").whitening,
+    )
     if key in memo:
         return memo[key]
     say = say or (lambda s: None)
@@ -199,16 +223,18 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
     ratios = sorted(set(per_client))
     client_group = {cid: ratios.index(per_client[cid]) for cid in prep.data}
     say("loading the server text (held out from every client)")
-    server = load_server_text(cfg, prep.backbone.tokenizer, cfg.section('compression').server_blocks)
+    server = load_server_text(cfg, prep.backbone.tokenizer, cfg.section("compression").server_blocks)
     bases = cached_bases(model, cfg, prep.backbone.source, say, server.input_ids)
     num_layers = model.config.num_hidden_layers
     try:
-        trained = select_layers(sorted(bases), cfg.section('compression').train_layers, num_layers)
+        trained = select_layers(sorted(bases), cfg.section("compression").train_layers, num_layers)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None  # names compression.train_layers
     if not trained:
-        raise ConfigError(f"compression.train_layers {list(cfg.section('compression').train_layers)}: no compressed layer "
-                          "lies there (check compression.target)")
+        raise ConfigError(
+            f"compression.train_layers {list(cfg.section('compression').train_layers)}: no compressed layer "
+            "lies there (check compression.target)"
+        )
     say("deriving the compressed client models")
     models = {g: derive_compressed(model, bases, rho) for g, rho in enumerate(ratios)}
     prep_start = prep.frozen_prefix_layers
@@ -229,17 +255,40 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
             if client_group[cid] != g:
                 continue
             if shared:
-                nd = ClientData(d.train_ids, d.train_labels, d.test_ids, d.test_labels, d.train_hidden,
-                                d.test_hidden, d.start, d.letter_ids, d.label)
+                nd = ClientData(
+                    d.train_ids,
+                    d.train_labels,
+                    d.test_ids,
+                    d.test_labels,
+                    d.train_hidden,
+                    d.test_hidden,
+                    d.start,
+                    d.letter_ids,
+                    d.label,
+                )
             else:
-                nd = ClientData(d.train_ids, d.train_labels, d.test_ids, d.test_labels, letter_ids=d.letter_ids,
-                                label=d.label)
+                nd = ClientData(
+                    d.train_ids, d.train_labels, d.test_ids, d.test_labels, letter_ids=d.letter_ids, label=d.label
+                )
                 nd.cache_prefix(m, start, bs)
             data[g][cid] = nd
     initial = {g: {core_key(n): m.get_submodule(n).sigma.detach().clone() for n in trained} for g, m in models.items()}
     sizes: dict[str | int, int] = {"full": model_bytes(model)}
     sizes.update({g: model_bytes(m) for g, m in models.items()})
-    setup = CompressedSetup(ratios, client_group, bases, trained, models, data, server, public, initial, sizes,
-                            start, shared, time.perf_counter() - t0)
+    setup = CompressedSetup(
+        ratios,
+        client_group,
+        bases,
+        trained,
+        models,
+        data,
+        server,
+        public,
+        initial,
+        sizes,
+        start,
+        shared,
+        time.perf_counter() - t0,
+    )
     memo[key] = setup
     return setup

@@ -35,6 +35,11 @@ class FedALAOptions:
             raise ValueError(f"eta must be > 0, got {self.eta}")
 
 
-METHOD = lora_method("fedala", "FedAvg; each client mixes the global and its local model on its top layers with "
-                     "element-wise weights it learns (Zhang et al. 2023)", "nestfed.methods.fedala.strategy",
-                     sections={"fedala": FedALAOptions}, equal_ranks=True)
+METHOD = lora_method(
+    "fedala",
+    "FedAvg; each client mixes the global and its local model on its top layers with "
+    "element-wise weights it learns (Zhang et al. 2023)",
+    "nestfed.methods.fedala.strategy",
+    sections={"fedala": FedALAOptions},
+    equal_ranks=True,
+)

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-
 import torch
 
 from nestfed.config import ExperimentConfig
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays
-from nestfed.methods.fedavg.strategy import FedAvg
 from nestfed.methods.fedala import FedALAOptions
+from nestfed.methods.fedavg.strategy import FedAvg
 from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.nn.keys import layer_of, module_of, rank_dim
 from nestfed.nn.lora import lora_modules
@@ -26,7 +25,7 @@ class FedALA(FedAvg):
 def ala_keys(arrays: Arrays, layers: int) -> list[str]:
     """LoRA keys of the top ``layers`` decoder layers that hold LoRA (FedALA's mixed part), sorted."""
     lora = [k for k in arrays if rank_dim(k) is not None and layer_of(k) is not None]
-    top = sorted({layer_of(k) for k in lora}, reverse=True)[:max(layers, 0)]
+    top = sorted({layer_of(k) for k in lora}, reverse=True)[: max(layers, 0)]
     return sorted(k for k in lora if layer_of(k) in top)
 
 

@@ -4,5 +4,9 @@ from __future__ import annotations
 
 from nestfed.methods.method import lora_method
 
-METHOD = lora_method("fedavg", "homogeneous LoRA averaged with n_k weights (McMahan et al. 2017)",
-                     "nestfed.methods.fedavg.strategy", equal_ranks=True)
+METHOD = lora_method(
+    "fedavg",
+    "homogeneous LoRA averaged with n_k weights (McMahan et al. 2017)",
+    "nestfed.methods.fedavg.strategy",
+    equal_ranks=True,
+)

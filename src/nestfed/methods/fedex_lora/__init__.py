@@ -41,12 +41,16 @@ from __future__ import annotations
 
 from nestfed.methods.method import lora_method
 
-METHOD = lora_method("fedex_lora", "FedAvg of A and B plus the exact residual mean(s_k B_k A_k) - s Bbar Abar "
-                     "folded into the frozen weights (Singhal et al., ACL 2025)", "nestfed.methods.fedex_lora.strategy",
-                     global_adapter=False,
-                     robust_aggregation="FedEx-LoRA folds every client's exact product s_k B_k A_k into the frozen "
-                     "residual, which a rule over the A and B blocks would not guard (a norm bound, "
-                     "validation.max_update_norm, does apply; docs/trust.md)",
-                     server_optimizer="its frozen residual is a stack of factors that grows every round (until it "
-                     "is compacted to the dense residual), so its arrays do not keep their shapes and there is no "
-                     "pseudo-gradient to step")
+METHOD = lora_method(
+    "fedex_lora",
+    "FedAvg of A and B plus the exact residual mean(s_k B_k A_k) - s Bbar Abar "
+    "folded into the frozen weights (Singhal et al., ACL 2025)",
+    "nestfed.methods.fedex_lora.strategy",
+    global_adapter=False,
+    robust_aggregation="FedEx-LoRA folds every client's exact product s_k B_k A_k into the frozen "
+    "residual, which a rule over the A and B blocks would not guard (a norm bound, "
+    "validation.max_update_norm, does apply; docs/trust.md)",
+    server_optimizer="its frozen residual is a stack of factors that grows every round (until it "
+    "is compacted to the dense residual), so its arrays do not keep their shapes and there is no "
+    "pseudo-gradient to step",
+)

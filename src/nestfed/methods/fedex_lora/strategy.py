@@ -52,8 +52,14 @@ def client_fold(A: torch.Tensor, B: torch.Tensor, rank: int, s_global: float, s_
     return nonzero_columns(rows, cols)
 
 
-def round_residual(A_old: torch.Tensor, B_old: torch.Tensor, clients: Sequence[ClientFactors], A_new: torch.Tensor,
-                   B_new: torch.Tensor, s_global: float) -> Factors:
+def round_residual(
+    A_old: torch.Tensor,
+    B_old: torch.Tensor,
+    clients: Sequence[ClientFactors],
+    A_new: torch.Tensor,
+    B_new: torch.Tensor,
+    s_global: float,
+) -> Factors:
     """Factors of one round's residual (FedEx-LoRA's residual, extended to heterogeneous ranks):
 
         sum_j d_j B_old[:, j] A_old[j] + sum_k p_k s_k B_k A_k - s B_new A_new,
@@ -140,8 +146,15 @@ class FedExLoRA(LoraStrategy):
             a_key, b_key = peft_key(m, "lora_A"), peft_key(m, "lora_B")
             A_new = weighted_mean([pad_rank(replies[c].arrays[a_key], 0, self.s.r_max) for c in cids], weights)
             B_new = weighted_mean([pad_rank(replies[c].arrays[b_key], 1, self.s.r_max) for c in cids], weights)
-            clients = [ClientFactors(replies[c].arrays[a_key], replies[c].arrays[b_key], n[c] / total,
-                                     self.s.scale(replies[c].arrays[a_key].shape[0])) for c in cids]
+            clients = [
+                ClientFactors(
+                    replies[c].arrays[a_key],
+                    replies[c].arrays[b_key],
+                    n[c] / total,
+                    self.s.scale(replies[c].arrays[a_key].shape[0]),
+                )
+                for c in cids
+            ]
             rows, cols = round_residual(state.arrays[a_key], state.arrays[b_key], clients, A_new, B_new, s_global)
             rows = torch.cat([state.arrays[merged_key(m, "A")], rows], dim=0)
             cols = torch.cat([state.arrays[merged_key(m, "B")], cols], dim=1)

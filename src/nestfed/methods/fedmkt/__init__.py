@@ -14,14 +14,19 @@ from nestfed.methods.compressed.options import CompressionOptions, check_compres
 from nestfed.methods.fedmkt.options import FedMKTOptions
 from nestfed.methods.method import Method
 
-METHOD = Method("fedmkt", "mutual top-k logit distillation between the server's full model and the clients' "
-                "compressed models on a shared text (Fan et al. 2025)", "nestfed.methods.fedmkt.run",
-                sections={"fedmkt": FedMKTOptions, "compression": CompressionOptions},
-                check_config=check_compression, global_adapter=False,
-                robust_aggregation="its server learns by distillation from logits, not by combining parameter "
-                "updates (docs/trust.md)",
-                server_optimizer="its server learns by distillation, and its state holds the server's knowledge "
-                "(top-k logits recomputed every round), not an aggregate of client updates",
-                elastic_ranks="its clients' models are compressed at fixed ratios; no LoRA rank travels")
+METHOD = Method(
+    "fedmkt",
+    "mutual top-k logit distillation between the server's full model and the clients' "
+    "compressed models on a shared text (Fan et al. 2025)",
+    "nestfed.methods.fedmkt.run",
+    sections={"fedmkt": FedMKTOptions, "compression": CompressionOptions},
+    check_config=check_compression,
+    global_adapter=False,
+    robust_aggregation="its server learns by distillation from logits, not by combining parameter "
+    "updates (docs/trust.md)",
+    server_optimizer="its server learns by distillation, and its state holds the server's knowledge "
+    "(top-k logits recomputed every round), not an aggregate of client updates",
+    elastic_ranks="its clients' models are compressed at fixed ratios; no LoRA rank travels",
+)
 
 __all__ = ["METHOD"]

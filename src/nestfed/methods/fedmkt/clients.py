@@ -17,8 +17,15 @@ from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Arrays, Instruction, Reply
 from nestfed.federation.run_dir import ClientState
 from nestfed.federation.training import train_on_blocks
-from nestfed.methods.fedmkt.distillation import (CE, INDICES, VALUES, knowledge, merge_knowledge, mutual_loss,
-                                                 select_min_ce)
+from nestfed.methods.fedmkt.distillation import (
+    CE,
+    INDICES,
+    VALUES,
+    knowledge,
+    merge_knowledge,
+    mutual_loss,
+    select_min_ce,
+)
 from nestfed.nn.arrays import apply_arrays, extra_parameters
 from nestfed.nn.frozen_prefix import CachedText
 from nestfed.nn.keys import peft_key
@@ -92,17 +99,26 @@ class ServerDistiller:
             return mutual_loss(logits, self.labels[idx], _rows(target, idx), self.lm_weight)
 
         self.model.train()
-        losses = train_on_blocks(params, loss_of, self.labels.shape[0], self.steps, self.batch_size, self.lr,
-                                 stream_seed(self.seed, rnd, 0, "distill_server"))
+        losses = train_on_blocks(
+            params,
+            loss_of,
+            self.labels.shape[0],
+            self.steps,
+            self.batch_size,
+            self.lr,
+            stream_seed(self.seed, rnd, 0, "distill_server"),
+        )
         self.model.eval()
         out = {}
         for name, m in lora_modules(self.model).items():
             if m.rank:
                 out[peft_key(name, "lora_A")] = m.lora_A.weight.detach().clone()
                 out[peft_key(name, "lora_B")] = m.lora_B.weight.detach().clone()
-        return out, {"server_distill_loss": losses[-1] if losses else float("nan"),
-                     "server_teacher_share": float((choice > 0).float().mean()),
-                     "server_time_s": time.perf_counter() - t0}
+        return out, {
+            "server_distill_loss": losses[-1] if losses else float("nan"),
+            "server_teacher_share": float((choice > 0).float().mean()),
+            "server_time_s": time.perf_counter() - t0,
+        }
 
 
 @dataclass
@@ -159,18 +175,27 @@ class MutualClientTrainer:
             return mutual_loss(self.public.logits(model, idx), self.labels[idx], _rows(target, idx), self.lm_weight)
 
         model.train()
-        losses = train_on_blocks(params, loss_of, self.labels.shape[0], self.steps, self.batch_size, self.lr,
-                                 stream_seed(int(cfg.get("seed", 0)), int(cfg.get("round", 0)), cid, "distill_client"))
+        losses = train_on_blocks(
+            params,
+            loss_of,
+            self.labels.shape[0],
+            self.steps,
+            self.batch_size,
+            self.lr,
+            stream_seed(int(cfg.get("seed", 0)), int(cfg.get("round", 0)), cid, "distill_client"),
+        )
         model.eval()
         distilled = {k: p.detach().clone() for k, p in extra_parameters(model, own).items()}
-        reply = self.base.fit(cid, Instruction(distilled, {"scaling": 1.0, "round": cfg.get("round", 0),
-                                                           "seed": cfg.get("seed", 0)}))
+        reply = self.base.fit(
+            cid, Instruction(distilled, {"scaling": 1.0, "round": cfg.get("round", 0), "seed": cfg.get("seed", 0)})
+        )
         self.base.client_state.setdefault(cid, {})[OWN] = reply.arrays
         apply_arrays(model, reply.arrays, 1.0)
         know = text_knowledge(model, self.public, self.labels, self.topk)
         metrics = dict(reply.metrics)
-        metrics.update({"distill_loss": losses[-1] if losses else float("nan"),
-                        "server_share": float((choice > 0).float().mean())})
+        metrics.update(
+            {"distill_loss": losses[-1] if losses else float("nan"), "server_share": float((choice > 0).float().mean())}
+        )
         return Reply(know, reply.num_examples, metrics)
 
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:

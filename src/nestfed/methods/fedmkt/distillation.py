@@ -40,7 +40,7 @@ def knowledge(logits: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, t
     labels = labels.to(logits.device)
     logp = F.log_softmax(logits.float(), dim=-1)
     values, indices = logp.topk(k, dim=-1)
-    ce = torch.stack([causal_lm_loss(logits[i:i + 1], labels[i:i + 1]) for i in range(logits.shape[0])])
+    ce = torch.stack([causal_lm_loss(logits[i : i + 1], labels[i : i + 1]) for i in range(logits.shape[0])])
     return {VALUES: values.to(torch.float16).cpu(), INDICES: indices.to(torch.int32).cpu(), CE: ce.float().cpu()}
 
 
@@ -78,8 +78,9 @@ def dense_target(values: torch.Tensor, indices: torch.Tensor, vocab: int) -> tor
     return out.scatter_(-1, indices.long(), p)
 
 
-def mutual_loss(logits: torch.Tensor, labels: torch.Tensor, target: dict[str, torch.Tensor],
-                lm_weight: float) -> torch.Tensor:
+def mutual_loss(
+    logits: torch.Tensor, labels: torch.Tensor, target: dict[str, torch.Tensor], lm_weight: float
+) -> torch.Tensor:
     """FedMKT's objective on public blocks: lm_weight * CE(labels) + (1 - lm_weight) * soft CE.
 
     logits: [B, T, V]; labels: [B, T]; target: knowledge of the same B blocks (VALUES, INDICES);

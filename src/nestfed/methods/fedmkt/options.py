@@ -22,7 +22,14 @@ class FedMKTOptions:
     server_lr: float = 5e-3
 
     def __post_init__(self) -> None:
-        if self.topk < 1 or not 0 <= self.lm_weight <= 1 or self.client_steps < 0 or self.server_steps < 0 \
-                or self.batch_size < 1 or self.server_lr <= 0:
-            raise ValueError("topk >= 1, lm_weight in [0, 1], steps >= 0, batch_size >= 1 and server_lr > 0 "
-                             "are required")
+        if (
+            self.topk < 1
+            or not 0 <= self.lm_weight <= 1
+            or self.client_steps < 0
+            or self.server_steps < 0
+            or self.batch_size < 1
+            or self.server_lr <= 0
+        ):
+            raise ValueError(
+                "topk >= 1, lm_weight in [0, 1], steps >= 0, batch_size >= 1 and server_lr > 0 are required"
+            )

@@ -8,8 +8,13 @@ from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import GlobalState
 from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import Exports
-from nestfed.methods.compressed.evaluation import (client_memory, compressed_clients, core_train, evaluate_server,
-                                                   mean_ppl)
+from nestfed.methods.compressed.evaluation import (
+    client_memory,
+    compressed_clients,
+    core_train,
+    evaluate_server,
+    mean_ppl,
+)
 from nestfed.methods.compressed.groups import GroupedTrainer
 from nestfed.methods.compressed.setup import prepare_compressed
 from nestfed.methods.fedmkt.clients import MutualClientTrainer, ServerDistiller
@@ -27,28 +32,60 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
     r = r_max(cfg)
     scale = cfg.lora.lora_alpha / r
     labels = setup.server_text.labels
-    server = ServerDistiller(prep.backbone.model, setup.public["strong"], labels, scale, m.topk, m.lm_weight,
-                             m.server_steps, m.batch_size, m.server_lr, cfg.federation.seed)
-    trainers = {g: MutualClientTrainer(ClientTrainer(model, setup.data[g], core_train(cfg), privacy=cfg.privacy,
-                                                   attack=cfg.attack), setup.public[g], labels,
-                                       setup.initial[g], m.topk, m.lm_weight, m.client_steps, m.batch_size,
-                                       c.core_lr)
-                for g, model in setup.models.items()}
-    strategy = FedMKT(server, init_adapter_state(prep.shapes, r, cfg.lora.init_seed), setup.client_group,
-                      setup.ratios, cfg.federation.seed)
+    server = ServerDistiller(
+        prep.backbone.model,
+        setup.public["strong"],
+        labels,
+        scale,
+        m.topk,
+        m.lm_weight,
+        m.server_steps,
+        m.batch_size,
+        m.server_lr,
+        cfg.federation.seed,
+    )
+    trainers = {
+        g: MutualClientTrainer(
+            ClientTrainer(model, setup.data[g], core_train(cfg), privacy=cfg.privacy, attack=cfg.attack),
+            setup.public[g],
+            labels,
+            setup.initial[g],
+            m.topk,
+            m.lm_weight,
+            m.client_steps,
+            m.batch_size,
+            c.core_lr,
+        )
+        for g, model in setup.models.items()
+    }
+    strategy = FedMKT(
+        server,
+        init_adapter_state(prep.shapes, r, cfg.lora.init_seed),
+        setup.client_group,
+        setup.ratios,
+        cfg.federation.seed,
+    )
 
     def finish(state: GlobalState) -> Exports:
         for g, model in setup.models.items():
             apply_arrays(model, setup.initial[g], 1.0)
         adapter, s = strategy.export(state)
         ev = evaluate_server(prep, cfg, adapter, s)
-        extra = {"server_eval": ev, "server_mean_ppl": mean_ppl(ev), "client_memory": client_memory(setup),
-                 "ratios": setup.ratios, "client_ratio": {str(k): setup.ratios[g] for k, g in setup.client_group.items()},
-                 "public_blocks": int(labels.shape[0]), "server_last_round": state.meta.get("server", {}),
-                 "round0": "compressed clients"}
+        extra = {
+            "server_eval": ev,
+            "server_mean_ppl": mean_ppl(ev),
+            "client_memory": client_memory(setup),
+            "ratios": setup.ratios,
+            "client_ratio": {str(k): setup.ratios[g] for k, g in setup.client_group.items()},
+            "public_blocks": int(labels.shape[0]),
+            "server_last_round": state.meta.get("server", {}),
+            "round0": "compressed clients",
+        }
         return Exports((adapter, s), prep.backbone.source, {}, extra)
 
     return MethodRun(strategy, GroupedTrainer(trainers, setup.client_group), compressed_clients(prep), {}, True, finish)
 
 
-IMPLEMENTATION = Implementation(build, check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None, keeps_client_state=lambda cfg: True)
+IMPLEMENTATION = Implementation(
+    build, check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None, keeps_client_state=lambda cfg: True
+)

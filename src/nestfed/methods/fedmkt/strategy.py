@@ -50,8 +50,14 @@ class FedMKT:
 
     name = "fedmkt"
 
-    def __init__(self, server: ServerLearner, initial_adapter: Arrays, client_group: dict[int, int],
-                 ratios: list[float], seed: int = 0):
+    def __init__(
+        self,
+        server: ServerLearner,
+        initial_adapter: Arrays,
+        client_group: dict[int, int],
+        ratios: list[float],
+        seed: int = 0,
+    ):
         self.server = server
         self.initial_adapter = initial_adapter
         self.client_group = client_group

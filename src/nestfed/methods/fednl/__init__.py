@@ -14,17 +14,27 @@ from nestfed.methods.method import lora_method
 
 def _check(cfg: ExperimentConfig) -> None:
     if cfg.section("fednl").travel == "none" and (cfg.robust.rule != "mean" or cfg.privacy.mode == "central"):
-        raise ValueError("fednl.travel: 'none' (local-only) aggregates nothing: robust.rule and central DP do not apply")
+        raise ValueError(
+            "fednl.travel: 'none' (local-only) aggregates nothing: robust.rule and central DP do not apply"
+        )
     if "o_proj" in cfg.lora.target_modules:
         raise ValueError("lora.target_modules: FedNL keeps o_proj frozen (LoRA on q_proj, k_proj, v_proj)")
     if cfg.memory.gate == "constant" and not cfg.server_optimizer.identity:
-        raise ValueError(f"server_optimizer.name: fednl cannot take a server optimiser ('{cfg.server_optimizer.name}') "
-                         "with memory.gate = 'constant': the global state carries the gate's alpha, which its "
-                         "schedule sets each round rather than any client update; use the learned or dynamic gate")
+        raise ValueError(
+            f"server_optimizer.name: fednl cannot take a server optimiser ('{cfg.server_optimizer.name}') "
+            "with memory.gate = 'constant': the global state carries the gate's alpha, which its "
+            "schedule sets each round rather than any client update; use the learned or dynamic gate"
+        )
 
 
-METHOD = lora_method("fednl", "a delta-rule memory beside attention; clients learn the rules that write it, the "
-                     "server averages the rules (arXiv 2605.16350)", "nestfed.methods.fednl.strategy",
-                     sections={"fednl": FedNLOptions}, check_config=_check, equal_ranks=True)
+METHOD = lora_method(
+    "fednl",
+    "a delta-rule memory beside attention; clients learn the rules that write it, the "
+    "server averages the rules (arXiv 2605.16350)",
+    "nestfed.methods.fednl.strategy",
+    sections={"fednl": FedNLOptions},
+    check_config=_check,
+    equal_ranks=True,
+)
 
 __all__ = ["METHOD", "FedNLOptions"]

@@ -26,8 +26,9 @@ class FedNLHooks(ClientHooks):
     the run); local_steps: train.local_steps; init_seed: lora.init_seed; keep_rules: the client
     also keeps its memory rules (``travel = "none"``, local-only; implies keep_lora)."""
 
-    def __init__(self, keep_lora: bool, memory: MemoryConfig, local_steps: int, init_seed: int,
-                 keep_rules: bool = False):
+    def __init__(
+        self, keep_lora: bool, memory: MemoryConfig, local_steps: int, init_seed: int, keep_rules: bool = False
+    ):
         self.keep_lora = keep_lora or keep_rules
         self.keep_rules = keep_rules
         self.keeps_state = self.keep_lora

@@ -12,9 +12,15 @@ from nestfed.nn.memory import MemorySettings, fresh_rule_arrays, install_memory,
 def memory_settings(cfg: ExperimentConfig) -> MemorySettings:
     """The memory layer's settings from the [memory] section (a constant gate starts at alpha_start)."""
     m = cfg.memory
-    return MemorySettings(gate=m.gate, alpha_init=m.alpha_start if m.gate == "constant" else m.alpha_init,
-                          window=m.window, beta_window=m.beta_window, dynamic_kernel=m.dynamic_kernel,
-                          chunk_size=m.chunk_size, sink=m.sink_tokens)
+    return MemorySettings(
+        gate=m.gate,
+        alpha_init=m.alpha_start if m.gate == "constant" else m.alpha_init,
+        window=m.window,
+        beta_window=m.beta_window,
+        dynamic_kernel=m.dynamic_kernel,
+        chunk_size=m.chunk_size,
+        sink=m.sink_tokens,
+    )
 
 
 def memory_layers(prep: Prepared, cfg: ExperimentConfig) -> list[int]:
@@ -30,8 +36,10 @@ def memory_layers(prep: Prepared, cfg: ExperimentConfig) -> list[int]:
         raise ConfigError(str(exc) if str(exc).startswith("memory.layers") else f"memory.layers: {exc}") from None
     start = prep.frozen_prefix_layers
     if layers and min(layers) < start:
-        raise ConfigError(f"memory.layers: layer {min(layers)} lies in the frozen prefix cached up to layer {start}; "
-                          "put the memory on LoRA layers or set train.cache_frozen_prefix = false")
+        raise ConfigError(
+            f"memory.layers: layer {min(layers)} lies in the frozen prefix cached up to layer {start}; "
+            "put the memory on LoRA layers or set train.cache_frozen_prefix = false"
+        )
     return layers
 
 

@@ -45,8 +45,14 @@ class FedNL(LoraStrategy):
 
     name = "fednl"
 
-    def __init__(self, settings: LoraSettings, options: FedNLOptions, memory_init: Arrays,
-                 memory: MemoryConfig = MemoryConfig(), local_steps: int = 1):
+    def __init__(
+        self,
+        settings: LoraSettings,
+        options: FedNLOptions,
+        memory_init: Arrays,
+        memory: MemoryConfig = MemoryConfig(),
+        local_steps: int = 1,
+    ):
         super().__init__(settings, options)
         self.travel = options.travel
         self.memory_init = memory_init
@@ -68,8 +74,10 @@ class FedNL(LoraStrategy):
         state = super().initialize(shapes, clients)
         rules = self.memory_init or {}
         if not rules or not all(is_memory_key(k) for k in rules):
-            raise ValueError("fednl: no memory rules to start from (the model needs memory layers: "
-                             "nestfed.nn.memory.install_memory, configured by the [memory] section)")
+            raise ValueError(
+                "fednl: no memory rules to start from (the model needs memory layers: "
+                "nestfed.nn.memory.install_memory, configured by the [memory] section)"
+            )
         arrays = {} if travel in ("rules", "none") else dict(state.arrays)
         arrays.update({k: v.detach().clone() for k, v in sorted(rules.items())})
         self._set_alpha(arrays, 0)
@@ -103,8 +111,7 @@ class FedNL(LoraStrategy):
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
         """The LoRA part as a PEFT adapter (empty when only the rules travel: each client's LoRA
         is its own); the rules go to memory_rules.safetensors (:meth:`export_files`)."""
-        return ({k: v.clone() for k, v in state.arrays.items() if rank_dim(k) is not None},
-                self.s.scale(self.s.r_max))
+        return ({k: v.clone() for k, v in state.arrays.items() if rank_dim(k) is not None}, self.s.scale(self.s.r_max))
 
     def export_files(self, state: GlobalState) -> dict[str, Arrays]:
         """``memory_rules.safetensors``: the global memory rules (beta projections and gates), payload-keyed."""
@@ -117,8 +124,11 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedNL:
 
 def _hooks(cfg: ExperimentConfig) -> FedNLHooks:
     travel = cfg.section("fednl").travel
-    return FedNLHooks(travel == "rules", cfg.memory, cfg.train.local_steps, cfg.lora.init_seed, keep_rules=travel == "none")
+    return FedNLHooks(
+        travel == "rules", cfg.memory, cfg.train.local_steps, cfg.lora.init_seed, keep_rules=travel == "none"
+    )
 
 
-IMPLEMENTATION = lora_implementation(_strategy, hooks=_hooks, setup=install,
-                                     check_model=lambda prep, cfg: memory_layers(prep, cfg) and None)
+IMPLEMENTATION = lora_implementation(
+    _strategy, hooks=_hooks, setup=install, check_model=lambda prep, cfg: memory_layers(prep, cfg) and None
+)

@@ -23,6 +23,10 @@ class FedProxOptions:
             raise ValueError(f"mu must be >= 0, got {self.mu}")
 
 
-METHOD = lora_method("fedprox", "FedAvg with the proximal term mu/2 ||theta - theta_global||^2 on every client "
-                     "(Li et al. 2020)", "nestfed.methods.fedprox.strategy", sections={"fedprox": FedProxOptions},
-                     equal_ranks=True)
+METHOD = lora_method(
+    "fedprox",
+    "FedAvg with the proximal term mu/2 ||theta - theta_global||^2 on every client (Li et al. 2020)",
+    "nestfed.methods.fedprox.strategy",
+    sections={"fedprox": FedProxOptions},
+    equal_ranks=True,
+)

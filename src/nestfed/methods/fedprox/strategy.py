@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from torch import nn
 
 from nestfed.config import ExperimentConfig

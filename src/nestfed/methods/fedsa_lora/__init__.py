@@ -33,6 +33,10 @@ from __future__ import annotations
 
 from nestfed.methods.method import lora_method
 
-METHOD = lora_method("fedsa_lora", "only A is shared and averaged (per held row at heterogeneous ranks); each "
-                     "client keeps its own B (Guo et al. 2025)", "nestfed.methods.fedsa_lora.strategy",
-                     global_adapter=False)
+METHOD = lora_method(
+    "fedsa_lora",
+    "only A is shared and averaged (per held row at heterogeneous ranks); each "
+    "client keeps its own B (Guo et al. 2025)",
+    "nestfed.methods.fedsa_lora.strategy",
+    global_adapter=False,
+)

@@ -23,9 +23,11 @@ from nestfed.nn.lora import module_shapes
 #: the client's kept-state group holding its own B matrices {lora_B key: [out, r_k]}
 OWN_B = "own_B"
 
-ADAPTER_NOTE = ("the exported adapter is the shared global A (rank r_max) with B = 0: FedSA-LoRA has no "
-                "global B (each client's B never leaves it), so the adapter computes the backbone's function; "
-                "the personalised models are (global A, own B), kept in the checkpoints' client state")
+ADAPTER_NOTE = (
+    "the exported adapter is the shared global A (rank r_max) with B = 0: FedSA-LoRA has no "
+    "global B (each client's B never leaves it), so the adapter computes the backbone's function; "
+    "the personalised models are (global A, own B), kept in the checkpoints' client state"
+)
 
 
 def a_keys(arrays: Arrays) -> list[str]:
@@ -76,8 +78,9 @@ class FedSALoRA(LoraStrategy):
         n = examples(replies)
         cids = sorted(replies)
         for key in a_keys(state.arrays):
-            new.arrays[key] = holder_mean(state.arrays[key], [replies[c].arrays[key] for c in cids],
-                                          [n[c] for c in cids])
+            new.arrays[key] = holder_mean(
+                state.arrays[key], [replies[c].arrays[key] for c in cids], [n[c] for c in cids]
+            )
         return new
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
@@ -95,8 +98,9 @@ class FedSALoRA(LoraStrategy):
                 continue
             start = {k: state.arrays[k][lo:hi] for k in keys}
             deltas = {c: {k: replies[c].arrays[k][lo:hi] - start[k] for k in keys} for c in members}
-            block = Block(f"rank {lo}:{hi}", deltas, {c: n[c] for c in members}, sum(r >= hi for r in everyone),
-                          start, start)
+            block = Block(
+                f"rank {lo}:{hi}", deltas, {c: n[c] for c in members}, sum(r >= hi for r in everyone), start, start
+            )
             for k, v in rule(block).items():
                 new.arrays[k][lo:hi] = v
         return new
@@ -149,7 +153,7 @@ class FedSAHooks(ClientHooks):
         out = dict(arrays)
         for k, b in own.items():
             if k in out:
-                out[k] = pad_rank(b[:, :out[k].shape[1]], 1, out[k].shape[1])
+                out[k] = pad_rank(b[:, : out[k].shape[1]], 1, out[k].shape[1])
         return out
 
 

@@ -19,14 +19,19 @@ from nestfed.methods.method import Method
 
 SECTIONS = {"compression": CompressionOptions, "elicitation": ElicitationOptions}
 
-METHOD = Method("fedslm", "clients run SVD-compressed models at nested ranks and train small cores; the server "
-                "fuses across groups, then lifts the full model by weak-to-strong distillation (arXiv 2607.29071)",
-                "nestfed.methods.fedslm.run", sections=SECTIONS, check_config=check_compression, global_adapter=False,
-                robust_aggregation="its clients train cores of different shapes in nested SVD groups, fused by "
-                "coverage; a rule would need one block per group and core position, which is not built (the norm "
-                "bound, validation.max_update_norm, applies; docs/trust.md)",
-                server_optimizer="",  # the fused cores M_l keep their shape: the fusion minus M_l is an update
-                elastic_ranks="its clients' ranks are compression ratios of their models, fixed when the models "
-                "are derived")
+METHOD = Method(
+    "fedslm",
+    "clients run SVD-compressed models at nested ranks and train small cores; the server "
+    "fuses across groups, then lifts the full model by weak-to-strong distillation (arXiv 2607.29071)",
+    "nestfed.methods.fedslm.run",
+    sections=SECTIONS,
+    check_config=check_compression,
+    global_adapter=False,
+    robust_aggregation="its clients train cores of different shapes in nested SVD groups, fused by "
+    "coverage; a rule would need one block per group and core position, which is not built (the norm "
+    "bound, validation.max_update_norm, applies; docs/trust.md)",
+    server_optimizer="",  # the fused cores M_l keep their shape: the fusion minus M_l is an update
+    elastic_ranks="its clients' ranks are compression ratios of their models, fixed when the models are derived",
+)
 
 __all__ = ["METHOD", "SECTIONS"]

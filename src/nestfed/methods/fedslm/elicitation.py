@@ -25,8 +25,9 @@ from nestfed.federation.training import train_on_blocks
 from nestfed.nn.frozen_prefix import CachedText
 
 
-def confidence_loss(student_logits: torch.Tensor, weak_logits: torch.Tensor, alpha: float,
-                    mask: torch.Tensor | None = None) -> torch.Tensor:
+def confidence_loss(
+    student_logits: torch.Tensor, weak_logits: torch.Tensor, alpha: float, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """The auxiliary confidence loss, mean over the scored positions, in nats.
 
     student_logits: [B, T, V] (carries the gradient); weak_logits: [B, T, V] (no gradient is taken
@@ -36,8 +37,9 @@ def confidence_loss(student_logits: torch.Tensor, weak_logits: torch.Tensor, alp
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"elicitation alpha must be in [0, 1], got {alpha}")
     if student_logits.shape != weak_logits.shape:
-        raise ValueError(f"student logits {tuple(student_logits.shape)} and weak logits "
-                         f"{tuple(weak_logits.shape)} differ in shape")
+        raise ValueError(
+            f"student logits {tuple(student_logits.shape)} and weak logits {tuple(weak_logits.shape)} differ in shape"
+        )
     logq = F.log_softmax(student_logits.float(), dim=-1)  # [B, T, V]
     per_pos = torch.zeros(logq.shape[:-1], dtype=logq.dtype, device=logq.device)
     if alpha < 1.0:
@@ -52,9 +54,19 @@ def confidence_loss(student_logits: torch.Tensor, weak_logits: torch.Tensor, alp
     return (per_pos * m).sum() / m.sum().clamp_min(1.0)
 
 
-def elicit(student: nn.Module, params: list[nn.Parameter], weak: nn.Module, student_text: CachedText,
-           weak_text: CachedText, alpha: float, steps: int, batch_size: int, lr: float, seed: int = 0,
-           max_grad_norm: float = 1.0) -> dict[str, float]:
+def elicit(
+    student: nn.Module,
+    params: list[nn.Parameter],
+    weak: nn.Module,
+    student_text: CachedText,
+    weak_text: CachedText,
+    alpha: float,
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int = 0,
+    max_grad_norm: float = 1.0,
+) -> dict[str, float]:
     """Train ``params`` of the strong student for ``steps`` AdamW steps on the confidence loss.
 
     student_text and weak_text hold the same blocks (as each model sees them); batches of
@@ -74,8 +86,13 @@ def elicit(student: nn.Module, params: list[nn.Parameter], weak: nn.Module, stud
         return confidence_loss(student_text.logits(student, idx), w, alpha)
 
     student.train()
-    losses = train_on_blocks(params, loss_of, student_text.input_ids.shape[0], steps, batch_size, lr, seed,
-                             max_grad_norm)
+    losses = train_on_blocks(
+        params, loss_of, student_text.input_ids.shape[0], steps, batch_size, lr, seed, max_grad_norm
+    )
     student.eval()
-    return {"loss_first": losses[0] if losses else float("nan"), "loss_last": losses[-1] if losses else float("nan"),
-            "steps": float(steps), "time_s": time.perf_counter() - t0}
+    return {
+        "loss_first": losses[0] if losses else float("nan"),
+        "loss_last": losses[-1] if losses else float("nan"),
+        "steps": float(steps),
+        "time_s": time.perf_counter() - t0,
+    }

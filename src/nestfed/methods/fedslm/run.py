@@ -11,8 +11,13 @@ from nestfed.federation.client import ClientTrainer
 from nestfed.federation.messages import Arrays, GlobalState
 from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import Exports
-from nestfed.methods.compressed.evaluation import (client_memory, compressed_clients, core_train, evaluate_server,
-                                                   mean_ppl)
+from nestfed.methods.compressed.evaluation import (
+    client_memory,
+    compressed_clients,
+    core_train,
+    evaluate_server,
+    mean_ppl,
+)
 from nestfed.methods.compressed.groups import GroupedTrainer
 from nestfed.methods.compressed.setup import CompressedSetup, prepare_compressed
 from nestfed.methods.fedslm.elicitation import elicit
@@ -25,9 +30,9 @@ from nestfed.nn.lora import get_adapter_state, init_adapter_state, lora_modules
 from nestfed.seeds import stream_seed
 
 
-
-def elicitation(prep: Prepared, cfg: ExperimentConfig, setup: CompressedSetup, weak, weak_text: CachedText
-                ) -> tuple[Arrays, float, dict[str, Any]]:
+def elicitation(
+    prep: Prepared, cfg: ExperimentConfig, setup: CompressedSetup, weak, weak_text: CachedText
+) -> tuple[Arrays, float, dict[str, Any]]:
     """Step 4 for every variant; the variant ``alpha = elicitation.alpha`` is the reported server
     model. Returns (its LoRA arrays, its scale s, summary fields)."""
     e = cfg.section("elicitation")
@@ -45,16 +50,35 @@ def elicitation(prep: Prepared, cfg: ExperimentConfig, setup: CompressedSetup, w
         info: dict[str, float] = {}
         if a is not None:
             params = [p for m in lora_modules(student).values() for p in (m.lora_A.weight, m.lora_B.weight)]
-            info = elicit(student, params, weak, setup.public["strong"], weak_text, a, e.steps, e.batch_size, e.lr,
-                          stream_seed(e.seed, 0, 0, "elicitation"))
+            info = elicit(
+                student,
+                params,
+                weak,
+                setup.public["strong"],
+                weak_text,
+                a,
+                e.steps,
+                e.batch_size,
+                e.lr,
+                stream_seed(e.seed, 0, 0, "elicitation"),
+            )
         adapter = get_adapter_state(student)
         evals[name] = evaluate_server(prep, cfg, adapter, scale)
         results[name] = {**info, "mean_ppl": mean_ppl(evals[name])}
         if a == e.alpha:
             chosen = adapter
     key = f"alpha={e.alpha:g}"
-    return chosen, scale, {"elicitation": results, "server_eval_variants": evals, "server_eval": evals[key],
-                           "server_mean_ppl": results[key]["mean_ppl"], "server_variant": key}
+    return (
+        chosen,
+        scale,
+        {
+            "elicitation": results,
+            "server_eval_variants": evals,
+            "server_eval": evals[key],
+            "server_mean_ppl": results[key]["mean_ppl"],
+            "server_variant": key,
+        },
+    )
 
 
 def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
@@ -62,10 +86,17 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
     and the recipe after the last round: the weak model, its evaluation, elicitation."""
     setup = prepare_compressed(prep, cfg)
     c = cfg.section("compression")
-    groups = SLMGroups(setup.ratios, [setup.ranks(g) for g in range(len(setup.ratios))], setup.client_group,
-                       {n: setup.bases[n].S for n in setup.trained})
+    groups = SLMGroups(
+        setup.ratios,
+        [setup.ranks(g) for g in range(len(setup.ratios))],
+        setup.client_group,
+        {n: setup.bases[n].S for n in setup.trained},
+    )
     strategy = FedSLM(groups, c.fusion, cfg.federation.seed)
-    trainers = {g: ClientTrainer(m, setup.data[g], core_train(cfg), privacy=cfg.privacy, attack=cfg.attack) for g, m in setup.models.items()}
+    trainers = {
+        g: ClientTrainer(m, setup.data[g], core_train(cfg), privacy=cfg.privacy, attack=cfg.attack)
+        for g, m in setup.models.items()
+    }
     grouped = GroupedTrainer(trainers, setup.client_group, setup.initial)
 
     def finish(state: GlobalState) -> Exports:
@@ -73,20 +104,35 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
             apply_arrays(m, setup.initial[g], 1.0)
         weak = weak_model(setup, prep, state.arrays, c.fusion)
         weak_text, weak_data = weak_views(setup, prep, weak, cfg)
-        weak_eval = {str(cid): ClientTrainer(weak, weak_data, cfg.train).evaluate(cid, {}, 1.0)
-                     for cid in sorted(weak_data)}
+        weak_eval = {
+            str(cid): ClientTrainer(weak, weak_data, cfg.train).evaluate(cid, {}, 1.0) for cid in sorted(weak_data)
+        }
         adapter, scale, extra = elicitation(prep, cfg, setup, weak, weak_text)
-        extra.update({"weak_eval": weak_eval, "weak_mean_ppl": mean_ppl(weak_eval), "client_memory": client_memory(setup),
-                      "fusion": c.fusion, "ratios": setup.ratios,
-                      "client_ratio": {str(k): setup.ratios[g] for k, g in setup.client_group.items()},
-                      "trained_layers": len(setup.trained),
-                      "server_text_blocks": int(setup.server_text.input_ids.shape[0]),
-                      "prefix_shared_with_backbone": setup.shared_prefix, "frozen_prefix_layers": setup.start,
-                      "round0": "compressed clients"})
-        return Exports((adapter, scale), prep.backbone.source,
-                       {"weak_model_cores.safetensors": {k: v.clone() for k, v in state.arrays.items()}}, extra)
+        extra.update(
+            {
+                "weak_eval": weak_eval,
+                "weak_mean_ppl": mean_ppl(weak_eval),
+                "client_memory": client_memory(setup),
+                "fusion": c.fusion,
+                "ratios": setup.ratios,
+                "client_ratio": {str(k): setup.ratios[g] for k, g in setup.client_group.items()},
+                "trained_layers": len(setup.trained),
+                "server_text_blocks": int(setup.server_text.input_ids.shape[0]),
+                "prefix_shared_with_backbone": setup.shared_prefix,
+                "frozen_prefix_layers": setup.start,
+                "round0": "compressed clients",
+            }
+        )
+        return Exports(
+            (adapter, scale),
+            prep.backbone.source,
+            {"weak_model_cores.safetensors": {k: v.clone() for k, v in state.arrays.items()}},
+            extra,
+        )
 
     return MethodRun(strategy, grouped, compressed_clients(prep), {}, False, finish)
 
 
-IMPLEMENTATION = Implementation(build, check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None)  # the fused cores M_l keep their shape: the fusion minus M_l is an update
+IMPLEMENTATION = Implementation(
+    build, check_model=lambda prep, cfg: prepare_compressed(prep, cfg) and None
+)  # the fused cores M_l keep their shape: the fusion minus M_l is an update

@@ -54,8 +54,9 @@ def pad_core(core: torch.Tensor, R: int) -> torch.Tensor:
     return out
 
 
-def fuse_cores(previous: torch.Tensor, cores: Sequence[torch.Tensor], weights: Sequence[float],
-               fusion: str = "coverage") -> torch.Tensor:
+def fuse_cores(
+    previous: torch.Tensor, cores: Sequence[torch.Tensor], weights: Sequence[float], fusion: str = "coverage"
+) -> torch.Tensor:
     """Cross-group fusion of one layer (FedSLM step 3) in the shared SVD basis.
 
     previous: M [R, R] of the last round (kept where no group covers an entry under ``coverage``);
@@ -136,8 +137,11 @@ class FedSLM:
                 raise ValueError(f"{module}: no singular values to initialise its core")
             R = self.groups.max_rank(module)
             arrays[core_key(module)] = torch.diag(self.groups.singular_values[module][:R].float())
-        meta = {"groups": {str(c): g for c, g in self.groups.client_group.items()},
-                "ratios": list(self.groups.ratios), "fusion": self.fusion}
+        meta = {
+            "groups": {str(c): g for c, g in self.groups.client_group.items()},
+            "ratios": list(self.groups.ratios),
+            "fusion": self.fusion,
+        }
         return GlobalState(arrays, meta)
 
     def group_cores(self, state: GlobalState, g: int) -> Arrays:
@@ -153,8 +157,13 @@ class FedSLM:
         for c in clients:
             g = self.groups.client_group[c.cid]
             sent = self.group_cores(state, g)
-            config: dict[str, Any] = {"scaling": 1.0, "round": rnd, "seed": self.seed, "group": g,
-                                      "ratio": self.groups.ratios[g]}
+            config: dict[str, Any] = {
+                "scaling": 1.0,
+                "round": rnd,
+                "seed": self.seed,
+                "group": g,
+                "ratio": self.groups.ratios[g],
+            }
             out[c.cid] = Instruction(sent, config, {k: tuple(v.shape) for k, v in sent.items()})
         return out
 
@@ -169,8 +178,9 @@ class FedSLM:
         for key in state.arrays:
             cores, weights = [], []
             for g, cids in sorted(members.items()):
-                cores.append(intra_group_mean([replies[c].arrays[key] for c in cids],
-                                              [replies[c].num_examples for c in cids]))
+                cores.append(
+                    intra_group_mean([replies[c].arrays[key] for c in cids], [replies[c].num_examples for c in cids])
+                )
                 weights.append(sizes[g])
             new.arrays[key] = fuse_cores(state.arrays[key], cores, weights, self.fusion)
         new.meta["group_examples"] = {str(g): n for g, n in sorted(sizes.items())}

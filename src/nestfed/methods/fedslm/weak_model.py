@@ -33,26 +33,30 @@ def weak_model(setup: CompressedSetup, prep: Prepared, fused: Arrays, fusion: st
             continue
         R = layer_ranks({name: f}, top)[name]
         init = torch.diag(f.S[:R])
-        cores[name] = fuse_cores(init, [torch.diag(f.S[:ranks[g][name]]) for g in groups],
-                                 [sizes[g] for g in groups], fusion)
+        cores[name] = fuse_cores(
+            init, [torch.diag(f.S[: ranks[g][name]]) for g in groups], [sizes[g] for g in groups], fusion
+        )
     weak = derive_compressed(prep.backbone.model, setup.bases, top, cores)
     apply_arrays(weak, fused, 1.0)
     return weak
 
 
-def weak_views(setup: CompressedSetup, prep: Prepared, weak: nn.Module, cfg: ExperimentConfig
-               ) -> tuple[CachedText, dict[int, ClientData]]:
+def weak_views(
+    setup: CompressedSetup, prep: Prepared, weak: nn.Module, cfg: ExperimentConfig
+) -> tuple[CachedText, dict[int, ClientData]]:
     """The server text and the clients' test data as the weak model sees them (its frozen prefix)."""
     if setup.shared_prefix or not setup.start:
         data = {cid: d for g in setup.data for cid, d in setup.data[g].items()}
         return setup.public["strong" if setup.shared_prefix else 0], data
     bs = cfg.train.eval_batch_size
-    text = CachedText(setup.server_text.input_ids, prefix_features(weak, setup.server_text.input_ids, setup.start, bs),
-                      setup.start)
+    text = CachedText(
+        setup.server_text.input_ids, prefix_features(weak, setup.server_text.input_ids, setup.start, bs), setup.start
+    )
     data = {}
     for cid, d in prep.data.items():
-        nd = ClientData(d.train_ids[:0], d.train_labels[:0], d.test_ids, d.test_labels, letter_ids=d.letter_ids,
-                        label=d.label)
+        nd = ClientData(
+            d.train_ids[:0], d.train_labels[:0], d.test_ids, d.test_labels, letter_ids=d.letter_ids, label=d.label
+        )
         nd.start = setup.start
         nd.test_hidden = prefix_features(weak, d.test_ids, setup.start, bs)
         data[cid] = nd

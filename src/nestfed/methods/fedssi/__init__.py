@@ -36,6 +36,11 @@ class FedSSIOptions:
             raise ValueError(f"xi must be > 0, got {self.xi}")
 
 
-METHOD = lora_method("fedssi", "FedAvg with a synaptic-intelligence importance-weighted proximal term from a "
-                     "personalised surrogate (Li et al. 2025)", "nestfed.methods.fedssi.strategy",
-                     sections={"fedssi": FedSSIOptions}, equal_ranks=True)
+METHOD = lora_method(
+    "fedssi",
+    "FedAvg with a synaptic-intelligence importance-weighted proximal term from a "
+    "personalised surrogate (Li et al. 2025)",
+    "nestfed.methods.fedssi.strategy",
+    sections={"fedssi": FedSSIOptions},
+    equal_ranks=True,
+)

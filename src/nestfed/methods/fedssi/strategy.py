@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 import torch
 from torch import nn
 
@@ -21,8 +20,9 @@ class FedSSI(FedAvg):
     name = "fedssi"
 
 
-def surrogate_importance(ctx: FitContext, params: list[nn.Parameter], anchors: list[torch.Tensor],
-                         o: FedSSIOptions) -> tuple[list[torch.Tensor], dict[str, float]]:
+def surrogate_importance(
+    ctx: FitContext, params: list[nn.Parameter], anchors: list[torch.Tensor], o: FedSSIOptions
+) -> tuple[list[torch.Tensor], dict[str, float]]:
     """FedSSI's parameter importance from a personalised surrogate model (PSM).
 
     The surrogate starts at the global theta (``anchors``, one per parameter) and takes
@@ -87,8 +87,9 @@ class SSIHooks(ClientHooks):
         loss = batch.loss(ctx.model)
         total = loss
         if self.o.c > 0:
-            total = loss + batch.share * self.o.c * sum((w * (p - a) ** 2).sum()
-                                          for (p, a), w in zip(ctx.scratch["anchor"], ctx.scratch["importance"]))
+            total = loss + batch.share * self.o.c * sum(
+                (w * (p - a) ** 2).sum() for (p, a), w in zip(ctx.scratch["anchor"], ctx.scratch["importance"])
+            )
         total.backward()
         return loss.item()
 

@@ -8,5 +8,8 @@ from __future__ import annotations
 
 from nestfed.methods.method import lora_method
 
-METHOD = lora_method("ffa_lora", "A frozen at its random init, only B trained and averaged (Sun et al. 2024)",
-                     "nestfed.methods.ffa_lora.strategy")
+METHOD = lora_method(
+    "ffa_lora",
+    "A frozen at its random init, only B trained and averaged (Sun et al. 2024)",
+    "nestfed.methods.ffa_lora.strategy",
+)

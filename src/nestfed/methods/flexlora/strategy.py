@@ -20,8 +20,9 @@ SVD_FORM = "svd_form"
 DISCARDED = "discarded_energy"
 
 
-def product_svd(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
-                coeffs: Sequence[float]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def product_svd(
+    Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor], coeffs: Sequence[float]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The thin SVD of W = sum_k c_k B_k A_k without forming W (FlexLoRA's redistribution SVD).
 
     Bs[k]: [out, r_k]; As[k]: [r_k, in]; coeffs[k]: c_k (p_k s_k). With B = [B_1 ... B_K] [out, R]
@@ -33,11 +34,17 @@ def product_svd(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
     lengths or factors whose shapes do not chain.
     """
     if not Bs or len(Bs) != len(As) or len(As) != len(coeffs):
-        raise ValueError(f"product_svd needs as many B, A and coefficients (>= 1), got "
-                         f"{len(Bs)}, {len(As)}, {len(coeffs)}")
+        raise ValueError(
+            f"product_svd needs as many B, A and coefficients (>= 1), got {len(Bs)}, {len(As)}, {len(coeffs)}"
+        )
     for b, a in zip(Bs, As):
-        if b.dim() != 2 or a.dim() != 2 or b.shape[1] != a.shape[0] or b.shape[0] != Bs[0].shape[0] \
-                or a.shape[1] != As[0].shape[1]:
+        if (
+            b.dim() != 2
+            or a.dim() != 2
+            or b.shape[1] != a.shape[0]
+            or b.shape[0] != Bs[0].shape[0]
+            or a.shape[1] != As[0].shape[1]
+        ):
             raise ValueError(f"factors B {tuple(b.shape)} and A {tuple(a.shape)} do not chain into one [out, in]")
     B = torch.cat([b.double() for b in Bs], dim=1)  # [out, R]
     A = torch.cat([float(c) * a.double() for c, a in zip(coeffs, As)], dim=0)  # [R, in]
@@ -51,8 +58,9 @@ def product_svd(Bs: Sequence[torch.Tensor], As: Sequence[torch.Tensor],
     return U * sign, S, Vh * sign[:, None]
 
 
-def split_factors(U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rank: int,
-                  scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def split_factors(
+    U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rank: int, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """LoRA factors of the rank-``rank`` truncation of U diag(S) Vh at scale s (FlexLoRA section
     3.2, with this module's symmetric split): A = sqrt(S / s) Vh [rank, in], B = U sqrt(S / s)
     [out, rank], so s B A = U[:, :rank] diag(S[:rank]) Vh[:rank]. When fewer than ``rank`` singular
@@ -112,8 +120,8 @@ class FlexLoRA(LoraStrategy):
             A, B = split_factors(U, S, Vh, self.s.r_max, s_global)
             dtype = state.arrays[a_key].dtype
             new.arrays[a_key], new.arrays[b_key] = A.to(dtype), B.to(dtype)
-            energy = float((S ** 2).sum())
-            discarded.append(float((S[self.s.r_max:] ** 2).sum()) / energy)
+            energy = float((S**2).sum())
+            discarded.append(float((S[self.s.r_max :] ** 2).sum()) / energy)
         new.meta[SVD_FORM] = True
         new.meta[DISCARDED] = max(discarded, default=0.0)
         return new

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 from nestfed.methods.method import lora_method
 
-METHOD = lora_method("flora", "stack the clients' p_k s_k B_k A_k exactly, merge into the base every round, "
-                     "fresh LoRA per round (Wang et al. 2024)", "nestfed.methods.flora.strategy",
-                     robust_aggregation="FLoRA stacks every client's exact product B_k A_k, each in its own "
-                     "subspace: a coordinate-wise or distance rule over them means nothing (a norm bound, "
-                     "validation.max_update_norm, does apply; docs/trust.md)",
-                     server_optimizer="its global state is a stack that grows by sum_k r_k rows every round (the "
-                     "clients' exact products, merged into the base), so no array keeps its shape and there is no "
-                     "pseudo-gradient to step")
+METHOD = lora_method(
+    "flora",
+    "stack the clients' p_k s_k B_k A_k exactly, merge into the base every round, "
+    "fresh LoRA per round (Wang et al. 2024)",
+    "nestfed.methods.flora.strategy",
+    robust_aggregation="FLoRA stacks every client's exact product B_k A_k, each in its own "
+    "subspace: a coordinate-wise or distance rule over them means nothing (a norm bound, "
+    "validation.max_update_norm, does apply; docs/trust.md)",
+    server_optimizer="its global state is a stack that grows by sum_k r_k rows every round (the "
+    "clients' exact products, merged into the base), so no array keeps its shape and there is no "
+    "pseudo-gradient to step",
+)

@@ -16,7 +16,7 @@ from nestfed.seeds import stream_seed
 
 def modules_of(arrays: Arrays) -> list[str]:
     """Module paths present in a FLoRA state (from its merged_A keys), sorted."""
-    return sorted(k[len(PEFT_PREFIX): -len(".merged_A")] for k in arrays if k.endswith(".merged_A"))
+    return sorted(k[len(PEFT_PREFIX) : -len(".merged_A")] for k in arrays if k.endswith(".merged_A"))
 
 
 class FLoRA(LoraStrategy):

@@ -46,6 +46,10 @@ class HetLoRAOptions:
             raise ValueError(f"weighting must be 'norm' or 'examples', got '{self.weighting}'")
 
 
-METHOD = lora_method("hetlora", "zero-pad, weights proportional to each update's Frobenius norm, rank "
-                     "self-pruning regulariser and pruning on the client (Cho et al. 2024)",
-                     "nestfed.methods.hetlora.strategy", sections={"hetlora": HetLoRAOptions})
+METHOD = lora_method(
+    "hetlora",
+    "zero-pad, weights proportional to each update's Frobenius norm, rank "
+    "self-pruning regulariser and pruning on the client (Cho et al. 2024)",
+    "nestfed.methods.hetlora.strategy",
+    sections={"hetlora": HetLoRAOptions},
+)

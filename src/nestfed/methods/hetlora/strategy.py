@@ -21,7 +21,6 @@ from nestfed.nn.keys import rank_dim
 from nestfed.nn.lora import lora_modules
 
 
-
 def tail_size(rank: int, tail: float) -> int:
     """HetLoRA's number of regularised tail dimensions: ceil(tail * rank), 0 when rank is 1."""
     return 0 if rank <= 1 else min(rank - 1, max(1, math.ceil(tail * rank)))
@@ -36,7 +35,7 @@ def tail_norm(model: nn.Module, tail: float) -> torch.Tensor:
         t = tail_size(m.rank, tail)
         if t == 0:
             continue
-        A, B = m.lora_A.weight[m.rank - t:], m.lora_B.weight[:, m.rank - t:]
+        A, B = m.lora_A.weight[m.rank - t :], m.lora_B.weight[:, m.rank - t :]
         total = total + m.scaling * lowrank_norm(B, A)
     return total
 

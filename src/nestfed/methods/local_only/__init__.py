@@ -16,6 +16,11 @@ from __future__ import annotations
 
 from nestfed.methods.method import lora_method
 
-METHOD = lora_method("local_only", "each client trains its own adapter alone, never aggregated (the baseline "
-                     "every federated comparison should include)", "nestfed.methods.local_only.strategy",
-                     global_adapter=False, robust_aggregation="local-only training aggregates nothing")
+METHOD = lora_method(
+    "local_only",
+    "each client trains its own adapter alone, never aggregated (the baseline "
+    "every federated comparison should include)",
+    "nestfed.methods.local_only.strategy",
+    global_adapter=False,
+    robust_aggregation="local-only training aggregates nothing",
+)

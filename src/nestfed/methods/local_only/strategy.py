@@ -56,8 +56,10 @@ class LocalOnlyHooks(ClientHooks):
         """Keep the trained adapter on the client (trained at an elastic rank: its prefix, the rest
         kept as it was) and send it (the server ignores it)."""
         own = ctx.scratch["own"]
-        ctx.state["adapter"] = {k: merge_prefix(own.get(k), v, rank_dim(k)) if rank_dim(k) is not None
-                                else v.detach().clone() for k, v in out.items()}
+        ctx.state["adapter"] = {
+            k: merge_prefix(own.get(k), v, rank_dim(k)) if rank_dim(k) is not None else v.detach().clone()
+            for k, v in out.items()
+        }
         return _clone(ctx.state["adapter"])
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:

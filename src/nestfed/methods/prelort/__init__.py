@@ -40,9 +40,15 @@ class PreLortOptions:
         if self.objective not in OBJECTIVES:
             raise ValueError(f"objective: unknown objective '{self.objective}' (known: {', '.join(OBJECTIVES)})")
         if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation: unknown aggregation '{self.aggregation}' (known: {', '.join(AGGREGATIONS)})")
+            raise ValueError(
+                f"aggregation: unknown aggregation '{self.aggregation}' (known: {', '.join(AGGREGATIONS)})"
+            )
 
 
-METHOD = lora_method("prelort", "clients train every prefix sub-rank r in R_k; the server averages each rank "
-                     "segment over the clients that hold it (arXiv 2606.15963)", "nestfed.methods.prelort.strategy",
-                     sections={"prelort": PreLortOptions})
+METHOD = lora_method(
+    "prelort",
+    "clients train every prefix sub-rank r in R_k; the server averages each rank "
+    "segment over the clients that hold it (arXiv 2606.15963)",
+    "nestfed.methods.prelort.strategy",
+    sections={"prelort": PreLortOptions},
+)

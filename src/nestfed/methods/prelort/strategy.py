@@ -23,7 +23,6 @@ from nestfed.nn.lora import active_rank
 from nestfed.seeds import stream_seed
 
 
-
 def segments(ranks: Sequence[int]) -> list[tuple[int, int]]:
     """The rank segments [r_{l-1}, r_l) of the sorted distinct ranks, r_0 = 0.
 
@@ -33,8 +32,14 @@ def segments(ranks: Sequence[int]) -> list[tuple[int, int]]:
     return list(zip([0] + bounds[:-1], bounds))
 
 
-def segment_average(global_t: torch.Tensor, client_ts: Sequence[torch.Tensor], client_ranks: Sequence[int],
-                    weights: Sequence[float], dim: int, bounds: Sequence[tuple[int, int]]) -> torch.Tensor:
+def segment_average(
+    global_t: torch.Tensor,
+    client_ts: Sequence[torch.Tensor],
+    client_ranks: Sequence[int],
+    weights: Sequence[float],
+    dim: int,
+    bounds: Sequence[tuple[int, int]],
+) -> torch.Tensor:
     """Segment-wise aggregation in update space (arXiv 2606.15963, section 2.3).
 
     global_t: the global matrix, rank r_max along ``dim``; client_ts[k]: client k's trained
@@ -86,8 +91,14 @@ class PreLort(LoraStrategy):
         ranks = [reply_rank(replies[c]) for c in cids]  # the rank each trained this round (elastic ranks)
         bounds = segments(self.federation_ranks(state))
         for key in lora_keys(state.arrays):
-            new.arrays[key] = segment_average(state.arrays[key], [replies[c].arrays[key] for c in cids], ranks,
-                                              [n[c] for c in cids], rank_dim(key), bounds)
+            new.arrays[key] = segment_average(
+                state.arrays[key],
+                [replies[c].arrays[key] for c in cids],
+                ranks,
+                [n[c] for c in cids],
+                rank_dim(key),
+                bounds,
+            )
         return new
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
@@ -104,10 +115,12 @@ class PreLort(LoraStrategy):
             if not members:
                 continue
             start = {k: state.arrays[k].narrow(rank_dim(k), lo, hi - lo) for k in keys}
-            deltas = {c: {k: replies[c].arrays[k].narrow(rank_dim(k), lo, hi - lo) - start[k] for k in keys}
-                      for c in members}
-            block = Block(f"rank {lo}:{hi}", deltas, {c: n[c] for c in members}, sum(r >= hi for r in everyone),
-                          start, start)
+            deltas = {
+                c: {k: replies[c].arrays[k].narrow(rank_dim(k), lo, hi - lo) - start[k] for k in keys} for c in members
+            }
+            block = Block(
+                f"rank {lo}:{hi}", deltas, {c: n[c] for c in members}, sum(r >= hi for r in everyone), start, start
+            )
             for k, v in rule(block).items():
                 new.arrays[k].narrow(rank_dim(k), lo, hi - lo).copy_(v)
         return new

@@ -8,5 +8,6 @@ from __future__ import annotations
 
 from nestfed.methods.method import lora_method
 
-METHOD = lora_method("zeropad", "zero-pad every client adapter to r_max, average with n_k weights",
-                     "nestfed.methods.zeropad.strategy")
+METHOD = lora_method(
+    "zeropad", "zero-pad every client adapter to r_max, average with n_k weights", "nestfed.methods.zeropad.strategy"
+)
