@@ -5,7 +5,8 @@ largest difference between the two where anything reads them.
 
 The prompts are one MMLU domain client's training questions as configs/fednl/mmlu.toml builds them
 (SmolLM2-135M, prompts cut to 256 tokens from the left, the frozen 26 of 30 layers). Prints JSON:
-seconds for each way, their ratio, the positions computed, the max |difference| and the max |value| of the hidden states.
+seconds for each way, their ratio, the positions computed, the max |difference| and the max |value|
+of the hidden states.
 
     .venv/bin/python bench/prefix_cache.py [--client 3] [--rows 64] [--threads 2]
 """

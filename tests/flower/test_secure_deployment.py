@@ -5,7 +5,8 @@ training is the same as in this process). The server sees only the SecAgg+ sum; 
 global state must equal the plain aggregate of the same replies (recomputed here from the round-0
 checkpoint with the method's own strategy and trainer) within the stated quantisation bound. A
 SuperNode killed after it has shared its keys (on receiving the collect stage's message, its
-long-running worker frozen before so that it cannot answer it) is survived: the unmask stage rebuilds its pairwise masks from the 3 survivors' shares (threshold 3).
+long-running worker frozen before so that it cannot answer it) is survived: the unmask stage
+rebuilds its pairwise masks from the 3 survivors' shares (threshold 3).
 """
 
 import json

@@ -76,7 +76,10 @@ def test_a_failing_client_is_reported_with_its_error(worker_dir):
 
 
 def test_the_forwarder_process_stays_light():
-    code = "import sys, nestfed.flower.node_forwarder; print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    code = (
+        "import sys, nestfed.flower.node_forwarder; "
+        "print(sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
 

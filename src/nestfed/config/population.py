@@ -43,7 +43,8 @@ class PopulationConfig:
     the federation's ranks up to its own, as if its free memory varied); ``trace`` (the ranks of
     ``elastic_trace``, a CSV file with columns round, client and rank, or memory_mib: a budget
     trace, each budget turned into the largest rank whose footprint fits, a budget that holds none
-    sitting the round out; a (round, client) it does not list trains at its own rank). A method serves an elastic rank by training the prefix of that
+    sitting the round out; a (round, client) it does not list trains at its own rank). A method
+    serves an elastic rank by training the prefix of that
     rank, or refuses the setting with its reason (nestfed.methods.method.Method.elastic_ranks).
     availability: the probability that a client is online in a round (sampling draws from the
     online clients); dropout: the probability that a sampled client drops out before it replies.

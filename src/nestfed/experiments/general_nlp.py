@@ -220,9 +220,8 @@ def markdown(table: list[dict], leaderboard: bool) -> str:
         if not sub:
             continue
         cats = list(sub[0]["categories"])
-        text.append(
-            f"**{scoring}** ({'FlowerTune: greedy, one token' if scoring == 'generation' else 'log-likelihood of A-D'})\n"
-        )
+        how = "FlowerTune: greedy, one token" if scoring == "generation" else "log-likelihood of A-D"
+        text.append(f"**{scoring}** ({how})\n")
         text.append(
             "| model | "
             + " | ".join(f"{c} (n={sub[0]['categories'][c]['n']})" for c in cats)

@@ -88,7 +88,8 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: 
 def write_dir(path: str | Path, build: Callable[[Path], None]) -> Path:
     """Create the directory ``path`` atomically: ``build(tmp)`` fills a fresh folder beside it,
     which is then renamed into place (an existing ``path`` is replaced: moved aside, then removed).
-    The folder gets mode 0777 & ~umask and its files 0666 & ~umask. Raises what ``build`` raises, after removing the folder."""
+    The folder gets mode 0777 & ~umask and its files 0666 & ~umask. Raises what ``build`` raises,
+    after removing the folder."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent))

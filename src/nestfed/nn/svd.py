@@ -74,7 +74,8 @@ class SVDLinear(nn.Module):
 
     U: [out, r] (frozen buffer), V: [in, r] (frozen buffer), sigma: [r, r] (``nn.Parameter``,
     created with ``requires_grad=False``; the client trainer switches it on when the payload ships
-    it; float32 beside half-precision bases, nestfed.nn.placement), bias: [out] or None (frozen, copied from the original layer). forward: x [..., in] ->
+    it; float32 beside half-precision bases, nestfed.nn.placement), bias: [out] or None (frozen,
+    copied from the original layer). forward: x [..., in] ->
     [..., out]. Raises ValueError when the shapes disagree.
     Source: arXiv 2607.29071 step 1, the client layer x -> U_i Sigma_i V_i^T x.
     """

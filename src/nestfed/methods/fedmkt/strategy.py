@@ -2,7 +2,8 @@
 Models", COLING 2025, section 3; docs/methods.md section 2's baseline for FedSLM).
 
 No parameters travel: the server's LLM (here the full backbone with LoRA) and the clients' small
-models (here the same SVD-compressed client models as FedSLM's groups, nestfed.methods.compressed, trained through their cores)
+models (here the same SVD-compressed client models as FedSLM's groups, nestfed.methods.compressed,
+trained through their cores)
 exchange top-k logits on a shared public text (nestfed.methods.fedmkt.distillation). Per round t:
 
 - configure: every client receives the server's knowledge (computed after round t - 1; in round 1
