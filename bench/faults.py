@@ -138,7 +138,7 @@ def main() -> None:
 
 
 def table(result: dict) -> str:
-    """The README's markdown table: one row per method, one column per fault."""
+    """The markdown table of docs/trust.md: one row per method, one column per fault."""
     faults = list(result["faults"])
     head = "| method | backbone ppl | clean ppl | " + " | ".join(faults) + " |"
     rows = [head, "|" + "---|" * (len(faults) + 3)]

@@ -22,7 +22,7 @@ writes it with ``--out`` (and a plot beside it with ``--plot``).
 
     .venv/bin/python bench/scale.py [--out bench/results/scale.json] [--plot bench/results/scale.png]
         [--only tiny|smollm2] [--rounds 4]
-    .venv/bin/python bench/scale.py --table bench/results/scale.json [--plot P]   # the README's table (and plot)
+    .venv/bin/python bench/scale.py --table bench/results/scale.json [--plot P]   # docs/results.md's table (and plot)
 """
 
 from __future__ import annotations
@@ -192,7 +192,7 @@ def plot(result: dict, path: Path) -> None:
 
 
 def table(result: dict) -> str:
-    """The README's markdown table of a result (one row per setting)."""
+    """The markdown table of a result (docs/results.md) (one row per setting)."""
     rows = [
         "| model | clients | fraction | sampled / round | prepare s | peak RSS MB | clients built | PreLort s / round "
         "| server share | ZeroPad s / round | server share | MB / round |",

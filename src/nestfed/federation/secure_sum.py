@@ -9,7 +9,7 @@ D_k = X_k - P_k. ``pad`` zero-pads along the rank dimension to the round's commo
 largest rank of the round's instructions, at most r_max). The server learns only, per key,
 
     S = sum_k n_k pad(D_k)              (same shape as the padded matrix)
-    C = sum_k n_k [j < r_k]             (one vector [r] for every key: rank row j's total weight)
+    C = sum_k n_k 1(j < r_k)             (one vector [r] for every key: rank row j's total weight)
 
 over the clients whose vectors entered the sum. C[0] = N = sum_k n_k (every client has rank >= 1).
 
@@ -22,11 +22,11 @@ above r have C[j] = 0):
   exactly by the clients with r_k >= r_l (no rank lies strictly inside a segment), so this is the
   segment's n_k-weighted mean update over its members.
 - :func:`padded_mean` (the zero-padded parameter mean): sum_k n_k pad(X_k) / N. With
-  pad(X_k) = pad(P_k) + pad(D_k) and pad(P_k)[j] = G[j] [j < r_k]: (G[j] C[j] + S[j]) / N. Rows no
+  pad(X_k) = pad(P_k) + pad(D_k) and pad(P_k)[j] = G[j] 1(j < r_k): (G[j] C[j] + S[j]) / N. Rows no
   client holds become 0, as zero-padding gives. With one rank everywhere this is the plain
   n_k-weighted mean of the replies.
 
-Encoding (:func:`encode`): the client sends w_k pad(clip(D_k)) and the count vector w_k [j < r_k]
+Encoding (:func:`encode`): the client sends w_k pad(clip(D_k)) and the count vector w_k 1(j < r_k)
 with w_k = n_k * scale, scale = 1 / n_max (the largest n_k of the federation), so every value lies
 in [-c, c] for a clipping range c >= 1; :func:`decode` divides the (quantised) sum by scale.
 
