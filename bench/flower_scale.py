@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT / "tests" / "flower"))
 
 from flower_helpers import APP_DIR, TINY, adapter_tensors, embedded_run  # noqa: E402
 
-from nestfed.flower.deploy import LocalDeployment  # noqa: E402
+from nestfed.testing.flower_deployment import LocalDeployment  # noqa: E402
 
 
 class TreeMemory:

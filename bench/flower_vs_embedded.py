@@ -125,8 +125,8 @@ def embedded(out: Path) -> dict:
 
 def in_process(out: Path, node_config: dict) -> dict:
     from nestfed.flower import client_app
-    from nestfed.flower.local import LocalGrid
     from nestfed.flower.server_app import run_on_grid
+    from nestfed.testing.local_grid import LocalGrid
 
     client_app._CACHE.clear()
     grid = LocalGrid(client_app.app, {101 + i: {"partition-id": i, **node_config} for i in range(3)})
@@ -147,7 +147,7 @@ def in_process(out: Path, node_config: dict) -> dict:
 
 
 def deployment(work: Path, node_config: dict) -> tuple[dict, Path]:
-    from nestfed.flower.deploy import LocalDeployment
+    from nestfed.testing.flower_deployment import LocalDeployment
 
     run_dir = work / "deployment_run"
     d = LocalDeployment(work / "flower")

@@ -4,7 +4,7 @@ import pytest
 import torch
 from flower_helpers import embedded_run
 
-from nestfed.flower.deploy import LocalDeployment
+from nestfed.testing.flower_deployment import LocalDeployment
 
 
 @pytest.fixture

@@ -21,9 +21,9 @@ from nestfed.errors import ConfigError, NestfedError  # noqa: E402
 from nestfed.federation.messages import ClientInfo  # noqa: E402
 from nestfed.federation.run_dir import RunDir  # noqa: E402
 from nestfed.flower import client_app as CA  # noqa: E402
-from nestfed.flower.local import LocalGrid  # noqa: E402
 from nestfed.flower.records import content_to_reply, reply_to_content  # noqa: E402
 from nestfed.flower.server_app import RunSettings, resolve_experiment, run_on_grid  # noqa: E402
+from nestfed.testing.local_grid import LocalGrid  # noqa: E402
 
 NODES = {101: {"partition-id": 0, "num-partitions": 3}, 102: {"partition-id": 1}, 103: {"partition-id": 2}}
 

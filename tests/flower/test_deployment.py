@@ -22,7 +22,7 @@ from flower_helpers import APP_DIR, OVERRIDES, TINY, assert_same_adapter, expect
 from safetensors.torch import load_file  # noqa: E402
 
 from nestfed.federation.run_dir import RunDir  # noqa: E402
-from nestfed.flower.deploy import LocalDeployment, make_node_key, make_tls  # noqa: E402
+from nestfed.testing.flower_deployment import LocalDeployment, make_node_key, make_tls  # noqa: E402
 
 pytestmark = pytest.mark.flower
 

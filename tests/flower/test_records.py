@@ -114,7 +114,7 @@ def test_reply_round_trip_and_bad_num_examples_survive_to_validation():
 
 
 def test_a_reply_message_carries_the_records():
-    from nestfed.flower.local import LocalGrid  # sets the task identity messages need  # noqa: F401
+    from nestfed.testing.local_grid import LocalGrid  # sets the task identity messages need  # noqa: F401
 
     LocalGrid(None, {})
     msg = Message(RecordDict({"config": config_to_record({"rank": 2})}), dst_node_id=5, message_type="train")
@@ -129,7 +129,7 @@ def test_run_config_values_survive_flwrs_command_line_parser():
     holding double quotes travel in single quotes; a string with both kinds is refused."""
     from flwr.common.config import parse_config_args
 
-    from nestfed.flower.deploy import toml_value
+    from nestfed.testing.flower_deployment import toml_value
 
     rc = {
         "overrides": 'train.threads=1;lora.target_modules=["q_proj","v_proj"]',

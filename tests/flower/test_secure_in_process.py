@@ -16,8 +16,8 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from nestfed.errors import ConfigError  # noqa: E402
 from nestfed.federation.run_dir import RunDir  # noqa: E402
 from nestfed.flower import client_app as CA  # noqa: E402
-from nestfed.flower.local import LocalGrid  # noqa: E402
 from nestfed.flower.server_app import RunSettings, run_on_grid  # noqa: E402
+from nestfed.testing.local_grid import LocalGrid  # noqa: E402
 
 # 4 clients, heterogeneous ranks, one round of PreLort on the tiny model, one thread
 SECURE_OVERRIDES = (

@@ -13,7 +13,7 @@ pytest.importorskip("ray")
 
 from flower_helpers import APP_DIR, TINY, assert_same_adapter, embedded_run  # noqa: E402
 
-from nestfed.flower.deploy import LocalDeployment  # noqa: E402
+from nestfed.testing.flower_deployment import LocalDeployment  # noqa: E402
 
 pytestmark = pytest.mark.flower
 

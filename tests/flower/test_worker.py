@@ -21,8 +21,8 @@ from flwr.supercore.task_identity import TaskIdentity  # noqa: E402
 from test_apps_in_process import NODES, lines, run_config  # noqa: E402
 
 from nestfed.flower import node_forwarder as NF  # noqa: E402
-from nestfed.flower.local import LocalGrid  # noqa: E402
 from nestfed.flower.server_app import run_on_grid  # noqa: E402
+from nestfed.testing.local_grid import LocalGrid  # noqa: E402
 
 
 @pytest.fixture
