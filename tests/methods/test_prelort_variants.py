@@ -165,3 +165,84 @@ def test_local_only_resumes_exactly_and_refuses_robust_rules(tmp_path):
     with pytest.raises(ConfigError, match="local-only training aggregates nothing"):
         tiny_config("strategy.name=local_only", "robust.rule=median")
     assert methods.get("local_only").global_adapter is False
+
+
+def dilute(dilution):
+    return PreLort(LoraSettings(r_max=2, lora_alpha=2.0), PreLortOptions(dilution=dilution))
+
+
+A_KEY, B_KEY = "base_model.model.m.lora_A.weight", "base_model.model.m.lora_B.weight"
+HET = [ClientInfo(1, 1, 1), ClientInfo(2, 2, 3)]  # rank 1 (n 1) and rank 2 (n 3)
+
+
+def het_round(st):
+    state = st.initialize({"m": (2, 2)}, HET)
+    state.arrays[A_KEY] = torch.ones(2, 2)
+    reps = {
+        1: Reply({A_KEY: torch.tensor([[1.0, 2.0]]), B_KEY: torch.tensor([[1.0], [3.0]])}, 1),
+        2: Reply({A_KEY: torch.tensor([[3.0, 4.0], [5.0, 6.0]]), B_KEY: torch.tensor([[1.0, 2.0], [3.0, 4.0]])}, 3),
+    }
+    return state, reps
+
+
+@pytest.mark.parametrize("dilution", [0.0, 0.5, 1.0])
+def test_dilution_scales_the_segments_few_clients_hold_hand_computed(dilution):
+    st = dilute(dilution)
+    state, reps = het_round(st)
+    new = st.aggregate(1, state, reps)
+    # segment [0,1) is held by both clients (N_0 = N = 4): (1*[0,1] + 3*[2,3]) / 4 = [1.5, 2.5], weight 1
+    # segment [1,2) by the rank-2 client only (N_1 = 3): its update [4, 5] scaled by (3/4)^dilution
+    w = (3 / 4) ** dilution
+    torch.testing.assert_close(new.arrays[A_KEY], torch.tensor([[2.5, 3.5], [1 + 4 * w, 1 + 5 * w]]))
+    # B: column 0 by both (start 0): (1*[1,3] + 3*[1,3]) / 4; column 1 by client 2 only: [2, 4] scaled
+    torch.testing.assert_close(new.arrays[B_KEY], torch.tensor([[1.0, 2 * w], [3.0, 4 * w]]))
+    if dilution == 1.0:  # the update-space form of ZeroPad's dilution: sum over holders of n_k delta_k / N
+        torch.testing.assert_close(new.arrays[A_KEY][1], torch.tensor([1 + 3 * 4 / 4, 1 + 3 * 5 / 4]))
+
+
+@pytest.mark.parametrize("dilution", [0.5, 1.0])
+def test_with_equal_ranks_any_dilution_is_fedavg(dilution):
+    from nestfed.methods.fedavg.strategy import FedAvg
+
+    torch.manual_seed(3)
+    clients = [ClientInfo(i, 4, n) for i, n in enumerate([5, 1, 7])]
+    settings = LoraSettings(r_max=4, lora_alpha=8.0)
+    ref, st = FedAvg(settings), PreLort(settings, PreLortOptions(dilution=dilution))
+    state = ref.initialize({"a": (6, 5), "b": (3, 6)}, clients)
+    state.arrays = {k: torch.randn_like(v) for k, v in state.arrays.items()}
+    reps = {
+        c.cid: Reply({k: v + torch.randn_like(v) for k, v in state.arrays.items()}, c.num_examples) for c in clients
+    }
+    want, got = ref.aggregate(1, state, reps), st.aggregate(1, state, reps)
+    for k in want.arrays:
+        torch.testing.assert_close(got.arrays[k], want.arrays[k], rtol=1e-5, atol=1e-6)
+
+
+def test_dilution_is_the_same_under_the_mean_block_rule_and_from_secure_sums():
+    from nestfed.config import PrivacyConfig, RobustConfig
+    from nestfed.federation.robust import BlockRule
+    from nestfed.federation.secure_sum import decode, encode, layout
+
+    st = dilute(0.5)
+    state, reps = het_round(st)
+    want = st.aggregate(1, state, reps)
+    rule = BlockRule(RobustConfig(), PrivacyConfig())
+    rule.start_round(1)
+    robust = st.robust_aggregate(1, state, reps, rule)
+    ins = st.configure(1, state, HET)
+    lay = layout(ins[c].expect for c in ins)
+    vectors = [encode(ins[c].arrays, reps[c].arrays, reps[c].num_examples, lay, 1 / 3, 1e9)[0] for c in ins]
+    total = [sum(v[i] for v in vectors) for i in range(len(vectors[0]))]
+    secure = st.aggregate_secure(1, state, decode(total, lay, 1 / 3, sorted(ins)))
+    for k in want.arrays:
+        torch.testing.assert_close(robust.arrays[k], want.arrays[k])
+        torch.testing.assert_close(secure.arrays[k], want.arrays[k], rtol=1e-6, atol=1e-6)
+
+
+def test_dilution_outside_zero_to_one_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match="prelort.dilution"):
+        methods.load_config(None, ["strategy.name=prelort", "prelort.dilution=1.5"])
+    assert (
+        methods.load_config(None, ["strategy.name=prelort", "prelort.dilution=0.25"]).section("prelort").dilution
+        == 0.25
+    )

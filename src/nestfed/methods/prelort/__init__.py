@@ -11,7 +11,9 @@ paper's; ``sampled``, one sub-rank drawn per step, an unbiased estimate of the n
 cost of one pass; ``full_rank``, plain LoRA at r_k) and the aggregation (``segment``, the paper's;
 ``zeropad``). The paper's two ablations (section 4) are ``objective = "full_rank"`` ("nested
 aggregation only") and ``aggregation = "zeropad"`` (the nested objective with zero-padded
-aggregation).
+aggregation). ``dilution`` (ours, beyond the paper) scales a segment's mean update by
+(N_l / N)^dilution, N_l the examples of the round's clients holding it: 0 is the paper, 1 dilutes
+a segment few clients hold as ZeroPad does (docs/methods.md, PreLort's top segment).
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ class PreLortOptions:
     (federation.seed, round, client): an unbiased estimate of the nested loss, one pass per step) or
     ``full_rank`` (plain LoRA at r_k: the ablation "nested aggregation only"); aggregation:
     ``segment`` (section 2.3) or ``zeropad`` (ZeroPad's padded mean: the ablation "nested objective,
-    zero-padded aggregation"). Raises ValueError naming the field for any other value."""
+    zero-padded aggregation"); dilution: the exponent of :func:`~nestfed.methods.prelort.strategy.segment_weight`
+    in [0, 1] (0, the paper: every segment's mean update undiluted). Raises ValueError naming the
+    field for any other value."""
 
     objective: str = "nested"
     aggregation: str = "segment"
+    dilution: float = 0.0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -43,6 +48,8 @@ class PreLortOptions:
             raise ValueError(
                 f"aggregation: unknown aggregation '{self.aggregation}' (known: {', '.join(AGGREGATIONS)})"
             )
+        if isinstance(self.dilution, bool) or not 0.0 <= float(self.dilution) <= 1.0:
+            raise ValueError(f"dilution: {self.dilution!r} is not in [0, 1]")
 
 
 METHOD = lora_method(

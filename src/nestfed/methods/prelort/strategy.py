@@ -39,24 +39,39 @@ def segment_average(
     weights: Sequence[float],
     dim: int,
     bounds: Sequence[tuple[int, int]],
+    dilution: float = 0.0,
 ) -> torch.Tensor:
-    """Segment-wise aggregation in update space (arXiv 2606.15963, section 2.3).
+    """Segment-wise aggregation in update space (arXiv 2606.15963, section 2.3), optionally diluted.
 
     global_t: the global matrix, rank r_max along ``dim``; client_ts[k]: client k's trained
     matrix of rank client_ranks[k] along ``dim`` (started from global_t's prefix). For each
-    segment [lo, hi) the update of the clients with r_k >= hi is averaged with weights n_k and
-    added to the global segment; a segment no participating client reaches is left unchanged.
-    Returns the new global matrix (same shape as global_t).
+    segment [lo, hi) the update of the clients with r_k >= hi is averaged with weights n_k, scaled
+    by :func:`segment_weight` (1 at the paper's ``dilution = 0``) and added to the global segment;
+    a segment no participating client reaches is left unchanged. Returns the new global matrix
+    (same shape as global_t).
     """
     out = global_t.clone()
+    total = float(sum(weights))
     for lo, hi in bounds:
         members = [k for k, r in enumerate(client_ranks) if r >= hi]
         if not members:
             continue
         g = global_t.narrow(dim, lo, hi - lo)
         deltas = [client_ts[k].narrow(dim, lo, hi - lo) - g for k in members]
-        out.narrow(dim, lo, hi - lo).copy_(g + weighted_mean(deltas, [weights[k] for k in members]))
+        w = segment_weight(float(sum(weights[k] for k in members)), total, dilution)
+        out.narrow(dim, lo, hi - lo).copy_(g + w * weighted_mean(deltas, [weights[k] for k in members]))
     return out
+
+
+def segment_weight(held: float, total: float, dilution: float) -> float:
+    """The factor a segment's mean update is scaled by: (N_l / N)^dilution, N_l the examples of the
+    round's clients that hold the segment, N those of every client of the round. ``dilution`` 0:
+    the paper's segment-wise mean (1); 1: the mean diluted over every client, as ZeroPad dilutes the
+    rows few clients hold (in update space: sum over holders of n_k delta_k / N); in between, a
+    shrinkage of the segments few clients hold. Equal ranks give 1 for any dilution (FedAvg)."""
+    if dilution == 0.0 or held >= total:
+        return 1.0
+    return float((held / total) ** dilution)
 
 
 class PreLort(LoraStrategy):
@@ -98,8 +113,14 @@ class PreLort(LoraStrategy):
                 [n[c] for c in cids],
                 rank_dim(key),
                 bounds,
+                self.dilution,
             )
         return new
+
+    @property
+    def dilution(self) -> float:
+        """``[prelort] dilution`` (:func:`segment_weight`); 0 without options."""
+        return 0.0 if self.options is None else float(self.options.dilution)
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
         """Rank-aware robust aggregation: one block per rank segment [lo, hi), its members the
@@ -110,6 +131,7 @@ class PreLort(LoraStrategy):
         ranks = {c: reply_rank(replies[c]) for c in replies}
         everyone = [int(r) for r in state.meta["ranks"].values()]
         keys = lora_keys(state.arrays)
+        total = float(sum(n.values()))
         for lo, hi in segments(self.federation_ranks(state)):
             members = sorted(c for c in replies if ranks[c] >= hi)
             if not members:
@@ -121,8 +143,9 @@ class PreLort(LoraStrategy):
             block = Block(
                 f"rank {lo}:{hi}", deltas, {c: n[c] for c in members}, sum(r >= hi for r in everyone), start, start
             )
+            w = segment_weight(float(sum(n[c] for c in members)), total, self.dilution)
             for k, v in rule(block).items():
-                new.arrays[k].narrow(rank_dim(k), lo, hi - lo).copy_(v)
+                new.arrays[k].narrow(rank_dim(k), lo, hi - lo).copy_(start[k] + w * (v - start[k]) if w != 1.0 else v)
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
@@ -133,6 +156,17 @@ class PreLort(LoraStrategy):
         new = copy_state(state)
         for key, s in secure.sums.items():
             new.arrays[key] = segment_mean(state.arrays[key], s, secure.counts, rank_dim(key))
+        if self.dilution:  # each rank row's count is its segment's N_l (row 0: every client's N)
+            c = secure.counts.to(torch.float64)
+            w = [segment_weight(float(c[j]), float(c[0]), self.dilution) for j in range(len(c))]
+            for key in secure.sums:
+                g, d = state.arrays[key], rank_dim(key)
+                rows = torch.ones(g.shape[d], dtype=torch.float64)  # rows past the counts: no holder, unchanged
+                rows[: len(w)] = torch.tensor(w, dtype=torch.float64)
+                shape = [1] * g.dim()
+                shape[d] = -1
+                step = new.arrays[key].to(torch.float64) - g.to(torch.float64)
+                new.arrays[key] = (g.to(torch.float64) + rows.view(shape) * step).to(g.dtype)
         return new
 
 
