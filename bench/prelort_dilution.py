@@ -1,0 +1,129 @@
+"""PreLort's ``[prelort] dilution`` on the main job, 3 seeds, against PreLort (dilution 0) and ZeroPad.
+
+The runs of the diluted variant come from::
+
+    ATEN_CPU_CAPABILITY=avx2 .venv/bin/nestfed run configs/bbc_news.toml --methods prelort --seeds 3 \\
+        --set prelort.dilution=1.0 --set output.dir=OUT
+
+(avx2: the kernels the stored PreLort and ZeroPad seeds of bench/results/main_job_seeds were run
+under, so the clients, seeds and kernels are the same and every (seed, client) pairs exactly).
+This script pairs them with those stored seeds and prints JSON (also written to
+bench/results/main_job_seeds/dilution.json, with a markdown table beside it)::
+
+    .venv/bin/python bench/prelort_dilution.py 1.0=OUT1/<run>/comparison.json 0.5=OUT2/<run>/comparison.json
+
+Reported: per client and mean held-out perplexity (mean ± 95% t half width over seeds), the paired
+relative difference against PreLort and against ZeroPad over the 15 (seed, client) pairs, and the
+truncation curve of the global adapter (mean perplexity at r = 1, 2, 4, 8, 16), each r paired too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from nestfed.experiments.intervals import mean_interval, paired_difference, relative_differences
+
+ROOT = Path(__file__).resolve().parents[1]
+STORED = ROOT / "bench" / "results" / "main_job_seeds" / "comparison.json"
+RANKS = ("1", "2", "4", "8", "16")
+
+
+def rows(path: Path, label: str) -> list[dict]:
+    return [r for r in json.loads(path.read_text()) if r["label"] == label]
+
+
+def per_pair(runs: list[dict], rank: str | None = None) -> dict[tuple[int, str], float]:
+    """{(seed, client): ppl} under what each client runs, or the global adapter cut to ``rank``."""
+    if rank is None:
+        return {(r["seed"], c): v for r in runs for c, v in r["ppl"].items()}
+    return {(r["seed"], c): v["ppl"] for r in runs for c, v in r["truncation"][rank].items()}
+
+
+def versus(method: dict, reference: dict) -> dict:
+    d = paired_difference(relative_differences(method, reference))
+    return {
+        "mean_pct": d.interval.mean,
+        "low_pct": d.interval.low,
+        "high_pct": d.interval.high,
+        "p": d.p_value,
+        "significant": d.significant,
+    }
+
+
+def summary(runs: list[dict]) -> dict:
+    clients = sorted(runs[0]["ppl"], key=int)
+    out = {"clients": {}, "mean": None, "truncation": {}}
+    for c in clients:
+        i = mean_interval([r["ppl"][c] for r in runs])
+        out["clients"][c] = {"label": runs[0]["labels"][c], "mean": i.mean, "half": i.half_width}
+    i = mean_interval([r["mean_ppl"] for r in runs])
+    out["mean"] = {"mean": i.mean, "half": i.half_width}
+    for r in RANKS:
+        i = mean_interval([sum(v["ppl"] for v in run["truncation"][r].values()) / len(clients) for run in runs])
+        out["truncation"][r] = {"mean": i.mean, "half": i.half_width}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("runs", nargs="+", help="DILUTION=PATH: a diluted variant's comparison.json (3 seeds)")
+    a = ap.parse_args()
+    runs = {"prelort": rows(STORED, "prelort"), "zeropad": rows(STORED, "zeropad")}
+    names = []
+    for spec in a.runs:
+        d, _, path = spec.partition("=")
+        name = f"dilution={float(d):g}"
+        runs[name] = [r for r in json.loads(Path(path).read_text()) if r["method"] == "prelort"]
+        assert [r["seed"] for r in runs[name]] == [0, 1, 2], f"{path}: 3 seeds (0, 1, 2) of the diluted variant"
+        names.append(name)
+    res = {
+        "bench": "prelort_dilution",
+        "config": "configs/bbc_news.toml",
+        "seeds": [0, 1, 2],
+        "methods": {m: summary(v) for m, v in runs.items()},
+        "wall_time_s": {m: [r["wall_time_s"] for r in v] for m, v in runs.items()},
+        "versus": {},
+    }
+    for name in names:
+        res["versus"][name] = {}
+        for ref in ("prelort", "zeropad"):
+            res["versus"][name][ref] = {"deployed": versus(per_pair(runs[name]), per_pair(runs[ref]))}
+            for r in RANKS:
+                res["versus"][name][ref][f"r{r}"] = versus(per_pair(runs[name], r), per_pair(runs[ref], r))
+    out = ROOT / "bench" / "results" / "main_job_seeds"
+    (out / "dilution.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / "dilution.md").write_text(table(res) + "\n")
+    print(json.dumps(res, indent=1))
+
+
+def table(res: dict) -> str:
+    def cell(d):
+        star = "**" if d["significant"] else ""
+        return f"{star}{d['mean_pct']:+.2f}% [{d['low_pct']:+.2f}, {d['high_pct']:+.2f}] p={d['p']:.2g}{star}"
+
+    head = (
+        "| method | "
+        + " | ".join(f"c{c} {v['label']}" for c, v in res["methods"]["prelort"]["clients"].items())
+        + " | mean ppl | truncation r = 1 / 2 / 4 / 8 / 16 |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for m, s in res["methods"].items():
+        cl = " | ".join(f"{v['mean']:.2f} ± {v['half']:.2f}" for v in s["clients"].values())
+        tr = " / ".join(f"{s['truncation'][r]['mean']:.2f}" for r in RANKS)
+        lines.append(f"| {m} | {cl} | {s['mean']['mean']:.2f} ± {s['mean']['half']:.2f} | {tr} |")
+    lines += [
+        "",
+        "| variant against | deployed (15 pairs) | " + " | ".join(f"r = {r}" for r in RANKS) + " |",
+        "|---|---|" + "---|" * len(RANKS),
+    ]
+    for name, refs in res["versus"].items():
+        for ref, v in refs.items():
+            cells = " | ".join(cell(v[f"r{r}"]) for r in RANKS)
+            lines.append(f"| {name} vs {ref} | {cell(v['deployed'])} | {cells} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
