@@ -4,6 +4,7 @@ clients' padded replies computed by hand, and equal to ZeroPad's when every n_k 
 
 import importlib
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,7 @@ def tutorial_method(tmp_path, monkeypatch):
     assert len(blocks) == 1, "the tutorial has one Python block: the whole home"
     (tmp_path / "uniform_pad.py").write_text(blocks[0])
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.delitem(__import__("sys").modules, "uniform_pad", raising=False)
+    monkeypatch.delitem(sys.modules, "uniform_pad", raising=False)
     home = importlib.import_module("uniform_pad")
     monkeypatch.setitem(methods.REGISTRY, home.METHOD.name, home.METHOD)
     return home

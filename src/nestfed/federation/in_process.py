@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from nestfed.federation.loop import FitResults
 from nestfed.federation.messages import Arrays, Instruction, Reply
@@ -33,7 +33,7 @@ class InProcessTransport:
     """Deliver instructions to ``trainer`` in client-id order; evaluate every client in process."""
 
     trainer: Trainer
-    client_state_home: str = KEPT  # the clients' kept state is checkpointed with the round
+    client_state_home: ClassVar[str] = KEPT  # the clients' kept state is checkpointed with the round
 
     def open(self) -> dict[str, Any]:
         """Nothing to add to the round-0 line."""

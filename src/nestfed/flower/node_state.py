@@ -7,7 +7,9 @@ one safetensors file per client and round, written atomically (nestfed.io.atomic
     <root>/<run key>/client-<cid>/round-<t>.safetensors
 
 ``run key``: the first 16 hex digits of the SHA-256 of the server's run directory (its resolved
-path, sent with every message), so two runs never share a state and a resumed run finds its own;
+path, sent with every message), so two runs never share a state and a resumed run finds its own
+(resume with the same ``run-dir``: a relative one resolves against the ServerApp's working
+directory, and a resume from another one finds no state, which ``client_state_round = -1`` shows);
 ``<root>/<run key>/run.txt`` names that directory. ``root`` is the node config's ``client-state``
 (default ``~/.cache/nestfed/client-state``, ``$XDG_CACHE_HOME`` respected).
 

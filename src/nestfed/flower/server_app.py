@@ -43,7 +43,7 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
 from flwr.common.config import get_project_dir
@@ -272,7 +272,7 @@ class FlowerTransport:
     query: QueryResult
     say: Callable[[str], None]
     run_dir: str = ""
-    client_state_home: str = ON_NODES
+    client_state_home: ClassVar[str] = ON_NODES  # the nodes keep their clients' state
 
     def open(self) -> dict[str, Any]:
         """The QUERY round's node info and duration for the round-0 line."""
