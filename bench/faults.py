@@ -53,6 +53,8 @@ FAULTS = {
     "free rider": ["attack.kind=free_rider", "attack.clients=[0]"],
     "every client NaN": ["attack.kind=nans", "attack.clients=[0,1,2]"],
 }
+#: settings a method needs for a fault's rule: HetLoRA takes a robust rule only with n_k weights
+UNDER = {("hetlora", "sign flip, median rule"): ["hetlora.weighting=examples"]}
 SKIP = ("fedslm", "fedmkt", "local_only")  # no aggregate of client updates to attack (or other models)
 
 
@@ -95,7 +97,8 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name in names:
-            ranks = "lora.ranks=[4]" if methods.get(name).equal_ranks else "lora.ranks=[2,4,8]"
+            hetero = methods.get(name).can(methods.Capability.HETEROGENEOUS_RANKS)
+            ranks = "lora.ranks=[2,4,8]" if hetero else "lora.ranks=[4]"
             base = BASE + [ranks, f"strategy.name={name}"] + EXTRA.get(name, [])
             cfg = methods.load_config(TINY, base)
             if ranks not in preps:
@@ -108,7 +111,7 @@ def main() -> None:
             for fault, extra in FAULTS.items():
                 run = Path(tmp) / name / fault.replace(" ", "_")
                 try:
-                    c = methods.load_config(TINY, base + extra)
+                    c = methods.load_config(TINY, base + extra + UNDER.get((name, fault), []))
                 except ConfigError as exc:
                     cells[fault], cells[fault + " (line)"] = "n/a", str(exc).rsplit(": ", 1)[-1]
                     continue

@@ -70,7 +70,7 @@ def no_eval_transport(trainer):
     from nestfed.federation.in_process import InProcessTransport
 
     class NoEval(InProcessTransport):
-        def evaluate(self, rnd, deployments):
+        def evaluate(self, rnd, deployments, as_sent=False):
             return None
 
     return NoEval(trainer)
@@ -101,7 +101,8 @@ def embedded(out: Path) -> dict:
     t0 = time.perf_counter()
     prep = prepare(cfg)
     prep_s = time.perf_counter() - t0
-    mr = methods.get(cfg.strategy.name).build(prep, cfg)
+    method = methods.get(cfg.strategy.name)
+    mr = method.build(prep, cfg)
     loop = RoundLoop(
         mr.strategy,
         no_eval_transport(mr.trainer),
@@ -109,6 +110,8 @@ def embedded(out: Path) -> dict:
         cfg.federation.rounds,
         RunDir.create(out, C.dumps_toml(cfg)),
         seed=cfg.federation.seed,
+        capabilities=method.capabilities,
+        method=method.name,
     )
     t0 = time.perf_counter()
     loop.run(prep.shapes)

@@ -139,5 +139,5 @@ def test_every_declaration_names_an_implementation_that_matches_it():
     whose module loads no model library."""
     for m in methods.REGISTRY.values():
         impl = m.implementation
-        assert m.flower == (impl.client is not None and impl.server is not None), m.name
-        assert (impl.client_hooks is not None) == m.flower, m.name
+        assert m.on_flower == (impl.client is not None and impl.server is not None), m.name
+        assert (impl.client_hooks is not None) == m.on_flower, m.name

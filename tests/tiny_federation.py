@@ -70,7 +70,8 @@ def tiny_run(run_dir: Path, cfg: ExperimentConfig, prep: Prepared | None = None,
     resumed); ``wrap(trainer)`` may replace the trainer's methods (fault injection). Returns
     (final state, loop, method run)."""
     prep = prep if prep is not None else tiny_prepared(cfg)
-    mr = methods.get(cfg.strategy.name).build(prep, cfg)
+    method = methods.get(cfg.strategy.name)
+    mr = method.build(prep, cfg)
     trainer = wrap(mr.trainer) if wrap is not None else mr.trainer
     rd = RunDir.open(run_dir) if resume else RunDir.create(run_dir, dumps_toml(cfg), per_client_inline(cfg))
     loop = RoundLoop.from_config(
@@ -81,6 +82,9 @@ def tiny_run(run_dir: Path, cfg: ExperimentConfig, prep: Prepared | None = None,
         rd,
         mr.keeps_client_state,
         sinks=tracking.sinks(cfg.tracking, Path(run_dir), cfg.output.dir, cfg.output.name),
+        capabilities=method.capabilities,
+        method=method.name,
+        refusals=method.refusals,
     )
     return loop.run(mr.shapes, resume=resume), loop, mr
 

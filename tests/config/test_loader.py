@@ -74,11 +74,11 @@ def test_scalar_rank_is_broadcast():
         ),
         (
             {"lora": {"ranks": [2, 4]}, "data": {"num_clients": 2}, "strategy": {"name": "fedavg"}},
-            "fedavg needs equal ranks",
+            "fedavg cannot take clients of different ranks: it needs equal ranks",
         ),
         (
             {"lora": {"ranks": [2, 4]}, "data": {"num_clients": 2}, "strategy": {"name": "fedala"}},
-            "fedala needs equal ranks",
+            "fedala cannot take clients of different ranks: it needs equal ranks",
         ),
         ({"train": {"lr": "fast"}}, "train.lr: expected a number"),
         ({"federation": {"fraction": 1.5}}, "federation.fraction"),

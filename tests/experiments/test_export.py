@@ -125,7 +125,7 @@ def test_export_refusals_name_the_option(prelort_run, tmp_path):
         export_adapter(tmp_path, rank=2)
     local = tmp_path / "local"
     tiny_run(local, tiny_config("strategy.name=local_only", "federation.rounds=1"))
-    with pytest.raises(NestfedError, match="--rank: .*no global LoRA adapter.*--client K"):
+    with pytest.raises(NestfedError, match="--rank: .*cannot export its global adapter at a rank.*--client K"):
         export_adapter(local, rank=2)
 
 

@@ -9,7 +9,15 @@ import torch
 from tiny_federation import lines, tiny_config, tiny_run
 
 from nestfed.experiments.mechanisms import adapter_rank, dimension_importance, mechanisms
+from nestfed.federation.in_process import InProcessTransport
 from nestfed.nn.keys import peft_key
+
+
+def report(cfg, mr, state):
+    """The mechanism reports as the embedded runner measures them: the clients evaluate the adapter
+    as sent, through the in-process transport."""
+    transport = InProcessTransport(mr.trainer)
+    return mechanisms(cfg, mr.strategy, mr.clients, state, lambda d: transport.evaluate(0, d, as_sent=True))
 
 
 def test_dimension_importance_by_hand():
@@ -42,7 +50,7 @@ def test_truncation_curve_at_a_clients_rank_is_what_that_client_runs(tmp_path):
     deployment, so the curve at r = 2, 4, 8 equals the final round's evaluation of clients 0, 1, 2."""
     cfg = tiny_config("strategy.name=prelort", "output.truncations=[1,2,4,8,16]")
     state, _, mr = tiny_run(tmp_path / "run", cfg)
-    out = mechanisms(cfg, mr, state)
+    out = report(cfg, mr, state)
     final = lines(tmp_path / "run")[-1]["eval"]
     assert sorted(out["truncation"], key=int) == ["1", "2", "4", "8"]  # 16 > r_max is left out
     for cid, r in (("0", "2"), ("1", "4"), ("2", "8")):
@@ -53,7 +61,10 @@ def test_truncation_curve_at_a_clients_rank_is_what_that_client_runs(tmp_path):
 def test_methods_without_one_nested_adapter_are_skipped(tmp_path):
     cfg = tiny_config("strategy.name=local_only", "federation.rounds=1")
     state, _, mr = tiny_run(tmp_path / "local", cfg)
-    assert "no global LoRA adapter" in mechanisms(cfg, mr, state)["mechanisms_skipped"]
+    assert (
+        "local_only cannot export its global adapter at a rank: each client keeps its own adapter"
+        in (report(cfg, mr, state)["mechanisms_skipped"])
+    )
     cfg = tiny_config("strategy.name=flora", "federation.rounds=1")
     state, _, mr = tiny_run(tmp_path / "flora", cfg)
-    assert "not r_max" in mechanisms(cfg, mr, state)["mechanisms_skipped"]
+    assert "a stack of every client's factors" in report(cfg, mr, state)["mechanisms_skipped"]

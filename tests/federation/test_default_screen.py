@@ -105,7 +105,7 @@ def _hostile(kind):
 
 
 def _config(name, *extra):
-    equal = methods.get(name).equal_ranks
+    equal = not methods.get(name).can(methods.Capability.HETEROGENEOUS_RANKS)
     return tiny_config(f"strategy.name={name}", "federation.rounds=2", *(["lora.ranks=[4]"] if equal else []), *extra)
 
 

@@ -128,7 +128,7 @@ def test_prelort_aggregates_an_elastic_reply_into_the_segments_it_trained():
     assert torch.equal(new.arrays[key_a], torch.tensor([[4.0, 4.0], [4.0, 4.0], [1.0, 1.0], [1.0, 1.0]]))
 
 
-ELASTIC = [m for m, d in methods.REGISTRY.items() if not d.equal_ranks and not d.elastic_ranks]
+ELASTIC = methods.declaring(methods.Capability.ELASTIC_RANKS)
 
 
 @pytest.mark.parametrize("name", ELASTIC)

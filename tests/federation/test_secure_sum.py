@@ -16,15 +16,9 @@ from nestfed.federation.secure_sum import (
     plain_sum,
     segment_mean,
     sum_error,
-    supports_secure_aggregation,
 )
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fedavg.strategy import FedAvg
-from nestfed.methods.fednl.strategy import FedNL
-from nestfed.methods.fedprox.strategy import FedProx
-from nestfed.methods.ffa_lora.strategy import FFALoRA
-from nestfed.methods.flora.strategy import FLoRA
-from nestfed.methods.hetlora.strategy import HetLoRA
 from nestfed.methods.prelort.strategy import PreLort
 from nestfed.methods.zeropad.strategy import ZeroPad
 
@@ -156,10 +150,3 @@ def test_the_client_validates_its_own_update():
         encode(sent, good, 9, lay, 1 / 8, 1.0)
     with pytest.raises(ValueError, match="LoRA matrices only"):
         layout([{"m.beta.weight": (3, 3)}])
-
-
-def test_only_strategies_whose_aggregate_has_a_secure_twin_qualify():
-    for cls in (PreLort, ZeroPad, FedAvg, FedProx):  # FedProx: FedAvg's aggregate, inherited
-        assert supports_secure_aggregation(object.__new__(cls)), cls
-    for cls in (HetLoRA, FLoRA, FFALoRA, FedNL):  # own aggregate (norm weights, stacking, B only, rules)
-        assert not supports_secure_aggregation(object.__new__(cls)), cls

@@ -301,9 +301,12 @@ def test_clients_deployments_and_the_export_never_see_the_optimiser_state(tmp_pa
         (['server_optimizer.tau="x"'], "server_optimizer.tau: expected a number"),
         (
             ["strategy.name=flora", "server_optimizer.name=adam"],
-            "server_optimizer.name: flora cannot take a server optimiser ('adam'): its global state is a stack",
+            "server_optimizer.name: flora cannot take a server optimiser: its global state is a stack",
         ),
-        (["strategy.name=flora", "server_optimizer.lr=0.5"], "flora cannot take a server optimiser ('sgd')"),
+        (
+            ["strategy.name=flora", "server_optimizer.lr=0.5"],
+            "server_optimizer.name: flora cannot take a server optimiser",
+        ),
         (
             [
                 "strategy.name=fednl",
@@ -334,7 +337,7 @@ def test_the_section_round_trips_and_the_refusals_follow_the_registry():
         "server_optimizer.lr: 1.0 -> 0.03",
         "server_optimizer.name: 'sgd' -> 'yogi'",
     ]
-    refused = sorted(n for n, m in methods.REGISTRY.items() if m.server_optimizer)
+    refused = sorted(set(methods.REGISTRY) - set(methods.declaring(methods.Capability.SERVER_OPTIMIZER)))
     assert {"flora", "fedmkt"} <= set(refused) and not {"prelort", "zeropad", "hetlora", "fedslm"} & set(refused)
     with pytest.raises(ConfigError, match="fedmkt cannot take a server optimiser"):
         methods.load_config(None, ["strategy.name=fedmkt", "server_optimizer.name=adam"])

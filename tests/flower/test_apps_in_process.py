@@ -65,9 +65,16 @@ def test_same_final_adapter_and_evaluation_as_the_embedded_runner(tmp_path, keep
         summary["engine"] == "flower"
         and summary["mean_ppl"] == json.loads((emb / "summary.json").read_text())["mean_ppl"]
     )
-    # one QUERY per node, then one TRAIN per node per round, plus EVALUATE at rounds 0, 1, 2
+    # one run path: the same summary fields, the mechanism reports measured by the nodes
+    es = json.loads((emb / "summary.json").read_text())
+    assert summary["truncation"] == es["truncation"] and summary["dimension_importance"] == es["dimension_importance"]
+    embedded_only = {"prepare_time_s", "frozen_prefix_layers", "client_labels", "client_pool"}
+    flower_only = {"events", "clients", "ranks"}
+    assert set(es) - set(summary) <= embedded_only and set(summary) - set(es) <= flower_only, set(es) ^ set(summary)
+    # one QUERY per node, then one TRAIN per node per round, EVALUATE at rounds 0, 1, 2, and one
+    # EVALUATE per node at each truncation rank r = 1, 2, 4, 8 (the mechanism reports)
     kinds = [m.metadata.message_type for m in grid.pushed]
-    assert kinds.count("query") == 3 and kinds.count("train") == 6 and kinds.count("evaluate") == 9
+    assert kinds.count("query") == 3 and kinds.count("train") == 6 and kinds.count("evaluate") == 9 + 3 * 4
 
 
 def test_silent_and_failing_nodes_are_dropped_and_rounds_aggregate_the_others(tmp_path, keep_threads):
@@ -299,7 +306,7 @@ def test_a_run_is_never_overwritten_and_embedded_only_methods_are_refused(tmp_pa
         run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "used"))
     assert (tmp_path / "used" / "metrics.jsonl").read_text() == "{}\n"
     fedslm = ";".join(OVERRIDES + ("strategy.name=fedslm",))
-    with pytest.raises(ConfigError, match="'fedslm' runs only embedded"):
+    with pytest.raises(ConfigError, match="fedslm cannot run on Flower: it runs only embedded"):
         run_on_grid(LocalGrid(CA.app, NODES), run_config(tmp_path / "slm", overrides=fedslm))
     assert not (tmp_path / "slm").exists()
     with pytest.raises(ConfigError, match="run config: resume = 'false', expected true or false"):

@@ -142,7 +142,7 @@ def test_the_round_halts_when_a_node_is_left_below_the_threshold(tmp_path, keep_
 def test_methods_that_need_individual_updates_are_refused_before_anything_is_written(tmp_path, keep_threads):
     run_dir = tmp_path / "run"
     over = SECURE_OVERRIDES[:2] + ("strategy.name=hetlora",) + SECURE_OVERRIDES[3:]
-    with pytest.raises(ConfigError, match="'hetlora' cannot aggregate from sums alone"):
+    with pytest.raises(ConfigError, match="hetlora cannot aggregate from secure sums alone"):
         run_on_grid(LocalGrid(CA.app, NODES), run_config(run_dir, over))
     assert not run_dir.exists()
 

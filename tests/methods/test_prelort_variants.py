@@ -164,7 +164,7 @@ def test_local_only_resumes_exactly_and_refuses_robust_rules(tmp_path):
     assert [ln["round"] for ln in lines(tmp_path / "part")] == [0, 1, 2, 3]
     with pytest.raises(ConfigError, match="local-only training aggregates nothing"):
         tiny_config("strategy.name=local_only", "robust.rule=median")
-    assert methods.get("local_only").global_adapter is False
+    assert not methods.get("local_only").can(methods.Capability.GLOBAL_MODEL)
 
 
 def dilute(dilution):

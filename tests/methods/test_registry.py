@@ -8,6 +8,7 @@ from tiny_federation import lines, tiny_config, tiny_prepared
 
 from nestfed import methods
 from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.config.capabilities import Capability
 from nestfed.experiments.run import run_method
 from nestfed.federation.aggregation import pad_rank
 from nestfed.federation.messages import Arrays, GlobalState, Reply
@@ -51,6 +52,7 @@ TOY = lora_method(
     "a toy: ZeroPad's mean update with a server step",
     lora_implementation(_strategy),
     sections={"toy": ToyOptions},
+    capabilities=frozenset({Capability.HETEROGENEOUS_RANKS, Capability.RESUME}),
 )
 
 

@@ -45,7 +45,7 @@ class PopulationConfig:
     trace, each budget turned into the largest rank whose footprint fits, a budget that holds none
     sitting the round out; a (round, client) it does not list trains at its own rank). A method
     serves an elastic rank by training the prefix of that
-    rank, or refuses the setting with its reason (nestfed.methods.method.Method.elastic_ranks).
+    rank, or refuses the setting with its reason (the ELASTIC_RANKS capability, nestfed.config.capabilities).
     availability: the probability that a client is online in a round (sampling draws from the
     online clients); dropout: the probability that a sampled client drops out before it replies.
     """

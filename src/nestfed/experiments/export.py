@@ -86,7 +86,7 @@ def export_adapter(
         raise NestfedError("export: give --rank R, --client K, or both")
     cfg = methods.load_config(rd.config_path)
     method = methods.get(cfg.strategy.name)
-    if not method.on_flower:
+    if method.client_hooks(cfg) is None:
         raise NestfedError(
             f"{run_dir}: {method.name}'s clients do not run a LoRA adapter on the backbone; nothing PEFT could load"
         )

@@ -10,27 +10,26 @@
   product is the product of its factors' norms). PreLort should concentrate mass in the leading
   indices.
 
-Both read the strategy's ``export`` (the adapter the run directory writes). A method without one
-global adapter (:attr:`Method.global_adapter` False, e.g. local-only), or whose export is not one
-LoRA adapter of rank r_max (FLoRA's stack of every client's factors), is skipped with the reason.
+Both read the strategy's ``export`` (the adapter the run directory writes) and are measured the
+same way on every transport (the clients evaluate the prefixes as sent). A method that does not
+declare ``EXPORT_AT_RANK`` (nestfed.config.capabilities: e.g. local-only, FLoRA's stack of every
+client's factors) is skipped with its reason.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nestfed import methods
 from nestfed.config import INLINE_CLIENTS, ExperimentConfig, r_max
-from nestfed.data.clients import ClientData
-from nestfed.evaluation.client import evaluate_client
+from nestfed.config.capabilities import WHAT, Capability
 from nestfed.federation.aggregation import truncate_rank
-from nestfed.federation.client import ClientTrainer
-from nestfed.federation.messages import Arrays, GlobalState
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState
 from nestfed.federation.rank_groups import summarise_metrics
-from nestfed.methods.implementation import MethodRun, lora_settings
-from nestfed.nn.arrays import apply_arrays
+from nestfed.federation.strategy import Strategy
+from nestfed.methods.implementation import lora_settings
 from nestfed.nn.keys import module_of, peft_key, rank_dim
 
 
@@ -64,10 +63,14 @@ def dimension_importance(arrays: Arrays, scale: float) -> list[float]:
 
 
 def skip_reason(cfg: ExperimentConfig, arrays: Arrays, files: dict[str, Arrays]) -> str:
-    """Why the mechanism reports do not apply to this run's export ``arrays`` (with the method's
-    further exported ``files``); "" when they do."""
-    if not methods.get(cfg.strategy.name).global_adapter:
-        return f"{cfg.strategy.name} has no global LoRA adapter that clients run a prefix of"
+    """Why the mechanism reports (and ``nestfed export --rank``) do not apply to this run's export
+    ``arrays`` (with the method's further exported ``files``); "" when they do. A method that does
+    not declare ``EXPORT_AT_RANK`` (nestfed.config.capabilities) is refused with its reason."""
+    m = methods.get(cfg.strategy.name)
+    if not m.can(Capability.EXPORT_AT_RANK):
+        return f"{m.name} cannot {WHAT[Capability.EXPORT_AT_RANK][0]}: " + (
+            m.refusals.get(Capability.EXPORT_AT_RANK) or WHAT[Capability.EXPORT_AT_RANK][1]
+        )
     if files:
         return f"the adapter is not the whole model change (the run also exports {', '.join(sorted(files))})"
     r = adapter_rank(arrays)
@@ -82,60 +85,52 @@ def skip_reason(cfg: ExperimentConfig, arrays: Arrays, files: dict[str, Arrays])
 #: per-client numbers: summary.json with few clients, clients.json with many)
 PER_CLIENT = ("truncation", "global_by_client")
 
+#: evaluate(deployments) -> {cid: held-out metrics}: each client's data under the (arrays, scale s)
+#: given for it, exactly as given (Transport.evaluate with ``as_sent``); None when nothing evaluates
+Evaluate = Callable[[Mapping[int, tuple[Arrays, float]]], "dict[str, dict[str, float]] | None"]
+
 
 def mechanisms(
     cfg: ExperimentConfig,
-    mr: MethodRun,
+    strategy: Strategy,
+    clients: Sequence[ClientInfo],
     state: GlobalState,
+    evaluate: Evaluate,
     panel: Sequence[int] | None = None,
-    global_data: ClientData | None = None,
+    on_global: Callable[[Arrays, float], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
     """The summary fields of a finished run: ``truncation`` {r: {cid: held-out metrics}},
     ``dimension_importance`` [r_max floats], or ``mechanisms_skipped`` with the reason; with many
-    clients ``truncation_by_rank`` ({r: the curve's metrics by rank group}); with the global held-out
-    set ``truncation_global`` ({r: its metrics}) and ``global_by_client`` ({cid: what that client
-    runs, on the global set}: every method, local-only included).
+    clients ``truncation_by_rank`` ({r: the curve's metrics by rank group}); with ``on_global``
+    (arrays, s -> metrics on the global held-out set) ``truncation_global`` ({r: its metrics}).
 
     The adapter truncated to r runs at scale s(r): lora_alpha / r_max at every r under ``fixed``
-    scaling, lora_alpha / r under ``rank`` scaling (LoraSettings.scale), loaded into the run's model
-    as it is (no client's kept state mixed in: this is the global adapter, not a client's
-    personalised model) and evaluated on each client's held-out data: the clients of ``panel``
-    (the evaluation panel, nestfed.federation.evaluation_plan.EvalPlan; None = every client). Ranks above the
-    adapter's are left out. A method whose clients are not nestfed.federation.client.ClientTrainer
-    is skipped.
+    scaling, lora_alpha / r under ``rank`` scaling (LoraSettings.scale), evaluated as it is (no
+    client's kept state mixed in: this is the global adapter, not a client's personalised model)
+    on each client's held-out data through ``evaluate``, the same for every transport: the clients
+    of ``panel`` (the evaluation panel, nestfed.federation.evaluation_plan.EvalPlan; None = every
+    client). Ranks above the adapter's are left out.
     """
-    trainer = mr.trainer
-    cids = [c.cid for c in mr.clients] if panel is None else list(panel)
-    out: dict[str, Any] = {}
-    if global_data is not None and isinstance(trainer, ClientTrainer):  # what each client runs, on the global set
-        out["global_by_client"] = {}
-        for cid in cids:
-            arrays, scale = mr.strategy.deploy(state, cid)
-            out["global_by_client"][str(cid)] = trainer.evaluate_on(cid, arrays, scale, global_data)
-    if not methods.get(cfg.strategy.name).global_adapter:
-        return {**out, "mechanisms_skipped": skip_reason(cfg, {}, {})}
-    if not isinstance(trainer, ClientTrainer):
-        return {"mechanisms_skipped": "its clients do not run the LoRA client trainer"}
-    arrays, scale = mr.strategy.export(state)
-    reason = skip_reason(cfg, arrays, mr.strategy.export_files(state))
+    if not methods.get(cfg.strategy.name).can(Capability.EXPORT_AT_RANK):
+        return {"mechanisms_skipped": skip_reason(cfg, {}, {})}
+    arrays, scale = strategy.export(state)
+    reason = skip_reason(cfg, arrays, strategy.export_files(state))
     if reason:
-        return {**out, "mechanisms_skipped": reason}
+        return {"mechanisms_skipped": reason}
+    cids = [c.cid for c in clients] if panel is None else list(panel)
     settings = lora_settings(cfg)
-    ranks = {str(c.cid): c.rank for c in mr.clients}
-    on_global: dict[str, dict[str, float]] = {}
+    ranks = {str(c.cid): c.rank for c in clients}
     rs = [r for r in sorted(set(cfg.output.truncations)) if r <= settings.r_max]
-    curve: dict[str, dict[str, dict[str, float]]] = {str(r): {} for r in rs}
-    for c in cids:  # client by client: its data are built (or read) once for every rank of the curve
-        data = trainer.data[c]
-        for r in rs:
-            apply_arrays(trainer.model, truncate_rank(arrays, r), settings.scale(r))
-            curve[str(r)][str(c)] = evaluate_client(trainer.model, data, trainer.train)
-    for r in rs if global_data is not None else []:
-        apply_arrays(trainer.model, truncate_rank(arrays, r), settings.scale(r))
-        on_global[str(r)] = evaluate_client(trainer.model, global_data, trainer.train)
-    out.update({"truncation": curve, "dimension_importance": dimension_importance(arrays, scale)})
-    if len(mr.clients) > INLINE_CLIENTS:
+    curve: dict[str, dict[str, dict[str, float]]] = {}
+    for r in rs:
+        prefix, s_r = truncate_rank(arrays, r), settings.scale(r)
+        got = evaluate({c: (prefix, s_r) for c in cids})
+        if got is None:
+            return {"mechanisms_skipped": "this run's transport does not evaluate (the Flower run config's evaluate)"}
+        curve[str(r)] = got
+    out: dict[str, Any] = {"truncation": curve, "dimension_importance": dimension_importance(arrays, scale)}
+    if len(clients) > INLINE_CLIENTS:
         out["truncation_by_rank"] = {r: summarise_metrics(c, ranks) for r, c in curve.items()}
-    if on_global:
-        out["truncation_global"] = on_global
+    if on_global is not None:
+        out["truncation_global"] = {str(r): on_global(truncate_rank(arrays, r), settings.scale(r)) for r in rs}
     return out

@@ -16,16 +16,17 @@ from typing import Any
 from nestfed import config as C
 from nestfed import methods
 from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.config.capabilities import Capability
 from nestfed.data.clients import ClientData
 from nestfed.data.global_test import global_test_set
-from nestfed.errors import RunFailed
 from nestfed.evaluation.client import evaluate_client
-from nestfed.experiments.mechanisms import PER_CLIENT, mechanisms
+from nestfed.experiments.federated_run import Federation, run_federation
 from nestfed.experiments.prepare import install_stream_modules
 from nestfed.federation import tracking
 from nestfed.federation.client import ClientTrainer
+from nestfed.federation.evaluation_plan import EvalPlan
 from nestfed.federation.in_process import InProcessTransport
-from nestfed.federation.loop import OnEvent, RoundLoop
+from nestfed.federation.loop import OnEvent
 from nestfed.federation.messages import GlobalState
 from nestfed.federation.population import Population
 from nestfed.federation.prepared import Prepared
@@ -77,7 +78,9 @@ def server_evaluation(
     """The round's ``eval_global``: the global adapter (the strategy's ``deploy`` for no client, what
     ``nestfed export`` writes) on the global held-out set; None without the set, for a method without
     one global adapter (local-only's clients keep their own) or whose clients run other models."""
-    if data is None or not methods.get(cfg.strategy.name).global_adapter or not isinstance(mr.trainer, ClientTrainer):
+    if data is None or not methods.get(cfg.strategy.name).can(Capability.GLOBAL_MODEL):
+        return None
+    if not isinstance(mr.trainer, ClientTrainer):
         return None
     trainer = mr.trainer
 
@@ -127,45 +130,52 @@ def run_method(
     population = Population.from_config(cfg, mr.clients, fp)  # an elastic trace is read before anything is written
     tracking.check_store(cfg.tracking, cfg.output.dir)  # an unwritable store is refused before anything is written
     text = C.dumps_toml(cfg)
-    rd = RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, C.per_client_inline(cfg))
-    loop = RoundLoop.from_config(
-        cfg,
+    trainer = mr.trainer if isinstance(mr.trainer, ClientTrainer) else None
+
+    def summary(state: GlobalState) -> dict[str, Any]:
+        out: dict[str, Any] = {"prepare_time_s": prep.prepare_time_s, "frozen_prefix_layers": prep.frozen_prefix_layers}
+        pool = getattr(prep.data, "stats", None)
+        if pool is not None:
+            out["client_pool"] = dataclasses.asdict(pool)
+        if C.per_client_inline(cfg):
+            out["client_labels"] = {str(c.cid): prep.label(c.cid) for c in prep.clients}
+        if glob is not None and trainer is not None:  # what each client runs, on the global set
+            out["global_by_client"] = {}
+            for cid in loop_panel(cfg, mr):
+                arrays, scale = mr.strategy.deploy(state, cid)
+                out["global_by_client"][str(cid)] = trainer.evaluate_on(cid, arrays, scale, glob)
+        if report is not None:
+            out.update(report(mr, state))
+        return out
+
+    def on_global(arrays, scale) -> dict[str, float]:
+        apply_arrays(trainer.model, arrays, scale)
+        return evaluate_client(trainer.model, glob, trainer.train)
+
+    fed = Federation(
+        "embedded",
         mr.strategy,
         InProcessTransport(mr.trainer),
         mr.clients,
-        rd,
+        mr.shapes,
         mr.keeps_client_state,
+        mr.finish,
+        prep.roster(),
+        population,
         on_event=on_event,
-        population=population,
-        sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name),
+        sinks=tracking.sinks(cfg.tracking, run_dir, cfg.output.dir, cfg.output.name),
         server_evaluate=server_evaluation(mr, cfg, glob),
+        on_global=on_global if glob is not None and trainer is not None else None,
+        summary=summary,
     )
-    try:
-        state = loop.run(mr.shapes, resume=resume)
-    except RunFailed as exc:  # the rounds so far are committed; the summary says why it stopped
-        rd.fail(
-            cfg,
-            str(exc),
-            exc.round,
-            {"engine": "embedded", "wall_time_s": time.perf_counter() - t0, "rejections": loop.log},
-        )
-        raise RunFailed(f"{rd.path}: {exc}", exc.round) from None
-    exports = mr.finish(state)
-    extra = {
-        "engine": "embedded",
-        "wall_time_s": time.perf_counter() - t0,
-        "prepare_time_s": prep.prepare_time_s,
-        "rejections": loop.log,
-        "frozen_prefix_layers": prep.frozen_prefix_layers,
-    }
-    pool = getattr(prep.data, "stats", None)
-    if pool is not None:
-        extra["client_pool"] = dataclasses.asdict(pool)
-    if rd.inline:
-        extra["client_labels"] = {str(c.cid): prep.label(c.cid) for c in prep.clients}
-    found = mechanisms(cfg, mr, state, loop.evaluation.panel, glob)
-    per_client = {k: found.pop(k) for k in PER_CLIENT if k in found}
-    extra.update(found)
-    if report is not None:
-        extra.update(report(mr, state))
-    return rd.finish(cfg, exports, extra, prep.roster(), per_client)
+
+    def open_run_dir() -> RunDir:
+        return RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, C.per_client_inline(cfg))
+
+    return run_federation(cfg, fed, open_run_dir, resume, t0)
+
+
+def loop_panel(cfg: ExperimentConfig, mr: MethodRun) -> list[int]:
+    """The clients the mechanism reports evaluate: the evaluation panel (EvalPlan), else all."""
+    panel = EvalPlan.from_config(cfg).panel
+    return [c.cid for c in mr.clients] if panel is None else list(panel)

@@ -113,6 +113,12 @@ class ClientTrainer:
         ``arrays`` at scale ``scaling`` (as the client runs them: its hooks' evaluation_arrays)."""
         return self.evaluate_on(cid, arrays, scaling, self.data[cid])
 
+    def evaluate_as_sent(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
+        """:meth:`evaluate` of ``arrays`` exactly as given, without the client's kept state: a
+        global adapter (or a prefix of it) measured on client ``cid``'s held-out data."""
+        apply_arrays(self.model, arrays, scaling)
+        return evaluate_client(self.model, self.data[cid], self.train)
+
     def evaluate_on(self, cid: int, arrays: Arrays, scaling: float, data: ClientData) -> dict[str, float]:
         """:meth:`evaluate` on another held-out set ``data`` (e.g. the global held-out set): client
         ``cid``'s model (its deployed arrays and kept state) on data's test rows."""

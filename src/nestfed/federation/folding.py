@@ -3,9 +3,9 @@ memory for a mean-type rule does not grow with the number of replies (docs/scale
 
 Up to ``hold`` accepted replies are kept and handed to the strategy's own ``aggregate`` (or its
 robust / central-DP form): exactly what the round loop did before, bit for bit. When one more
-arrives and the round can be rebuilt from sums (the strategy has ``aggregate_secure``,
-nestfed.federation.secure_sum.supports_secure_aggregation, and no robust rule or central DP needs
-the individual updates), the held replies are folded into the float64 sums
+arrives and the round can be rebuilt from sums (the method declares secure aggregation, so its
+``aggregate_secure`` is its rule from sums, nestfed.config.capabilities; and no robust rule or
+central DP needs the individual updates), the held replies are folded into the float64 sums
 S = sum_k n_k pad(D_k) and C = sum_k n_k [j < r_k] (nestfed.federation.secure_sum, the sums secure
 aggregation reveals) and every later reply is added on arrival and dropped; the strategy then
 rebuilds its rule from the sums (``aggregate_secure``). The two paths agree to float32 rounding
@@ -26,7 +26,7 @@ import torch
 from nestfed.federation.messages import GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.relative_screen import RelativeScreen
 from nestfed.federation.safeguards import Safeguards
-from nestfed.federation.secure_sum import Layout, common_rank, decode, layout, supports_secure_aggregation
+from nestfed.federation.secure_sum import Layout, common_rank, decode, layout
 from nestfed.federation.strategy import Strategy
 from nestfed.federation.update import block_norms
 from nestfed.nn.keys import rank_dim
@@ -48,7 +48,9 @@ class ReplyFolder:
     caps or rejects a larger one), which scales the sums' encoding into (0, 1]; screen: the round's
     default screen (nestfed.federation.relative_screen): held replies are screened against each other
     when they are folded or aggregated, later arrivals against those accepted before them; the
-    replies it rejects are in ``rejected`` ({cid: reason}) and never reach the aggregate.
+    replies it rejects are in ``rejected`` ({cid: reason}) and never reach the aggregate;
+    secure: whether the method declares secure aggregation (its ``aggregate_secure`` is its rule
+    rebuilt from sums, nestfed.config.capabilities), without which replies are never folded.
     """
 
     strategy: Strategy
@@ -62,6 +64,7 @@ class ReplyFolder:
     count: int = 0
     held_bytes: int = 0
     screen: RelativeScreen | None = None
+    secure: bool = False
     rejected: dict[int, str] = field(default_factory=dict)
     _norms: dict[int, dict[str, float]] = field(default_factory=dict)
     _sums: list[torch.Tensor] | None = None
@@ -74,7 +77,7 @@ class ReplyFolder:
     def can_fold(self) -> bool:
         """Whether this round's rule can be rebuilt from sums (module docstring); decided once."""
         if self._foldable is None:
-            self._foldable = not self.safeguards.rule.active and supports_secure_aggregation(self.strategy)
+            self._foldable = self.secure and not self.safeguards.rule.active
             if self._foldable:
                 try:
                     self._layout = layout(ins.expect for ins in self.instructions.values())

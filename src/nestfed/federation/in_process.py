@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
+from nestfed.config.capabilities import Capability
 from nestfed.federation.loop import FitResults
 from nestfed.federation.messages import Arrays, Instruction, Reply
 from nestfed.federation.payload import decode, encode
@@ -27,6 +28,8 @@ class Trainer(Protocol):
 
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]: ...
 
+    def evaluate_as_sent(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]: ...
+
 
 @dataclass
 class InProcessTransport:
@@ -34,6 +37,7 @@ class InProcessTransport:
 
     trainer: Trainer
     client_state_home: ClassVar[str] = KEPT  # the clients' kept state is checkpointed with the round
+    asks: ClassVar[Mapping[Capability, str]] = {}  # in process: nothing beyond the config
 
     def open(self) -> dict[str, Any]:
         """Nothing to add to the round-0 line."""
@@ -55,13 +59,16 @@ class InProcessTransport:
                 on_reply(cid, back)
         return out
 
-    def evaluate(self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]]:
+    def evaluate(
+        self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]], as_sent: bool = False
+    ) -> dict[str, dict[str, float]]:
         """Each listed client's held-out metrics under its (arrays, scale s), in this process, one
-        deployment at a time."""
+        deployment at a time (``as_sent``: without the client's kept state)."""
+        run = self.trainer.evaluate_as_sent if as_sent else self.trainer.evaluate
         out = {}
         for cid in deployments:
             arrays, scale = deployments[cid]
-            out[str(cid)] = self.trainer.evaluate(cid, arrays, scale)
+            out[str(cid)] = run(cid, arrays, scale)
         return out
 
     def client_state(self) -> ClientState:

@@ -28,7 +28,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nestfed.config import ExperimentConfig
+from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.config.capabilities import Capability, refusal
 from nestfed.errors import RunFailed, UpdateRejected
 from nestfed.federation.evaluation_plan import Deployments, EvalPlan
 from nestfed.federation.folding import ReplyFolder
@@ -68,9 +69,13 @@ class Transport(Protocol):
 
     client_state_home: where the clients' kept state lives (run_dir.KEPT: in the checkpoints, as
     :meth:`client_state` gives it; run_dir.ON_NODES: on the nodes, which keep it themselves).
+    asks: what the transport asks of the method, {capability: the setting that asks}
+    (nestfed.config.capabilities: e.g. Flower and its secure aggregation), refused by the loop
+    unless the method declares it.
     """
 
     client_state_home: str
+    asks: Mapping[Capability, str]
 
     def open(self) -> dict[str, Any]:
         """Fields for the round-0 metrics line (e.g. the nodes that answered)."""
@@ -81,9 +86,13 @@ class Transport(Protocol):
         """Deliver one instruction per client; hand each reply to ``on_reply(cid, reply)`` as it
         arrives (then keep it no longer), or collect them in FitResults.replies without one."""
 
-    def evaluate(self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
+    def evaluate(
+        self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]], as_sent: bool = False
+    ) -> dict[str, dict[str, float]] | None:
         """Held-out metrics {cid: metrics} of each client under its (arrays, scale s), computed as
-        each is read (:class:`Deployments`); None when this transport does not evaluate."""
+        each is read (:class:`Deployments`), as the client runs them (its kept state mixed in by
+        its hooks) or, with ``as_sent``, exactly as sent (a global adapter measured on the
+        client's data: the mechanism reports); None when this transport does not evaluate."""
 
     def client_state(self) -> ClientState | None:
         """The clients' kept state to checkpoint; None when the clients keep it themselves."""
@@ -125,7 +134,10 @@ class RoundLoop:
     """Drive ``strategy`` through ``transport`` for ``rounds`` rounds, committing into ``run_dir``.
 
     min_clients: the fewest accepted updates a round needs to aggregate (else the global state is
-    kept). keeps_client_state: the method's clients keep state between rounds (a resume then needs
+    kept). capabilities: what the method ``method`` declares (nestfed.methods.method.Method), with
+    its ``refusals``: the loop refuses at construction, with ConfigError naming the setting, what it
+    or its transport asks beyond them (:meth:`asked`), so no transport runs a method past what it
+    can do. keeps_client_state: the method's clients keep state between rounds (a resume then needs
     it in the checkpoint). safeguards: what an update must satisfy beyond its shapes (n_k, norm
     bound, DP clipping), the aggregation rule (robust or DP) and the privacy accountant
     (nestfed.federation.safeguards). on_event(kind, info): progress (``client_done``,
@@ -143,7 +155,7 @@ class RoundLoop:
     transport: Transport
     clients: list[ClientInfo]
     rounds: int
-    run_dir: RunDir
+    run_dir: RunDir | None  # set before run() (nestfed.experiments.federated_run: after the capability check)
     fraction: float = 1.0
     min_clients: int = 1
     seed: int = 0
@@ -158,6 +170,32 @@ class RoundLoop:
     evaluation: EvalPlan = field(default_factory=EvalPlan)
     hold_replies: int = 32
     server_evaluate: Callable[[int, GlobalState], dict[str, Any]] | None = None
+    capabilities: frozenset[Capability] = frozenset()
+    method: str = ""
+    refusals: Mapping[Capability, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        line = refusal(self.method or self.strategy.name, self.capabilities, self.asked(), self.refusals)
+        if line is not None:
+            raise ConfigError(line)
+
+    def asked(self) -> dict[Capability, str]:
+        """What this loop asks of the method, {capability: the setting that asks}: its clients'
+        ranks, elastic ranks, a robust rule or central DP, a server optimiser, and what the
+        transport asks (nestfed.config.capabilities)."""
+        out: dict[Capability, str] = {}
+        if len({c.rank for c in self.clients}) > 1:
+            out[Capability.HETEROGENEOUS_RANKS] = "lora.ranks"
+        if self.population.elastic != "none":
+            out[Capability.ELASTIC_RANKS] = "population.elastic"
+        if self.safeguards.rule.active:
+            central = self.safeguards.privacy.mode == "central"
+            out[Capability.ROBUST_AGGREGATION] = "privacy.mode" if central else "robust.rule"
+        if not self.safeguards.optimizer.identity:
+            out[Capability.SERVER_OPTIMIZER] = "server_optimizer.name"
+        for cap, setting in self.transport.asks.items():
+            out.setdefault(cap, setting)
+        return out
 
     @classmethod
     def from_config(
@@ -166,7 +204,7 @@ class RoundLoop:
         strategy: Strategy,
         transport: Transport,
         clients: list[ClientInfo],
-        run_dir: RunDir,
+        run_dir: RunDir | None,
         keeps_client_state: bool,
         **kw: Any,
     ) -> RoundLoop:
@@ -229,6 +267,8 @@ class RoundLoop:
         continue after the latest checkpoint (RunDir.resume; its errors propagate), or from round 0
         when the run crashed before committing it.
         """
+        if self.run_dir is None:
+            raise RuntimeError("RoundLoop.run: no run directory was set")
         ck = None
         if resume:
             ck, notes = self.run_dir.resume(self.keeps_client_state, self.transport.client_state_home)
@@ -292,6 +332,7 @@ class RoundLoop:
             self.hold_replies,
             max(declared.values(), default=1),
             screen=RelativeScreen(ratio, round_blocks(instructions)) if ratio > 0 else None,
+            secure=Capability.SECURE_AGGREGATION in self.capabilities,
         )
         per_client: dict[str, dict[str, Any]] = {}
         rejected: dict[str, str] = {}

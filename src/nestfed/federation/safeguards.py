@@ -111,7 +111,7 @@ class Safeguards:
         nestfed.federation.secure_sum), then the server optimiser's step: it needs only the
         aggregate, never a single client's update, so it composes with secure aggregation. Returns
         as :meth:`aggregate` (no ``robust``: secure aggregation refuses block rules)."""
-        new = strategy.aggregate_secure(rnd, state, secure)  # type: ignore[attr-defined]
+        new = strategy.aggregate_secure(rnd, state, secure)
         return server_step(self.optimizer, state, new)
 
     def privacy_spent(self, rnd: int, fraction: float) -> dict[str, Any]:

@@ -41,7 +41,6 @@ K Q < 2^32). The sum of K vectors is off by less than K 2c / Q per entry, so aft
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import Any
 
 import torch
 
@@ -197,19 +196,3 @@ def sum_error(num_clients: int, clip: float, quantization_range: int, n_max: flo
     """eps: the bound on each decoded entry's error in S and C after SecAgg+'s quantisation,
     K 2c n_max / Q (module docstring)."""
     return num_clients * 2.0 * clip * n_max / quantization_range
-
-
-def supports_secure_aggregation(strategy: Any) -> bool:
-    """Whether ``strategy`` can aggregate from secure sums: it has ``aggregate_secure``, written in
-    the same class as the ``aggregate`` it runs. A subclass that changes ``aggregate`` (other
-    weights, other arithmetic) without restating ``aggregate_secure`` loses the capability, so a
-    secure run can never silently aggregate differently from the method's own rule."""
-
-    def owner(name: str) -> type | None:
-        for cls in type(strategy).__mro__:
-            if name in vars(cls):
-                return cls
-        return None
-
-    secure = owner("aggregate_secure")
-    return secure is not None and secure is owner("aggregate")

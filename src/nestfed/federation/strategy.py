@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from nestfed.federation.aggregation import pad_rank, rank_prefix, truncate_rank, weighted_mean
-from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.robust import Block, BlockRule
 from nestfed.nn.keys import rank_dim
 from nestfed.nn.lora import init_adapter_state
@@ -38,8 +38,13 @@ class Strategy(Protocol):
         """The new global state from the validated replies of round ``rnd``."""
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
-        """Optional (strategies that can cut their replies into rank blocks, nestfed.federation.robust):
-        the new global state with each block combined by ``rule`` (a robust rule or central DP)."""
+        """The new global state with each rank block combined by ``rule`` (a robust rule or central
+        DP, nestfed.federation.robust). Called only for a method that declares ROBUST_AGGREGATION
+        (nestfed.config.capabilities)."""
+
+    def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
+        """The new global state rebuilt from secure sums alone (nestfed.federation.secure_sum).
+        Called only for a method that declares SECURE_AGGREGATION."""
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
         """The adapter client ``cid`` would run (its rank prefix; None = the full global), and its scale s."""
@@ -132,6 +137,11 @@ class LoraStrategy:
     # -- aggregate -----------------------------------------------------------------------------
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
         raise NotImplementedError
+
+    def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
+        """Refused unless a subclass writes its rebuild from sums (and its method declares
+        SECURE_AGGREGATION). Raises NotImplementedError."""
+        raise NotImplementedError(f"{self.name} does not rebuild its aggregate from secure sums")
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
         """One block of zero-padded updates, every replying client a member (ZeroPad's and HetLoRA's

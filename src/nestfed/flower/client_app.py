@@ -358,11 +358,15 @@ def handle_train(msg: Message, context: Context) -> Message:
 
 
 def handle_evaluate(msg: Message, context: Context) -> Message:
-    """EVALUATE: held-out metrics of this node's partition under the sent adapter."""
+    """EVALUATE: held-out metrics of this node's partition under the sent adapter, as its client
+    runs it (kept state restored) or, with config ``as-sent``, exactly as sent."""
     nc = node_client(_experiment_text(msg), dict(context.node_config))
     _check_cid(msg, nc)
     cfg = record_to_config(msg.content.config_records["config"])
     arrays = record_to_arrays(msg.content.array_records["arrays"]) if "arrays" in msg.content.array_records else {}
+    if cfg.get("as-sent"):  # a global adapter measured as sent (the mechanism reports): no kept state
+        metrics = nc.trainer.evaluate_as_sent(nc.cid, arrays, float(cfg["scaling"]))
+        return Message(RecordDict({"metrics": MetricRecord({k: float(v) for k, v in metrics.items()})}), reply_to=msg)
     restore_client_state(context, nc, _run_dir(msg), int(cfg.get("round", 0)))
     try:
         metrics = nc.trainer.evaluate(nc.cid, arrays, float(cfg["scaling"]))

@@ -53,15 +53,16 @@ from flwr.serverapp import Grid, ServerApp
 from nestfed import config as C
 from nestfed import methods
 from nestfed.config import ExperimentConfig
+from nestfed.config.capabilities import Capability
 from nestfed.errors import ConfigError, NestfedError, RunFailed
+from nestfed.experiments.federated_run import Federation, run_federation
 from nestfed.experiments.run import new_run_dir, stored_config
 from nestfed.federation import tracking
-from nestfed.federation.loop import FitResults, RoundLoop
+from nestfed.federation.loop import FitResults
 from nestfed.federation.messages import Arrays, ClientInfo, Instruction, Reply
 from nestfed.federation.population import Population
 from nestfed.federation.run_dir import ON_NODES, ClientState, Exports, RunDir
 from nestfed.federation.safeguards import Safeguards
-from nestfed.federation.secure_sum import supports_secure_aggregation
 from nestfed.flower.client_app import EXPERIMENT, INITIAL_ARRAYS, TRANSPORT_METRICS
 from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply, record_to_arrays
 from nestfed.flower.secure import SecAggSettings, secure_fit
@@ -274,6 +275,15 @@ class FlowerTransport:
     run_dir: str = ""
     client_state_home: ClassVar[str] = ON_NODES  # the nodes keep their clients' state
 
+    @property
+    def asks(self) -> dict[Capability, str]:
+        """What running on Flower asks of the method, {capability: the setting}: Flower itself, and
+        secure aggregation when the run config turns it on."""
+        out = {Capability.FLOWER: "strategy.name"}
+        if self.settings.secure_aggregation:
+            out[Capability.SECURE_AGGREGATION] = "run config: secure-aggregation"
+        return out
+
     def open(self) -> dict[str, Any]:
         """The QUERY round's node info and duration for the round-0 line."""
         return {"nodes": self.query.info, "query_s": self.query.seconds}
@@ -358,9 +368,12 @@ class FlowerTransport:
         }
         return out
 
-    def evaluate(self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]]) -> dict[str, dict[str, float]] | None:
+    def evaluate(
+        self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]], as_sent: bool = False
+    ) -> dict[str, dict[str, float]] | None:
         """EVALUATE messages (only with the run config's ``evaluate``), :data:`EVALUATE_BATCH` nodes at a
-        time, so the server never holds every evaluated client's adapter at once."""
+        time, so the server never holds every evaluated client's adapter at once; ``as_sent``: the
+        node evaluates the arrays without its client's kept state (config ``as-sent``)."""
         if not self.settings.evaluate:
             return None
         out = {}
@@ -369,10 +382,10 @@ class FlowerTransport:
             msgs, cid_of = {}, {}
             for cid in cids[i : i + EVALUATE_BATCH]:
                 arrays, scale = deployments[cid]
-                content = RecordDict(
-                    {"arrays": arrays_to_record(arrays), "config": config_to_record({"scaling": scale, "round": rnd})}
-                )
-                msgs[self.node_of[cid]] = self._message(cid, content, MessageType.EVALUATE, f"eval-{rnd}")
+                config = {"scaling": scale, "round": rnd, **({"as-sent": True} if as_sent else {})}
+                content = RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record(config)})
+                group = f"eval-{rnd}" + ("-as-sent" if as_sent else "")
+                msgs[self.node_of[cid]] = self._message(cid, content, MessageType.EVALUATE, group)
                 cid_of[self.node_of[cid]] = cid
             ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
             for n, msg in sorted(ex.replies.items()):
@@ -411,11 +424,9 @@ class FlowerRun:
         """The experiment, validated, and its method checked for Flower. Raises ConfigError."""
         path = resolve_experiment(self.settings.experiment, self.app_dir)
         cfg = methods.load_config(path, list(self.settings.overrides))
-        if not methods.get(cfg.strategy.name).on_flower:
-            raise ConfigError(
-                f"{path}: strategy.name: '{cfg.strategy.name}' runs only embedded (its clients hold "
-                "compressed models the ServerApp cannot set up); use nestfed run"
-            )
+        line = methods.get(cfg.strategy.name).refusal({Capability.FLOWER: "strategy.name"})
+        if line is not None:  # e.g. clients that hold compressed models the ServerApp cannot set up
+            raise ConfigError(f"{path}: {line}")
         return cfg
 
     def wait_for_nodes(self, want: int) -> list[int]:
@@ -522,67 +533,53 @@ class FlowerRun:
                 "to draw a global held-out set from (the embedded runner has one; docs/scale.md)"
             )
         if s.secure_aggregation:  # refused before anything is written
-            if not supports_secure_aggregation(strategy):
-                raise ConfigError(
-                    f"run config: secure-aggregation: strategy.name '{cfg.strategy.name}' cannot aggregate "
-                    "from sums alone (its rule needs individual updates); docs/secure_aggregation.md"
-                )
             if Safeguards.from_config(cfg).rule.active:
                 raise ConfigError(
                     "run config: secure-aggregation: a robust rule or central DP needs individual "
                     "updates, which secure aggregation hides; docs/secure_aggregation.md"
                 )
             s.secagg.check_clients(max(1, round(cfg.federation.fraction * len(q.clients))))
-        keeps_state = method.keeps_client_state(cfg)
         population = Population.from_config(cfg, q.clients)  # an elastic trace is read before anything is written
-        if s.resume:
-            self.say(f"resuming {run_dir}")
-        else:
-            rd = RunDir.create(run_dir, cfg_text, C.per_client_inline(cfg))
         transport = FlowerTransport(self.grid, s, q.node_of, cfg_text, q, self.say, str(run_dir.resolve()))
-        loop = RoundLoop.from_config(
-            cfg,
+        roster = {str(c.cid): {"rank": c.rank, "label": "", "num_examples": c.num_examples} for c in q.clients}
+
+        def summary(state) -> dict[str, Any]:
+            if not C.per_client_inline(cfg):
+                return {}
+            return {"clients": [c.cid for c in q.clients], "ranks": [c.rank for c in q.clients]}
+
+        fed = Federation(
+            "flower",
             strategy,
             transport,
             q.clients,
-            rd,
-            keeps_state,
+            q.shapes,
+            method.keeps_client_state(cfg),
+            lambda state: Exports(strategy.export(state), q.base_model, strategy.export_files(state)),
+            roster,
+            population,
             min_clients=min_clients,
-            population=population,
             on_event=lambda kind, info: self.say(info["text"]) if kind == "log" else None,
-            sinks=tracking.sinks(cfg.tracking, rd.path, cfg.output.dir, cfg.output.name),
+            sinks=tracking.sinks(cfg.tracking, run_dir, cfg.output.dir, cfg.output.name),
+            summary=summary,
+            log=self.log,
         )
+
+        def open_run_dir() -> RunDir:
+            if s.resume:
+                self.say(f"resuming {run_dir}")
+                return rd
+            return RunDir.create(run_dir, cfg_text, C.per_client_inline(cfg))
+
         try:
-            state = loop.run(q.shapes, resume=s.resume)
+            summary_ = run_federation(cfg, fed, open_run_dir, s.resume, t_start)
         except RunFailed as exc:
-            rd.fail(
-                cfg,
-                str(exc),
-                exc.round,
-                {
-                    "engine": "flower",
-                    "wall_time_s": time.perf_counter() - t_start,
-                    "rejections": list(loop.log),
-                    "events": list(self.log),
-                },
-            )
             self.say(f"failed: {exc}")
             raise
-        exports = Exports(strategy.export(state), q.base_model, strategy.export_files(state))
-        extra = {
-            "engine": "flower",
-            "wall_time_s": time.perf_counter() - t_start,
-            "rejections": list(loop.log),
-            "events": list(self.log),
-        }
-        if rd.inline:
-            extra.update({"clients": [c.cid for c in q.clients], "ranks": [c.rank for c in q.clients]})
-        roster = {str(c.cid): {"rank": c.rank, "label": "", "num_examples": c.num_examples} for c in q.clients}
-        summary = rd.finish(cfg, exports, extra, roster)
-        for rnd in summary.get("rounds_mostly_dropped", []):
+        for rnd in summary_.get("rounds_mostly_dropped", []):
             self.say(f"WARNING: round {rnd} lost most of its sampled clients (see metrics.jsonl's dropped)")
         self.say(f"done: {run_dir}")
-        return summary
+        return summary_
 
 
 def run_on_grid(grid: Grid, run_config: dict[str, Any]) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 from nestfed import config as C
 from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.config.capabilities import Capability, asked_by, refusal
 from nestfed.methods import (
     fedala,
     fedavg,
@@ -75,41 +76,36 @@ def _sections() -> dict[str, type]:
 
 
 def _check(cfg: ExperimentConfig) -> None:
-    """The running method's cross-section checks. Raises ValueError("<section.key>: <reason>")."""
+    """The running method's capabilities against what the config asks for
+    (nestfed.config.capabilities), then its cross-section checks. Raises ValueError("<section.key>:
+    <reason>")."""
     m = REGISTRY[cfg.strategy.name]
-    if m.equal_ranks and len(set(cfg.lora.ranks)) > 1:
-        raise ValueError(
-            f"lora.ranks: {m.name} needs equal ranks, got {list(cfg.lora.ranks)} "
-            f"(heterogeneous ranks: {', '.join(heterogeneous())})"
+    reasons = dict(m.refusals)
+    if not m.can(Capability.HETEROGENEOUS_RANKS):
+        ranks = sorted(set(cfg.lora.ranks))
+        got = f"got {ranks}" if len(ranks) > 1 else f"the population draws {cfg.population.support(cfg.lora.r_max)}"
+        reasons.setdefault(
+            Capability.HETEROGENEOUS_RANKS,
+            f"it needs equal ranks, {got} (heterogeneous ranks: {', '.join(heterogeneous())})",
         )
-    drawn = cfg.population.support(cfg.lora.r_max)
-    if m.equal_ranks and len(drawn) > 1:
-        raise ValueError(
-            f"population: {m.name} needs equal ranks, and the population draws {drawn} "
-            f"(heterogeneous ranks: {', '.join(heterogeneous())})"
+        reasons.setdefault(
+            Capability.ELASTIC_RANKS, "it needs one rank for every client, so no client can train at a lower one"
         )
-    if cfg.population.elastic != "none":
-        if m.equal_ranks:
-            raise ValueError(
-                f"population.elastic: {m.name} needs one rank for every client, so no client can train at a lower one"
-            )
-        if m.elastic_ranks:
-            raise ValueError(f"population.elastic: {m.name} cannot train an elastic rank: {m.elastic_ranks}")
-    if m.robust_aggregation and (cfg.robust.rule != "mean" or cfg.privacy.mode == "central"):
-        field = "robust.rule" if cfg.robust.rule != "mean" else "privacy.mode"
-        raise ValueError(f"{field}: {m.name} cannot aggregate robustly or with central DP: {m.robust_aggregation}")
-    if m.server_optimizer and not cfg.server_optimizer.identity:
-        raise ValueError(
-            f"server_optimizer.name: {m.name} cannot take a server optimiser "
-            f"('{cfg.server_optimizer.name}'): {m.server_optimizer}"
-        )
+    line = refusal(m.name, m.capabilities, asked_by(cfg), reasons)
+    if line is not None:
+        raise ValueError(line)
     if m.check_config is not None:
         m.check_config(cfg)
 
 
 def heterogeneous() -> list[str]:
-    """The registered methods that take clients of different ranks."""
-    return [m.name for m in REGISTRY.values() if not m.equal_ranks and m.flower]
+    """The registered methods that take clients of different ranks and run on Flower."""
+    return [m.name for m in REGISTRY.values() if m.can(Capability.HETEROGENEOUS_RANKS) and m.on_flower]
+
+
+def declaring(capability: Capability) -> list[str]:
+    """The registered methods that declare ``capability``, in registry order."""
+    return [m.name for m in REGISTRY.values() if m.can(capability)]
 
 
 def schema() -> C.Schema:
@@ -141,4 +137,15 @@ def replace_config(cfg: ExperimentConfig, **sections: dict[str, Any]) -> Experim
     return C.replace(cfg, schema(), **sections)
 
 
-__all__ = ["REGISTRY", "Method", "config_from_dict", "get", "load_config", "replace_config", "schema", "with_method"]
+__all__ = [
+    "REGISTRY",
+    "Capability",
+    "Method",
+    "declaring",
+    "config_from_dict",
+    "get",
+    "load_config",
+    "replace_config",
+    "schema",
+    "with_method",
+]

@@ -3,11 +3,12 @@ config loader read without importing torch.
 
 A :class:`Method` holds what is known before any model exists: the method's name, a one-line
 summary, its config sections (one options dataclass each: defaults written once, checked in
-``__post_init__``), its cross-section checks, and what it can and cannot do, each as the reason
-why not ("" = it can). What runs (its strategy, client hooks, setup) is its implementation
-(nestfed.methods.implementation.Implementation), in the module ``home`` names, imported the first
-time a run needs it: ``nestfed --help``, ``nestfed methods`` and a config error never load a model
-library. The round loop, the run directory and the entry points never ask which method runs.
+``__post_init__``), its cross-section checks, and what it can do: one typed set of capabilities
+(nestfed.config.capabilities), refused unless declared. What runs (its strategy, client hooks,
+setup) is its implementation (nestfed.methods.implementation.Implementation), in the module
+``home`` names, imported the first time a run needs it: ``nestfed --help``, ``nestfed methods``
+and a config error never load a model library. The round loop, the run directory and the entry
+points never ask which method runs.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from nestfed.config import ExperimentConfig
+from nestfed.config.capabilities import Capability, refusal
 
 if TYPE_CHECKING:  # the implementation side (torch, the round loop) is imported only when a run needs it
     from nestfed.federation.hooks import ClientHooks
@@ -25,13 +27,6 @@ if TYPE_CHECKING:  # the implementation side (torch, the round loop) is imported
     from nestfed.federation.prepared import Prepared
     from nestfed.federation.strategy import Strategy
     from nestfed.methods.implementation import ClientSide, Implementation, MethodRun
-
-NO_AGGREGATION = "its server does not aggregate LoRA updates (docs/trust.md)"
-NO_PSEUDO_GRADIENT = (
-    "its server does not combine parameter updates, so its state has no pseudo-gradient "
-    "(docs/architecture.md, Server optimisers)"
-)
-NO_ELASTIC = "its clients do not train a LoRA prefix of the global adapter (docs/scale.md, elastic ranks)"
 
 
 @dataclass(frozen=True)
@@ -41,17 +36,13 @@ class Method:
     name: what ``strategy.name`` and ``--methods`` accept; summary: one line for listings; home: the
     module whose ``IMPLEMENTATION`` runs it (or the :class:`Implementation` itself); sections:
     {config section: options dataclass} this home owns (a section may be shared by homes: the same
-    dataclass); check_config(cfg): cross-section checks, raising ValueError("<section.key>: <reason>");
-    equal_ranks: every client must have the same rank; flower: whether it runs on Flower's engines
-    (its implementation has both halves, ``client`` and ``server``); global_adapter: whether its
-    export is one global LoRA adapter whose rank prefixes a client could run (False: e.g. local-only
-    training; the truncation curve and dimension importance skip it).
+    dataclass); check_config(cfg): cross-section checks, raising ValueError("<section.key>: <reason>").
 
-    What it cannot do, each the reason shown when a config asks for it ("" = it can):
-    robust_aggregation: why its strategy cannot cut its replies into rank blocks (a robust rule or
-    central DP is refused); server_optimizer: why its global state cannot take a server optimiser's
-    step (nestfed.federation.server_optimizer); elastic_ranks: why a client cannot train this round at
-    a rank below its own (``population.elastic``, nestfed.config.population).
+    capabilities: what it can do (nestfed.config.capabilities.Capability), the one declaration of
+    it: anything not in the set is refused, at config load and by the round loop for every
+    transport; refusals: {capability: why not}, the method's own reason for a capability it lacks
+    (the capability's default reason otherwise). A method with ``FLOWER`` has both halves of its
+    implementation (``client`` and ``server``).
     """
 
     name: str
@@ -59,12 +50,17 @@ class Method:
     home: Any  # str (a module path) or an Implementation
     sections: Mapping[str, type] = field(default_factory=dict)
     check_config: Callable[[ExperimentConfig], None] | None = None
-    equal_ranks: bool = False
-    flower: bool = False
-    global_adapter: bool = True
-    robust_aggregation: str = NO_AGGREGATION
-    server_optimizer: str = NO_PSEUDO_GRADIENT
-    elastic_ranks: str = NO_ELASTIC
+    capabilities: frozenset[Capability] = frozenset()
+    refusals: Mapping[Capability, str] = field(default_factory=dict)
+
+    def can(self, capability: Capability) -> bool:
+        """Whether the method declares ``capability``."""
+        return capability in self.capabilities
+
+    def refusal(self, asked: Mapping[Capability, str]) -> str | None:
+        """The one line refusing the first of ``asked`` ({capability: the setting that asks}) the
+        method lacks (nestfed.config.capabilities.refusal); None when it declares them all."""
+        return refusal(self.name, self.capabilities, asked, self.refusals)
 
     @property
     def implementation(self) -> Implementation:
@@ -81,7 +77,7 @@ class Method:
     @property
     def on_flower(self) -> bool:
         """Whether the method runs on Flower's deployment and simulation engines."""
-        return self.flower
+        return self.can(Capability.FLOWER)
 
     # -- the implementation's parts, as the entry points call them ------------------------------------
     def build(self, prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
@@ -117,13 +113,9 @@ class Method:
         return None if hooks is None else hooks(cfg)
 
 
-def lora_method(name: str, summary: str, home: Any, **kw: Any) -> Method:
+def lora_method(name: str, summary: str, home: Any, capabilities: frozenset[Capability], **kw: Any) -> Method:
     """The declaration of a method whose clients run the client trainer on the shared backbone
-    (nestfed.methods.implementation.lora_implementation): on Flower, and able to aggregate robustly,
-    to take a server optimiser's step and to serve elastic ranks unless ``kw`` gives the reason why not.
-    ``kw``: the other :class:`Method` fields (sections, checks, equal_ranks)."""
-    kw.setdefault("robust_aggregation", "")
-    kw.setdefault("server_optimizer", "")
-    kw.setdefault("elastic_ranks", "")
-    kw.setdefault("flower", True)
-    return Method(name, summary, home, **kw)
+    (nestfed.methods.implementation.lora_implementation): its implementation has both halves, so
+    it runs on Flower (``FLOWER`` is added); everything else it can do is in ``capabilities``.
+    ``kw``: the other :class:`Method` fields (sections, checks, refusals)."""
+    return Method(name, summary, home, capabilities=frozenset(capabilities) | {Capability.FLOWER}, **kw)

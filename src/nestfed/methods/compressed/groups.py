@@ -50,6 +50,11 @@ class GroupedTrainer:
         """Train client ``cid`` on its group's model."""
         return self.trainers[self._group(cid)].fit(cid, instruction)
 
+    def evaluate_as_sent(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
+        """Refused: these clients run compressed models, and no global adapter is sent to evaluate
+        as it is (the method does not declare ``EXPORT_AT_RANK``). Raises TypeError."""
+        raise TypeError("compressed clients have no global adapter to evaluate as sent")
+
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
         """Held-out metrics of client ``cid`` on its group's model under ``arrays`` (empty: initial)."""
         g = self._group(cid)

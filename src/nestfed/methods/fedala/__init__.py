@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
 
@@ -41,5 +42,7 @@ METHOD = lora_method(
     "element-wise weights it learns (Zhang et al. 2023)",
     "nestfed.methods.fedala.strategy",
     sections={"fedala": FedALAOptions},
-    equal_ranks=True,
+    capabilities=frozenset(
+        {C.ROBUST_AGGREGATION, C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}
+    ),
 )

@@ -32,13 +32,14 @@ FLoRA does):
 deploy(state, cid) is client cid's prefix and fold (the global model exactly); export() writes one
 PEFT adapter at scale 1, A = [merged_A; s Abar], B = [merged_B, Bbar] (rank R + r_max, zero-padded
 to the largest over the layers), whose product is the global delta exactly. Its rank prefixes are
-not models a client runs (``global_adapter`` False: the mechanism reports skip it). A robust rule
+not models a client runs (it does not declare ``EXPORT_AT_RANK``: the mechanism reports skip it). A robust rule
 or central DP is refused: every client's exact product enters the residual, which no rule over the
 A and B blocks would guard; so is a server optimiser (the residual's arrays change shape).
 """
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
 METHOD = lora_method(
@@ -46,11 +47,15 @@ METHOD = lora_method(
     "FedAvg of A and B plus the exact residual mean(s_k B_k A_k) - s Bbar Abar "
     "folded into the frozen weights (Singhal et al., ACL 2025)",
     "nestfed.methods.fedex_lora.strategy",
-    global_adapter=False,
-    robust_aggregation="FedEx-LoRA folds every client's exact product s_k B_k A_k into the frozen "
-    "residual, which a rule over the A and B blocks would not guard (a norm bound, "
-    "validation.max_update_norm, does apply; docs/trust.md)",
-    server_optimizer="its frozen residual is a stack of factors that grows every round (until it "
-    "is compacted to the dense residual), so its arrays do not keep their shapes and there is no "
-    "pseudo-gradient to step",
+    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME}),
+    refusals={
+        C.ROBUST_AGGREGATION: "FedEx-LoRA folds every client's exact product s_k B_k A_k into the frozen "
+        "residual, which a rule over the A and B blocks would not guard (a norm bound, "
+        "validation.max_update_norm, does apply; docs/trust.md)",
+        C.SERVER_OPTIMIZER: "its frozen residual is a stack of factors that grows every round (until it "
+        "is compacted to the dense residual), so its arrays do not keep their shapes and there is no "
+        "pseudo-gradient to step",
+        C.SECURE_AGGREGATION: "it folds every client's exact product into the frozen residual, which a "
+        "sum of updates loses",
+    },
 )

@@ -10,6 +10,7 @@ round, so a run resumes exactly. The exported adapter is the server's LoRA after
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.compressed.options import CompressionOptions, check_compression
 from nestfed.methods.fedmkt.options import FedMKTOptions
 from nestfed.methods.method import Method
@@ -21,12 +22,16 @@ METHOD = Method(
     "nestfed.methods.fedmkt.run",
     sections={"fedmkt": FedMKTOptions, "compression": CompressionOptions},
     check_config=check_compression,
-    global_adapter=False,
-    robust_aggregation="its server learns by distillation from logits, not by combining parameter "
-    "updates (docs/trust.md)",
-    server_optimizer="its server learns by distillation, and its state holds the server's knowledge "
-    "(top-k logits recomputed every round), not an aggregate of client updates",
-    elastic_ranks="its clients' models are compressed at fixed ratios; no LoRA rank travels",
+    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.RESUME}),
+    refusals={
+        C.ROBUST_AGGREGATION: "its server learns by distillation from logits, not by combining parameter "
+        "updates (docs/trust.md)",
+        C.SERVER_OPTIMIZER: "its server learns by distillation, and its state holds the server's knowledge "
+        "(top-k logits recomputed every round), not an aggregate of client updates",
+        C.ELASTIC_RANKS: "its clients' models are compressed at fixed ratios; no LoRA rank travels",
+        C.GLOBAL_MODEL: "its clients run compressed models; the server's full model is distilled, not shared",
+        C.EXPORT_AT_RANK: "its clients run compressed models; no LoRA adapter travels",
+    },
 )
 
 __all__ = ["METHOD"]

@@ -198,6 +198,11 @@ class MutualClientTrainer:
         )
         return Reply(know, reply.num_examples, metrics)
 
+    def evaluate_as_sent(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
+        """Refused: these clients run compressed models, and no global adapter is sent to evaluate
+        as it is (the method does not declare ``EXPORT_AT_RANK``). Raises TypeError."""
+        raise TypeError("compressed clients have no global adapter to evaluate as sent")
+
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
         """The client's own model on its test set (``arrays`` is ignored: nothing is deployed to it)."""
         return self.base.evaluate(cid, self.own(cid), 1.0)

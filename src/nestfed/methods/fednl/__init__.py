@@ -8,6 +8,7 @@ model surgery (nestfed.nn.memory) and the delta rule an operator (nestfed.ops.de
 from __future__ import annotations
 
 from nestfed.config import ExperimentConfig
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.fednl.options import FedNLOptions
 from nestfed.methods.method import lora_method
 
@@ -34,7 +35,13 @@ METHOD = lora_method(
     "nestfed.methods.fednl.strategy",
     sections={"fednl": FedNLOptions},
     check_config=_check,
-    equal_ranks=True,
+    capabilities=frozenset({C.ROBUST_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL}),
+    refusals={
+        C.SECURE_AGGREGATION: "it averages memory rules beside the LoRA matrices, and secure sums hold "
+        "LoRA matrices only",
+        C.EXPORT_AT_RANK: "its global model includes the memory rules (memory_rules.safetensors), "
+        "which a PEFT LoRA adapter cannot hold",
+    },
 )
 
 __all__ = ["METHOD", "FedNLOptions"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
 
@@ -28,5 +29,7 @@ METHOD = lora_method(
     "FedAvg with the proximal term mu/2 ||theta - theta_global||^2 on every client (Li et al. 2020)",
     "nestfed.methods.fedprox.strategy",
     sections={"fedprox": FedProxOptions},
-    equal_ranks=True,
+    capabilities=frozenset(
+        {C.ROBUST_AGGREGATION, C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}
+    ),
 )

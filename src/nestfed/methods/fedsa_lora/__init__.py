@@ -20,8 +20,8 @@ the clients, but only A (which the paper finds learns general knowledge) is sent
   function with A as the shared initialisation a new client would start from. The personalised
   models (global A, client k's own B) are what the per-client evaluation measures; the B's live in
   the checkpoints' client state. The run's summary says so (``adapter_note``), and the
-  mechanism reports (truncation curve, dimension importance) skip the method (``global_adapter``
-  False).
+  mechanism reports (truncation curve, dimension importance) skip the method (it declares no
+  ``GLOBAL_MODEL`` or ``EXPORT_AT_RANK``).
 - Robust rules and central DP work per rank segment of A (the blocks whose rows are held by the
   same clients, as PreLort's); secure aggregation rebuilds the holder mean from sums alone.
 
@@ -31,6 +31,7 @@ continues each client from its own B.
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
 METHOD = lora_method(
@@ -38,5 +39,18 @@ METHOD = lora_method(
     "only A is shared and averaged (per held row at heterogeneous ranks); each "
     "client keeps its own B (Guo et al. 2025)",
     "nestfed.methods.fedsa_lora.strategy",
-    global_adapter=False,
+    capabilities=frozenset(
+        {
+            C.HETEROGENEOUS_RANKS,
+            C.ELASTIC_RANKS,
+            C.ROBUST_AGGREGATION,
+            C.SECURE_AGGREGATION,
+            C.SERVER_OPTIMIZER,
+            C.RESUME,
+        }
+    ),
+    refusals={
+        C.GLOBAL_MODEL: "each client keeps its own B",
+        C.EXPORT_AT_RANK: "each client keeps its own B",
+    },
 )

@@ -13,6 +13,7 @@ adapter is the server model's LoRA after elicitation with ``elicitation.alpha``.
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.compressed.options import CompressionOptions, check_compression
 from nestfed.methods.fedslm.options import ElicitationOptions
 from nestfed.methods.method import Method
@@ -26,12 +27,16 @@ METHOD = Method(
     "nestfed.methods.fedslm.run",
     sections=SECTIONS,
     check_config=check_compression,
-    global_adapter=False,
-    robust_aggregation="its clients train cores of different shapes in nested SVD groups, fused by "
-    "coverage; a rule would need one block per group and core position, which is not built (the norm "
-    "bound, validation.max_update_norm, applies; docs/trust.md)",
-    server_optimizer="",  # the fused cores M_l keep their shape: the fusion minus M_l is an update
-    elastic_ranks="its clients' ranks are compression ratios of their models, fixed when the models are derived",
+    # SERVER_OPTIMIZER: the fused cores M_l keep their shape, so the fusion minus M_l is an update
+    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.SERVER_OPTIMIZER, C.RESUME}),
+    refusals={
+        C.ROBUST_AGGREGATION: "its clients train cores of different shapes in nested SVD groups, fused by "
+        "coverage; a rule would need one block per group and core position, which is not built (the norm "
+        "bound, validation.max_update_norm, applies; docs/trust.md)",
+        C.ELASTIC_RANKS: "its clients' ranks are compression ratios of their models, fixed when the models are derived",
+        C.GLOBAL_MODEL: "its clients run compressed models at nested ranks, not one global model",
+        C.EXPORT_AT_RANK: "its clients run compressed models at nested ranks, not one global LoRA adapter",
+    },
 )
 
 __all__ = ["METHOD", "SECTIONS"]

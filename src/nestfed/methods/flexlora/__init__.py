@@ -40,17 +40,22 @@ SVD factorisations is not an update of the factors.
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
 METHOD = lora_method(
     "flexlora",
     "n_k-weighted mean of the full products s_k B_k A_k, each client gets its rank-r_k truncated SVD (Bai et al. 2024)",
     "nestfed.methods.flexlora.strategy",
-    robust_aggregation="FlexLoRA averages full products s_k B_k A_k and re-factorises them by SVD: "
-    "that space does not cut into rank blocks of A and B, so a coordinate-wise or distance rule "
-    "over the factors would not be the method's rule (a norm bound, validation.max_update_norm, "
-    "does apply; docs/trust.md)",
-    server_optimizer="its aggregate is a fresh SVD factorisation of the mean product, whose "
-    "factors are defined only up to the sign and order of the singular pairs: the aggregate minus "
-    "the state is no update of the factors, so there is no pseudo-gradient to step",
+    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}),
+    refusals={
+        C.ROBUST_AGGREGATION: "FlexLoRA averages full products s_k B_k A_k and re-factorises them by SVD: "
+        "that space does not cut into rank blocks of A and B, so a coordinate-wise or distance rule "
+        "over the factors would not be the method's rule (a norm bound, validation.max_update_norm, "
+        "does apply; docs/trust.md)",
+        C.SERVER_OPTIMIZER: "its aggregate is a fresh SVD factorisation of the mean product, whose "
+        "factors are defined only up to the sign and order of the singular pairs: the aggregate minus "
+        "the state is no update of the factors, so there is no pseudo-gradient to step",
+        C.SECURE_AGGREGATION: "it averages full products s_k B_k A_k, not the factors a secure sum adds",
+    },
 )

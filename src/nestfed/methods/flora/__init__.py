@@ -14,6 +14,7 @@ clients); it grows by sum_k r_k rows per round, which the byte accounting shows.
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
 METHOD = lora_method(
@@ -21,10 +22,16 @@ METHOD = lora_method(
     "stack the clients' p_k s_k B_k A_k exactly, merge into the base every round, "
     "fresh LoRA per round (Wang et al. 2024)",
     "nestfed.methods.flora.strategy",
-    robust_aggregation="FLoRA stacks every client's exact product B_k A_k, each in its own "
-    "subspace: a coordinate-wise or distance rule over them means nothing (a norm bound, "
-    "validation.max_update_norm, does apply; docs/trust.md)",
-    server_optimizer="its global state is a stack that grows by sum_k r_k rows every round (the "
-    "clients' exact products, merged into the base), so no array keeps its shape and there is no "
-    "pseudo-gradient to step",
+    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME, C.GLOBAL_MODEL}),
+    refusals={
+        C.ROBUST_AGGREGATION: "FLoRA stacks every client's exact product B_k A_k, each in its own "
+        "subspace: a coordinate-wise or distance rule over them means nothing (a norm bound, "
+        "validation.max_update_norm, does apply; docs/trust.md)",
+        C.SERVER_OPTIMIZER: "its global state is a stack that grows by sum_k r_k rows every round (the "
+        "clients' exact products, merged into the base), so no array keeps its shape and there is no "
+        "pseudo-gradient to step",
+        C.SECURE_AGGREGATION: "it stacks every client's exact factors, which a sum of updates loses",
+        C.EXPORT_AT_RANK: "its global state is a stack of every client's factors (rank sum_k r_k), "
+        "not a nested adapter of rank r_max",
+    },
 )

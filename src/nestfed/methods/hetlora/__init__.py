@@ -17,6 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config import ExperimentConfig
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
 WEIGHTINGS = ("norm", "examples")
@@ -46,10 +48,37 @@ class HetLoRAOptions:
             raise ValueError(f"weighting must be 'norm' or 'examples', got '{self.weighting}'")
 
 
+def _check(cfg: ExperimentConfig) -> None:
+    """A robust rule or central DP cuts the replies into one zero-padded block with n_k weights:
+    HetLoRA's own rule only under ``weighting = "examples"`` (its norm weights have no block form).
+    Raises ValueError naming the field."""
+    if cfg.section("hetlora").weighting == "norm" and (cfg.robust.rule != "mean" or cfg.privacy.mode == "central"):
+        field = "robust.rule" if cfg.robust.rule != "mean" else "privacy.mode"
+        raise ValueError(
+            f"{field}: hetlora aggregates robustly or with central DP only with hetlora.weighting = "
+            "'examples' (its Frobenius-norm weights have no rank-block form; set it to use the rule)"
+        )
+
+
 METHOD = lora_method(
     "hetlora",
     "zero-pad, weights proportional to each update's Frobenius norm, rank "
     "self-pruning regulariser and pruning on the client (Cho et al. 2024)",
     "nestfed.methods.hetlora.strategy",
     sections={"hetlora": HetLoRAOptions},
+    check_config=_check,
+    capabilities=frozenset(
+        {
+            C.HETEROGENEOUS_RANKS,
+            C.ELASTIC_RANKS,
+            C.ROBUST_AGGREGATION,
+            C.SERVER_OPTIMIZER,
+            C.RESUME,
+            C.GLOBAL_MODEL,
+            C.EXPORT_AT_RANK,
+        }
+    ),
+    refusals={
+        C.SECURE_AGGREGATION: "its weights are each update's Frobenius norm, which no sum of updates gives",
+    },
 )

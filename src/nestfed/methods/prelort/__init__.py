@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
 OBJECTIVES = ("nested", "sampled", "full_rank")
@@ -58,4 +59,16 @@ METHOD = lora_method(
     "segment over the clients that hold it (arXiv 2606.15963)",
     "nestfed.methods.prelort.strategy",
     sections={"prelort": PreLortOptions},
+    capabilities=frozenset(
+        {
+            C.HETEROGENEOUS_RANKS,
+            C.ELASTIC_RANKS,
+            C.ROBUST_AGGREGATION,
+            C.SECURE_AGGREGATION,
+            C.SERVER_OPTIMIZER,
+            C.RESUME,
+            C.GLOBAL_MODEL,
+            C.EXPORT_AT_RANK,
+        }
+    ),
 )

@@ -6,8 +6,23 @@ A/B are padded with zeros to r_max and averaged in parameter space, which dilute
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
 METHOD = lora_method(
-    "zeropad", "zero-pad every client adapter to r_max, average with n_k weights", "nestfed.methods.zeropad.strategy"
+    "zeropad",
+    "zero-pad every client adapter to r_max, average with n_k weights",
+    "nestfed.methods.zeropad.strategy",
+    capabilities=frozenset(
+        {
+            C.HETEROGENEOUS_RANKS,
+            C.ELASTIC_RANKS,
+            C.ROBUST_AGGREGATION,
+            C.SECURE_AGGREGATION,
+            C.SERVER_OPTIMIZER,
+            C.RESUME,
+            C.GLOBAL_MODEL,
+            C.EXPORT_AT_RANK,
+        }
+    ),
 )

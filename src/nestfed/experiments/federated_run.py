@@ -1,0 +1,119 @@
+"""The one run path around the round loop: the embedded runner (nestfed.experiments.run) and
+Flower's ServerApp (nestfed.flower.server_app) each describe their federation as one
+:class:`Federation` and call :func:`run_federation`, which builds the loop from the config and the
+method's capabilities, runs it, and finishes the run directory with the same summary fields on
+both (the mechanism reports included: the clients evaluate the adapter's prefixes through the
+transport).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nestfed import methods
+from nestfed.config import ExperimentConfig
+from nestfed.errors import RunFailed
+from nestfed.experiments.mechanisms import PER_CLIENT, mechanisms
+from nestfed.federation.loop import OnEvent, RoundLoop, Transport
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState
+from nestfed.federation.population import Population
+from nestfed.federation.run_dir import Exports, RunDir
+from nestfed.federation.strategy import Strategy
+from nestfed.federation.tracking import Sink
+
+
+@dataclass
+class Federation:
+    """What one run of the round loop needs beyond its config.
+
+    engine: ``embedded`` | ``flower`` (the summary's ``engine``); strategy, transport, clients (the
+    federation that answered), shapes ({module: (out, in)}), keeps_client_state: the loop's;
+    exports(state): what the run directory writes (adapter, files); roster: {cid: {rank, label,
+    num_examples}}; population: the per-round draws; min_clients: None = federation.min_clients;
+    on_event, sinks, server_evaluate: the loop's (nestfed.federation.loop.RoundLoop);
+    on_global(arrays, s): metrics of an adapter on the global held-out set (the truncation curve's
+    ``truncation_global``), None without one; summary(state): the engine's further summary fields
+    (e.g. preparation time); log: the engine's own lines, kept as the summary's ``events``.
+    """
+
+    engine: str
+    strategy: Strategy
+    transport: Transport
+    clients: list[ClientInfo]
+    shapes: dict[str, tuple[int, int]]
+    keeps_client_state: bool
+    exports: Callable[[GlobalState], Exports]
+    roster: dict[str, dict[str, Any]]
+    population: Population
+    min_clients: int | None = None
+    on_event: OnEvent | None = None
+    sinks: list[Sink] = field(default_factory=list)
+    server_evaluate: Callable[[int, GlobalState], dict[str, Any]] | None = None
+    on_global: Callable[[Arrays, float], dict[str, float]] | None = None
+    summary: Callable[[GlobalState], dict[str, Any]] | None = None
+    log: list[str] | None = None
+
+
+def build_loop(cfg: ExperimentConfig, fed: Federation) -> RoundLoop:
+    """The round loop of ``fed`` under ``cfg``, its method's capabilities enforced (ConfigError
+    names the setting a method or transport asks beyond them). Its run directory is set by
+    :func:`run_federation`, so a refusal writes nothing."""
+    m = methods.get(cfg.strategy.name)
+    kw: dict[str, Any] = {
+        "population": fed.population,
+        "on_event": fed.on_event,
+        "sinks": fed.sinks,
+        "server_evaluate": fed.server_evaluate,
+        "capabilities": m.capabilities,
+        "method": m.name,
+        "refusals": m.refusals,
+    }
+    if fed.min_clients is not None:
+        kw["min_clients"] = fed.min_clients
+    return RoundLoop.from_config(cfg, fed.strategy, fed.transport, fed.clients, None, fed.keeps_client_state, **kw)
+
+
+def run_federation(
+    cfg: ExperimentConfig,
+    fed: Federation,
+    open_run_dir: Callable[[], RunDir],
+    resume: bool = False,
+    t0: float | None = None,
+) -> dict[str, Any]:
+    """Build the loop (:func:`build_loop`), open the run directory (``open_run_dir``: created, or
+    opened to resume), run or resume the rounds, and finish the directory: exports, the mechanism
+    reports and the summary, whose common fields are ``engine``, ``wall_time_s`` (since ``t0``)
+    and ``rejections``. Returns the summary. A run that fails (RunFailed) gets a failed summary
+    and the error is raised again, naming the run directory."""
+    t0 = time.perf_counter() if t0 is None else t0
+    loop = build_loop(cfg, fed)
+    rd = open_run_dir()
+    loop.run_dir = rd
+
+    def common() -> dict[str, Any]:
+        out = {"engine": fed.engine, "wall_time_s": time.perf_counter() - t0, "rejections": list(loop.log)}
+        return out if fed.log is None else {**out, "events": list(fed.log)}
+
+    try:
+        state = loop.run(fed.shapes, resume=resume)
+    except RunFailed as exc:  # the rounds so far are committed; the summary says why it stopped
+        rd.fail(cfg, str(exc), exc.round, common())
+        raise RunFailed(f"{rd.path}: {exc}", exc.round) from None
+    exports = fed.exports(state)
+    extra = common()  # the wall time of the rounds and the exports; the reports below are not in it
+    last = cfg.federation.rounds
+
+    def evaluate(deployments):
+        return fed.transport.evaluate(last, deployments, as_sent=True)
+
+    found = mechanisms(cfg, fed.strategy, fed.clients, state, evaluate, loop.evaluation.panel, fed.on_global)
+    if fed.summary is not None:
+        found.update(fed.summary(state))
+    per_client = {k: found.pop(k) for k in PER_CLIENT if k in found}
+    extra.update(found)
+    if fed.log is not None:
+        extra["events"] = list(fed.log)  # with what the reports logged
+    return rd.finish(cfg, exports, extra, fed.roster, per_client)
