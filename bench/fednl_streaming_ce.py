@@ -51,6 +51,35 @@ def probe_text(tokenizer, n: int) -> tuple[torch.Tensor, str]:
     return torch.tensor([ids[-n:]]), f"austen:{longest.title}, last {n} tokens"
 
 
+def table(result: dict) -> str:
+    """The markdown rows of docs/fednl.md's streaming-CE table for one result: per stream, the CE
+    of each 1K-token bin relative to the first (bins 1-12 as a range, 13-16 each), last / first and
+    the mean CE (bench/tables.py regenerates the docs' copy from the JSON)."""
+    where = (
+        "none"
+        if not result["sink"]
+        else (
+            f"{result['sink']}, at cache positions (default)"
+            if result.get("sink_positions") == "cache"
+            else f"{result['sink']}, at positions 0-{result['sink'] - 1}"
+        )
+    )
+    names = {"fednl": "FedNL", "fedavg_window": "FedAvg, window"}
+    out = [
+        "| sinks | stream | bins 1-12 (relative) | bins 13-16 (relative) | last / first | mean CE (nats) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for name, v in result["streams"].items():
+        ce = v["ce"]
+        rel = [c / ce[0] for c in ce]
+        out.append(
+            f"| {where} | {names.get(name, name)} | {min(rel[:12]):.2f} - {max(rel[:12]):.2f} | "
+            + " / ".join(f"{r:.2f}" for r in rel[12:16])
+            + f" | {100 * (ce[-1] / ce[0] - 1):+.1f}% | {sum(ce) / len(ce):.3f} |"
+        )
+    return "\n".join(out) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fednl", type=Path, required=True)

@@ -166,10 +166,9 @@ def cell(v: dict) -> str:
     return f"{ppl(v['mean_ppl'])} ({change})"
 
 
-def write(report: dict) -> None:
-    """bench/results/robustness.json, its markdown table and the two plots."""
-    OUT.mkdir(exist_ok=True)
-    (OUT / "robustness.json").write_text(json.dumps(report, indent=1) + "\n")
+def table(report: dict) -> str:
+    """The markdown tables of docs/trust.md: one row per attack, one column per rule; then the
+    privacy curve (bench/tables.py regenerates the docs' copy from robustness.json)."""
     res = report["results"]
     rules = list(next(iter(res.values())))
     rows = [
@@ -182,7 +181,16 @@ def write(report: dict) -> None:
     for p in report["privacy"]:
         eps = "inf" if p["epsilon"] is None else f"{p['epsilon']:.1f}"
         rows.append(f"| {p['noise_multiplier']} | {eps} | {ppl(p['mean_ppl'])} |")
-    (OUT / "robustness.md").write_text("\n".join(rows) + "\n")
+    return "\n".join(rows) + "\n"
+
+
+def write(report: dict) -> None:
+    """bench/results/robustness.json, its markdown table and the two plots."""
+    OUT.mkdir(exist_ok=True)
+    (OUT / "robustness.json").write_text(json.dumps(report, indent=1) + "\n")
+    (OUT / "robustness.md").write_text(table(report))
+    res = report["results"]
+    rules = list(next(iter(res.values())))
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
     attacks = list(res)
     width = 0.8 / len(rules)

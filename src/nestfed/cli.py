@@ -136,7 +136,7 @@ def _report(
     of one label over several seeds are reported with 95% intervals and paired differences against
     ``reference`` (default: the first label; nestfed.experiments.seed_report). ``table``: also write
     the Markdown tables there and the rows beside it as JSON (same stem)."""
-    from nestfed.experiments import group_report, report, seed_report
+    from nestfed.experiments import comparison, group_report, report, seed_report
     from nestfed.io import atomic
 
     rows = report.comparison_rows(run_dirs)
@@ -153,39 +153,21 @@ def _report(
     curves, importance = seed_report.truncation_stats(rows), seed_report.importance_stats(rows)
     many = report.many_clients(rows)
     if many and over_seeds:  # by rank group (nestfed.experiments.group_report)
-        stats = group_report.seed_stats(rows, groups, reference or next(iter(groups)))
-        out.print(group_report.seeds_table(rows, stats))
-        markdown = group_report.seeds_markdown(rows, stats, reference or next(iter(groups)))
+        out.print(
+            group_report.seeds_table(rows, group_report.seed_stats(rows, groups, reference or next(iter(groups))))
+        )
         bars = group_report.plot(rows)
     elif many:
         out.print(group_report.table(rows))
-        markdown = group_report.markdown(rows)
         bars = group_report.plot(rows)
     elif over_seeds:
         stats = seed_report.label_stats(rows, reference)
         out.print(seed_report.seeds_table(rows, stats))
-        markdown = seed_report.seeds_markdown(rows, stats)
         bars = seed_report.comparison_plot(rows, stats)
     else:
         out.print(report.comparison_table(rows))
-        markdown = report.comparison_markdown(rows)
         bars = report.comparison_plot(rows)
-    if curves:
-        markdown += "\nHeld-out perplexity of the final global adapter truncated to rank r (mean over clients):\n\n"
-        markdown += seed_report.truncation_markdown(curves)
-        ref = reference or next(iter(groups))
-        if over_seeds and ref in curves and len(curves) > 1:
-            markdown += (
-                f"\nPaired difference of the truncated adapters' held-out perplexity against {ref} at the "
-                "same r (%, 95% interval over seed x client pairs; bold: significant):\n\n"
-            )
-            markdown += seed_report.truncation_differences_markdown(seed_report.truncation_differences(rows, ref), ref)
-    on_global = seed_report.global_truncation_stats(rows)
-    if on_global:
-        markdown += (
-            "\nHeld-out perplexity of the final global adapter truncated to rank r on the global held-out set "
-            "(mean ± 95% over seeds):\n\n" + seed_report.truncation_markdown(on_global)
-        )
+    markdown = comparison.markdown(rows, reference)
     figures = {
         "truncation.png": seed_report.truncation_plot(curves) if curves else None,
         "dimension_importance.png": seed_report.importance_plot(importance) if importance else None,

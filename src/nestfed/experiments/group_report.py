@@ -311,6 +311,16 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[GroupStats], referenc
                 + " | ".join(_diff_text(s.global_gain.get(k)) for k in ranks)
                 + " |"
             )
+    out += [
+        "",
+        "Traffic and time: KB per client per round (both directions) and wall time of one seed, mean over seeds\n",
+        "| method | KB/client/round | time s |",
+        "|---|---|---|",
+    ]
+    for s in stats:
+        group = [r for r in rows if r["label"] == s.label]
+        kb = np.mean([r["bytes_per_client_round"] for r in group]) / 1024
+        out.append(f"| {s.label} | {kb:,.0f} | {np.mean([r['wall_time_s'] for r in group]):,.0f} |")
     return "\n".join(out) + "\n"
 
 

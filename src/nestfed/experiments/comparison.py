@@ -1,0 +1,47 @@
+"""The Markdown of a comparison of finished runs (``nestfed compare``'s comparison.md): a function of
+the comparison rows (comparison.json) and the reference label alone, so every committed table can be
+regenerated from its results file (bench/tables.py).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nestfed.experiments import group_report, report, seed_report
+
+
+def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
+    """comparison.md of ``rows`` (nestfed.experiments.report.comparison_rows): by rank group with
+    many clients, with 95% intervals and paired differences against ``reference`` (default: the
+    first label) over seeds, then the truncation curve, its paired differences and the global
+    held-out set's curve where the runs measured them. Raises ValueError as
+    :func:`seed_report.by_label` does."""
+    groups = seed_report.by_label(rows)
+    over_seeds = any(len(g) > 1 for g in groups.values())
+    ref = reference or next(iter(groups))
+    many = report.many_clients(rows)
+    if many and over_seeds:
+        text = group_report.seeds_markdown(rows, group_report.seed_stats(rows, groups, ref), ref)
+    elif many:
+        text = group_report.markdown(rows)
+    elif over_seeds:
+        text = seed_report.seeds_markdown(rows, seed_report.label_stats(rows, reference))
+    else:
+        text = report.comparison_markdown(rows)
+    curves = seed_report.truncation_stats(rows)
+    if curves:
+        text += "\nHeld-out perplexity of the final global adapter truncated to rank r (mean over clients):\n\n"
+        text += seed_report.truncation_markdown(curves)
+        if over_seeds and ref in curves and len(curves) > 1:
+            text += (
+                f"\nPaired difference of the truncated adapters' held-out perplexity against {ref} at the "
+                "same r (%, 95% interval over seed x client pairs; bold: significant):\n\n"
+            )
+            text += seed_report.truncation_differences_markdown(seed_report.truncation_differences(rows, ref), ref)
+    on_global = seed_report.global_truncation_stats(rows)
+    if on_global:
+        text += (
+            "\nHeld-out perplexity of the final global adapter truncated to rank r on the global held-out set "
+            "(mean ± 95% over seeds):\n\n" + seed_report.truncation_markdown(on_global)
+        )
+    return text

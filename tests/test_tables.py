@@ -1,0 +1,41 @@
+"""Every generated table of measured results equals its regeneration from bench/results
+(bench/tables.py), every table on the results page is a generated one, and a hand-edited number is
+caught."""
+
+import importlib.util
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def tables_module():
+    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "bench" / "tables.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_committed_table_is_its_regeneration():
+    r = subprocess.run([sys.executable, str(ROOT / "bench" / "tables.py"), "--check"], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_every_table_on_the_results_page_is_generated():
+    text = (ROOT / "docs" / "results.md").read_text()
+    outside = re.sub(r"<!-- table: .*? -->\n.*?<!-- /table -->", "", text, flags=re.S)
+    assert not [ln for ln in outside.splitlines() if ln.startswith("|")], "a hand-written table in docs/results.md"
+
+
+def test_a_number_edited_by_hand_is_caught(tmp_path):
+    t = tables_module()
+    page = tmp_path / "page.md"
+    spec = "bench/results/main_job_seeds/comparison.json table=1 reference=prelort"
+    good = f"<!-- table: {spec} -->\n{t.render(spec)}<!-- /table -->\n"
+    page.write_text(good)
+    assert t.regenerate(page) == (good, [])
+    page.write_text(good.replace("51.14 ± 0.88", "48.31 ± 0.34"))  # PreLort's r = 16 made ZeroPad's
+    new, changed = t.regenerate(page)
+    assert changed == [spec] and new == good
