@@ -122,12 +122,36 @@ def _assembled(chunks: list[Path], name: str, scratch: Path) -> Iterator[Path]:
         yield path
 
 
+@contextmanager
+def _one_gguf_parse():
+    """Within the block, ``gguf.GGUFReader`` of one path is built once. transformers parses a GGUF's
+    header for the config, again for the weights and again for the tokenizer; for Gemma-3's
+    262K-token vocabulary each parse is a few million small reads, most of a conversion's time.
+    The reader is read-only (a memory map), so sharing it changes no value."""
+    import gguf
+
+    real, readers = gguf.GGUFReader, {}
+
+    def reader(path, *args, **kw):
+        key = (str(path), args, tuple(sorted(kw.items())))
+        if key not in readers:
+            readers[key] = real(path, *args, **kw)
+        return readers[key]
+
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = real
+
+
 def convert_builtin(name: str, cache_dir: Path) -> Path:
     """Convert the built-in model ``name`` (``smollm2-135m``, ``gemma3-270m``: ``BUILTINS``) from its
     GGUF to a safetensors HF directory once; return that directory (``cache_dir / folder``).
 
     Assembles the GGUF from its chunks, loads it with transformers' GGUF support and dequantises
-    it to fp32 the first time (SmolLM2's Q4_1: 45-60 s on 2 cores; Gemma-3's Q4_K_M: about 90 s);
+    it to fp32 the first time (Gemma-3's Q4_K_M: 43 s on 2 quiet cores, 63 s without parsing its
+    header once, bench/results/conversion.json);
     later calls return at once. The directory appears atomically (written beside it, then
     renamed), so an interrupted conversion leaves nothing half-written. Its config.json is a plain
     fp32 model's, without the GGUF ``quantization_config`` the loaded model carries (which makes
@@ -145,7 +169,7 @@ def convert_builtin(name: str, cache_dir: Path) -> Path:
     cache_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
     try:
-        with _assembled(chunks, spec.gguf, cache_dir) as gguf:
+        with _assembled(chunks, spec.gguf, cache_dir) as gguf, _one_gguf_parse():
             loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
             tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         # save_pretrained refuses a GGUF-loaded model: rebuild from its config, copy the weights.
