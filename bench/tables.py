@@ -53,6 +53,10 @@ BENCH_RENDERERS = {
 def renderer(data) -> Callable[..., str]:
     """The function that renders a results file's parsed JSON ``data`` as Markdown. Raises
     ValueError for a file no renderer is known for."""
+    if isinstance(data, list) and data and "client_memory_ratio" in data[0]:  # `nestfed fedslm`'s rows
+        from nestfed.experiments.compressed_comparison import markdown
+
+        return markdown
     if isinstance(data, list):  # comparison rows
         from nestfed.experiments.comparison import markdown
 

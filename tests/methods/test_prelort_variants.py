@@ -12,6 +12,7 @@ from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, t
 from nestfed import methods
 from nestfed.config import ConfigError
 from nestfed.federation.messages import ClientInfo, Reply
+from nestfed.federation.run_dir import RunDir
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.prelort import PreLortOptions
 from nestfed.methods.prelort.strategy import PreLort, PreLortHooks, sampled_subrank
@@ -246,3 +247,70 @@ def test_dilution_outside_zero_to_one_is_refused_naming_the_key():
         methods.load_config(None, ["strategy.name=prelort", "prelort.dilution=0.25"]).section("prelort").dilution
         == 0.25
     )
+
+
+def test_deploy_cap_by_hand():
+    from nestfed.methods.prelort.strategy import deploy_cap
+
+    main_job = {"0": 2, "1": 4, "2": 4, "3": 8, "4": 16}  # holders: [0,2) 5, [2,4) 4, [4,8) 2, [8,16) 1
+    assert [deploy_cap(main_job, m) for m in (0, 1, 2, 3, 4, 5, 6)] == [16, 16, 8, 4, 4, 2, 2]
+    assert deploy_cap({"0": 4, "1": 4}, 3) == 4  # one rank: the lowest segment is always kept
+
+
+@pytest.mark.parametrize("scaling", ["fixed", "rank"])
+def test_min_holders_caps_what_clients_deploy_and_what_is_exported(scaling):
+    """Ranks 2/4/4/8/16 with min_holders = 2: the segment [8, 16) (one holder) is left out. Every
+    client deploys min(r_k, 8); the export has that segment zeroed, and its function is the global
+    adapter deployed at the cap; the aggregate itself is the paper's."""
+    settings = LoraSettings(r_max=16, lora_alpha=16.0, scaling=scaling)
+    clients = [ClientInfo(c, r, 1) for c, r in enumerate([2, 4, 4, 8, 16])]
+    plain, capped = PreLort(settings), PreLort(settings, PreLortOptions(min_holders=2))
+    state = plain.initialize({"m": (6, 5)}, clients)
+    g = torch.Generator().manual_seed(0)
+    state.arrays = {k: torch.randn(v.shape, generator=g) for k, v in state.arrays.items()}
+    ins = plain.configure(1, state, clients)
+    reps = {
+        c: Reply({k: v + torch.randn(v.shape, generator=g) for k, v in i.arrays.items()}, 1) for c, i in ins.items()
+    }
+    new = plain.aggregate(1, state, reps)
+    assert same_arrays(capped.aggregate(1, state, reps).arrays, new.arrays)  # training and aggregation unchanged
+    for c, r in enumerate([2, 4, 4, 8, 16]):
+        arrays, s = capped.deploy(new, c)
+        want, s_want = (
+            plain.deploy(new, c)
+            if r <= 8
+            else (
+                {k: v.narrow(0 if "lora_A" in k else 1, 0, 8) for k, v in new.arrays.items()},
+                settings.scale(8),
+            )
+        )
+        assert same_arrays(arrays, want) and s == s_want, c
+    exported, s = capped.export(new)
+    a, b = exported["base_model.model.m.lora_A.weight"], exported["base_model.model.m.lora_B.weight"]
+    assert not a[8:].any() and not b[:, 8:].any() and a.shape == (16, 5)
+    top, s_top = capped.deploy(new, None)
+    torch.testing.assert_close(
+        s * b @ a, s_top * top["base_model.model.m.lora_B.weight"] @ top["base_model.model.m.lora_A.weight"]
+    )
+
+
+def test_min_holders_run_ends_where_the_stored_curve_says(tmp_path):
+    """A real run with min_holders = 2 on the tiny federation (ranks 2/4/8: [4, 8) has one holder)
+    ends at the same global adapter as the plain run, and each client's final perplexity is the
+    plain run's truncation curve at min(r_k, 4): what bench/prelort_min_holders.py reads."""
+    from nestfed.experiments.run import run_method
+
+    base = ("strategy.name=prelort", "output.truncations=[1,2,4,8]")
+    cfg, capped_cfg = tiny_config(*base), tiny_config(*base, "prelort.min_holders=2")
+    prep = tiny_prepared(cfg)
+    plain = run_method(prep, cfg, tmp_path / "plain")
+    capped = run_method(prep, capped_cfg, tmp_path / "capped")
+    a = RunDir(tmp_path / "plain").latest_checkpoint(False).state.arrays
+    b = RunDir(tmp_path / "capped").latest_checkpoint(False).state.arrays
+    assert same_arrays(a, b)
+    final = lines(tmp_path / "capped")[-1]["eval"]
+    for cid, r in (("0", 2), ("1", 4), ("2", 8)):
+        assert final[cid]["loss"] == pytest.approx(plain["truncation"][str(min(r, 4))][cid]["loss"], abs=1e-6)
+    assert capped["truncation"]["8"] == capped["truncation"]["4"]  # the export leaves [4, 8) out
+    with pytest.raises(ConfigError, match="min_holders: -1 is not a count"):
+        tiny_config(*base, "prelort.min_holders=-1")

@@ -14,6 +14,8 @@ aggregation only") and ``aggregation = "zeropad"`` (the nested objective with ze
 aggregation). ``dilution`` (ours, beyond the paper) scales a segment's mean update by
 (N_l / N)^dilution, N_l the examples of the round's clients holding it: 0 is the paper, 1 dilutes
 a segment few clients hold as ZeroPad does (docs/methods.md, PreLort's top segment).
+``min_holders`` (ours) leaves a segment held by fewer clients of the federation out of every
+deployed and exported adapter; training and aggregation stay the paper's.
 """
 
 from __future__ import annotations
@@ -35,12 +37,15 @@ class PreLortOptions:
     ``full_rank`` (plain LoRA at r_k: the ablation "nested aggregation only"); aggregation:
     ``segment`` (section 2.3) or ``zeropad`` (ZeroPad's padded mean: the ablation "nested objective,
     zero-padded aggregation"); dilution: the exponent of :func:`~nestfed.methods.prelort.strategy.segment_weight`
-    in [0, 1] (0, the paper: every segment's mean update undiluted). Raises ValueError naming the
-    field for any other value."""
+    in [0, 1] (0, the paper: every segment's mean update undiluted); min_holders: a segment
+    [lo, hi) held by fewer clients of the federation (r_k >= hi) is left out of what any client
+    deploys and of the exported adapter (:func:`~nestfed.methods.prelort.strategy.deploy_cap`; 0 or
+    1, the paper: every segment). Raises ValueError naming the field for any other value."""
 
     objective: str = "nested"
     aggregation: str = "segment"
     dilution: float = 0.0
+    min_holders: int = 0
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -51,6 +56,8 @@ class PreLortOptions:
             )
         if isinstance(self.dilution, bool) or not 0.0 <= float(self.dilution) <= 1.0:
             raise ValueError(f"dilution: {self.dilution!r} is not in [0, 1]")
+        if isinstance(self.min_holders, bool) or not isinstance(self.min_holders, int) or self.min_holders < 0:
+            raise ValueError(f"min_holders: {self.min_holders!r} is not a count of clients (an integer >= 0)")
 
 
 METHOD = lora_method(

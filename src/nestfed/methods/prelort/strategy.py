@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from nestfed.config import ExperimentConfig
-from nestfed.federation.aggregation import weighted_mean
+from nestfed.federation.aggregation import truncate_rank, weighted_mean
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
 from nestfed.federation.robust import Block, BlockRule
@@ -74,6 +74,21 @@ def segment_weight(held: float, total: float, dilution: float) -> float:
     return float((held / total) ** dilution)
 
 
+def deploy_cap(ranks: dict[str, int], min_holders: int) -> int:
+    """The largest rank any client deploys under ``[prelort] min_holders``: the top ``hi`` of the
+    federation's segments [lo, hi) held by at least ``min_holders`` clients (r_k >= hi; ``ranks``:
+    {cid: r_k} of every client). The lowest segment is always kept, and ``min_holders`` <= 1 keeps
+    every segment (r_max of the federation).
+
+    ``deploy_cap({"0": 2, "1": 4, "2": 4, "3": 8, "4": 16}, 2) == 8``: [8, 16) has one holder.
+    """
+    bounds = sorted({int(r) for r in ranks.values()})
+    if min_holders <= 1:
+        return bounds[-1]
+    held = [hi for hi in bounds if sum(int(r) >= hi for r in ranks.values()) >= min_holders]
+    return held[-1] if held else bounds[0]
+
+
 class PreLort(LoraStrategy):
     """Nested sub-rank training plus segment-wise aggregation over R_fed."""
 
@@ -121,6 +136,37 @@ class PreLort(LoraStrategy):
     def dilution(self) -> float:
         """``[prelort] dilution`` (:func:`segment_weight`); 0 without options."""
         return 0.0 if self.options is None else float(self.options.dilution)
+
+    @property
+    def min_holders(self) -> int:
+        """``[prelort] min_holders`` (:func:`deploy_cap`); 0 without options."""
+        return 0 if self.options is None else int(self.options.min_holders)
+
+    def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
+        """Client ``cid``'s prefix, at most :func:`deploy_cap`'s rank under ``min_holders`` (None:
+        the global adapter at that cap); the scale of the rank deployed."""
+        if self.min_holders <= 1:
+            return super().deploy(state, cid)
+        r = self.s.r_max if cid is None else self.rank_of(state, cid)
+        r = min(r, deploy_cap(state.meta["ranks"], self.min_holders))
+        return truncate_rank(state.arrays, r), self.s.scale(r)
+
+    def export(self, state: GlobalState) -> tuple[Arrays, float]:
+        """The global adapter at r_max, the segments above :func:`deploy_cap`'s rank zeroed under
+        ``min_holders`` (so every prefix a client exports, ``nestfed export --rank``, leaves them
+        out), its function that of :meth:`deploy` for no client (under ``rank`` scaling the kept B
+        columns carry s(cap) / s(r_max))."""
+        arrays, scale = super().export(state)
+        if self.min_holders > 1:
+            cap = deploy_cap(state.meta["ranks"], self.min_holders)
+            gain = self.s.scale(cap) / scale  # 1 under fixed scaling; under rank scaling s(cap) / s(r_max)
+            for k, v in arrays.items():
+                d = rank_dim(k)
+                if d is not None and v.shape[d] > cap:
+                    v.narrow(d, cap, v.shape[d] - cap).zero_()
+                    if gain != 1.0 and k.endswith("lora_B.weight"):
+                        v.narrow(d, 0, cap).mul_(gain)
+        return arrays, scale
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
         """Rank-aware robust aggregation: one block per rank segment [lo, hi), its members the
