@@ -59,12 +59,12 @@ from torch.nn import functional as F
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from nestfed.config.schema import GATES  # the gates [memory] accepts: one list for config and layer
 from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
 from nestfed.nn.layer_inputs import layer_window, positional_mask
 from nestfed.nn.placement import trainable_dtype
 from nestfed.ops.delta_rule import delta_rule, delta_rule_recurrent
 
-GATES = ("constant", "learned", "dynamic")
 DYNAMIC_RANGE = (0.1, 0.9)  # docs/methods.md: the dynamic gate is rescaled to [0.1, 0.9]
 MEMORY_KEY = ".memory."
 
