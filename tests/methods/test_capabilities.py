@@ -16,6 +16,7 @@ import json
 
 import pytest
 import torch
+from secagg_quantisation import quantised_sum
 from tiny_federation import crash_and_resume, same_arrays, tiny_config, tiny_prepared, tiny_run
 
 from nestfed import methods
@@ -28,7 +29,7 @@ from nestfed.federation.messages import Reply
 from nestfed.federation.population import Population
 from nestfed.federation.robust import BlockRule
 from nestfed.federation.run_dir import RunDir
-from nestfed.federation.secure_sum import decode, encode, layout, plain_sum, sum_error
+from nestfed.federation.secure_sum import layout, plain_sum, sum_error
 from nestfed.federation.server_optimizer import server_step
 from nestfed.methods.method import Method
 from nestfed.nn.arrays import apply_arrays
@@ -170,23 +171,6 @@ def test_the_mean_block_rule_is_the_methods_own_aggregate(name):
     assert own.arrays.keys() == blocks.arrays.keys()
     for k in own.arrays:
         torch.testing.assert_close(blocks.arrays[k], own.arrays[k], rtol=1e-5, atol=1e-6)
-
-
-def quantised_sum(ins, replies, n, lay, clip, q, seed=1):
-    """SecAgg+'s sum simulated: each client's encoded vector quantised with stochastic rounding."""
-    scale = 1.0 / max(n.values())
-    gen = torch.Generator().manual_seed(seed)
-    total = None
-    for c in sorted(replies):
-        vec, _ = encode(ins[c].arrays, replies[c].arrays, n[c], lay, scale, clip)
-        quant = []
-        for v in vec:
-            x = (v.clamp(-clip, clip) + clip) * q / (2 * clip)
-            lo = x.floor()
-            quant.append(lo + (torch.rand(x.shape, generator=gen, dtype=torch.float64) < x - lo))
-        total = quant if total is None else [a + b for a, b in zip(total, quant)]
-    deq = [t * (2 * clip) / q - len(replies) * clip for t in total]
-    return decode(deq, lay, scale, sorted(replies))
 
 
 @pytest.mark.parametrize("name", declaring(C.SECURE_AGGREGATION))
