@@ -359,7 +359,7 @@ def export(
 ) -> None:
     """Write a PEFT adapter that PEFT runs exactly as nestfed does: the global adapter truncated to
     rank r (lora_alpha set so that PEFT's lora_alpha / r is the client's scale), or client k's own
-    adapter (nestfed/experiments/export.py)."""
+    adapter (src/nestfed/experiments/export.py)."""
     from nestfed.experiments.export import export_adapter
 
     path, info = export_adapter(run_dir, rank, client, out_dir)

@@ -312,5 +312,12 @@ def test_min_holders_run_ends_where_the_stored_curve_says(tmp_path):
     for cid, r in (("0", 2), ("1", 4), ("2", 8)):
         assert final[cid]["loss"] == pytest.approx(plain["truncation"][str(min(r, 4))][cid]["loss"], abs=1e-6)
     assert capped["truncation"]["8"] == capped["truncation"]["4"]  # the export leaves [4, 8) out
+    from nestfed.errors import NestfedError
+    from nestfed.experiments.export import export_adapter
+
+    out, desc = export_adapter(tmp_path / "capped", client=2)  # client 2 (rank 8) deploys the cap, 4
+    assert desc["rank"] == 4 and '"r": 4' in (out / "adapter_config.json").read_text()
+    with pytest.raises(NestfedError, match="--rank 8: client 2 runs rank 4"):
+        export_adapter(tmp_path / "capped", rank=8, client=2)
     with pytest.raises(ConfigError, match="min_holders: -1 is not a count"):
         tiny_config(*base, "prelort.min_holders=-1")

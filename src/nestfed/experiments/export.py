@@ -27,7 +27,7 @@ from pathlib import Path
 
 from nestfed import methods
 from nestfed.errors import NestfedError
-from nestfed.experiments.mechanisms import skip_reason
+from nestfed.experiments.mechanisms import adapter_rank, skip_reason
 from nestfed.federation.aggregation import one_adapter, truncate_rank
 from nestfed.federation.run_dir import RunDir
 from nestfed.methods.implementation import lora_settings
@@ -98,14 +98,15 @@ def export_adapter(
     if client is not None:
         if client not in ranks:
             raise NestfedError(f"--client {client}: {run_dir} has clients {', '.join(map(str, sorted(ranks)))}")
-        if rank is not None and rank != ranks[client]:
-            raise NestfedError(
-                f"--rank {rank}: client {client} runs rank {ranks[client]} (give that rank or leave --rank out)"
-            )
         hooks = method.client_hooks(cfg)
         if hooks is None:
             raise NestfedError(f"--client: {method.name}'s clients do not run the LoRA client trainer")
         arrays, scale = strategy.deploy(ck.state, client)
+        deployed = adapter_rank(arrays) or ranks[client]  # below r_k where the method caps it (PreLort's min_holders)
+        if rank is not None and rank != deployed:
+            raise NestfedError(
+                f"--rank {rank}: client {client} runs rank {deployed} (give that rank or leave --rank out)"
+            )
         kept = (ck.client_state or {}).get(client, {})
         arrays = hooks.evaluation_arrays(kept, arrays)
         files = strategy.export_files(ck.state)
@@ -114,7 +115,7 @@ def export_adapter(
                 f"--client: {method.name}'s clients also run {', '.join(sorted(files))}, which a "
                 "PEFT LoRA adapter cannot hold"
             )
-        r = ranks[client]
+        r = deployed
     else:
         arrays, scale = strategy.export(ck.state)
         reason = skip_reason(cfg, arrays, strategy.export_files(ck.state))

@@ -82,8 +82,11 @@ def _check(cfg: ExperimentConfig) -> None:
     m = REGISTRY[cfg.strategy.name]
     reasons = dict(m.refusals)
     if not m.can(Capability.HETEROGENEOUS_RANKS):
-        ranks = sorted(set(cfg.lora.ranks))
-        got = f"got {ranks}" if len(ranks) > 1 else f"the population draws {cfg.population.support(cfg.lora.r_max)}"
+        got = (
+            f"got {list(cfg.lora.ranks)}"
+            if len(set(cfg.lora.ranks)) > 1
+            else f"the population draws {cfg.population.support(cfg.lora.r_max)}"
+        )
         reasons.setdefault(
             Capability.HETEROGENEOUS_RANKS,
             f"it needs equal ranks, {got} (heterogeneous ranks: {', '.join(heterogeneous())})",
