@@ -21,21 +21,14 @@ import time
 from pathlib import Path
 
 from nestfed.experiments.comparison import markdown
-
-
-def cap_of(ranks: list[int], min_holders: int) -> int:
-    """The largest rank whose segment is held by at least ``min_holders`` clients (r_max when
-    ``min_holders`` <= 1): what nestfed.methods.prelort.strategy.deploy_cap gives."""
-    from nestfed.methods.prelort.strategy import deploy_cap
-
-    return deploy_cap({str(c): r for c, r in enumerate(ranks)}, min_holders)
+from nestfed.methods.prelort.strategy import deploy_cap
 
 
 def with_min_holders(row: dict, min_holders: int) -> dict:
     """A stored PreLort comparison row as the same run with ``min_holders``: each client's
     perplexity and the truncation curve at ranks above the cap read at the cap."""
     ranks = [int(r) for r in str(row["ranks"]).split(",")]
-    cap = cap_of(ranks, min_holders)
+    cap = deploy_cap({str(c): r for c, r in enumerate(ranks)}, min_holders)
     curve = row["truncation"]
     out = copy.deepcopy(row)
     out["label"] = f"prelort min_holders={min_holders}"

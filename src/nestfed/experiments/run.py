@@ -176,6 +176,7 @@ def run_method(
 
 
 def loop_panel(cfg: ExperimentConfig, mr: MethodRun) -> list[int]:
-    """The clients the mechanism reports evaluate: the evaluation panel (EvalPlan), else all."""
+    """The clients whose models ``global_by_client`` measures on the global held-out set: the
+    evaluation panel (EvalPlan, as the mechanism reports use it), else every client."""
     panel = EvalPlan.from_config(cfg).panel
     return [c.cid for c in mr.clients] if panel is None else list(panel)

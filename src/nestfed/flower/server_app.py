@@ -273,6 +273,7 @@ class FlowerTransport:
     query: QueryResult
     say: Callable[[str], None]
     run_dir: str = ""
+    _as_sent_calls: int = 0
     client_state_home: ClassVar[str] = ON_NODES  # the nodes keep their clients' state
 
     @property
@@ -376,6 +377,8 @@ class FlowerTransport:
         node evaluates the arrays without its client's kept state (config ``as-sent``)."""
         if not self.settings.evaluate:
             return None
+        if as_sent:  # one group per call: the mechanism reports send one per truncation rank
+            self._as_sent_calls += 1
         out = {}
         cids = list(deployments)
         for i in range(0, len(cids), EVALUATE_BATCH):
@@ -384,7 +387,7 @@ class FlowerTransport:
                 arrays, scale = deployments[cid]
                 config = {"scaling": scale, "round": rnd, **({"as-sent": True} if as_sent else {})}
                 content = RecordDict({"arrays": arrays_to_record(arrays), "config": config_to_record(config)})
-                group = f"eval-{rnd}" + ("-as-sent" if as_sent else "")
+                group = f"eval-{rnd}" + (f"-as-sent-{self._as_sent_calls}" if as_sent else "")
                 msgs[self.node_of[cid]] = self._message(cid, content, MessageType.EVALUATE, group)
                 cid_of[self.node_of[cid]] = cid
             ex = exchange(self.grid, msgs, self.settings.round_timeout_s, self.settings.poll_interval_s)
