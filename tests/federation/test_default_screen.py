@@ -269,3 +269,53 @@ def test_block_norms_agree_between_the_gathered_and_per_array_paths(monkeypatch,
         "other": math.sqrt(3.0),
     }
     assert got == pytest.approx(want, rel=1e-6)
+
+
+def test_the_gathered_path_gives_the_per_array_norms_and_the_updates(monkeypatch):
+    from nestfed.federation import update
+
+    A2, B2 = A.replace("q_proj", "v_proj"), B.replace("q_proj", "v_proj")
+    g = torch.Generator().manual_seed(1)
+    sent = {k: torch.randn(*s, generator=g) for k, s in ((A, (4, 3)), (B, (5, 4)), (A2, (4, 6)), (B2, (2, 4)))}
+    reply = {k: v + torch.randn(v.shape, generator=g) for k, v in sent.items()}
+    order = (A, A2, B, B2)
+    norms, gathered = update.measure(sent, reply, (2, 4), order)
+    assert gathered is not None and gathered.keys_a == (A, A2) and gathered.keys_b == (B, B2)
+    d = {k: (reply[k].double() - sent[k].double()) for k in sent}
+    assert torch.equal(gathered.a, torch.cat([d[A], d[A2]], 1)) and torch.equal(gathered.b, torch.cat([d[B], d[B2]], 0))
+    by_hand = {
+        f"{lo}:{hi}": math.sqrt(
+            sum(float(d[k][lo:hi].pow(2).sum()) for k in (A, A2))
+            + sum(float(d[k][:, lo:hi].pow(2).sum()) for k in (B, B2))
+        )
+        for lo, hi in ((0, 2), (2, 4))
+    }
+    assert norms == pytest.approx(by_hand, rel=1e-12)
+    monkeypatch.setattr(update, "FLAT_NUMEL", 0)  # one array at a time: no gathered form
+    per_array, none = update.measure(sent, reply, (2, 4), order)
+    assert none is None and per_array == pytest.approx(norms, rel=1e-12)
+
+
+def test_folding_a_gathered_update_equals_folding_it_array_by_array():
+    from nestfed.federation.update import gather
+
+    strategy = methods.get("zeropad").server(
+        tiny_config("strategy.name=zeropad"), {A: torch.zeros(4, 3), B: torch.zeros(5, 4)}
+    )
+    g = torch.Generator().manual_seed(2)
+    ins = {c: _instruction(r) for c, r in enumerate((2, 4, 4))}
+    replies = {c: Reply({k: torch.randn(v.shape, generator=g) for k, v in ins[c].arrays.items()}, 3 + c) for c in ins}
+    state = GlobalState({A: torch.zeros(4, 3), B: torch.zeros(5, 4)})
+
+    def folded(use_gathered):
+        f = ReplyFolder(strategy, Safeguards(), 1, state, ins, hold=1, n_max=5, secure=True)
+        assert f.can_fold
+        f._scale = 1 / 5
+        for c, rep in replies.items():
+            gathered = gather(ins[c].arrays, rep.arrays, tuple(f._layout)) if use_gathered else None
+            assert gathered is not None or not use_gathered
+            f._fold(c, rep, gathered)
+        assert f._keys == ((A,), (B,))  # the gathered keys match: the two-kernel path ran
+        return f._key_sums()
+
+    assert all(torch.equal(x, y) for x, y in zip(folded(True), folded(False), strict=True))

@@ -92,8 +92,9 @@ def test_a_run_that_folds_every_round_ends_at_the_held_runs_adapter(tmp_path):
     folded_cfg = tiny_config("strategy.name=prelort", *SIX, "federation.rounds=2", "federation.hold_replies=1")
     held, _, _ = tiny_run(tmp_path / "held", cfg, tiny_prepared(cfg, (6,) * 6))
     folded, loop, _ = tiny_run(tmp_path / "folded", folded_cfg, tiny_prepared(folded_cfg, (6,) * 6))
-    for k in held.arrays:
-        torch.testing.assert_close(folded.arrays[k], held.arrays[k], rtol=1e-4, atol=1e-6)
+    for k in held.arrays:  # round 1 agrees to float32 rounding; round 2's training amplifies it (up to 2.6e-6
+        # on an AVX-512/AMX CPU), far below a round's update (about 1e-3)
+        torch.testing.assert_close(folded.arrays[k], held.arrays[k], rtol=1e-4, atol=1e-5)
     ln = [json.loads(x) for x in (tmp_path / "folded" / "metrics.jsonl").read_text().splitlines()]
     assert ln[1]["replies"] == {"held_replies": 0, "held_bytes": 0, "folded_replies": 6}
     assert "replies" not in json.loads((tmp_path / "held" / "metrics.jsonl").read_text().splitlines()[1])

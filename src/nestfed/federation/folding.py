@@ -18,6 +18,7 @@ dimension) holds them all; ``held_bytes`` in the metrics line says what it held.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,7 +29,7 @@ from nestfed.federation.relative_screen import RelativeScreen
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.secure_sum import Layout, common_rank, decode, layout
 from nestfed.federation.strategy import Strategy
-from nestfed.federation.update import block_norms
+from nestfed.federation.update import Gathered, measure
 from nestfed.nn.keys import rank_dim
 
 
@@ -72,6 +73,9 @@ class ReplyFolder:
     _layout: Layout | None = None
     _scale: float = 1.0
     _foldable: bool | None = None
+    _cols: dict[str, tuple[int, int, int]] = field(default_factory=dict)
+    _keys: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+    _measured: tuple[int, Any, Gathered | None] | None = None
 
     @property
     def can_fold(self) -> bool:
@@ -90,30 +94,77 @@ class ReplyFolder:
         """Whether the replies went into sums."""
         return self._sums is not None
 
-    def _fold(self, cid: int, reply: Reply) -> None:
-        """Add w_k (X_k - P_k) to each key's sum in place (rows up to r_k) and w_k to the counts of
+    def _columns(self) -> None:
+        """The flat sums' layout (:class:`~nestfed.federation.update.Gathered`'s): {key: (rank
+        dimension, first column of the lora_A-like sum [r, E_a] or first row of the lora_B-like sum
+        [E_b, r], entries per rank row)}, keys in the layout's order."""
+        self._cols, at = {}, [0, 0]
+        for k, shape in self._layout.items():
+            d = rank_dim(k)
+            e = math.prod(shape) // shape[d]
+            self._cols[k] = (d, at[d], e)
+            at[d] += e
+        self._keys = (
+            tuple(k for k, c in self._cols.items() if c[0] == 0),
+            tuple(k for k, c in self._cols.items() if c[0] == 1),
+        )
+
+    def _fold(self, cid: int, reply: Reply, gathered: Gathered | None = None) -> None:
+        """Add w_k (X_k - P_k) to the flat sums' rank rows up to r_k in place and w_k to the counts of
         rows < r_k, w_k = n_k * scale: what :func:`~nestfed.federation.secure_sum.encode` would add
-        unclipped, without padding a copy of every update."""
+        unclipped, without padding a copy of every update. ``gathered``: the update already measured
+        in the layout's order (two kernels then), else it is taken array by array."""
         if self._sums is None:
-            self._sums = [torch.zeros(shape, dtype=torch.float64) for shape in self._layout.values()]
-            self._sums.append(torch.zeros(common_rank(self._layout), dtype=torch.float64))
+            self._columns()
+            r = common_rank(self._layout)
+            ea = sum(e for d, _, e in self._cols.values() if d == 0)
+            eb = sum(e for d, _, e in self._cols.values() if d == 1)
+            self._sums = [torch.zeros(r, ea, dtype=torch.float64), torch.zeros(eb, r, dtype=torch.float64)]
+            self._sums.append(torch.zeros(r, dtype=torch.float64))
+        sum_a, sum_b, counts = self._sums
         sent, w = self.instructions[cid].arrays, reply.num_examples * self._scale
-        rank = 0
-        for total, k in zip(self._sums, self._layout):
-            x, d = reply.arrays[k], rank_dim(k)
-            delta = x.detach().to(torch.float64) - sent[k].detach().to(torch.float64)
-            total.narrow(d, 0, delta.shape[d]).add_(delta, alpha=w)
-            rank = delta.shape[d]
-        self._sums[-1][:rank] += w
+        if gathered is not None and (gathered.keys_a, gathered.keys_b) == self._keys:
+            rank = gathered.rank
+            sum_a[:rank].add_(gathered.a, alpha=w)
+            sum_b[:, :rank].add_(gathered.b, alpha=w)
+        else:
+            rank = 0
+            for k, (d, at, e) in self._cols.items():
+                delta = reply.arrays[k].detach().to(torch.float64) - sent[k].detach().to(torch.float64)
+                rank = delta.shape[d]
+                rows = delta.movedim(d, 0).reshape(rank, e)  # [r, entries]
+                if d == 0:
+                    sum_a[:rank, at : at + e].add_(rows, alpha=w)
+                else:
+                    sum_b[at : at + e, :rank].add_(rows.t(), alpha=w)
+        counts[:rank] += w
         self._folded.append(cid)
+
+    def _key_sums(self) -> list[torch.Tensor]:
+        """The flat sums as :func:`~nestfed.federation.secure_sum.decode` takes them: one tensor per
+        key in its layout shape, then the counts."""
+        sum_a, sum_b, counts = self._sums
+        out = []
+        for k, shape in self._layout.items():
+            d, at, e = self._cols[k]
+            rows = sum_a[:, at : at + e] if d == 0 else sum_b[at : at + e].t()  # [r, entries]
+            others = shape[:d] + shape[d + 1 :]
+            out.append(rows.reshape(shape[d], *others).movedim(0, d).contiguous())
+        return [*out, counts]
 
     @property
     def screening(self) -> bool:
         return self.screen is not None and self.screen.ratio > 0
 
     def block_norms(self, cid: int, reply: Reply) -> dict[str, float] | None:
-        """The reply's update norms per rank block when the round screens them, else None."""
-        return block_norms(self.instructions[cid].arrays, reply.arrays, self.screen.ends) if self.screening else None
+        """The reply's update norms per rank block when the round screens them, else None. Once the
+        round folds, the update measured here is kept for :meth:`add` (one pass over it, not two)."""
+        if not self.screening:
+            return None
+        order = tuple(self._layout) if self._sums is not None else None
+        norms, gathered = measure(self.instructions[cid].arrays, reply.arrays, self.screen.ends, order)
+        self._measured = (cid, reply.arrays, gathered) if order is not None else None
+        return norms
 
     def add(self, cid: int, reply: Reply, norms: dict[str, float] | None = None) -> None:
         """One validated reply that passed Safeguards.screen; ``norms``: its :meth:`block_norms`
@@ -129,7 +180,9 @@ class ReplyFolder:
                 return
             if self.screening:
                 self.screen.accept(norms)
-            self._fold(cid, reply)
+            measured, self._measured = self._measured, None
+            same = measured is not None and measured[0] == cid and measured[1] is reply.arrays  # not clipped since
+            self._fold(cid, reply, measured[2] if same else None)
             return
         self.held[cid] = reply
         self._norms[cid] = norms
@@ -176,5 +229,5 @@ class ReplyFolder:
         self.settle()
         if self._sums is None:
             return self.safeguards.aggregate(self.strategy, self.rnd, self.state, self.held)
-        secure: SecureSum = decode(self._sums, self._layout, self._scale, self._folded)
+        secure: SecureSum = decode(self._key_sums(), self._layout, self._scale, self._folded)
         return self.safeguards.aggregate_secure(self.strategy, self.rnd, self.state, secure)

@@ -9,6 +9,10 @@ are not part of an update: they are never counted, scaled or clipped.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 
 from nestfed.federation.messages import Arrays
@@ -52,9 +56,72 @@ def block_norms(sent: Arrays, reply: Arrays, ends: tuple[int, ...]) -> dict[str,
     """{block label ``lo:hi`` or ``other``: L2 norm of the update's entries in it}, float64; a block
     the reply does not reach is absent. Blocks: [0, ends[0]), [ends[0], ends[1]), ... along the
     rank dimension (rows of lora_A [r, in], columns of lora_B [out, r]) and ``other`` for the arrays
-    without one (all of them when ``ends`` is empty). A small reply's rank rows are gathered into
-    one [r, entries] matrix per rank (a few kernels per reply, not per array). Raises ValueError as
-    :func:`origin` does."""
+    without one (all of them when ``ends`` is empty). Raises ValueError as :func:`origin` does."""
+    return measure(sent, reply, ends)[0]
+
+
+@dataclass(frozen=True)
+class Gathered:
+    """A small LoRA reply's update as two float64 matrices: ``a`` [r, E_a], the lora_A-like arrays
+    ([r, in], rank dimension 0) side by side in ``keys_a`` order, and ``b`` [E_b, r], the lora_B-like
+    arrays ([out, r], rank dimension 1) stacked in ``keys_b`` order. Row i of ``a`` and column i of
+    ``b`` are rank dimension i of every array."""
+
+    keys_a: tuple[str, ...]
+    a: torch.Tensor
+    keys_b: tuple[str, ...]
+    b: torch.Tensor
+
+    @property
+    def rank(self) -> int:
+        return self.a.shape[0] if self.keys_a else self.b.shape[1]
+
+
+def gather(sent: Arrays, reply: Arrays, order: Iterable[str] | None = None) -> Gathered | None:
+    """The reply's update gathered (:class:`Gathered`) when it is small (at most FLAT_NUMEL entries)
+    and every array is a floating-point 2-D LoRA matrix sent at the reply's shape and dtype, with
+    one rank r for all; else None (:func:`measure` then goes array by array). ``order``: the
+    arrays' order (the reply's when None)."""
+    xa, oa, ka, xb, ob, kb = [], [], [], [], [], []
+    numel, rank = 0, None
+    for k in reply if order is None else order:
+        v, o, d = reply[k], sent.get(k), rank_dim(k)
+        if d is None or v.dim() != 2 or o is None or o.shape != v.shape or o.dtype != v.dtype:
+            return None
+        if not v.is_floating_point() or rank not in (None, v.shape[d]):
+            return None
+        rank, numel = v.shape[d], numel + v.numel()
+        (xa if d == 0 else xb).append(v)
+        (oa if d == 0 else ob).append(o)
+        (ka if d == 0 else kb).append(k)
+    if rank is None or numel > FLAT_NUMEL:
+        return None
+    a = torch.cat(xa, 1).double() - torch.cat(oa, 1).double() if xa else torch.zeros(rank, 0, dtype=torch.float64)
+    b = torch.cat(xb, 0).double() - torch.cat(ob, 0).double() if xb else torch.zeros(0, rank, dtype=torch.float64)
+    return Gathered(tuple(ka), a, tuple(kb), b)
+
+
+def _block_labels(per_row: list[float], ends: tuple[int, ...], reach: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    lo = 0
+    for hi in ends:
+        if lo < reach:
+            out[f"{lo}:{hi}"] = math.fsum(per_row[lo : min(hi, reach)]) ** 0.5
+        lo = hi
+    return out
+
+
+def measure(
+    sent: Arrays, reply: Arrays, ends: tuple[int, ...], order: Iterable[str] | None = None
+) -> tuple[dict[str, float], Gathered | None]:
+    """:func:`block_norms`, and the update gathered (:func:`gather`) when it can be and its rank is
+    at most max(ends), else None. The gathered form costs a few kernels per reply, not a few per
+    array (a 1,000-client round of small adapters); a large reply goes one array at a time (no
+    copy of all of it). ``order``: the gathered arrays' order."""
+    g = gather(sent, reply, order) if ends else None
+    if g is not None and g.rank <= max(ends):
+        per_row = (g.a.square().sum(1) + g.b.square().sum(0)).tolist()
+        return _block_labels(per_row, ends, g.rank), g
     rows = torch.zeros(max(ends, default=0), dtype=torch.float64)
     other_sq, has_other = 0.0, False
     other_x: list[torch.Tensor] = []
@@ -82,19 +149,13 @@ def block_norms(sent: Arrays, reply: Arrays, ends: tuple[int, ...]) -> dict[str,
     for r, (xs, os_) in by_rank.items():
         if xs:
             rows[:r] += (torch.cat(xs, 1).double() - torch.cat(os_, 1).double()).pow(2).sum(1)
-    reach = max(by_rank, default=0)
-    out: dict[str, float] = {}
-    lo = 0
-    for hi in ends:
-        if lo < reach:
-            out[f"{lo}:{hi}"] = float(rows[lo : min(hi, reach)].sum()) ** 0.5
-        lo = hi
+    out = _block_labels(rows.tolist(), ends, max(by_rank, default=0))
     if other_x:
         other_sq += float((torch.cat(other_x).double() - torch.cat(other_o).double()).pow(2).sum())
         has_other = True
     if has_other:
         out[WHOLE] = other_sq**0.5
-    return out
+    return out, None
 
 
 def scale_update(sent: Arrays, reply: Arrays, factor: float) -> Arrays:
