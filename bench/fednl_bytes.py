@@ -60,7 +60,7 @@ def account(rank: int, lora_layers: tuple[int, ...], gate: str) -> dict:
         "data.num_clients=1",
         f"lora.ranks=[{rank}]",
         f"lora.lora_alpha={2.0 * rank}",
-        f"memory.gate={gate}",
+        f"fednl.gate={gate}",
         'lora.target_modules=["q_proj","k_proj","v_proj"]',
     ]
     for travel in ("all", "rules"):

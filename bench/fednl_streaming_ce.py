@@ -9,7 +9,7 @@ clients' documents, so the end of a novel is unseen). Everything streams chunk b
 nestfed.evaluation.streaming:
 
 - ``fednl``: the memory on the layers FedNL trained, every softmax path windowed
-  (``memory.window`` of the run) -- constant memory;
+  (``fednl.window`` of the run) -- constant memory;
 - ``fedavg_window``: FedAvg's LoRA, the same softmax window, no memory;
 - ``fedavg_full``: FedAvg's LoRA with plain attention over everything seen (past SmolLM2's
   8,192-token training context after 8K);
@@ -89,7 +89,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument(
-        "--sink", type=int, default=None, help="attention-sink tokens (default: the FedNL run's memory.sink_tokens)"
+        "--sink", type=int, default=None, help="attention-sink tokens (default: the FedNL run's fednl.sink_tokens)"
     )
     ap.add_argument(
         "--sink-positions",
@@ -117,7 +117,7 @@ def main() -> None:
     inject_lora(
         model, cfg_nl.lora.target_modules, r_max(cfg_nl), cfg_nl.lora.lora_alpha / r_max(cfg_nl), cfg_nl.lora.layers
     )
-    m = cfg_nl.memory
+    m = cfg_nl.section("fednl")
     install_memory(
         model,
         MemorySettings(

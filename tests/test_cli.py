@@ -325,9 +325,9 @@ def test_instruction_and_multiple_choice_tasks_run(tmp_path, cli):
                 "--set",
                 'lora.target_modules=["q_proj"]',
                 "--set",
-                "memory.layers=[7]",
+                "fednl.layers=[7]",
             ],
-            "memory.layers: index 7 out of range for 2 layers",
+            "fednl.layers: index 7 out of range for 2 layers",
         ),
     ],
 )

@@ -65,7 +65,7 @@ def test_scalar_rank_is_broadcast():
         ({"lorra": {}}, "unknown section '[lorra]'"),
         ({"federaton": {}}, "unknown section '[federaton]' (known: model, lora, data, train, strategy, federation"),
         ({"federaton": {}}, "did you mean 'federation'?"),
-        ({"strategy": {"hetlora_reg": 0.1}}, "a method's options live in its own section: [hetlora] reg"),
+        ({"strategy": {"hetlora_reg": 0.1}}, "these options live in their own section: [hetlora] reg"),
         ({"lora": {"ranks": [2, 0, 4]}, "data": {"num_clients": 3}}, "lora.ranks: every rank must be a positive"),
         ({"lora": {"ranks": [2, 4]}, "data": {"num_clients": 3}}, "lora.ranks: 2 ranks for data.num_clients = 3"),
         (
@@ -96,7 +96,10 @@ def test_scalar_rank_is_broadcast():
         ({"fednl": {"travel": "some"}}, "fednl.travel must be 'all', 'rules' or 'none'"),
         ({"fedmkt": {"topk": 0}}, "fedmkt.topk >= 1"),
         ({"elicitation": {"alpha": 2.0}}, "elicitation.alpha / compare_alphas must be in [0, 1]"),
-        ({"memory": {"gate": "open"}}, "memory.gate: unknown gate 'open'"),
+        ({"fednl": {"gate": "open"}}, "fednl.gate: unknown gate 'open'"),
+        ({"fednl": {"window": -1}}, "fednl.window, sink_tokens and alpha_warmup_steps must be >= 0"),
+        ({"memory": {"window": 256}}, "[memory] is now part of [fednl]: move its keys there (fednl.<key>)"),
+        ({"train": {"eval_stream_window": -2}}, "train.eval_stream_window"),
     ],
 )
 def test_bad_values_name_the_key(data, message):

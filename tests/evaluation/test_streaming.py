@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from nestfed.evaluation.streaming import StreamStats, binned_ce, stream_nll, stream_nll_hf
+from nestfed.nn.bounded_attention import bounded_layers
 from nestfed.nn.frozen_prefix import lm_logits
 from nestfed.nn.memory import MemorySettings, install_memory, memory_rules, set_memory_enabled
 
@@ -34,6 +35,8 @@ def memory_model(tiny, gate="dynamic", window=0, sink=0):
             gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3, dynamic_kernel=5, sink=sink
         ),
     )
+    for b in bounded_layers(model).values():  # the same rebuild for the softmax path's bounds
+        b.window, b.sink = window, sink
     g = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for r in memory_rules(model).values():
@@ -99,9 +102,30 @@ def test_state_is_bounded_by_the_window_and_full_cache_grows(tiny_llama):
     assert grow == [8 * 2 * cfg.num_key_value_heads * D * 4 * cfg.num_hidden_layers] * len(grow)
 
 
+def test_streaming_needs_no_memory_module(tiny_llama):
+    """Bounded attention alone (what a streamed evaluation of any method installs) streams the
+    backbone: full mode equals one pass, a window long enough changes nothing, a short one does;
+    the state holds KV caches only (no memory rule, no delta-rule state)."""
+    from nestfed.nn.bounded_attention import install_bounded_attention
+
+    model = tiny_llama.model
+    ids = torch.randint(0, 250, (1, 40), generator=torch.Generator().manual_seed(6))
+    ref = one_pass_nll(model, ids)
+    install_bounded_attention(model, None, window=8, sink=0)
+    assert memory_rules(model) == {} and set(bounded_layers(model)) == {0, 1}
+    assert torch.allclose(stream_nll(model, ids, chunk=7, mode="full"), ref, atol=1e-5)
+    assert torch.allclose(stream_nll(model, ids, chunk=7, mode="window", window=64), ref, atol=1e-5)
+    st = StreamStats()
+    short = stream_nll(model, ids, chunk=8, mode="window", window=4, stats=st)
+    assert (short - ref).abs().max() > 1e-3  # the window really bounds the softmax path
+    cfg = model.config
+    D = cfg.hidden_size // cfg.num_attention_heads
+    assert st.state_bytes[-1] == 2 * cfg.num_key_value_heads * 3 * D * 4 * cfg.num_hidden_layers  # window - 1 keys
+
+
 def test_streaming_refuses_layers_without_memory(tiny_llama):
     install_memory(tiny_llama.model, MemorySettings(), layers=(1,))
-    with pytest.raises(ValueError, match="layer 0 has none"):
+    with pytest.raises(ValueError, match="layer 0 has none"):  # memory on layer 1 bounds layer 1 only
         stream_nll(tiny_llama.model, torch.zeros(1, 4, dtype=torch.long))
     with pytest.raises(ValueError, match="stream mode"):
         stream_nll(tiny_llama.model, torch.zeros(1, 4, dtype=torch.long), mode="sliding")

@@ -23,7 +23,7 @@ from nestfed.nn.peft_export import export_peft_adapter
 CASES = {
     "prelort": (),
     "fedala": ("strategy.name=fedala", "lora.ranks=[4]"),
-    "fednl-rules": ("strategy.name=fednl", "lora.ranks=[4]", "fednl.travel=rules", "memory.layers=[1]"),
+    "fednl-rules": ("strategy.name=fednl", "lora.ranks=[4]", "fednl.travel=rules", "fednl.layers=[1]"),
     "prelort-clients-file": ("output.client_detail=file", "evaluation.clients=2"),  # clients.jsonl, clients.json
 }
 

@@ -312,10 +312,10 @@ def test_clients_deployments_and_the_export_never_see_the_optimiser_state(tmp_pa
                 "strategy.name=fednl",
                 "lora.ranks=[4]",
                 'lora.target_modules=["q_proj"]',
-                "memory.gate=constant",
+                "fednl.gate=constant",
                 "server_optimizer.name=sgdm",
             ],
-            "fednl cannot take a server optimiser ('sgdm') with memory.gate = 'constant'",
+            "fednl cannot take a server optimiser ('sgdm') with fednl.gate = 'constant'",
         ),
     ],
 )

@@ -29,13 +29,13 @@ def cfg_of(travel="all", gate="learned", *extra):
         "lora.ranks=[4]",
         "lora.lora_alpha=8.0",
         'lora.target_modules=["q_proj","k_proj","v_proj"]',
-        "memory.layers=[1]",
-        f"memory.gate={gate}",
-        "memory.alpha_init=0.2",
-        "memory.chunk_size=4",
-        "memory.alpha_start=0.0",
-        "memory.alpha_end=0.6",
-        "memory.alpha_warmup_steps=6",
+        "fednl.layers=[1]",
+        f"fednl.gate={gate}",
+        "fednl.alpha_init=0.2",
+        "fednl.chunk_size=4",
+        "fednl.alpha_start=0.0",
+        "fednl.alpha_end=0.6",
+        "fednl.alpha_warmup_steps=6",
         "train.local_steps=3",
         "federation.rounds=2",
         *extra,
@@ -160,8 +160,8 @@ def test_fednl_refuses_a_model_without_memory_and_bad_options():
         cfg_of("some")
     with pytest.raises(ConfigError, match="FedNL keeps o_proj frozen"):
         tiny_config("strategy.name=fednl", "lora.ranks=[4]", 'lora.target_modules=["q_proj","o_proj"]')
-    cfg = cfg_of("all", "learned", "memory.layers=[5]")
-    with pytest.raises(ConfigError, match="memory.layers: index 5 out of range for 2 layers"):
+    cfg = cfg_of("all", "learned", "fednl.layers=[5]")
+    with pytest.raises(ConfigError, match="fednl.layers: index 5 out of range for 2 layers"):
         methods.get("fednl").check_model(tiny_prepared(cfg), cfg)
 
 

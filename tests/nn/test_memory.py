@@ -4,6 +4,7 @@ on q, k, v, beta's projection, the gate) and nothing else, chunkwise and recurre
 import pytest
 import torch
 
+from nestfed.nn.bounded_attention import bounded_layers
 from nestfed.nn.frozen_prefix import causal_lm_loss, lm_logits
 from nestfed.nn.lora import inject_lora, lora_modules
 from nestfed.nn.memory import (
@@ -37,8 +38,8 @@ def test_alpha_zero_reproduces_the_backbone_exactly(tiny, window):
     install_memory(model, MemorySettings(gate="constant", alpha_init=0.0, window=window if window else 0))
     set_memory_enabled(model, True)
     if window:  # a window longer than the sequence changes nothing
-        for r in memory_rules(model).values():
-            r.settings = MemorySettings(gate="constant", alpha_init=0.0, window=x.shape[1])
+        for b in bounded_layers(model).values():
+            b.window = x.shape[1]
     assert torch.equal(lm_logits(model, x), ref)
     assert torch.equal(model(x).logits, ref_hf)
     set_memory_enabled(model, False)
@@ -133,7 +134,7 @@ def test_schedule_and_settings():
     assert alpha_schedule(0, 0.01, 0.5, 10) == 0.01
     assert abs(alpha_schedule(5, 0.01, 0.5, 10) - 0.255) < 1e-12
     assert alpha_schedule(50, 0.01, 0.5, 10) == 0.5
-    with pytest.raises(ValueError, match="memory.gate"):
+    with pytest.raises(ValueError, match="gate: unknown gate"):
         MemorySettings(gate="static")
 
 
@@ -204,4 +205,4 @@ def test_left_padding_changes_nothing_in_the_memory_path(tiny_llama, gate, windo
         padded = torch.cat([torch.full((1, 4), pad_id), x], dim=1)
         got = model(padded, attention_mask=mask).logits[:, 4:]
         assert torch.allclose(got, want, atol=1e-5, rtol=0), (pad_id, (got - want).abs().max())
-    assert all(r.padding is None for r in memory_rules(model).values())  # cleared after the call
+    assert all(b.padding is None for b in bounded_layers(model).values())  # cleared after the call

@@ -1,7 +1,8 @@
 """Read, override, validate and write experiment configs (TOML <-> frozen dataclasses).
 
-An experiment is a TOML file whose tables map onto the core sections (nestfed.config.schema) and
-the sections method homes declare (a :class:`Schema`, built by the registry in nestfed.methods).
+An experiment is a TOML file whose tables map onto the core sections (nestfed.config.schema), the
+sections data sources declare (nestfed.config.sources: ``[niah]``) and the sections method homes
+declare (a :class:`Schema`, built by the registry in nestfed.methods).
 Command-line overrides use dotted keys, ``--set lora.ranks=[2,4,8]``. An unknown section or key,
 a value of the wrong type and a value out of range raise :class:`ConfigError` naming the file and
 the dotted key at fault; nothing is read from or written to a run directory here.
@@ -21,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from nestfed.config.schema import CORE_SECTIONS, ExperimentConfig, StrategyConfig, check_core
+from nestfed.config.sources import sections as source_sections
 from nestfed.errors import ConfigError
 
 
@@ -31,12 +33,14 @@ class Schema:
     sections: {section name: options dataclass} declared by method homes (each dataclass checks
     its own values in ``__post_init__``, raising ValueError("<key>: <reason>")); methods: the
     names ``strategy.name`` accepts; check: cross-section checks of the named method, called with
-    the whole config, raising ValueError("<section.key>: <reason>").
+    the whole config, raising ValueError("<section.key>: <reason>"); moved: {former section: the
+    section that now holds its keys}, for a one-line pointer.
     """
 
     sections: Mapping[str, type] = field(default_factory=dict)
     methods: tuple[str, ...] = ()
     check: Callable[[ExperimentConfig], None] | None = None
+    moved: Mapping[str, str] = field(default_factory=dict)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -104,14 +108,19 @@ def _hint(word: str, known: list[str]) -> str:
     return f"; did you mean '{close[0]}'?" if close else ""
 
 
+def _all_sections(schema: Schema) -> dict[str, type]:
+    """The non-core sections: the data sources' (nestfed.config.sources) and the method homes'."""
+    return {**source_sections(), **schema.sections}
+
+
 def _section(cls: type, table: dict[str, Any], name: str, source: str, schema: Schema) -> Any:
     hints = typing.get_type_hints(cls)
     known = [f.name for f in dataclasses.fields(cls)]
     kwargs = {}
     for key, value in table.items():
         if key not in known:
-            moved = next((s for s in schema.sections if key.startswith(s + "_")), None)
-            where = f" (a method's options live in its own section: [{moved}] {key[len(moved) + 1 :]})" if moved else ""
+            moved = next((s for s in _all_sections(schema) if key.startswith(s + "_")), None)
+            where = f" (these options live in their own section: [{moved}] {key[len(moved) + 1 :]})" if moved else ""
             raise ConfigError(
                 f"{source}: unknown key '{name}.{key}' (known: {', '.join(sorted(known))}){where or _hint(key, known)}"
             )
@@ -146,18 +155,22 @@ def from_dict(data: Mapping[str, Any], source: str = "<config>", schema: Schema 
     Raises ConfigError naming ``source`` and the section or key at fault.
     """
     hints = typing.get_type_hints(ExperimentConfig)
-    core, extra = {}, {name: cls() for name, cls in schema.sections.items()}
-    known = list(CORE_SECTIONS) + list(schema.sections)
+    sections = _all_sections(schema)
+    core, extra = {}, {name: cls() for name, cls in sections.items()}
+    known = list(CORE_SECTIONS) + list(sections)
     for name, table in data.items():
         if not isinstance(table, dict):
             what = "section" if name in known else "top-level key"
             raise ConfigError(f"{source}: {what} '{name}' must be a table of keys ([{name}] ...), got {table!r}")
+        if name in schema.moved and name not in known:
+            new = schema.moved[name]
+            raise ConfigError(f"{source}: [{name}] is now part of [{new}]: move its keys there ({new}.<key>)")
         if name not in known:
             raise ConfigError(f"{source}: unknown section '[{name}]' (known: {', '.join(known)}){_hint(name, known)}")
         if name in CORE_SECTIONS:
             core[name] = _section(hints[name], table, name, source, schema)
         else:
-            extra[name] = _section(schema.sections[name], table, name, source, schema)
+            extra[name] = _section(sections[name], table, name, source, schema)
     if schema.methods and not core.get("strategy", StrategyConfig()).name:
         core["strategy"] = StrategyConfig(schema.methods[0])  # the registry's first method is the default
     cfg = ExperimentConfig(**core, sections=MappingProxyType(extra))

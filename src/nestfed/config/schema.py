@@ -1,16 +1,16 @@
 """The core sections of an experiment config: frozen dataclasses, one per TOML table.
 
 ``[model]`` -> :class:`ModelConfig`, ``[lora]``, ``[data]``, ``[train]``, ``[strategy]`` (only the
-method's name), ``[federation]``, ``[output]`` and ``[memory]`` (the delta-rule memory layer of
-nestfed.nn.memory), and the trust sections ``[validation]``, ``[robust]``, ``[privacy]``,
-``[attack]`` (nestfed.config.trust), and ``[server_optimizer]`` (how the server applies the aggregate,
-nestfed.config.server_optimizer), ``[tracking]`` (TensorBoard and MLflow sinks, nestfed.config.tracking),
-``[population]`` (ranks drawn from a distribution or memory budgets, elastic ranks, availability;
-nestfed.config.population) and ``[evaluation]`` (which clients a round evaluates, the global
-held-out set; nestfed.config.evaluation). A method's own options live in sections its home declares (``[hetlora]``,
-``[compression]``, ...; nestfed.methods), held in :attr:`ExperimentConfig.sections`. Values that
-types cannot check are checked by :func:`check_core`, which raises ValueError("<section.key>:
-<reason>"); the loader (nestfed.config.loader) prefixes the file.
+method's name), ``[federation]``, ``[output]``, the trust sections ``[validation]``, ``[robust]``,
+``[privacy]``, ``[attack]`` (nestfed.config.trust), ``[server_optimizer]`` (how the server applies
+the aggregate, nestfed.config.server_optimizer), ``[tracking]`` (TensorBoard and MLflow sinks,
+nestfed.config.tracking), ``[population]`` (ranks drawn from a distribution or memory budgets,
+elastic ranks, availability; nestfed.config.population) and ``[evaluation]`` (which clients a round
+evaluates, the global held-out set; nestfed.config.evaluation). A method's own options live in
+sections its home declares (``[hetlora]``, ``[compression]``, FedNL's ``[fednl]`` with its memory
+layer, ...; nestfed.methods), held in :attr:`ExperimentConfig.sections`. Values that types cannot
+check are checked by :func:`check_core`, which raises ValueError("<section.key>: <reason>"); the
+loader (nestfed.config.loader) prefixes the file.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ from typing import Any
 from nestfed.config.evaluation import EvaluationConfig, check_evaluation
 from nestfed.config.population import PopulationConfig, assign_ranks, check_population
 from nestfed.config.server_optimizer import ServerOptimizerConfig, check_server_optimizer
+from nestfed.config.sources import REGISTRY as source_registry
+from nestfed.config.sources import check_source
+from nestfed.config.sources import get as source_of
 from nestfed.config.tracking import TrackingConfig, check_tracking
 from nestfed.config.trust import AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig, check_trust
 
@@ -75,9 +78,11 @@ class LoraConfig:
 class DataConfig:
     """Data source, task and non-IID partition.
 
-    source: bbc_news | newsgroups | mmlu | instructions | file (a local JSON lines, JSON, CSV or
-    parquet file at ``path``: its ``text_column`` is the text, its ``label_column`` the label the
-    partition reads; "" = no label, for iid only).
+    source: one of the source registry's (nestfed.config.sources: bbc_news, newsgroups, mmlu,
+    instructions, mmlu_domains, niah, long_texts, file); ``file`` is a local JSON lines, JSON, CSV
+    or parquet file at ``path``: its ``text_column`` is the text, its ``label_column`` the label the
+    partition reads ("" = no label, for iid only). A source's own options live in its own section
+    (the NIAH generator's ``[niah]``).
     task: causal_lm (packed blocks of block_size tokens) | instruction (loss on the response)
     | multiple_choice (loss on the gold letter).
     partition (nestfed.data.partition; flwr-datasets' partitioners): label (client_labels lists the
@@ -109,14 +114,6 @@ class DataConfig:
     max_train: int = 16
     max_test: int = 4
     seed: int = 0
-    # niah: context lengths (tokens) of the training and test examples, the gold needle's depth
-    # fractions, the haystack corpus (wikipedia | austen | all), the templates (one per client;
-    # empty = the seven of docs/methods.md in order)
-    niah_train_length: int = 512
-    niah_test_lengths: tuple[int, ...] = (512,)
-    niah_depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
-    niah_haystack: str = "all"
-    niah_templates: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -135,8 +132,12 @@ class TrainConfig:
     # local_loss / local_accuracy): with the federated evaluation it gives the aggregation drop
     eval_local: bool = False
     # > 0: evaluate each test row streamed in chunks of this many tokens at constant memory
-    # (nestfed.evaluation.streaming; softmax window = memory.window), for contexts a one-pass forward cannot hold
+    # (nestfed.evaluation.streaming), for contexts a one-pass forward cannot hold; the softmax window
+    # and attention sinks of the stream: eval_stream_window tokens (0 = the window of the layers a
+    # method bounded, e.g. FedNL's memory layers, else 1024) and eval_stream_sinks tokens
     eval_stream_chunk: int = 0
+    eval_stream_window: int = 0
+    eval_stream_sinks: int = 0
     # memory levers (any backbone): rows per micro-batch, whose gradients accumulate into one step
     # (0 = the whole batch at once), and activation checkpointing of the decoder layers (each layer's
     # activations recomputed in backward instead of kept: transformers' own, use_reentrant=False)
@@ -157,32 +158,6 @@ class StrategyConfig:
     ``[hetlora]``)."""
 
     name: str = ""
-
-
-@dataclass(frozen=True)
-class MemoryConfig:
-    """FedNL's delta-rule memory beside attention (docs/methods.md section 3; nn/memory.py).
-
-    layers: decoder layers that get a memory (empty = the LoRA layers, ``lora.layers``).
-    gate: constant | learned | dynamic. alpha_init: the gate's start (learned, dynamic).
-    alpha_start / alpha_end / alpha_warmup_steps: the constant gate's schedule over local steps.
-    window: the softmax path's sliding window in tokens (0 = none). beta_window: tokens in
-    beta's causal average of k. dynamic_kernel: the dynamic gate's Conv1d width. chunk_size:
-    tokens per chunk of the chunkwise delta rule.
-    """
-
-    layers: tuple[int, ...] = ()
-    gate: str = "learned"
-    alpha_init: float = 0.05
-    alpha_start: float = 0.01
-    alpha_end: float = 0.5
-    alpha_warmup_steps: int = 10
-    window: int = 0
-    beta_window: int = 4
-    dynamic_kernel: int = 16
-    chunk_size: int = 32
-    # attention sinks: the first tokens every windowed query keeps seeing (StreamingLLM); 0 = none
-    sink_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -233,7 +208,6 @@ class ExperimentConfig:
     strategy: StrategyConfig = field(default_factory=StrategyConfig)
     federation: FederationConfig = field(default_factory=FederationConfig)
     output: OutputConfig = field(default_factory=OutputConfig)
-    memory: MemoryConfig = field(default_factory=MemoryConfig)
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     robust: RobustConfig = field(default_factory=RobustConfig)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
@@ -264,7 +238,6 @@ CORE_SECTIONS = (
     "strategy",
     "federation",
     "output",
-    "memory",
     "validation",
     "robust",
     "privacy",
@@ -274,11 +247,10 @@ CORE_SECTIONS = (
     "population",
     "evaluation",
 )
-SOURCES = ("bbc_news", "newsgroups", "mmlu", "instructions", "mmlu_domains", "niah", "long_texts", "file")
+SOURCES = tuple(source_registry)  # the data sources (nestfed.config.sources), in registry order
 TASKS = ("causal_lm", "instruction", "multiple_choice")
 PARTITIONS = ("label", "dirichlet", "inner_dirichlet", "pathological", "iid")
 UNITS = ("document", "block")
-GATES = ("constant", "learned", "dynamic")
 
 
 #: the client count up to which a run's per-client numbers stay in the metrics lines and its tables
@@ -325,8 +297,6 @@ def check_core(cfg: ExperimentConfig) -> None:
     if not DEVICE.fullmatch(cfg.model.device):
         raise ValueError(f"model.device: '{cfg.model.device}' is not auto, cpu, cuda or cuda:N")
     d = cfg.data
-    if d.source not in SOURCES:
-        raise ValueError(f"data.source: unknown source '{d.source}' (known: {', '.join(SOURCES)})")
     if d.task not in TASKS:
         raise ValueError(f"data.task: unknown task '{d.task}' (known: {', '.join(TASKS)})")
     if d.partition not in PARTITIONS:
@@ -335,39 +305,17 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("data.num_clients must be >= 1")
     if d.unit not in UNITS:
         raise ValueError(f"data.unit: unknown unit '{d.unit}' (known: {', '.join(UNITS)})")
-    if d.unit == "block" and (d.task != "causal_lm" or d.source in ("niah", "mmlu", "mmlu_domains")):
-        raise ValueError("data.unit: 'block' deals out blocks of a text corpus (task = 'causal_lm')")
+    check_source(d)  # the source's tasks, units, path and own checks (nestfed.config.sources)
     if d.dirichlet_alpha <= 0:
         raise ValueError("data.dirichlet_alpha (the Dirichlet concentration) must be > 0")
     if d.classes_per_client < 1:
         raise ValueError("data.classes_per_client must be >= 1")
-    if d.source == "file":
-        if not d.path:
-            raise ValueError("data.path: the source 'file' needs a JSON lines, JSON, CSV or parquet file")
-        if not d.text_column:
-            raise ValueError("data.text_column: the source 'file' needs the name of its text column")
-        if not d.label_column and d.partition != "iid":
-            raise ValueError(
-                f"data.label_column: the {d.partition} partition reads labels; name the label column "
-                "or use partition = 'iid'"
-            )
-        if d.task != "causal_lm":
-            raise ValueError("data.task: the source 'file' holds plain texts (task = 'causal_lm')")
     if not 0 < d.test_fraction < 1:
         raise ValueError("data.test_fraction must be in (0, 1)")
     if d.block_size < 8:
         raise ValueError("data.block_size must be >= 8 tokens")
     if d.max_train < 1 or d.max_test < 1:
         raise ValueError("data.max_train and data.max_test must be >= 1 (blocks or examples per client)")
-    if d.source == "niah":
-        if d.task != "multiple_choice":
-            raise ValueError("data.task: the niah source is multiple choice (set task = 'multiple_choice')")
-        if d.niah_haystack not in ("wikipedia", "austen", "all"):
-            raise ValueError("data.niah_haystack must be wikipedia, austen or all")
-        if d.niah_train_length < 64 or not d.niah_test_lengths or min(d.niah_test_lengths) < 64:
-            raise ValueError("data.niah_train_length and data.niah_test_lengths must be >= 64 tokens")
-        if not d.niah_depths or not all(0 <= x <= 1 for x in d.niah_depths):
-            raise ValueError("data.niah_depths must be fractions in [0, 1]")
     lo = cfg.lora
     if not lo.ranks or any(r < 1 for r in lo.ranks):
         raise ValueError(f"lora.ranks: every rank must be a positive integer, got {list(lo.ranks)}")
@@ -400,8 +348,8 @@ def check_core(cfg: ExperimentConfig) -> None:
     if cfg.output.client_detail not in ("auto", "inline", "file"):
         raise ValueError(f"output.client_detail must be auto, inline or file, got '{cfg.output.client_detail}'")
     check_evaluation(cfg.evaluation, d.num_clients)
-    if cfg.evaluation.global_test and d.source == "niah":
-        raise ValueError("evaluation.global_test: the niah clients have no shared records to draw from")
+    if cfg.evaluation.global_test and not source_of(d.source).shared:
+        raise ValueError(f"evaluation.global_test: the {d.source} clients have no shared records to draw from")
     if f.min_clients > sampled_per_round(cfg):
         raise ValueError(
             f"federation.min_clients = {f.min_clients} is above the {sampled_per_round(cfg)} clients "
@@ -417,10 +365,13 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("train.weight_decay and train.max_grad_norm must be >= 0")
     if t.client_memory_mb < 1 or t.client_cache_mb < 1:
         raise ValueError("train.client_memory_mb and train.client_cache_mb must be >= 1")
-    if t.threads < 0 or t.eval_stream_chunk < 0 or t.eval_batch_size < 1 or t.micro_batch_size < 0:
+    if min(t.threads, t.eval_stream_chunk, t.eval_stream_window, t.eval_stream_sinks, t.micro_batch_size) < 0:
         raise ValueError(
-            "train.threads, train.eval_stream_chunk and train.micro_batch_size must be >= 0, train.eval_batch_size >= 1"
+            "train.threads, train.eval_stream_chunk, train.eval_stream_window, train.eval_stream_sinks and "
+            "train.micro_batch_size must be >= 0"
         )
+    if t.eval_batch_size < 1:
+        raise ValueError("train.eval_batch_size must be >= 1")
     check_trust(
         cfg.validation,
         cfg.robust,
@@ -433,13 +384,3 @@ def check_core(cfg: ExperimentConfig) -> None:
     )
     check_server_optimizer(cfg.server_optimizer)
     check_tracking(cfg.tracking)
-    m = cfg.memory
-    if m.gate not in GATES:
-        raise ValueError(f"memory.gate: unknown gate '{m.gate}' (known: {', '.join(GATES)})")
-    for key in ("alpha_init", "alpha_start", "alpha_end"):
-        if not 0 <= getattr(m, key) <= 1:
-            raise ValueError(f"memory.{key} must be in [0, 1]")
-    if m.window < 0 or m.alpha_warmup_steps < 0 or m.sink_tokens < 0:
-        raise ValueError("memory.window, memory.sink_tokens and memory.alpha_warmup_steps must be >= 0")
-    if m.beta_window < 1 or m.dynamic_kernel < 1 or m.chunk_size < 1:
-        raise ValueError("memory.beta_window, memory.dynamic_kernel and memory.chunk_size must be >= 1")

@@ -13,17 +13,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
 from nestfed.config import ConfigError, DataConfig, ExperimentConfig
+from nestfed.config.sources import get as source_of
 from nestfed.data import partition, sources, tasks
-from nestfed.data.local_file import local_file
-from nestfed.data.mmlu_domains import domain_items
-from nestfed.data.niah import niah_clients
 from nestfed.errors import DataError
 from nestfed.nn.frozen_prefix import labelled_length, prefix_features
 
@@ -107,30 +104,9 @@ def _records(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str]]:
 
 
 def _documents(d: DataConfig) -> tuple[list[Any], list[str]]:
-    """Load the data source's documents; return (records, one label per record)."""
-    if d.source == "bbc_news":
-        docs = sources.bbc_news(d.path or None)
-        return docs, [x.label for x in docs]
-    if d.source == "newsgroups":
-        docs = sources.newsgroups(d.path or None)
-        return docs, [x.label for x in docs]
-    if d.source == "file":  # a user's JSON lines / CSV / parquet file (data/local_file.py)
-        docs = local_file(d.path, d.text_column, d.label_column)
-        return docs, [x.label for x in docs]
-    if d.source == "long_texts":  # Wikipedia articles and Austen's novels (haystacks, streaming)
-        docs = sources.long_texts("all")
-        return docs, [x.source for x in docs]
-    if not d.path:
-        raise ConfigError(f"data.path: the source '{d.source}' needs a local path")
-    if not Path(d.path).exists():
-        raise DataError(f"data.path: {d.path} does not exist")
-    if d.source == "mmlu":
-        items = sources.mmlu(d.path, "test")
-        return items, [x.subject for x in items]
-    if d.source == "mmlu_domains":  # the five MMLU domains of arXiv 2605.16350 (data/mmlu_domains.py)
-        return domain_items(d.path, "test", d.seed)
-    items = sources.instructions(d.path)
-    return items, [x.category or "all" for x in items]
+    """Load the data source's records with its reader (nestfed.config.sources); return (records, one
+    label per record)."""
+    return source_of(d.source).read(d)
 
 
 def _partition(labels: list[str], d: DataConfig) -> list[list[int]]:
@@ -199,15 +175,12 @@ def load_partitions(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str]
     Raises DataError (missing or malformed data, a client whose partition is empty) or
     ConfigError (bad partition settings), each one line.
     """
-    if d.source == "niah":  # generated per client (data/niah.py), no shared records
+    if not source_of(d.source).shared:  # generated per client (e.g. data/niah.py), no shared records
         return [], [], []
     try:
         records, labels = _records(d, tokenizer)
     except ValueError as exc:
         raise ConfigError(f"data.unit: {exc}") from None
-    if d.task == "multiple_choice" and d.source != "mmlu":
-        if d.source not in ("mmlu_domains", "niah"):
-            raise ConfigError("data.task: multiple_choice needs data.source = 'mmlu', 'mmlu_domains' or 'niah'")
     try:
         parts = _partition(labels, d)
     except ValueError as exc:
@@ -224,8 +197,8 @@ def load_partitions(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str]
 class ClientSource:
     """Any one client's tokenised train/test data (no frozen prefix), built when asked for: the
     source is read and partitioned on the first request (:func:`load_partitions`), then each client
-    is split (seeded by ``data.seed + cid``) and tokenised on its own. NIAH clients, generated
-    together, are built all at once on the first request.
+    is split (seeded by ``data.seed + cid``) and tokenised on its own. A generated source's clients
+    (NIAH's), generated together by its reader, are built all at once on the first request.
 
     cfg: the experiment; tokenizer: the backbone's; loaded: a :func:`load_partitions` result to use
     (read on first use when None).
@@ -233,7 +206,7 @@ class ClientSource:
 
     def __init__(self, cfg: ExperimentConfig, tokenizer, loaded=None):
         self.cfg, self.tokenizer, self._loaded = cfg, tokenizer, loaded
-        self._niah: dict[int, ClientData] | None = None
+        self._generated: dict[int, ClientData] | None = None
 
     @property
     def loaded(self) -> tuple[list[Any], list[str], list[list[int]]]:
@@ -249,7 +222,7 @@ class ClientSource:
 
     def label(self, cid: int) -> str:
         """The client's labels, ``"+"``-joined (``"<n> labels"`` beyond three)."""
-        if self.cfg.data.source == "niah":
+        if not source_of(self.cfg.data.source).shared:
             return self.build(cid).label
         records, labels, parts = self.loaded
         names = sorted({labels[i] for i in parts[cid]})
@@ -259,10 +232,10 @@ class ClientSource:
         """Client ``cid``'s data. Raises DataError (missing or malformed data, a client left without
         examples) or ConfigError, each one line."""
         d = self.cfg.data
-        if d.source == "niah":
-            if self._niah is None:
-                self._niah = _niah_client_data(self.cfg, self.tokenizer)[0]
-            n = self._niah[cid]  # a copy: what the pool builds from it is changed in place (poisoning, prefix)
+        if not source_of(d.source).shared:
+            if self._generated is None:
+                self._generated = source_of(d.source).read(self.cfg, self.tokenizer)[0]
+            n = self._generated[cid]  # a copy: what the pool builds from it is changed in place (poisoning, prefix)
             return ClientData(
                 n.train_ids.clone(),
                 n.train_labels.clone(),
@@ -294,31 +267,9 @@ def build_client_data(cfg: ExperimentConfig, tokenizer, loaded=None) -> tuple[di
     loaded: the result of :func:`load_partitions` (read here when None).
     Raises DataError (missing or malformed data, a client left without examples) or ConfigError.
     """
-    if cfg.data.source == "niah":
-        return _niah_client_data(cfg, tokenizer)
+    if not source_of(cfg.data.source).shared:
+        return source_of(cfg.data.source).read(cfg, tokenizer)
     source = ClientSource(cfg, tokenizer, loaded)
     records, labels, parts = source.loaded
     out = {cid: source.build(cid) for cid in range(len(parts))}
     return out, [sorted({labels[i] for i in idx}) for idx in parts]
-
-
-def _niah_client_data(cfg: ExperimentConfig, tokenizer) -> tuple[dict[int, ClientData], list[list[str]]]:
-    """NIAH clients (one template each) as ClientData with test groups per length and depth."""
-    try:
-        clients = niah_clients(cfg.data, tokenizer)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None
-    letter_ids = tasks.letter_token_ids(tokenizer)
-    out = {
-        cid: ClientData(
-            c["train"].input_ids,
-            c["train"].labels,
-            c["test"].input_ids,
-            c["test"].labels,
-            letter_ids=letter_ids,
-            label=c["label"],
-            test_groups=c["groups"],
-        )
-        for cid, c in enumerate(clients)
-    }
-    return out, [[c["label"]] for c in clients]

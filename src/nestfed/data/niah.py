@@ -42,8 +42,21 @@ from dataclasses import dataclass
 
 import torch
 
+from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.config.sources import NiahOptions
+from nestfed.data.clients import ClientData
 from nestfed.data.sources import long_texts
-from nestfed.data.tasks import IGNORE_INDEX, TokenDataset, _answer_tokens, _bos, _encode, _pad, _pad_id, mc_prompt
+from nestfed.data.tasks import (
+    IGNORE_INDEX,
+    TokenDataset,
+    _answer_tokens,
+    _bos,
+    _encode,
+    _pad,
+    _pad_id,
+    letter_token_ids,
+    mc_prompt,
+)
 
 TEMPLATES = ("passkey", "uuid_code", "name_date", "phrase_code", "counter_state", "mk_niah", "mv_niah")
 EVENT_DEPTHS = (0.10, 0.30, 0.50, 0.70)
@@ -466,38 +479,38 @@ def group_rows(meta: Sequence[dict]) -> dict[str, torch.Tensor]:
     return {k: torch.tensor(v, dtype=torch.long) for k, v in groups.items()}
 
 
-def niah_clients(d, tokenizer) -> list[dict]:
-    """The NIAH federation of a data config ``d`` (``DataConfig`` with source ``niah``): client i
-    holds template i (``d.niah_templates`` or the seven of :data:`TEMPLATES`), ``d.max_train``
-    training examples at ``d.niah_train_length`` tokens from the training haystack halves, and
-    ``d.max_test`` test examples per length in ``d.niah_test_lengths`` from the test halves,
-    depths cycling through ``d.niah_depths``; haystacks from ``sources.long_texts(d.niah_haystack)``.
+def niah_clients(d, tokenizer, o: NiahOptions | None = None) -> list[dict]:
+    """The NIAH federation of a data config ``d`` (``DataConfig`` with source ``niah``) and the
+    generator's options ``o`` (``[niah]``): client i holds template i (``o.templates`` or the seven
+    of :data:`TEMPLATES`), ``d.max_train`` training examples at ``o.train_length`` tokens from the
+    training haystack halves, and ``d.max_test`` test examples per length in ``o.test_lengths``
+    from the test halves, depths cycling through ``o.depths``; haystacks from
+    ``sources.long_texts(o.haystack)``.
 
     Returns one dict per client: ``train``, ``test`` (TokenDataset), ``groups`` (test row groups
     "<length>@<depth>"), ``label`` (the template). Raises ValueError for an unknown template or
     when the number of templates differs from ``d.num_clients``; DataError when a corpus is missing.
     """
-    templates = list(d.niah_templates) or list(TEMPLATES)
+    o = o or NiahOptions()
+    templates = list(o.templates) or list(TEMPLATES)
     if len(templates) != d.num_clients:
         raise ValueError(
-            f"data.niah_templates: {len(templates)} templates for data.num_clients = {d.num_clients} "
+            f"niah.templates: {len(templates)} templates for data.num_clients = {d.num_clients} "
             "(one template per client)"
         )
     for t in templates:
         if t not in TEMPLATES:
-            raise ValueError(f"data.niah_templates: unknown template '{t}' (known: {', '.join(TEMPLATES)})")
-    texts = [x.text for x in long_texts(d.niah_haystack)]
+            raise ValueError(f"niah.templates: unknown template '{t}' (known: {', '.join(TEMPLATES)})")
+    texts = [x.text for x in long_texts(o.haystack)]
     train_hay, test_hay = Haystack(texts, tokenizer, "train"), Haystack(texts, tokenizer, "test")
     out = []
     for cid, t in enumerate(templates):
         train, _ = niah_dataset(
-            t, d.max_train, d.niah_train_length, d.niah_depths, tokenizer, train_hay, seed=d.seed * 1000 + cid
+            t, d.max_train, o.train_length, o.depths, tokenizer, train_hay, seed=d.seed * 1000 + cid
         )
         parts, meta = [], []
-        for length in d.niah_test_lengths:
-            ds, m = niah_dataset(
-                t, d.max_test, length, d.niah_depths, tokenizer, test_hay, seed=d.seed * 1000 + 500 + cid
-            )
+        for length in o.test_lengths:
+            ds, m = niah_dataset(t, d.max_test, length, o.depths, tokenizer, test_hay, seed=d.seed * 1000 + 500 + cid)
             parts.append(ds)
             meta += m
         width = max(p.input_ids.shape[1] for p in parts)
@@ -510,3 +523,27 @@ def niah_clients(d, tokenizer) -> list[dict]:
         )
         out.append({"train": train, "test": TokenDataset(ids, labs), "groups": group_rows(meta), "label": t})
     return out
+
+
+def niah_client_data(cfg: ExperimentConfig, tokenizer) -> tuple[dict[int, ClientData], list[list[str]]]:
+    """The NIAH source's reader (nestfed.config.sources): every client (one template each, the
+    ``[niah]`` section's settings) as ClientData with test groups per length and depth, and each
+    client's labels. Raises ConfigError (templates), DataError (a missing corpus)."""
+    try:
+        clients = niah_clients(cfg.data, tokenizer, cfg.section("niah"))
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+    letter_ids = letter_token_ids(tokenizer)
+    out = {
+        cid: ClientData(
+            c["train"].input_ids,
+            c["train"].labels,
+            c["test"].input_ids,
+            c["test"].labels,
+            letter_ids=letter_ids,
+            label=c["label"],
+            test_groups=c["groups"],
+        )
+        for cid, c in enumerate(clients)
+    }
+    return out, [[c["label"]] for c in clients]

@@ -15,7 +15,7 @@ from nestfed.config import TrainConfig
 from nestfed.data.clients import ClientData
 from nestfed.evaluation.lm import evaluate_lm
 from nestfed.evaluation.streaming import stream_evaluate
-from nestfed.nn.memory import memory_rules
+from nestfed.nn.bounded_attention import bounded_layers
 
 
 def pool_groups(results: list[tuple[str, dict[str, float], int]], per_group: bool) -> dict[str, float]:
@@ -45,7 +45,7 @@ def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict
     """Held-out metrics of ``model`` as loaded on client data ``d``'s test set (evaluate_lm); with
     ``test_groups``, also ``loss@<group>`` and ``accuracy@<group>`` per group of rows (each group run
     alone, so rows of one length are not padded to another's). With ``train.eval_stream_chunk`` > 0
-    each row streams through nestfed.evaluation.streaming (constant memory, memory layers' window)."""
+    each row streams through nestfed.evaluation.streaming (constant memory, :func:`evaluate_streamed`)."""
     if train.eval_stream_chunk > 0:
         return evaluate_streamed(model, d, train)
     if not d.test_groups:
@@ -77,16 +77,18 @@ def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict
 
 def evaluate_streamed(model: nn.Module, d: ClientData, train: TrainConfig) -> dict[str, float]:
     """Streamed evaluation (long contexts): per group when ``test_groups`` is set, as above.
-    With ``memory.sink_tokens`` > 0 the sinks sit at cache positions (nestfed.evaluation.streaming's
-    default, what keeps contexts past the backbone's trained length usable), so the numbers
-    then differ from a one-pass evaluation, which keeps them at their own positions.
-    Raises ValueError when the frozen prefix is cached (streams need token ids) or a layer
-    lacks a memory module."""
+    The stream's window and sinks: ``train.eval_stream_window`` / ``train.eval_stream_sinks``, or
+    where 0 the largest of the model's bounded layers (FedNL's memory window and sinks), the window
+    1024 tokens when none is set. With sinks the sinks sit at cache positions
+    (nestfed.evaluation.streaming's default, what keeps contexts past the backbone's trained
+    length usable), so the numbers then differ from a one-pass evaluation, which keeps them at
+    their own positions. Raises ValueError when the frozen prefix is cached (streams need token
+    ids) or a layer lacks bounded attention."""
     if d.test_hidden is not None:
         raise ValueError("train.eval_stream_chunk needs train.cache_frozen_prefix = false (streams start from tokens)")
-    rules = memory_rules(model)
-    window = max((r.settings.window for r in rules.values()), default=0) or 1024
-    sink = max((r.settings.sink for r in rules.values()), default=0)
+    layers = bounded_layers(model).values()
+    window = train.eval_stream_window or max((b.window for b in layers), default=0) or 1024
+    sink = train.eval_stream_sinks or max((b.sink for b in layers), default=0)
     groups = d.test_groups or {"all": torch.arange(d.test_ids.shape[0])}
     results = [
         (

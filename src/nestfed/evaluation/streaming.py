@@ -4,10 +4,11 @@ FedNL's inference (arXiv 2605.16350, section 4.3; docs/methods.md section 3): th
 layer keeps a KV cache bounded by its sliding window, the delta-rule memory S carries everything
 older, so the state carried from chunk to chunk has a fixed size whatever the stream's length.
 
-Every attention layer needs a memory module installed (:func:`nestfed.nn.memory.install_memory`)
-to hold its stream state; a layer whose memory is disabled runs the backbone's attention over
-its window only (``mode = "window"``) or over everything seen (``mode = "full"``, unbounded: the
-plain-attention baseline). Every mode keeps each layer's own sliding window where the model has
+Every attention layer needs a bounded attention installed to hold its stream state
+(:func:`nestfed.nn.bounded_attention.install_bounded_attention`; FedNL's memory layers have one); a
+layer without an enabled memory runs the backbone's attention over its window only
+(``mode = "window"``) or over everything seen (``mode = "full"``, unbounded: the plain-attention
+baseline). Every mode keeps each layer's own sliding window where the model has
 one (Qwen2's ``use_sliding_window``, Gemma-3's local layers), and each layer's rotary embedding and
 mask are built as the model builds them, under SDPA or eager attention alike
 (nestfed.nn.layer_inputs): ``mode = "full"`` computes ``model(ids).logits`` chunk by chunk
@@ -15,7 +16,7 @@ mask are built as the model builds them, under SDPA or eager attention alike
 the first, which is the same whether the stream is cut into chunks or not (tested), and
 :func:`binned_ce` turns it into the streaming-CE probe's bins.
 
-A model without memory modules streams through Hugging Face's own KV cache with
+A model without bounded attention streams through Hugging Face's own KV cache with
 :func:`stream_nll_hf` (the backbone's plain attention, its cache growing with the stream).
 """
 
@@ -31,8 +32,8 @@ from torch import nn
 from torch.nn import functional as F
 from transformers import DynamicCache
 
+from nestfed.nn.bounded_attention import LayerStream, attention_modules, bounded_layers
 from nestfed.nn.layer_inputs import layer_rotary, layer_types, rope_kind, rotary
-from nestfed.nn.memory import LayerStream, attention_modules, memory_rules
 from nestfed.nn.placement import autocast, to_model
 
 MODES = ("memory", "window", "full")
@@ -61,7 +62,7 @@ def streaming(
     no memory and no stream window (the model's own attention; the cache is bounded only by the
     layers' own sliding windows). window: tokens (>= 1 for
     ``memory`` and ``window``). sink: the first tokens every windowed query keeps seeing
-    (attention sinks, nn/memory.py; 0 = none). sink_positions: ``cache`` -- before each
+    (attention sinks, nn/bounded_attention.py; 0 = none). sink_positions: ``cache`` -- before each
     chunk the sinks move to the positions just before the window (StreamingLLM's positions
     within the cache, Xiao et al., ICLR 2024, section 3.2; :func:`shift_sinks`), so no query
     is ever further than ``sink + window + chunk`` tokens from a key it sees, whatever the
@@ -69,8 +70,8 @@ def streaming(
     context once the stream is long enough). Yields {layer index: LayerStream}; detaches them
     on exit.
 
-    Raises ValueError for an unknown mode or sink_positions, a bad window, or a layer without a
-    memory module.
+    Raises ValueError for an unknown mode or sink_positions, a bad window, or a layer without
+    bounded attention.
     """
     if mode not in MODES:
         raise ValueError(f"stream mode must be one of {', '.join(MODES)}, got '{mode}'")
@@ -78,24 +79,24 @@ def streaming(
         raise ValueError(f"sink_positions must be one of {', '.join(SINK_POSITIONS)}, got '{sink_positions}'")
     if mode != "full" and window < 1:
         raise ValueError(f"stream mode '{mode}' needs a window >= 1 token, got {window}")
-    rules = memory_rules(model)
-    missing = [i for i in attention_modules(model) if i not in rules]
+    layers = bounded_layers(model)
+    missing = [i for i in attention_modules(model) if i not in layers]
     if missing:
         raise ValueError(
-            f"streaming needs a memory module on every attention layer; layer {missing[0]} has none "
-            "(install_memory(model, settings) on all layers; disabled ones run plain attention)"
+            f"streaming needs bounded attention on every attention layer; layer {missing[0]} has none "
+            "(nestfed.nn.bounded_attention.install_bounded_attention(model))"
         )
     streams = {}
-    for i, rule in rules.items():
+    for i, bounds in layers.items():
         streams[i] = LayerStream(
             window=0 if mode == "full" else window, memory=mode == "memory", sink=sink, sink_positions=sink_positions
         )
-        rule.stream = streams[i]
+        bounds.stream = streams[i]
     try:
         yield streams
     finally:
-        for rule in rules.values():
-            rule.stream = None
+        for bounds in layers.values():
+            bounds.stream = None
 
 
 def shift_sinks(model: nn.Module, pos: int) -> None:
@@ -112,8 +113,8 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
     """
     ref = model.model.embed_tokens.weight
     types = layer_types(model)
-    for i, rule in memory_rules(model).items():
-        st = rule.stream
+    for i, bounds in bounded_layers(model).items():
+        st = bounds.stream
         if st is None:
             continue
         delta = pos - st.window + 1 - st.sink
@@ -134,7 +135,7 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
 def _chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:
     """Logits [B, T, V] of one chunk ids [B, T] whose first token sits at absolute position ``pos``
     (the streams' sinks shifted first, :func:`shift_sinks`). Each layer gets the rotary embedding
-    of its type at the chunk's positions (nestfed.nn.layer_inputs.layer_rotary); its memory module
+    of its type at the chunk's positions (nestfed.nn.layer_inputs.layer_rotary); its bounded attention
     builds the mask over its stream's cache (the layer's own sliding window, the stream's window
     and sinks) in its attention implementation's format (nestfed.nn.layer_inputs.positional_mask)."""
     inner = model.model

@@ -1,7 +1,7 @@
 """Prepare an experiment once for every method it compares: load the backbone, inject LoRA, register
 every client (n_k, label) and give the methods a pool that builds a client's data when it is first
-needed (nestfed.data.client_pool), and, for a streamed evaluation, give every attention layer a
-(disabled) memory module."""
+needed (nestfed.data.client_pool), and, for a streamed evaluation, give every attention layer
+bounded attention (nestfed.nn.bounded_attention)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from nestfed.federation.messages import ClientInfo
 from nestfed.federation.population import trace_has_budgets
 from nestfed.federation.prepared import Prepared
 from nestfed.nn.backbone import default_cache_dir, load_backbone
+from nestfed.nn.bounded_attention import install_bounded_attention
 from nestfed.nn.checkpointing import enable_activation_checkpointing
 from nestfed.nn.footprint import Footprint
 from nestfed.nn.frozen_prefix import first_adapted_layer
 from nestfed.nn.lora import inject_lora, module_shapes, target_module_names
-from nestfed.nn.memory import MemorySettings, install_memory
 from nestfed.seeds import stream_seed
 
 
@@ -134,15 +134,14 @@ def prepare(
 
 
 def install_stream_modules(prep: Prepared, cfg: ExperimentConfig) -> None:
-    """For a streamed evaluation (``train.eval_stream_chunk > 0``) every attention layer needs a
-    memory module to carry its stream state: add a disabled one (it computes exactly the backbone's
-    attention) where a method installed none. Called after the method's setup, on the server's
-    model and on every Flower node alike."""
-    if cfg.train.eval_stream_chunk > 0:
-        install_memory(
-            prep.backbone.model,
-            MemorySettings(gate=cfg.memory.gate, window=cfg.memory.window, sink=cfg.memory.sink_tokens),
-        )
+    """For a streamed evaluation (``train.eval_stream_chunk > 0``) every attention layer needs
+    bounded attention to carry its stream state (nestfed.nn.bounded_attention: with no stream it
+    computes exactly the backbone's attention): add it, with ``train.eval_stream_window`` and
+    ``train.eval_stream_sinks``, where a method's setup bounded none. Called after the method's
+    setup, on the server's model and on every Flower node alike."""
+    t = cfg.train
+    if t.eval_stream_chunk > 0:
+        install_bounded_attention(prep.backbone.model, None, t.eval_stream_window, t.eval_stream_sinks)
 
 
 __all__ = ["client_cache_of", "client_ranks", "install_stream_modules", "prepare"]

@@ -115,7 +115,8 @@ def schema() -> C.Schema:
     """What configs may hold beyond the core sections: every registered home's sections, the
     names ``strategy.name`` accepts and the cross-section checks (built from :data:`REGISTRY`
     on each call, so a home registered later is known at once)."""
-    return C.Schema(sections=_sections(), methods=tuple(REGISTRY), check=_check)
+    moved = {old: new for m in REGISTRY.values() for old, new in m.moved.items()}
+    return C.Schema(sections=_sections(), methods=tuple(REGISTRY), check=_check, moved=moved)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

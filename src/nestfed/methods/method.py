@@ -42,7 +42,8 @@ class Method:
     it: anything not in the set is refused, at config load and by the round loop for every
     transport; refusals: {capability: why not}, the method's own reason for a capability it lacks
     (the capability's default reason otherwise). A method with ``FLOWER`` has both halves of its
-    implementation (``client`` and ``server``).
+    implementation (``client`` and ``server``). moved: {former section: the section of this home
+    that now holds its keys}: a config with the former one gets a one-line pointer.
     """
 
     name: str
@@ -52,6 +53,7 @@ class Method:
     check_config: Callable[[ExperimentConfig], None] | None = None
     capabilities: frozenset[Capability] = frozenset()
     refusals: Mapping[Capability, str] = field(default_factory=dict)
+    moved: Mapping[str, str] = field(default_factory=dict)
 
     def can(self, capability: Capability) -> bool:
         """Whether the method declares ``capability``."""

@@ -31,19 +31,15 @@ Decisions where the sources are silent (written here and in the issue note):
   the first steps"); ``learned`` -- alpha = sigmoid(a) per layer, a an nn.Parameter;
   ``dynamic`` -- alpha_t = 0.1 + 0.8 * sigmoid(Conv1d(hidden -> 1, kernel 16, causal)(x)_t),
   weight 0 and bias set so that alpha starts at ``alpha_init``.
-- The softmax path may use a sliding window of ``window`` tokens (0 = none): query t sees keys
-  t - window + 1 .. t. The window applies while the memory is enabled, or in a stream that asks
-  for it (see :mod:`nestfed.evaluation.streaming`); a disabled layer without a stream is the backbone.
-  Optionally the first ``sink`` tokens of the sequence stay visible to every query (the
-  "attention sinks" of StreamingLLM, Xiao et al., ICLR 2024: a model trained with full attention
-  parks attention mass on the first tokens, and a window that drops them degrades it sharply);
-  the KV cache then holds ``sink + window - 1`` tokens, still constant. Default 0 (a plain window).
+- The softmax path may use a sliding window of ``window`` tokens with ``sink`` attention sinks
+  while the memory is enabled (nestfed.nn.bounded_attention); a disabled layer without a stream
+  computes the backbone's attention.
 
-Mechanics: :func:`install_memory` adds a :class:`MemoryRule` module as ``self_attn.memory`` and
-replaces that attention module's ``forward`` (the module itself and its q/k/v/o projections keep
-their paths, so LoRA keys stay PEFT's ``...self_attn.q_proj.lora_A.weight``). The rule's
-parameters travel as ``base_model.model.<layer>.self_attn.memory.<name>`` payload keys, which the
-client trainer loads, trains and returns like any other shipped parameter.
+Mechanics: :func:`install_memory` wraps the chosen layers' attention
+(nestfed.nn.bounded_attention.install_bounded_attention, which computes the softmax path) and adds
+a :class:`MemoryRule` as ``self_attn.memory``, the wrapper's linear path (:meth:`MemoryRule.mix`).
+The rule's parameters travel as ``base_model.model.<layer>.self_attn.memory.<name>`` payload keys,
+which the client trainer loads, trains and returns like any other shipped parameter.
 """
 
 from __future__ import annotations
@@ -51,21 +47,17 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
-from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from nestfed.config.schema import GATES  # the gates [memory] accepts: one list for config and layer
+from nestfed.nn.bounded_attention import LayerStream, attention_modules, install_bounded_attention
+from nestfed.nn.gates import DYNAMIC_RANGE, GATES
 from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
-from nestfed.nn.layer_inputs import layer_window, positional_mask
 from nestfed.nn.placement import trainable_dtype
 from nestfed.ops.delta_rule import delta_rule, delta_rule_recurrent
 
-DYNAMIC_RANGE = (0.1, 0.9)  # docs/methods.md: the dynamic gate is rescaled to [0.1, 0.9]
 MEMORY_KEY = ".memory."
 
 
@@ -93,54 +85,15 @@ class MemorySettings:
 
     def __post_init__(self) -> None:
         if self.gate not in GATES:
-            raise ValueError(f"memory.gate: unknown gate '{self.gate}' (known: {', '.join(GATES)})")
+            raise ValueError(f"gate: unknown gate '{self.gate}' (known: {', '.join(GATES)})")
         if not 0.0 <= self.alpha_init <= 1.0:
-            raise ValueError(f"memory.alpha_init must be in [0, 1], got {self.alpha_init}")
+            raise ValueError(f"alpha_init must be in [0, 1], got {self.alpha_init}")
         if self.window < 0 or self.sink < 0:
-            raise ValueError(f"memory.window and memory.sink must be >= 0 tokens, got {self.window}, {self.sink}")
+            raise ValueError(f"window and sink must be >= 0 tokens, got {self.window}, {self.sink}")
         if self.beta_window < 1 or self.dynamic_kernel < 1 or self.chunk_size < 1:
-            raise ValueError("memory.beta_window, memory.dynamic_kernel and memory.chunk_size must be >= 1")
+            raise ValueError("beta_window, dynamic_kernel and chunk_size must be >= 1")
         if self.operator not in ("chunkwise", "recurrent"):
-            raise ValueError(f"memory.operator must be 'chunkwise' or 'recurrent', got '{self.operator}'")
-
-
-@dataclass
-class LayerStream:
-    """What one memory layer carries from one chunk of a token stream to the next.
-
-    pos: tokens already seen (the next chunk's first absolute position). k, v: the softmax
-    path's KV cache [B, H_kv, c, D] after RoPE, at most ``window - 1`` tokens when window > 0
-    (plus the first ``sink`` tokens; unbounded when window = 0). window: this stream's softmax
-    window (tokens, 0 = none). sink: attention-sink tokens kept visible (0 = none).
-    memory: whether the linear path runs. S: the delta-rule state [B, H, D, D] (fp32; None
-    before the first chunk). k_tail: the last ``beta_window - 1`` raw keys [B, n, H_kv, D];
-    x_tail: the last ``dynamic_kernel - 1`` gate inputs [B, n, hidden]. sink_rotation: RoPE
-    (cos, sin), each [1, 1, D], of a shift delta (tokens) applied to the cached sinks for the next
-    chunk only, so that sink j sits at position j + delta just before the window (StreamingLLM's
-    positions within the cache, Xiao et al., ICLR 2024, section 3.2) rather than at j, thousands of
-    tokens away from the queries; None = the sinks keep their absolute positions. The cache keeps
-    the sinks rotated at their own positions; the shift is applied per chunk (RoPE rotations
-    compose: R(j + delta) = R(delta) R(j)).
-    """
-
-    window: int = 0
-    memory: bool = True
-    sink: int = 0
-    pos: int = 0
-    k: torch.Tensor | None = None
-    v: torch.Tensor | None = None
-    S: torch.Tensor | None = None
-    k_tail: torch.Tensor | None = None
-    x_tail: torch.Tensor | None = None
-    n_sink: int = 0  # how many of the cached keys are sinks (they come first)
-    sink_positions: str = "absolute"  # "cache": nestfed.evaluation.streaming.shift_sinks sets sink_rotation per chunk
-    sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
-
-    def nbytes(self) -> int:
-        """Bytes held by this layer's stream state (KV cache, memory state, tails)."""
-        return sum(
-            t.numel() * t.element_size() for t in (self.k, self.v, self.S, self.k_tail, self.x_tail) if t is not None
-        )
+            raise ValueError(f"operator must be 'chunkwise' or 'recurrent', got '{self.operator}'")
 
 
 def _logit(p: float) -> float:
@@ -155,8 +108,8 @@ class MemoryRule(nn.Module):
     (beta_{t,h} = sigmoid(beta_weight[h] . kbar_{t,g(h)} + beta_bias[h])); the gate:
     ``alpha`` [1] (constant, detached in forward), ``gate_logit`` [1] (learned) or
     ``gate_conv`` (dynamic, Conv1d(hidden, 1, kernel)). ``enabled``: whether the linear path
-    runs (False: the layer computes exactly the backbone's attention). ``stream``: the
-    :class:`LayerStream` while a stream is being processed, else None.
+    runs (False: the layer computes exactly the backbone's attention). The layer's linear path
+    (nestfed.nn.bounded_attention.LinearPath): :meth:`mix`.
 
     Raises ValueError when the head counts do not divide (H must be a multiple of H_kv).
     """
@@ -181,8 +134,6 @@ class MemoryRule(nn.Module):
                 self.gate_conv.weight.zero_()
                 self.gate_conv.bias.fill_(_logit((a - lo) / (hi - lo)))
         self.enabled = False
-        self.stream: LayerStream | None = None
-        self.padding: torch.Tensor | None = None  # [B, T] bool, True = a real token (set per model call)
 
     # -- beta ------------------------------------------------------------------------------------
     def beta(
@@ -241,229 +192,94 @@ class MemoryRule(nn.Module):
             return float(torch.sigmoid(self.gate_logit.detach()))
         return None
 
+    # -- the linear path -----------------------------------------------------------------------
+    def mix(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        hidden_states: torch.Tensor,
+        soft: torch.Tensor,
+        stream: LayerStream | None,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor:
+        """O = alpha * RMSNorm(O_lin) * rms(soft) + (1 - alpha) * soft [B, T, H, D] (module
+        docstring), O_lin the delta rule's output over q [B, T, H, D], k and v [B, T, H_kv, D]
+        (before RoPE). A stream's ``state`` carries S [B, H, D, D] and the tails of beta's average
+        (``k_tail``) and of the dynamic gate (``x_tail``). valid [B, T]: pads write nothing and feed
+        neither beta's average nor the gate."""
+        D, H = q.shape[-1], q.shape[2]
+        G = H // k.shape[2]
+        q_lin = F.normalize(F.silu(q), dim=-1)
+        k_lin = F.normalize(F.silu(k), dim=-1).repeat_interleave(G, dim=2)
+        v_lin = (v * D**-0.5).repeat_interleave(G, dim=2)
+        gate_in = hidden_states
+        if valid is not None:
+            keep = valid.to(k_lin.dtype)[:, :, None, None]
+            k_lin, v_lin = k_lin * keep, v_lin * keep
+            gate_in = hidden_states * valid.to(hidden_states.dtype)[:, :, None]
+        state = None if stream is None else stream.state
+        beta = self.beta(k, None if state is None else state.get("k_tail"), valid)
+        op = delta_rule_recurrent if self.settings.operator == "recurrent" else delta_rule
+        o_lin, s_new = op(
+            q_lin,
+            k_lin,
+            v_lin,
+            beta,
+            initial_state=None if state is None else state.get("S"),
+            output_final_state=state is not None,
+            chunk_size=self.settings.chunk_size,
+        )
+        alpha = self.gate(gate_in, None if state is None else state.get("x_tail"))
+        # RMS-normalised, then put on the softmax output's scale (per token and head), so that
+        # alpha mixes two outputs of one magnitude (see the module docstring)
+        lin = _rms_norm(o_lin).to(soft.dtype) * soft.pow(2).mean(dim=-1, keepdim=True).add(1e-12).sqrt()
+        if state is not None:
+            state["S"] = s_new.detach()
+            kt = k.detach() if "k_tail" not in state else torch.cat([state["k_tail"], k.detach()], dim=1)
+            state["k_tail"] = kt[:, kt.shape[1] - min(self.settings.beta_window - 1, kt.shape[1]) :]
+            if self.settings.gate == "dynamic":
+                kern = self.settings.dynamic_kernel
+                x = hidden_states.detach()
+                xt = x if "x_tail" not in state else torch.cat([state["x_tail"], x], 1)
+                state["x_tail"] = xt[:, xt.shape[1] - min(kern - 1, xt.shape[1]) :]
+        return alpha * lin + (1 - alpha) * soft
+
 
 def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x / sqrt(mean(x^2 over the last dim) + eps), no weight."""
     return x * torch.rsqrt(x.pow(2).mean(dim=-1, keepdim=True) + eps)
 
 
-def _combine(mask: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """Both masks at once: ``mask`` [1, 1, Tq, Tk] (boolean, True = attend, or additive float, as
-    :func:`nestfed.nn.layer_inputs.positional_mask` builds it for the attention implementation)
-    and the caller's ``attention_mask`` (None, or the same kind [B, 1, Tq, Tk]: padding, the
-    model's own causal or sliding mask). Returns a mask of ``mask``'s kind."""
-    if attention_mask is None:
-        return mask
-    if mask.dtype == torch.bool:
-        return (
-            mask & attention_mask
-            if attention_mask.dtype == torch.bool
-            else attention_mask.masked_fill(~mask, torch.finfo(attention_mask.dtype).min)
-        )
-    if attention_mask.dtype == torch.bool:
-        return mask.masked_fill(~attention_mask, torch.finfo(mask.dtype).min)
-    return torch.minimum(mask, attention_mask.to(mask.dtype))
-
-
-def _attention_interface(attn: nn.Module):
-    module = __import__(type(attn).__module__, fromlist=["eager_attention_forward"])
-    return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, module.eager_attention_forward)
-
-
-def _shift_sinks(stream: LayerStream, keys: torch.Tensor) -> torch.Tensor:
-    """keys [B, H_kv, c, D] with the first ``stream.n_sink`` (the cached sinks) rotated on by
-    ``stream.sink_rotation`` (cos, sin [1, 1, D]); unchanged when there is no rotation or no sink."""
-    if stream.sink_rotation is None or not stream.n_sink:
-        return keys
-    cos, sin = (t.to(keys.dtype) for t in stream.sink_rotation)
-    sinks = keys[:, :, : stream.n_sink]
-    _, shifted = apply_rotary_pos_emb(sinks, sinks, cos, sin)  # the backbone's own rotation, by delta
-    return torch.cat([shifted, keys[:, :, stream.n_sink :]], dim=2)
-
-
-def memory_attention_forward(
-    self: nn.Module,
-    hidden_states: torch.Tensor,
-    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
-    attention_mask: torch.Tensor | None = None,
-    past_key_values: Any = None,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Forward of an attention module with a :class:`MemoryRule` at ``self.memory``.
-
-    hidden_states: [B, T, hidden] (the decoder layer's normed input); position_embeddings: the
-    RoPE (cos, sin), each [B, T, D]. Returns (output [B, T, hidden], None). The softmax path is
-    the backbone's own (same projections, per-head q/k norms where the model has them (Qwen3,
-    Gemma-3), RoPE and attention kernel), so with the memory
-    disabled or alpha = 0 and no window the output equals the backbone's bit for bit (tested).
-    A Hugging Face KV cache (``past_key_values``) is updated as the backbone does, but it cannot
-    carry the memory state: with the memory enabled only a first (prefill) call is accepted;
-    streams of any length use :mod:`nestfed.evaluation.streaming`.
-
-    Raises ValueError without position embeddings, or for a cached call with the memory enabled.
-    """
-    mem: MemoryRule = self.memory
-    if position_embeddings is None:
-        raise ValueError(f"layer {self.layer_idx}: position_embeddings (RoPE cos, sin) are required")
-    B, T, _ = hidden_states.shape
-    D = self.head_dim
-    hidden_shape = (B, T, -1, D)
-    q = self.q_proj(hidden_states).view(hidden_shape)  # [B, T, H, D]
-    k = self.k_proj(hidden_states).view(hidden_shape)  # [B, T, Hkv, D]
-    if getattr(self, "q_norm", None) is not None:  # Qwen3, Gemma-3: per-head RMSNorm before RoPE
-        q = self.q_norm(q)
-    if getattr(self, "k_norm", None) is not None:
-        k = self.k_norm(k)
-    v = self.v_proj(hidden_states).view(hidden_shape)
-    cos, sin = position_embeddings
-    q_rot, k_rot = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-    v_t = v.transpose(1, 2)
-    stream = mem.stream
-    use_memory = mem.enabled if stream is None else (stream.memory and mem.enabled)
-    window = stream.window if stream is not None else (mem.settings.window if mem.enabled else 0)
-    sink = stream.sink if stream is not None else mem.settings.sink
-
-    # -- softmax path (the backbone's), with an optional window and a stream's bounded KV cache
-    mask = attention_mask
-    keys, values = k_rot, v_t
-    if past_key_values is not None:
-        if stream is not None:
-            raise ValueError(f"layer {self.layer_idx}: give a Hugging Face cache or a nestfed stream, not both")
-        keys, values = past_key_values.update(k_rot, v_t, self.layer_idx)
-        if keys.shape[2] > T and use_memory:
-            raise ValueError(
-                f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the delta-rule memory "
-                "state across calls; stream with nestfed.evaluation.streaming instead"
-            )
-    cache_keys = keys  # what a stream carries on: the sinks at their own positions
-    own = layer_window(self.config, self.layer_idx)  # the layer's own sliding window (0 = none)
-    if stream is not None:
-        if stream.k is not None:
-            cache_keys = torch.cat([stream.k, k_rot], dim=2)
-            keys = _shift_sinks(stream, cache_keys)
-            values = torch.cat([stream.v, v_t], dim=2)
-        q_pos = torch.arange(stream.pos, stream.pos + T, device=q.device)
-        recent = keys.shape[2] - (0 if stream.k is None else stream.n_sink)
-        k_pos = torch.arange(stream.pos + T - recent, stream.pos + T, device=q.device)
-        if stream.k is not None and stream.n_sink:
-            k_pos = torch.cat([torch.arange(stream.n_sink, device=q.device), k_pos])
-        mask = _combine(positional_mask(self.config, q_pos, k_pos, q_rot.dtype, window, sink, own), attention_mask)
-    elif window > 0 and T > window:
-        pos = torch.arange(T, device=q.device)
-        valid = mem.padding if mem.padding is not None and mem.padding.shape == (B, T) else None
-        if sink and valid is not None and not bool(valid.all()):  # the sinks: each row's first real tokens
-            pos = valid.long().cumsum(1) - 1  # [B, T]: real-token positions (pads are masked anyway)
-        mask = _combine(positional_mask(self.config, pos, pos, q_rot.dtype, window, sink, own), attention_mask)
-    interface = _attention_interface(self)
-    soft, _ = interface(
-        self,
-        q_rot,
-        keys,
-        values,
-        mask,
-        dropout=0.0 if not self.training else self.attention_dropout,
-        scaling=self.scaling,
-        sliding_window=getattr(self, "sliding_window", None),
-    )
-    # soft: [B, T, H, D]
-    out = soft
-    if use_memory:
-        H = q.shape[2]
-        G = H // k.shape[2]
-        q_lin = F.normalize(F.silu(q), dim=-1)
-        k_lin = F.normalize(F.silu(k), dim=-1).repeat_interleave(G, dim=2)
-        v_lin = (v * D**-0.5).repeat_interleave(G, dim=2)
-        valid = mem.padding if stream is None and mem.padding is not None and mem.padding.shape == (B, T) else None
-        gate_in = hidden_states
-        if valid is not None:  # pads write nothing and feed neither beta's average nor the gate
-            keep = valid.to(k_lin.dtype)[:, :, None, None]
-            k_lin, v_lin = k_lin * keep, v_lin * keep
-            gate_in = hidden_states * valid.to(hidden_states.dtype)[:, :, None]
-        beta = mem.beta(k, None if stream is None else stream.k_tail, valid)
-        s0 = None if stream is None else stream.S
-        op = delta_rule_recurrent if mem.settings.operator == "recurrent" else delta_rule
-        o_lin, s_new = op(
-            q_lin,
-            k_lin,
-            v_lin,
-            beta,
-            initial_state=s0,
-            output_final_state=stream is not None,
-            chunk_size=mem.settings.chunk_size,
-        )
-        alpha = mem.gate(gate_in, None if stream is None else stream.x_tail)
-        # RMS-normalised, then put on the softmax output's scale (per token and head), so that
-        # alpha mixes two outputs of one magnitude (see the module docstring)
-        lin = _rms_norm(o_lin).to(soft.dtype) * soft.pow(2).mean(dim=-1, keepdim=True).add(1e-12).sqrt()
-        out = alpha * lin + (1 - alpha) * soft
-        if stream is not None:
-            stream.S = s_new.detach()
-            bw, kern = mem.settings.beta_window, mem.settings.dynamic_kernel
-            kt = k.detach() if stream.k_tail is None else torch.cat([stream.k_tail, k.detach()], dim=1)
-            stream.k_tail = kt[:, kt.shape[1] - min(bw - 1, kt.shape[1]) :]
-            if mem.settings.gate == "dynamic":
-                xt = (
-                    hidden_states.detach()
-                    if stream.x_tail is None
-                    else torch.cat([stream.x_tail, hidden_states.detach()], 1)
-                )
-                stream.x_tail = xt[:, xt.shape[1] - min(kern - 1, xt.shape[1]) :]
-    if stream is not None:
-        # keep the sinks (positions < sink, under a window) and the last span - 1 keys, span the
-        # narrower of the stream's window and the layer's own; everything when neither bounds it
-        span = min((w for w in (window, own) if w > 0), default=0)
-        sinks = (k_pos < sink) if window > 0 else torch.zeros_like(k_pos, dtype=torch.bool)
-        keep_mask = (
-            torch.ones(keys.shape[2], dtype=torch.bool, device=keys.device)
-            if span == 0
-            else (k_pos >= stream.pos + T - (span - 1)) | sinks
-        )
-        stream.k = cache_keys[:, :, keep_mask].detach()
-        stream.v = values[:, :, keep_mask].detach()
-        stream.n_sink = int((sinks & keep_mask).sum())
-        stream.pos += T
-    attn_output = out.reshape(B, T, -1).contiguous()
-    return self.o_proj(attn_output), None
-
-
 # ----------------------------------------------------------------------------- install / query
 
 
-def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
-    """{decoder layer index: its ``self_attn`` module} of a Llama, Qwen2, Qwen3 or Gemma-3 causal LM.
-
-    Raises ValueError when the model has no ``model.layers`` with ``self_attn``.
-    """
-    inner = getattr(model, "model", None)
-    layers = getattr(inner, "layers", None)
-    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
-        raise ValueError("the delta-rule memory needs a Llama/Qwen2-family model with model.layers[i].self_attn")
-    return {i: layer.self_attn for i, layer in enumerate(layers)}
-
-
-def resolve_layers(model: nn.Module, layers: tuple[int, ...] | list[int] = ()) -> list[int]:
+def resolve_layers(model: nn.Module, layers: tuple[int, ...] | list[int] = (), what: str = "layers") -> list[int]:
     """Decoder-layer indices (negative counts from the top; empty = every layer), sorted.
 
-    Raises ValueError for an index out of range.
+    Raises ValueError for an index out of range, its message starting with ``what`` (the setting).
     """
     n = len(attention_modules(model))
-    return layer_indices(layers, n, "memory.layers") if layers else list(range(n))
+    return layer_indices(layers, n, what) if layers else list(range(n))
 
 
 def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int, ...] | list[int] = ()) -> list[int]:
-    """Give the attention module of each chosen decoder layer a :class:`MemoryRule` (disabled)
-    and the dual-path forward; return the layer indices. Idempotent per layer (a layer that
-    already has a memory keeps it). The rule's parameters do not require grad until trained.
+    """Give the attention module of each chosen decoder layer a :class:`MemoryRule` (disabled) as
+    the linear path of its bounded attention (nestfed.nn.bounded_attention, with the settings'
+    window and sinks); return the layer indices. Idempotent per layer (a layer that already has a
+    memory keeps it). The rule's parameters do not require grad until trained.
 
     Raises ValueError for a model without such layers or a layer index out of range.
     """
     attns = attention_modules(model)
     chosen = resolve_layers(model, layers)
+    install_bounded_attention(model, chosen, settings.window, settings.sink)
     cfg = model.config
     for i in chosen:
         attn = attns[i]
         if hasattr(attn, "memory"):
             continue
+        attn.bounds.window, attn.bounds.sink = settings.window, settings.sink
         H = cfg.num_attention_heads
         Hkv = getattr(cfg, "num_key_value_heads", None) or H
         rule = MemoryRule(cfg.hidden_size, H, Hkv, attn.head_dim, settings)
@@ -472,28 +288,7 @@ def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int
         for p in rule.parameters():
             p.requires_grad_(False)
         attn.memory = rule
-        attn.forward = memory_attention_forward.__get__(attn, type(attn))
-    if not getattr(model, "_nestfed_padding_hooks", False):
-        model.register_forward_pre_hook(_note_padding, with_kwargs=True)
-        model.register_forward_hook(_forget_padding)
-        model._nestfed_padding_hooks = True
     return chosen
-
-
-def _note_padding(model: nn.Module, args: tuple, kwargs: dict) -> None:
-    """Forward pre-hook: hand a call's 2-D attention mask [B, T] (1 = token, 0 = pad) to every
-    memory rule, so that the linear path leaves pads out (the decoder layers see only the 4-D
-    softmax mask)."""
-    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
-    padding = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()) else None
-    for rule in memory_rules(model).values():
-        rule.padding = padding
-
-
-def _forget_padding(model: nn.Module, args: tuple, output: Any) -> None:
-    """Forward hook: clear the call's padding from every memory rule."""
-    for rule in memory_rules(model).values():
-        rule.padding = None
 
 
 def memory_rules(model: nn.Module) -> dict[int, MemoryRule]:

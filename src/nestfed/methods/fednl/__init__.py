@@ -1,8 +1,9 @@
 """FedNL (Federated Nested Learning, arXiv 2605.16350): the home of the method.
 
-options.py (``[fednl]``), setup.py (the memory layers), hooks.py (the client side), strategy.py
-(the server: FedAvg of the rules that write each client's memory). The memory layer itself is
-model surgery (nestfed.nn.memory) and the delta rule an operator (nestfed.ops.delta_rule).
+options.py (``[fednl]``: what travels and the memory layer), setup.py (the memory layers), hooks.py
+(the client side), strategy.py (the server: FedAvg of the rules that write each client's memory).
+The memory layer itself is model surgery (nestfed.nn.memory, beside the attention it is the linear
+path of: nestfed.nn.bounded_attention) and the delta rule an operator (nestfed.ops.delta_rule).
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ def _check(cfg: ExperimentConfig) -> None:
         )
     if "o_proj" in cfg.lora.target_modules:
         raise ValueError("lora.target_modules: FedNL keeps o_proj frozen (LoRA on q_proj, k_proj, v_proj)")
-    if cfg.memory.gate == "constant" and not cfg.server_optimizer.identity:
+    if cfg.section("fednl").gate == "constant" and not cfg.server_optimizer.identity:
         raise ValueError(
             f"server_optimizer.name: fednl cannot take a server optimiser ('{cfg.server_optimizer.name}') "
-            "with memory.gate = 'constant': the global state carries the gate's alpha, which its "
+            "with fednl.gate = 'constant': the global state carries the gate's alpha, which its "
             "schedule sets each round rather than any client update; use the learned or dynamic gate"
         )
 
@@ -34,6 +35,7 @@ METHOD = lora_method(
     "server averages the rules (arXiv 2605.16350)",
     "nestfed.methods.fednl.strategy",
     sections={"fednl": FedNLOptions},
+    moved={"memory": "fednl"},
     check_config=_check,
     capabilities=frozenset({C.ROBUST_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL}),
     refusals={

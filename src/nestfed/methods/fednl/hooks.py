@@ -9,9 +9,9 @@ received once, then trained and kept; a constant gate's alpha still follows the 
 
 from __future__ import annotations
 
-from nestfed.config import MemoryConfig
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays
+from nestfed.methods.fednl.options import FedNLOptions
 from nestfed.nn.keys import rank_dim
 from nestfed.nn.lora import init_adapter_state, module_shapes
 from nestfed.nn.memory import alpha_schedule, is_constant_alpha_key, set_constant_alpha
@@ -21,13 +21,13 @@ KEPT_RULES = "kept_rules"
 
 
 class FedNLHooks(ClientHooks):
-    """keep_lora: the client keeps its LoRA (``travel = "rules"``); memory: the [memory] section
+    """keep_lora: the client keeps its LoRA (``travel = "rules"``); memory: the [fednl] section
     (a ``constant`` gate follows alpha_start -> alpha_end over alpha_warmup_steps local steps of
     the run); local_steps: train.local_steps; init_seed: lora.init_seed; keep_rules: the client
     also keeps its memory rules (``travel = "none"``, local-only; implies keep_lora)."""
 
     def __init__(
-        self, keep_lora: bool, memory: MemoryConfig, local_steps: int, init_seed: int, keep_rules: bool = False
+        self, keep_lora: bool, memory: FedNLOptions, local_steps: int, init_seed: int, keep_rules: bool = False
     ):
         self.keep_lora = keep_lora or keep_rules
         self.keep_rules = keep_rules

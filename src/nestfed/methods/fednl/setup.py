@@ -10,8 +10,8 @@ from nestfed.nn.memory import MemorySettings, fresh_rule_arrays, install_memory,
 
 
 def memory_settings(cfg: ExperimentConfig) -> MemorySettings:
-    """The memory layer's settings from the [memory] section (a constant gate starts at alpha_start)."""
-    m = cfg.memory
+    """The memory layer's settings from the [fednl] section (a constant gate starts at alpha_start)."""
+    m = cfg.section("fednl")
     return MemorySettings(
         gate=m.gate,
         alpha_init=m.alpha_start if m.gate == "constant" else m.alpha_init,
@@ -24,20 +24,20 @@ def memory_settings(cfg: ExperimentConfig) -> MemorySettings:
 
 
 def memory_layers(prep: Prepared, cfg: ExperimentConfig) -> list[int]:
-    """The decoder layers that get a memory (``memory.layers``, default the LoRA layers).
+    """The decoder layers that get a memory (``fednl.layers``, default the LoRA layers).
 
     The memory must lie at or above the frozen prefix whose outputs were cached (a disabled memory
     layer computes exactly the backbone, so installing it later is safe). Raises ConfigError for a
     layer out of range or below the cached prefix.
     """
     try:
-        layers = resolve_layers(prep.backbone.model, cfg.memory.layers or cfg.lora.layers)
+        layers = resolve_layers(prep.backbone.model, cfg.section("fednl").layers or cfg.lora.layers, "fednl.layers")
     except ValueError as exc:
-        raise ConfigError(str(exc) if str(exc).startswith("memory.layers") else f"memory.layers: {exc}") from None
+        raise ConfigError(str(exc) if str(exc).startswith("fednl.layers") else f"fednl.layers: {exc}") from None
     start = prep.frozen_prefix_layers
     if layers and min(layers) < start:
         raise ConfigError(
-            f"memory.layers: layer {min(layers)} lies in the frozen prefix cached up to layer {start}; "
+            f"fednl.layers: layer {min(layers)} lies in the frozen prefix cached up to layer {start}; "
             "put the memory on LoRA layers or set train.cache_frozen_prefix = false"
         )
     return layers

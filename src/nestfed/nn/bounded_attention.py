@@ -1,0 +1,319 @@
+"""The backbone's softmax attention with a bounded context: an optional sliding window with attention
+sinks, a stream's KV cache carried from chunk to chunk, and an optional linear path mixed in.
+
+:func:`install_bounded_attention` replaces the ``forward`` of chosen decoder layers' attention
+modules (the module and its q/k/v/o projections keep their paths, so LoRA keys stay PEFT's
+``...self_attn.q_proj.lora_A.weight``) and gives each a :class:`Bounds` at ``self_attn.bounds``.
+With no stream and no enabled linear path the layer computes exactly the backbone's attention
+(tested bit for bit). A linear path (:class:`LinearPath`, e.g. FedNL's delta-rule memory,
+nestfed.nn.memory) is a submodule at ``self_attn.memory``: while it is enabled the softmax path
+uses its window and sinks and the layer's output is the path's mix of both.
+
+- Window: query t sees keys t - window + 1 .. t (0 = none). Sinks: the first ``sink`` tokens stay
+  visible to every windowed query (StreamingLLM, Xiao et al., ICLR 2024: a model trained with full
+  attention parks attention mass on the first tokens); under left padding they are each row's
+  first real tokens. The KV cache of a stream then holds ``sink + window - 1`` tokens, constant.
+- Streams (nestfed.evaluation.streaming): a :class:`LayerStream` at ``bounds.stream`` carries the
+  RoPE'd KV cache, trimmed to the narrower of the stream's window and the layer's own, and the
+  linear path's own state (``stream.state``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from nestfed.nn.layer_inputs import layer_window, positional_mask
+
+
+@dataclass
+class LayerStream:
+    """What one attention layer carries from one chunk of a token stream to the next.
+
+    window: this stream's softmax window (tokens, 0 = none); sink: attention-sink tokens kept
+    visible (0 = none); memory: whether an enabled linear path runs. pos: tokens already seen (the
+    next chunk's first absolute position). k, v: the softmax path's KV cache [B, H_kv, c, D] after
+    RoPE, at most ``window - 1`` tokens when window > 0 (plus the first ``sink`` tokens; unbounded
+    when window = 0); n_sink: how many of the cached keys are sinks (they come first). state: the
+    linear path's carried tensors (nestfed.nn.memory: the delta-rule state and its tails).
+    sink_rotation: RoPE (cos, sin), each [1, 1, D], of a shift delta (tokens) applied to the cached
+    sinks for the next chunk only, so that sink j sits at position j + delta just before the window
+    (StreamingLLM's positions within the cache, section 3.2) rather than at j, thousands of tokens
+    away from the queries; None = the sinks keep their absolute positions. The cache keeps the sinks
+    rotated at their own positions (RoPE rotations compose: R(j + delta) = R(delta) R(j)).
+    """
+
+    window: int = 0
+    memory: bool = True
+    sink: int = 0
+    pos: int = 0
+    k: torch.Tensor | None = None
+    v: torch.Tensor | None = None
+    n_sink: int = 0
+    sink_positions: str = "absolute"  # "cache": nestfed.evaluation.streaming.shift_sinks sets sink_rotation per chunk
+    sink_rotation: tuple[torch.Tensor, torch.Tensor] | None = None
+    state: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        """Bytes held by this layer's stream state (KV cache, the linear path's state)."""
+        tensors = [self.k, self.v, *self.state.values()]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+@dataclass
+class Bounds:
+    """One wrapped attention layer's context bounds and per-call state.
+
+    window, sink: the softmax window and sinks (tokens) while the layer's linear path is enabled,
+    and a stream's default (nestfed.evaluation.streaming). stream: the :class:`LayerStream` while a
+    stream is processed, else None. padding: [B, T] bool, True = a real token, set per model call
+    (the decoder layers see only the 4-D softmax mask)."""
+
+    window: int = 0
+    sink: int = 0
+    stream: LayerStream | None = None
+    padding: torch.Tensor | None = None
+
+
+class LinearPath(Protocol):
+    """A path beside softmax attention (nestfed.nn.memory.MemoryRule). ``enabled``: whether it runs;
+    ``mix`` returns the layer's output [B, T, H, D] from the projections q [B, T, H, D] and
+    k, v [B, T, H_kv, D] (after LoRA and the per-head norms, before RoPE), the layer's input
+    hidden_states [B, T, hidden], the softmax output soft [B, T, H, D], the stream (None outside
+    one; its ``state`` is the path's to carry) and valid [B, T] bool (False at padding) or None."""
+
+    enabled: bool
+
+    def mix(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        hidden_states: torch.Tensor,
+        soft: torch.Tensor,
+        stream: LayerStream | None,
+        valid: torch.Tensor | None,
+    ) -> torch.Tensor: ...
+
+
+def _combine(mask: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """Both masks at once: ``mask`` [1, 1, Tq, Tk] (boolean, True = attend, or additive float, as
+    :func:`nestfed.nn.layer_inputs.positional_mask` builds it for the attention implementation)
+    and the caller's ``attention_mask`` (None, or the same kind [B, 1, Tq, Tk]: padding, the
+    model's own causal or sliding mask). Returns a mask of ``mask``'s kind."""
+    if attention_mask is None:
+        return mask
+    if mask.dtype == torch.bool:
+        return (
+            mask & attention_mask
+            if attention_mask.dtype == torch.bool
+            else attention_mask.masked_fill(~mask, torch.finfo(attention_mask.dtype).min)
+        )
+    if attention_mask.dtype == torch.bool:
+        return mask.masked_fill(~attention_mask, torch.finfo(mask.dtype).min)
+    return torch.minimum(mask, attention_mask.to(mask.dtype))
+
+
+def _attention_interface(attn: nn.Module):
+    module = __import__(type(attn).__module__, fromlist=["eager_attention_forward"])
+    return ALL_ATTENTION_FUNCTIONS.get_interface(attn.config._attn_implementation, module.eager_attention_forward)
+
+
+def _shift_sinks(stream: LayerStream, keys: torch.Tensor) -> torch.Tensor:
+    """keys [B, H_kv, c, D] with the first ``stream.n_sink`` (the cached sinks) rotated on by
+    ``stream.sink_rotation`` (cos, sin [1, 1, D]); unchanged when there is no rotation or no sink."""
+    if stream.sink_rotation is None or not stream.n_sink:
+        return keys
+    cos, sin = (t.to(keys.dtype) for t in stream.sink_rotation)
+    sinks = keys[:, :, : stream.n_sink]
+    _, shifted = apply_rotary_pos_emb(sinks, sinks, cos, sin)  # the backbone's own rotation, by delta
+    return torch.cat([shifted, keys[:, :, stream.n_sink :]], dim=2)
+
+
+def _projections(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [B, T, H, D], k and v [B, T, H_kv, D]: the backbone's projections (LoRA included) and its
+    per-head q/k norms where the model has them (Qwen3, Gemma-3), before RoPE."""
+    B, T, _ = hidden_states.shape
+    shape = (B, T, -1, self.head_dim)
+    q = self.q_proj(hidden_states).view(shape)
+    k = self.k_proj(hidden_states).view(shape)
+    if getattr(self, "q_norm", None) is not None:
+        q = self.q_norm(q)
+    if getattr(self, "k_norm", None) is not None:
+        k = self.k_norm(k)
+    return q, k, self.v_proj(hidden_states).view(shape)
+
+
+def _keep_stream(stream: LayerStream, keys, values, k_pos, window: int, own: int, sink: int, T: int) -> None:
+    """Trim the stream's KV cache after a chunk: the sinks (positions < sink, under a window) and the
+    last span - 1 keys, span the narrower of the stream's window and the layer's own; everything when
+    neither bounds it."""
+    span = min((w for w in (window, own) if w > 0), default=0)
+    sinks = (k_pos < sink) if window > 0 else torch.zeros_like(k_pos, dtype=torch.bool)
+    keep = (
+        torch.ones(keys.shape[2], dtype=torch.bool, device=keys.device)
+        if span == 0
+        else (k_pos >= stream.pos + T - (span - 1)) | sinks
+    )
+    stream.k = keys[:, :, keep].detach()
+    stream.v = values[:, :, keep].detach()
+    stream.n_sink = int((sinks & keep).sum())
+    stream.pos += T
+
+
+def bounded_attention_forward(
+    self: nn.Module,
+    hidden_states: torch.Tensor,
+    position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+    attention_mask: torch.Tensor | None = None,
+    past_key_values: Any = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """Forward of an attention module wrapped by :func:`install_bounded_attention`.
+
+    hidden_states: [B, T, hidden] (the decoder layer's normed input); position_embeddings: the RoPE
+    (cos, sin), each [B, T, D]. Returns (output [B, T, hidden], None). The softmax path is the
+    backbone's own (projections, q/k norms, RoPE and attention kernel). A Hugging Face KV cache
+    (``past_key_values``) is updated as the backbone does, but it cannot carry a linear path's
+    state: with the path enabled only a first (prefill) call is accepted; streams of any length use
+    nestfed.evaluation.streaming.
+
+    Raises ValueError without position embeddings, for a cache and a stream together, or for a
+    cached call with the linear path enabled.
+    """
+    bounds: Bounds = self.bounds
+    path: LinearPath | None = getattr(self, "memory", None)
+    if position_embeddings is None:
+        raise ValueError(f"layer {self.layer_idx}: position_embeddings (RoPE cos, sin) are required")
+    B, T, _ = hidden_states.shape
+    q, k, v = _projections(self, hidden_states)
+    cos, sin = position_embeddings
+    q_rot, k_rot = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    v_t = v.transpose(1, 2)
+    stream = bounds.stream
+    enabled = path is not None and path.enabled
+    use_path = enabled and (stream is None or stream.memory)
+    window = stream.window if stream is not None else (bounds.window if enabled else 0)
+    sink = stream.sink if stream is not None else bounds.sink
+
+    mask = attention_mask
+    keys, values = k_rot, v_t
+    if past_key_values is not None:
+        if stream is not None:
+            raise ValueError(f"layer {self.layer_idx}: give a Hugging Face cache or a nestfed stream, not both")
+        keys, values = past_key_values.update(k_rot, v_t, self.layer_idx)
+        if keys.shape[2] > T and use_path:
+            raise ValueError(
+                f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the delta-rule memory "
+                "state across calls; stream with nestfed.evaluation.streaming instead"
+            )
+    cache_keys = keys  # what a stream carries on: the sinks at their own positions
+    own = layer_window(self.config, self.layer_idx)  # the layer's own sliding window (0 = none)
+    k_pos = None
+    if stream is not None:
+        if stream.k is not None:
+            cache_keys = torch.cat([stream.k, k_rot], dim=2)
+            keys = _shift_sinks(stream, cache_keys)
+            values = torch.cat([stream.v, v_t], dim=2)
+        q_pos = torch.arange(stream.pos, stream.pos + T, device=q.device)
+        recent = keys.shape[2] - (0 if stream.k is None else stream.n_sink)
+        k_pos = torch.arange(stream.pos + T - recent, stream.pos + T, device=q.device)
+        if stream.k is not None and stream.n_sink:
+            k_pos = torch.cat([torch.arange(stream.n_sink, device=q.device), k_pos])
+        mask = _combine(positional_mask(self.config, q_pos, k_pos, q_rot.dtype, window, sink, own), attention_mask)
+    elif window > 0 and T > window:
+        pos = torch.arange(T, device=q.device)
+        valid = bounds.padding if bounds.padding is not None and bounds.padding.shape == (B, T) else None
+        if sink and valid is not None and not bool(valid.all()):  # the sinks: each row's first real tokens
+            pos = valid.long().cumsum(1) - 1  # [B, T]: real-token positions (pads are masked anyway)
+        mask = _combine(positional_mask(self.config, pos, pos, q_rot.dtype, window, sink, own), attention_mask)
+    soft, _ = _attention_interface(self)(
+        self,
+        q_rot,
+        keys,
+        values,
+        mask,
+        dropout=0.0 if not self.training else self.attention_dropout,
+        scaling=self.scaling,
+        sliding_window=getattr(self, "sliding_window", None),
+    )  # [B, T, H, D]
+    out = soft
+    if use_path:
+        padded = stream is None and bounds.padding is not None and bounds.padding.shape == (B, T)
+        out = path.mix(q, k, v, hidden_states, soft, stream, bounds.padding if padded else None)
+    if stream is not None:
+        _keep_stream(stream, cache_keys, values, k_pos, window, own, sink, T)
+    return self.o_proj(out.reshape(B, T, -1).contiguous()), None
+
+
+# ----------------------------------------------------------------------------- install / query
+
+
+def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
+    """{decoder layer index: its ``self_attn`` module} of a Llama, Qwen2, Qwen3 or Gemma-3 causal LM.
+
+    Raises ValueError when the model has no ``model.layers`` with ``self_attn``.
+    """
+    inner = getattr(model, "model", None)
+    layers = getattr(inner, "layers", None)
+    if layers is None or not all(hasattr(layer, "self_attn") for layer in layers):
+        raise ValueError("bounded attention needs a Llama/Qwen2-family model with model.layers[i].self_attn")
+    return {i: layer.self_attn for i, layer in enumerate(layers)}
+
+
+def install_bounded_attention(
+    model: nn.Module, layers: list[int] | tuple[int, ...] | None = None, window: int = 0, sink: int = 0
+) -> list[int]:
+    """Wrap the attention of the given decoder layers (None = every layer) with
+    :func:`bounded_attention_forward` and a :class:`Bounds` (``window``, ``sink``); return the layer
+    indices. Idempotent per layer: a layer already wrapped keeps its bounds. The model gets forward
+    hooks that hand each call's 2-D attention mask to every wrapped layer (``bounds.padding``).
+
+    Raises ValueError for a model without decoder layers, a layer out of range or negative bounds.
+    """
+    if window < 0 or sink < 0:
+        raise ValueError(f"window and sink must be >= 0 tokens, got {window}, {sink}")
+    attns = attention_modules(model)
+    chosen = sorted(attns) if layers is None else list(layers)
+    for i in chosen:
+        if i not in attns:
+            raise ValueError(f"layer {i} is out of range (the model has {len(attns)} layers)")
+        attn = attns[i]
+        if isinstance(getattr(attn, "bounds", None), Bounds):
+            continue
+        attn.bounds = Bounds(window, sink)
+        attn.forward = bounded_attention_forward.__get__(attn, type(attn))
+    if not getattr(model, "_nestfed_padding_hooks", False):
+        model.register_forward_pre_hook(_note_padding, with_kwargs=True)
+        model.register_forward_hook(_forget_padding)
+        model._nestfed_padding_hooks = True
+    return chosen
+
+
+def bounded_layers(model: nn.Module) -> dict[int, Bounds]:
+    """{decoder layer index: Bounds} of every wrapped attention layer."""
+    try:
+        attns = attention_modules(model)
+    except ValueError:
+        return {}
+    return {i: a.bounds for i, a in attns.items() if isinstance(getattr(a, "bounds", None), Bounds)}
+
+
+def _note_padding(model: nn.Module, args: tuple, kwargs: dict) -> None:
+    """Forward pre-hook: hand a call's 2-D attention mask [B, T] (1 = token, 0 = pad) to every
+    wrapped layer, so that its sinks and linear path leave pads out."""
+    mask = kwargs.get("attention_mask", args[1] if len(args) > 1 else None)
+    padding = mask.bool() if isinstance(mask, torch.Tensor) and mask.dim() == 2 and not bool(mask.all()) else None
+    for bounds in bounded_layers(model).values():
+        bounds.padding = padding
+
+
+def _forget_padding(model: nn.Module, args: tuple, output: Any) -> None:
+    """Forward hook: clear the call's padding from every wrapped layer."""
+    for bounds in bounded_layers(model).values():
+        bounds.padding = None
