@@ -52,6 +52,32 @@ def tables(dirs: list[Path]) -> dict:
     return {"runs": rows}
 
 
+def single_run(t: dict) -> str:
+    """The accuracy table of one run's summary (``accuracy_final``, ``local_accuracy``,
+    ``aggregation_drop`` per client: e.g. ``fednl_mmlu_local_only.json``), in :func:`markdown`'s
+    columns, its row named after the run's overrides."""
+    cids = sorted(t["accuracy_final"], key=int)
+    labels = t.get("client_labels", {})
+    pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
+    name = "fednl, " + ", ".join(t.get("overrides", [])) if t.get("overrides") else "fednl"
+    if "fednl.travel=none" in t.get("overrides", []):
+        name = 'fednl, local-only (`travel = "none"`)'
+    cells = [
+        f"{pct(t['accuracy_final'][c])} / {pct(t['local_accuracy'][c])} / {pct(t['aggregation_drop'][c])}" for c in cids
+    ]
+    drop = sum(t["aggregation_drop"][c] for c in cids) / len(cids)
+    return (
+        "\n".join(
+            [
+                "| method | " + " | ".join(f"c{c} {labels.get(c, '')}" for c in cids) + " | mean | mean drop |",
+                "|---|" + "---|" * (len(cids) + 2),
+                f"| {name} | " + " | ".join(cells) + f" | {pct(t['mean_accuracy'])} | {pct(drop)} |",
+            ]
+        )
+        + "\n"
+    )
+
+
 def markdown(t: dict) -> str:
     rows = t["runs"]
     if not rows:

@@ -325,6 +325,41 @@ def _maxrss() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+LEVERS = {  # a result's ``levers`` -> its row label in docs/gpus.md's table
+    "none": "none (the model's own forward)",
+    "nestfed": "none",
+    "checkpoint": "activation checkpointing",
+    "checkpoint+micro": "checkpointing + micro-batches of {micro} rows",
+}
+
+
+def table(result: dict) -> str:
+    """docs/gpus.md's row for one levers file: the compressed client (the first ``svd`` setting)
+    against the full client, MiB, as ``full vs compressed``; tables.py stacks the files' rows."""
+    full = next(r for r in result["results"] if r["setting"] == "full+lora")
+    svd = next(r for r in result["results"] if r["setting"].startswith("svd"))
+    mib = 2**20
+
+    def pair(get) -> str:
+        return f"{get(full) / mib:.0f} vs {get(svd) / mib:.0f}"
+
+    label = LEVERS.get(svd["levers"], svd["levers"]).format(micro=svd["micro_batch_rows"])
+    label = label.replace("of 1 rows", "of 1 row")
+    row = [
+        label,
+        pair(lambda r: r["accounting"]["parameter_bytes"] + r["accounting"]["buffer_bytes"]),
+        pair(lambda r: r["accounting"]["saved_activation_bytes"]),
+        pair(lambda r: r["accounting"]["train_peak_est_bytes"]),
+        pair(lambda r: r["rss"]["train_step_peak_bytes"]),
+        f"{svd['vs_full']['train_peak_est_bytes']:.2f} / {svd['vs_full']['rss_train_step_peak']:.2f}",
+    ]
+    head = (
+        "| levers (both sides) | params + buffers | saved for backward | estimate (lower bound) | sampled RSS peak "
+        "| ratio: estimate / RSS |"
+    )
+    return "\n".join([head, "|" + "---|" * 6, "| " + " | ".join(row) + " |"]) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5, 0.7])

@@ -249,6 +249,36 @@ def deployment(work: Path, node_config: dict) -> tuple[dict, Path]:
     return out, run_dir
 
 
+def setting(result: dict) -> str:
+    """A result's column of docs/flower.md: how the ClientApp ran."""
+    exp = result["experiment"]
+    if "worker" in exp.get("client_app", ""):
+        n = exp.get("node_threads", 1)
+        return f"long-running worker, {n} thread{'s' if n != 1 else ''} per node"
+    return "client cache" if exp.get("client_cache") == "on" else "rebuild per message"
+
+
+def table(result: dict) -> str:
+    """docs/flower.md's row for one result (tables.py stacks the files' rows): seconds per round
+    and per client (the mean over clients and rounds)."""
+    e, d = result["embedded"], result["deployment"]
+    pc = d["per_client_mean_s"]
+    head = (
+        "| ClientApp | embedded round | Flower round | per client: process start (interpreter, imports, "
+        "bundle, message) | rebuild | fit (embedded) | to the node + back to the server |"
+    )
+    row = [
+        setting(result),
+        f"{e['mean_round_s']:.1f} s",
+        f"{d['mean_round_s']:.1f} s ({result['deployment_over_embedded_round_time']:g}x)",
+        f"{pc['process_start_s']:.1f} s",
+        f"{pc['rebuild_s']:.1f} s",
+        f"{pc['fit_s']:.1f} s ({e['fit_s_per_client']:.1f} s)",
+        f"{pc['to_node_s'] + pc['to_server_s']:.1f} s",
+    ]
+    return "\n".join([head, "|" + "---|" * 7, "| " + " | ".join(row) + " |"]) + "\n"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--keep", type=Path, default=None, help="keep the run directories here")
@@ -284,6 +314,7 @@ def main() -> None:
         import os
 
         result = {
+            "bench": "flower_vs_embedded",
             "experiment": {
                 "config": str(args.config),
                 "overrides": OVERRIDES,

@@ -11,7 +11,8 @@ which of the rendered Markdown's tables to keep (``table=N``, 0-based; default 0
 comparison, the reference label. The file is rendered by the code that wrote it: comparison rows
 (a JSON list: ``nestfed compare``'s comparison.json, a ``--table`` file) by
 nestfed.experiments.comparison.markdown; a bench's JSON by that bench's ``table`` (keyed by its
-``bench`` field); a Markdown results file is taken as it is.
+``bench`` field), or by the function a marker names (``renderer=summaries.aggregation``:
+bench/summaries.py); a Markdown results file is taken as it is.
 
     .venv/bin/python bench/tables.py            # rewrite every block from its results file
     .venv/bin/python bench/tables.py --check    # exit 1 naming each block that differs (tests/test_tables.py)
@@ -47,6 +48,8 @@ BENCH_RENDERERS = {
     "scale": ("scale", "table"),
     "prelort_dilution": ("prelort_dilution", "table"),
     "fednl_streaming_ce": ("fednl_streaming_ce", "table"),
+    "fedslm_memory": ("fedslm_memory", "table"),
+    "flower_vs_embedded": ("flower_vs_embedded", "table"),
 }
 
 
@@ -63,9 +66,13 @@ def renderer(data) -> Callable[..., str]:
         return markdown
     if isinstance(data, dict) and "runs" in data:  # bench/fednl_tables.py's tables
         return bench_module("fednl_tables").markdown
+    if isinstance(data, dict) and "accuracy_final" in data:  # one FedNL run's summary
+        return bench_module("fednl_tables").single_run
     bench = data.get("bench") if isinstance(data, dict) else None
     if bench is None and isinstance(data, dict) and "attackers" in data:  # robustness.json names no bench
         bench = "robustness"
+    if bench is None and isinstance(data, dict) and "deployment_over_embedded_round_time" in data:  # nor these
+        bench = "flower_vs_embedded"
     if bench in BENCH_RENDERERS:
         script, fn = BENCH_RENDERERS[bench]
         return getattr(bench_module(script), fn)
@@ -106,7 +113,11 @@ def render(spec: str) -> str:
         text = path.read_text()
     else:
         data = json.loads(path.read_text())
-        fn = renderer(data)
+        if "renderer" in opts:  # renderer=<bench module>.<function>
+            module, _, function = opts.pop("renderer").partition(".")
+            fn = getattr(bench_module(module), function)
+        else:
+            fn = renderer(data)
         text = fn(data, opts["reference"]) if "reference" in opts else fn(data)
     found = tables_of(text)
     if index >= len(found):
