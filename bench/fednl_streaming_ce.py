@@ -37,7 +37,7 @@ def load_run(run_dir: Path):
     from nestfed.federation.run_dir import RunDir
 
     rd = RunDir.open(run_dir)
-    return methods.load_config(rd.config_path), rd.latest_checkpoint().state.arrays
+    return methods.load_run_config(rd.config_path), rd.latest_checkpoint().state.arrays
 
 
 def probe_text(tokenizer, n: int) -> tuple[torch.Tensor, str]:

@@ -56,7 +56,7 @@ BENCH_RENDERERS = {
 def renderer(data) -> Callable[..., str]:
     """The function that renders a results file's parsed JSON ``data`` as Markdown. Raises
     ValueError for a file no renderer is known for."""
-    if isinstance(data, list) and data and "client_memory_ratio" in data[0]:  # `nestfed fedslm`'s rows
+    if isinstance(data, list) and data and "client_memory_ratio" in data[0]:  # the compressed comparison's rows
         from nestfed.experiments.compressed_comparison import markdown
 
         return markdown

@@ -1,5 +1,6 @@
-"""The ``nestfed`` command line: ``run`` an experiment (one or several methods), ``compare`` runs,
-``fedslm`` (FedSLM against its baselines), ``methods`` (the registry).
+"""The ``nestfed`` command line: ``run`` an experiment (one or several methods; a method whose
+clients run compressed models, FedSLM's or FedMKT's, makes it the compressed comparison),
+``compare`` runs, ``export``, ``eval``, ``methods`` (the registry).
 
 Bad input (unknown method, section or key, bad ranks, missing or malformed data, a run directory
 that cannot be resumed) prints one line naming the key or file and exits with code 2, before any
@@ -204,7 +205,7 @@ def _resumable(path: Path) -> tuple[dict[str, Path], Path | None]:
     if (path / "config.toml").is_file():
         if RunDir(path).finished:
             raise NestfedError(f"--resume: {path} has finished (summary.json exists)")
-        return {methods.load_config(path / "config.toml").strategy.name: path}, None
+        return {methods.load_run_config(path / "config.toml").strategy.name: path}, None
     subs = sorted({p.parent for p in [*path.glob("*/config.toml"), *path.glob("*/*/config.toml")]})
     if not subs:
         raise NestfedError(f"--resume: {path} is not a nestfed run directory (no config.toml)")
@@ -226,12 +227,33 @@ def _resume_configs(todo: dict[str, Path], overrides: list[str]) -> dict[str, Ex
     for name, d in todo.items():
         rd = RunDir(d)
         stored = stored_config(rd)  # the recorded config: an edit of config.toml shows as a difference
-        wanted = methods.load_config(rd.config_path, overrides)
+        wanted = methods.load_run_config(rd.config_path, overrides)
         rd.check_resume(methods.get(wanted.strategy.name).keeps_client_state(wanted))  # fails here, before any work
         for change in rd.accept_config(stored, wanted, C.dumps_toml(wanted)):
             say(f"resume {d}: config.toml now has {change}")
         cfgs[name] = wanted
     return cfgs
+
+
+def _run_compressed(cfg, names: list[str]) -> None:
+    """A comparison in which some clients run compressed models (a method declaring ``comparison =
+    "compressed"``): client and server perplexity, client memory and bytes per round for every
+    method (nestfed.experiments.compressed_comparison), one run directory per method under one parent."""
+    from nestfed.experiments.compressed_comparison import compare as compare_compressed
+
+    def on_event(kind, info):
+        if kind == "round_done" and "eval" in info["line"]:
+            ev = info["line"]["eval"]
+            say(
+                f"  round {info['round']}: mean client held-out ppl "
+                f"{sum(v['ppl'] for v in ev.values()) / len(ev):.2f}, {info['line']['time_s']:.0f} s"
+            )
+        elif kind == "log":
+            say(info["text"])
+
+    parent = compare_compressed(cfg, names, on_status=say, on_event=on_event)
+    out.print((parent / "comparison.md").read_text(), markup=False)
+    out.print(f"run directory: {parent}", markup=False)
 
 
 @app.command()
@@ -277,6 +299,13 @@ def run(
                 raise NestfedError(f"--methods: '{m}' is listed twice")
         if seeds < 1:
             raise NestfedError(f"--seeds must be >= 1, got {seeds}")
+        compressed = [m for m in names if methods.get(m).comparison == "compressed"]
+        if compressed:  # clients run compressed models: every method gets the compressed comparison's figures
+            if seeds > 1:
+                raise NestfedError(f"--seeds: the comparison with {compressed[0]} runs one seed")
+            _run_compressed(cfg, names)
+            out.print(f"total wall time {time.perf_counter() - t0:.0f} s")
+            return
         per_method = {m: methods.with_method(cfg, m) for m in names}  # validates e.g. fedavg with unequal ranks
         from nestfed.experiments.run import new_run_dir  # the model libraries load once the config is valid
 
@@ -328,7 +357,7 @@ def compare(
         raise NestfedError(f"no finished run directory among {', '.join(map(str, run_dirs))}")
     experiments = {
         (str(C.to_dict(c)["model"]), str(C.to_dict(c)["data"]))
-        for c in (methods.load_config(d / "config.toml") for d in dirs)
+        for c in (methods.load_run_config(d / "config.toml") for d in dirs)
     }
     if len(experiments) > 1:
         say(
@@ -441,39 +470,6 @@ def eval_(
     atomic.write_text(target / "flowertune_general_nlp.md", text)
     atomic.write_json(target / "flowertune_general_nlp.json", table)
     out.print(f"wrote flowertune_general_nlp.md and .json into {target}", markup=False)
-
-
-@app.command("fedslm")
-def fedslm(
-    config: Annotated[Path, typer.Argument(help="experiment TOML file (e.g. configs/fedslm_bbc_news.toml)")],
-    set_: Annotated[Optional[list[str]], typer.Option("--set", help="override section.key=value")] = None,
-    methods_: Annotated[
-        str, typer.Option("--methods", help="comma-separated: fedslm, fedmkt, fedavg, hetlora")
-    ] = "fedslm,fedmkt,fedavg,hetlora",
-) -> None:
-    """FedSLM against FedMKT, FedAvg+LoRA and HetLoRA on the same clients: client and server
-    perplexity, client memory, bytes per round (nestfed/experiments/compressed_comparison.py)."""
-    from nestfed.experiments.compressed_comparison import compare as compare_compressed
-
-    t0 = time.perf_counter()
-    cfg = methods.load_config(config, set_ or [])
-
-    def on_event(kind, info):
-        if kind == "round_done" and "eval" in info["line"]:
-            ev = info["line"]["eval"]
-            say(
-                f"  round {info['round']}: mean client held-out ppl "
-                f"{sum(v['ppl'] for v in ev.values()) / len(ev):.2f}, {info['line']['time_s']:.0f} s"
-            )
-        elif kind == "log":
-            say(info["text"])
-
-    parent = compare_compressed(
-        cfg, [m.strip() for m in methods_.split(",") if m.strip()], on_status=say, on_event=on_event
-    )
-    out.print((parent / "comparison.md").read_text(), markup=False)
-    out.print(f"run directory: {parent}", markup=False)
-    out.print(f"total wall time {time.perf_counter() - t0:.0f} s")
 
 
 @app.command("methods")

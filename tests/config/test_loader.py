@@ -97,7 +97,8 @@ def test_scalar_rank_is_broadcast():
         ({"fedmkt": {"topk": 0}}, "fedmkt.topk >= 1"),
         ({"elicitation": {"alpha": 2.0}}, "elicitation.alpha / compare_alphas must be in [0, 1]"),
         ({"fednl": {"gate": "open"}}, "fednl.gate: unknown gate 'open'"),
-        ({"fednl": {"window": -1}}, "fednl.window, sink_tokens and alpha_warmup_steps must be >= 0"),
+        ({"fednl": {"window": -1}}, "fednl.window must be >= 0, got -1"),
+        ({"fednl": {"alpha_warmup_steps": -1}}, "fednl.alpha_warmup_steps must be >= 0, got -1"),
         ({"memory": {"window": 256}}, "[memory] is now part of [fednl]: move its keys there (fednl.<key>)"),
         ({"train": {"eval_stream_window": -2}}, "train.eval_stream_window"),
     ],
@@ -140,3 +141,31 @@ def test_extends_merges_over_the_base_and_detects_loops(tmp_path):
     (tmp_path / "loop.toml").write_text('extends = "loop.toml"\n')
     with pytest.raises(ConfigError, match="loops back"):
         methods.load_config(tmp_path / "loop.toml")
+
+
+def test_a_run_directorys_config_from_before_the_move_still_loads(tmp_path):
+    """A resolved config written before FedNL's memory options and NIAH's settings got their own
+    sections: a run directory's config.toml is migrated (so it resumes, exports and compares),
+    a user's own config gets the pointer."""
+    old = {
+        "strategy": {"name": "fednl"},
+        "lora": {"target_modules": ["q_proj", "v_proj"]},
+        "data": {"source": "bbc_news", "niah_train_length": 256, "niah_depths": [0.5]},
+        "memory": {"window": 64, "sink_tokens": 2},
+        "fednl": {"travel": "rules"},
+    }
+    path = tmp_path / "config.toml"
+    path.write_text(
+        "[strategy]\nname = 'fednl'\n[lora]\ntarget_modules = ['q_proj', 'v_proj']\n"
+        "[data]\nsource = 'bbc_news'\nniah_train_length = 256\nniah_depths = [0.5]\n"
+        "[memory]\nwindow = 64\nsink_tokens = 2\n[fednl]\ntravel = 'rules'\n"
+    )
+    for cfg in (methods.load_run_config(path), methods.config_from_dict(old, "recorded", stored=True)):
+        fednl = cfg.section("fednl")
+        assert (fednl.window, fednl.sink_tokens, fednl.travel) == (64, 2, "rules")
+        assert (cfg.section("niah").train_length, cfg.section("niah").depths) == (256, (0.5,))
+    with pytest.raises(ConfigError, match=r"\[niah\] train_length"):  # a user's config: the pointers
+        methods.load_config(path)
+    path.write_text(path.read_text().replace("niah_train_length = 256\nniah_depths = [0.5]\n", ""))
+    with pytest.raises(ConfigError, match=r"\[memory\] is now part of \[fednl\]"):
+        methods.load_config(path)

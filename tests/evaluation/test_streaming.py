@@ -202,3 +202,28 @@ def test_cache_sink_positions_refuse_position_dependent_rope(tiny_llama):
         stream_nll(model, ids, chunk=4, mode="window", window=4, sink=1)
     absolute = stream_nll(model, ids, chunk=4, mode="window", window=4, sink=1, sink_positions="absolute")
     assert absolute.shape == (1, 11)
+
+
+def test_a_streamed_evaluation_takes_the_window_of_enabled_memory_only(tiny_llama):
+    """A baseline evaluated on a backbone that also carries another method's (disabled) memory
+    layers streams as if they were not there: the window never depends on which method ran first."""
+    import dataclasses
+
+    from nestfed.config import TrainConfig
+    from nestfed.data.clients import ClientData
+    from nestfed.evaluation.client import evaluate_streamed
+    from nestfed.nn.bounded_attention import install_bounded_attention
+
+    model = tiny_llama.model
+    ids = torch.randint(0, 250, (2, 40), generator=torch.Generator().manual_seed(7))
+    d = ClientData(ids, ids.clone(), ids, ids.clone())
+    train = TrainConfig(eval_stream_chunk=8, cache_frozen_prefix=False)
+    install_bounded_attention(model)
+    plain = evaluate_streamed(model, d, train)
+    install_memory(model, MemorySettings(gate="constant", alpha_init=0.0, window=4))  # e.g. FedNL's, disabled
+    assert evaluate_streamed(model, d, train) == plain  # window 1024 both times: the memory is off
+    set_memory_enabled(model, True)  # alpha 0: only the window acts
+    windowed = evaluate_streamed(model, d, train)
+    assert windowed["loss"] != pytest.approx(plain["loss"], rel=1e-6)
+    set_memory_enabled(model, False)
+    assert evaluate_streamed(model, d, dataclasses.replace(train, eval_stream_window=4)) == pytest.approx(windowed)

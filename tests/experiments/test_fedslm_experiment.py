@@ -18,7 +18,17 @@ def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fedslm")
     env = dict(os.environ, COLUMNS="200")
     r = subprocess.run(
-        [sys.executable, "-m", "nestfed.cli", "fedslm", str(TINY), "--set", f"output.dir={tmp / 'runs'}"],
+        [
+            sys.executable,
+            "-m",
+            "nestfed.cli",
+            "run",
+            str(TINY),
+            "--methods",
+            "fedslm,fedmkt,fedavg,hetlora",  # a method with compressed clients: the compressed comparison
+            "--set",
+            f"output.dir={tmp / 'runs'}",
+        ],
         cwd=tmp,
         capture_output=True,
         text=True,

@@ -3,7 +3,17 @@
 :class:`~nestfed.config.loader.Schema`; nestfed.methods builds the one every entry point uses."""
 
 from nestfed.config.evaluation import EvaluationConfig
-from nestfed.config.loader import Schema, differences, dumps_toml, from_dict, load, parse_override, replace, to_dict
+from nestfed.config.loader import (
+    Schema,
+    differences,
+    dumps_toml,
+    from_dict,
+    load,
+    migrate,
+    parse_override,
+    replace,
+    to_dict,
+)
 from nestfed.config.population import PopulationConfig
 from nestfed.config.schema import (
     CORE_SECTIONS,
@@ -52,6 +62,7 @@ __all__ = [
     "dumps_toml",
     "from_dict",
     "load",
+    "migrate",
     "parse_override",
     "per_client_inline",
     "r_max",

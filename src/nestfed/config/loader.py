@@ -236,10 +236,35 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
     return data
 
 
+def migrate(data: Mapping[str, Any], schema: Schema = Schema()) -> dict[str, Any]:
+    """A resolved config written by an earlier nestfed (a run directory's config.toml), its moved
+    settings put where they live now: a former section's keys into the section that holds them
+    (``schema.moved``), and a core key named ``<section>_<key>`` for a section that now owns it
+    (``data.niah_train_length`` -> ``niah.train_length``). A user's own config is not migrated:
+    it gets the one-line pointer instead."""
+    out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
+    for old, new in schema.moved.items():
+        if isinstance(out.get(old), dict) and old not in _all_sections(schema):
+            out[new] = {**out.pop(old), **out.get(new, {})}
+    owners = _all_sections(schema)
+    for name in CORE_SECTIONS:
+        table = out.get(name)
+        if not isinstance(table, dict):
+            continue
+        for key in [k for k in table if any(k.startswith(s + "_") for s in owners)]:
+            owner = next(s for s in owners if key.startswith(s + "_"))
+            out.setdefault(owner, {}).setdefault(key[len(owner) + 1 :], table.pop(key))
+    return out
+
+
 def load(
-    path: str | Path | None, overrides: list[str] | tuple[str, ...] = (), schema: Schema = Schema()
+    path: str | Path | None,
+    overrides: list[str] | tuple[str, ...] = (),
+    schema: Schema = Schema(),
+    stored: bool = False,
 ) -> ExperimentConfig:
     """Read a TOML experiment file (following ``extends``) and apply ``section.key=value`` overrides.
+    stored: the file is a run directory's resolved config (:func:`migrate` first).
 
     Raises ConfigError (file missing or unreadable, not UTF-8, TOML syntax, unknown section or
     key, bad type or value).
@@ -249,6 +274,8 @@ def load(
     if path is not None:
         source = str(path)
         data = _read_toml(Path(path), set())
+        if stored:
+            data = migrate(data, schema)
     if overrides:  # a value at fault may come from either
         source = f"{source} with --set {' '.join(overrides)}" if path is not None else f"--set {' '.join(overrides)}"
     return from_dict(apply_overrides(data, overrides), source, schema)

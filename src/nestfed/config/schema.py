@@ -305,7 +305,7 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("data.num_clients must be >= 1")
     if d.unit not in UNITS:
         raise ValueError(f"data.unit: unknown unit '{d.unit}' (known: {', '.join(UNITS)})")
-    check_source(d)  # the source's tasks, units, path and own checks (nestfed.config.sources)
+    check_source(cfg)  # the source's tasks, units, path and own checks (nestfed.config.sources)
     if d.dirichlet_alpha <= 0:
         raise ValueError("data.dirichlet_alpha (the Dirichlet concentration) must be > 0")
     if d.classes_per_client < 1:

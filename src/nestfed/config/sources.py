@@ -18,6 +18,8 @@ from typing import Any
 
 #: what ``data.task`` may be for a source of plain texts or instruction records
 TEXT_TASKS = ("causal_lm", "instruction")
+#: the NIAH generator's templates (nestfed.data.niah), in their default order: one per client
+NIAH_TEMPLATES = ("passkey", "uuid_code", "name_date", "phrase_code", "counter_state", "mk_niah", "mv_niah")
 
 
 @dataclass(frozen=True)
@@ -39,10 +41,15 @@ class NiahOptions:
     def __post_init__(self) -> None:
         if self.haystack not in ("wikipedia", "austen", "all"):
             raise ValueError("haystack must be wikipedia, austen or all")
-        if self.train_length < 64 or not self.test_lengths or min(self.test_lengths) < 64:
-            raise ValueError("train_length and test_lengths must be >= 64 tokens")
+        if self.train_length < 64:
+            raise ValueError(f"train_length must be >= 64 tokens, got {self.train_length}")
+        if not self.test_lengths or min(self.test_lengths) < 64:
+            raise ValueError(f"test_lengths must be >= 64 tokens each, got {list(self.test_lengths)}")
         if not self.depths or not all(0 <= x <= 1 for x in self.depths):
             raise ValueError("depths must be fractions in [0, 1]")
+        unknown = [t for t in self.templates if t not in NIAH_TEMPLATES]
+        if unknown:
+            raise ValueError(f"templates: unknown template '{unknown[0]}' (known: {', '.join(NIAH_TEMPLATES)})")
 
 
 @dataclass(frozen=True)
@@ -54,7 +61,8 @@ class Source:
     read when ``data.path`` is empty) or ``"required"``; shared: whether its records are dealt to
     clients by ``data.partition`` (False: generated per client); blocks: whether ``data.unit =
     "block"`` may cut it into token blocks; sections: {section: options dataclass} it owns;
-    check(data): its own checks of ``[data]``, raising ValueError("data.<key>: <reason>").
+    check(cfg): its own checks of the whole config (ExperimentConfig), raising
+    ValueError("<section.key>: <reason>").
     """
 
     name: str
@@ -73,7 +81,8 @@ class Source:
         return getattr(importlib.import_module(module), function)(*args)
 
 
-def _check_file(d: Any) -> None:
+def _check_file(cfg: Any) -> None:
+    d = cfg.data
     if not d.text_column:
         raise ValueError("data.text_column: the source 'file' needs the name of its text column")
     if not d.label_column and d.partition != "iid":
@@ -81,6 +90,12 @@ def _check_file(d: Any) -> None:
             f"data.label_column: the {d.partition} partition reads labels; name the label column "
             "or use partition = 'iid'"
         )
+
+
+def _check_niah(cfg: Any) -> None:
+    n, k = len(cfg.section("niah").templates) or len(NIAH_TEMPLATES), cfg.data.num_clients
+    if n != k:
+        raise ValueError(f"niah.templates: {n} templates for data.num_clients = {k} (one template per client)")
 
 
 READERS = "nestfed.data.readers"
@@ -122,6 +137,7 @@ REGISTRY: dict[str, Source] = {
             shared=False,
             blocks=False,
             sections={"niah": NiahOptions},
+            check=_check_niah,
         ),
         Source("long_texts", "Wikipedia articles and Austen's novels, labelled by corpus", f"{READERS}:long_texts"),
         Source(
@@ -149,8 +165,10 @@ def sections() -> dict[str, type]:
     return {name: cls for s in REGISTRY.values() for name, cls in s.sections.items()}
 
 
-def check_source(d: Any) -> None:
-    """The source's own checks of ``[data]`` (d: DataConfig). Raises ValueError("data.<key>: ...")."""
+def check_source(cfg: Any) -> None:
+    """The data source's checks of a config (cfg: ExperimentConfig): its tasks, units and path, then
+    its own. Raises ValueError("<section.key>: ...")."""
+    d = cfg.data
     s = get(d.source)
     if d.task not in s.tasks:
         raise ValueError(
@@ -161,4 +179,4 @@ def check_source(d: Any) -> None:
     if s.path == "required" and not d.path:
         raise ValueError(f"data.path: the source '{s.name}' needs a local path")
     if s.check is not None:
-        s.check(d)
+        s.check(cfg)

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import torch
 
 from nestfed.config import ConfigError, ExperimentConfig
-from nestfed.config.sources import NiahOptions
+from nestfed.config.sources import NIAH_TEMPLATES, NiahOptions
 from nestfed.data.clients import ClientData
 from nestfed.data.sources import long_texts
 from nestfed.data.tasks import (
@@ -58,7 +58,7 @@ from nestfed.data.tasks import (
     mc_prompt,
 )
 
-TEMPLATES = ("passkey", "uuid_code", "name_date", "phrase_code", "counter_state", "mk_niah", "mv_niah")
+TEMPLATES = NIAH_TEMPLATES  # declared with the source (nestfed.config.sources), checked at config load
 EVENT_DEPTHS = (0.10, 0.30, 0.50, 0.70)
 
 SURNAMES = (

@@ -15,7 +15,7 @@ from nestfed.config import TrainConfig
 from nestfed.data.clients import ClientData
 from nestfed.evaluation.lm import evaluate_lm
 from nestfed.evaluation.streaming import stream_evaluate
-from nestfed.nn.bounded_attention import bounded_layers
+from nestfed.nn.bounded_attention import enabled_bounds
 
 
 def pool_groups(results: list[tuple[str, dict[str, float], int]], per_group: bool) -> dict[str, float]:
@@ -78,15 +78,17 @@ def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict
 def evaluate_streamed(model: nn.Module, d: ClientData, train: TrainConfig) -> dict[str, float]:
     """Streamed evaluation (long contexts): per group when ``test_groups`` is set, as above.
     The stream's window and sinks: ``train.eval_stream_window`` / ``train.eval_stream_sinks``, or
-    where 0 the largest of the model's bounded layers (FedNL's memory window and sinks), the window
-    1024 tokens when none is set. With sinks the sinks sit at cache positions
+    where 0 the largest of the layers whose linear path the evaluated payload enabled (FedNL's
+    memory window and sinks), the window 1024 tokens when none is: so a baseline compared with
+    FedNL streams through FedNL's window only when ``train.eval_stream_window`` says so, whatever
+    the order the methods ran in. With sinks the sinks sit at cache positions
     (nestfed.evaluation.streaming's default, what keeps contexts past the backbone's trained
     length usable), so the numbers then differ from a one-pass evaluation, which keeps them at
     their own positions. Raises ValueError when the frozen prefix is cached (streams need token
     ids) or a layer lacks bounded attention."""
     if d.test_hidden is not None:
         raise ValueError("train.eval_stream_chunk needs train.cache_frozen_prefix = false (streams start from tokens)")
-    layers = bounded_layers(model).values()
+    layers = enabled_bounds(model).values()  # only the layers this run's payload enabled: never another method's
     window = train.eval_stream_window or max((b.window for b in layers), default=0) or 1024
     sink = train.eval_stream_sinks or max((b.sink for b in layers), default=0)
     groups = d.test_groups or {"all": torch.arange(d.test_ids.shape[0])}

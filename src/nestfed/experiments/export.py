@@ -84,7 +84,7 @@ def export_adapter(
         raise NestfedError(f"{run_dir}: not a nestfed run directory (no config.toml)")
     if rank is None and client is None:
         raise NestfedError("export: give --rank R, --client K, or both")
-    cfg = methods.load_config(rd.config_path)
+    cfg = methods.load_run_config(rd.config_path)
     method = methods.get(cfg.strategy.name)
     if method.client_hooks(cfg) is None:
         raise NestfedError(

@@ -98,9 +98,9 @@ def stored_config(rd: RunDir) -> ExperimentConfig:
     DataError naming the file."""
     recorded = rd.recorded_config()
     if recorded is None:
-        return methods.load_config(rd.config_path)
+        return methods.load_run_config(rd.config_path)
     data, path = recorded
-    return methods.config_from_dict(data, f"{path} (the config it recorded)")
+    return methods.config_from_dict(data, f"{path} (the config it recorded)", stored=True)
 
 
 def run_method(

@@ -125,9 +125,17 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     return C.load(path, overrides, schema())
 
 
-def config_from_dict(data: Mapping[str, Any], source: str = "<config>") -> ExperimentConfig:
-    """Validate a parsed TOML document (e.g. the resolved config a Flower server sends)."""
-    return C.from_dict(data, source, schema())
+def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
+    """A run directory's config.toml (a resolved config, which an earlier nestfed may have written
+    with settings that moved since: nestfed.config.loader.migrate), with overrides."""
+    return C.load(path, overrides, schema(), stored=True)
+
+
+def config_from_dict(data: Mapping[str, Any], source: str = "<config>", stored: bool = False) -> ExperimentConfig:
+    """Validate a parsed TOML document (e.g. the resolved config a Flower server sends); stored: a
+    resolved config a run recorded (migrated as :func:`load_run_config`'s)."""
+    s = schema()
+    return C.from_dict(C.migrate(data, s) if stored else data, source, s)
 
 
 def with_method(cfg: ExperimentConfig, name: str) -> ExperimentConfig:

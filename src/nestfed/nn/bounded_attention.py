@@ -209,7 +209,7 @@ def bounded_attention_forward(
         keys, values = past_key_values.update(k_rot, v_t, self.layer_idx)
         if keys.shape[2] > T and use_path:
             raise ValueError(
-                f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the delta-rule memory "
+                f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the linear path's "
                 "state across calls; stream with nestfed.evaluation.streaming instead"
             )
     cache_keys = keys  # what a stream carries on: the sinks at their own positions
@@ -302,6 +302,17 @@ def bounded_layers(model: nn.Module) -> dict[int, Bounds]:
     except ValueError:
         return {}
     return {i: a.bounds for i, a in attns.items() if isinstance(getattr(a, "bounds", None), Bounds)}
+
+
+def enabled_bounds(model: nn.Module) -> dict[int, Bounds]:
+    """{decoder layer index: Bounds} of the wrapped layers whose linear path is enabled now (those
+    whose window and sinks a stream of this model defaults to)."""
+    attns = attention_modules(model) if bounded_layers(model) else {}
+    return {
+        i: a.bounds
+        for i, a in attns.items()
+        if isinstance(getattr(a, "bounds", None), Bounds) and getattr(getattr(a, "memory", None), "enabled", False)
+    }
 
 
 def _note_padding(model: nn.Module, args: tuple, kwargs: dict) -> None:

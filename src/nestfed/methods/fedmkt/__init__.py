@@ -32,6 +32,7 @@ METHOD = Method(
         C.GLOBAL_MODEL: "its clients run compressed models; the server's full model is distilled, not shared",
         C.EXPORT_AT_RANK: "its clients run compressed models; no LoRA adapter travels",
     },
+    comparison="compressed",
 )
 
 __all__ = ["METHOD"]

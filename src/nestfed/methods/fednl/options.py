@@ -48,7 +48,9 @@ class FedNLOptions:
         for key in ("alpha_init", "alpha_start", "alpha_end"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ValueError(f"{key} must be in [0, 1]")
-        if self.window < 0 or self.alpha_warmup_steps < 0 or self.sink_tokens < 0:
-            raise ValueError("window, sink_tokens and alpha_warmup_steps must be >= 0")
-        if self.beta_window < 1 or self.dynamic_kernel < 1 or self.chunk_size < 1:
-            raise ValueError("beta_window, dynamic_kernel and chunk_size must be >= 1")
+        for key in ("window", "sink_tokens", "alpha_warmup_steps"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
+        for key in ("beta_window", "dynamic_kernel", "chunk_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")

@@ -37,6 +37,7 @@ METHOD = Method(
         C.GLOBAL_MODEL: "its clients run compressed models at nested ranks, not one global model",
         C.EXPORT_AT_RANK: "its clients run compressed models at nested ranks, not one global LoRA adapter",
     },
+    comparison="compressed",
 )
 
 __all__ = ["METHOD", "SECTIONS"]

@@ -56,7 +56,10 @@ def test_a_source_checks_its_data_settings_at_load(data, message):
 
 def test_the_niah_settings_are_the_niah_sources_section():
     cfg = methods.config_from_dict(
-        {"data": {"source": "niah", "task": "multiple_choice"}, "niah": {"train_length": 128, "depths": [0.5]}}
+        {
+            "data": {"source": "niah", "task": "multiple_choice", "num_clients": 7},
+            "niah": {"train_length": 128, "depths": [0.5]},
+        }
     )
     assert cfg.section("niah") == S.NiahOptions(train_length=128, depths=(0.5,))
     with pytest.raises(ConfigError, match="niah.haystack must be wikipedia, austen or all"):
@@ -74,3 +77,12 @@ def test_a_new_source_is_a_reader_and_a_registry_line(monkeypatch):
     records, labels, parts = load_partitions(cfg.data)
     assert records == docs and sorted(len(p) for p in parts) == [4, 4]
     assert {labels[i] for i in parts[0]} != {labels[i] for i in parts[1]}
+
+
+def test_niah_templates_are_checked_at_load():
+    base = {"data": {"source": "niah", "task": "multiple_choice", "num_clients": 2}}
+    with pytest.raises(ConfigError, match="niah.templates: unknown template 'nope'"):
+        methods.config_from_dict({**base, "niah": {"templates": ["passkey", "nope"]}}, "exp.toml")
+    with pytest.raises(ConfigError, match="niah.templates: 7 templates for data.num_clients = 2"):
+        methods.config_from_dict(base, "exp.toml")
+    assert methods.config_from_dict({**base, "niah": {"templates": ["passkey", "mk_niah"]}}).data.num_clients == 2
