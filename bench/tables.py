@@ -50,6 +50,8 @@ BENCH_RENDERERS = {
     "fednl_streaming_ce": ("fednl_streaming_ce", "table"),
     "fedslm_memory": ("fedslm_memory", "table"),
     "flower_vs_embedded": ("flower_vs_embedded", "table"),
+    "fedslm_recovery": ("fedslm_recovery", "table"),
+    "fedslm_recovery_seeds": ("fedslm_recovery", "merged"),
 }
 
 
