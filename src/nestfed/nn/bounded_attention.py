@@ -295,24 +295,26 @@ def install_bounded_attention(
     return chosen
 
 
-def bounded_layers(model: nn.Module) -> dict[int, Bounds]:
-    """{decoder layer index: Bounds} of every wrapped attention layer."""
+def attached(model: nn.Module, name: str, cls: type) -> dict[int, Any]:
+    """{decoder layer index: its attention's attribute ``name``} where that is a ``cls`` (empty for a
+    model without decoder layers)."""
     try:
         attns = attention_modules(model)
     except ValueError:
         return {}
-    return {i: a.bounds for i, a in attns.items() if isinstance(getattr(a, "bounds", None), Bounds)}
+    return {i: getattr(a, name) for i, a in attns.items() if isinstance(getattr(a, name, None), cls)}
+
+
+def bounded_layers(model: nn.Module) -> dict[int, Bounds]:
+    """{decoder layer index: Bounds} of every wrapped attention layer."""
+    return attached(model, "bounds", Bounds)
 
 
 def enabled_bounds(model: nn.Module) -> dict[int, Bounds]:
     """{decoder layer index: Bounds} of the wrapped layers whose linear path is enabled now (those
     whose window and sinks a stream of this model defaults to)."""
-    attns = attention_modules(model) if bounded_layers(model) else {}
-    return {
-        i: a.bounds
-        for i, a in attns.items()
-        if isinstance(getattr(a, "bounds", None), Bounds) and getattr(getattr(a, "memory", None), "enabled", False)
-    }
+    paths = attached(model, "memory", nn.Module)
+    return {i: b for i, b in bounded_layers(model).items() if i in paths and getattr(paths[i], "enabled", False)}
 
 
 def _note_padding(model: nn.Module, args: tuple, kwargs: dict) -> None:

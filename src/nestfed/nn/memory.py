@@ -52,7 +52,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nestfed.nn.bounded_attention import LayerStream, attention_modules, install_bounded_attention
+from nestfed.nn.bounded_attention import LayerStream, attached, attention_modules, install_bounded_attention
 from nestfed.nn.gates import DYNAMIC_RANGE, GATES
 from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
 from nestfed.nn.placement import trainable_dtype
@@ -293,11 +293,7 @@ def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int
 
 def memory_rules(model: nn.Module) -> dict[int, MemoryRule]:
     """{decoder layer index: MemoryRule} of every installed memory layer."""
-    try:
-        attns = attention_modules(model)
-    except ValueError:
-        return {}
-    return {i: a.memory for i, a in attns.items() if isinstance(getattr(a, "memory", None), MemoryRule)}
+    return attached(model, "memory", MemoryRule)
 
 
 def set_memory_enabled(model: nn.Module, enabled: bool) -> None:
