@@ -74,6 +74,7 @@ class Gathered:
 
     @property
     def rank(self) -> int:
+        """The reply's rank r (rows of ``a``, columns of ``b``)."""
         return self.a.shape[0] if self.keys_a else self.b.shape[1]
 
 
@@ -117,7 +118,8 @@ def measure(
     """:func:`block_norms`, and the update gathered (:func:`gather`) when it can be and its rank is
     at most max(ends), else None. The gathered form costs a few kernels per reply, not a few per
     array (a 1,000-client round of small adapters); a large reply goes one array at a time (no
-    copy of all of it). ``order``: the gathered arrays' order."""
+    copy of all of it). ``order``: the gathered arrays' order. Raises ValueError as :func:`origin`
+    does (a reply whose shapes cannot be matched to what was sent)."""
     g = gather(sent, reply, order) if ends else None
     if g is not None and g.rank <= max(ends):
         per_row = (g.a.square().sum(1) + g.b.square().sum(0)).tolist()
