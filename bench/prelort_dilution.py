@@ -7,10 +7,15 @@ The runs of the diluted variant come from::
 
 (avx2: the kernels the stored PreLort and ZeroPad seeds of bench/results/main_job_seeds were run
 under, so the clients, seeds and kernels are the same and every (seed, client) pairs exactly).
-This script pairs them with those stored seeds and prints JSON (also written to
-bench/results/main_job_seeds/dilution.json, with a markdown table beside it)::
+This script pairs them with those stored seeds and prints JSON (also written to dilution.json
+beside the stored comparison, with a markdown table)::
 
     .venv/bin/python bench/prelort_dilution.py 1.0=OUT1/<run>/comparison.json 0.5=OUT2/<run>/comparison.json
+
+The protocol (configs/bbc_news_protocol.toml) the same way, paired with its stored seeds::
+
+    .venv/bin/python bench/prelort_dilution.py 1.0=... 0.5=... \
+        --stored bench/results/bbc_news_protocol/comparison.json --config configs/bbc_news_protocol.toml
 
 Reported: per client and mean held-out perplexity (mean ± 95% t half width over seeds), the paired
 relative difference against PreLort and against ZeroPad over the 15 (seed, client) pairs, and the
@@ -69,8 +74,10 @@ def summary(runs: list[dict]) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", help="DILUTION=PATH: a diluted variant's comparison.json (3 seeds)")
+    ap.add_argument("--stored", type=Path, default=STORED, help="the comparison.json holding PreLort and ZeroPad")
+    ap.add_argument("--config", default="configs/bbc_news.toml", help="the config the runs are of (recorded)")
     a = ap.parse_args()
-    runs = {"prelort": rows(STORED, "prelort"), "zeropad": rows(STORED, "zeropad")}
+    runs = {"prelort": rows(a.stored, "prelort"), "zeropad": rows(a.stored, "zeropad")}
     names = []
     for spec in a.runs:
         d, _, path = spec.partition("=")
@@ -80,7 +87,8 @@ def main() -> None:
         names.append(name)
     res = {
         "bench": "prelort_dilution",
-        "config": "configs/bbc_news.toml",
+        "config": a.config,
+        "stored": str(a.stored.resolve().relative_to(ROOT)),
         "seeds": [0, 1, 2],
         "methods": {m: summary(v) for m, v in runs.items()},
         "wall_time_s": {m: [r["wall_time_s"] for r in v] for m, v in runs.items()},
@@ -92,7 +100,7 @@ def main() -> None:
             res["versus"][name][ref] = {"deployed": versus(per_pair(runs[name]), per_pair(runs[ref]))}
             for r in RANKS:
                 res["versus"][name][ref][f"r{r}"] = versus(per_pair(runs[name], r), per_pair(runs[ref], r))
-    out = ROOT / "bench" / "results" / "main_job_seeds"
+    out = a.stored.parent
     (out / "dilution.json").write_text(json.dumps(res, indent=1) + "\n")
     (out / "dilution.md").write_text(table(res) + "\n")
     print(json.dumps(res, indent=1))

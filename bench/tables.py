@@ -52,6 +52,7 @@ BENCH_RENDERERS = {
     "flower_vs_embedded": ("flower_vs_embedded", "table"),
     "fedslm_recovery": ("fedslm_recovery", "table"),
     "fedslm_recovery_seeds": ("fedslm_recovery", "merged"),
+    "fednl_recall": ("fednl_recall", "table"),
 }
 
 

@@ -68,6 +68,12 @@ def test_the_key_covers_the_inputs(tmp_path):
     k1 = client_cache.key(f, 0)
     data_file.write_text('{"text": "a b c d", "label": "x"}\n')
     assert client_cache.key(f, 0) != k1  # an edited data file is another key
+    niah = ("data.source=niah", "data.task=multiple_choice", "data.num_clients=7", "lora.ranks=[2]")
+    assert client_cache.key(cfg(*niah), 0) != client_cache.key(cfg(*niah, "niah.train_length=256"), 0)
+    recall = ("data.source=recall", "data.task=multiple_choice", "data.num_clients=4", "lora.ranks=[2]")
+    assert client_cache.key(cfg(*recall), 0) != client_cache.key(cfg(*recall, "recall.lead=8"), 0)
+    assert client_cache.key(cfg(*recall), 0) != client_cache.key(cfg(*recall, "model.attention_window=32"), 0)
+    assert "nn/bounded_attention.py" in client_cache.PREPARING  # the frozen prefix runs through it
 
 
 @pytest.mark.parametrize("damage", [b"", b"\x00" * 64, b"not safetensors at all"])

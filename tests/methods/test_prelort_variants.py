@@ -11,6 +11,7 @@ from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, t
 
 from nestfed import methods
 from nestfed.config import ConfigError
+from nestfed.federation.aggregation import truncate_rank
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.run_dir import RunDir
 from nestfed.federation.strategy import LoraSettings
@@ -321,3 +322,111 @@ def test_min_holders_run_ends_where_the_stored_curve_says(tmp_path):
         export_adapter(tmp_path / "capped", rank=8, client=2)
     with pytest.raises(ConfigError, match="min_holders: -1 is not a count"):
         tiny_config(*base, "prelort.min_holders=-1")
+
+
+def test_validated_deploy_rank_holds_rows_out_and_picks_the_best_prefix(tmp_path):
+    """The hook holds validation_rows rows out of training (the same rows every round), measures
+    the received adapter at every sub-rank on them by hand's arithmetic, keeps the argmin (ties:
+    the larger rank) on the client, and evaluation and export --client run that prefix."""
+    from nestfed.federation.hooks import FitContext
+    from nestfed.federation.training import Batch
+
+    cfg = tiny_config("strategy.name=prelort", "prelort.deploy_rank=validated", "prelort.validation_rows=2")
+    prep = tiny_prepared(cfg)
+    model, data = prep.backbone.model, prep.data[2]
+    g = torch.Generator().manual_seed(1)
+    from nestfed.nn.lora import lora_modules
+
+    for m in lora_modules(model).values():  # a non-zero adapter, so the sub-ranks differ
+        m.lora_B.weight.data = 0.3 * torch.randn(m.lora_B.weight.shape, generator=g)
+    hooks = methods.get("prelort").client_hooks(cfg)
+    assert (
+        hooks.keeps_state and not methods.get("prelort").client_hooks(tiny_config("strategy.name=prelort")).keeps_state
+    )
+    seen = []
+    for rnd in (1, 2):
+        ctx = FitContext(2, {"subranks": [2, 4, 8], "round": rnd, "seed": 0}, {}, model, data, cfg.train)
+        metrics = hooks.after_load(ctx, {})
+        assert ctx.data.num_examples == data.num_examples - 2
+        kept = {tuple(r.tolist()) for r in ctx.data.train_ids}
+        held = [i for i, r in enumerate(data.train_ids) if tuple(r.tolist()) not in kept]
+        seen.append(held)
+        losses = {}
+        for r in (2, 4, 8):
+            with active_rank(model, r), torch.no_grad():
+                b = Batch(data.train_labels[held], hidden=data.train_hidden[held], start=data.start)
+                losses[r] = float(b.loss(model))
+        assert {r: metrics[f"validation_loss@{r}"] for r in (2, 4, 8)} == pytest.approx(losses)
+        best = min(losses, key=lambda r: (losses[r], -r))
+        assert metrics["deploy_rank"] == best and int(ctx.state["deploy"]["rank"][0]) == best
+    assert seen[0] == seen[1] and len(seen[0]) == 2
+    arrays = {"x.lora_A.weight": torch.ones(8, 3), "x.lora_B.weight": torch.ones(5, 8)}
+    cut = hooks.evaluation_arrays({"deploy": {"rank": torch.tensor([4])}}, arrays)
+    assert cut["x.lora_A.weight"].shape == (4, 3) and cut["x.lora_B.weight"].shape == (5, 4)
+    assert hooks.evaluation_arrays({}, arrays) is arrays
+
+
+def test_equal_validation_losses_keep_the_clients_own_rank():
+    from nestfed.federation.hooks import FitContext
+
+    cfg = tiny_config("strategy.name=prelort", "prelort.deploy_rank=validated")
+    prep = tiny_prepared(cfg)  # LoRA B = 0: every prefix computes the backbone
+    hooks = methods.get("prelort").client_hooks(cfg)
+    ctx = FitContext(1, {"subranks": [2, 4], "round": 1, "seed": 0}, {}, prep.backbone.model, prep.data[1], cfg.train)
+    assert hooks.after_load(ctx, {})["deploy_rank"] == 4
+
+
+@pytest.mark.parametrize("scaling", ["fixed", "rank"])
+def test_a_validated_run_deploys_and_exports_each_clients_chosen_prefix(tmp_path, scaling, monkeypatch):
+    """A real run: each client's final evaluation is the global adapter cut to the rank it chose
+    (its last reply's deploy_rank), export --client writes that rank, --rank must match it. On the
+    tiny federation every client's own rank validates best, so the choice is made the smallest
+    rank here (the choice itself is tested by hand above)."""
+    from nestfed.errors import NestfedError
+    from nestfed.experiments.export import export_adapter
+    from nestfed.experiments.run import run_method
+
+    monkeypatch.setattr(PreLortHooks, "choose", staticmethod(lambda losses: min(losses)))
+
+    cfg = tiny_config(
+        "strategy.name=prelort",
+        "prelort.deploy_rank=validated",
+        "prelort.validation_rows=2",
+        f"lora.scaling={scaling}",
+        "train.lr=0.05",
+    )
+    prep = tiny_prepared(cfg)
+    run_method(prep, cfg, tmp_path / "run")
+    last = lines(tmp_path / "run")[-1]
+    chosen = {c: int(m["metrics"]["deploy_rank"]) for c, m in last["clients"].items()}
+    assert chosen == {"0": 2, "1": 2, "2": 2}
+    ck = RunDir(tmp_path / "run").latest_checkpoint(True)
+    assert {c: int(s["deploy"]["rank"][0]) for c, s in ck.client_state.items()} == {
+        int(c): r for c, r in chosen.items()
+    }
+    st = methods.get("prelort").server(cfg, {})
+    s = st.s
+    for c, r in chosen.items():
+        cut = truncate_rank(ck.state.arrays, r)
+        want = prep_eval(prep, int(c), cut, s.scale(r))
+        assert last["eval"][c]["loss"] == pytest.approx(want, abs=1e-6)
+        out, desc = export_adapter(tmp_path / "run", client=int(c))
+        assert desc["rank"] == r and f'"r": {r}' in (out / "adapter_config.json").read_text()
+    c, r = next((c, r) for c, r in chosen.items())
+    with pytest.raises(NestfedError, match=f"client {c} runs rank {r}"):
+        export_adapter(tmp_path / "run", rank=r + 1 if r < 8 else 1, client=int(c))
+
+
+def prep_eval(prep, cid, arrays, scale):
+    from nestfed.evaluation.client import evaluate_client
+    from nestfed.nn.arrays import apply_arrays
+
+    apply_arrays(prep.backbone.model, arrays, scale)
+    return evaluate_client(prep.backbone.model, prep.data[cid], prep.cfg.train)["loss"]
+
+
+def test_bad_deploy_rank_options_name_the_key():
+    with pytest.raises(ConfigError, match="deploy_rank: unknown choice 'best'"):
+        tiny_config("strategy.name=prelort", "prelort.deploy_rank=best")
+    with pytest.raises(ConfigError, match="validation_rows: 0 is not a count"):
+        tiny_config("strategy.name=prelort", "prelort.validation_rows=0")

@@ -44,6 +44,10 @@ class ModelConfig:
     device: ``auto`` (CUDA when visible, else the CPU) | ``cpu`` | ``cuda`` | ``cuda:N``. dtype of
     the frozen weights: ``auto`` (float32 on the CPU, bfloat16 on CUDA) or a floating dtype; what
     trains stays float32 beside half-precision weights (nestfed.nn.placement).
+    attention_window / attention_sinks: every decoder layer's softmax attention sees only the last
+    ``attention_window`` tokens plus the first ``attention_sinks`` (StreamingLLM's sinks), in
+    training and evaluation, whatever the method (a deployment that cannot hold the context;
+    nestfed.nn.bounded_attention); 0 = the full context.
     """
 
     name: str = "smollm2-135m"
@@ -51,6 +55,8 @@ class ModelConfig:
     device: str = "auto"
     dtype: str = "auto"
     seed: int = 0  # initialisation seed of the tiny random models
+    attention_window: int = 0
+    attention_sinks: int = 0
 
 
 @dataclass(frozen=True)
@@ -79,10 +85,10 @@ class DataConfig:
     """Data source, task and non-IID partition.
 
     source: one of the source registry's (nestfed.config.sources: bbc_news, newsgroups, mmlu,
-    instructions, mmlu_domains, niah, long_texts, file); ``file`` is a local JSON lines, JSON, CSV
+    instructions, mmlu_domains, niah, recall, long_texts, file); ``file`` is a local JSON lines, JSON, CSV
     or parquet file at ``path``: its ``text_column`` is the text, its ``label_column`` the label the
     partition reads ("" = no label, for iid only). A source's own options live in its own section
-    (the NIAH generator's ``[niah]``).
+    (the NIAH generator's ``[niah]``, the recall generator's ``[recall]``).
     task: causal_lm (packed blocks of block_size tokens) | instruction (loss on the response)
     | multiple_choice (loss on the gold letter).
     partition (nestfed.data.partition; flwr-datasets' partitioners): label (client_labels lists the
@@ -292,6 +298,10 @@ def check_core(cfg: ExperimentConfig) -> None:
 
     Raises ValueError("<section.key>: <reason>") for the first value at fault.
     """
+    if cfg.model.attention_window < 0 or cfg.model.attention_sinks < 0:
+        raise ValueError("model.attention_window and model.attention_sinks must be >= 0 tokens")
+    if cfg.model.attention_sinks and not cfg.model.attention_window:
+        raise ValueError("model.attention_sinks: sinks bound nothing without model.attention_window")
     if cfg.model.dtype not in DTYPES:
         raise ValueError(f"model.dtype: '{cfg.model.dtype}' is not a floating dtype (known: {', '.join(DTYPES)})")
     if not DEVICE.fullmatch(cfg.model.device):

@@ -52,6 +52,49 @@ class NiahOptions:
             raise ValueError(f"templates: unknown template '{unknown[0]}' (known: {', '.join(NIAH_TEMPLATES)})")
 
 
+#: the recall generator's kinds of facts (nestfed.data.recall.KINDS), in order
+RECALL_KINDS = ("city", "colour", "animal", "fruit", "metal", "number")
+
+
+@dataclass(frozen=True)
+class RecallOptions:
+    """The associative-recall generator (nestfed.data.recall), section ``[recall]``.
+
+    kinds: one kind of fact per client; held_out: a kind no client trains on, in every client's
+    test set ("" = none); facts: facts per row (2-8); lead: filler tokens before the facts;
+    train_distances / test_distances: tokens from the queried value to the answer (one group per
+    test distance; compare them with ``model.attention_window``); haystack: the filler corpus,
+    ``wikipedia`` | ``austen`` | ``all``.
+    """
+
+    kinds: tuple[str, ...] = ("city", "colour", "animal", "fruit")
+    held_out: str = "metal"
+    facts: int = 4
+    lead: int = 16
+    train_distances: tuple[int, ...] = (96, 160)
+    test_distances: tuple[int, ...] = (60, 96, 160, 320)
+    haystack: str = "all"
+
+    def __post_init__(self) -> None:
+        unknown = [k for k in (*self.kinds, *([self.held_out] if self.held_out else [])) if k not in RECALL_KINDS]
+        if unknown:
+            raise ValueError(f"unknown kind '{unknown[0]}' (known: {', '.join(RECALL_KINDS)})")
+        if not self.kinds or len(set(self.kinds)) != len(self.kinds):
+            raise ValueError(f"kinds: give one distinct kind per client, got {list(self.kinds)}")
+        if self.held_out in self.kinds:
+            raise ValueError(f"held_out: '{self.held_out}' is also a training kind")
+        if not 2 <= self.facts <= 8:
+            raise ValueError(f"facts: {self.facts} is not in 2..8 (eight values per kind)")
+        if self.lead < 0:
+            raise ValueError(f"lead: must be >= 0 tokens, got {self.lead}")
+        for key in ("train_distances", "test_distances"):
+            d = getattr(self, key)
+            if not d or min(d) < 32:
+                raise ValueError(f"{key}: give distances of at least 32 tokens, got {list(d)}")
+        if self.haystack not in ("wikipedia", "austen", "all"):
+            raise ValueError("haystack must be wikipedia, austen or all")
+
+
 @dataclass(frozen=True)
 class Source:
     """One data source as the registry holds it.
@@ -98,6 +141,12 @@ def _check_niah(cfg: Any) -> None:
         raise ValueError(f"niah.templates: {n} templates for data.num_clients = {k} (one template per client)")
 
 
+def _check_recall(cfg: Any) -> None:
+    n, k = len(cfg.section("recall").kinds), cfg.data.num_clients
+    if n != k:
+        raise ValueError(f"recall.kinds: {n} kinds for data.num_clients = {k} (one kind per client)")
+
+
 READERS = "nestfed.data.readers"
 
 REGISTRY: dict[str, Source] = {
@@ -138,6 +187,16 @@ REGISTRY: dict[str, Source] = {
             blocks=False,
             sections={"niah": NiahOptions},
             check=_check_niah,
+        ),
+        Source(
+            "recall",
+            "associative recall beyond the attention window, one kind of fact per client (data/recall.py)",
+            "nestfed.data.recall:recall_client_data",
+            tasks=("multiple_choice",),
+            shared=False,
+            blocks=False,
+            sections={"recall": RecallOptions},
+            check=_check_recall,
         ),
         Source("long_texts", "Wikipedia articles and Austen's novels, labelled by corpus", f"{READERS}:long_texts"),
         Source(

@@ -6,11 +6,12 @@ SmolLM2 client's build).
 One safetensors file per (experiment inputs, client): the token ids and labels, the frozen
 prefix's outputs (train_hidden / test_hidden: [N, T, d]) and the test groups, with the rest as
 metadata. The file name is a SHA-256 over everything the prepared data depends on (:func:`key`):
-the model and data sections, the LoRA layers and target modules (they fix the first adapted
-layer), the prefix's batch size, a data attack's settings, the torch thread count (CPU kernels
-may round differently with another count), the torch and transformers versions, the format, the
-size and modification time of a local data path, and a digest of nestfed's own code that prepares
-data (:func:`code_digest`: the data package and the modules the frozen prefix runs through), so an
+the model and data sections and the data source's own section ([niah], [recall]), the LoRA layers
+and target modules (they fix the first adapted layer), the prefix's batch size, a data attack's
+settings, the torch thread count (CPU kernels may round differently with another count), the
+torch and transformers versions, the format, the size and modification time of a local data
+path, and a digest of nestfed's own code that prepares data (:func:`code_digest`: the data
+package and the modules the frozen prefix runs through), so an
 edit of tokenisation, packing or the prefix is a new file too. Files are written atomically with
 the user's umask; an unreadable one is ignored (and rebuilt). :class:`ClientCache` bounds a
 directory's size, evicting the files used longest ago.
@@ -31,7 +32,7 @@ import transformers
 from safetensors import SafetensorError
 from safetensors.torch import load_file, safe_open
 
-from nestfed.config import ExperimentConfig, to_dict
+from nestfed.config import ExperimentConfig, sources, to_dict
 from nestfed.config.trust import DATA_ATTACKS
 from nestfed.data.clients import ClientData
 from nestfed.io import atomic
@@ -52,7 +53,14 @@ def _path_stamp(path: str) -> list[Any]:
 
 
 #: the modules whose code decides a client's prepared data (relative to the nestfed package)
-PREPARING = ("data", "nn/frozen_prefix.py", "nn/layer_inputs.py", "nn/backbone.py", "nn/placement.py")
+PREPARING = (
+    "data",
+    "nn/frozen_prefix.py",
+    "nn/layer_inputs.py",
+    "nn/backbone.py",
+    "nn/bounded_attention.py",
+    "nn/placement.py",
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -85,6 +93,8 @@ def key(cfg: ExperimentConfig, cid: int) -> str:
         "path": _path_stamp(cfg.data.path),
         "code": code_digest(),
     }
+    for name in sources.get(cfg.data.source).sections:  # a generated source's own options ([niah], [recall])
+        inputs[name] = d.get(name)
     if cfg.attack.kind in DATA_ATTACKS and cid in cfg.attack.clients:
         inputs["attack"] = d["attack"]
         inputs["seed"] = cfg.federation.seed

@@ -273,3 +273,23 @@ def build_client_data(cfg: ExperimentConfig, tokenizer, loaded=None) -> tuple[di
     records, labels, parts = source.loaded
     out = {cid: source.build(cid) for cid in range(len(parts))}
     return out, [sorted({labels[i] for i in idx}) for idx in parts]
+
+
+def generated_client_data(
+    clients: list[dict], letter_ids: list[int] | None
+) -> tuple[dict[int, ClientData], list[list[str]]]:
+    """A generated source's clients (``[{"train", "test": TokenDataset, "groups", "label"}]``, in
+    client order) as ClientData with those test groups and ``letter_ids``, and each client's labels."""
+    out = {
+        cid: ClientData(
+            c["train"].input_ids,
+            c["train"].labels,
+            c["test"].input_ids,
+            c["test"].labels,
+            letter_ids=letter_ids,
+            label=c["label"],
+            test_groups=c["groups"],
+        )
+        for cid, c in enumerate(clients)
+    }
+    return out, [[c["label"]] for c in clients]

@@ -44,7 +44,7 @@ import torch
 
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.config.sources import NIAH_TEMPLATES, NiahOptions
-from nestfed.data.clients import ClientData
+from nestfed.data.clients import ClientData, generated_client_data
 from nestfed.data.sources import long_texts
 from nestfed.data.tasks import (
     IGNORE_INDEX,
@@ -54,6 +54,7 @@ from nestfed.data.tasks import (
     _encode,
     _pad,
     _pad_id,
+    concat_rows,
     letter_token_ids,
     mc_prompt,
 )
@@ -513,15 +514,8 @@ def niah_clients(d, tokenizer, o: NiahOptions | None = None) -> list[dict]:
             ds, m = niah_dataset(t, d.max_test, length, o.depths, tokenizer, test_hay, seed=d.seed * 1000 + 500 + cid)
             parts.append(ds)
             meta += m
-        width = max(p.input_ids.shape[1] for p in parts)
-        pad = _pad_id(tokenizer)
-        ids = torch.cat(
-            [torch.nn.functional.pad(p.input_ids, (0, width - p.input_ids.shape[1]), value=pad) for p in parts]
-        )
-        labs = torch.cat(
-            [torch.nn.functional.pad(p.labels, (0, width - p.labels.shape[1]), value=IGNORE_INDEX) for p in parts]
-        )
-        out.append({"train": train, "test": TokenDataset(ids, labs), "groups": group_rows(meta), "label": t})
+        test = concat_rows(parts, _pad_id(tokenizer))
+        out.append({"train": train, "test": test, "groups": group_rows(meta), "label": t})
     return out
 
 
@@ -533,17 +527,4 @@ def niah_client_data(cfg: ExperimentConfig, tokenizer) -> tuple[dict[int, Client
         clients = niah_clients(cfg.data, tokenizer, cfg.section("niah"))
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    letter_ids = letter_token_ids(tokenizer)
-    out = {
-        cid: ClientData(
-            c["train"].input_ids,
-            c["train"].labels,
-            c["test"].input_ids,
-            c["test"].labels,
-            letter_ids=letter_ids,
-            label=c["label"],
-            test_groups=c["groups"],
-        )
-        for cid, c in enumerate(clients)
-    }
-    return out, [[c["label"]] for c in clients]
+    return generated_client_data(clients, letter_token_ids(tokenizer))

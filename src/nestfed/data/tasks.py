@@ -20,6 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 IGNORE_INDEX = -100
 LETTERS = "ABCD"
@@ -142,6 +143,15 @@ def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> TokenDataset:
         input_ids[r, : len(ids)] = torch.tensor(ids, dtype=torch.long)
         labels[r, : len(labs)] = torch.tensor(labs, dtype=torch.long)
     return TokenDataset(input_ids, labels)
+
+
+def concat_rows(parts: Sequence[TokenDataset], pad_id: int) -> TokenDataset:
+    """The rows of ``parts`` one after another, right-padded to the widest (ids with pad_id,
+    labels with -100)."""
+    width = max(p.input_ids.shape[1] for p in parts)
+    ids = torch.cat([F.pad(p.input_ids, (0, width - p.input_ids.shape[1]), value=pad_id) for p in parts])
+    labels = torch.cat([F.pad(p.labels, (0, width - p.labels.shape[1]), value=IGNORE_INDEX) for p in parts])
+    return TokenDataset(ids, labels)
 
 
 # ----------------------------------------------------------------------------- causal LM

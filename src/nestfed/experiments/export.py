@@ -102,13 +102,14 @@ def export_adapter(
         if hooks is None:
             raise NestfedError(f"--client: {method.name}'s clients do not run the LoRA client trainer")
         arrays, scale = strategy.deploy(ck.state, client)
-        deployed = adapter_rank(arrays) or ranks[client]  # below r_k where the method caps it (PreLort's min_holders)
+        kept = (ck.client_state or {}).get(client, {})
+        arrays = hooks.evaluation_arrays(kept, arrays)
+        # below r_k where the method caps it (PreLort's min_holders) or the client chose less (deploy_rank)
+        deployed = adapter_rank(arrays) or ranks[client]
         if rank is not None and rank != deployed:
             raise NestfedError(
                 f"--rank {rank}: client {client} runs rank {deployed} (give that rank or leave --rank out)"
             )
-        kept = (ck.client_state or {}).get(client, {})
-        arrays = hooks.evaluation_arrays(kept, arrays)
         files = strategy.export_files(ck.state)
         if files:
             raise NestfedError(

@@ -23,6 +23,7 @@ from torch import nn
 from nestfed.config import ModelConfig
 from nestfed.errors import ConfigError
 from nestfed.io import atomic
+from nestfed.nn.bounded_attention import install_bounded_attention
 from nestfed.nn.layer_inputs import check_architecture
 from nestfed.nn.placement import resolve_device, resolve_dtype
 
@@ -304,7 +305,7 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
         tok = byte_tokenizer(bos=family == "gemma3")
         model = tiny_model(family, len(tok), seed=cfg.seed).to(device=device, dtype=dtype)
         check_architecture(model)
-        return Backbone(freeze(model), tok, "")
+        return Backbone(freeze(_bounded(model, cfg)), tok, "")
     if cfg.name in BUILTINS:
         path = convert_builtin(cfg.name, Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir())
     else:
@@ -323,4 +324,12 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
     check_architecture(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return Backbone(freeze(model), tokenizer, str(path))
+    return Backbone(freeze(_bounded(model, cfg)), tokenizer, str(path))
+
+
+def _bounded(model: nn.Module, cfg: ModelConfig) -> nn.Module:
+    """The model with every layer's attention bounded by ``model.attention_window`` and
+    ``attention_sinks`` (nestfed.nn.bounded_attention, ``fixed``); unchanged at window 0."""
+    if cfg.attention_window > 0:
+        install_bounded_attention(model, None, cfg.attention_window, cfg.attention_sinks, fixed=True)
+    return model

@@ -70,14 +70,17 @@ class Bounds:
     """One wrapped attention layer's context bounds and per-call state.
 
     window, sink: the softmax window and sinks (tokens) while the layer's linear path is enabled,
-    and a stream's default (nestfed.evaluation.streaming). stream: the :class:`LayerStream` while a
-    stream is processed, else None. padding: [B, T] bool, True = a real token, set per model call
-    (the decoder layers see only the 4-D softmax mask)."""
+    and a stream's default (nestfed.evaluation.streaming). fixed: they bound the softmax path
+    always, with or without a linear path, and no stream sees further (a deployment's bound,
+    ``model.attention_window``). stream: the :class:`LayerStream` while a stream is processed,
+    else None. padding: [B, T] bool, True = a real token, set per model call (the decoder layers
+    see only the 4-D softmax mask)."""
 
     window: int = 0
     sink: int = 0
     stream: LayerStream | None = None
     padding: torch.Tensor | None = None
+    fixed: bool = False
 
 
 class LinearPath(Protocol):
@@ -198,8 +201,10 @@ def bounded_attention_forward(
     stream = bounds.stream
     enabled = path is not None and path.enabled
     use_path = enabled and (stream is None or stream.memory)
-    window = stream.window if stream is not None else (bounds.window if enabled else 0)
+    window = stream.window if stream is not None else (bounds.window if enabled or bounds.fixed else 0)
     sink = stream.sink if stream is not None else bounds.sink
+    if bounds.fixed and stream is not None:  # no stream sees past a deployment's bound, and keeps its sinks
+        window, sink = narrower(window, bounds.window), max(sink, bounds.sink)
 
     mask = attention_mask
     keys, values = k_rot, v_t
@@ -266,13 +271,23 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
     return {i: layer.self_attn for i, layer in enumerate(layers)}
 
 
+def narrower(a: int, b: int) -> int:
+    """The narrower of two windows in tokens, 0 meaning none."""
+    return min((w for w in (a, b) if w > 0), default=0)
+
+
 def install_bounded_attention(
-    model: nn.Module, layers: list[int] | tuple[int, ...] | None = None, window: int = 0, sink: int = 0
+    model: nn.Module,
+    layers: list[int] | tuple[int, ...] | None = None,
+    window: int = 0,
+    sink: int = 0,
+    fixed: bool = False,
 ) -> list[int]:
     """Wrap the attention of the given decoder layers (None = every layer) with
-    :func:`bounded_attention_forward` and a :class:`Bounds` (``window``, ``sink``); return the layer
-    indices. Idempotent per layer: a layer already wrapped keeps its bounds. The model gets forward
-    hooks that hand each call's 2-D attention mask to every wrapped layer (``bounds.padding``).
+    :func:`bounded_attention_forward` and a :class:`Bounds` (``window``, ``sink``, ``fixed``);
+    return the layer indices. Idempotent per layer: a layer already wrapped keeps its bounds. The
+    model gets forward hooks that hand each call's 2-D attention mask to every wrapped layer
+    (``bounds.padding``).
 
     Raises ValueError for a model without decoder layers, a layer out of range or negative bounds.
     """
@@ -286,7 +301,7 @@ def install_bounded_attention(
         attn = attns[i]
         if isinstance(getattr(attn, "bounds", None), Bounds):
             continue
-        attn.bounds = Bounds(window, sink)
+        attn.bounds = Bounds(window, sink, fixed=fixed)
         attn.forward = bounded_attention_forward.__get__(attn, type(attn))
     if not getattr(model, "_nestfed_padding_hooks", False):
         model.register_forward_pre_hook(_note_padding, with_kwargs=True)

@@ -52,7 +52,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nestfed.nn.bounded_attention import LayerStream, attached, attention_modules, install_bounded_attention
+from nestfed.nn.bounded_attention import (
+    LayerStream,
+    attached,
+    attention_modules,
+    install_bounded_attention,
+    narrower,
+)
 from nestfed.nn.gates import DYNAMIC_RANGE, GATES
 from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
 from nestfed.nn.placement import trainable_dtype
@@ -279,7 +285,10 @@ def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int
         attn = attns[i]
         if hasattr(attn, "memory"):
             continue
-        attn.bounds.window, attn.bounds.sink = settings.window, settings.sink
+        if attn.bounds.fixed:  # a deployment's bound (model.attention_window): the memory narrows it at most
+            attn.bounds.window = narrower(attn.bounds.window, settings.window)
+        else:
+            attn.bounds.window, attn.bounds.sink = settings.window, settings.sink
         H = cfg.num_attention_heads
         Hkv = getattr(cfg, "num_key_value_heads", None) or H
         rule = MemoryRule(cfg.hidden_size, H, Hkv, attn.head_dim, settings)

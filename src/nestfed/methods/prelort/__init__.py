@@ -15,7 +15,10 @@ aggregation). ``dilution`` (ours, beyond the paper) scales a segment's mean upda
 (N_l / N)^dilution, N_l the examples of the round's clients holding it: 0 is the paper, 1 dilutes
 a segment few clients hold as ZeroPad does (docs/methods.md, PreLort's top segment).
 ``min_holders`` (ours) leaves a segment held by fewer clients of the federation out of every
-deployed and exported adapter; training and aggregation stay the paper's.
+deployed and exported adapter; training and aggregation stay the paper's. ``deploy_rank =
+"validated"`` (ours) has each client hold ``validation_rows`` of its training rows out of training
+and run the prefix r in R_k of the global adapter with the lowest loss on them, chosen by the
+client and kept on it (PreLortHooks).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from nestfed.methods.method import lora_method
 
 OBJECTIVES = ("nested", "sampled", "full_rank")
 AGGREGATIONS = ("segment", "zeropad")
+DEPLOY_RANKS = ("own", "validated")
 
 
 @dataclass(frozen=True)
@@ -40,12 +44,18 @@ class PreLortOptions:
     in [0, 1] (0, the paper: every segment's mean update undiluted); min_holders: a segment
     [lo, hi) held by fewer clients of the federation (r_k >= hi) is left out of what any client
     deploys and of the exported adapter (:func:`~nestfed.methods.prelort.strategy.deploy_cap`; 0 or
-    1, the paper: every segment). Raises ValueError naming the field for any other value."""
+    1, the paper: every segment); deploy_rank: ``own`` (the paper: client k runs the prefix r_k)
+    or ``validated`` (the prefix r in R_k with the lowest loss on ``validation_rows`` rows the
+    client holds out of its training data, chosen on the global adapter it receives each round;
+    :class:`~nestfed.methods.prelort.strategy.PreLortHooks`). Raises ValueError naming the field
+    for any other value."""
 
     objective: str = "nested"
     aggregation: str = "segment"
     dilution: float = 0.0
     min_holders: int = 0
+    deploy_rank: str = "own"
+    validation_rows: int = 4
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -58,6 +68,11 @@ class PreLortOptions:
             raise ValueError(f"dilution: {self.dilution!r} is not in [0, 1]")
         if isinstance(self.min_holders, bool) or not isinstance(self.min_holders, int) or self.min_holders < 0:
             raise ValueError(f"min_holders: {self.min_holders!r} is not a count of clients (an integer >= 0)")
+        if self.deploy_rank not in DEPLOY_RANKS:
+            raise ValueError(f"deploy_rank: unknown choice '{self.deploy_rank}' (known: {', '.join(DEPLOY_RANKS)})")
+        rows = self.validation_rows
+        if isinstance(rows, bool) or not isinstance(rows, int) or rows < 1:
+            raise ValueError(f"validation_rows: {self.validation_rows!r} is not a count of rows (an integer >= 1)")
 
 
 METHOD = lora_method(

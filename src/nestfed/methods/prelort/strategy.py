@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -245,10 +246,72 @@ def sampled_subrank(subranks: Sequence[int], seed: int, rnd: int, cid: int, step
 class PreLortHooks(ClientHooks):
     """The local objective over the sub-ranks R_k the strategy sends (``subranks``): nested (every
     sub-rank, :func:`nested_loss`), sampled (one drawn sub-rank per step, :func:`sampled_subrank`)
-    or the plain loss at the client's rank (``full_rank``)."""
+    or the plain loss at the client's rank (``full_rank``).
 
-    def __init__(self, objective: str = "nested"):
+    With ``validation_rows`` > 0 (``[prelort] deploy_rank = "validated"``) the client holds that
+    many of its training rows out of training (the same rows every round: the seed rule's stream
+    ``validation`` of (federation seed, client)), measures the received global adapter's loss on
+    them at every r in R_k, keeps the best r (ties: the larger) in its state and runs the deployed
+    adapter cut to it (:meth:`evaluation_arrays`, so evaluation and ``nestfed export --client``
+    follow it). The choice never leaves the client. ``rank_scaling``: lora.scaling = "rank"
+    (s = lora_alpha / r), where a cut to r' rescales B by r / r'."""
+
+    def __init__(self, objective: str = "nested", validation_rows: int = 0, rank_scaling: bool = False):
         self.objective = objective
+        self.validation_rows = validation_rows
+        self.rank_scaling = rank_scaling
+        self.keeps_state = validation_rows > 0
+
+    def after_load(self, ctx: FitContext, arrays: Arrays) -> dict[str, float]:
+        """Hold the validation rows out and choose the deploy rank on them (class docstring);
+        returns ``deploy_rank`` and ``validation_loss@<r>`` (nats per labelled token)."""
+        n = ctx.data.num_examples
+        v = min(self.validation_rows, n - 1)
+        if v < 1 or "subranks" not in ctx.config:
+            return {}
+        g = torch.Generator().manual_seed(stream_seed(ctx.seed, 0, ctx.cid, "validation"))
+        order = torch.randperm(n, generator=g)
+        held, kept = order[:v].sort().values, order[v:].sort().values
+        d = ctx.data
+        ctx.data = replace(
+            d,
+            train_ids=d.train_ids[kept],
+            train_labels=d.train_labels[kept],
+            train_hidden=None if d.train_hidden is None else d.train_hidden[kept],
+        )
+        batch = (
+            Batch(d.train_labels[held], hidden=d.train_hidden[held], start=d.start)
+            if d.train_hidden is not None
+            else Batch(d.train_labels[held], input_ids=d.train_ids[held])
+        )
+        ctx.model.eval()
+        losses = {}
+        with torch.no_grad():
+            for r in ctx.config["subranks"]:
+                with active_rank(ctx.model, r):
+                    losses[int(r)] = float(batch.loss(ctx.model))
+        best = self.choose(losses)
+        ctx.state["deploy"] = {"rank": torch.tensor([best])}
+        return {"deploy_rank": float(best), **{f"validation_loss@{r}": x for r, x in losses.items()}}
+
+    @staticmethod
+    def choose(losses: dict[int, float]) -> int:
+        """The deploy rank from {r: validation loss}: the lowest loss, ties to the larger r."""
+        return min(losses, key=lambda r: (losses[r], -r))
+
+    def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
+        """The deployed arrays cut to the client's chosen rank (as deployed when it chose none or
+        a rank at or above theirs)."""
+        if "deploy" not in state:
+            return arrays
+        r = int(state["deploy"]["rank"][0])
+        have = max((v.shape[rank_dim(k)] for k, v in arrays.items() if rank_dim(k) is not None), default=0)
+        if r >= have:
+            return arrays
+        out = truncate_rank(arrays, r)
+        if self.rank_scaling:  # s(r) / s(have) = have / r, carried by B
+            out = {k: v * (have / r) if k.endswith("lora_B.weight") else v for k, v in out.items()}
+        return out
 
     def before_step(self, ctx: FitContext, step: int) -> None:
         """Remember the step (the sampled objective's draw depends on it)."""
@@ -268,4 +331,10 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> PreLort:
     return PreLort(lora_settings(cfg), cfg.section("prelort"))
 
 
-IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: PreLortHooks(cfg.section("prelort").objective))
+def _hooks(cfg: ExperimentConfig) -> PreLortHooks:
+    o = cfg.section("prelort")
+    rows = o.validation_rows if o.deploy_rank == "validated" else 0
+    return PreLortHooks(o.objective, rows, cfg.lora.scaling == "rank")
+
+
+IMPLEMENTATION = lora_implementation(_strategy, hooks=_hooks)
