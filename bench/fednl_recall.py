@@ -233,6 +233,23 @@ def probe(run_dir: Path | None, cfg, rows: int = 16, distance: int = 160) -> dic
     }
 
 
+def extras(out: Path, cfg) -> tuple[dict, dict, float]:
+    """The backbone's rows (window, full attention), the probes and their time (s), computed once
+    per results directory and kept in ``<out>/extras.json`` (the FedNL runs' seed 0 must exist)."""
+    cached = out / "extras.json"
+    if cached.is_file():
+        e = json.loads(cached.read_text())
+        return e["backbone"], e["probe"], e["seconds"]
+    t0 = time.perf_counter()
+    bb = backbone_rows(cfg, {"backbone window": cfg.model.attention_window, "backbone full attention": 0})
+    fednl = runs_of(out, "fednl")
+    pr = {"fednl (seed 0), its memory layers": probe(fednl[0], cfg)} if fednl else {}
+    pr["backbone, untrained memory on every layer"] = probe(None, cfg)
+    seconds = round(time.perf_counter() - t0, 1)
+    cached.write_text(json.dumps({"backbone": bb, "probe": pr, "seconds": seconds}) + "\n")
+    return bb, pr, seconds
+
+
 def summarise(out: Path, path: Path | None) -> dict:
     from nestfed.methods import load_config
 
@@ -264,19 +281,14 @@ def summarise(out: Path, path: Path | None) -> dict:
             "bytes_down_per_client_round": s[0]["bytes_down_per_client_round"],
             "wall_time_s": [x.get("wall_time_s") for x in s],
         }
-    t0 = time.perf_counter()
-    bb = backbone_rows(cfg, {"backbone window": cfg.model.attention_window, "backbone full attention": 0})
+    bb, res["probe"], res["backbone_eval_s"] = extras(out, cfg)
     for label, clients in bb.items():
         res["methods"][label] = {"groups": summary_rows([clients]), "clients": [clients]}
         per[label] = [clients]
-    res["backbone_eval_s"] = round(time.perf_counter() - t0, 1)
     if "fedavg" in per:
         res["versus_fedavg"] = {
             label: versus(per[label], per["fedavg"]) for label in per if label in VARIANTS and label != "fedavg"
         }
-    fednl = runs_of(out, "fednl")
-    res["probe"] = {"fednl (seed 0), its memory layers": probe(fednl[0], cfg)} if fednl else {}
-    res["probe"]["backbone, untrained memory on every layer"] = probe(None, cfg)
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(res, indent=1) + "\n")

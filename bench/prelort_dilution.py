@@ -1,4 +1,4 @@
-"""PreLort's ``[prelort] dilution`` on the main job, 3 seeds, against PreLort (dilution 0) and ZeroPad.
+"""PreLort's ``[prelort] dilution`` (or another option) over 3 seeds, against PreLort and ZeroPad.
 
 The runs of the diluted variant come from::
 
@@ -12,7 +12,8 @@ beside the stored comparison, with a markdown table)::
 
     .venv/bin/python bench/prelort_dilution.py 1.0=OUT1/<run>/comparison.json 0.5=OUT2/<run>/comparison.json
 
-The protocol (configs/bbc_news_protocol.toml) the same way, paired with its stored seeds::
+Another ``[prelort]`` variant the same way, named by its spec (``deploy_rank=validated=PATH``,
+``--name deploy_rank``). The protocol (configs/bbc_news_protocol.toml), paired with its stored seeds::
 
     .venv/bin/python bench/prelort_dilution.py 1.0=... 0.5=... \
         --stored bench/results/bbc_news_protocol/comparison.json --config configs/bbc_news_protocol.toml
@@ -76,12 +77,16 @@ def main() -> None:
     ap.add_argument("runs", nargs="+", help="DILUTION=PATH: a diluted variant's comparison.json (3 seeds)")
     ap.add_argument("--stored", type=Path, default=STORED, help="the comparison.json holding PreLort and ZeroPad")
     ap.add_argument("--config", default="configs/bbc_news.toml", help="the config the runs are of (recorded)")
+    ap.add_argument("--name", default="dilution", help="the results files' stem beside the stored comparison")
     a = ap.parse_args()
     runs = {"prelort": rows(a.stored, "prelort"), "zeropad": rows(a.stored, "zeropad")}
     names = []
     for spec in a.runs:
-        d, _, path = spec.partition("=")
-        name = f"dilution={float(d):g}"
+        d, _, path = spec.rpartition("=")
+        try:
+            name = f"dilution={float(d):g}"
+        except ValueError:  # another [prelort] variant, named as given (e.g. deploy_rank=validated)
+            name = d
         runs[name] = [r for r in json.loads(Path(path).read_text()) if r["method"] == "prelort"]
         assert [r["seed"] for r in runs[name]] == [0, 1, 2], f"{path}: 3 seeds (0, 1, 2) of the diluted variant"
         names.append(name)
@@ -101,8 +106,8 @@ def main() -> None:
             for r in RANKS:
                 res["versus"][name][ref][f"r{r}"] = versus(per_pair(runs[name], r), per_pair(runs[ref], r))
     out = a.stored.parent
-    (out / "dilution.json").write_text(json.dumps(res, indent=1) + "\n")
-    (out / "dilution.md").write_text(table(res) + "\n")
+    (out / f"{a.name}.json").write_text(json.dumps(res, indent=1) + "\n")
+    (out / f"{a.name}.md").write_text(table(res) + "\n")
     print(json.dumps(res, indent=1))
 
 
