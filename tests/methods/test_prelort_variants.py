@@ -430,3 +430,14 @@ def test_bad_deploy_rank_options_name_the_key():
         tiny_config("strategy.name=prelort", "prelort.deploy_rank=best")
     with pytest.raises(ConfigError, match="validation_rows: 0 is not a count"):
         tiny_config("strategy.name=prelort", "prelort.validation_rows=0")
+
+
+def test_a_validated_run_resumes_exactly_with_each_clients_choice(tmp_path):
+    """A crash mid-run resumes to the uninterrupted run's adapter, and each client's kept choice
+    (its checkpointed state) is the uninterrupted run's."""
+    cfg = tiny_config("strategy.name=prelort", "prelort.deploy_rank=validated", "prelort.validation_rows=2")
+    full, resumed = crash_and_resume(tmp_path, cfg)
+    assert same_arrays(full.arrays, resumed.arrays)
+    kept = [RunDir(tmp_path / d).latest_checkpoint(True).client_state for d in ("full", "part")]
+    choices = [{c: int(s["deploy"]["rank"][0]) for c, s in k.items()} for k in kept]
+    assert choices[0] == choices[1] and set(choices[0]) == {0, 1, 2}
