@@ -176,7 +176,7 @@ def probe(run_dir: Path | None, cfg, rows: int = 16, distance: int = 160) -> dic
     from nestfed.nn.backbone import load_backbone
     from nestfed.nn.bounded_attention import attention_modules
     from nestfed.nn.lora import inject_lora
-    from nestfed.nn.memory import install_memory, memory_rules, sync_memory
+    from nestfed.nn.memory import install_memory, memory_inputs, memory_rules, sync_memory
     from nestfed.ops.delta_rule import delta_rule
 
     bb = load_backbone(cfg.model)
@@ -210,10 +210,7 @@ def probe(run_dir: Path | None, cfg, rows: int = 16, distance: int = 160) -> dic
         for i in layers:
             D = attns[i].head_dim
             q, k, v = (seen[(i, x)].view(1, ids.shape[1], -1, D) for x in ("q_proj", "k_proj", "v_proj"))
-            G = q.shape[2] // k.shape[2]
-            q_lin = F.normalize(F.silu(q), dim=-1)
-            k_lin = F.normalize(F.silu(k), dim=-1).repeat_interleave(G, dim=2)
-            v_lin = (v * D**-0.5).repeat_interleave(G, dim=2)
+            q_lin, k_lin, v_lin = memory_inputs(q, k, v)
             beta = rules[i].beta(k) if i in rules else torch.full(q.shape[:3], 0.5)  # [1, T, H]
             _, S = delta_rule(q_lin, k_lin, v_lin, beta, output_final_state=True)  # [1, H, D, D]
             other = torch.ones(beta.shape[1], dtype=torch.bool)

@@ -3,15 +3,14 @@ attention the backbone recalls a fact from hundreds of tokens back; with every l
 bounded to a window (model.attention_window) it recalls it inside the window and not past it."""
 
 import importlib.util
-import random
 
 import pytest
 
 from nestfed.config import ModelConfig
 from nestfed.data.niah import Haystack
-from nestfed.data.recall import candidate_ids, make_row
+from nestfed.data.recall import candidate_ids, recall_dataset
 from nestfed.data.sources import long_texts
-from nestfed.data.tasks import _pad, _pad_id
+from nestfed.data.tasks import concat_rows
 from nestfed.evaluation.lm import evaluate_lm
 from nestfed.nn.backbone import load_backbone
 
@@ -21,9 +20,9 @@ WINDOW = 128
 
 
 def accuracy(backbone, hay, distance: int) -> float:
-    rng = random.Random(f"e2e/{distance}")
-    rows = [make_row(k, backbone.tokenizer, hay, rng, distance) for k in KINDS for _ in range(8)]
-    ds = _pad([(r.ids, r.labels) for r in rows], _pad_id(backbone.tokenizer))
+    tok = backbone.tokenizer
+    parts = [recall_dataset(k, 8, [distance], tok, hay, f"e2e/{distance}", 4, 16)[0] for k in KINDS]
+    ds = concat_rows(parts, tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id)
     letters = candidate_ids(backbone.tokenizer, KINDS)
     return evaluate_lm(backbone.model, ds.labels, ds.input_ids, batch_size=8, letter_ids=letters)["accuracy"]
 

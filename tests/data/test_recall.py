@@ -110,7 +110,8 @@ def test_the_kinds_declared_with_the_source_are_the_generators():
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"kinds": ("city", "moon")}, "unknown kind 'moon'"),
+        ({"kinds": ("city", "moon")}, "kinds: unknown kind 'moon'"),
+        ({"held_out": "sun"}, "held_out: unknown kind 'sun'"),
         ({"held_out": "city"}, "also a training kind"),
         ({"kinds": ("city", "city")}, "distinct"),
         ({"facts": 9}, "facts"),

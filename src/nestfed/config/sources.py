@@ -76,9 +76,10 @@ class RecallOptions:
     haystack: str = "all"
 
     def __post_init__(self) -> None:
-        unknown = [k for k in (*self.kinds, *([self.held_out] if self.held_out else [])) if k not in RECALL_KINDS]
-        if unknown:
-            raise ValueError(f"unknown kind '{unknown[0]}' (known: {', '.join(RECALL_KINDS)})")
+        for key, named in (("kinds", self.kinds), ("held_out", (self.held_out,) if self.held_out else ())):
+            unknown = [k for k in named if k not in RECALL_KINDS]
+            if unknown:
+                raise ValueError(f"{key}: unknown kind '{unknown[0]}' (known: {', '.join(RECALL_KINDS)})")
         if not self.kinds or len(set(self.kinds)) != len(self.kinds):
             raise ValueError(f"kinds: give one distinct kind per client, got {list(self.kinds)}")
         if self.held_out in self.kinds:

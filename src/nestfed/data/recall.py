@@ -56,9 +56,11 @@ class Kind:
     values: tuple[str, ...]
 
     def prefix(self, key: str) -> str:
+        """The sentence up to the value, for ``key`` (also the question)."""
         return self.template.split("{v}")[0].rstrip().format(k=key)
 
     def suffix(self) -> str:
+        """What follows the value (``"."``, ``" coins."``)."""
         return self.template.split("{v}")[1]
 
 

@@ -79,14 +79,19 @@ def block_batches(n: int, steps: int, batch_size: int, seed: int) -> Iterator[to
         yield torch.tensor(idx)
 
 
+def rows_batch(d: ClientData, idx: torch.Tensor) -> Batch:
+    """The training rows ``idx`` [n] of client data ``d`` as one batch (from the cached
+    frozen-prefix outputs when ``d`` holds them, else from token ids)."""
+    if d.train_hidden is not None:
+        return Batch(d.train_labels[idx], hidden=d.train_hidden[idx], start=d.start)
+    return Batch(d.train_labels[idx], input_ids=d.train_ids[idx])
+
+
 def client_batches(d: ClientData, steps: int, batch_size: int, seed: int) -> Iterator[Batch]:
     """``steps`` training batches of client data ``d`` in the seeded order of :func:`block_batches`
-    (from the cached frozen-prefix outputs when ``d`` holds them, else from token ids)."""
+    (:func:`rows_batch`)."""
     for idx in block_batches(d.num_examples, steps, batch_size, seed):
-        if d.train_hidden is not None:
-            yield Batch(d.train_labels[idx], hidden=d.train_hidden[idx], start=d.start)
-        else:
-            yield Batch(d.train_labels[idx], input_ids=d.train_ids[idx])
+        yield rows_batch(d, idx)
 
 
 def train_on_blocks(

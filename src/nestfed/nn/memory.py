@@ -214,11 +214,7 @@ class MemoryRule(nn.Module):
         (before RoPE). A stream's ``state`` carries S [B, H, D, D] and the tails of beta's average
         (``k_tail``) and of the dynamic gate (``x_tail``). valid [B, T]: pads write nothing and feed
         neither beta's average nor the gate."""
-        D, H = q.shape[-1], q.shape[2]
-        G = H // k.shape[2]
-        q_lin = F.normalize(F.silu(q), dim=-1)
-        k_lin = F.normalize(F.silu(k), dim=-1).repeat_interleave(G, dim=2)
-        v_lin = (v * D**-0.5).repeat_interleave(G, dim=2)
+        q_lin, k_lin, v_lin = memory_inputs(q, k, v)
         gate_in = hidden_states
         if valid is not None:
             keep = valid.to(k_lin.dtype)[:, :, None, None]
@@ -250,6 +246,16 @@ class MemoryRule(nn.Module):
                 xt = x if "x_tail" not in state else torch.cat([state["x_tail"], x], 1)
                 state["x_tail"] = xt[:, xt.shape[1] - min(kern - 1, xt.shape[1]) :]
         return alpha * lin + (1 - alpha) * soft
+
+
+def memory_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """What the delta rule reads and writes (module docstring): q_lin = l2norm(silu(q)),
+    k_lin = l2norm(silu(k)), v_lin = v * D^-0.5, from q [B, T, H, D] and k, v [B, T, H_kv, D];
+    k_lin and v_lin repeated to the H query heads. Returns three [B, T, H, D] tensors."""
+    D, G = q.shape[-1], q.shape[2] // k.shape[2]
+    q_lin = F.normalize(F.silu(q), dim=-1)
+    k_lin = F.normalize(F.silu(k), dim=-1).repeat_interleave(G, dim=2)
+    return q_lin, k_lin, (v * D**-0.5).repeat_interleave(G, dim=2)
 
 
 def _rms_norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -16,7 +16,7 @@ from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
 from nestfed.federation.robust import Block, BlockRule
 from nestfed.federation.secure_sum import SecureSum, segment_mean
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples, lora_keys, reply_rank
-from nestfed.federation.training import Batch
+from nestfed.federation.training import Batch, rows_batch
 from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.methods.zeropad.strategy import ZeroPad
 from nestfed.nn.keys import rank_dim
@@ -279,11 +279,7 @@ class PreLortHooks(ClientHooks):
             train_labels=d.train_labels[kept],
             train_hidden=None if d.train_hidden is None else d.train_hidden[kept],
         )
-        batch = (
-            Batch(d.train_labels[held], hidden=d.train_hidden[held], start=d.start)
-            if d.train_hidden is not None
-            else Batch(d.train_labels[held], input_ids=d.train_ids[held])
-        )
+        batch = rows_batch(d, held)
         ctx.model.eval()
         losses = {}
         with torch.no_grad():
