@@ -1,26 +1,31 @@
-"""FedNL where only a memory can help: associative recall beyond the attention window (issue 24,
-item 2; configs/fednl/recall.toml, nestfed.data.recall).
+"""FedNL where only a memory can help: associative recall beyond the attention window (issues 24
+and 32; configs/fednl/recall.toml, nestfed.data.recall).
 
 Every layer's softmax attention sees the last 64 tokens plus 4 sinks (``model.attention_window``)
 for every method; a row states four facts of one kind and asks about one of them 60 (inside the
-window) to 320 tokens later. Four clients (one kind each) and a held-out kind (metal) every client is tested on.
+window) to 320 tokens later. Four clients (one kind each) and a held-out kind (metal) every
+client is tested on. The memory trains as the references train theirs (the config's header: the
+server's warm-up, the rules' own learning rate, a loss past the window, window dropout);
+``--config configs/fednl/recall_old_recipe.toml`` reproduces issue 24's run.
 
 ``run`` trains, over ``--seeds`` seeds, FedNL with both travel modes (``all``: LoRA and the memory
 rules; ``rules``: the rules only), FedAvg and FedNL's local-only baseline (``travel = "none"``),
 all with the same window, through ``nestfed run``; ``summarise`` reads their final evaluations,
-evaluates the backbone with the window (the floor) and with full attention (the ceiling), probes
-the memory of a trained FedNL model, and writes the results JSON::
+evaluates every FedNL model again with its memory knocked out (alpha = 0), the backbone with the
+window (the floor) and with full attention (the ceiling), probes the memory of a trained FedNL
+model, and writes the results JSON::
 
-    .venv/bin/python bench/fednl_recall.py run --out /tmp/recall --seeds 3      # about 80 minutes on 2 cores
+    .venv/bin/python bench/fednl_recall.py run --out /tmp/recall --seeds 3
     .venv/bin/python bench/fednl_recall.py summarise /tmp/recall --json bench/results/fednl_recall/recall.json
 
 Reported: accuracy (the argmax over the five kinds' 40 value tokens; a model that knows the kind
 but not the fact scores 1/8) per group own@<distance> / held_out@<distance>, mean over clients,
 mean ± 95% t half width over seeds; each method against FedAvg over the (seed, client) pairs in
-percentage points; the learned gate alpha of every memory layer; bytes per client per round;
-and the probe (:func:`probe`): is the memory written (beta at the facts' values, and how much of
-a stored value S still returns for its key at the question) and is it read (which fact's value
-the memory's read-out at the question is closest to).
+percentage points; the learned gates per layer and head; bytes per client per round; the tokens
+each client trained on and the wall time; and the probe (:func:`probe`): is the memory written
+(beta at the facts' values and elsewhere, how much of a stored value S still returns for its
+key), is it read (per head: which fact's value the read-out at the question is closest to), and
+what does it add to the answer's logit (the gold value's logit with the memory against knocked out).
 """
 
 from __future__ import annotations
@@ -47,21 +52,14 @@ VARIANTS = {  # label: (nestfed run --methods, extra --set)
 }
 
 
-def run(out: Path, seeds: int, only: list[str]) -> None:
+def run(out: Path, seeds: int, only: list[str], config: Path) -> None:
     """Train every variant (``nestfed run ... --seeds``) under ``out/<label>``."""
     for label, (method, sets) in VARIANTS.items():
         if only and label not in only:
             continue
         d = out / label.replace(" ", "_")
-        cmd = [
-            str(Path(sys.executable).parent / "nestfed"),
-            "run",
-            str(CONFIG),
-            "--methods",
-            method,
-            "--seeds",
-            str(seeds),
-        ]
+        cmd = [str(Path(sys.executable).parent / "nestfed"), "run", str(config), "--methods", method]
+        cmd += ["--seeds", str(seeds)]
         cmd += [x for s in [*sets, f"output.dir={d}"] for x in ("--set", s)]
         t0 = time.perf_counter()
         subprocess.run(cmd, check=True)
@@ -73,28 +71,27 @@ def runs_of(out: Path, label: str) -> list[Path]:
     return sorted(p.parent for p in (out / label.replace(" ", "_")).glob("*/seed*/*/summary.json"))
 
 
-def final_groups(run_dir: Path) -> dict[str, dict[str, float]]:
-    """{client: {group: accuracy}} of a run's last evaluation (``accuracy@<group>`` metrics)."""
-    s = json.loads((run_dir / "summary.json").read_text())
-    return {
-        c: {k.split("@", 1)[1]: v for k, v in m.items() if k.startswith("accuracy@")} for c, m in s["final"].items()
-    }
-
-
-def gates(run_dir: Path) -> dict[str, float]:
-    """{memory layer: alpha = sigmoid(gate_logit)} of a run's final rules: the global ones, or the
-    mean over clients of the rules each kept (local-only); empty without a learned gate."""
+def gates(run_dir: Path) -> dict[str, list[float]]:
+    """{memory layer: alpha per head} of a run's final rules: the global ones, or the mean over
+    clients of the rules each kept (local-only); empty without a learned gate."""
     from nestfed.federation.run_dir import RunDir
 
     ck = RunDir(run_dir).latest_checkpoint(True)
     kept = [a for s in (ck.client_state or {}).values() for a in s.values()]
     sets = [a for a in kept if any(k.endswith("memory.gate_logit") for k in a)] or [ck.state.arrays]
-    out: dict[str, list[float]] = {}
+    out: dict[str, list[torch.Tensor]] = {}
     for arrays in sets:
         for k, v in sorted(arrays.items()):
             if k.endswith("memory.gate_logit"):
-                out.setdefault(k.split(".layers.")[1].split(".")[0], []).append(float(torch.sigmoid(v.double())))
-    return {layer: sum(v) / len(v) for layer, v in out.items()}
+                out.setdefault(k.split(".layers.")[1].split(".")[0], []).append(torch.sigmoid(v.double()))
+    return {layer: torch.stack(v).mean(0).tolist() for layer, v in out.items()}
+
+
+def accuracies(evaluations: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
+    """{client: {group: accuracy}} from {client: metrics with ``accuracy@<group>``}."""
+    return {
+        c: {k.split("@", 1)[1]: v for k, v in m.items() if k.startswith("accuracy@")} for c, m in evaluations.items()
+    }
 
 
 def backbone_rows(cfg, windows: dict[str, int]) -> dict[str, dict[str, dict[str, float]]]:
@@ -121,97 +118,92 @@ def backbone_rows(cfg, windows: dict[str, int]) -> dict[str, dict[str, dict[str,
     return out
 
 
-def summary_rows(per_seed: list[dict[str, dict[str, float]]]) -> dict:
-    """Mean over clients per group for each seed, then mean ± 95% over seeds."""
-    from nestfed.experiments.intervals import mean_interval
-
-    groups = sorted({g for s in per_seed for c in s.values() for g in c}, key=group_order)
-    out = {}
-    for g in groups:
-        means = [sum(c[g] for c in s.values()) / len(s) for s in per_seed]
-        i = mean_interval(means)
-        out[g] = {"mean": i.mean, "half": i.half_width, "seeds": means}
-    return out
-
-
 def group_order(g: str) -> tuple[int, int]:
     tag, d = g.split("@")
     return (0 if tag == "own" else 1, int(d))
 
 
-def versus(method: list[dict], reference: list[dict]) -> dict:
-    """Paired differences in accuracy points over the (seed, client) pairs, per group."""
-    from nestfed.experiments.intervals import paired_difference
-
-    out = {}
-    for g in sorted(method[0]["0"], key=group_order):
-        diffs = [100 * (m[c][g] - r[c][g]) for m, r in zip(method, reference) for c in m]
-        d = paired_difference(diffs)
-        out[g] = {"mean_pts": d.interval.mean, "low": d.interval.low, "high": d.interval.high, "p": d.p_value}
-    return out
-
-
 # ----------------------------------------------------------------------------- the memory probe
 
 
-@torch.no_grad()
-def probe(run_dir: Path | None, cfg, rows: int = 16, distance: int = 160) -> dict:
-    """Is the memory written, and is it read? For ``rows`` test rows of the clients' kinds at
-    ``distance``, per layer, from the layer's own q, k, v projections (after LoRA) as the memory
-    sees them (q_lin, k_lin, v_lin: nestfed.nn.memory) and the delta rule run over the row up to
-    the question: ``beta`` at the facts' value tokens and elsewhere (the write strengths);
-    ``retention``: cos(S^T k_v, v_v) at the question for the asked value's own key (1 = the write
-    intact; later writes erode it); ``read_top1``: how often the read-out S^T q at the question is
-    closest (cosine, mean over heads) to the asked fact's value among the row's facts (chance
-    1 / facts); ``alpha``: the gate. ``run_dir``: a finished FedNL run (its final adapter and rules,
-    its memory layers); None: the backbone with an untrained memory (beta = 0.5) on every layer,
-    which says where in the network the projections could carry the recall at all."""
+def _probe_model(run_dir: Path | None, cfg):
+    """The model a probe reads: a finished FedNL run's (its final adapter and rules, its memory
+    layers) or, for None, the backbone with a fresh memory (the config's settings) on every layer."""
     from nestfed.config import r_max
-    from nestfed.data.niah import Haystack
-    from nestfed.data.recall import make_row
-    from nestfed.data.sources import long_texts
     from nestfed.federation.run_dir import RunDir
     from nestfed.methods.fednl.setup import memory_settings
     from nestfed.nn.arrays import apply_arrays
     from nestfed.nn.backbone import load_backbone
-    from nestfed.nn.bounded_attention import attention_modules
     from nestfed.nn.lora import inject_lora
-    from nestfed.nn.memory import install_memory, memory_inputs, memory_rules, sync_memory
-    from nestfed.ops.delta_rule import delta_rule
+    from nestfed.nn.memory import fresh_rule_arrays, install_memory
 
     bb = load_backbone(cfg.model)
     model = bb.model
-    rules = {}
     if run_dir is not None:
         inject_lora(model, cfg.lora.target_modules, r_max(cfg), cfg.lora.lora_alpha / r_max(cfg), cfg.lora.layers)
         install_memory(model, memory_settings(cfg), cfg.section("fednl").layers or cfg.lora.layers)
         arrays = RunDir(run_dir).latest_checkpoint().state.arrays
         apply_arrays(model, arrays, cfg.lora.lora_alpha / r_max(cfg))
-        sync_memory(model, arrays)
-        rules = memory_rules(model)
+    else:
+        layers = install_memory(model, memory_settings(cfg))
+        apply_arrays(model, fresh_rule_arrays(model, layers), 1.0)
+    return bb
+
+
+@torch.no_grad()
+def probe(run_dir: Path | None, cfg, rows: int = 16, distance: int = 160) -> dict:
+    """Is the memory written, is it read, and what does it add? For ``rows`` test rows of the
+    clients' kinds at ``distance``, per memory layer, from the layer's own input and projections
+    as the memory sees them (nestfed.nn.memory.MemoryRule.inputs and beta) and the delta rule run
+    over the row up to the question: ``beta`` at the facts' value tokens and elsewhere;
+    ``retention``: cos(S^T k, v) at the question for the asked value's own key, per head (1 = the
+    write intact); ``read_top1``: per head, how often the read-out S^T q at the question is
+    closest (cosine) to the asked fact's value among the row's facts (chance 1 / facts);
+    ``alpha``: the gate per head. And for the whole model: ``logit_gain``, the gold value's logit
+    with the memory minus with it knocked out (mean over rows), and ``accuracy`` / ``accuracy_
+    knocked_out`` on these rows. ``run_dir``: a finished FedNL run; None: the backbone with a fresh
+    memory on every layer."""
+    from nestfed.data.niah import Haystack
+    from nestfed.data.recall import candidate_ids, make_row
+    from nestfed.data.sources import long_texts
+    from nestfed.nn.bounded_attention import attention_modules, projections
+    from nestfed.nn.memory import memory_knocked_out, memory_rules
+    from nestfed.ops.delta_rule import delta_rule
+
+    bb = _probe_model(run_dir, cfg)
+    model = bb.model
+    rules = memory_rules(model)
     attns = attention_modules(model)
-    layers = sorted(rules) if rules else sorted(attns)
-    seen: dict[tuple[int, str], torch.Tensor] = {}
-    for i in layers:
-        for name in ("q_proj", "k_proj", "v_proj"):
-            getattr(attns[i], name).register_forward_hook(
-                lambda m, args, out, _key=(i, name): seen.__setitem__(_key, out.detach())
-            )
+    seen: dict[int, torch.Tensor] = {}
+    hooks = [
+        attns[i].register_forward_pre_hook(
+            lambda m, args, kwargs, _i=i: seen.__setitem__(_i, kwargs["hidden_states"].detach()), with_kwargs=True
+        )
+        for i in rules
+    ]
     o = cfg.section("recall")
+    cand = torch.tensor(candidate_ids(bb.tokenizer, [*o.kinds, o.held_out]))
     hay = Haystack([x.text for x in long_texts(o.haystack)], bb.tokenizer, "test")
-    stats = {i: {"beta_values": [], "beta_other": [], "retention": [], "read_top1": []} for i in layers}
+    H = {i: r.num_heads for i, r in rules.items()}
+    stats = {i: {"beta_values": [], "beta_other": [], "retention": [], "read_top1": []} for i in rules}
+    whole = {"logit_gain": [], "correct": [], "correct_knocked_out": []}
     rng = random.Random(f"probe/{distance}")
     for n in range(rows):
         row = make_row(o.kinds[n % len(o.kinds)], bb.tokenizer, hay, rng, distance, o.facts, o.lead)
         ids = torch.tensor([row.ids[:-1]])
-        model(input_ids=ids)
+        gold = row.ids[-1]
+        logits = model(input_ids=ids).logits[0, -1].float()
+        with memory_knocked_out(model):
+            knocked = model(input_ids=ids).logits[0, -1].float()
+        whole["logit_gain"].append(float(logits[gold] - knocked[gold]))
+        whole["correct"].append(float(int(cand[logits[cand].argmax()]) == gold))
+        whole["correct_knocked_out"].append(float(int(cand[knocked[cand].argmax()]) == gold))
         p = ids.shape[1] - 1  # the predicting position
         at = list(row.values_at)
-        for i in layers:
-            D = attns[i].head_dim
-            q, k, v = (seen[(i, x)].view(1, ids.shape[1], -1, D) for x in ("q_proj", "k_proj", "v_proj"))
-            q_lin, k_lin, v_lin = memory_inputs(q, k, v)
-            beta = rules[i].beta(k) if i in rules else torch.full(q.shape[:3], 0.5)  # [1, T, H]
+        for i, rule in rules.items():
+            q, k, v = projections(attns[i], seen[i])
+            q_lin, k_lin, v_lin = rule.inputs(q, k, v)
+            beta = rule.beta(k, hidden_states=seen[i])  # [1, T, H]
             _, S = delta_rule(q_lin, k_lin, v_lin, beta, output_final_state=True)  # [1, H, D, D]
             other = torch.ones(beta.shape[1], dtype=torch.bool)
             other[at] = False
@@ -219,14 +211,31 @@ def probe(run_dir: Path | None, cfg, rows: int = 16, distance: int = 160) -> dic
             stats[i]["beta_other"].append(float(beta[0, other].mean()))
             t = at[row.asked]
             back = torch.einsum("hde,hd->he", S[0].double(), k_lin[0, t].double())  # S^T k, per head
-            stats[i]["retention"].append(float(F.cosine_similarity(back, v_lin[0, t].double(), dim=-1).mean()))
+            stats[i]["retention"].append(F.cosine_similarity(back, v_lin[0, t].double(), dim=-1).tolist())
             read = torch.einsum("hde,hd->he", S[0].double(), q_lin[0, p].double())
-            cos = torch.stack([F.cosine_similarity(read, v_lin[0, a].double(), dim=-1).mean() for a in at])
-            stats[i]["read_top1"].append(float(int(cos.argmax()) == row.asked))
+            cos = torch.stack([F.cosine_similarity(read, v_lin[0, a].double(), dim=-1) for a in at])  # [facts, H]
+            stats[i]["read_top1"].append((cos.argmax(0) == row.asked).double().tolist())
+    for h in hooks:
+        h.remove()
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
-    return {
-        str(i): {"alpha": rules[i].alpha_value() if i in rules else None, **{k: mean(v) for k, v in s.items()}}
+    heads = lambda xs, n: [mean([x[j] for x in xs]) for j in range(n)]  # noqa: E731
+    layers = {
+        str(i): {
+            "alpha": rules[i].alphas(),
+            "beta_values": mean(s["beta_values"]),
+            "beta_other": mean(s["beta_other"]),
+            "retention": heads(s["retention"], H[i]),
+            "read_top1": heads(s["read_top1"], H[i]),
+        }
         for i, s in stats.items()
+    }
+    return {
+        "layers": layers,
+        "rows": rows,
+        "distance": distance,
+        "logit_gain": mean(whole["logit_gain"]),
+        "accuracy": mean(whole["correct"]),
+        "accuracy_knocked_out": mean(whole["correct_knocked_out"]),
     }
 
 
@@ -241,24 +250,57 @@ def extras(out: Path, cfg) -> tuple[dict, dict, float]:
     bb = backbone_rows(cfg, {"backbone window": cfg.model.attention_window, "backbone full attention": 0})
     fednl = runs_of(out, "fednl")
     pr = {"fednl (seed 0), its memory layers": probe(fednl[0], cfg)} if fednl else {}
-    pr["backbone, untrained memory on every layer"] = probe(None, cfg)
+    pr["backbone, fresh memory on every layer"] = probe(None, cfg)
     seconds = round(time.perf_counter() - t0, 1)
     cached.write_text(json.dumps({"backbone": bb, "probe": pr, "seconds": seconds}) + "\n")
     return bb, pr, seconds
 
 
-def summarise(out: Path, path: Path | None) -> dict:
+def knocked_out(out: Path, label: str, dirs: list[Path]) -> list[dict[str, dict[str, float]]]:
+    """Per seed, {client: {group: accuracy}} of a FedNL variant's clients with every memory knocked
+    out (nestfed.experiments.run_models), kept in ``<out>/knocked_out_<label>.json``."""
+    from nestfed.experiments.run_models import client_evaluations
+
+    cached = out / f"knocked_out_{label.replace(' ', '_')}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    got = [accuracies(client_evaluations(d, knocked_out=True)) for d in dirs]
+    cached.write_text(json.dumps(got) + "\n")
+    return got
+
+
+def client_tokens(run_dir: Path) -> float:
+    """Labelled tokens one client trained on over the run (the mean over clients)."""
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    per: dict[str, float] = {}
+    for line in lines:
+        for c, v in line.get("clients", {}).items():
+            per[c] = per.get(c, 0.0) + float(v.get("metrics", {}).get("train_tokens", 0.0))
+    return sum(per.values()) / max(len(per), 1)
+
+
+def summarise(out: Path, path: Path | None, config: Path) -> dict:
+    from nestfed.experiments.accuracy_report import by_group, final_groups, paired_points
     from nestfed.methods import load_config
 
-    cfg = load_config(CONFIG)
+    cfg = load_config(config)
+    o = cfg.section("fednl")
     res: dict = {
         "bench": "fednl_recall",
-        "command": "bench/fednl_recall.py run --seeds 3 && bench/fednl_recall.py summarise",
-        "config": str(CONFIG.relative_to(ROOT)),
+        "command": f"bench/fednl_recall.py run --seeds 3 --config {config.relative_to(ROOT)} && summarise",
+        "config": str(config.relative_to(ROOT)),
         "window": cfg.model.attention_window,
         "sinks": cfg.model.attention_sinks,
         "chance_within_kind": 1 / 8,
         "chance_within_row": 1 / cfg.section("recall").facts,
+        "recipe": {
+            "alpha_init": o.alpha_init,
+            "rule_lr": o.rule_lr,
+            "window_dropout": o.window_dropout,
+            "warmup_steps": o.warmup_steps,
+            "loss": cfg.section("recall").loss,
+            "steps": cfg.federation.rounds * cfg.train.local_steps,
+        },
         "machine": {"cpu": platform.processor() or platform.machine(), "threads": torch.get_num_threads()},
         "methods": {},
     }
@@ -271,20 +313,24 @@ def summarise(out: Path, path: Path | None) -> dict:
         s = [json.loads((d / "summary.json").read_text()) for d in dirs]
         res["methods"][label] = {
             "runs": [str(d) for d in dirs],
-            "groups": summary_rows(per[label]),
+            "groups": by_group(per[label], group_order),
             "clients": per[label],
             "gates": [gates(d) for d in dirs] if label != "fedavg" else [],
             "bytes_up_per_client_round": s[0]["bytes_up_per_client_round"],
             "bytes_down_per_client_round": s[0]["bytes_down_per_client_round"],
             "wall_time_s": [x.get("wall_time_s") for x in s],
+            "train_tokens_per_client": client_tokens(dirs[0]),
+            "warmup": s[0].get("fednl_warmup"),
         }
+        if label != "fedavg":
+            ko = knocked_out(out, label, dirs)
+            res["methods"][f"{label}, memory knocked out"] = {"groups": by_group(ko, group_order), "clients": ko}
     bb, res["probe"], res["backbone_eval_s"] = extras(out, cfg)
     for label, clients in bb.items():
-        res["methods"][label] = {"groups": summary_rows([clients]), "clients": [clients]}
-        per[label] = [clients]
+        res["methods"][label] = {"groups": by_group([clients], group_order), "clients": [clients]}
     if "fedavg" in per:
         res["versus_fedavg"] = {
-            label: versus(per[label], per["fedavg"]) for label in per if label in VARIANTS and label != "fedavg"
+            label: paired_points(per[label], per["fedavg"], group_order) for label in per if label != "fedavg"
         }
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -294,8 +340,10 @@ def summarise(out: Path, path: Path | None) -> dict:
 
 def table(res: dict) -> str:
     """Markdown: accuracy (%) per group for every method (mean ± 95% over seeds), bytes up and the
-    range of the learned gates over layers and seeds; then each method against FedAvg (points,
-    paired over seeds and clients; bold = significant)."""
+    range of the learned gates over layers, heads and seeds; then each method against FedAvg
+    (points, paired over seeds and clients; bold = significant)."""
+    from nestfed.experiments.accuracy_report import cell, points
+
     methods = res["methods"]
     groups = list(next(iter(methods.values()))["groups"])
     head = (
@@ -303,16 +351,11 @@ def table(res: dict) -> str:
     )
     lines = [head, "|---|" + "---|" * (len(groups) + 2)]
     for label, m in methods.items():
-        cells = []
-        for g in groups:
-            x = m["groups"][g]
-            cells.append(f"{100 * x['mean']:.1f}" + (f" ± {100 * x['half']:.1f}" if len(x["seeds"]) > 1 else ""))
         kb = m.get("bytes_up_per_client_round")
-        alphas = [a for g in m.get("gates", []) for a in g.values()]
-        alpha = f"{min(alphas):.4f}-{max(alphas):.4f}" if alphas else "-"
-        lines.append(
-            f"| {label} | " + " | ".join(cells) + f" | {'-' if kb is None else f'{kb / 1000:.1f}'} | {alpha} |"
-        )
+        alphas = [a for g in m.get("gates", []) for heads in g.values() for a in _as_list(heads)]
+        alpha = f"{min(alphas):.3f}-{max(alphas):.3f}" if alphas else "-"
+        cells = " | ".join(cell(m["groups"][g]) for g in groups)
+        lines.append(f"| {label} | {cells} | {'-' if kb is None else f'{kb / 1000:.1f}'} | {alpha} |")
     out = "\n".join(lines) + "\n"
     if res.get("versus_fedavg"):
         lines = [
@@ -320,14 +363,13 @@ def table(res: dict) -> str:
             "|---|" + "---|" * len(groups),
         ]
         for label, v in res["versus_fedavg"].items():
-            cells = []
-            for g in groups:
-                d = v[g]
-                s = f"{d['mean_pts']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]"
-                cells.append(f"**{s}**" if d["low"] > 0 or d["high"] < 0 else s)
-            lines.append(f"| {label} | " + " | ".join(cells) + " |")
+            lines.append(f"| {label} | " + " | ".join(points(v[g]) for g in groups) + " |")
         out += "\n" + "\n".join(lines) + "\n"
     return out
+
+
+def _as_list(x) -> list[float]:
+    return x if isinstance(x, list) else [x]
 
 
 def heading(group: str, window: int) -> str:
@@ -338,19 +380,107 @@ def heading(group: str, window: int) -> str:
 
 
 def probe_table(res: dict) -> str:
-    """Markdown: the memory probe per layer (trained and fresh rules)."""
+    """Markdown: the memory probe per layer (trained and fresh rules): per-head values as
+    ``mean (best head)``."""
     lines = [
-        "| model | layer | alpha | beta at values / elsewhere | retention cos(S^T k, v) | read top-1 (chance 25%) |",
+        "| model | layer | alpha per head | beta at values / elsewhere | retention cos(S^T k, v) "
+        "| read top-1 (chance 25%) |",
         "|---|---|---|---|---|---|",
     ]
-    for label, layers in res["probe"].items():
-        for i, p in layers.items():
-            a = "-" if p["alpha"] is None else f"{p['alpha']:.3f}"
+    for label, p in res["probe"].items():
+        layers = p.get("layers", p)  # issue 24's results hold the layers at the top
+        for i, x in layers.items():
+            a = "-" if x["alpha"] is None else " / ".join(f"{v:.2f}" for v in _as_list(x["alpha"]))
+            ret, read = _as_list(x["retention"]), _as_list(x["read_top1"])
             lines.append(
-                f"| {label} | {i} | {a} | {p['beta_values']:.3f} / {p['beta_other']:.3f} | "
-                f"{p['retention']:.3f} | {100 * p['read_top1']:.0f}% |"
+                f"| {label} | {i} | {a} | {x['beta_values']:.3f} / {x['beta_other']:.3f} | "
+                f"{sum(ret) / len(ret):.3f} ({max(ret):.3f}) | "
+                f"{100 * sum(read) / len(read):.0f}% ({100 * max(read):.0f}%) |"
             )
     return "\n".join(lines) + "\n"
+
+
+def contribution_table(res: dict) -> str:
+    """Markdown: per probed model, the gold value's logit gain from the memory (with minus knocked
+    out) and the accuracy on the probe's rows with and without it."""
+    lines = [
+        "| model | rows at distance | gold logit gain from the memory | accuracy | knocked out |",
+        "|---|---|---|---|---|",
+    ]
+    for label, p in res["probe"].items():
+        if "logit_gain" in p:
+            lines.append(
+                f"| {label} | {p['rows']} at {p['distance']} | {p['logit_gain']:+.3f} | {100 * p['accuracy']:.0f}% | "
+                f"{100 * p['accuracy_knocked_out']:.0f}% |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+LAYER_SETS = {  # label: the decoder layers given full attention (every other layer keeps the window)
+    "none (the window everywhere)": [],
+    "top 4 (26-29), FedNL's memory layers": [26, 27, 28, 29],
+    "top 8 (22-29)": list(range(22, 30)),
+    "top 15 (15-29)": list(range(15, 30)),
+    "bottom 15 (0-14)": list(range(15)),
+    "every layer": list(range(30)),
+}
+
+
+def layers(config: Path, path: Path | None) -> dict:
+    """Where must a memory sit to help? The backbone with full attention in some layers only and
+    the window (with its sinks) in the others, on the recall test rows: a memory in layers L can at
+    best give what full attention in L gives. Writes the results JSON (``bench: fednl_recall``,
+    ``layer_sets``)."""
+    from nestfed.data.recall import recall_client_data
+    from nestfed.evaluation.lm import evaluate_lm
+    from nestfed.experiments.accuracy_report import by_group
+    from nestfed.methods import load_config
+    from nestfed.nn.backbone import load_backbone
+    from nestfed.nn.bounded_attention import bounded_layers
+
+    cfg = load_config(config)
+    bb = load_backbone(cfg.model)
+    clients, _ = recall_client_data(cfg, bb.tokenizer)
+    bounds = bounded_layers(bb.model)
+    t0 = time.perf_counter()
+    res = {
+        "bench": "fednl_recall",
+        "command": f"bench/fednl_recall.py layers --config {config.relative_to(ROOT)}",
+        "window": cfg.model.attention_window,
+        "sinks": cfg.model.attention_sinks,
+        "methods": {},
+    }
+    for label, full in LAYER_SETS.items():
+        for i, b in bounds.items():
+            b.window, b.sink = (0, 0) if i in full else (cfg.model.attention_window, cfg.model.attention_sinks)
+        clients_acc = {
+            str(cid): {
+                g: evaluate_lm(bb.model, d.test_labels[idx], d.test_ids[idx], batch_size=8, letter_ids=d.letter_ids)[
+                    "accuracy"
+                ]
+                for g, idx in d.test_groups.items()
+            }
+            for cid, d in clients.items()
+        }
+        res["methods"][f"full attention in: {label}"] = {
+            "groups": by_group([clients_acc], group_order),
+            "clients": [clients_acc],
+        }
+        print(
+            label,
+            json.dumps(
+                {
+                    g: round(100 * x["mean"], 1)
+                    for g, x in res["methods"][f"full attention in: {label}"]["groups"].items()
+                }
+            ),
+            flush=True,
+        )
+    res["seconds"] = round(time.perf_counter() - t0, 1)
+    if path:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(res, indent=1) + "\n")
+    return res
 
 
 def main() -> None:
@@ -360,16 +490,24 @@ def main() -> None:
     r.add_argument("--out", type=Path, required=True)
     r.add_argument("--seeds", type=int, default=3)
     r.add_argument("--only", nargs="*", default=[], help="variant labels (default: all)")
+    r.add_argument("--config", type=Path, default=CONFIG)
     s = sub.add_parser("summarise")
     s.add_argument("out", type=Path)
     s.add_argument("--json", type=Path, default=None)
+    s.add_argument("--config", type=Path, default=CONFIG)
+    la = sub.add_parser("layers", help="full attention in some layers only: where a memory could help")
+    la.add_argument("--json", type=Path, default=None)
+    la.add_argument("--config", type=Path, default=CONFIG)
     a = ap.parse_args()
     if a.cmd == "run":
-        run(a.out, a.seeds, a.only)
+        run(a.out, a.seeds, a.only, a.config.resolve())
+    elif a.cmd == "layers":
+        print(table(layers(a.config.resolve(), a.json)))
     else:
-        res = summarise(a.out, a.json)
+        res = summarise(a.out, a.json, a.config.resolve())
         print(table(res))
         print(probe_table(res))
+        print(contribution_table(res))
 
 
 if __name__ == "__main__":

@@ -103,10 +103,11 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     from nestfed.config import r_max
     from nestfed.evaluation.streaming import binned_ce, stream_nll
+    from nestfed.methods.fednl.setup import memory_settings
     from nestfed.nn.arrays import apply_arrays
     from nestfed.nn.backbone import load_backbone
     from nestfed.nn.lora import inject_lora
-    from nestfed.nn.memory import MemorySettings, install_memory
+    from nestfed.nn.memory import install_memory
 
     cfg_nl, arrays_nl = load_run(a.fednl)
     cfg_avg, arrays_avg = load_run(a.fedavg)
@@ -118,18 +119,7 @@ def main() -> None:
         model, cfg_nl.lora.target_modules, r_max(cfg_nl), cfg_nl.lora.lora_alpha / r_max(cfg_nl), cfg_nl.lora.layers
     )
     m = cfg_nl.section("fednl")
-    install_memory(
-        model,
-        MemorySettings(
-            gate=m.gate,
-            alpha_init=m.alpha_init,
-            window=m.window,
-            beta_window=m.beta_window,
-            dynamic_kernel=m.dynamic_kernel,
-            chunk_size=m.chunk_size,
-            sink=m.sink_tokens,
-        ),
-    )
+    install_memory(model, memory_settings(cfg_nl))  # the layer the run trained (its [fednl] section)
     ids, source = probe_text(bb.tokenizer, a.tokens + 1)
     window = m.window or 1024
     sink = m.sink_tokens if a.sink is None else a.sink

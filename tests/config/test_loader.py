@@ -93,10 +93,14 @@ def test_scalar_rank_is_broadcast():
         ),
         ({"hetlora": {"weighting": "loss"}}, "hetlora.weighting must be 'norm' or 'examples'"),
         ({"fedssi": {"psm_lambda": 0.0}}, "fedssi.psm_lambda must be in (0, 1]"),
-        ({"fednl": {"travel": "some"}}, "fednl.travel must be 'all', 'rules' or 'none'"),
+        ({"fednl": {"travel": "some"}}, "fednl.travel: unknown value 'some' (known: all, rules, none)"),
         ({"fedmkt": {"topk": 0}}, "fedmkt.topk >= 1"),
         ({"elicitation": {"alpha": 2.0}}, "elicitation.alpha / compare_alphas must be in [0, 1]"),
-        ({"fednl": {"gate": "open"}}, "fednl.gate: unknown gate 'open'"),
+        ({"fednl": {"gate": "open"}}, "fednl.gate: unknown value 'open'"),
+        ({"fednl": {"rule_lr": 0}}, "fednl.rule_lr must be > 0, got 0"),
+        ({"fednl": {"window_dropout": 1.0}}, "fednl.window_dropout must be in [0, 1), got 1.0"),
+        ({"fednl": {"beta_source": "values"}}, "fednl.beta_source: unknown value 'values'"),
+        ({"mqar": {"queries": 9}}, "mqar.queries: must be in 1..pairs (4), got 9"),
         ({"fednl": {"window": -1}}, "fednl.window must be >= 0, got -1"),
         ({"fednl": {"alpha_warmup_steps": -1}}, "fednl.alpha_warmup_steps must be >= 0, got -1"),
         ({"memory": {"window": 256}}, "[memory] is now part of [fednl]: move its keys there (fednl.<key>)"),
@@ -141,6 +145,32 @@ def test_extends_merges_over_the_base_and_detects_loops(tmp_path):
     (tmp_path / "loop.toml").write_text('extends = "loop.toml"\n')
     with pytest.raises(ConfigError, match="loops back"):
         methods.load_config(tmp_path / "loop.toml")
+
+
+def test_a_run_directory_from_before_the_reference_memory_runs_the_memory_it_trained(tmp_path):
+    """A resolved [fednl] written before issue 32 (no conv_size, rule_lr, ...) is read back with the
+    layer and training it ran with (no convolution, beta from the keys, one gate per layer, the
+    rules at the LoRA's lr), so its checkpoints load, resume and export; a new config, written by
+    a user or resolved now, gets the reference recipe."""
+    path = tmp_path / "config.toml"
+    path.write_text(
+        "[strategy]\nname = 'fednl'\n[lora]\ntarget_modules = ['q_proj', 'v_proj']\n[train]\nlr = 3e-4\n"
+        "[fednl]\ntravel = 'all'\ngate = 'learned'\nalpha_init = 0.05\n"
+    )
+    old = methods.load_run_config(path).section("fednl")
+    assert (old.conv_size, old.beta_source, old.gate_scope, old.norm_weight, old.rule_lr) == (
+        0,
+        "keys",
+        "layer",
+        False,
+        3e-4,
+    )
+    assert (old.warmup_steps, old.window_dropout, old.alpha_init) == (0, 0.0, 0.05)
+    new = methods.load_config(path).section("fednl")  # a user's config: today's defaults
+    assert (new.conv_size, new.beta_source, new.gate_scope, new.rule_lr) == (4, "hidden", "head", 1e-2)
+    resolved = tmp_path / "resolved.toml"
+    resolved.write_text(C.dumps_toml(methods.load_config(path)))  # what a run writes now: every key
+    assert methods.load_run_config(resolved).section("fednl") == new
 
 
 def test_a_run_directorys_config_from_before_the_move_still_loads(tmp_path):

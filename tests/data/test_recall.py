@@ -161,3 +161,24 @@ def test_clients_hold_their_kind_and_the_held_out_kind_in_groups(tok, monkeypatc
     train = set().union(*(sentences(c.train_ids) for c in clients.values()))
     test = set().union(*(sentences(c.test_ids) for c in clients.values()))
     assert train and test and max(train) < min(test)  # disjoint halves of the text
+
+
+def test_past_window_labels_every_token_from_the_window_on(tok, monkeypatch, tmp_path):
+    """``recall.loss = "past_window"``: a training row's labels are its own tokens from position
+    ``model.attention_window`` on (the filler and the answer), -100 before; test rows keep the
+    answer only; without a window the option is refused, naming it."""
+    monkeypatch.setattr(recall, "long_texts", lambda which: [type("T", (), {"text": TEXT})()])
+    base = (
+        '[data]\nsource = "recall"\ntask = "multiple_choice"\nnum_clients = 1\nmax_train = 2\nmax_test = 1\n'
+        '[recall]\nkinds = ["city"]\nheld_out = ""\ntrain_distances = [64]\ntest_distances = [48]\nloss = "past_window"\n'
+    )
+    p = tmp_path / "r.toml"
+    p.write_text('[model]\nname = "tiny-llama"\nattention_window = 20\n' + base)
+    (c,) = recall.recall_client_data(load_config(p), tok)[0].values()
+    for ids, lab in zip(c.train_ids, c.train_labels):
+        real = int((ids != tok.pad_token_id).sum())
+        assert (lab[:20] == IGNORE_INDEX).all() and torch.equal(lab[20:real], ids[20:real])
+    assert ((c.test_labels != IGNORE_INDEX).sum(1) == 1).all()
+    p.write_text('[model]\nname = "tiny-llama"\n' + base)
+    with pytest.raises(ConfigError, match="recall.loss: 'past_window' labels the tokens past model.attention_window"):
+        load_config(p)

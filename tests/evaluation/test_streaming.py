@@ -6,6 +6,7 @@ import torch
 
 from nestfed.evaluation.streaming import StreamStats, binned_ce, stream_nll, stream_nll_hf
 from nestfed.nn.bounded_attention import bounded_layers
+from nestfed.nn.causal_conv import identity_taps
 from nestfed.nn.frozen_prefix import lm_logits
 from nestfed.nn.memory import MemorySettings, install_memory, memory_rules, set_memory_enabled
 
@@ -23,18 +24,22 @@ def one_pass_nll(model, ids):
     ).view(ids.shape[0], -1)
 
 
-def memory_model(tiny, gate="dynamic", window=0, sink=0):
+def memory_model(tiny, gate="dynamic", window=0, sink=0, beta_source="hidden"):
     model = tiny.model.double()
-    for r in memory_rules(model).values():  # rebuild: a second call on one model replaces the settings
-        r.settings = MemorySettings(
-            gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3, dynamic_kernel=5, sink=sink
-        )
-    install_memory(
-        model,
-        MemorySettings(
-            gate=gate, alpha_init=0.4, window=window, chunk_size=8, beta_window=3, dynamic_kernel=5, sink=sink
-        ),
+    settings = MemorySettings(
+        gate=gate,
+        alpha_init=0.4,
+        window=window,
+        chunk_size=8,
+        beta_source=beta_source,
+        beta_window=3,
+        dynamic_kernel=5,
+        sink=sink,
+        output_gate=True,
     )
+    for r in memory_rules(model).values():  # rebuild: a second call on one model replaces the settings
+        r.settings = settings
+    install_memory(model, settings)
     for b in bounded_layers(model).values():  # the same rebuild for the softmax path's bounds
         b.window, b.sink = window, sink
     g = torch.Generator().manual_seed(5)
@@ -43,19 +48,25 @@ def memory_model(tiny, gate="dynamic", window=0, sink=0):
             r.beta_weight.copy_(0.3 * torch.randn(r.beta_weight.shape, generator=g, dtype=torch.float64))
             if gate == "dynamic":
                 r.gate_conv.weight.copy_(0.05 * torch.randn(r.gate_conv.weight.shape, generator=g, dtype=torch.float64))
+            for name in ("conv_q", "conv_k", "conv_v"):  # taps off the identity, so the carried tail matters
+                taps = getattr(r, name)
+                taps.copy_(identity_taps(*taps.shape).double() + 0.3 * torch.randn(taps.shape, generator=g).double())
+            r.out_gate_weight.copy_(0.3 * torch.randn(r.out_gate_weight.shape, generator=g, dtype=torch.float64))
     set_memory_enabled(model, True)
     return model
 
 
+@pytest.mark.parametrize("beta_source", ["hidden", "keys"])
 @pytest.mark.parametrize("window,sink", [(0, 0), (6, 0), (6, 2)])
-def test_chunked_stream_equals_one_pass(tiny, window, sink):
-    """S, the KV cache (with its attention sinks), beta's key tail and the dynamic gate's input
-    tail carried across chunks give exactly the one-pass forward (same window, memory on)."""
-    model = memory_model(tiny, window=window, sink=sink)
+def test_chunked_stream_equals_one_pass(tiny, window, sink, beta_source):
+    """S, the KV cache (with its attention sinks), the short convolution's tail, beta's key tail
+    and the dynamic gate's input tail carried across chunks give exactly the one-pass forward
+    (same window, memory on)."""
+    model = memory_model(tiny, window=window, sink=sink, beta_source=beta_source)
     ids = torch.randint(0, 250, (2, 29), generator=torch.Generator().manual_seed(2))
     ref = one_pass_nll(model, ids)
     if sink:  # the sinks change the output (so the test below can fail)
-        assert not torch.allclose(ref, one_pass_nll(memory_model(tiny, window=window), ids))
+        assert not torch.allclose(ref, one_pass_nll(memory_model(tiny, window=window, beta_source=beta_source), ids))
     for chunk in (1, 5, 29):
         got = stream_nll(
             model, ids, chunk=chunk, mode="memory", window=window or 10_000, sink=sink, sink_positions="absolute"
@@ -86,7 +97,8 @@ def test_state_is_bounded_by_the_window_and_full_cache_grows(tiny_llama):
     D = cfg.hidden_size // cfg.num_attention_heads
     kv = 2 * cfg.num_key_value_heads * 15 * D * 4  # window - 1 keys and values, fp32
     S = cfg.num_attention_heads * D * D * 4
-    tail = 3 * cfg.num_key_value_heads * D * 4  # beta_window - 1 raw keys
+    # the short convolution's conv_size - 1 = 3 raw q, k, v tokens (beta reads the layer's input: no tail)
+    tail = 3 * (cfg.num_attention_heads + 2 * cfg.num_key_value_heads) * D * 4
     per_layer = kv + S + tail
     assert st.state_bytes[2:] == [per_layer * cfg.num_hidden_layers] * (len(st.state_bytes) - 2)
     full = StreamStats()

@@ -55,16 +55,20 @@ def run(tmp, rounds=2, travel="all", resume=False, wrap=None, gate="learned"):
 def test_what_travels_in_each_mode_and_its_bytes(tmp_path):
     s_all, _, _ = run(tmp_path / "all", travel="all")
     s_rules, trainer, _ = run(tmp_path / "rules", travel="rules")
-    rules = {RULE + n for n in ("beta_bias", "beta_weight", "gate_logit")}
+    names = ("beta_bias", "beta_weight", "gate_logit", "conv_q", "conv_k", "conv_v", "norm_weight")
+    rules = {RULE + n for n in names}
     lora = {k for k in s_all.arrays if "lora_" in k}
     assert len(lora) == 6 and set(s_all.arrays) == lora | rules  # LoRA on q, k, v of layer 1 + the rules
     assert set(s_rules.arrays) == rules
     la, lr = lines(tmp_path / "all")[-1], lines(tmp_path / "rules")[-1]
-    H, D = 4, 16
-    assert lr["clients"]["0"]["params_down"] == lr["clients"]["0"]["params_up"] == H * D + H + 1
+    hidden, H, Hkv, D, taps = 64, 4, 2, 16, 4
+    # beta from the input [H, hidden] + [H], a gate per head, the short convolutions on q, k, v and
+    # the read's norm weight [H, D]
+    n_rules = H * hidden + H + H + (H * D + 2 * Hkv * D) * taps + H * D
+    assert lr["clients"]["0"]["params_down"] == lr["clients"]["0"]["params_up"] == n_rules
     lora_params = 4 * (64 + 64) + 2 * 4 * (64 + 32)  # q: 64 -> 64, k and v: 64 -> 32
-    assert la["clients"]["0"]["params_down"] == lora_params + H * D + H + 1
-    assert la["clients"]["0"]["bytes_up"] > 5 * lr["clients"]["0"]["bytes_up"]
+    assert la["clients"]["0"]["params_down"] == lora_params + n_rules
+    assert la["clients"]["0"]["bytes_up"] > lr["clients"]["0"]["bytes_up"] + 4 * lora_params  # float32 LoRA on top
     assert lr["bytes_down"] == sum(c["bytes_down"] for c in lr["clients"].values())
     # the rules trained (beta's projection moved off its zero start) and every update was accepted
     assert s_rules.arrays[RULE + "beta_weight"].abs().max() > 0
@@ -154,9 +158,9 @@ def test_fednl_refuses_a_model_without_memory_and_bad_options():
     strategy = FedNL(LoraSettings(r_max=4, lora_alpha=8.0), FedNLOptions("all"), {})
     with pytest.raises(ValueError, match="no memory rules"):
         strategy.initialize({"m": (4, 4)}, [ClientInfo(0, 4, 1)])
-    with pytest.raises(ValueError, match="travel must be 'all', 'rules' or 'none'"):
+    with pytest.raises(ValueError, match="travel: unknown value 'some' \\(known: all, rules, none\\)"):
         FedNLOptions("some")
-    with pytest.raises(ConfigError, match="fednl.travel must be"):
+    with pytest.raises(ConfigError, match="fednl.travel: unknown value"):
         cfg_of("some")
     with pytest.raises(ConfigError, match="FedNL keeps o_proj frozen"):
         tiny_config("strategy.name=fednl", "lora.ranks=[4]", 'lora.target_modules=["q_proj","o_proj"]')
@@ -198,3 +202,123 @@ def test_fednl_trains_under_the_bf16_policy(tmp_path):
     last = lines(tmp_path)[-1]
     assert last["aggregated"] and all(c["status"] == "accepted" for c in last["clients"].values())
     assert all(torch.isfinite(torch.tensor(v["ppl"])) for v in last["eval"].values())
+
+
+class _PullGate:
+    """A step loss that wants every gate at alpha = 0.9 (and nothing else), so that where the
+    loss wants the gate is known."""
+
+    def __init__(self, hooks):
+        self.hooks = hooks
+
+    def __call__(self, ctx, batch):
+        loss = sum(((torch.sigmoid(r.gate_logit) - 0.9) ** 2).sum() for r in memory_rules(ctx.model).values())
+        loss.backward()
+        return float(loss.detach())
+
+
+@pytest.mark.parametrize("rule_lr,moves", [(0.3, True), (1e-3, False)], ids=["own-group", "lora-rate"])
+def test_the_gate_reaches_where_the_loss_wants_it_in_its_own_group(rule_lr, moves):
+    """8 local steps: with the rules' own learning rate the gate goes from 0.5 to the loss's 0.9;
+    at the LoRA's rate (the old recipe) Adam moves its logit by at most 8 x 1e-3, so it stays at
+    0.5. The memory parameters sit in their own group, with no weight decay."""
+    cfg = cfg_of(
+        "all",
+        "learned",
+        f"fednl.rule_lr={rule_lr}",
+        "fednl.alpha_init=0.5",
+        "train.local_steps=8",
+        "train.weight_decay=0.1",
+    )
+    mr = methods.get("fednl").build(tiny_prepared(cfg), cfg)
+    hooks = mr.trainer.hooks
+    hooks.step_loss = _PullGate(hooks)
+    groups = []
+    real = torch.optim.AdamW
+
+    def spy(groups_, **kw):
+        groups.extend(groups_)
+        return real(groups_, **kw)
+
+    state = mr.strategy.initialize(mr.shapes, mr.clients)
+    ins = mr.strategy.configure(1, state, mr.clients)
+    torch.optim.AdamW = spy
+    try:
+        reply = mr.trainer.fit(0, ins[0])
+    finally:
+        torch.optim.AdamW = real
+    alpha = torch.sigmoid(reply.arrays[RULE + "gate_logit"])
+    if moves:
+        assert torch.allclose(alpha, torch.full_like(alpha, 0.9), atol=0.03)
+    else:
+        assert (alpha - 0.5).abs().max() < 8 * 1e-3 / 4 + 1e-6  # sigmoid'(0) = 1/4
+    rules, lora = groups[1], groups[0]
+    assert rules["lr"] == rule_lr and rules["weight_decay"] == 0.0
+    assert lora["lr"] == cfg.train.lr and lora["weight_decay"] == 0.1  # LoRA keeps train's settings
+    assert len(rules["params"]) == 7 and len(lora["params"]) == 6  # the rules of layer 1; LoRA on q, k, v
+
+
+def test_window_dropout_draws_per_step_and_never_reaches_evaluation():
+    """``window_dropout``: each local step draws its suppressed heads from the seed rule (the same
+    draw on a rerun), ``steps`` suppresses every head of a step at once, ``heads`` each head on
+    its own, at about the configured rate; after the steps no head is suppressed."""
+    from nestfed.methods.fednl.hooks import dropped_heads
+
+    cfg = cfg_of("all", "learned", "fednl.window_dropout=0.5", "train.local_steps=6")
+    mr = methods.get("fednl").build(tiny_prepared(cfg), cfg)
+    model = mr.trainer.model
+    seen = []
+    rule = memory_rules(model)[1]
+    real = rule.mix
+
+    def mix(*a, **kw):
+        seen.append(None if rule.drop is None else rule.drop.clone())
+        return real(*a, **kw)
+
+    rule.mix = mix
+    state = mr.strategy.initialize(mr.shapes, mr.clients)
+    ins = mr.strategy.configure(1, state, mr.clients)
+    mr.trainer.fit(0, ins[0])
+    first = seen[:]
+    assert rule.drop is None  # cleared after the steps
+    seen.clear()
+    mr.trainer.evaluate(0, state.arrays, 1.0)
+    assert seen and all(d is None for d in seen)  # evaluation suppresses nothing
+    seen.clear()
+    mr.trainer.fit(0, ins[0])
+    assert all(torch.equal(a, b) for a, b in zip(first[:6], seen[:6]))  # seeded: the same draws again
+    assert all(bool(d.all()) or not bool(d.any()) for d in first[:6])  # "steps": all heads or none
+    assert any(bool(d.all()) for d in first[:6]) and any(not bool(d.any()) for d in first[:6])
+    g = torch.Generator().manual_seed(0)
+    per_head = torch.stack([dropped_heads(model, 0.25, "heads", g)[1] for _ in range(400)]).float()
+    assert 0.2 < float(per_head.mean()) < 0.3 and float(per_head.std(0).min()) > 0  # heads drawn apart
+
+
+def test_fednl_runs_federated_mqar_through_the_recipe(tmp_path):
+    """configs/fednl/mqar.toml's source and FedNL on a tiny model: each client is scored on its own
+    and on the held-out vocabulary, per queried value, and the gates moved off their start."""
+    from nestfed.experiments.prepare import prepare
+    from nestfed.experiments.run import run_method
+    from nestfed.methods import load_config
+
+    cfg = load_config(
+        "configs/fednl/mqar.toml",
+        [
+            "model.name=tiny-llama",
+            "data.max_train=32",
+            "data.max_test=8",
+            "train.local_steps=4",
+            "federation.rounds=1",
+            "evaluation.every=1",
+            f"output.dir={tmp_path}",
+            "output.plots=false",
+        ],
+    )
+    s = run_method(prepare(cfg), cfg, tmp_path / "run")
+    for c in ("0", "1", "2", "3"):
+        m = s["final"][c]
+        assert set(k for k in m if k.startswith("accuracy@")) == {"accuracy@own", "accuracy@held_out"}
+        assert m["tokens"] == 2 * 8 * 4  # own + held-out rows, 4 queried values each
+    rules = RunDir(tmp_path / "run").latest_checkpoint().state.arrays
+    alpha = torch.sigmoid(rules[next(k for k in rules if k.endswith("layers.0.self_attn.memory.gate_logit"))])
+    assert (alpha - 0.5).abs().max() > 0.05  # 4 steps at rule_lr 0.1 move the gate

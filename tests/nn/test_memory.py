@@ -12,8 +12,10 @@ from nestfed.nn.memory import (
     alpha_schedule,
     install_memory,
     memory_arrays,
+    memory_knocked_out,
     memory_rules,
     set_constant_alpha,
+    set_dropped_heads,
     set_memory_enabled,
 )
 
@@ -73,8 +75,9 @@ def test_gradients_reach_theta_only(tiny_llama):
     assert names == set(theta)  # every theta parameter gets a gradient, nothing else does
     for n in theta:
         assert theta[n].grad.abs().max() > 0, n
-    # theta per layer: LoRA on q, k, v (6 matrices), beta_weight, beta_bias, gate_logit
-    assert sum(".memory." in n for n in theta) == 3 * len(memory_rules(model))
+    # theta per layer: LoRA on q, k, v (6 matrices), beta_weight, beta_bias, gate_logit, the q/k/v
+    # convolutions and the read's norm weight
+    assert sum(".memory." in n for n in theta) == 7 * len(memory_rules(model))
 
 
 @pytest.mark.parametrize("gate", ["constant", "learned", "dynamic"])
@@ -108,7 +111,9 @@ def test_chunkwise_and_recurrent_agree_inside_the_layer(tiny_llama, gate):
 
 def test_beta_average_and_gate_ranges(tiny_llama):
     model = tiny_llama.model
-    install_memory(model, MemorySettings(gate="dynamic", alpha_init=0.3, beta_window=3))
+    install_memory(
+        model, MemorySettings(gate="dynamic", gate_scope="layer", alpha_init=0.3, beta_source="keys", beta_window=3)
+    )
     rule = memory_rules(model)[0]
     k = torch.randn(1, 6, rule.num_kv_heads, rule.head_dim)
     with torch.no_grad():
@@ -138,13 +143,26 @@ def test_schedule_and_settings():
         MemorySettings(gate="static")
 
 
-def test_memory_arrays_name_parameters(tiny_llama):
+@pytest.mark.parametrize(
+    "settings,names",
+    [
+        (MemorySettings(), ("beta_bias", "beta_weight", "conv_k", "conv_q", "conv_v", "gate_logit", "norm_weight")),
+        (
+            MemorySettings(gate_scope="layer", alpha_init=0.05, beta_source="keys", conv_size=0, norm_weight=False),
+            ("beta_bias", "beta_weight", "gate_logit"),
+        ),
+        (
+            MemorySettings(output_gate=True, conv_size=0),
+            ("beta_bias", "beta_weight", "gate_logit", "norm_weight", "out_gate_bias", "out_gate_weight"),
+        ),
+    ],
+    ids=["reference", "tptt", "output-gate"],
+)
+def test_memory_arrays_name_parameters(tiny_llama, settings, names):
     model = tiny_llama.model
-    install_memory(model, MemorySettings(gate="learned"), layers=(-1,))
+    install_memory(model, settings, layers=(-1,))
     arrays = memory_arrays(model)
-    assert sorted(arrays) == [
-        f"base_model.model.model.layers.1.self_attn.memory.{n}" for n in ("beta_bias", "beta_weight", "gate_logit")
-    ]
+    assert sorted(arrays) == [f"base_model.model.model.layers.1.self_attn.memory.{n}" for n in names]
     for k, v in arrays.items():
         assert torch.equal(model.get_parameter(k[len("base_model.model.") :]).detach(), v)
 
@@ -206,3 +224,77 @@ def test_left_padding_changes_nothing_in_the_memory_path(tiny_llama, gate, windo
         got = model(padded, attention_mask=mask).logits[:, 4:]
         assert torch.allclose(got, want, atol=1e-5, rtol=0), (pad_id, (got - want).abs().max())
     assert all(b.padding is None for b in bounded_layers(model).values())  # cleared after the call
+
+
+def _set_rules(model, g):
+    """Random beta projections on every memory layer (so that beta differs from 0.5)."""
+    with torch.no_grad():
+        for r in memory_rules(model).values():
+            r.beta_weight.copy_(0.3 * torch.randn(r.beta_weight.shape, generator=g))
+
+
+@torch.no_grad()
+def test_a_fresh_convolution_norm_and_output_gate_change_nothing(tiny_llama):
+    """The reference layer's additions start at the identity (the convolution's taps, the norm's
+    weight of ones, the output gate's 2 sigmoid(0) = 1): a fresh layer computes what the plain
+    layer with the same beta and gate computes; moved off their start, each changes the output."""
+    x = ids()
+    outs = {}
+    for name, extra in {
+        "plain": dict(conv_size=0, norm_weight=False, output_gate=False),
+        "reference": dict(conv_size=4, norm_weight=True, output_gate=True),
+    }.items():
+        model = tiny_llama.model
+        for layer in model.model.layers:  # install_memory keeps a layer's memory: take it off to rebuild
+            if hasattr(layer.self_attn, "memory"):
+                del layer.self_attn.memory
+        install_memory(model, MemorySettings(gate="learned", alpha_init=0.4, **extra))
+        set_memory_enabled(model, True)
+        _set_rules(model, torch.Generator().manual_seed(0))
+        outs[name] = lm_logits(model, x)
+    assert torch.allclose(outs["plain"], outs["reference"], atol=1e-6, rtol=0)
+    rule = memory_rules(tiny_llama.model)[0]
+    for name in ("conv_k", "norm_weight", "out_gate_bias"):
+        p = getattr(rule, name)
+        saved = p.clone()
+        p.add_(0.5)
+        assert (lm_logits(tiny_llama.model, x) - outs["reference"]).abs().max() > 1e-4, name
+        p.copy_(saved)
+
+
+@torch.no_grad()
+def test_knockout_is_the_window_alone_and_dropped_heads_read_the_memory_alone(tiny_llama):
+    """memory_knocked_out gives exactly a gate of 0 (the windowed softmax path); a head in
+    ``drop`` gives exactly a gate of 1 at that head (the memory's read alone) and leaves the
+    other heads as they were."""
+    model = tiny_llama.model
+    x = ids()
+    install_memory(model, MemorySettings(gate="constant", alpha_init=0.0, window=6))
+    set_memory_enabled(model, True)
+    _set_rules(model, torch.Generator().manual_seed(1))
+    window_alone = lm_logits(model, x)
+    set_constant_alpha(model, 0.3)
+    mixed = lm_logits(model, x)
+    assert (mixed - window_alone).abs().max() > 1e-3
+    with memory_knocked_out(model):
+        assert torch.equal(lm_logits(model, x), window_alone)
+    assert torch.equal(lm_logits(model, x), mixed)  # restored after the block
+
+    attn = model.model.layers[0].self_attn
+    seen = {}
+    real = attn.o_proj.forward
+    attn.o_proj.forward = lambda h: seen.setdefault("o", h.clone()) is not None and real(h)
+    rule = memory_rules(model)[0]
+    H = rule.num_heads
+    outs = {}
+    for label, alpha, drop in (("alpha 0.3", 0.3, None), ("alpha 1", 1.0, None), ("drop head 1", 0.3, [1])):
+        set_constant_alpha(model, alpha)
+        set_dropped_heads(model, None if drop is None else {0: torch.tensor([h in drop for h in range(H)])})
+        seen.clear()
+        lm_logits(model, x)
+        outs[label] = seen["o"].view(*seen["o"].shape[:2], H, -1)
+    set_dropped_heads(model, None)
+    attn.o_proj.forward = real
+    assert torch.allclose(outs["drop head 1"][:, :, 1], outs["alpha 1"][:, :, 1], atol=1e-6)
+    for h in (0, 2, 3):
+        assert torch.allclose(outs["drop head 1"][:, :, h], outs["alpha 0.3"][:, :, h], atol=1e-6)

@@ -34,13 +34,17 @@ class Schema:
     its own values in ``__post_init__``, raising ValueError("<key>: <reason>")); methods: the
     names ``strategy.name`` accepts; check: cross-section checks of the named method, called with
     the whole config, raising ValueError("<section.key>: <reason>"); moved: {former section: the
-    section that now holds its keys}, for a one-line pointer.
+    section that now holds its keys}, for a one-line pointer; former: {section: {key: what a run
+    written before the key existed ran with}} (a value, or a function of the whole stored
+    document), which :func:`migrate` fills into a stored config lacking the key, so that an earlier
+    run directory resumes, exports and compares as it ran when a default has changed since.
     """
 
     sections: Mapping[str, type] = field(default_factory=dict)
     methods: tuple[str, ...] = ()
     check: Callable[[ExperimentConfig], None] | None = None
     moved: Mapping[str, str] = field(default_factory=dict)
+    former: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -240,8 +244,9 @@ def migrate(data: Mapping[str, Any], schema: Schema = Schema()) -> dict[str, Any
     """A resolved config written by an earlier nestfed (a run directory's config.toml), its moved
     settings put where they live now: a former section's keys into the section that holds them
     (``schema.moved``), and a core key named ``<section>_<key>`` for a section that now owns it
-    (``data.niah_train_length`` -> ``niah.train_length``). A user's own config is not migrated:
-    it gets the one-line pointer instead."""
+    (``data.niah_train_length`` -> ``niah.train_length``), and a section's keys added since with
+    the values it ran with then (``schema.former``). A user's own config is not migrated: it gets
+    the one-line pointer instead, and the current defaults."""
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
     for old, new in schema.moved.items():
         if isinstance(out.get(old), dict) and old not in _all_sections(schema):
@@ -254,6 +259,12 @@ def migrate(data: Mapping[str, Any], schema: Schema = Schema()) -> dict[str, Any
         for key in [k for k in table if any(k.startswith(s + "_") for s in owners)]:
             owner = next(s for s in owners if key.startswith(s + "_"))
             out.setdefault(owner, {}).setdefault(key[len(owner) + 1 :], table.pop(key))
+    for name, keys in schema.former.items():
+        table = out.get(name)
+        if isinstance(table, dict):
+            for key, value in keys.items():
+                if key not in table:
+                    table[key] = value(data) if callable(value) else value
     return out
 
 

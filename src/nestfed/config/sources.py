@@ -64,7 +64,11 @@ class RecallOptions:
     test set ("" = none); facts: facts per row (2-8); lead: filler tokens before the facts;
     train_distances / test_distances: tokens from the queried value to the answer (one group per
     test distance; compare them with ``model.attention_window``); haystack: the filler corpus,
-    ``wikipedia`` | ``austen`` | ``all``.
+    ``wikipedia`` | ``austen`` | ``all``. loss: what a training row is labelled with, ``answer``
+    (the answer token only) or ``past_window`` (every token from position
+    ``model.attention_window`` on: next-token prediction on the filler and the answer, the
+    signal a memory gets wherever the window has dropped something; test rows are always scored
+    on the answer).
     """
 
     kinds: tuple[str, ...] = ("city", "colour", "animal", "fruit")
@@ -74,8 +78,11 @@ class RecallOptions:
     train_distances: tuple[int, ...] = (96, 160)
     test_distances: tuple[int, ...] = (60, 96, 160, 320)
     haystack: str = "all"
+    loss: str = "answer"
 
     def __post_init__(self) -> None:
+        if self.loss not in ("answer", "past_window"):
+            raise ValueError(f"loss: must be 'answer' or 'past_window', got '{self.loss}'")
         for key, named in (("kinds", self.kinds), ("held_out", (self.held_out,) if self.held_out else ())):
             unknown = [k for k in named if k not in RECALL_KINDS]
             if unknown:
@@ -94,6 +101,35 @@ class RecallOptions:
                 raise ValueError(f"{key}: give distances of at least 32 tokens, got {list(d)}")
         if self.haystack not in ("wikipedia", "austen", "all"):
             raise ValueError("haystack must be wikipedia, austen or all")
+
+
+@dataclass(frozen=True)
+class MqarOptions:
+    """Multi-query associative recall past the window (nestfed.data.mqar), section ``[mqar]``.
+
+    pairs: key-value pairs per row; queries: how many of them are asked again (distinct keys,
+    1..pairs); gap: filler tokens between the pairs and the queries (compare with
+    ``model.attention_window`` x the layers); vocab: keys and values in each client's vocabulary
+    (>= pairs); fillers: tokens of the shared filler vocabulary; held_out: test every client on a
+    vocabulary no client trains on too.
+    """
+
+    pairs: int = 4
+    queries: int = 4
+    gap: int = 16
+    vocab: int = 16
+    fillers: int = 16
+    held_out: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pairs < 1:
+            raise ValueError(f"pairs: must be >= 1, got {self.pairs}")
+        if not 1 <= self.queries <= self.pairs:
+            raise ValueError(f"queries: must be in 1..pairs ({self.pairs}), got {self.queries}")
+        if self.vocab < self.pairs:
+            raise ValueError(f"vocab: {self.vocab} keys cannot fill {self.pairs} distinct pairs per row")
+        if self.gap < 0 or self.fillers < 1:
+            raise ValueError(f"gap must be >= 0 and fillers >= 1, got {self.gap}, {self.fillers}")
 
 
 @dataclass(frozen=True)
@@ -146,6 +182,8 @@ def _check_recall(cfg: Any) -> None:
     n, k = len(cfg.section("recall").kinds), cfg.data.num_clients
     if n != k:
         raise ValueError(f"recall.kinds: {n} kinds for data.num_clients = {k} (one kind per client)")
+    if cfg.section("recall").loss == "past_window" and not cfg.model.attention_window:
+        raise ValueError("recall.loss: 'past_window' labels the tokens past model.attention_window, which is 0")
 
 
 READERS = "nestfed.data.readers"
@@ -198,6 +236,15 @@ REGISTRY: dict[str, Source] = {
             blocks=False,
             sections={"recall": RecallOptions},
             check=_check_recall,
+        ),
+        Source(
+            "mqar",
+            "multi-query associative recall past the window, one key/value vocabulary per client (data/mqar.py)",
+            "nestfed.data.mqar:mqar_client_data",
+            tasks=("multiple_choice",),
+            shared=False,
+            blocks=False,
+            sections={"mqar": MqarOptions},
         ),
         Source("long_texts", "Wikipedia articles and Austen's novels, labelled by corpus", f"{READERS}:long_texts"),
         Source(

@@ -156,24 +156,36 @@ def make_row(
 
 
 def recall_dataset(
-    kind: str, n: int, distances: Sequence[int], tokenizer, haystack: Haystack, seed: str, facts: int, lead: int
+    kind: str,
+    n: int,
+    distances: Sequence[int],
+    tokenizer,
+    haystack: Haystack,
+    seed: str,
+    facts: int,
+    lead: int,
+    past: int = 0,
 ) -> tuple[TokenDataset, list[int]]:
-    """``n`` rows per distance of ``kind`` (seeded by ``seed``), right-padded. Returns the dataset
-    (input_ids / labels [n * len(distances), T]) and each row's distance."""
+    """``n`` rows per distance of ``kind`` (seeded by ``seed``), right-padded. past > 0: every token
+    from position ``past`` on is labelled (next-token prediction past a window of ``past``
+    tokens), not only the answer. Returns the dataset (input_ids / labels [n * len(distances), T])
+    and each row's distance."""
     rng = random.Random(f"recall/{kind}/{seed}")
     rows, dist = [], []
     for d in distances:
         for _ in range(n):
             r = make_row(kind, tokenizer, haystack, rng, int(d), facts, lead)
-            rows.append((r.ids, r.labels))
+            labels = r.labels if not past else [IGNORE_INDEX] * past + r.ids[past:]
+            rows.append((r.ids, labels))
             dist.append(int(d))
     return _pad(rows, _pad_id(tokenizer)), dist
 
 
 def recall_clients(cfg: ExperimentConfig, tokenizer) -> list[dict]:
     """Client i trains on kind ``recall.kinds[i]`` (``data.max_train`` rows at each of
-    ``recall.train_distances``) and is tested on ``data.max_test`` rows per test distance of its
-    own kind (groups ``own@<d>``) and of ``recall.held_out`` (``held_out@<d>``).
+    ``recall.train_distances``, labelled as ``recall.loss`` says) and is tested on
+    ``data.max_test`` rows per test distance of its own kind (groups ``own@<d>``) and of
+    ``recall.held_out`` (``held_out@<d>``), scored on the answer.
     Returns one dict per client: ``train``, ``test`` (TokenDataset), ``groups``, ``label``."""
     d, o = cfg.data, cfg.section("recall")
     texts = [x.text for x in long_texts(o.haystack)]
@@ -182,8 +194,9 @@ def recall_clients(cfg: ExperimentConfig, tokenizer) -> list[dict]:
     out = []
     for cid, kind in enumerate(o.kinds):
         common = dict(tokenizer=tokenizer, facts=o.facts, lead=o.lead)
+        past = cfg.model.attention_window if o.loss == "past_window" else 0
         train, _ = recall_dataset(
-            kind, d.max_train, o.train_distances, haystack=train_hay, seed=f"{d.seed}/{cid}/train", **common
+            kind, d.max_train, o.train_distances, haystack=train_hay, seed=f"{d.seed}/{cid}/train", past=past, **common
         )
         parts = [("own", kind)] + ([("held_out", o.held_out)] if o.held_out else [])
         sets, groups, row = [], {}, 0

@@ -18,13 +18,13 @@ from nestfed.evaluation.streaming import stream_evaluate
 from nestfed.nn.bounded_attention import enabled_bounds
 
 
-def pool_groups(results: list[tuple[str, dict[str, float], int]], per_group: bool) -> dict[str, float]:
-    """Held-out metrics over several row groups: results [(group name, its metrics, its rows)].
-    ``loss`` is token-weighted, ``accuracy`` row-weighted; with ``per_group`` also
-    ``loss@<group>`` and ``accuracy@<group>``."""
+def pool_groups(results: list[tuple[str, dict[str, float]]], per_group: bool) -> dict[str, float]:
+    """Held-out metrics over several row groups: results [(group name, its metrics)].
+    ``loss`` and ``accuracy`` are weighted by labelled tokens (for multiple choice, one per row:
+    row-weighted); with ``per_group`` also ``loss@<group>`` and ``accuracy@<group>``."""
     out: dict[str, float] = {}
-    total = count = correct = rows = 0.0
-    for name, ev, n in results:
+    total = count = correct = answers = 0.0
+    for name, ev in results:
         if per_group:
             out[f"loss@{name}"] = ev["loss"]
             if "accuracy" in ev:
@@ -32,12 +32,12 @@ def pool_groups(results: list[tuple[str, dict[str, float], int]], per_group: boo
         total += ev["loss"] * ev["tokens"]
         count += ev["tokens"]
         if "accuracy" in ev:
-            correct += ev["accuracy"] * n
-            rows += n
+            correct += ev["accuracy"] * ev["tokens"]
+            answers += ev["tokens"]
     loss = total / max(count, 1.0)
     out.update({"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count})
-    if rows:
-        out["accuracy"] = correct / rows
+    if answers:
+        out["accuracy"] = correct / answers
     return out
 
 
@@ -71,7 +71,7 @@ def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict
             train.eval_batch_size,
             d.letter_ids,
         )
-        results.append((name, ev, len(idx)))
+        results.append((name, ev))
     return pool_groups(results, per_group=True)
 
 
@@ -98,7 +98,6 @@ def evaluate_streamed(model: nn.Module, d: ClientData, train: TrainConfig) -> di
             stream_evaluate(
                 model, d.test_ids[idx], d.test_labels[idx], train.eval_stream_chunk, window, d.letter_ids, sink
             ),
-            len(idx),
         )
         for name, idx in groups.items()
     ]

@@ -8,7 +8,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from nestfed.data.tasks import answer_positions
 from nestfed.nn.frozen_prefix import labelled_logits
 
 
@@ -26,10 +25,12 @@ def evaluate_lm(
 
     labels: [N, T] (HF convention, -100 ignored); input_ids: [N, T] or hidden: [N, T, d] entering
     layer ``start``. Returns ``loss`` (nats per labelled token), ``ppl`` = exp(loss), ``tokens``
-    (labelled tokens counted) and, when ``letter_ids`` (4 token ids) is given, ``accuracy``: the
-    fraction of rows whose argmax over the 4 letter logits at the answer position is the gold letter.
+    (labelled tokens counted) and, when ``letter_ids`` (the candidate token ids: MMLU's 4 letters,
+    a recall task's values) is given, ``accuracy``: the fraction of labelled tokens whose argmax
+    over the candidates' logits is the label (multiple choice has one labelled token per row, the
+    gold letter; multi-query recall one per query).
     """
-    total, count, correct, rows = 0.0, 0, 0, 0
+    total, count, correct = 0.0, 0, 0
     N = labels.shape[0]
     letters = None if letter_ids is None else torch.as_tensor(letter_ids)
     for i in range(0, N, batch_size):
@@ -41,13 +42,11 @@ def evaluate_lm(
         total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
         count += int(targets.numel())
         if letters is not None:
-            answer_positions(lab)  # raises unless every row has exactly one labelled token
             letters = letters.to(logits.device)
             pred = letters[logits[:, letters].argmax(dim=1)]
             correct += int((pred == targets).sum())
-            rows += lab.shape[0]
     loss = total / max(count, 1)
     out = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(count)}
     if letter_ids is not None:
-        out["accuracy"] = correct / max(rows, 1)
+        out["accuracy"] = correct / max(count, 1)
     return out

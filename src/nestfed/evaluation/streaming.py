@@ -288,8 +288,9 @@ def stream_evaluate(
 
     input_ids, labels: [N, T] (HF convention, -100 ignored; a row ends at its last labelled
     token). Returns ``loss`` (nats per labelled token), ``ppl``, ``tokens`` and, with
-    ``letter_ids`` (4 ids, one labelled token per row), ``accuracy`` from the 4 letter logits at
-    the answer position -- the same numbers :func:`nestfed.evaluation.lm.evaluate_lm` gives when the
+    ``letter_ids`` (the candidate ids), ``accuracy``: the fraction of labelled tokens whose argmax
+    over the candidates' logits is the label (one per row for multiple choice) -- the same numbers
+    :func:`nestfed.evaluation.lm.evaluate_lm` gives when the
     one-pass forward uses the same window (tested; with sinks, for ``sink_positions="absolute"``,
     the one-pass forward's).
     Raises ValueError as :func:`streaming` does, or for mismatched shapes.
@@ -321,5 +322,5 @@ def stream_evaluate(
     loss = total / max(count, 1)
     out = {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": float(count)}
     if letters is not None:
-        out["accuracy"] = correct / max(input_ids.shape[0], 1)
+        out["accuracy"] = correct / max(count, 1)
     return out

@@ -18,6 +18,7 @@ from nestfed.data import client_cache as client_cache_io
 from nestfed.data.client_pool import ClientPool
 from nestfed.data.clients import ClientData, ClientSource
 from nestfed.data.poisoning import poison_client
+from nestfed.experiments.pretrained_tiny import ensure_pretrained
 from nestfed.federation.messages import ClientInfo
 from nestfed.federation.population import trace_has_budgets
 from nestfed.federation.prepared import Prepared
@@ -64,6 +65,7 @@ def prepare(
     say = on_status or (lambda s: None)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    ensure_pretrained(cfg.model, say)
     say("loading the backbone")
     backbone = load_backbone(cfg.model)
     try:

@@ -69,7 +69,7 @@ class ClientTrainer:
         params += list(extras.values())
         self.model.train()
         local_metrics.update(hooks.before_steps(ctx, params))
-        opt = torch.optim.AdamW(params, lr=self.train.lr, weight_decay=self.train.weight_decay)
+        opt = torch.optim.AdamW(hooks.param_groups(ctx, params), lr=self.train.lr, weight_decay=self.train.weight_decay)
         losses, tokens = [], 0
         attack = attacks(self.attack, cid)
         steps = 0 if attack == "free_rider" else self.train.local_steps  # a free rider trains nothing

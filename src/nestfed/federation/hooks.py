@@ -11,6 +11,7 @@ hook                    called
 arrays_to_load          before the payload is loaded (add a fresh LoRA, the client's own arrays)
 after_load              after loading, before the optimiser exists (adaptive local aggregation)
 before_steps            with the trained parameters, before the first step (anchors, importance)
+param_groups            the optimiser's parameter groups (a learning rate of the method's own)
 before_step             before every local step (a gate schedule)
 step_loss               for every batch: compute the loss, call backward, return its value
 after_steps             after the last step (rank pruning)
@@ -95,6 +96,12 @@ class ClientHooks:
     def before_steps(self, ctx: FitContext, params: list[nn.Parameter]) -> dict[str, float]:
         """With the parameters about to train (requires_grad on); returns metrics."""
         return {}
+
+    def param_groups(self, ctx: FitContext, params: list[nn.Parameter]) -> list[dict[str, Any]]:
+        """AdamW's parameter groups over ``params`` (every trained parameter, each in exactly one
+        group); a group may set its own ``lr`` and ``weight_decay``, the others take
+        ``train.lr`` and ``train.weight_decay``. Default: one group."""
+        return [{"params": params}]
 
     def before_step(self, ctx: FitContext, step: int) -> None:
         """Before local step ``step`` (0-based)."""

@@ -116,7 +116,11 @@ def schema() -> C.Schema:
     names ``strategy.name`` accepts and the cross-section checks (built from :data:`REGISTRY`
     on each call, so a home registered later is known at once)."""
     moved = {old: new for m in REGISTRY.values() for old, new in m.moved.items()}
-    return C.Schema(sections=_sections(), methods=tuple(REGISTRY), check=_check, moved=moved)
+    former: dict[str, dict[str, Any]] = {}
+    for m in REGISTRY.values():
+        for section, keys in m.former.items():
+            former.setdefault(section, {}).update(keys)
+    return C.Schema(sections=_sections(), methods=tuple(REGISTRY), check=_check, moved=moved, former=former)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:

@@ -81,14 +81,16 @@ def lora_implementation(
     strategy: Callable[[ExperimentConfig, Arrays], Strategy],
     hooks: Callable[[ExperimentConfig], ClientHooks] = lambda cfg: ClientHooks(),
     setup: Callable[[Prepared, ExperimentConfig], Arrays] | None = None,
+    report: Callable[[Prepared, ExperimentConfig], dict[str, Any]] | None = None,
     **kw: Any,
 ) -> Implementation:
     """The implementation of a method whose clients run the client trainer on the shared backbone.
 
     strategy(cfg, initial_arrays) -> its server strategy; hooks(cfg) -> its client hooks;
     setup(prep, cfg) -> initial arrays: what it adds to the model before its first round (e.g.
-    memory layers), on the server's model and on every Flower node alike. ``kw``: the other
-    :class:`Implementation` fields (check_model).
+    memory layers), on the server's model and on every Flower node alike; report(prep, cfg) -> the
+    method's own summary fields, measured by its setup (e.g. a warm-up's cost), in an embedded
+    run's summary. ``kw``: the other :class:`Implementation` fields (check_model).
     """
 
     def client(prep: Prepared, cfg: ExperimentConfig) -> ClientSide:
@@ -105,7 +107,8 @@ def lora_implementation(
         st = strategy(cfg, side.initial_arrays)
 
         def finish(state: GlobalState) -> Exports:
-            return Exports(st.export(state), prep.backbone.source, st.export_files(state))
+            fields = report(prep, cfg) if report is not None else {}
+            return Exports(st.export(state), prep.backbone.source, st.export_files(state), fields)
 
         # this method's ranks (a comparison may run methods at other ranks); memory budgets through the
         # footprint measured when the experiment was prepared

@@ -43,7 +43,10 @@ class Method:
     transport; refusals: {capability: why not}, the method's own reason for a capability it lacks
     (the capability's default reason otherwise). A method with ``FLOWER`` has both halves of its
     implementation (``client`` and ``server``). moved: {former section: the section of this home
-    that now holds its keys}: a config with the former one gets a one-line pointer. comparison: how
+    that now holds its keys}: a config with the former one gets a one-line pointer. former: {section:
+    {key: the value runs written before the key existed ran with, or a function of the stored
+    document}} (nestfed.config.loader.migrate: an earlier run directory resumes as it ran after a
+    default changed). comparison: how
     ``nestfed run --methods`` compares it with others, ``lora`` (the clients run the backbone with a
     LoRA adapter: nestfed.experiments.comparison) or ``compressed`` (clients run compressed models:
     every method is then reported with client and server perplexity, client memory and bytes,
@@ -58,6 +61,7 @@ class Method:
     capabilities: frozenset[Capability] = frozenset()
     refusals: Mapping[Capability, str] = field(default_factory=dict)
     moved: Mapping[str, str] = field(default_factory=dict)
+    former: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     comparison: str = "lora"
 
     def can(self, capability: Capability) -> bool:

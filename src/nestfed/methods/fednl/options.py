@@ -1,56 +1,102 @@
-"""FedNL's options: section ``[fednl]``, what travels and the delta-rule memory layer
-(nestfed.nn.memory, docs/methods.md section 3). Torch-free: read at config load."""
+"""FedNL's options: section ``[fednl]``, what travels, the delta-rule memory layer (nestfed.nn.memory,
+docs/methods.md section 3), how its rules train, and the server's memory warm-up. Torch-free: read
+at config load."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from nestfed.nn.gates import GATES
+from nestfed.nn.gates import BETA_SOURCES, GATE_SCOPES, GATES
 
 TRAVEL = ("all", "rules", "none")
+DROPOUT_SCOPES = ("steps", "heads")
+WARMUP_CORPORA = ("wikipedia", "austen", "all")
 
 
 @dataclass(frozen=True)
 class FedNLOptions:
     """travel: what crosses the wire, ``all`` (LoRA on q, k, v plus the memory rules) or ``rules``
-    (only the memory rules: beta's projection and the gate; each client keeps its LoRA) or ``none``
-    (the local-only baseline: each client keeps its LoRA and its rules, nothing is aggregated, so
-    the federated model and the client's own are the same and the aggregation drop is zero by
-    construction).
+    (only the memory rules; each client keeps its LoRA) or ``none`` (the local-only baseline: each
+    client keeps its LoRA and its rules, nothing is aggregated, so the federated model and the
+    client's own are the same and the aggregation drop is zero by construction).
 
-    The memory layer: layers: decoder layers that get a memory (empty = the LoRA layers,
-    ``lora.layers``). gate: constant | learned | dynamic. alpha_init: the gate's start (learned,
-    dynamic). alpha_start / alpha_end / alpha_warmup_steps: the constant gate's schedule over local
-    steps. window: the softmax path's sliding window in tokens (0 = none). beta_window: tokens in
-    beta's causal average of k. dynamic_kernel: the dynamic gate's Conv1d width. chunk_size: tokens
-    per chunk of the chunkwise delta rule. sink_tokens: attention sinks, the first tokens every
-    windowed query keeps seeing (StreamingLLM; 0 = none).
+    The memory layer (nestfed.nn.memory.MemorySettings, whose docstring gives each choice's
+    source): layers: decoder layers that get a memory (empty = the LoRA layers, ``lora.layers``).
+    gate: constant | learned | dynamic; gate_scope: ``head`` | ``layer``. alpha_init: the gate's
+    start (learned, dynamic; 0.5, where the references start theirs). alpha_start / alpha_end /
+    alpha_warmup_steps: the constant gate's schedule over local steps. window: the softmax path's
+    sliding window in tokens (0 = none). sink_tokens: attention sinks (StreamingLLM; 0 = none).
+    beta_source: ``hidden`` | ``keys``; beta_window: tokens in the keys source's causal average.
+    conv_size: taps of the short causal convolution on q, k, v (0 = none). norm_weight: a learned
+    per-head weight on the read. output_gate: a per-head output gate. dynamic_kernel: the dynamic
+    gate's Conv1d width. chunk_size: tokens per chunk of the chunkwise delta rule.
+
+    How the rules train on a client: rule_lr: AdamW learning rate of every memory parameter (the
+    gate, beta, the convolution, the norm and output gate), in their own parameter group with no
+    weight decay, beside LoRA's ``train.lr`` (Adam moves a parameter by about its lr per step: a
+    gate at the LoRA's 1e-3 moves its logit by at most 0.024 in 24 steps). window_dropout: the
+    fraction of local steps (``window_dropout_scope = "steps"``: every memory head at once) or of
+    heads per step (``"heads"``) whose softmax output is suppressed, so that the memory has to
+    carry (Scheduled Sliding-window Dropout, arXiv 2510.05901); 0 = none. Never at evaluation.
+
+    The server's memory warm-up (attention transfer, LoLCATs' first stage; nestfed.methods.fednl.
+    warmup), before round 1: warmup_steps AdamW steps (0 = none) at warmup_lr fitting every memory
+    layer's rules so that the layer, with its memory and its window, outputs what the
+    full-attention layer outputs (MSE) on warmup_rows public rows of warmup_length tokens
+    (warmup_corpus: ``wikipedia`` | ``austen`` | ``all``), warmup_batch rows per step.
     """
 
     travel: str = "all"
     layers: tuple[int, ...] = ()
     gate: str = "learned"
-    alpha_init: float = 0.05
+    gate_scope: str = "head"
+    alpha_init: float = 0.5
     alpha_start: float = 0.01
     alpha_end: float = 0.5
     alpha_warmup_steps: int = 10
     window: int = 0
+    sink_tokens: int = 0
+    beta_source: str = "hidden"
     beta_window: int = 4
+    conv_size: int = 4
+    norm_weight: bool = True
+    output_gate: bool = False
     dynamic_kernel: int = 16
     chunk_size: int = 32
-    sink_tokens: int = 0
+    rule_lr: float = 1e-2
+    window_dropout: float = 0.0
+    window_dropout_scope: str = "steps"
+    warmup_steps: int = 0
+    warmup_lr: float = 1e-2
+    warmup_rows: int = 32
+    warmup_length: int = 256
+    warmup_batch: int = 4
+    warmup_corpus: str = "all"
 
     def __post_init__(self) -> None:
-        if self.travel not in TRAVEL:
-            raise ValueError(f"travel must be 'all', 'rules' or 'none', got '{self.travel}'")
-        if self.gate not in GATES:
-            raise ValueError(f"gate: unknown gate '{self.gate}' (known: {', '.join(GATES)})")
+        for key, known in (
+            ("travel", TRAVEL),
+            ("gate", GATES),
+            ("gate_scope", GATE_SCOPES),
+            ("beta_source", BETA_SOURCES),
+            ("window_dropout_scope", DROPOUT_SCOPES),
+            ("warmup_corpus", WARMUP_CORPORA),
+        ):
+            if getattr(self, key) not in known:
+                raise ValueError(f"{key}: unknown value '{getattr(self, key)}' (known: {', '.join(known)})")
         for key in ("alpha_init", "alpha_start", "alpha_end"):
             if not 0 <= getattr(self, key) <= 1:
                 raise ValueError(f"{key} must be in [0, 1]")
-        for key in ("window", "sink_tokens", "alpha_warmup_steps"):
+        if not 0 <= self.window_dropout < 1:
+            raise ValueError(f"window_dropout must be in [0, 1), got {self.window_dropout}")
+        for key in ("window", "sink_tokens", "alpha_warmup_steps", "conv_size", "warmup_steps"):
             if getattr(self, key) < 0:
                 raise ValueError(f"{key} must be >= 0, got {getattr(self, key)}")
-        for key in ("beta_window", "dynamic_kernel", "chunk_size"):
+        for key in ("beta_window", "dynamic_kernel", "chunk_size", "warmup_rows", "warmup_batch"):
             if getattr(self, key) < 1:
                 raise ValueError(f"{key} must be >= 1, got {getattr(self, key)}")
+        if self.warmup_length < 16:
+            raise ValueError(f"warmup_length must be >= 16 tokens, got {self.warmup_length}")
+        for key in ("rule_lr", "warmup_lr"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"{key} must be > 0, got {getattr(self, key)}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.federation.messages import Arrays
 from nestfed.federation.prepared import Prepared
+from nestfed.methods.fednl.warmup import warm_rules
 from nestfed.nn.memory import MemorySettings, fresh_rule_arrays, install_memory, resolve_layers
 
 
@@ -15,11 +16,16 @@ def memory_settings(cfg: ExperimentConfig) -> MemorySettings:
     return MemorySettings(
         gate=m.gate,
         alpha_init=m.alpha_start if m.gate == "constant" else m.alpha_init,
+        gate_scope=m.gate_scope,
         window=m.window,
+        sink=m.sink_tokens,
+        beta_source=m.beta_source,
         beta_window=m.beta_window,
+        conv_size=m.conv_size,
+        norm_weight=m.norm_weight,
+        output_gate=m.output_gate,
         dynamic_kernel=m.dynamic_kernel,
         chunk_size=m.chunk_size,
-        sink=m.sink_tokens,
     )
 
 
@@ -44,8 +50,10 @@ def memory_layers(prep: Prepared, cfg: ExperimentConfig) -> list[int]:
 
 
 def install(prep: Prepared, cfg: ExperimentConfig) -> Arrays:
-    """Install the memory layers (if the model has none there yet) and return fresh rules for them,
-    payload-keyed. Raises ConfigError as :func:`memory_layers` does."""
+    """Install the memory layers (if the model has none there yet) and return the rules the
+    federation starts from, payload-keyed: fresh ones, fitted to full attention by the server's
+    warm-up when ``[fednl] warmup_steps`` > 0 (nestfed.methods.fednl.warmup). Raises ConfigError as
+    :func:`memory_layers` does, DataError when the warm-up's corpus is missing."""
     layers = memory_layers(prep, cfg)
     install_memory(prep.backbone.model, memory_settings(cfg), layers)
-    return fresh_rule_arrays(prep.backbone.model, layers)
+    return warm_rules(prep, cfg, layers, fresh_rule_arrays(prep.backbone.model, layers))

@@ -30,6 +30,7 @@ from nestfed.federation.strategy import LoraSettings, LoraStrategy, copy_state, 
 from nestfed.methods.fednl.hooks import FedNLHooks
 from nestfed.methods.fednl.options import FedNLOptions
 from nestfed.methods.fednl.setup import install, memory_layers
+from nestfed.methods.fednl.warmup import report
 from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.nn.keys import rank_dim
 from nestfed.nn.memory import alpha_schedule, is_constant_alpha_key, is_memory_key
@@ -114,8 +115,13 @@ class FedNL(LoraStrategy):
         return ({k: v.clone() for k, v in state.arrays.items() if rank_dim(k) is not None}, self.s.scale(self.s.r_max))
 
     def export_files(self, state: GlobalState) -> dict[str, Arrays]:
-        """``memory_rules.safetensors``: the global memory rules (beta projections and gates), payload-keyed."""
-        return {"memory_rules.safetensors": {k: v.clone() for k, v in state.arrays.items() if is_memory_key(k)}}
+        """``memory_rules.safetensors``: the global memory rules (beta, gates, convolutions, norms),
+        payload-keyed; with the server's warm-up also ``memory_warmup.safetensors``, the warmed
+        rules the federation started from."""
+        out = {"memory_rules.safetensors": {k: v.clone() for k, v in state.arrays.items() if is_memory_key(k)}}
+        if self.memory.warmup_steps:
+            out["memory_warmup.safetensors"] = {k: v.clone() for k, v in self.memory_init.items()}
+        return out
 
 
 def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedNL:
@@ -134,5 +140,9 @@ def _hooks(cfg: ExperimentConfig) -> FedNLHooks:
 
 
 IMPLEMENTATION = lora_implementation(
-    _strategy, hooks=_hooks, setup=install, check_model=lambda prep, cfg: memory_layers(prep, cfg) and None
+    _strategy,
+    hooks=_hooks,
+    setup=install,
+    report=report,
+    check_model=lambda prep, cfg: memory_layers(prep, cfg) and None,
 )

@@ -1,0 +1,64 @@
+"""Accuracy by test group over seeds: what a benchmark reports when each client is tested on named
+groups of rows (``accuracy@<group>``: own / held-out kinds or vocabularies, distances).
+
+Input per method: one ``{client: {group: accuracy}}`` per seed (the same clients and groups every
+seed). :func:`by_group`: the mean over clients per seed, then the mean over seeds with its 95% t
+interval; :func:`paired_points`: a method against a reference in accuracy points, paired over the
+(seed, client) pairs, with its 95% interval and p-value (nestfed.experiments.intervals).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from nestfed.experiments.intervals import mean_interval, paired_difference
+
+Seeds = list[dict[str, dict[str, float]]]
+
+
+def final_groups(run_dir: str | Path) -> dict[str, dict[str, float]]:
+    """{client: {group: accuracy}} of a finished run's last evaluation (its summary's ``final``)."""
+    import json
+
+    s = json.loads((Path(run_dir) / "summary.json").read_text())
+    return {
+        c: {k.split("@", 1)[1]: v for k, v in m.items() if k.startswith("accuracy@")} for c, m in s["final"].items()
+    }
+
+
+def by_group(per_seed: Seeds, order: Callable[[str], Any] = str) -> dict[str, dict[str, Any]]:
+    """{group: {"mean", "half" (95% half width over seeds), "seeds" (each seed's mean over
+    clients)}}, groups sorted by ``order``."""
+    groups = sorted({g for s in per_seed for c in s.values() for g in c}, key=order)
+    out = {}
+    for g in groups:
+        means = [sum(c[g] for c in s.values()) / len(s) for s in per_seed]
+        i = mean_interval(means)
+        out[g] = {"mean": i.mean, "half": i.half_width, "seeds": means}
+    return out
+
+
+def paired_points(method: Seeds, reference: Seeds, order: Callable[[str], Any] = str) -> dict[str, dict[str, float]]:
+    """{group: {"mean_pts", "low", "high", "p"}}: method minus reference in accuracy points over
+    the (seed, client) pairs. Raises ValueError when the two differ in seeds or clients."""
+    if len(method) != len(reference) or any(m.keys() != r.keys() for m, r in zip(method, reference)):
+        raise ValueError("paired_points: the two methods need the same seeds and clients")
+    out = {}
+    for g in sorted(method[0][next(iter(method[0]))], key=order):
+        diffs = [100 * (m[c][g] - r[c][g]) for m, r in zip(method, reference) for c in m]
+        d = paired_difference(diffs)
+        out[g] = {"mean_pts": d.interval.mean, "low": d.interval.low, "high": d.interval.high, "p": d.p_value}
+    return out
+
+
+def cell(x: dict[str, Any]) -> str:
+    """``57.3 ± 4.5`` (percent; no interval for a single seed)."""
+    return f"{100 * x['mean']:.1f}" + (f" ± {100 * x['half']:.1f}" if len(x["seeds"]) > 1 else "")
+
+
+def points(d: dict[str, float]) -> str:
+    """``+6.2 [-1.7, +14.2]``, bold when the interval excludes 0."""
+    s = f"{d['mean_pts']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]"
+    return f"**{s}**" if d["low"] > 0 or d["high"] < 0 else s
