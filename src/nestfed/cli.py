@@ -102,6 +102,8 @@ def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], r
                     progress.update(task, advance=1, description=f"{name} round {info['round']} client {info['cid']}")
                 elif kind == "log":
                     progress.console.print(info["text"], markup=False)
+                elif kind == "generated":  # the generated evaluation after the last round
+                    progress.update(task, description=f"{name} answers generated {info['done']}/{info['total']}")
                 elif kind == "round_done":
                     ln = info["line"]
                     ev = ln.get("eval") or {}
@@ -137,7 +139,7 @@ def _report(
     of one label over several seeds are reported with 95% intervals and paired differences against
     ``reference`` (default: the first label; nestfed.experiments.seed_report). ``table``: also write
     the Markdown tables there and the rows beside it as JSON (same stem)."""
-    from nestfed.experiments import comparison, group_report, report, seed_report
+    from nestfed.experiments import comparison, generation_report, group_report, report, seed_report
     from nestfed.io import atomic
 
     rows = report.comparison_rows(run_dirs)
@@ -169,6 +171,9 @@ def _report(
         out.print(report.comparison_table(rows))
         bars = report.comparison_plot(rows)
     markdown = comparison.markdown(rows, reference)
+    answers = generation_report.markdown(rows, reference)
+    if answers:  # the generated evaluation's scores (ROUGE-L, accuracy) with their intervals
+        out.print(answers, markup=False)
     figures = {
         "truncation.png": seed_report.truncation_plot(curves) if curves else None,
         "dimension_importance.png": seed_report.importance_plot(importance) if importance else None,

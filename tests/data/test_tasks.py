@@ -15,12 +15,12 @@ from nestfed.data.tasks import (
     answer_positions,
     bos_id,
     choice_logits,
-    instruction_examples,
     letter_token_ids,
     mc_prompt,
     multiple_choice_examples,
     pack_causal_lm,
 )
+from nestfed.data.templates import instruction_examples
 from nestfed.nn.backbone import byte_tokenizer
 
 SMOLLM2_TOKENIZER = Path.home() / ".cache" / "nestfed" / "smollm2-135m-instruct" / "tokenizer.json"

@@ -3,6 +3,7 @@
 :class:`~nestfed.config.loader.Schema`; nestfed.methods builds the one every entry point uses."""
 
 from nestfed.config.evaluation import EvaluationConfig
+from nestfed.config.generation import GenerationConfig
 from nestfed.config.loader import (
     Schema,
     differences,
@@ -42,6 +43,7 @@ __all__ = [
     "ConfigError",
     "DataConfig",
     "EvaluationConfig",
+    "GenerationConfig",
     "ExperimentConfig",
     "FederationConfig",
     "INLINE_CLIENTS",

@@ -22,6 +22,7 @@ from types import MappingProxyType
 from typing import Any
 
 from nestfed.config.evaluation import EvaluationConfig, check_evaluation
+from nestfed.config.generation import GenerationConfig, check_generation
 from nestfed.config.population import PopulationConfig, assign_ranks, check_population
 from nestfed.config.server_optimizer import ServerOptimizerConfig, check_server_optimizer
 from nestfed.config.sources import REGISTRY as source_registry
@@ -102,6 +103,9 @@ class DataConfig:
     corpus packed into blocks of block_size tokens per label, then dealt out: for more clients than
     documents; causal_lm only; a client's train and test blocks may then come from one document).
     max_train / max_test: caps per client, in blocks (causal_lm) or examples (other tasks).
+    template: the prompt format of instruction records (nestfed.data.templates): ``alpaca``,
+    ``chat`` (the tokenizer's own chat template) or ``flowertune``; the same at training and at
+    evaluation.
     """
 
     source: str = "bbc_news"
@@ -120,6 +124,7 @@ class DataConfig:
     max_train: int = 16
     max_test: int = 4
     seed: int = 0
+    template: str = "alpaca"
 
 
 @dataclass(frozen=True)
@@ -222,6 +227,7 @@ class ExperimentConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     population: PopulationConfig = field(default_factory=PopulationConfig)
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
     sections: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
 
     def section(self, name: str) -> Any:
@@ -252,9 +258,11 @@ CORE_SECTIONS = (
     "tracking",
     "population",
     "evaluation",
+    "generation",
 )
 SOURCES = tuple(source_registry)  # the data sources (nestfed.config.sources), in registry order
 TASKS = ("causal_lm", "instruction", "multiple_choice")
+TEMPLATES = ("alpaca", "chat", "flowertune")  # the prompt formats of instruction records (nestfed.data.templates)
 PARTITIONS = ("label", "dirichlet", "inner_dirichlet", "pathological", "iid")
 UNITS = ("document", "block")
 
@@ -358,6 +366,9 @@ def check_core(cfg: ExperimentConfig) -> None:
     if cfg.output.client_detail not in ("auto", "inline", "file"):
         raise ValueError(f"output.client_detail must be auto, inline or file, got '{cfg.output.client_detail}'")
     check_evaluation(cfg.evaluation, d.num_clients)
+    check_generation(cfg.generation, d.task)
+    if d.template not in TEMPLATES:
+        raise ValueError(f"data.template: unknown template '{d.template}' (known: {', '.join(TEMPLATES)})")
     if cfg.evaluation.global_test and not source_of(d.source).shared:
         raise ValueError(f"evaluation.global_test: the {d.source} clients have no shared records to draw from")
     if f.min_clients > sampled_per_round(cfg):

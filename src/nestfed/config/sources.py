@@ -132,6 +132,10 @@ class MqarOptions:
             raise ValueError(f"gap must be >= 0 and fillers >= 1, got {self.gap}, {self.fillers}")
 
 
+#: the topics of BBC News, in the corpus's order: bbc_topics' answers and its verbaliser
+BBC_TOPICS = ("business", "entertainment", "politics", "sport", "tech")
+
+
 @dataclass(frozen=True)
 class Source:
     """One data source as the registry holds it.
@@ -236,6 +240,24 @@ REGISTRY: dict[str, Source] = {
             blocks=False,
             sections={"recall": RecallOptions},
             check=_check_recall,
+        ),
+        Source(
+            "bbc_headlines",
+            "BBC News headline generation: the article's first 64 words in, its headline out (labelled by topic)",
+            f"{READERS}:bbc_headlines",
+            tasks=("instruction",),
+        ),
+        Source(
+            "bbc_topics",
+            f"BBC News topic classification: the article in, one of {', '.join(BBC_TOPICS)} out (instruction)",
+            f"{READERS}:bbc_topics",
+            tasks=("instruction",),
+        ),
+        Source(
+            "bbc_tasks",
+            "BBC News as both tasks: even articles headline generation, odd ones topic classification",
+            f"{READERS}:bbc_tasks",
+            tasks=("instruction",),
         ),
         Source(
             "mqar",

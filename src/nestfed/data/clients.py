@@ -20,7 +20,7 @@ from torch import nn
 
 from nestfed.config import ConfigError, DataConfig, ExperimentConfig
 from nestfed.config.sources import get as source_of
-from nestfed.data import partition, sources, tasks
+from nestfed.data import partition, sources, tasks, templates
 from nestfed.errors import DataError
 from nestfed.nn.frozen_prefix import labelled_length, prefix_features
 
@@ -156,7 +156,7 @@ def tokenise(records: list[Any], idx: list[int], d: DataConfig, tokenizer, cap: 
         texts = [getattr(x, "text", None) or _as_text(x) for x in items]
         return tasks.pack_causal_lm(texts, tokenizer, d.block_size, max_blocks=cap)
     if d.task == "instruction":
-        return tasks.instruction_examples(items[:cap], tokenizer, d.block_size)
+        return templates.instruction_examples(items[:cap], tokenizer, d.block_size, d.template)
     return tasks.multiple_choice_examples(items[:cap], tokenizer, d.block_size)
 
 

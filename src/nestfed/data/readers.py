@@ -28,6 +28,53 @@ def bbc_news(d: DataConfig) -> Records:
     return docs, [x.label for x in docs]
 
 
+HEADLINE_INSTRUCTION = "Write a headline for this news article."
+TOPIC_INSTRUCTION = (
+    "Which topic is this news article about? Answer with one word: business, entertainment, politics, sport or tech."
+)
+
+
+def _article(doc: sources.Document, words: int) -> tuple[str, str]:
+    """(headline, the body's first ``words`` words) of a BBC article (its first line is the headline)."""
+    head, _, body = doc.text.strip().partition("\n")
+    return head.strip(), " ".join(body.split()[:words])
+
+
+#: the article's first words a BBC instruction record gives as its input (its body; the headline left
+#: out; its lede): about 90 SmolLM2 tokens, so that a prompt fits data.block_size = 192 in every template
+ARTICLE_WORDS = 64
+
+
+def bbc_headlines(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
+    """BBC News as headline generation: instruction records (the article's first ``words`` words
+    in, its headline out), labelled by topic."""
+    docs = sources.bbc_news(d.path or None)
+    items = []
+    for doc in docs:
+        head, body = _article(doc, words)
+        items.append(sources.InstructionExample(HEADLINE_INSTRUCTION, body, head, doc.label))
+    return items, [x.label for x in docs]
+
+
+def bbc_topics(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
+    """BBC News as topic classification: instruction records (the article in, its topic word
+    out), labelled by topic."""
+    docs = sources.bbc_news(d.path or None)
+    items = [
+        sources.InstructionExample(TOPIC_INSTRUCTION, _article(doc, words)[1], doc.label, doc.label) for doc in docs
+    ]
+    return items, [x.label for x in docs]
+
+
+def bbc_tasks(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
+    """Both tasks on one corpus: article i is a headline record when i is even, a topic record when
+    odd (:func:`bbc_headlines`, :func:`bbc_topics`), labelled by topic, so every client holds
+    both kinds (scored by ROUGE-L and by accuracy: nestfed.evaluation.text_scores)."""
+    heads, labels = bbc_headlines(d, words)
+    topics, _ = bbc_topics(d, words)
+    return [h if i % 2 == 0 else t for i, (h, t) in enumerate(zip(heads, topics))], labels
+
+
 def newsgroups(d: DataConfig) -> Records:
     """20-Newsgroups posts (``data.path`` or gensim's copy), labelled by group."""
     docs = sources.newsgroups(d.path or None)

@@ -9,7 +9,8 @@ the tokenizer's BOS token where the tokenizer itself puts one before a text (:fu
 Gemma's; SmolLM2's defines ``<|im_start|>`` as BOS but never adds it, so its rows are unchanged).
 
 - :func:`pack_causal_lm`: plain language modelling on concatenated documents.
-- :func:`instruction_examples`: Alpaca-style prompts, loss on the response only.
+- instruction records: nestfed.data.templates (Alpaca, the tokenizer's chat template, FlowerTune),
+  loss on the response only.
 - :func:`multiple_choice_examples`: MMLU-style prompts with one labelled answer-letter token,
   scored by :func:`answer_positions` / :func:`choice_logits` with :func:`letter_token_ids`.
 """
@@ -206,36 +207,6 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
     if input.strip():
         return ALPACA_PROMPT_INPUT.format(instruction=instruction, input=input)
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
-
-
-def instruction_examples(items: Sequence, tokenizer, max_length: int) -> TokenDataset:
-    """Tokenise instruction records (e.g. :class:`~nestfed.data.sources.InstructionExample`,
-    or mappings with ``instruction``, ``input``, ``output``) for supervised fine-tuning.
-
-    Each row is the BOS token (where :func:`bos_id` gives one), the Alpaca prompt
-    (:func:`alpaca_prompt`), the response tokens and eos; the loss is only on the response and eos
-    (BOS, prompt and padding labels are -100). Prompt and response are tokenised separately,
-    without special tokens. A row longer than ``max_length`` tokens loses the end of its response
-    first, keeping at least one response token; a prompt longer than ``max_length - 1`` tokens
-    (less the BOS) is cut from the left, after the BOS.
-    Returns input_ids/labels [N, T], T = the longest row (<= max_length), right-padded.
-    Raises ValueError for max_length < 2, a record lacking a field, or a tokenizer without eos.
-    """
-    if max_length < 2:
-        raise ValueError(f"instruction_examples: max_length must be >= 2, got {max_length}")
-    eos, pad, bos = _eos_id(tokenizer), _pad_id(tokenizer), _bos(tokenizer)
-    room = max_length - len(bos)  # tokens after the BOS
-    prompts = [alpaca_prompt(_field(it, "instruction"), _field(it, "input", "")) for it in items]
-    responses = [_field(it, "output") for it in items]
-    rows = []
-    for p, r in zip(_encode(tokenizer, prompts), _encode(tokenizer, responses)):
-        r = r + [eos]
-        if len(p) > room - 1:
-            p = p[len(p) - max(room - 1, 0) :]
-        r = r[: max(1, room - len(p))]
-        p = bos + p
-        rows.append((p + r, [IGNORE_INDEX] * len(p) + r))
-    return _pad(rows, pad)
 
 
 # ----------------------------------------------------------------------------- multiple choice

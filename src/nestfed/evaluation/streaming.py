@@ -132,7 +132,7 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
         st.sink_rotation = (cos / scale, sin / scale)  # each [1, 1, D]
 
 
-def _chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:
+def chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:
     """Logits [B, T, V] of one chunk ids [B, T] whose first token sits at absolute position ``pos``
     (the streams' sinks shifted first, :func:`shift_sinks`). Each layer gets the rotary embedding
     of its type at the chunk's positions (nestfed.nn.layer_inputs.layer_rotary); its bounded attention
@@ -200,7 +200,7 @@ def stream_nll(
     with streaming(model, mode, window, sink, sink_positions) as streams:
         for n, start in enumerate(range(0, ids.shape[1], chunk)):
             part = ids[:, start : start + chunk]
-            logits = _chunk_logits(model, part, start)
+            logits = chunk_logits(model, part, start)
             out.append(_nll_of_chunk(logits, prev_last, part))
             prev_last = logits[:, -1]
             del logits
@@ -310,7 +310,7 @@ def stream_evaluate(
         with streaming(model, "memory", window, sink, sink_positions):
             for start in range(0, end, chunk):
                 part = ids[:, start : start + chunk]
-                logits = _chunk_logits(model, part, start)[0]  # [t, V]
+                logits = chunk_logits(model, part, start)[0]  # [t, V]
                 for p in sorted(x for x in want if start <= x < start + part.shape[1]):
                     if p + 1 >= end or int(lab[p + 1]) == -100:
                         continue

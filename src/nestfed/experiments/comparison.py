@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from nestfed.experiments import group_report, report, seed_report
+from nestfed.experiments import generation_report, group_report, report, seed_report
 
 
 def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
@@ -38,6 +38,7 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
                 "same r (%, 95% interval over seed x client pairs; bold: significant):\n\n"
             )
             text += seed_report.truncation_differences_markdown(seed_report.truncation_differences(rows, ref), ref)
+    text += generation_report.markdown(rows, reference)
     on_global = seed_report.global_truncation_stats(rows)
     if on_global:
         text += (

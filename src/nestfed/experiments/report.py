@@ -136,6 +136,7 @@ def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
                 "global_eval": s.get("global_eval"),
                 "truncation_global": s.get("truncation_global"),
                 "global_by_client": pc["global_by_client"],
+                "generation": s.get("generation"),
             }
         )
     return rows

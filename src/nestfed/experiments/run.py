@@ -21,6 +21,7 @@ from nestfed.data.clients import ClientData
 from nestfed.data.global_test import global_test_set
 from nestfed.evaluation.client import evaluate_client
 from nestfed.experiments.federated_run import Federation, run_federation
+from nestfed.experiments.generated import generated_evaluation
 from nestfed.experiments.prepare import install_stream_modules
 from nestfed.federation import tracking
 from nestfed.federation.client import ClientTrainer
@@ -144,6 +145,20 @@ def run_method(
             for cid in loop_panel(cfg, mr):
                 arrays, scale = mr.strategy.deploy(state, cid)
                 out["global_by_client"][str(cid)] = trainer.evaluate_on(cid, arrays, scale, glob)
+        if cfg.generation.rows:  # the generated evaluation (nestfed.experiments.generated)
+            ranks = {str(c.cid): c.rank for c in mr.clients}
+            progress = None if on_event is None else lambda n, k: on_event("generated", {"done": n, "total": k})
+            out["generation"] = generated_evaluation(
+                cfg,
+                mr.trainer,
+                mr.strategy,
+                state,
+                loop_panel(cfg, mr),
+                ranks,
+                prep.backbone.tokenizer,
+                run_dir,
+                progress,
+            )
         if report is not None:
             out.update(report(mr, state))
         return out

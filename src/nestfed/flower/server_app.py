@@ -535,6 +535,11 @@ class FlowerRun:
                 "evaluation.global_test: on Flower no server holds the clients' held-out records "
                 "to draw a global held-out set from (the embedded runner has one; docs/scale.md)"
             )
+        if cfg.generation.rows:  # refused before anything is written
+            raise ConfigError(
+                "generation.rows: the generated evaluation runs embedded (nestfed run), where the answers are "
+                "written into the run directory; on Flower the nodes would have to send their texts back"
+            )
         if s.secure_aggregation:  # refused before anything is written
             if Safeguards.from_config(cfg).rule.active:
                 raise ConfigError(

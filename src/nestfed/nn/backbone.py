@@ -193,12 +193,20 @@ def convert_builtin(name: str, cache_dir: Path) -> Path:
     return target
 
 
+#: the tiny models' chat template: ChatML's turns, each ended by the tokenizer's <eos> (a single
+#: special token, so a generated answer stops there), as SmolLM2-Instruct's end with <|im_end|>
+BYTE_CHAT_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<eos>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def byte_tokenizer(bos: bool = False):
     """A byte-level tokenizer (256 byte tokens + <pad>, <eos>) for tiny test models.
 
     Encodes any text losslessly without downloads; vocabulary size 258. bos: also a <bos> token
     (id 258, vocabulary 259) that the tokenizer puts before every text it encodes with special
-    tokens, as Gemma's does (``tiny-gemma3``).
+    tokens, as Gemma's does (``tiny-gemma3``). Its chat template: :data:`BYTE_CHAT_TEMPLATE`.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -211,13 +219,17 @@ def byte_tokenizer(bos: bool = False):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     if not bos:
-        return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+        out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>")
+        out.chat_template = BYTE_CHAT_TEMPLATE
+        return out
     tok.add_special_tokens(["<bos>"])
     bos_id = tok.token_to_id("<bos>")
     tok.post_processor = processors.TemplateProcessing(
         single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", bos_id)]
     )
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    out = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", bos_token="<bos>")
+    out.chat_template = BYTE_CHAT_TEMPLATE
+    return out
 
 
 def tiny_model(family: str, vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2) -> nn.Module:

@@ -46,6 +46,10 @@ class GroupedTrainer:
         for g, t in self.trainers.items():
             t.client_state = {cid: s for cid, s in state.items() if self.group_of.get(cid) == g}
 
+    def trainer_for(self, cid: int) -> Trainer:
+        """The trainer of client ``cid``'s model group (its model, data and hooks)."""
+        return self.trainers[self._group(cid)]
+
     def fit(self, cid: int, instruction: Instruction) -> Reply:
         """Train client ``cid`` on its group's model."""
         return self.trainers[self._group(cid)].fit(cid, instruction)

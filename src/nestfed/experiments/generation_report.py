@@ -1,0 +1,112 @@
+"""The generated evaluation in a comparison (``nestfed compare``, comparison.md): per label the
+answers' ROUGE-L, exact match, accuracy and the references' perplexity (the mean over clients of
+each run; over seeds, the mean with its 95% interval), each label against the reference paired
+over (seed, client) in points, and the global adapter's ROUGE-L at each truncation rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from nestfed.experiments import seed_report
+from nestfed.experiments.intervals import mean_interval, paired_difference
+
+#: (summary key, column heading, shown in percent)
+COLUMNS = (
+    ("rouge_l", "ROUGE-L", True),
+    ("exact_match", "exact match", True),
+    ("accuracy", "accuracy", True),
+    ("ppl", "reference ppl", False),
+)
+
+
+def has_generation(rows: list[dict[str, Any]]) -> bool:
+    """Whether any compared run holds a generated evaluation."""
+    return any(r.get("generation") and r["generation"].get("clients") for r in rows)
+
+
+def _mean(run: dict[str, Any], key: str) -> float | None:
+    vals = [c[key] for c in run["generation"]["clients"].values() if key in c]
+    return sum(vals) / len(vals) if vals else None
+
+
+def _cell(values: list[float], percent: bool) -> str:
+    k = 100.0 if percent else 1.0
+    if len(values) == 1:
+        return f"{k * values[0]:.1f}" if percent else f"{values[0]:.2f}"
+    i = mean_interval(values)
+    return f"{k * i.mean:.1f} ± {k * i.half_width:.1f}" if percent else f"{i.mean:.2f} ± {i.half_width:.2f}"
+
+
+def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
+    """The Markdown tables (module docstring); "" when no run generated."""
+    runs = [r for r in rows if r.get("generation") and r["generation"].get("clients")]
+    if not runs:
+        return ""
+    groups = seed_report.by_label(runs)
+    ref = reference if reference in groups else next(iter(groups))
+    cols = [c for c in COLUMNS if any(_mean(r, c[0]) is not None for r in runs)]
+    out = [
+        "\nGenerated answers (the mean over clients; over seeds, mean ± 95%; ROUGE-L, exact match and "
+        "accuracy in %):\n",
+        "| method | seeds | " + " | ".join(c[1] for c in cols) + " |",
+        "|---|---|" + "---|" * len(cols),
+    ]
+    for label, group in groups.items():
+        cells = [_cell([_mean(r, key) for r in group], pct) for key, _, pct in cols]
+        out.append(f"| {label} | {len(group)} | " + " | ".join(cells) + " |")
+    text = "\n".join(out) + "\n"
+    if any(len(g) > 1 for g in groups.values()) and len(groups) > 1:
+        text += _versus(groups, ref, [c for c in cols if c[2]])
+    return text + _truncation(groups)
+
+
+def _pairs(group: list[dict[str, Any]], key: str) -> dict[tuple[int, str], float]:
+    return {(r["seed"], c): v[key] for r in group for c, v in r["generation"]["clients"].items() if key in v}
+
+
+def _versus(groups: dict[str, list[dict[str, Any]]], ref: str, cols: list[tuple[str, str, bool]]) -> str:
+    out = [
+        f"\nAgainst {ref} (points, paired over seed x client; bold: the 95% interval excludes 0):\n",
+        f"| vs {ref} | " + " | ".join(c[1] for c in cols) + " |",
+        "|---|" + "---|" * len(cols),
+    ]
+    for label, group in groups.items():
+        if label == ref:
+            continue
+        cells = []
+        for key, _, _ in cols:
+            mine, theirs = _pairs(group, key), _pairs(groups[ref], key)
+            diffs = [100.0 * (mine[k] - theirs[k]) for k in mine if k in theirs]
+            if len(diffs) < 2:
+                cells.append("-")
+                continue
+            d = paired_difference(diffs)
+            s = f"{d.interval.mean:+.1f} [{d.interval.low:+.1f}, {d.interval.high:+.1f}]"
+            cells.append(f"**{s}**" if d.interval.low > 0 or d.interval.high < 0 else s)
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
+
+
+def _truncation(groups: dict[str, list[dict[str, Any]]]) -> str:
+    ranks = sorted({int(r) for g in groups.values() for run in g for r in run["generation"].get("truncation", {})})
+    if not ranks:
+        return ""
+    out = [
+        "\nROUGE-L (%) of the global adapter truncated to rank r, every client's prompts (mean over clients; "
+        "over seeds, mean ± 95%):\n",
+        "| method | " + " | ".join(f"r = {r}" for r in ranks) + " |",
+        "|---|" + "---|" * len(ranks),
+    ]
+    for label, group in groups.items():
+        cells = []
+        for r in ranks:
+            vals = [
+                run["generation"]["truncation"][str(r)]["rouge_l"]["mean"]
+                for run in group
+                if str(r) in run["generation"].get("truncation", {})
+            ]
+            cells.append(_cell(vals, True) if vals else "-")
+        if any(c != "-" for c in cells):
+            out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
