@@ -39,6 +39,7 @@ VARIANTS = {  # label: (nestfed run --methods, extra --set)
     "fedavg, full attention": ("fedavg", ["model.attention_window=0"]),
 }
 REFERENCE = "fedavg, window"
+LOCAL = "fednl local-only"
 GROUPS = ("own", "held_out")
 
 
@@ -172,6 +173,10 @@ def summarise(out: Path, path: Path | None) -> dict:
             for label in per
             if label != REFERENCE and len(per[label]) == len(per[REFERENCE])
         }
+    if LOCAL in per:  # what sharing adds over each client's own memory rule
+        res["versus_local_only"] = {
+            label: paired_points(per[label], per[LOCAL], order) for label in ("fednl", "fednl rules") if label in per
+        }
     res["summarise_s"] = round(time.perf_counter() - t0, 1)
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -211,6 +216,11 @@ def table(res: dict) -> str:
     if res.get("versus_fedavg_window"):
         rows = ["| vs fedavg, window (points) | own vocabulary | held-out vocabulary |", "|---|---|---|"]
         for label, v in res["versus_fedavg_window"].items():
+            rows.append(f"| {label} | {points(v['own'])} | {points(v['held_out'])} |")
+        out += "\n" + "\n".join(rows) + "\n"
+    if res.get("versus_local_only"):
+        rows = ["| vs fednl local-only (points) | own vocabulary | held-out vocabulary |", "|---|---|---|"]
+        for label, v in res["versus_local_only"].items():
             rows.append(f"| {label} | {points(v['own'])} | {points(v['held_out'])} |")
         out += "\n" + "\n".join(rows) + "\n"
     return out

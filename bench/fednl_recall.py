@@ -353,7 +353,7 @@ def table(res: dict) -> str:
     for label, m in methods.items():
         kb = m.get("bytes_up_per_client_round")
         alphas = [a for g in m.get("gates", []) for heads in g.values() for a in _as_list(heads)]
-        alpha = f"{min(alphas):.3f}-{max(alphas):.3f}" if alphas else "-"
+        alpha = f"{min(alphas):.4f}-{max(alphas):.4f}" if alphas else "-"
         cells = " | ".join(cell(m["groups"][g]) for g in groups)
         lines.append(f"| {label} | {cells} | {'-' if kb is None else f'{kb / 1000:.1f}'} | {alpha} |")
     out = "\n".join(lines) + "\n"

@@ -64,7 +64,10 @@ def table(result: dict) -> str:
             else f"{result['sink']}, at positions 0-{result['sink'] - 1}"
         )
     )
-    names = {"fednl": "FedNL", "fedavg_window": "FedAvg, window"}
+    names = {
+        "fednl": "FedNL" + (f" ({result['label']})" if result.get("label") else ""),
+        "fedavg_window": "FedAvg, window",
+    }
     out = [
         "| sinks | stream | bins 1-12 (relative) | bins 13-16 (relative) | last / first | mean CE (nats) |",
         "|---|---|---|---|---|---|",
@@ -98,6 +101,7 @@ def main() -> None:
         help="the sinks' RoPE positions: just before the window (StreamingLLM) or their own",
     )
     ap.add_argument("--streams", nargs="+", default=["fednl", "fedavg_window", "fedavg_full", "backbone_full"])
+    ap.add_argument("--label", default="", help="what the FedNL stream is called in the table (its recipe)")
     ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fednl_streaming_ce.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -138,6 +142,7 @@ def main() -> None:
         "window": window,
         "sink": sink,
         "sink_positions": a.sink_positions,
+        "label": a.label,
         "fednl_run": str(a.fednl),
         "fedavg_run": str(a.fedavg),
         "streams": {},

@@ -53,6 +53,9 @@ BENCH_RENDERERS = {
     "fedslm_recovery": ("fedslm_recovery", "table"),
     "fedslm_recovery_seeds": ("fedslm_recovery", "merged"),
     "fednl_recall": ("fednl_recall", "table"),
+    "fednl_mqar": ("fednl_mqar", "table"),
+    "fednl_mqar_capability": ("fednl_mqar_capability", "table"),
+    "generation_speed": ("generation_speed", "table"),
 }
 
 
@@ -67,6 +70,9 @@ def renderer(data) -> Callable[..., str]:
         from nestfed.experiments.comparison import markdown
 
         return markdown
+    if isinstance(data, dict) and data.get("bench") in BENCH_RENDERERS:  # a bench that names itself
+        script, fn = BENCH_RENDERERS[data["bench"]]
+        return getattr(bench_module(script), fn)
     if isinstance(data, dict) and "runs" in data:  # bench/fednl_tables.py's tables
         return bench_module("fednl_tables").markdown
     if isinstance(data, dict) and "accuracy_final" in data:  # one FedNL run's summary

@@ -170,7 +170,8 @@ def test_past_window_labels_every_token_from_the_window_on(tok, monkeypatch, tmp
     monkeypatch.setattr(recall, "long_texts", lambda which: [type("T", (), {"text": TEXT})()])
     base = (
         '[data]\nsource = "recall"\ntask = "multiple_choice"\nnum_clients = 1\nmax_train = 2\nmax_test = 1\n'
-        '[recall]\nkinds = ["city"]\nheld_out = ""\ntrain_distances = [64]\ntest_distances = [48]\nloss = "past_window"\n'
+        '[recall]\nkinds = ["city"]\nheld_out = ""\ntrain_distances = [64]\ntest_distances = [48]\n'
+        'loss = "past_window"\n'
     )
     p = tmp_path / "r.toml"
     p.write_text('[model]\nname = "tiny-llama"\nattention_window = 20\n' + base)

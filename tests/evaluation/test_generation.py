@@ -135,3 +135,27 @@ def test_bad_settings_are_refused():
         Decoding(top_p=0)
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1"):
         Decoding(max_new_tokens=0)
+
+
+def test_a_clients_deployed_adapter_equals_its_peft_export(tmp_path):
+    """A tiny PreLort federation (ranks 2/4/8): client 1's adapter as its hooks run it, applied by
+    nestfed, generates what PEFT generates with ``nestfed export --client 1``'s adapter."""
+    from peft import PeftModel
+    from tiny_federation import tiny_config, tiny_run
+
+    from nestfed.experiments.export import export_adapter
+    from nestfed.federation.run_dir import RunDir
+    from nestfed.nn.backbone import load_backbone
+
+    cfg = tiny_config("strategy.name=prelort", "federation.rounds=1")
+    _, _, mr = tiny_run(tmp_path / "run", cfg)
+    path, info = export_adapter(tmp_path / "run", client=1)
+    assert info["rank"] == 4
+    ck = RunDir(tmp_path / "run").latest_checkpoint()
+    arrays, scale = mr.strategy.deploy(ck.state, 1)
+    model = mr.trainer.model.double()
+    apply_arrays(model, mr.trainer.hooks.evaluation_arrays({}, arrays), scale)
+    got = generate(model, PROMPTS, Decoding(max_new_tokens=5), [STOP], PAD, batch_size=5)
+    base = load_backbone(cfg.model).model.double()
+    peft = PeftModel.from_pretrained(base, path).double().eval()
+    assert got == hf_generate(peft, PROMPTS, 5)

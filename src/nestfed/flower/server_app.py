@@ -65,6 +65,7 @@ from nestfed.federation.run_dir import ON_NODES, ClientState, Exports, RunDir
 from nestfed.federation.safeguards import Safeguards
 from nestfed.flower.client_app import EXPERIMENT, INITIAL_ARRAYS, TRANSPORT_METRICS
 from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply, record_to_arrays
+from nestfed.flower.refusals import embedded_only
 from nestfed.flower.secure import SecAggSettings, secure_fit
 
 DEFAULTS: dict[str, Any] = {
@@ -530,16 +531,7 @@ class FlowerRun:
             if c.rank > C.r_max(cfg):
                 raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
         strategy = method.server(cfg, q.initial_arrays)
-        if cfg.evaluation.global_test:  # refused before anything is written
-            raise ConfigError(
-                "evaluation.global_test: on Flower no server holds the clients' held-out records "
-                "to draw a global held-out set from (the embedded runner has one; docs/scale.md)"
-            )
-        if cfg.generation.rows:  # refused before anything is written
-            raise ConfigError(
-                "generation.rows: the generated evaluation runs embedded (nestfed run), where the answers are "
-                "written into the run directory; on Flower the nodes would have to send their texts back"
-            )
+        embedded_only(cfg)  # refused before anything is written
         if s.secure_aggregation:  # refused before anything is written
             if Safeguards.from_config(cfg).rule.active:
                 raise ConfigError(
