@@ -98,6 +98,12 @@ def test_scalar_rank_is_broadcast():
         ({"elicitation": {"alpha": 2.0}}, "elicitation.alpha / compare_alphas must be in [0, 1]"),
         ({"fednl": {"gate": "open"}}, "fednl.gate: unknown value 'open'"),
         ({"fednl": {"rule_lr": 0}}, "fednl.rule_lr must be > 0, got 0"),
+        ({"data": {"template": "vicuna"}}, "data.template: unknown template 'vicuna' (known: alpaca, chat, flowertune)"),
+        ({"generation": {"rows": 3}}, "generation.rows: a generated evaluation answers instruction prompts"),
+        (
+            {"generation": {"top_p": 0.0}, "data": {"task": "instruction", "source": "bbc_tasks"}},
+            "generation.temperature must be >= 0 and top_p in (0, 1]",
+        ),
         ({"fednl": {"window_dropout": 1.0}}, "fednl.window_dropout must be in [0, 1), got 1.0"),
         ({"fednl": {"beta_source": "values"}}, "fednl.beta_source: unknown value 'values'"),
         ({"mqar": {"queries": 9}}, "mqar.queries: must be in 1..pairs (4), got 9"),

@@ -29,8 +29,11 @@ class GenerationConfig:
     ranks: tuple[int, ...] = ()
 
 
-def check_generation(g: GenerationConfig, task: str) -> None:
-    """Raises ValueError("generation.<key>: <reason>") for the first value at fault."""
+def check_generation(g: GenerationConfig, task: str, template: str, templates: tuple[str, ...]) -> None:
+    """The instruction settings: ``data.template`` among ``templates``, then ``[generation]``.
+    Raises ValueError("<section>.<key>: <reason>") for the first value at fault."""
+    if template not in templates:
+        raise ValueError(f"data.template: unknown template '{template}' (known: {', '.join(templates)})")
     if g.rows < 0:
         raise ValueError(f"generation.rows must be >= 0, got {g.rows}")
     if g.rows and task != "instruction":

@@ -366,9 +366,7 @@ def check_core(cfg: ExperimentConfig) -> None:
     if cfg.output.client_detail not in ("auto", "inline", "file"):
         raise ValueError(f"output.client_detail must be auto, inline or file, got '{cfg.output.client_detail}'")
     check_evaluation(cfg.evaluation, d.num_clients)
-    check_generation(cfg.generation, d.task)
-    if d.template not in TEMPLATES:
-        raise ValueError(f"data.template: unknown template '{d.template}' (known: {', '.join(TEMPLATES)})")
+    check_generation(cfg.generation, d.task, d.template, TEMPLATES)
     if cfg.evaluation.global_test and not source_of(d.source).shared:
         raise ValueError(f"evaluation.global_test: the {d.source} clients have no shared records to draw from")
     if f.min_clients > sampled_per_round(cfg):

@@ -146,19 +146,7 @@ def run_method(
                 arrays, scale = mr.strategy.deploy(state, cid)
                 out["global_by_client"][str(cid)] = trainer.evaluate_on(cid, arrays, scale, glob)
         if cfg.generation.rows:  # the generated evaluation (nestfed.experiments.generated)
-            ranks = {str(c.cid): c.rank for c in mr.clients}
-            progress = None if on_event is None else lambda n, k: on_event("generated", {"done": n, "total": k})
-            out["generation"] = generated_evaluation(
-                cfg,
-                mr.trainer,
-                mr.strategy,
-                state,
-                loop_panel(cfg, mr),
-                ranks,
-                prep.backbone.tokenizer,
-                run_dir,
-                progress,
-            )
+            out["generation"] = generated(prep, cfg, mr, state, run_dir, on_event)
         if report is not None:
             out.update(report(mr, state))
         return out
@@ -188,6 +176,19 @@ def run_method(
         return RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, C.per_client_inline(cfg))
 
     return run_federation(cfg, fed, open_run_dir, resume, t0)
+
+
+def generated(
+    prep: Prepared, cfg: ExperimentConfig, mr: MethodRun, state: GlobalState, run_dir: Path, on_event: OnEvent | None
+) -> dict[str, Any]:
+    """The summary's ``generation``: the panel's (else every client's) answers after the last round,
+    reported to ``on_event("generated", {done, total})`` as they come (nestfed.experiments.generated)."""
+    ranks = {str(c.cid): c.rank for c in mr.clients}
+    progress = None if on_event is None else lambda n, k: on_event("generated", {"done": n, "total": k})
+    tokenizer = prep.backbone.tokenizer
+    return generated_evaluation(
+        cfg, mr.trainer, mr.strategy, state, loop_panel(cfg, mr), ranks, tokenizer, run_dir, progress
+    )
 
 
 def loop_panel(cfg: ExperimentConfig, mr: MethodRun) -> list[int]:
