@@ -5,7 +5,8 @@ A tiny Llama (hidden 64, 2 layers, 2 heads of 32 dimensions; nestfed.experiments
 architecture) sees 8 tokens per layer, so a query reaches back 14 tokens at most; each row states 4
 key-value pairs, then 16 fillers, then asks the 4 keys again (one vocabulary of 32 keys, 32 values
 and 32 fillers: chance 1/32). These tests fail when the memory path is cut out, when its gate
-cannot move, or when its read is broken (the closing note of issue 32 shows each):
+cannot move (the trained gates must leave their start), or when its read is broken (the closing
+note of issue 32 shows each):
 
 - the window alone cannot answer: its logits at every query are exactly the same whatever the
   pairs said (whatever its weights);
@@ -57,6 +58,15 @@ def with_memory(model, settings: MemorySettings):
     return rules
 
 
+def gates(model) -> list[float]:
+    return [a for r in memory_rules(model).values() for a in r.alphas()]
+
+
+def moved(before: list[float], after: list[float]) -> float:
+    """How far the gates went from their start: the largest change of any head's alpha."""
+    return max(abs(a - b) for a, b in zip(after, before))
+
+
 @torch.no_grad()
 def test_the_window_alone_cannot_see_the_pairs(task):
     """Changing every value in the pairs changes no logit at any query: 2 layers x (8 - 1) tokens
@@ -74,27 +84,30 @@ def test_the_window_alone_cannot_see_the_pairs(task):
 
 
 def test_a_memory_trained_from_scratch_recalls_past_the_window(task):
-    """The whole tiny model with a memory on both layers, trained from scratch for 1,000 steps of
-    32 rows (backbone at 3e-3, the rules in their own group at 1e-1): >= 90% of the queries, and
-    the memory knocked out is back at chance. The beta of the key average (``keys``) learns this
-    from scratch more reliably than beta from the input (6 seeds each: 5/6 against 1/4 above 90%
-    by 1,000 steps, bench/fednl_mqar_capability.py)."""
+    """The whole tiny model with a memory on both layers, trained from scratch for 400 steps of 32
+    rows (backbone at 3e-3, the rules in their own group at 1e-1): >= 90% of the queries (this
+    seed: 94% by step 200, 97% at 400), and the memory knocked out is back at chance. The beta of
+    the keys' average (``keys``) learns this from scratch faster than beta from the input
+    (bench/fednl_mqar_capability.py: 98.8% against 75.8% over 3 seeds at 1,000 steps)."""
     model = windowed(tiny_mqar_model(258, seed=0))
     rules = with_memory(model, MemorySettings(beta_source="keys"))
     backbone = [p for n, p in model.named_parameters() if ".memory." not in n]
     groups = [{"params": backbone, "lr": 3e-3}, {"params": rules, "lr": 1e-1}]
-    train_on_mqar(model, groups, task, steps=1000, batch=32, seed=0)
+    start = gates(model)
+    train_on_mqar(model, groups, task, steps=400, batch=32, seed=0)
     assert recall_accuracy(model, task, 256, seed=1) >= 0.9
+    assert moved(start, gates(model)) > 0.1  # the gates train: a gate held at its start fails here
     with memory_knocked_out(model):
         assert recall_accuracy(model, task, 256, seed=1) <= 2 * CHANCE
 
 
 def test_lora_and_memory_on_a_frozen_backbone_reach_full_attention(task):
-    """A backbone pretrained with full attention (600 steps), frozen; under the window it is at
-    chance. LoRA r = 8 on q, k, v and the default memory, trained 300 steps (LoRA at 3e-3, the
-    rules at 1e-1), recall at least 90% of what full attention recalls; knocked out, chance."""
+    """A backbone pretrained with full attention (400 steps: 53% recall), frozen; under the window
+    it is at chance. LoRA r = 8 on q, k, v and the default memory, trained 150 steps (LoRA at 3e-3,
+    the rules at 1e-1), recall at least 90% of what full attention recalls (this seed: full
+    attention's level by step 50); knocked out, chance."""
     model = tiny_mqar_model(258, seed=0)
-    train_on_mqar(model, [{"params": list(model.parameters()), "lr": 3e-3}], task, steps=600, batch=32, seed=0)
+    train_on_mqar(model, [{"params": list(model.parameters()), "lr": 3e-3}], task, steps=400, batch=32, seed=0)
     full = recall_accuracy(model, task, 256, seed=1)
     assert full > 4 * CHANCE  # the pretrained backbone does recall with full attention
     model = windowed(freeze(model))
@@ -104,7 +117,9 @@ def test_lora_and_memory_on_a_frozen_backbone_reach_full_attention(task):
     for p in lora:
         p.requires_grad_(True)
     rules = with_memory(model, MemorySettings())
-    train_on_mqar(model, [{"params": lora, "lr": 3e-3}, {"params": rules, "lr": 1e-1}], task, 300, 32, seed=2)
+    start = gates(model)
+    train_on_mqar(model, [{"params": lora, "lr": 3e-3}, {"params": rules, "lr": 1e-1}], task, 150, 32, seed=2)
     assert recall_accuracy(model, task, 256, seed=1) >= 0.9 * full
+    assert moved(start, gates(model)) > 0.1
     with memory_knocked_out(model):
         assert recall_accuracy(model, task, 256, seed=1) <= 2 * CHANCE
