@@ -58,7 +58,30 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
     text = "\n".join(out) + "\n"
     if any(len(g) > 1 for g in groups.values()) and len(groups) > 1:
         text += _versus(groups, ref, [c for c in cols if c[2]])
+    for key, heading, pct in cols:
+        if pct and key != "exact_match":
+            text += _by_client(groups, runs[0].get("labels", {}), key, heading)
     return text + _truncation(groups)
+
+
+def _by_client(groups: dict[str, list[dict[str, Any]]], labels: dict[str, str], key: str, heading: str) -> str:
+    """{heading} (%) per client: each client's mean over seeds with its 95% interval."""
+    cids = sorted({c for g in groups.values() for r in g for c in r["generation"]["clients"]}, key=int)
+    cids = [c for c in cids if any(key in r["generation"]["clients"].get(c, {}) for g in groups.values() for r in g)]
+    if not cids:
+        return ""
+    out = [
+        f"\n{heading} (%) per client (over seeds, mean ± 95%):\n",
+        "| method | " + " | ".join(f"c{c} {labels.get(c, '')}".strip() for c in cids) + " |",
+        "|---|" + "---|" * len(cids),
+    ]
+    for label, group in groups.items():
+        cells = []
+        for c in cids:
+            vals = [r["generation"]["clients"][c][key] for r in group if key in r["generation"]["clients"].get(c, {})]
+            cells.append(_cell(vals, True) if vals else "-")
+        out.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(out) + "\n"
 
 
 def _pairs(group: list[dict[str, Any]], key: str) -> dict[tuple[int, str], float]:
