@@ -98,7 +98,10 @@ def test_scalar_rank_is_broadcast():
         ({"elicitation": {"alpha": 2.0}}, "elicitation.alpha / compare_alphas must be in [0, 1]"),
         ({"fednl": {"gate": "open"}}, "fednl.gate: unknown value 'open'"),
         ({"fednl": {"rule_lr": 0}}, "fednl.rule_lr must be > 0, got 0"),
-        ({"data": {"template": "vicuna"}}, "data.template: unknown template 'vicuna' (known: alpaca, chat, flowertune)"),
+        (
+            {"data": {"template": "vicuna"}},
+            "data.template: unknown template 'vicuna' (known: alpaca, chat, flowertune)",
+        ),
         ({"generation": {"rows": 3}}, "generation.rows: a generated evaluation answers instruction prompts"),
         (
             {"generation": {"top_p": 0.0}, "data": {"task": "instruction", "source": "bbc_tasks"}},
