@@ -7,7 +7,8 @@ Two paths, one result:
 - **Cache** (the backbone's attention, LoRA at any rank): a batch of prompts left-padded with a 0/1
   attention mask and positions counted from each row's first real token; one prefill pass, then
   one token per step against transformers' ``DynamicCache`` -- what ``model.generate`` does
-  (tested equal to it, with the adapter exported to PEFT, token for token).
+  (tested equal to it, with the adapter exported to PEFT, token for token). Prompts are batched
+  longest first (little padding) and only the last position's logits are computed.
 - **Stream** (a window, sinks or an enabled delta-rule memory: nestfed.nn.bounded_attention,
   nestfed.nn.memory): every prompt is a stream (nestfed.evaluation.streaming) with its sinks at
   their own positions, prefilled in one chunk, then one token per chunk, so each generated token
@@ -109,8 +110,9 @@ def generate(
             groups.setdefault(len(p), []).append(i)
         batches = [idx[s : s + batch_size] for idx in groups.values() for s in range(0, len(idx), batch_size)]
         run = _stream_batch
-    else:
-        batches = [list(range(s, min(s + batch_size, len(prompts)))) for s in range(0, len(prompts), batch_size)]
+    else:  # longest first, so a batch holds prompts of like length and pads little
+        order = sorted(range(len(prompts)), key=lambda i: -len(prompts[i]))
+        batches = [order[s : s + batch_size] for s in range(0, len(order), batch_size)]
         run = _cache_batch
     done = 0
     for idx in batches:
@@ -152,6 +154,7 @@ def _cache_batch(model, prompts, index, d: Decoding, stop: set[int], pad_id: int
                 position_ids=to_model(model, position_ids),
                 past_key_values=cache,
                 use_cache=True,
+                logits_to_keep=1,  # the next token's logits only: no [B, T, V] at the prefill
             ).logits[:, -1]
         nxt = _pick(logits, d, gens).cpu()
         _finish(rows, stop, d, alive, nxt)
@@ -178,7 +181,7 @@ def _stream_batch(model, prompts, index, d: Decoding, stop: set[int], pad_id: in
     alive = [True] * len(prompts)
     ids = torch.tensor([list(p) for p in prompts])
     with streaming(model, "memory", window, sink, sink_positions="absolute"):
-        logits = chunk_logits(model, ids, 0)[:, -1]
+        logits = chunk_logits(model, ids, 0, last_only=True)[:, -1]
         pos = ids.shape[1]
         while True:
             nxt = _pick(logits, d, gens).cpu()

@@ -132,8 +132,9 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
         st.sink_rotation = (cos / scale, sin / scale)  # each [1, 1, D]
 
 
-def chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:
+def chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int, last_only: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of one chunk ids [B, T] whose first token sits at absolute position ``pos``
+    ([B, 1, V], the last position's, with ``last_only``)
     (the streams' sinks shifted first, :func:`shift_sinks`). Each layer gets the rotary embedding
     of its type at the chunk's positions (nestfed.nn.layer_inputs.layer_rotary); its bounded attention
     builds the mask over its stream's cache (the layer's own sliding window, the stream's window
@@ -148,7 +149,7 @@ def chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int) -> torch.Tensor:
         for layer, pe in zip(inner.layers, embeddings):
             out = layer(h, attention_mask=None, position_ids=position_ids, position_embeddings=pe)
             h = out[0] if isinstance(out, tuple) else out
-        return model.lm_head(inner.norm(h))
+        return model.lm_head(inner.norm(h[:, -1:] if last_only else h))
 
 
 def _nll_of_chunk(logits: torch.Tensor, prev_last: torch.Tensor | None, ids: torch.Tensor) -> torch.Tensor:
