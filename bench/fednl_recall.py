@@ -89,9 +89,9 @@ def gates(run_dir: Path) -> dict[str, list[float]]:
 
 def accuracies(evaluations: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
     """{client: {group: accuracy}} from {client: metrics with ``accuracy@<group>``}."""
-    return {
-        c: {k.split("@", 1)[1]: v for k, v in m.items() if k.startswith("accuracy@")} for c, m in evaluations.items()
-    }
+    from nestfed.experiments.accuracy_report import of_groups
+
+    return of_groups(evaluations)
 
 
 def backbone_rows(cfg, windows: dict[str, int]) -> dict[str, dict[str, dict[str, float]]]:
@@ -257,14 +257,14 @@ def extras(out: Path, cfg) -> tuple[dict, dict, float]:
 
 
 def knocked_out(out: Path, label: str, dirs: list[Path]) -> list[dict[str, dict[str, float]]]:
-    """Per seed, {client: {group: accuracy}} of a FedNL variant's clients with every memory knocked
+    """Per seed, {client: held-out metrics} of a FedNL variant's clients with every memory knocked
     out (nestfed.experiments.run_models), kept in ``<out>/knocked_out_<label>.json``."""
     from nestfed.experiments.run_models import client_evaluations
 
     cached = out / f"knocked_out_{label.replace(' ', '_')}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
-    got = [accuracies(client_evaluations(d, knocked_out=True)) for d in dirs]
+    got = [client_evaluations(d, knocked_out=True) for d in dirs]
     cached.write_text(json.dumps(got) + "\n")
     return got
 
@@ -280,7 +280,7 @@ def client_tokens(run_dir: Path) -> float:
 
 
 def summarise(out: Path, path: Path | None, config: Path) -> dict:
-    from nestfed.experiments.accuracy_report import by_group, final_groups, paired_points
+    from nestfed.experiments.accuracy_report import by_group, final_groups, of_groups, paired_points
     from nestfed.methods import load_config
 
     cfg = load_config(config)
@@ -305,16 +305,19 @@ def summarise(out: Path, path: Path | None, config: Path) -> dict:
         "methods": {},
     }
     per: dict[str, list] = {}
+    losses: dict[str, list] = {}
     for label in VARIANTS:
         dirs = runs_of(out, label)
         if not dirs:
             continue
         per[label] = [final_groups(d) for d in dirs]
+        losses[label] = [final_groups(d, "loss") for d in dirs]
         s = [json.loads((d / "summary.json").read_text()) for d in dirs]
         res["methods"][label] = {
             "runs": [str(d) for d in dirs],
             "groups": by_group(per[label], group_order),
             "clients": per[label],
+            "loss_groups": by_group(losses[label], group_order),
             "gates": [gates(d) for d in dirs] if label != "fedavg" else [],
             "bytes_up_per_client_round": s[0]["bytes_up_per_client_round"],
             "bytes_down_per_client_round": s[0]["bytes_down_per_client_round"],
@@ -324,13 +327,24 @@ def summarise(out: Path, path: Path | None, config: Path) -> dict:
         }
         if label != "fedavg":
             ko = knocked_out(out, label, dirs)
-            res["methods"][f"{label}, memory knocked out"] = {"groups": by_group(ko, group_order), "clients": ko}
+            acc = [of_groups(e) for e in ko]
+            losses[f"{label}, memory knocked out"] = [of_groups(e, "loss") for e in ko]
+            res["methods"][f"{label}, memory knocked out"] = {
+                "groups": by_group(acc, group_order),
+                "clients": acc,
+                "loss_groups": by_group(losses[f"{label}, memory knocked out"], group_order),
+            }
     bb, res["probe"], res["backbone_eval_s"] = extras(out, cfg)
     for label, clients in bb.items():
         res["methods"][label] = {"groups": by_group([clients], group_order), "clients": [clients]}
     if "fedavg" in per:
         res["versus_fedavg"] = {
             label: paired_points(per[label], per["fedavg"], group_order) for label in per if label != "fedavg"
+        }
+        res["loss_versus_fedavg"] = {
+            label: paired_points(v, losses["fedavg"], group_order, scale=1.0)
+            for label, v in losses.items()
+            if label != "fedavg"
         }
     if path:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -339,23 +353,28 @@ def summarise(out: Path, path: Path | None, config: Path) -> dict:
 
 
 def table(res: dict) -> str:
-    """Markdown: accuracy (%) per group for every method (mean ± 95% over seeds), bytes up and the
-    range of the learned gates over layers, heads and seeds; then each method against FedAvg
+    """Markdown: accuracy (%) per group for every method (mean ± 95% over seeds), bytes up, the
+    range of the learned gates over layers, heads and seeds, the labelled tokens a client trained
+    on and each seed's wall time; then each method against FedAvg
     (points, paired over seeds and clients; bold = significant)."""
     from nestfed.experiments.accuracy_report import cell, points
 
     methods = res["methods"]
     groups = list(next(iter(methods.values()))["groups"])
-    head = (
-        "| method | " + " | ".join(heading(g, res["window"]) for g in groups) + " | KB up/client/round | gate alpha |"
-    )
-    lines = [head, "|---|" + "---|" * (len(groups) + 2)]
+    head = "| method | " + " | ".join(heading(g, res["window"]) for g in groups)
+    lines = [head + " | KB up/client/round | gate alpha | train tokens / client | wall s / seed |"]
+    lines.append("|---|" + "---|" * (len(groups) + 4))
     for label, m in methods.items():
         kb = m.get("bytes_up_per_client_round")
         alphas = [a for g in m.get("gates", []) for heads in g.values() for a in _as_list(heads)]
         alpha = f"{min(alphas):.4f}-{max(alphas):.4f}" if alphas else "-"
         cells = " | ".join(cell(m["groups"][g]) for g in groups)
-        lines.append(f"| {label} | {cells} | {'-' if kb is None else f'{kb / 1000:.1f}'} | {alpha} |")
+        tokens = f"{m['train_tokens_per_client']:,.0f}" if m.get("train_tokens_per_client") else "-"
+        walls = [w for w in m.get("wall_time_s") or [] if w]
+        wall = " / ".join(f"{w:.0f}" for w in walls) if walls else "-"
+        lines.append(
+            f"| {label} | {cells} | {'-' if kb is None else f'{kb / 1000:.1f}'} | {alpha} | {tokens} | {wall} |"
+        )
     out = "\n".join(lines) + "\n"
     if res.get("versus_fedavg"):
         lines = [
@@ -364,6 +383,31 @@ def table(res: dict) -> str:
         ]
         for label, v in res["versus_fedavg"].items():
             lines.append(f"| {label} | " + " | ".join(points(v[g]) for g in groups) + " |")
+        out += "\n" + "\n".join(lines) + "\n"
+    return out
+
+
+def loss_table(res: dict) -> str:
+    """Markdown: the answer's NLL (nats; lower is better) per group for every method with it (mean
+    ± 95% over seeds), then each against FedAvg (nats, paired over seeds and clients; bold =
+    significant). Finer than accuracy: it moves before the argmax does."""
+    from nestfed.experiments.accuracy_report import points
+
+    methods = {k: m for k, m in res["methods"].items() if m.get("loss_groups")}
+    groups = list(next(iter(methods.values()))["loss_groups"])
+    heads = " | ".join(heading(g, res["window"]) for g in groups)
+    lines = [f"| answer NLL (nats) | {heads} |", "|---|" + "---|" * len(groups)]
+    for label, m in methods.items():
+        cells = []
+        for g in groups:
+            x = m["loss_groups"][g]
+            cells.append(f"{x['mean']:.2f}" + (f" ± {x['half']:.2f}" if len(x["seeds"]) > 1 else ""))
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    out = "\n".join(lines) + "\n"
+    if res.get("loss_versus_fedavg"):
+        lines = [f"| vs fedavg (nats) | {heads} |", "|---|" + "---|" * len(groups)]
+        for label, v in res["loss_versus_fedavg"].items():
+            lines.append(f"| {label} | " + " | ".join(points(v[g], 2) for g in groups) + " |")
         out += "\n" + "\n".join(lines) + "\n"
     return out
 

@@ -18,14 +18,19 @@ from nestfed.experiments.intervals import mean_interval, paired_difference
 Seeds = list[dict[str, dict[str, float]]]
 
 
-def final_groups(run_dir: str | Path) -> dict[str, dict[str, float]]:
-    """{client: {group: accuracy}} of a finished run's last evaluation (its summary's ``final``)."""
+def final_groups(run_dir: str | Path, metric: str = "accuracy") -> dict[str, dict[str, float]]:
+    """{client: {group: metric}} of a finished run's last evaluation (its summary's ``final``):
+    ``accuracy`` (a fraction) or ``loss`` (the answer's mean NLL, nats)."""
     import json
 
     s = json.loads((Path(run_dir) / "summary.json").read_text())
-    return {
-        c: {k.split("@", 1)[1]: v for k, v in m.items() if k.startswith("accuracy@")} for c, m in s["final"].items()
-    }
+    return of_groups(s["final"], metric)
+
+
+def of_groups(evaluations: dict[str, dict[str, float]], metric: str = "accuracy") -> dict[str, dict[str, float]]:
+    """{client: {group: metric}} from {client: metrics with ``<metric>@<group>``}."""
+    tag = f"{metric}@"
+    return {c: {k[len(tag) :]: v for k, v in m.items() if k.startswith(tag)} for c, m in evaluations.items()}
 
 
 def by_group(per_seed: Seeds, order: Callable[[str], Any] = str) -> dict[str, dict[str, Any]]:
@@ -40,14 +45,17 @@ def by_group(per_seed: Seeds, order: Callable[[str], Any] = str) -> dict[str, di
     return out
 
 
-def paired_points(method: Seeds, reference: Seeds, order: Callable[[str], Any] = str) -> dict[str, dict[str, float]]:
-    """{group: {"mean_pts", "low", "high", "p"}}: method minus reference in accuracy points over
-    the (seed, client) pairs. Raises ValueError when the two differ in seeds or clients."""
+def paired_points(
+    method: Seeds, reference: Seeds, order: Callable[[str], Any] = str, scale: float = 100.0
+) -> dict[str, dict[str, float]]:
+    """{group: {"mean_pts", "low", "high", "p"}}: method minus reference over the (seed, client)
+    pairs, times ``scale`` (100: accuracy points; 1: a loss's own units). Raises ValueError when
+    the two differ in seeds or clients."""
     if len(method) != len(reference) or any(m.keys() != r.keys() for m, r in zip(method, reference)):
         raise ValueError("paired_points: the two methods need the same seeds and clients")
     out = {}
     for g in sorted(method[0][next(iter(method[0]))], key=order):
-        diffs = [100 * (m[c][g] - r[c][g]) for m, r in zip(method, reference) for c in m]
+        diffs = [scale * (m[c][g] - r[c][g]) for m, r in zip(method, reference) for c in m]
         d = paired_difference(diffs)
         out[g] = {"mean_pts": d.interval.mean, "low": d.interval.low, "high": d.interval.high, "p": d.p_value}
     return out
@@ -58,7 +66,8 @@ def cell(x: dict[str, Any]) -> str:
     return f"{100 * x['mean']:.1f}" + (f" ± {100 * x['half']:.1f}" if len(x["seeds"]) > 1 else "")
 
 
-def points(d: dict[str, float]) -> str:
-    """``+6.2 [-1.7, +14.2]``, bold when the interval excludes 0."""
-    s = f"{d['mean_pts']:+.1f} [{d['low']:+.1f}, {d['high']:+.1f}]"
+def points(d: dict[str, float], digits: int = 1) -> str:
+    """``+6.2 [-1.7, +14.2]`` (``digits`` decimals), bold when the interval excludes 0."""
+    f = f"+.{digits}f"
+    s = f"{d['mean_pts']:{f}} [{d['low']:{f}}, {d['high']:{f}}]"
     return f"**{s}**" if d["low"] > 0 or d["high"] < 0 else s
