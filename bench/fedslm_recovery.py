@@ -223,12 +223,13 @@ def main() -> None:
             if a.out:
                 a.out.parent.mkdir(parents=True, exist_ok=True)
                 a.out.write_text(json.dumps(partial, indent=1) + "\n")
-        runs.append(one("fedavg", None, a.rounds, a.seed, Path(tmp) / "fedavg"))
+        runs.append(one("fedavg", None, a.rounds, a.seed, Path(tmp) / "fedavg", a.extra))
     result = {
         "bench": "fedslm_recovery",
         "seed": a.seed,
         "rounds": a.rounds,
         "config": str(CONFIG.relative_to(ROOT)),
+        "overrides": a.extra,
         "runs": runs,
     }
     text = json.dumps(result, indent=1)
