@@ -87,13 +87,6 @@ def gates(run_dir: Path) -> dict[str, list[float]]:
     return {layer: torch.stack(v).mean(0).tolist() for layer, v in out.items()}
 
 
-def accuracies(evaluations: dict[str, dict[str, float]]) -> dict[str, dict[str, float]]:
-    """{client: {group: accuracy}} from {client: metrics with ``accuracy@<group>``}."""
-    from nestfed.experiments.accuracy_report import of_groups
-
-    return of_groups(evaluations)
-
-
 def backbone_rows(cfg, windows: dict[str, int]) -> dict[str, dict[str, dict[str, float]]]:
     """{label: {client: {group: accuracy}}} of the backbone under each ``model.attention_window``."""
     from dataclasses import replace

@@ -134,8 +134,8 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
 
 def chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int, last_only: bool = False) -> torch.Tensor:
     """Logits [B, T, V] of one chunk ids [B, T] whose first token sits at absolute position ``pos``
-    ([B, 1, V], the last position's, with ``last_only``)
-    (the streams' sinks shifted first, :func:`shift_sinks`). Each layer gets the rotary embedding
+    (with ``last_only``, [B, 1, V]: the last position's only, as generation needs), the streams'
+    sinks shifted first (:func:`shift_sinks`). Each layer gets the rotary embedding
     of its type at the chunk's positions (nestfed.nn.layer_inputs.layer_rotary); its bounded attention
     builds the mask over its stream's cache (the layer's own sliding window, the stream's window
     and sinks) in its attention implementation's format (nestfed.nn.layer_inputs.positional_mask)."""
