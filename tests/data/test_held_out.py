@@ -1,5 +1,7 @@
 """The server text: held out from every client's train blocks and test records."""
 
+from pathlib import Path
+
 import pytest
 
 from nestfed import methods
@@ -7,8 +9,11 @@ from nestfed.data import partition
 from nestfed.data.clients import build_client_data, load_partitions
 from nestfed.data.held_out import consumed_texts, load_server_text, server_pools, server_text
 from nestfed.data.sources import Document
+from nestfed.data.templates import example_text
 from nestfed.errors import ConfigError, DataError
-from nestfed.nn.backbone import byte_tokenizer
+from nestfed.nn.backbone import byte_tokenizer, load_backbone
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_consumed_texts_hand_computed():
@@ -51,5 +56,35 @@ def test_bbc_server_text_shares_no_block_with_any_client():
     assert tuple(server.input_ids.shape) == (10, 32)
     client_rows = {tuple(r.tolist()) for d in data.values() for t in (d.train_ids, d.test_ids) for r in t}
     assert not any(tuple(r.tolist()) in client_rows for r in server.input_ids)
-    with pytest.raises(ConfigError, match="causal_lm"):
-        load_server_text(methods.replace_config(cfg, data={"task": "instruction"}), tok, 4, loaded)
+    with pytest.raises(ConfigError, match="multiple_choice"):
+        load_server_text(methods.replace_config(cfg, data={"task": "multiple_choice"}), tok, 4, loaded)
+
+
+def test_instruction_server_text_packs_only_records_no_client_uses_in_the_runs_template():
+    cfg = methods.load_config(
+        ROOT / "configs" / "instructions" / "bbc_news.toml",
+        [
+            "model.name=tiny-llama",
+            "data.block_size=160",
+            "data.max_train=4",
+            "data.max_test=2",
+            "data.num_clients=3",
+            "lora.ranks=[2,4,4]",
+        ],
+    )
+    tok = load_backbone(cfg.model).tokenizer
+    loaded = load_partitions(cfg.data)
+    records, _, parts = loaded
+    pools = server_pools(records, parts, cfg.data.test_fraction, cfg.data.seed, tok, 160, 4, "instruction")
+    for cid, (idx, pool) in enumerate(zip(parts, pools)):
+        train, test = partition.train_test_split(idx, cfg.data.test_fraction, cfg.data.seed + cid)
+        assert pool == train[4:]  # one row per record: the first max_train train records are the client's
+    server = load_server_text(cfg, tok, blocks=6, loaded=loaded)
+    assert tuple(server.input_ids.shape) == (6, 160)
+    text = tok.decode(server.input_ids.flatten())
+    first = records[pools[0][0]]
+    exchange = example_text(tok, "chat", first.instruction, first.input, first.output)
+    assert exchange.startswith("<|im_start|>user\n") and f"<|im_start|>assistant\n{first.output}" in exchange
+    assert exchange.startswith(tok.decode(server.input_ids[0])[:-4])  # the pool's first record opens the text
+    used = {r.output for cid, idx in enumerate(parts) for r in (records[i] for i in idx if i not in pools[cid])}
+    assert not any(o in text for o in used if len(o) > 20)

@@ -7,10 +7,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from nestfed.cli import app
+from nestfed.evaluation.generation import Decoding, generate
+from nestfed.evaluation.lm import evaluate_lm
 from nestfed.evaluation.text_scores import answer_scores
+from nestfed.experiments.generated import prompts_and_references, stop_ids
 from nestfed.experiments.prepare import prepare
 from nestfed.experiments.run import run_method
 from nestfed.methods import load_config
@@ -83,3 +87,37 @@ def test_compare_shows_rouge_l_over_seeds(tmp_path):
     assert "ROUGE-L" in res.output
     md = next(tmp_path.rglob("comparison.md")).read_text()
     assert "ROUGE-L" in md and "vs prelort" in md
+
+
+FEDSLM = [
+    "compression.client_ratios=[0.3,0.5,0.7]",
+    "compression.train_layers=[-1]",
+    "compression.server_blocks=3",
+    "elicitation.steps=2",
+    "elicitation.batch_size=2",
+]
+
+
+def test_fedslm_clients_answer_with_their_compressed_models(tmp_path):
+    """Each FedSLM client answers with its group's SVD-compressed model and trained cores: its
+    answers are what that model generates one prompt at a time, the references' perplexity is that
+    model's (not the backbone's), and the scores are summarised per model group."""
+    cfg = load_config(CONFIG, [*OVERRIDES, *FEDSLM, f"output.dir={tmp_path}", "strategy.name=fedslm"])
+    prep = prepare(cfg)
+    s = run_method(prep, cfg, tmp_path / "run")
+    g = s["generation"]
+    assert set(g["by_rank"]) == {"group 0", "group 1", "group 2"} and "truncation_skipped" in g
+    (setup,) = prep.cache["compressed"].values()
+    tok = prep.backbone.tokenizer
+    lines = [json.loads(x) for x in (tmp_path / "run" / "generations" / "final.jsonl").read_text().splitlines()]
+    decoding = Decoding(cfg.generation.max_new_tokens, 0.0, 1.0, 0)
+    for cid, d in sorted(prep.data.items()):
+        model = setup.models[setup.client_group[cid]]  # holds the cores the client answered with
+        prompts, _, idx = prompts_and_references(d, cfg.generation.rows, tok)
+        mine = [x["answer"] for x in lines if x["client"] == cid]
+        one_by_one = [generate(model, [p], decoding, stop_ids(tok), tok.pad_token_id, 1)[0] for p in prompts]
+        assert mine == [tok.decode(o, skip_special_tokens=True).strip() for o in one_by_one]
+        sel = torch.tensor(idx)
+        ppl = evaluate_lm(model, d.test_labels[sel], d.test_ids[sel])["ppl"]
+        assert g["clients"][str(cid)]["ppl"] == pytest.approx(ppl, rel=1e-5)
+        assert evaluate_lm(prep.backbone.model, d.test_labels[sel], d.test_ids[sel])["ppl"] != pytest.approx(ppl)

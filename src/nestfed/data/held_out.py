@@ -11,12 +11,14 @@ setting, arXiv 2607.29071 step 4) while no record is shared with any client's tr
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from nestfed.data import partition, tasks
+from nestfed.data import partition, tasks, templates
 from nestfed.data.clients import load_partitions
+from nestfed.data.tasks import _field
 from nestfed.errors import ConfigError, DataError
 
 
@@ -42,34 +44,44 @@ def server_pools(
     tokenizer,
     block_size: int,
     max_train: int,
+    task: str = "causal_lm",
 ) -> list[list[int]]:
-    """Per client, the indices of its records used by no client (neither train blocks nor test).
+    """Per client, the indices of its records used by no client (neither train rows nor test).
 
-    Mirrors build_client_data's split (seed + cid) and packing (causal_lm). Returns one index list
-    per client, in the split's order.
+    Mirrors build_client_data's split (seed + cid) and its use of the train records: packing for
+    ``task = "causal_lm"`` (:func:`consumed_texts`), the first ``max_train`` records for
+    ``"instruction"`` (one row each). Returns one index list per client, in the split's order.
     """
     pools = []
     for cid, idx in enumerate(parts):
         train_idx, _ = partition.train_test_split(idx, test_fraction, seed + cid)
-        texts = [records[i].text for i in train_idx]
-        n = consumed_texts(texts, tokenizer, block_size, max_train)
+        if task == "causal_lm":
+            n = consumed_texts([records[i].text for i in train_idx], tokenizer, block_size, max_train)
+        else:
+            n = min(max_train, len(train_idx))
         pools.append(list(train_idx[n:]))
     return pools
 
 
 def server_text(
-    records: Sequence, pools: Sequence[Sequence[int]], tokenizer, block_size: int, blocks: int
+    records: Sequence,
+    pools: Sequence[Sequence[int]],
+    tokenizer,
+    block_size: int,
+    blocks: int,
+    as_text: Callable[[Any], str] = lambda r: r.text,
 ) -> tasks.TokenDataset:
     """``blocks`` blocks of ``block_size`` tokens drawn evenly from the clients' pools (ceil(blocks/K)
     per client, packed per client, then cut to ``blocks``). input_ids/labels [blocks, block_size];
-    the labels are only for evaluation: elicitation never reads them.
+    the labels are only for evaluation: elicitation never reads them. as_text: a record's text
+    (its ``text``; an instruction record's whole exchange in the run's template).
 
     Raises DataError when the pools cannot fill the blocks.
     """
     per = math.ceil(blocks / max(len(pools), 1))
     parts = []
     for cid, pool in enumerate(pools):
-        ds = tasks.pack_causal_lm([records[i].text for i in pool], tokenizer, block_size, max_blocks=per)
+        ds = tasks.pack_causal_lm([as_text(records[i]) for i in pool], tokenizer, block_size, max_blocks=per)
         if len(ds) < per:
             raise DataError(
                 f"client {cid}: only {len(ds)} held-out blocks for the server text "
@@ -81,16 +93,29 @@ def server_text(
 
 
 def load_server_text(cfg, tokenizer, blocks: int, loaded=None) -> tasks.TokenDataset:
-    """The server text of an experiment config (needs ``data.task = "causal_lm"``).
+    """The server text of an experiment config: for ``data.task = "causal_lm"`` the held-out
+    documents packed, for ``"instruction"`` the held-out records' whole exchanges in
+    ``data.template`` (:func:`nestfed.data.templates.example_text`) packed the same way.
 
     loaded: the result of :func:`nestfed.data.clients.load_partitions` (read here when None).
-    Raises ConfigError (another task) or DataError (too little held-out text).
+    Raises ConfigError (another task, a template the tokenizer cannot render) or DataError (too
+    little held-out text).
     """
     d = cfg.data
-    if d.task != "causal_lm":
-        raise ConfigError(
-            f"data.task: the server text is packed for language modelling and needs 'causal_lm', got '{d.task}'"
-        )
+    if d.task not in ("causal_lm", "instruction"):
+        raise ConfigError(f"data.task: the server text is packed from documents or instruction records, got '{d.task}'")
     records, _, parts = loaded or load_partitions(d)
-    pools = server_pools(records, parts, d.test_fraction, d.seed, tokenizer, d.block_size, d.max_train)
-    return server_text(records, pools, tokenizer, d.block_size, blocks)
+    pools = server_pools(records, parts, d.test_fraction, d.seed, tokenizer, d.block_size, d.max_train, d.task)
+    if d.task == "causal_lm":
+        return server_text(records, pools, tokenizer, d.block_size, blocks)
+    try:
+        templates.check_template(tokenizer, d.template)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+    def exchange(r) -> str:
+        return templates.example_text(
+            tokenizer, d.template, _field(r, "instruction"), _field(r, "input", ""), _field(r, "output")
+        )
+
+    return server_text(records, pools, tokenizer, d.block_size, blocks, exchange)

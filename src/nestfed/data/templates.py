@@ -71,6 +71,20 @@ def prompt_ids(tokenizer, template: str, instruction: str, input: str = "") -> l
     return _bos(tokenizer) + _encode(tokenizer, [text])[0]
 
 
+def example_text(tokenizer, template: str, instruction: str, input: str, output: str) -> str:
+    """One record's whole exchange as text in ``template`` (the prompt, then the response; the
+    chat template's turns with their markers), for text that is read rather than trained on
+    response-only: FedSLM's server text (nestfed.data.held_out). Raises ValueError as
+    :func:`check_template`."""
+    check_template(tokenizer, template)
+    if template == "chat":
+        messages = [{"role": "user", "content": _user(instruction, input)}, {"role": "assistant", "content": output}]
+        return tokenizer.apply_chat_template(messages, tokenize=False)
+    if template == "alpaca":
+        return alpaca_prompt(instruction, input) + output
+    return flowertune_prompt(instruction, input) + " " + output
+
+
 def example_row(
     tokenizer, template: str, instruction: str, input: str, output: str, max_length: int
 ) -> tuple[list[int], list[int]]:

@@ -137,8 +137,9 @@ def _answers(
     return rows, scores
 
 
-def _summaries(per_client: dict[str, dict[str, float]], ranks: dict[str, int]) -> dict[str, Any]:
-    """Over all clients and per rank group: each metric's mean with its 95% half width over clients."""
+def _summaries(per_client: dict[str, dict[str, float]], ranks: dict[str, int | str]) -> dict[str, Any]:
+    """Over all clients and per rank group (``ranks``: {cid: its rank, or its model group's name}):
+    each metric's mean with its 95% half width over clients."""
 
     def stats(cids: list[str]) -> dict[str, dict[str, float]]:
         out = {}
@@ -149,10 +150,18 @@ def _summaries(per_client: dict[str, dict[str, float]], ranks: dict[str, int]) -
                 out[m] = {"mean": i.mean, "half": i.half_width}
         return out
 
-    groups: dict[int, list[str]] = {}
+    groups: dict[int | str, list[str]] = {}
     for c in per_client:
         groups.setdefault(ranks.get(c, 0), []).append(c)
-    return {"all": stats(list(per_client)), "by_rank": {str(r): stats(cs) for r, cs in sorted(groups.items())}}
+    order = sorted(groups, key=lambda r: (isinstance(r, str), str(r).zfill(8)))
+    return {"all": stats(list(per_client)), "by_rank": {str(r): stats(groups[r]) for r in order}}
+
+
+def rank_groups(trainer: Any, ranks: dict[str, int]) -> dict[str, int | str]:
+    """{cid: the group its scores are summarised under}: its LoRA rank, or, for a client without
+    one (rank 0) run by a trainer of model groups (``group_of``: {cid: group}), ``"group <g>"``."""
+    group_of = getattr(trainer, "group_of", None) or {}
+    return {c: (f"group {group_of[int(c)]}" if not r and int(c) in group_of else r) for c, r in ranks.items()}
 
 
 def generated_evaluation(
@@ -184,10 +193,10 @@ def generated_evaluation(
             return {"skipped": f"client {cid} runs no LoRA client trainer to generate with"}
         arrays, scale = strategy.deploy(state, cid)
         rows, per_client[str(cid)] = _answers(own, cid, arrays, scale, False, cfg, tokenizer, count)
-        lines += [{"client": cid, "rank": ranks.get(str(cid)), **r} for r in rows]
+        lines += [{"client": cid, "rank": rank_groups(trainer, ranks).get(str(cid)), **r} for r in rows]
     atomic.write_text(run_dir / "generations" / "final.jsonl", "".join(json.dumps(x) + "\n" for x in lines))
     out["clients"] = per_client
-    out.update(_summaries(per_client, ranks))
+    out.update(_summaries(per_client, rank_groups(trainer, ranks)))
     if g.ranks:
         out.update(_truncated(cfg, trainer, strategy, state, clients, tokenizer, run_dir, count))
     out["seconds"] = time.perf_counter() - t0
