@@ -29,13 +29,13 @@ def plain(tiny_llama):
     return tiny_llama.model.double()
 
 
-def hf_generate(model, prompts, n) -> list[list[int]]:
+def hf_generate(model, prompts, n, stop=STOP) -> list[list[int]]:
     """transformers' greedy generate, one prompt at a time (no padding at all)."""
     out = []
     for p in prompts:
         x = torch.tensor([p])
         y = model.generate(
-            x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, eos_token_id=STOP, pad_token_id=PAD
+            x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False, eos_token_id=stop, pad_token_id=PAD
         )
         out.append(y[0, len(p) :].tolist())
     return out
@@ -79,6 +79,23 @@ def test_stopping_at_a_stop_token_keeps_it_and_ends_the_row(tiny_llama):
     free = generate(model, PROMPTS[:1], Decoding(max_new_tokens=6), [STOP], PAD)[0]
     got = generate(model, PROMPTS[:1], Decoding(max_new_tokens=6), [free[2]], PAD)[0]
     assert got == free[: free.index(free[2]) + 1]
+
+
+def test_rows_that_stop_early_leave_the_batch_without_changing_any_row(tiny_llama):
+    """A stop token that ends some rows after one or two tokens and others never: the batch drops
+    the stopped rows from its cache mid-way, and every row is still what it is alone and what
+    transformers' generate gives (greedy), and batch-invariant (sampled)."""
+    model = plain(tiny_llama)
+    free = generate(model, PROMPTS, Decoding(max_new_tokens=6), [STOP], PAD, batch_size=1)
+    stop = free[1][1]  # the second prompt stops at its second token
+    got = generate(model, PROMPTS, Decoding(max_new_tokens=6), [stop], PAD, batch_size=5)
+    lengths = [len(g) for g in got]
+    assert lengths[1] == 2 and max(lengths) == 6 and len(set(lengths)) > 1  # rows did leave early
+    assert got == hf_generate(model, PROMPTS, 6, stop)
+    d = Decoding(max_new_tokens=8, temperature=1.5, seed=5)
+    sampled = generate(model, PROMPTS, d, [stop, free[0][0]], PAD, batch_size=5)
+    assert sampled == [generate(model, [p], d, [stop, free[0][0]], PAD)[0] for p in PROMPTS[:1]] + sampled[1:]
+    assert sampled == generate(model, PROMPTS, d, [stop, free[0][0]], PAD, batch_size=1)
 
 
 @torch.no_grad()

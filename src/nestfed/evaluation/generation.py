@@ -8,7 +8,8 @@ Two paths, one result:
   attention mask and positions counted from each row's first real token; one prefill pass, then
   one token per step against transformers' ``DynamicCache`` -- what ``model.generate`` does
   (tested equal to it, with the adapter exported to PEFT, token for token). Prompts are batched
-  longest first (little padding) and only the last position's logits are computed.
+  longest first (little padding), only the last position's logits are computed, and a row that
+  stopped leaves the batch and its cache (``generate`` keeps computing it to the longest row).
 - **Stream** (a window, sinks or an enabled delta-rule memory: nestfed.nn.bounded_attention,
   nestfed.nn.memory): every prompt is a stream (nestfed.evaluation.streaming) with its sinks at
   their own positions, prefilled in one chunk, then one token per chunk, so each generated token
@@ -124,8 +125,17 @@ def generate(
     return [o for o in out if o is not None]
 
 
-def _finish(rows: list[list[int]], stop: set[int], d: Decoding, alive: list[bool], tokens: torch.Tensor) -> None:
-    for r, t in enumerate(tokens.tolist()):
+def _finish(
+    rows: list[list[int]],
+    stop: set[int],
+    d: Decoding,
+    alive: list[bool],
+    tokens: torch.Tensor,
+    live: Sequence[int] | None = None,
+) -> None:
+    """Append ``tokens`` [len(live)] to the rows ``live`` (default: every row) that are alive, and
+    mark those that stopped."""
+    for r, t in zip(range(len(rows)) if live is None else live, tokens.tolist()):
         if alive[r]:
             rows[r].append(t)
             if t in stop or len(rows[r]) >= d.max_new_tokens:
@@ -133,7 +143,8 @@ def _finish(rows: list[list[int]], stop: set[int], d: Decoding, alive: list[bool
 
 
 def _cache_batch(model, prompts, index, d: Decoding, stop: set[int], pad_id: int) -> list[list[int]]:
-    """Left-padded prompts through transformers' KV cache (module docstring)."""
+    """Left-padded prompts through transformers' KV cache (module docstring); a row that stopped
+    leaves the batch (its cache rows dropped), so short answers do not pay for long ones."""
     T = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), T), pad_id, dtype=torch.long)
     mask = torch.zeros((len(prompts), T), dtype=torch.long)
@@ -144,6 +155,7 @@ def _cache_batch(model, prompts, index, d: Decoding, stop: set[int], pad_id: int
     cache = DynamicCache(config=model.config)
     rows: list[list[int]] = [[] for _ in prompts]
     alive = [True] * len(prompts)
+    live = list(range(len(prompts)))  # the rows still in the batch, in its order
     step_ids = ids
     while True:
         position_ids = (mask.cumsum(1) - 1).clamp(min=0)[:, -step_ids.shape[1] :]
@@ -156,12 +168,17 @@ def _cache_batch(model, prompts, index, d: Decoding, stop: set[int], pad_id: int
                 use_cache=True,
                 logits_to_keep=1,  # the next token's logits only: no [B, T, V] at the prefill
             ).logits[:, -1]
-        nxt = _pick(logits, d, gens).cpu()
-        _finish(rows, stop, d, alive, nxt)
-        if not any(alive):
+        nxt = _pick(logits, d, [gens[r] for r in live]).cpu()
+        _finish(rows, stop, d, alive, nxt, live)
+        keep = [j for j, r in enumerate(live) if alive[r]]
+        if not keep:
             return rows
+        if len(keep) < len(live):
+            sel = torch.tensor(keep)
+            cache.batch_select_indices(to_model(model, sel))
+            mask, nxt, live = mask[sel], nxt[sel], [live[j] for j in keep]
         step_ids = nxt.unsqueeze(1)
-        mask = torch.cat([mask, torch.ones((len(prompts), 1), dtype=torch.long)], dim=1)
+        mask = torch.cat([mask, torch.ones((len(live), 1), dtype=torch.long)], dim=1)
 
 
 def _stream_bounds(model: nn.Module) -> tuple[int, int]:
