@@ -64,10 +64,8 @@ def table(result: dict) -> str:
             else f"{result['sink']}, at positions 0-{result['sink'] - 1}"
         )
     )
-    names = {
-        "fednl": "FedNL" + (f" ({result['label']})" if result.get("label") else ""),
-        "fedavg_window": "FedAvg, window",
-    }
+    label = f" ({result['label']})" if result.get("label") else ""
+    names = {"fednl": "FedNL" + label, "fedavg_window": "FedAvg, window" + label}
     out = [
         "| sinks | stream | bins 1-12 (relative) | bins 13-16 (relative) | last / first | mean CE (nats) |",
         "|---|---|---|---|---|---|",
