@@ -4,6 +4,7 @@ clients' padded replies computed by hand, and equal to ZeroPad's when every n_k 
 
 import importlib
 import re
+import shlex
 import sys
 from pathlib import Path
 
@@ -14,14 +15,18 @@ from nestfed import methods
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
-OVERRIDES = [
-    "strategy.name=uniform_pad",
-    "data.num_clients=3",
-    "lora.ranks=[2,4,8]",
-    "federation.rounds=1",
-    "train.threads=1",
-    "output.plots=false",
-]
+
+
+def page_overrides() -> list[str]:
+    """The ``--set`` overrides of the page's tiny-model run command, as the page writes them."""
+    page = (ROOT / "docs" / "tutorial.md").read_text().replace("\\\n", " ")
+    line = next(ln for ln in page.splitlines() if "nestfed run configs/tiny.toml" in ln)
+    words = shlex.split(line)
+    return [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+
+
+# the page's command, made one round on one thread without plots
+OVERRIDES = [*page_overrides(), "federation.rounds=1", "train.threads=1", "output.plots=false"]
 
 
 @pytest.fixture

@@ -3,6 +3,7 @@ seeded; Dirichlet skew follows alpha, pathological clients hold their number of 
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from itertools import combinations
 
@@ -12,6 +13,7 @@ import pytest
 from nestfed.data.partition import (
     by_label,
     dirichlet,
+    dirichlet_serves,
     iid,
     inner_dirichlet,
     largest_dirichlet,
@@ -83,12 +85,17 @@ def test_dirichlet_impossible():
     with pytest.raises(ValueError, match="alpha"):
         dirichlet(["a"] * 5, num_clients=2, alpha=0.0)
     # 2 labels x 5 items over 5 clients, each needing 2 of them, with near-one-hot proportions
+    labels = ["a"] * 5 + ["b"] * 5
     with pytest.raises(
-        ValueError,
-        match=r"dirichlet: .*at most 2 clients can be served; for 5: partition = "
-        r"'inner_dirichlet' .* unit = 'block' .* or a larger alpha",
-    ):
-        dirichlet(["a"] * 5 + ["b"] * 5, num_clients=5, alpha=0.001, min_size=2)
+        ValueError, match=r"at most 2 clients can be served; for 5: partition = 'inner_dirichlet'"
+    ) as err:
+        dirichlet(labels, num_clients=5, alpha=0.001, min_size=2)
+    # every remedy the message names works: inner_dirichlet, and the alpha it computed
+    alpha = float(re.search(r"alpha = ([0-9.e+-]+) \(the smallest", str(err.value)).group(1))
+    assert alpha == pytest.approx(0.001 * 2**10)
+    assert [len(p) for p in inner_dirichlet(labels, 5, 0.001)] == [2] * 5
+    assert min(len(p) for p in dirichlet(labels, num_clients=5, alpha=alpha, min_size=2)) >= 2
+    assert not dirichlet_serves(labels, 5, alpha / 2, min_size=2)  # ... and is the smallest of the ladder
 
 
 def test_iid():

@@ -132,10 +132,25 @@ def dirichlet(
         most = largest_dirichlet(labels, alpha, seed, min_size, num_clients - 1)
         raise ValueError(
             f"dirichlet: {exc} (alpha={alpha}, N={n}, {num_clients} clients, min_size {min_size}); "
-            f"at this alpha and min_size at most {most} clients can be served; for {num_clients}: partition = "
-            "'inner_dirichlet' (equal shares, the same label mixes), unit = 'block' (the corpus as "
-            "blocks: more items), or a larger alpha"
+            f"at this alpha and min_size at most {most} clients can be served; for {num_clients}: "
+            + dirichlet_remedies(labels, num_clients, alpha, seed, min_size)
         ) from None
+
+
+def dirichlet_remedies(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int, min_size: int) -> str:
+    """What would serve ``num_clients`` where :func:`dirichlet` at ``alpha`` cannot, each checked
+    on these labels: ``partition = 'inner_dirichlet'`` (equal shares; works for up to N clients)
+    and the smallest alpha among ``alpha * 2**k`` (k = 1..10) at which :func:`dirichlet` succeeds
+    with this seed, when one does."""
+    options = []
+    if num_clients <= len(labels):
+        options.append("partition = 'inner_dirichlet' (equal shares, the same label mixes)")
+    ds = _label_dataset(labels)
+    for k in range(1, 11):
+        if dirichlet_serves(ds, num_clients, alpha * 2**k, seed, min_size):
+            options.append(f"alpha = {alpha * 2**k:g} (the smallest of alpha x 2^k that serves them)")
+            break
+    return " or ".join(options) if options else "fewer clients"
 
 
 def _dirichlet_partitioner(num_clients: int, alpha: float, min_size: int, seed: int):
@@ -152,30 +167,38 @@ def largest_dirichlet(
     """The largest client count up to ``upper`` (default N) for which :func:`dirichlet` succeeds
     with this seed, by bisection (a failure above a success is assumed, as the draws' retries make
     it in practice); 0 when even one client fails."""
-    import datasets
-
-    datasets.disable_progress_bars()
-    ds = datasets.Dataset.from_dict({"label": [str(x) for x in labels], "index": list(range(len(labels)))})
-
-    def ok(k: int) -> bool:
-        part = _dirichlet_partitioner(k, alpha, min_size, seed)
-        part.dataset = ds
-        try:
-            with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                part.load_partition(0)
-            return True
-        except ValueError:
-            return False
-
+    ds = _label_dataset(labels)
     lo, hi = 0, min(upper if upper is not None else len(labels), len(labels) // max(min_size, 1))
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if ok(mid):
+        if dirichlet_serves(ds, mid, alpha, seed, min_size):
             lo = mid
         else:
             hi = mid - 1
     return lo
+
+
+def _label_dataset(labels: Sequence[Hashable]):
+    import datasets
+
+    datasets.disable_progress_bars()
+    return datasets.Dataset.from_dict({"label": [str(x) for x in labels], "index": list(range(len(labels)))})
+
+
+def dirichlet_serves(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 1) -> bool:
+    """Whether :func:`dirichlet` succeeds for ``num_clients`` on ``labels`` (a label sequence, or
+    the ``datasets.Dataset`` of them this module builds) at this alpha, seed and min_size."""
+    if num_clients < 1 or num_clients * min_size > len(labels):
+        return False
+    part = _dirichlet_partitioner(num_clients, alpha, min_size, seed)
+    part.dataset = labels if hasattr(labels, "column_names") else _label_dataset(labels)
+    try:
+        with contextlib.redirect_stderr(io.StringIO()), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            part.load_partition(0)
+        return True
+    except ValueError:
+        return False
 
 
 def inner_dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int = 0) -> list[list[int]]:
