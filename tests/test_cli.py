@@ -495,3 +495,26 @@ def test_compare_of_runs_that_share_a_label_and_seed_is_one_line(tmp_path, cli):
     r = cli("compare", str(a), str(b), "--plot", str(tmp_path / "c.png"), cwd=tmp_path)
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr[-2000:]
     assert "set output.label on them" in r.stderr.strip().splitlines()[-1]
+
+
+def test_methods_lists_every_method_in_aligned_columns(tmp_path, cli):
+    from nestfed import methods
+
+    r = cli("methods", cwd=tmp_path)
+    assert r.returncode == 0
+    lines = r.stdout.splitlines()
+    assert [ln.split()[0] for ln in lines] == list(methods.REGISTRY)
+    where = {ln.index(" flower ") if " flower " in ln else ln.index(" embedded only ") for ln in lines}
+    assert len(where) == 1  # the third column starts at one offset, past the longest name and sections
+
+
+def test_methods_name_shows_the_options_with_defaults_and_meaning(tmp_path, cli):
+    r = cli("methods", "prelort", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    row = next(ln for ln in r.stdout.splitlines() if "prelort.min_holders" in ln)
+    assert row.split("│")[2].strip() == "0" and "held by fewer clients" in row
+    r = cli("methods", "fednl", cwd=tmp_path)
+    row = next(ln for ln in r.stdout.splitlines() if "fednl.rule_lr" in ln)
+    assert row.split("│")[2].strip() == "0.01"
+    r = cli("methods", "fedsgd", cwd=tmp_path)
+    assert r.returncode == 2 and "methods: unknown method 'fedsgd' (known: prelort, zeropad" in r.stderr

@@ -35,6 +35,7 @@ app = typer.Typer(
     no_args_is_help=True,
     pretty_exceptions_show_locals=False,
     help="Federated fine-tuning of LLMs under heterogeneity.",
+    rich_markup_mode="markdown",  # a docstring's paragraph is rewrapped to the terminal, not broken at its source lines
 )
 console = Console(stderr=True, highlight=False)
 out = Console(width=max(Console().width, 132), highlight=False)
@@ -478,11 +479,43 @@ def eval_(
 
 
 @app.command("methods")
-def list_methods() -> None:
-    """The registered methods: name, the config sections they own, whether they run on Flower."""
-    for m in methods.REGISTRY.values():  # plain lines: one per method, whatever the terminal's width
-        sections = ", ".join(f"[{s}]" for s in m.sections) or "-"
-        print(f"{m.name:10s} {sections:30s} {'flower' if m.on_flower else 'embedded only':14s} {m.summary}")
+def list_methods(
+    name: Annotated[Optional[str], typer.Argument(help="a method: show its options, defaults and meaning")] = None,
+) -> None:
+    """The registered methods: name, the config sections they own, whether they run on Flower; with
+    NAME, that method's options (section, key, default, meaning)."""
+    if name is None:
+        rows = [
+            (
+                m.name,
+                ", ".join(f"[{s}]" for s in m.sections) or "-",
+                "flower" if m.on_flower else "embedded only",
+                m.summary,
+            )
+            for m in methods.REGISTRY.values()
+        ]
+        widths = [max(len(r[i]) for r in rows) for i in range(3)]
+        for r in rows:  # plain lines: one per method, whatever the terminal's width
+            print(" ".join(f"{v:{w}s}" for v, w in zip(r, widths)), r[3])
+        return
+    if name not in methods.REGISTRY:
+        raise NestfedError(f"methods: unknown method '{name}' (known: {', '.join(methods.REGISTRY)})")
+    from rich.table import Table
+
+    from nestfed.config.option_docs import option_docs
+
+    m = methods.REGISTRY[name]
+    out.print(f"{m.name}: {m.summary}", markup=False)
+    if not m.sections:
+        out.print(
+            "no options of its own: the core sections apply ([lora], [train], ...: docs/reference.md)", markup=False
+        )
+        return
+    table = Table("option", "default", "meaning", show_lines=False)
+    for section, cls in m.sections.items():
+        for doc in option_docs(cls):
+            table.add_row(f"{section}.{doc.key}", doc.default, doc.meaning or "-")
+    out.print(table)
 
 
 def main() -> None:

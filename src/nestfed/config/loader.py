@@ -289,7 +289,37 @@ def load(
             data = migrate(data, schema)
     if overrides:  # a value at fault may come from either
         source = f"{source} with --set {' '.join(overrides)}" if path is not None else f"--set {' '.join(overrides)}"
-    return from_dict(apply_overrides(data, overrides), source, schema)
+    data = apply_overrides(data, overrides)
+    given = {} if stored else resolve_paths(data)
+    cfg = from_dict(data, source, schema)
+    return dataclasses.replace(cfg, given=MappingProxyType(given)) if given else cfg
+
+
+#: (section, key) of the fields that name a file or directory: made absolute when a config is loaded
+PATH_FIELDS = (("model", "name"), ("model", "cache_dir"), ("data", "path"), ("population", "elastic_trace"))
+
+
+def resolve_paths(data: dict[str, Any]) -> dict[str, str]:
+    """Make the path fields of ``data`` (parsed TOML tables, changed in place) absolute against the
+    working directory, so a run directory works from any folder: ``model.name`` when it names an
+    existing directory (a built-in model's name stays a name), ``data.path`` and
+    ``population.elastic_trace`` when they exist (a missing one keeps its text for the error that
+    names it), ``model.cache_dir`` always. Returns ``{"section.key": value as written}`` for every
+    field it changed."""
+    given = {}
+    for section, key in PATH_FIELDS:
+        table = data.get(section)
+        value = table.get(key) if isinstance(table, dict) else None
+        if not isinstance(value, str) or not value:
+            continue
+        path = Path(value).expanduser()
+        if (key == "name" and not path.is_dir()) or (key != "cache_dir" and not path.exists()):
+            continue
+        resolved = str(path.resolve())
+        if resolved != value:
+            table[key] = resolved
+            given[f"{section}.{key}"] = value
+    return given
 
 
 def to_dict(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:
@@ -317,6 +347,8 @@ def dumps_toml(cfg: ExperimentConfig) -> str:
                 text = "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value) + "}"
             else:
                 text = _toml_value(value)
+            if f"{section}.{key}" in cfg.given:  # the path as written, beside its resolved value
+                text += f"  # given as {_toml_value(cfg.given[f'{section}.{key}'])}"
             lines.append(f"{key} = {text}")
         lines.append("")
     return "\n".join(lines)

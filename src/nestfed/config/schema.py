@@ -229,6 +229,9 @@ class ExperimentConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     sections: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
+    #: the path fields as written where loading made them absolute ({"model.name": "models/my-llama"}):
+    #: config.toml records each beside its resolved value; not part of the experiment (never compared)
+    given: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False)
 
     def section(self, name: str) -> Any:
         """The options dataclass of a method's section. Raises KeyError naming the section when the

@@ -1,0 +1,30 @@
+"""``nestfed methods NAME``'s reading of an options dataclass: each field's default and the
+meaning its docstring gives it."""
+
+from dataclasses import dataclass, field
+
+from nestfed.config.option_docs import OptionDoc, option_docs
+
+
+@dataclass(frozen=True)
+class Options:
+    """mode: ``fast`` or ``exact`` (see :func:`~nestfed.ops.delta_rule.chunk_delta_rule`); steps: local
+    steps per round; a, b: described together; ranks: the ranks. Raises ValueError for a bad mode."""
+
+    mode: str = "fast"
+    steps: int = 3
+    a: float = 0.5
+    b: bool = True
+    ranks: tuple[int, ...] = field(default_factory=lambda: (2, 4))
+    undocumented: int = 0
+
+
+def test_each_field_gets_its_default_and_its_own_meaning():
+    assert option_docs(Options) == [
+        OptionDoc("mode", '"fast"', "`fast` or `exact` (see chunk_delta_rule)"),
+        OptionDoc("steps", "3", "local steps per round"),
+        OptionDoc("a", "0.5", "described together"),
+        OptionDoc("b", "true", "described together"),
+        OptionDoc("ranks", "[2, 4]", "the ranks."),
+        OptionDoc("undocumented", "0", ""),
+    ]
