@@ -518,3 +518,53 @@ def test_methods_name_shows_the_options_with_defaults_and_meaning(tmp_path, cli)
     assert row.split("│")[2].strip() == "0.01"
     r = cli("methods", "fedsgd", cwd=tmp_path)
     assert r.returncode == 2 and "methods: unknown method 'fedsgd' (known: prelort, zeropad" in r.stderr
+
+
+def _without_times(obj):
+    """A metrics line without its wall-clock fields (they differ between any two runs)."""
+    if isinstance(obj, dict):
+        return {k: _without_times(v) for k, v in obj.items() if "time" not in k and k != "timing"}
+    return [_without_times(v) for v in obj] if isinstance(obj, list) else obj
+
+
+@pytest.mark.parametrize("method,ranks", [("fedavg", "[4,4]"), ("prelort", "[2,4]")])
+def test_a_finished_run_continued_for_more_rounds_equals_one_run_of_them_all(tmp_path, cli, method, ranks):
+    import torch
+
+    from nestfed.federation.run_dir import RunDir
+
+    runs = tmp_path / "runs"
+    args = [
+        "run",
+        str(TINY),
+        "--set",
+        f"output.dir={runs}",
+        "--set",
+        "data.num_clients=2",
+        "--set",
+        f"lora.ranks={ranks}",
+    ]
+    args += ["--set", f"strategy.name={method}", "--set", "output.plots=false"]
+    assert cli(*args, "--set", "federation.rounds=4", "--set", "output.name=four", cwd=tmp_path).returncode == 0
+    assert cli(*args, "--set", "federation.rounds=2", "--set", "output.name=two", cwd=tmp_path).returncode == 0
+    four, two = sorted(runs.glob("four-*"))[0], sorted(runs.glob("two-*"))[0]
+    r = cli("run", "--resume", str(two), cwd=tmp_path)  # nothing more asked: refused, saying how to continue
+    assert r.returncode == 2 and "has finished (summary.json exists); --set federation.rounds=N" in r.stderr
+    r = cli("run", "--resume", str(two), "--set", "federation.rounds=4", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "config.toml now has federation.rounds: 2 -> 4" in r.stderr
+    assert (four / "adapter/adapter_model.safetensors").read_bytes() == (
+        two / "adapter/adapter_model.safetensors"
+    ).read_bytes()
+    for rnd in range(5):  # every round's global arrays, bit for bit
+        a, b = (RunDir(d).load_checkpoint(d / "checkpoints" / f"round_{rnd:03d}.safetensors") for d in (four, two))
+        assert list(a.state.arrays) == list(b.state.arrays)  # in the same order
+        assert all(torch.equal(a.state.arrays[k], b.state.arrays[k]) for k in a.state.arrays)
+    lines = [
+        [_without_times(json.loads(x)) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (four, two)
+    ]
+    assert [x["round"] for x in lines[1]] == [0, 1, 2, 3, 4]
+    for x, y in zip(*lines):  # losses, evaluations, bytes equal; an update's norm (a float64 sum whose
+        for c in x.get("clients", {}):  # reduction order follows the thread pool) to the last bits
+            assert x["clients"][c].pop("update_norm") == pytest.approx(y["clients"][c].pop("update_norm"), rel=1e-12)
+        assert x == y

@@ -203,21 +203,29 @@ def _report(
         out.print(seed_report.truncation_markdown(curves), markup=False)
 
 
-def _resumable(path: Path) -> tuple[dict[str, Path], Path | None]:
-    """Unfinished method runs under ``path`` (a run directory, or a multi-method parent, over seeds
-    or not), keyed by their path below the parent (``prelort``, ``seed1/prelort``)."""
+def _resumable(path: Path, overrides: list[str]) -> tuple[dict[str, Path], Path | None]:
+    """The method runs under ``path`` (a run directory, or a multi-method parent, over seeds or not)
+    to continue, keyed by their path below the parent (``prelort``, ``seed1/prelort``): the
+    unfinished ones, and finished ones whose ``--set federation.rounds`` asks for more rounds."""
     from nestfed.federation.run_dir import RunDir
 
+    def wanted(p: Path) -> bool:
+        if not RunDir(p).finished:
+            return True
+        asked = methods.load_run_config(p / "config.toml", overrides).federation.rounds
+        return asked > methods.load_run_config(p / "config.toml").federation.rounds
+
+    more = "; --set federation.rounds=N with N above its rounds continues it"
     if (path / "config.toml").is_file():
-        if RunDir(path).finished:
-            raise NestfedError(f"--resume: {path} has finished (summary.json exists)")
+        if not wanted(path):
+            raise NestfedError(f"--resume: {path} has finished (summary.json exists){more}")
         return {methods.load_run_config(path / "config.toml").strategy.name: path}, None
     subs = sorted({p.parent for p in [*path.glob("*/config.toml"), *path.glob("*/*/config.toml")]})
     if not subs:
         raise NestfedError(f"--resume: {path} is not a nestfed run directory (no config.toml)")
-    todo = {str(p.relative_to(path)): p for p in subs if not RunDir(p).finished}
+    todo = {str(p.relative_to(path)): p for p in subs if wanted(p)}
     if not todo:
-        raise NestfedError(f"--resume: every run under {path} has finished")
+        raise NestfedError(f"--resume: every run under {path} has finished{more}")
     return todo, path if len(subs) > 1 else None
 
 
@@ -269,7 +277,12 @@ def run(
     methods_: Annotated[
         Optional[str], typer.Option("--methods", help="comma-separated methods run on the same clients, then compared")
     ] = None,
-    resume: Annotated[Optional[Path], typer.Option(help="continue an interrupted run directory")] = None,
+    resume: Annotated[
+        Optional[Path],
+        typer.Option(
+            help="continue an interrupted run directory (a finished one: with --set federation.rounds=N, more)"
+        ),
+    ] = None,
     seeds: Annotated[
         int,
         typer.Option(
@@ -289,7 +302,7 @@ def run(
                 "--resume runs the run directory's own config and methods; drop CONFIG and --methods "
                 "(--set may restate a value or raise federation.rounds)"
             )
-        todo, parent = _resumable(resume)
+        todo, parent = _resumable(resume, set_ or [])
         cfgs = _resume_configs(todo, set_ or [])
         _run_methods(cfgs, todo, resume=True)
         run_dirs = _finished(parent) if parent is not None else list(todo.values())

@@ -274,6 +274,7 @@ class RunDir:
             "round": str(rnd),
             "meta": json.dumps(state.meta),
             "client_state": KEPT if client_state is not None else ON_NODES,
+            "order": json.dumps(list(tensors)),  # safetensors sorts its keys; a resume gets the run's order back
         }
         if self.config_text is not None:  # what a resume checks config.toml against (tamper-evident)
             meta["config"] = self.config_text
@@ -288,6 +289,8 @@ class RunDir:
                 md = dict(f.metadata() or {})
             raw = load_file(str(path))
             rnd, meta = int(md["round"]), json.loads(md["meta"])
+            if "order" in md:  # the arrays in the order the run held them (sums over them are then the same)
+                raw = {k: raw[k] for k in json.loads(md["order"])}
         except (SafetensorError, OSError, KeyError, ValueError) as exc:
             raise DataError(f"{path}: not a readable nestfed checkpoint ({type(exc).__name__}: {exc})") from None
         if md.get("format") != FORMAT:  # before nestfed-checkpoint/2: client state in a file beside it
