@@ -123,3 +123,38 @@ def test_the_score_cache_keys_on_contents_not_paths(tmp_path):
     assert key(*tree(tmp_path / "b", "A", b"w1")) == first  # the same contents elsewhere: the same key
     assert key(*tree(tmp_path / "c", "B", b"w1")) != first  # an edited answer key
     assert key(*tree(tmp_path / "d", "A", b"w2")) != first  # other weights behind the same config.json
+
+
+def test_a_run_on_the_built_in_tiny_model_is_evaluated_from_its_written_out_directory(tmp_path, cli, monkeypatch):
+    """The tiny random model has no directory: eval writes it out once (the run's model.seed)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from nestfed.nn.backbone import byte_tokenizer, tiny_model
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    root = Path(__file__).resolve().parents[2]
+    r = cli(
+        "run", root / "configs" / "tiny.toml", "--set", f"output.dir={tmp_path / 'runs'}", "--set", "federation.rounds=1",
+        "--set", "model.seed=3", "--set", "output.plots=false", cwd=tmp_path,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    run = next((tmp_path / "runs").iterdir())
+    base, pairs = general_nlp.models([run])
+    assert base == tmp_path / "cache" / "nestfed" / "tiny" / "tiny-llama-seed3"
+    loaded = AutoModelForCausalLM.from_pretrained(base).state_dict()
+    built = tiny_model("llama", len(byte_tokenizer()), seed=3).state_dict()
+    assert all(torch.equal(loaded[k], v) for k, v in built.items())  # the run's backbone, exactly
+    mmlu = write_mmlu(tmp_path / "mmlu", n=1)
+    res = cli("eval", run, "--mmlu", mmlu, "--batch-size", "4", "--categories", "stem", cwd=tmp_path)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert "| prelort |" in res.stdout
+
+
+def test_the_git_hash_lm_eval_records_is_asked_quietly_outside_a_repository(tmp_path, monkeypatch, capfd):
+    from nestfed.evaluation.harness import quiet_git_hash
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
+    assert quiet_git_hash() is None
+    assert capfd.readouterr().err == ""  # git's "fatal: not a git repository" stays off the terminal

@@ -40,8 +40,10 @@ from __future__ import annotations
 import logging
 import math
 import re
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import numpy as np
 
@@ -298,7 +300,24 @@ def evaluate(
     model_args = {"pretrained": str(backbone_dir), "dtype": dtype, "device": device}
     if adapter_dir is not None:
         model_args["peft"] = str(adapter_dir)
-    res = lm_eval.simple_evaluate(
+    import lm_eval.evaluator
+
+    # lm-eval records `git describe` of the working directory, whose "fatal: not a git repository"
+    # reaches the terminal from any other folder: ask git quietly instead
+    with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", quiet_git_hash):
+        res = _simple_evaluate(lm_eval, model_args, items, protocol)
+    out: dict[str, dict[str, list[int]]] = {s: {} for s in SCORINGS}
+    for scoring, metric in zip(SCORINGS, ("exact_match", "acc")):
+        for category, its in items.items():
+            samples = sorted(res["samples"][task_name(category, scoring)], key=lambda s: s["doc_id"])
+            if len(samples) != len(its):
+                raise RuntimeError(f"lm-eval scored {len(samples)} of {len(its)} {category} questions")
+            out[scoring][category] = [int(s[metric]) for s in samples]
+    return out
+
+
+def _simple_evaluate(lm_eval, model_args: dict, items, protocol) -> dict:
+    return lm_eval.simple_evaluate(
         model="hf",
         model_args=model_args,
         tasks=tasks(items),
@@ -310,11 +329,13 @@ def evaluate(
         torch_random_seed=protocol.seed,
         fewshot_random_seed=protocol.seed,
     )
-    out: dict[str, dict[str, list[int]]] = {s: {} for s in SCORINGS}
-    for scoring, metric in zip(SCORINGS, ("exact_match", "acc")):
-        for category, its in items.items():
-            samples = sorted(res["samples"][task_name(category, scoring)], key=lambda s: s["doc_id"])
-            if len(samples) != len(its):
-                raise RuntimeError(f"lm-eval scored {len(samples)} of {len(its)} {category} questions")
-            out[scoring][category] = [int(s[metric]) for s in samples]
-    return out
+
+
+def quiet_git_hash() -> str | None:
+    """``git describe --always`` of the working directory, its stderr kept off the terminal; None
+    outside a git repository or without git."""
+    try:
+        done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
+    except OSError:
+        return None
+    return done.stdout.strip() or None

@@ -25,7 +25,7 @@ from nestfed.evaluation import harness
 from nestfed.experiments.intervals import paired_difference
 from nestfed.experiments.report import run_label
 from nestfed.io import atomic
-from nestfed.nn.backbone import BUILTINS, convert_builtin, default_cache_dir
+from nestfed.nn.backbone import BUILTINS, TINY, convert_builtin, default_cache_dir, tiny_dir
 
 BACKBONE = "backbone"
 #: FlowerTune LLM leaderboard, General NLP (flower.ai/benchmarks/llm-leaderboard/nlp, read 2026-12-01):
@@ -58,7 +58,8 @@ def models(paths: list[Path], include_backbone: bool = True) -> tuple[Path, list
 
     Raises NestfedError naming the run: no PEFT adapter (an unfinished run, or a method whose
     clients do not run LoRA on the backbone), runs on different backbones, or a backbone that is
-    not a Hugging Face directory (a tiny random model).
+    not a Hugging Face directory. A built-in tiny random model is written out as one
+    (nestfed.nn.backbone.tiny_dir).
     """
     backbone: Path | None = None
     out: list[tuple[str, Path | None]] = []
@@ -82,7 +83,12 @@ def models(paths: list[Path], include_backbone: bool = True) -> tuple[Path, list
             model = cfg.get("model", {})
             name = model.get("name", "")
             cache = Path(model["cache_dir"]) if model.get("cache_dir") else default_cache_dir()
-            base = str(convert_builtin(name, cache)) if name in BUILTINS else name
+            if name in BUILTINS:
+                base = str(convert_builtin(name, cache))
+            elif name in TINY:  # the tiny random model, written out as the directory lm-eval loads
+                base = str(tiny_dir(name, int(model.get("seed", 0)), cache))
+            else:
+                base = name
         if not (Path(base) / "config.json").is_file():
             raise NestfedError(f"{run}: its backbone '{base}' is not a Hugging Face directory; lm-eval cannot load it")
         if backbone is not None and Path(base) != backbone:

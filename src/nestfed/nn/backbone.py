@@ -201,6 +201,30 @@ BYTE_CHAT_TEMPLATE = (
 )
 
 
+def tiny_dir(name: str, seed: int, cache: Path | None = None) -> Path:
+    """A Hugging Face directory holding the built-in tiny random model ``name`` (one of ``TINY``)
+    exactly as a run builds it with ``model.seed = seed`` (weights and byte tokenizer), for tools
+    that load a model from a directory (lm-eval, PEFT's AutoPeftModel). Written once under
+    ``<cache>/tiny/<name>-seed<seed>`` (default: :func:`default_cache_dir`), atomically (a
+    temporary directory renamed into place)."""
+    target = (cache or default_cache_dir()) / "tiny" / f"{name}-seed{seed}"
+    if (target / "config.json").is_file():
+        return target
+    family = name.split("-")[1]
+    tok = byte_tokenizer(bos=family == "gemma3")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
+    try:
+        tiny_model(family, len(tok), seed=seed).save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        os.replace(tmp, target)
+    except OSError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (target / "config.json").is_file():  # not another process's copy that won the race
+            raise
+    return target
+
+
 def byte_tokenizer(bos: bool = False):
     """A byte-level tokenizer (256 byte tokens + <pad>, <eos>) for tiny test models.
 
