@@ -134,10 +134,8 @@ def test_a_run_on_the_built_in_tiny_model_is_evaluated_from_its_written_out_dire
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
     root = Path(__file__).resolve().parents[2]
-    r = cli(
-        "run", root / "configs" / "tiny.toml", "--set", f"output.dir={tmp_path / 'runs'}", "--set", "federation.rounds=1",
-        "--set", "model.seed=3", "--set", "output.plots=false", cwd=tmp_path,
-    )  # fmt: skip
+    sets = [f"output.dir={tmp_path / 'runs'}", "federation.rounds=1", "model.seed=3", "output.plots=false"]
+    r = cli("run", root / "configs" / "tiny.toml", *[x for s in sets for x in ("--set", s)], cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     run = next((tmp_path / "runs").iterdir())
     base, pairs = general_nlp.models([run])
