@@ -68,7 +68,8 @@ def test_same_final_adapter_and_evaluation_as_the_embedded_runner(tmp_path, keep
     # one run path: the same summary fields, the mechanism reports measured by the nodes
     es = json.loads((emb / "summary.json").read_text())
     assert summary["truncation"] == es["truncation"] and summary["dimension_importance"] == es["dimension_importance"]
-    embedded_only = {"prepare_time_s", "frozen_prefix_layers", "client_labels", "client_pool"}
+    assert summary["client_labels"] == es["client_labels"]  # each node reports its partition's label
+    embedded_only = {"prepare_time_s", "frozen_prefix_layers", "client_pool"}
     flower_only = {"events", "clients", "ranks"}
     assert set(es) - set(summary) <= embedded_only and set(summary) - set(es) <= flower_only, set(es) ^ set(summary)
     # one QUERY per node, then one TRAIN per node per round, EVALUATE at rounds 0, 1, 2, and one

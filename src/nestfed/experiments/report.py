@@ -101,10 +101,11 @@ def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
     (federation.seed), ranks, per-client and mean final perplexity, each client's rank r_k, bytes,
     time, the truncation curve and dimension importance when the run measured them, and the global
     held-out set's numbers when it had one."""
-    rows = []
+    rows, cfgs = [], []
     for rd in run_dirs:
         s = load_summary(rd)
         cfg = tomllib.loads((Path(rd) / "config.toml").read_text())
+        cfgs.append(cfg)
         pc = per_client(rd, s)
         if "client_ratio" in s:
             ranks = f"rho {','.join(f'{x:g}' for x in s['client_ratio'].values())}"
@@ -139,7 +140,34 @@ def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
                 "generation": s.get("generation"),
             }
         )
+    for row, extra in zip(rows, differing_fields(cfgs, [r["label"] for r in rows])):
+        row["label"] = " ".join([row["label"], *extra])
     return rows
+
+
+#: fields that tell runs of one experiment apart without making them different experiments: the
+#: seeds (the axis a comparison over seeds pairs), where the run was written, what watched it
+SAME_EXPERIMENT = ("federation.seed", "lora.init_seed", "output.", "tracking.", "train.threads")
+
+
+def differing_fields(cfgs: list[dict[str, Any]], labels: list[str]) -> list[list[str]]:
+    """For each run, ``key=value`` of every config field in which runs sharing its label (and no
+    ``output.label``) differ, beyond :data:`SAME_EXPERIMENT`: two PreLort runs differing only in
+    ``train.lr`` become ``prelort train.lr=0.001`` and ``prelort train.lr=0.0003``. ``[]`` for a
+    run whose label already tells it apart."""
+    flat = [
+        {f"{sec}.{k}": v for sec, table in c.items() if isinstance(table, dict) for k, v in table.items()} for c in cfgs
+    ]
+    out: list[list[str]] = [[] for _ in cfgs]
+    for label in dict.fromkeys(labels):
+        idx = [i for i, lab in enumerate(labels) if lab == label and not cfgs[i].get("output", {}).get("label")]
+        keys = sorted({k for i in idx for k in flat[i]})
+        varying = [
+            k for k in keys if not k.startswith(SAME_EXPERIMENT) and len({json.dumps(flat[i].get(k)) for i in idx}) > 1
+        ]
+        for i in idx:
+            out[i] = [f"{k}={flat[i].get(k)}" for k in varying]
+    return out
 
 
 def many_clients(rows: list[dict[str, Any]]) -> bool:

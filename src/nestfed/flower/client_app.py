@@ -236,6 +236,7 @@ def handle_query(msg: Message, context: Context) -> Message:
             "rank": nc.rank,
             "num-examples": nc.num_examples,
             "base-model": nc.base_model,
+            "label": nc.host.prep.label(nc.cid) if nc.host is not None else "",
             "shapes": json.dumps({k: list(v) for k, v in nc.shapes.items()}),
             "prepare-s": nc.prepare_s,
             "process-age-s": entered,

@@ -494,6 +494,7 @@ class FlowerRun:
                 "prepare_s": float(rec.get("prepare-s", 0.0)),
                 "process_age_s": float(rec.get("process-age-s", -1.0)),
                 "torch_threads": int(rec.get("torch-threads", 0)),
+                "label": str(rec.get("label", "")),
             }
         clients.sort(key=lambda c: c.cid)
         missing = sorted(set(range(cfg.data.num_clients)) - set(node_of))
@@ -541,12 +542,19 @@ class FlowerRun:
             s.secagg.check_clients(max(1, round(cfg.federation.fraction * len(q.clients))))
         population = Population.from_config(cfg, q.clients)  # an elastic trace is read before anything is written
         transport = FlowerTransport(self.grid, s, q.node_of, cfg_text, q, self.say, str(run_dir.resolve()))
-        roster = {str(c.cid): {"rank": c.rank, "label": "", "num_examples": c.num_examples} for c in q.clients}
+        labels = {str(c.cid): q.info[str(c.cid)].get("label", "") for c in q.clients}
+        roster = {
+            str(c.cid): {"rank": c.rank, "label": labels[str(c.cid)], "num_examples": c.num_examples} for c in q.clients
+        }
 
         def summary(state) -> dict[str, Any]:
             if not C.per_client_inline(cfg):
                 return {}
-            return {"clients": [c.cid for c in q.clients], "ranks": [c.rank for c in q.clients]}
+            return {
+                "clients": [c.cid for c in q.clients],
+                "ranks": [c.rank for c in q.clients],
+                "client_labels": labels,
+            }
 
         fed = Federation(
             "flower",
