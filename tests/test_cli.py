@@ -38,6 +38,11 @@ def nestfed(*args, cwd):
         ),
         (["--methods", "prelort,magic"], "--methods: unknown method 'magic'"),
         (
+            ["--set", "data.num_clients=6", "--set", "lora.ranks=[2,2,4,4,8,16]"],
+            "data.client_labels: 6 clients but only 5 labels (business, entertainment, politics, sport, tech); list "
+            "the labels of each client, or set data.partition = 'iid' (records without labels, e.g. an Alpaca file)",
+        ),
+        (
             ["--set", "robust.rule=trimmed_mean", "--set", "robust.trim_fraction=0.6"],
             "robust.trim_fraction must be in [0, 0.5)",
         ),

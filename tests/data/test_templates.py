@@ -70,3 +70,25 @@ def test_unknown_templates_and_chat_without_one_are_refused():
     tok.chat_template = None
     with pytest.raises(ValueError, match="'chat' needs a tokenizer with a chat template"):
         example_row(tok, "chat", "a", "", "b", 64)
+
+
+def test_rows_cut_past_their_response_are_counted_and_warned(caplog):
+    """Byte tokenizer: one token per character, EOS added. Alpaca's prompt for "Say." with no input
+    is P tokens; responses of 3, 20 and 60 characters at max_length P + 10 keep 4 (whole: 3 + EOS),
+    10 and 10 labelled tokens: two rows lost their end, none is down to one token."""
+    tok = byte_tokenizer()
+    p = len(prompt_ids(tok, "alpaca", "Say.", ""))
+    items = [{"instruction": "Say.", "input": "", "output": "x" * n} for n in (3, 20, 60)]
+    with caplog.at_level("WARNING", logger="nestfed.data.templates"):
+        ds = instruction_examples(items, tok, p + 10)
+    assert [int((row != IGNORE_INDEX).sum()) for row in ds.labels] == [4, 10, 10]
+    assert caplog.messages == [
+        f"data.block_size = {p + 10}: 2 of 3 instruction rows lost the end of their response (EOS included), "
+        f"0 of them keep one labelled token; the longest row has {p + 61} tokens (raise data.block_size)"
+    ]
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="nestfed.data.templates"):
+        instruction_examples(items, tok, p + 1)  # every response down to its first token
+        instruction_examples(items[:1], tok, p + 4)  # nothing cut: no warning
+    assert len(caplog.messages) == 1 and "3 of 3 instruction rows" in caplog.messages[0]
+    assert "3 of them keep one labelled token" in caplog.messages[0]

@@ -124,7 +124,8 @@ def _partition(labels: list[str], d: DataConfig) -> list[list[int]]:
         if len(distinct) < d.num_clients:
             raise ConfigError(
                 f"data.client_labels: {d.num_clients} clients but only {len(distinct)} labels "
-                f"({', '.join(distinct)}); list the labels of each client"
+                f"({', '.join(distinct)}); list the labels of each client, or set data.partition = 'iid' "
+                "(records without labels, e.g. an Alpaca file)"
             )
         if len(distinct) > d.num_clients:  # said, never silent: these records train no one
             log.warning(

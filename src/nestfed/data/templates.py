@@ -21,10 +21,13 @@ the template's frame stays whole.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 from nestfed.config.schema import TEMPLATES
 from nestfed.data.tasks import IGNORE_INDEX, TokenDataset, _bos, _encode, _eos_id, _field, _pad, _pad_id, alpaca_prompt
+
+log = logging.getLogger(__name__)
 
 FLOWERTUNE_PREAMBLE = (
     "Below is an instruction that describes a task. Write a response that appropriately completes the request."
@@ -133,10 +136,39 @@ def instruction_examples(items: Sequence, tokenizer, max_length: int, template: 
     """
     if max_length < 2:
         raise ValueError(f"instruction_examples: max_length must be >= 2, got {max_length}")
-    rows = [
-        example_row(
-            tokenizer, template, _field(it, "instruction"), _field(it, "input", ""), _field(it, "output"), max_length
-        )
-        for it in items
-    ]
+    fields = [(_field(it, "instruction"), _field(it, "input", ""), _field(it, "output")) for it in items]
+    rows = [example_row(tokenizer, template, *f, max_length) for f in fields]
+    warn_truncated(rows, [example_row(tokenizer, template, *f, 1 << 30) for f in fields], max_length)
     return _pad(rows, _pad_id(tokenizer))
+
+
+def truncation_counts(
+    rows: Sequence[tuple[list[int], list[int]]], whole: Sequence[tuple[list[int], list[int]]]
+) -> dict[str, int]:
+    """How ``max_length`` cut instruction rows, against the same records untruncated (``whole``):
+    ``rows``, ``cut`` (rows whose response lost its end, its EOS with it: the model never learns
+    to stop there), ``one_token`` (rows left with a single labelled token) and ``longest`` (tokens
+    of the longest whole row)."""
+    labelled = [sum(t != IGNORE_INDEX for t in labels) for _, labels in rows]
+    full = [sum(t != IGNORE_INDEX for t in labels) for _, labels in whole]
+    return {
+        "rows": len(rows),
+        "cut": sum(a < b for a, b in zip(labelled, full)),
+        "one_token": sum(a <= 1 < b for a, b in zip(labelled, full)),
+        "longest": max((len(ids) for ids, _ in whole), default=0),
+    }
+
+
+def warn_truncated(rows, whole, max_length: int) -> None:
+    """One warning with :func:`truncation_counts` when ``max_length`` cut any response."""
+    n = truncation_counts(rows, whole)
+    if n["cut"]:
+        log.warning(
+            "data.block_size = %d: %d of %d instruction rows lost the end of their response (EOS included), "
+            "%d of them keep one labelled token; the longest row has %d tokens (raise data.block_size)",
+            max_length,
+            n["cut"],
+            n["rows"],
+            n["one_token"],
+            n["longest"],
+        )
