@@ -329,3 +329,24 @@ def test_a_flower_checkpoint_of_a_stateful_method_is_refused_by_the_embedded_res
         run_on_grid(
             LocalGrid(CA.app, NODES), run_config(tmp_path / "p", overrides=other + ";lora.lora_alpha=4.0", resume=True)
         )
+
+
+def test_too_few_nodes_for_the_clients_are_refused_at_once_naming_both_numbers(tmp_path, keep_threads, monkeypatch):
+    """A simulation engine started with 2 SuperNodes (num-partitions 2) for 3 clients: the
+    ServerApp asks one node once none joined for a while, and stops with its line instead of
+    waiting out connect-timeout-s."""
+    import time
+
+    from nestfed.flower import server_app
+
+    monkeypatch.setattr(server_app, "SETTLE_S", 0.2)
+    two = {101: {"partition-id": 0, "num-partitions": 2}, 102: {"partition-id": 1, "num-partitions": 2}}
+    grid = LocalGrid(CA.app, two)
+    t0 = time.perf_counter()
+    with pytest.raises(NestfedError) as err:
+        run_on_grid(grid, run_config(tmp_path, **{"connect-timeout-s": 60.0}))
+    assert time.perf_counter() - t0 < 30
+    text = str(err.value)
+    assert "2 nodes connected for data.num_clients = 3" in text
+    assert "num-partitions = 2 but the experiment has data.num_clients = 3" in text
+    assert "--federation-config 'num-supernodes=3'" in text

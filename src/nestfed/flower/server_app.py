@@ -195,6 +195,10 @@ class Exchange:
     unsent: list[int] = field(default_factory=list)
 
 
+#: seconds without a new node after which a short-handed wait asks one node why (wait_for_nodes)
+SETTLE_S = 10.0
+
+
 def exchange(grid: Grid, messages: dict[int, Message], timeout_s: float, poll_s: float) -> Exchange:
     """Push one message per node, then pull replies every ``poll_s`` until all arrived or ``timeout_s``.
 
@@ -433,13 +437,44 @@ class FlowerRun:
             raise ConfigError(f"{path}: {line}")
         return cfg
 
-    def wait_for_nodes(self, want: int) -> list[int]:
-        deadline = time.perf_counter() + self.settings.connect_timeout_s
+    def wait_for_nodes(self, want: int, cfg_text: str = "") -> list[int]:
+        """The connected nodes, once ``want`` of them are (or at ``connect_timeout_s``). When fewer
+        have been connected, and none joined, for :data:`SETTLE_S`, one of them is asked its
+        settings (a QUERY): a node refusing the experiment's client count (a simulation engine
+        started with another ``num-supernodes``) stops the run at once with its line, rather than
+        after the timeout. Raises NestfedError then."""
+        start = time.perf_counter()
+        deadline = start + self.settings.connect_timeout_s
+        seen, changed, probed = 0, start, cfg_text == ""
         while True:
             nodes = sorted(self.grid.get_node_ids())
-            if len(nodes) >= want or time.perf_counter() >= deadline:
+            now = time.perf_counter()
+            if len(nodes) >= want or now >= deadline:
                 return nodes
+            if len(nodes) != seen:
+                seen, changed = len(nodes), now
+            elif nodes and not probed and now - changed >= min(SETTLE_S, self.settings.connect_timeout_s / 2):
+                probed = True
+                self._probe(nodes[0], want, len(nodes), cfg_text)
             time.sleep(self.settings.poll_interval_s)
+
+    def _probe(self, node: int, want: int, have: int, cfg_text: str) -> None:
+        """QUERY one node; raise NestfedError when it refuses the experiment's client count."""
+        msg = Message(
+            RecordDict({EXPERIMENT: _experiment_record(cfg_text)}),
+            dst_node_id=node,
+            message_type=MessageType.QUERY,
+            group_id="probe",
+            ttl=self.settings.connect_timeout_s + 60,
+        )
+        ex = exchange(self.grid, {node: msg}, self.settings.connect_timeout_s, self.settings.poll_interval_s)
+        reply = ex.replies.get(node)
+        if reply is not None and reply.has_error() and "num-partitions" in reply.error.reason:
+            raise NestfedError(
+                f"{have} nodes connected for data.num_clients = {want}, and node {node} says: "
+                f"{reply.error.reason.strip().splitlines()[-1]}; start {want} SuperNodes (simulation: "
+                f"--federation-config 'num-supernodes={want}') or set data.num_clients to their number"
+            )
 
     def query(self, nodes: list[int], cfg: ExperimentConfig, cfg_text: str) -> QueryResult:
         """QUERY every node; nodes that fail, repeat a partition or disagree on shapes are left out."""
@@ -523,7 +558,7 @@ class FlowerRun:
             )
         min_clients = s.min_clients or cfg.federation.min_clients
         want = s.num_supernodes or cfg.data.num_clients
-        nodes = self.wait_for_nodes(want)
+        nodes = self.wait_for_nodes(want, cfg_text)
         self.say(f"{len(nodes)} nodes connected (waited for {want})")
         q = self.query(nodes, cfg, cfg_text)
         if len(q.clients) < min_clients:
