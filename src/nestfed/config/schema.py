@@ -70,6 +70,8 @@ class LoraConfig:
     section 1, the PreLort decision); ``rank`` uses PEFT's s = lora_alpha / r_k.
     layers: decoder-layer indices that receive adapters; empty = all; negative indices count
     from the top (``[-4, -3, -2, -1]`` = the top four layers).
+    lora_dropout: dropout on the LoRA path's input in training (PEFT's ``lora_dropout``; off at
+    evaluation; 0 = none), drawn from the seed rule's stream of (seed, round, client).
     """
 
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -79,6 +81,7 @@ class LoraConfig:
     scaling: str = "fixed"
     layers: tuple[int, ...] = ()
     init_seed: int = 0
+    lora_dropout: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -127,6 +130,10 @@ class DataConfig:
     template: str = "alpaca"
 
 
+#: train.lr_schedule's values (transformers' schedules of those names)
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Local training of each client per round (AdamW with gradient clipping)."""
@@ -160,6 +167,13 @@ class TrainConfig:
     client_memory_mb: int = 256
     client_cache: str = ""
     client_cache_mb: int = 2048
+    # the learning-rate schedule (transformers' get_scheduler): constant, linear or cosine decay to 0
+    # after warmup_steps of linear warmup from 0; lr_schedule_scope "round" runs it over each round's
+    # local_steps (restarting every round), "federation" over all rounds' steps (step = (round - 1) x
+    # local_steps + local step, of federation.rounds x local_steps). Every parameter group scales alike
+    lr_schedule: str = "constant"
+    warmup_steps: int = 0
+    lr_schedule_scope: str = "round"
 
 
 @dataclass(frozen=True)
@@ -385,6 +399,14 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("train.local_steps, train.batch_size and train.lr must be positive")
     if t.weight_decay < 0 or t.max_grad_norm < 0:
         raise ValueError("train.weight_decay and train.max_grad_norm must be >= 0")
+    if not 0.0 <= cfg.lora.lora_dropout < 1.0:
+        raise ValueError(f"lora.lora_dropout must be in [0, 1), got {cfg.lora.lora_dropout}")
+    if t.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"train.lr_schedule: unknown schedule '{t.lr_schedule}' (known: {', '.join(LR_SCHEDULES)})")
+    if t.lr_schedule_scope not in ("round", "federation"):
+        raise ValueError(f"train.lr_schedule_scope: '{t.lr_schedule_scope}' is neither 'round' nor 'federation'")
+    if t.warmup_steps < 0:
+        raise ValueError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
     if t.client_memory_mb < 1 or t.client_cache_mb < 1:
         raise ValueError("train.client_memory_mb and train.client_cache_mb must be >= 1")
     if min(t.threads, t.eval_stream_chunk, t.eval_stream_window, t.eval_stream_sinks, t.micro_batch_size) < 0:

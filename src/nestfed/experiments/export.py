@@ -137,7 +137,7 @@ def export_adapter(
     check_target(target, rd.path)
     base = _base_model(rd, cfg)
     try:
-        path = export_peft_adapter(arrays, scale, target, base)
+        path = export_peft_adapter(arrays, scale, target, base, cfg.lora.lora_dropout)
     except ValueError as exc:
         raise NestfedError(f"{run_dir}: {exc}") from None
     return path, {

@@ -78,7 +78,14 @@ def prepare(
             f"lora.ranks: rank {r_max(cfg)} exceeds {smallest}, the smallest adapted layer's min(out, in) "
             "(a LoRA update of a [out, in] layer has rank at most min(out, in))"
         )
-    inject_lora(backbone.model, cfg.lora.target_modules, r_max(cfg), cfg.lora.lora_alpha / r_max(cfg), cfg.lora.layers)
+    inject_lora(
+        backbone.model,
+        cfg.lora.target_modules,
+        r_max(cfg),
+        cfg.lora.lora_alpha / r_max(cfg),
+        cfg.lora.layers,
+        cfg.lora.lora_dropout,
+    )
     if cfg.train.gradient_checkpointing:
         enable_activation_checkpointing(backbone.model)
     shapes = module_shapes(backbone.model)

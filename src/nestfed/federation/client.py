@@ -21,6 +21,7 @@ from nestfed.data.clients import ClientData
 from nestfed.evaluation.client import evaluate_client
 from nestfed.federation.attacks import attacked_reply, attacks
 from nestfed.federation.hooks import ClientHooks, FitContext
+from nestfed.federation.lr_schedule import client_schedule
 from nestfed.federation.messages import Arrays, Instruction, Reply
 from nestfed.federation.privacy import local_dp
 from nestfed.nn.arrays import apply_arrays, extra_parameters, lora_arrays, lora_parameters
@@ -68,8 +69,11 @@ class ClientTrainer:
             p.requires_grad_(True)
         params += list(extras.values())
         self.model.train()
+        if any(isinstance(m.lora_dropout, torch.nn.Dropout) for m in lora_modules(self.model).values()):
+            torch.manual_seed(stream_seed(ctx.seed, ctx.round, cid, "lora_dropout"))  # the seed rule: resumable
         local_metrics.update(hooks.before_steps(ctx, params))
         opt = torch.optim.AdamW(hooks.param_groups(ctx, params), lr=self.train.lr, weight_decay=self.train.weight_decay)
+        schedule = client_schedule(opt, self.train, ctx.round, int(ctx.config.get("rounds", 0)))
         losses, tokens = [], 0
         attack = attacks(self.attack, cid)
         steps = 0 if attack == "free_rider" else self.train.local_steps  # a free rider trains nothing
@@ -83,6 +87,8 @@ class ClientTrainer:
             if self.train.max_grad_norm > 0:
                 torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
             opt.step()
+            if schedule is not None:
+                schedule.step()
         self.model.eval()
         for p in params:
             p.requires_grad_(False)

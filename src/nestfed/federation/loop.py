@@ -319,6 +319,8 @@ class RoundLoop:
         )
         declared = {c.cid: c.num_examples for c in sampled}
         instructions = self.strategy.configure(rnd, state, sampled)
+        for ins in instructions.values():  # a schedule over the federation's steps needs its length
+            ins.config.setdefault("rounds", self.rounds)
         why_gone = self.population.dropouts(rnd, sampled)
         gone = set(why_gone)
         t_conf = time.perf_counter()

@@ -452,9 +452,9 @@ class RunDir:
         return diff
 
     # -- exports and the summary ---------------------------------------------------------------
-    def write_adapter(self, arrays: Arrays, scaling: float, base_model: str = "") -> Path:
+    def write_adapter(self, arrays: Arrays, scaling: float, base_model: str = "", lora_dropout: float = 0.0) -> Path:
         """The PEFT adapter directory ``adapter/`` (nestfed.nn.peft_export), atomically."""
-        return export_peft_adapter(arrays, scaling, self.path / "adapter", base_model)
+        return export_peft_adapter(arrays, scaling, self.path / "adapter", base_model, lora_dropout)
 
     def write_tensors(self, name: str, arrays: Arrays) -> Path:
         """``<name>`` (a safetensors file in the run directory), atomically."""
@@ -529,7 +529,7 @@ class RunDir:
         arrays, scale = exports.adapter or ({}, 1.0)
         summary["adapter"] = None
         if arrays and summary["aggregated_rounds"] > 0:
-            self.write_adapter(arrays, scale, exports.base_model)
+            self.write_adapter(arrays, scale, exports.base_model, cfg.lora.lora_dropout)
             summary["adapter"] = "adapter"
         elif arrays:
             log.warning("%s: no round aggregated, so no adapter is exported", self.path)

@@ -49,12 +49,13 @@ class LoraLinear(nn.Module):
     """A frozen Linear plus a prefix-truncatable LoRA update.
 
     base_layer: the frozen ``nn.Linear`` (weight [out, in]). rank: number of LoRA rows held.
-    scaling: s, multiplied into the LoRA path at every sub-rank. forward: x [..., in] -> [..., out].
+    scaling: s, multiplied into the LoRA path at every sub-rank. dropout: PEFT's lora_dropout on
+    the LoRA path's input (train mode only). forward: x [..., in] -> [..., out].
     A and B live on the base layer's device, in float32 beside a half-precision base
     (nestfed.nn.placement.trainable_dtype), else in the base's dtype.
     """
 
-    def __init__(self, base_layer: nn.Linear, rank: int, scaling: float):
+    def __init__(self, base_layer: nn.Linear, rank: int, scaling: float, dropout: float = 0.0):
         super().__init__()
         if rank < 0:
             raise ValueError(f"rank must be >= 0, got {rank}")
@@ -62,6 +63,7 @@ class LoraLinear(nn.Module):
         self.in_features = base_layer.in_features
         self.out_features = base_layer.out_features
         self.scaling = float(scaling)
+        self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()  # as PEFT's: train mode only
         self.lora_A = nn.Linear(self.in_features, rank, bias=False)
         self.lora_B = nn.Linear(rank, self.out_features, bias=False)
         self.active_rank: int | None = None  # None = the full held rank
@@ -117,6 +119,7 @@ class LoraLinear(nn.Module):
         if r > 0:
             A = self.lora_A.weight[:r]  # [r, in]
             B = self.lora_B.weight[:, :r]  # [out, r]
+            x = self.lora_dropout(x)
             if x.dtype == A.dtype:
                 out = out + ((x @ A.T) @ B.T) * self.scaling
             else:  # half-precision activations, float32 adapter (nestfed.nn.placement)
@@ -165,7 +168,9 @@ def target_module_names(
     return names
 
 
-def inject_lora(model: nn.Module, target_modules, rank: int, scaling: float, layers=()) -> list[str]:
+def inject_lora(
+    model: nn.Module, target_modules, rank: int, scaling: float, layers=(), dropout: float = 0.0
+) -> list[str]:
     """Replace each target ``nn.Linear`` by a :class:`LoraLinear` of the given rank (B = 0).
 
     Returns the adapted module paths. A zero-initialised B leaves the outputs unchanged.
@@ -175,7 +180,7 @@ def inject_lora(model: nn.Module, target_modules, rank: int, scaling: float, lay
     for name in names:
         parent_name, _, leaf = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, leaf, LoraLinear(getattr(parent, leaf), rank, scaling))
+        setattr(parent, leaf, LoraLinear(getattr(parent, leaf), rank, scaling, dropout))
     return names
 
 

@@ -20,11 +20,12 @@ from nestfed.nn.keys import module_of
 
 
 def export_peft_adapter(
-    state: dict[str, torch.Tensor], scaling: float, out_dir: str | Path, base_model: str = ""
+    state: dict[str, torch.Tensor], scaling: float, out_dir: str | Path, base_model: str = "", lora_dropout: float = 0.0
 ) -> Path:
     """Write ``state`` ({PEFT key: tensor}, one rank r for every layer) to ``out_dir``.
 
-    scaling: the s that multiplies B @ A in nestfed (exported as lora_alpha = s * r).
+    scaling: the s that multiplies B @ A in nestfed (exported as lora_alpha = s * r). lora_dropout:
+    the dropout the adapter trained with (``lora.lora_dropout``; PEFT applies it in training only).
     The directory is written beside its target and renamed into place (never half-written), with
     the user's umask. Raises ValueError when layers disagree on the rank, the rank is 0 (PEFT cannot
     load it) or a key is not a LoRA key.
@@ -41,7 +42,7 @@ def export_peft_adapter(
         r=r,
         lora_alpha=scaling * r,
         target_modules=pattern,
-        lora_dropout=0.0,
+        lora_dropout=lora_dropout,
         bias="none",
         task_type="CAUSAL_LM",
         base_model_name_or_path=base_model or None,
