@@ -68,6 +68,8 @@ def prepared_line(prep) -> str:
 
 
 def _progress() -> Progress:
+    """The live bar on stderr. While it runs on a terminal it takes over stdout too, unless stdout
+    is a pipe or file: what is written there must reach it (:func:`_round_lines`)."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -75,7 +77,23 @@ def _progress() -> Progress:
         TimeElapsedColumn(),
         console=console,
         transient=False,
+        redirect_stdout=out.is_terminal,
     )
+
+
+def _round_lines() -> Console | None:
+    """Where one plain line per round goes as it happens, for logs, CI, a pipe or a file: stderr when
+    it is not a terminal; else stdout when that is not one (``nestfed run ... | tee log`` keeps the
+    bar on the terminal and the rounds in the log); None when both are terminals (the bar shows them)."""
+    if not console.is_terminal:
+        return console
+    return out if not out.is_terminal else None
+
+
+def _print_line(target: Console, text: str) -> None:
+    """``text`` as one plain line on ``target``, flushed at once (a pipe's reader sees it now)."""
+    target.print(text, markup=False, soft_wrap=True)
+    target.file.flush()
 
 
 def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], resume: bool) -> None:
@@ -90,6 +108,7 @@ def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], r
     for cfg in cfgs.values():  # nothing is written before every method's settings fit the model
         check_method(prep, cfg)
     say(prepared_line(prep))
+    lines = _round_lines()
     with _progress() as progress:
         for name, cfg in cfgs.items():
             k = C.sampled_per_round(cfg)
@@ -112,12 +131,12 @@ def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], r
                     who = "" if len(ev) == len(prep.clients) else f" over {len(ev)} of {len(prep.clients)} clients"
                     what = f"mean held-out ppl {mean:.2f}{who}" if ev else "not evaluated"
                     progress.update(task, description=f"{name} round {info['round']}: {what}")
-                    if not console.is_terminal:  # logs and CI: one plain line per round
+                    if lines is not None:  # logs, CI, pipes: one plain line per round
                         glob = f", global {ln['eval_global']['ppl']:.2f}" if "eval_global" in ln else ""
-                        progress.console.print(
+                        _print_line(
+                            lines,
                             f"{name} round {info['round']}/{rounds}: {what}{glob}, "
                             f"{ln['time_s']:.0f} s, {len(ln['rejected'])} rejected",
-                            markup=False,
                         )
 
             run_method(prep, cfg, run_dirs[name], resume=resume, on_event=on_event)

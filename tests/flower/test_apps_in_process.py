@@ -337,9 +337,9 @@ def test_too_few_nodes_for_the_clients_are_refused_at_once_naming_both_numbers(t
     waiting out connect-timeout-s."""
     import time
 
-    from nestfed.flower import server_app
+    from nestfed.flower import exchange
 
-    monkeypatch.setattr(server_app, "SETTLE_S", 0.2)
+    monkeypatch.setattr(exchange, "SETTLE_S", 0.2)
     two = {101: {"partition-id": 0, "num-partitions": 2}, 102: {"partition-id": 1, "num-partitions": 2}}
     grid = LocalGrid(CA.app, two)
     t0 = time.perf_counter()

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from flwr.app import ConfigRecord, Context, Message, MessageType, RecordDict
+from flwr.app import Context, Message, MessageType, RecordDict
 from flwr.common.config import get_project_dir
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
@@ -64,6 +64,8 @@ from nestfed.federation.population import Population
 from nestfed.federation.run_dir import ON_NODES, ClientState, Exports, RunDir
 from nestfed.federation.safeguards import Safeguards
 from nestfed.flower.client_app import EXPERIMENT, INITIAL_ARRAYS, TRANSPORT_METRICS
+from nestfed.flower.exchange import exchange, wait_for_nodes
+from nestfed.flower.exchange import experiment_record as _experiment_record
 from nestfed.flower.records import arrays_to_record, config_to_record, content_to_reply, record_to_arrays
 from nestfed.flower.refusals import embedded_only
 from nestfed.flower.secure import SecAggSettings, secure_fit
@@ -179,68 +181,6 @@ def app_dir_of(grid: Grid) -> Path | None:
         return get_project_dir(run.fab_id, run.fab_version, run.fab_hash)
     except Exception:  # noqa: BLE001 - an in-process grid has no bundle
         return None
-
-
-@dataclass
-class Exchange:
-    """Replies of one batch of messages: {node_id: Message}, the unanswered node ids, timings."""
-
-    replies: dict[int, Message]
-    missing: list[int]
-    push_s: float
-    wait_s: float
-    pull_s: float
-    received_at: dict[int, float]
-    sent_at: float
-    unsent: list[int] = field(default_factory=list)
-
-
-#: seconds without a new node after which a short-handed wait asks one node why (wait_for_nodes)
-SETTLE_S = 10.0
-
-
-def exchange(grid: Grid, messages: dict[int, Message], timeout_s: float, poll_s: float) -> Exchange:
-    """Push one message per node, then pull replies every ``poll_s`` until all arrived or ``timeout_s``.
-
-    Like ``Grid.send_and_receive`` but with a chosen poll interval (Flower's sleeps 3 s) and
-    per-reply arrival times. A reply may carry an error (e.g. the node became unavailable).
-    """
-    nodes = list(messages)
-    t0 = time.perf_counter()
-    sent_at = time.time()
-    ids = list(grid.push_messages([messages[n] for n in nodes]))
-    ids += [None] * (len(nodes) - len(ids))  # flwr returns [] when the push failed (e.g. too large)
-    push_s = time.perf_counter() - t0
-    pending = {mid: n for mid, n in zip(ids, nodes) if mid}
-    unsent = [n for mid, n in zip(ids, nodes) if not mid]  # reported as missing: dropped with a reason
-    replies: dict[int, Message] = {}
-    received_at: dict[int, float] = {}
-    pull_s = 0.0
-    deadline = time.perf_counter() + timeout_s
-    while pending:
-        t = time.perf_counter()
-        got = list(grid.pull_messages(list(pending)))
-        pull_s += time.perf_counter() - t
-        now = time.time()
-        for msg in got:
-            n = pending.pop(msg.metadata.reply_to_message_id, None)
-            if n is not None:
-                replies[n] = msg
-                received_at[n] = now
-        if not pending or time.perf_counter() >= deadline:
-            break
-        time.sleep(min(poll_s, max(0.0, deadline - time.perf_counter())))
-    wait_s = time.perf_counter() - t0 - push_s
-    return Exchange(
-        replies, sorted(list(pending.values()) + unsent), push_s, wait_s, pull_s, received_at, sent_at, sorted(unsent)
-    )
-
-
-def _experiment_record(cfg_text: str, cid: int | None = None, run_dir: str = "") -> ConfigRecord:
-    rec = ConfigRecord({"toml": cfg_text, "run-dir": run_dir})
-    if cid is not None:
-        rec["cid"] = cid
-    return rec
 
 
 def _error_text(msg: Message) -> str:
@@ -438,43 +378,8 @@ class FlowerRun:
         return cfg
 
     def wait_for_nodes(self, want: int, cfg_text: str = "") -> list[int]:
-        """The connected nodes, once ``want`` of them are (or at ``connect_timeout_s``). When fewer
-        have been connected, and none joined, for :data:`SETTLE_S`, one of them is asked its
-        settings (a QUERY): a node refusing the experiment's client count (a simulation engine
-        started with another ``num-supernodes``) stops the run at once with its line, rather than
-        after the timeout. Raises NestfedError then."""
-        start = time.perf_counter()
-        deadline = start + self.settings.connect_timeout_s
-        seen, changed, probed = 0, start, cfg_text == ""
-        while True:
-            nodes = sorted(self.grid.get_node_ids())
-            now = time.perf_counter()
-            if len(nodes) >= want or now >= deadline:
-                return nodes
-            if len(nodes) != seen:
-                seen, changed = len(nodes), now
-            elif nodes and not probed and now - changed >= min(SETTLE_S, self.settings.connect_timeout_s / 2):
-                probed = True
-                self._probe(nodes[0], want, len(nodes), cfg_text)
-            time.sleep(self.settings.poll_interval_s)
-
-    def _probe(self, node: int, want: int, have: int, cfg_text: str) -> None:
-        """QUERY one node; raise NestfedError when it refuses the experiment's client count."""
-        msg = Message(
-            RecordDict({EXPERIMENT: _experiment_record(cfg_text)}),
-            dst_node_id=node,
-            message_type=MessageType.QUERY,
-            group_id="probe",
-            ttl=self.settings.connect_timeout_s + 60,
-        )
-        ex = exchange(self.grid, {node: msg}, self.settings.connect_timeout_s, self.settings.poll_interval_s)
-        reply = ex.replies.get(node)
-        if reply is not None and reply.has_error() and "num-partitions" in reply.error.reason:
-            raise NestfedError(
-                f"{have} nodes connected for data.num_clients = {want}, and node {node} says: "
-                f"{reply.error.reason.strip().splitlines()[-1]}; start {want} SuperNodes (simulation: "
-                f"--federation-config 'num-supernodes={want}') or set data.num_clients to their number"
-            )
+        """The connected nodes once ``want`` are (nestfed.flower.exchange.wait_for_nodes)."""
+        return wait_for_nodes(self.grid, want, cfg_text, self.settings.connect_timeout_s, self.settings.poll_interval_s)
 
     def query(self, nodes: list[int], cfg: ExperimentConfig, cfg_text: str) -> QueryResult:
         """QUERY every node; nodes that fail, repeat a partition or disagree on shapes are left out."""
