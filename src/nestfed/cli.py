@@ -167,8 +167,8 @@ def _report(
         groups = seed_report.by_label(rows)
     except ValueError as exc:  # two runs of one label and seed: different experiments, or one run twice
         raise NestfedError(
-            f"{exc}: these runs share a label and a seed (the same run twice, or runs that differ "
-            "only in sections the label does not show, e.g. [data]); set output.label on them"
+            f"{exc}: these runs share a label, a seed and every config field (the same run twice?); "
+            "give each run once, or set output.label on them"
         ) from None
     over_seeds = any(len(g) > 1 for g in groups.values())
     if reference is not None and reference not in groups:
