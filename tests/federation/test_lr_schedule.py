@@ -76,3 +76,44 @@ def test_bad_schedules_are_one_line_naming_the_key():
         methods.load_config(None, ["train.lr_schedule=step"])
     with pytest.raises(ConfigError, match="train.lr_schedule_scope"):
         methods.load_config(None, ["train.lr_schedule_scope=epoch"])
+
+
+def test_cosine_with_a_warmup_ratio_per_round():
+    t = TrainConfig(local_steps=4, lr_schedule="cosine", warmup_ratio=0.25)
+    assert t.warmup(5) == 1  # ceil(0.25 x 4)
+    want = [0.0, 1.0, 0.75, 0.25]  # warm-up 0 at step 0, then 0.5 (1 + cos(pi (s - 1) / 3))
+    for rnd in (1, 2):
+        assert rates(t, rnd, 5) == pytest.approx([r * f for f in want for r in (1e-3, 1e-2)])
+
+
+def test_a_warmup_ratio_across_the_federation_counts_every_round():
+    t = TrainConfig(local_steps=4, lr_schedule="linear", warmup_ratio=0.3, lr_schedule_scope="federation")
+    assert t.schedule_steps(3) == 12 and t.warmup(3) == 4  # ceil(0.3 x 12)
+    want = [1.0, 7 / 8, 6 / 8, 5 / 8]  # round 2 holds steps 4..7: (12 - s) / (12 - 4)
+    assert rates(t, 2, 3) == pytest.approx([r * f for f in want for r in (1e-3, 1e-2)])
+
+
+@pytest.mark.parametrize(
+    "sets, message",
+    [
+        (["train.warmup_ratio=1.0"], r"train.warmup_ratio must be in \[0, 1\), got 1.0"),
+        (["train.warmup_steps=1", "train.warmup_ratio=0.1"], "give one of the two warm-ups, not both"),
+        (["train.local_steps=4", "train.warmup_steps=5"], "a warm-up of 5 steps is longer than each round's 4 steps"),
+        (
+            [
+                "train.local_steps=4",
+                "federation.rounds=2",
+                "train.warmup_steps=9",
+                "train.lr_schedule_scope=federation",
+            ],
+            "a warm-up of 9 steps is longer than the federation's 8 steps",
+        ),
+    ],
+)
+def test_bad_warmups_are_one_line_naming_the_key(sets, message):
+    from nestfed import methods
+    from nestfed.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=message):
+        methods.load_config(None, sets)
+    methods.load_config(None, ["train.local_steps=4", "federation.rounds=2", "train.warmup_steps=4"])  # 4 of 4: fine

@@ -61,3 +61,35 @@ def test_a_run_with_lora_dropout_is_reproducible_and_its_adapter_records_it(tmp_
     weights = [(d / "adapter_model.safetensors").read_bytes() for d in (a, b, c)]
     assert weights[0] == weights[1] != weights[2]  # the same masks run to run; dropout did train differently
     assert json.loads((a / "adapter_config.json").read_text())["lora_dropout"] == pytest.approx(0.1)
+
+
+def test_a_whole_model_computes_what_peft_computes_with_dropout():
+    """Our injected model and PEFT's with the same LoRA weights and lora_dropout: equal logits in
+    evaluation, and in training from equal random draws (the same masks on the same inputs)."""
+    from peft import LoraConfig, get_peft_model
+
+    from nestfed.config import ModelConfig
+    from nestfed.nn.backbone import load_backbone
+    from nestfed.nn.frozen_prefix import lm_logits
+    from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
+
+    ours = load_backbone(ModelConfig(name="tiny-llama")).model
+    inject_lora(ours, ("q_proj", "v_proj"), rank=4, scaling=0.75, dropout=0.3)
+    state = {k: torch.randn_like(v) * 0.1 for k, v in get_adapter_state(ours).items()}
+    set_adapter_state(ours, state)
+    config = LoraConfig(r=4, lora_alpha=3.0, target_modules=["q_proj", "v_proj"], lora_dropout=0.3)
+    theirs = get_peft_model(load_backbone(ModelConfig(name="tiny-llama")).model, config)
+    loaded = theirs.load_state_dict(
+        {k.replace(".weight", ".default.weight"): v for k, v in state.items()}, strict=False
+    )
+    assert not loaded.unexpected_keys
+    ids = torch.randint(0, 258, (2, 10))
+    ours.eval(), theirs.eval()
+    expected = lm_logits(ours, ids)
+    torch.testing.assert_close(theirs(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    ours.train(), theirs.train()
+    torch.manual_seed(5)
+    dropped = lm_logits(ours, ids)
+    torch.manual_seed(5)
+    torch.testing.assert_close(theirs(ids).logits, dropped, rtol=1e-5, atol=1e-5)
+    assert (dropped - expected).abs().max() > 1e-3  # the dropout acted in training

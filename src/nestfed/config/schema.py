@@ -15,6 +15,7 @@ loader (nestfed.config.loader) prefixes the file.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -168,12 +169,30 @@ class TrainConfig:
     client_cache: str = ""
     client_cache_mb: int = 2048
     # the learning-rate schedule (transformers' get_scheduler): constant, linear or cosine decay to 0
-    # after warmup_steps of linear warmup from 0; lr_schedule_scope "round" runs it over each round's
+    # after warmup_steps of linear warmup from 0 (or ceil(warmup_ratio x the schedule's steps),
+    # transformers' rule; one of the two); lr_schedule_scope "round" runs it over each round's
     # local_steps (restarting every round), "federation" over all rounds' steps (step = (round - 1) x
     # local_steps + local step, of federation.rounds x local_steps). Every parameter group scales alike
     lr_schedule: str = "constant"
     warmup_steps: int = 0
     lr_schedule_scope: str = "round"
+    warmup_ratio: float = 0.0
+
+    def schedule_steps(self, rounds: int) -> int:
+        """The steps one learning-rate schedule spans: local_steps, times ``rounds`` (the
+        federation's) when it runs across rounds (lr_schedule_scope = federation)."""
+        return self.local_steps * (rounds if self.lr_schedule_scope == "federation" else 1)
+
+    def warmup(self, rounds: int) -> int:
+        """The schedule's warm-up steps: warmup_steps, else ceil(warmup_ratio x its steps)
+        (transformers' TrainingArguments rule)."""
+        return self.warmup_steps or math.ceil(self.warmup_ratio * self.schedule_steps(rounds))
+
+    def schedule_spans_rounds(self) -> bool:
+        """Whether a round's rates depend on federation.rounds: a linear or cosine decay, or a
+        warm-up ratio, over the whole federation."""
+        moves = self.lr_schedule != "constant" or self.warmup_ratio > 0
+        return self.lr_schedule_scope == "federation" and moves
 
 
 @dataclass(frozen=True)
@@ -407,6 +426,16 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError(f"train.lr_schedule_scope: '{t.lr_schedule_scope}' is neither 'round' nor 'federation'")
     if t.warmup_steps < 0:
         raise ValueError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    if not 0 <= t.warmup_ratio < 1:
+        raise ValueError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+    if t.warmup_steps and t.warmup_ratio:
+        raise ValueError("train.warmup_steps and train.warmup_ratio: give one of the two warm-ups, not both")
+    if t.warmup(f.rounds) > t.schedule_steps(f.rounds):
+        span = "each round's" if t.lr_schedule_scope == "round" else "the federation's"
+        raise ValueError(
+            f"train.warmup_steps: a warm-up of {t.warmup(f.rounds)} steps is longer than {span} "
+            f"{t.schedule_steps(f.rounds)} steps (train.lr_schedule_scope = '{t.lr_schedule_scope}')"
+        )
     if t.client_memory_mb < 1 or t.client_cache_mb < 1:
         raise ValueError("train.client_memory_mb and train.client_cache_mb must be >= 1")
     if min(t.threads, t.eval_stream_chunk, t.eval_stream_window, t.eval_stream_sinks, t.micro_batch_size) < 0:

@@ -24,6 +24,7 @@ from nestfed.federation.hooks import ClientHooks, FitContext
 from nestfed.federation.lr_schedule import client_schedule
 from nestfed.federation.messages import Arrays, Instruction, Reply
 from nestfed.federation.privacy import local_dp
+from nestfed.federation.training import seeded_steps
 from nestfed.nn.arrays import apply_arrays, extra_parameters, lora_arrays, lora_parameters
 from nestfed.nn.lora import lora_modules
 from nestfed.nn.placement import model_device, release
@@ -53,7 +54,9 @@ class ClientTrainer:
         Metrics: ``train_loss`` (mean over steps, nats/token), ``train_tokens`` (labelled tokens
         seen), ``rank``, ``train_time_s`` (seconds), the hooks' metrics and, with
         ``train.eval_local``, ``local_*`` (the client's own model before aggregation).
-        Raises KeyError for an unknown client.
+        What before_steps and the steps draw from torch's global generator (LoRA dropout's masks) is
+        seeded by the seed rule (federation seed, round, client, stream ``lora_dropout``), the
+        caller's state restored after. Raises KeyError for an unknown client.
         """
         hooks = self.hooks
         ctx = FitContext(
@@ -69,26 +72,28 @@ class ClientTrainer:
             p.requires_grad_(True)
         params += list(extras.values())
         self.model.train()
-        if any(isinstance(m.lora_dropout, torch.nn.Dropout) for m in lora_modules(self.model).values()):
-            torch.manual_seed(stream_seed(ctx.seed, ctx.round, cid, "lora_dropout"))  # the seed rule: resumable
-        local_metrics.update(hooks.before_steps(ctx, params))
-        opt = torch.optim.AdamW(hooks.param_groups(ctx, params), lr=self.train.lr, weight_decay=self.train.weight_decay)
-        schedule = client_schedule(opt, self.train, ctx.round, int(ctx.config.get("rounds", 0)))
-        losses, tokens = [], 0
-        attack = attacks(self.attack, cid)
-        steps = 0 if attack == "free_rider" else self.train.local_steps  # a free rider trains nothing
-        for step, batch in enumerate(ctx.batches(steps, "batches")):
-            hooks.before_step(ctx, step)
-            opt.zero_grad(set_to_none=True)  # micro-batches accumulate one step's gradient
-            losses.append(
-                sum(hooks.step_loss(ctx, micro) for micro in batch.micro_batches(self.train.micro_batch_size))
+        with seeded_steps(stream_seed(ctx.seed, ctx.round, cid, "lora_dropout"), model_device(self.model)):
+            local_metrics.update(hooks.before_steps(ctx, params))
+            self.model.train()  # the steps train in training mode, whatever before_steps left
+            opt = torch.optim.AdamW(
+                hooks.param_groups(ctx, params), lr=self.train.lr, weight_decay=self.train.weight_decay
             )
-            tokens += int((batch.labels[:, 1:] != -100).sum())
-            if self.train.max_grad_norm > 0:
-                torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
-            opt.step()
-            if schedule is not None:
-                schedule.step()
+            schedule = client_schedule(opt, self.train, ctx.round, int(ctx.config.get("rounds", 0)))
+            losses, tokens = [], 0
+            attack = attacks(self.attack, cid)
+            steps = 0 if attack == "free_rider" else self.train.local_steps  # a free rider trains nothing
+            for step, batch in enumerate(ctx.batches(steps, "batches")):
+                hooks.before_step(ctx, step)
+                opt.zero_grad(set_to_none=True)  # micro-batches accumulate one step's gradient
+                losses.append(
+                    sum(hooks.step_loss(ctx, micro) for micro in batch.micro_batches(self.train.micro_batch_size))
+                )
+                tokens += int((batch.labels[:, 1:] != -100).sum())
+                if self.train.max_grad_norm > 0:
+                    torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
+                opt.step()
+                if schedule is not None:
+                    schedule.step()
         self.model.eval()
         for p in params:
             p.requires_grad_(False)

@@ -24,9 +24,9 @@ def lr_factor(train: TrainConfig, total_rounds: int):
     over one round's or the federation's steps."""
     from transformers import get_scheduler
 
-    steps = train.local_steps * (total_rounds if train.lr_schedule_scope == "federation" else 1)
+    steps = train.schedule_steps(total_rounds)
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
-    kwargs = {"num_warmup_steps": train.warmup_steps}
+    kwargs = {"num_warmup_steps": train.warmup(total_rounds)}
     if train.lr_schedule != "constant":
         kwargs["num_training_steps"] = max(steps, 1)
     return get_scheduler(_NAMES[train.lr_schedule], probe, **kwargs).lr_lambdas[0]
@@ -36,7 +36,7 @@ def client_schedule(opt: torch.optim.Optimizer, train: TrainConfig, rnd: int, to
     """The scheduler of one client's local steps in round ``rnd`` (1-based), to ``step()`` after
     every optimiser step; None for a constant rate without warmup (the optimiser untouched).
     Raises ValueError for scope ``federation`` without the federation's round count."""
-    if train.lr_schedule == "constant" and train.warmup_steps == 0:
+    if train.lr_schedule == "constant" and train.warmup(max(total_rounds, 1)) == 0:
         return None
     if train.lr_schedule_scope == "federation" and total_rounds < 1:
         raise ValueError("train.lr_schedule_scope = 'federation' needs the federation's rounds in the instruction")

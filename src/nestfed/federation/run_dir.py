@@ -436,6 +436,11 @@ class RunDir:
         other key that differs."""
         diff = differences(stored, wanted)
         other = [d for d in diff if not d.startswith(("federation.rounds:", "tracking."))]
+        if wanted.federation.rounds != stored.federation.rounds and stored.train.schedule_spans_rounds():
+            other.append(  # the rounds run would have trained at other rates
+                f"federation.rounds: {stored.federation.rounds} -> {wanted.federation.rounds} under "
+                f"train.lr_schedule = '{stored.train.lr_schedule}' across the federation"
+            )
         if other:
             raise NestfedError(
                 f"{self.config_path}: a resumed run keeps its config; these differ: {'; '.join(other)} "

@@ -8,6 +8,7 @@ head run only where a next token is labelled.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -94,6 +95,17 @@ def client_batches(d: ClientData, steps: int, batch_size: int, seed: int) -> Ite
         yield rows_batch(d, idx)
 
 
+@contextmanager
+def seeded_steps(seed: int, device: torch.device) -> Iterator[None]:
+    """Inside: torch's global generator (the CPU's and ``device``'s when it is a CUDA device) seeded
+    with ``seed``, for what training draws from it (LoRA dropout's masks); after: the caller's
+    state restored, so the draws depend on the seed alone."""
+    devices = [device.index or 0] if device.type == "cuda" else []
+    with torch.random.fork_rng(devices=devices):
+        torch.manual_seed(seed)
+        yield
+
+
 def train_on_blocks(
     params: list[nn.Parameter],
     loss_of: Callable[[torch.Tensor], torch.Tensor],
@@ -106,19 +118,21 @@ def train_on_blocks(
 ) -> list[float]:
     """``steps`` AdamW steps (no weight decay) of ``loss_of(idx) -> scalar loss`` over seeded batches of
     the n rows (:func:`block_batches`), with gradient-norm clipping. ``params`` train only here
-    (requires_grad is switched on, then off). Returns the loss of every step (nats)."""
+    (requires_grad is switched on, then off); the global generator is seeded by ``seed`` meanwhile
+    (:func:`seeded_steps`). Returns the loss of every step (nats)."""
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     losses = []
-    for idx in block_batches(n, steps, batch_size, seed):
-        loss = loss_of(idx)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        if max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
-        opt.step()
-        losses.append(loss.item())
+    with seeded_steps(seed, params[0].device if params else torch.device("cpu")):
+        for idx in block_batches(n, steps, batch_size, seed):
+            loss = loss_of(idx)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, max_grad_norm)
+            opt.step()
+            losses.append(loss.item())
     for p in params:
         p.requires_grad_(False)
     return losses
