@@ -49,6 +49,8 @@ def test_a_run_with_relative_paths_resumes_exports_and_loads_from_another_folder
     # from another folder: continue it, export it, load it in PEFT (which reads base_model_name_or_path)
     r = cli("run", "--resume", str(run), "--set", "federation.rounds=2", cwd=elsewhere)
     assert r.returncode == 0, r.stderr[-2000:]
+    assert "rounds = 2" in (run / "config.toml").read_text()  # rewritten by the resume, the given paths kept
+    assert f'name = "{model_dir}"  # given as "models/my-llama"' in (run / "config.toml").read_text()
     r = cli("export", str(run), "--rank", "2", "--out", str(elsewhere / "r2"), cwd=elsewhere)
     assert r.returncode == 0, r.stderr[-2000:]
     model = AutoPeftModelForCausalLM.from_pretrained(str(run / "adapter"))

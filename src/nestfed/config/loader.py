@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import re
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
@@ -290,9 +291,24 @@ def load(
     if overrides:  # a value at fault may come from either
         source = f"{source} with --set {' '.join(overrides)}" if path is not None else f"--set {' '.join(overrides)}"
     data = apply_overrides(data, overrides)
-    given = {} if stored else resolve_paths(data)
+    given = given_comments(Path(path).read_text()) if stored and path is not None else resolve_paths(data)
     cfg = from_dict(data, source, schema)
     return dataclasses.replace(cfg, given=MappingProxyType(given)) if given else cfg
+
+
+def given_comments(text: str) -> dict[str, str]:
+    """``{"section.key": value as written}`` from the ``# given as "..."`` comments :func:`dumps_toml`
+    writes beside resolved paths (a stored config keeps them when it is written again)."""
+    out, section = {}, ""
+    for line in text.splitlines():
+        head = re.fullmatch(r"\[(\w+)\]\s*", line)
+        if head:
+            section = head.group(1)
+            continue
+        m = re.fullmatch(r'(\w+) = .*  # given as ("(?:[^"\\]|\\.)*")\s*', line)
+        if m and section:
+            out[f"{section}.{m.group(1)}"] = tomllib.loads(f"v = {m.group(2)}")["v"]
+    return out
 
 
 #: (section, key) of the fields that name a file or directory: made absolute when a config is loaded

@@ -148,7 +148,7 @@ def dirichlet_remedies(labels: Sequence[Hashable], num_clients: int, alpha: floa
     ds = _label_dataset(labels)
     for k in range(1, 11):
         if dirichlet_serves(ds, num_clients, alpha * 2**k, seed, min_size):
-            options.append(f"alpha = {alpha * 2**k:g} (the smallest of alpha x 2^k that serves them)")
+            options.append(f"alpha = {alpha * 2**k!r} (the smallest of alpha x 2^k that serves them)")
             break
     return " or ".join(options) if options else "fewer clients"
 
