@@ -86,3 +86,25 @@ def test_round_lines_reach_a_pipe_while_the_run_goes_on(tmp_path, stderr):
         if master is not None:
             os.close(master)
     assert proc.returncode == 0
+
+
+@pytest.mark.parametrize("columns", [80, 140])
+def test_help_text_is_rewrapped_to_the_terminal_not_broken_at_source_lines(columns):
+    """Every line of a command's description but its last is filled to the panel's width: a line
+    broken where the docstring's source line breaks would stop short."""
+    env = dict(os.environ, COLUMNS=str(columns), PYTHONPATH=str(ROOT / "src"))
+    r = subprocess.run([sys.executable, "-m", "nestfed.cli", "--help"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    start = next(i for i, ln in enumerate(lines) if "Commands" in ln) + 1
+    panel = [ln.strip("│").rstrip() for ln in lines[start:] if ln.startswith("│")]
+    entries: list[list[str]] = []
+    for ln in panel:
+        if ln[:10].strip():  # a command's name starts an entry
+            entries.append([ln])
+        else:
+            entries[-1].append(ln)
+    width = max(len(ln) for ln in panel)
+    assert [e[0].split()[0] for e in entries] == ["run", "compare", "export", "eval", "methods"]
+    for e in entries:
+        assert all(len(ln) >= width - 20 for ln in e[:-1]), e
