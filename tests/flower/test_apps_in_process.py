@@ -350,3 +350,14 @@ def test_too_few_nodes_for_the_clients_are_refused_at_once_naming_both_numbers(t
     assert "2 nodes connected for data.num_clients = 3" in text
     assert "num-partitions = 2 but the experiment has data.num_clients = 3" in text
     assert "--federation-config 'num-supernodes=3'" in text
+
+
+def test_more_nodes_than_clients_are_refused_naming_both_numbers(tmp_path, keep_threads):
+    """An engine started with 4 SuperNodes (num-partitions 4) for 3 clients: every node refuses the
+    experiment, and the one line says why, not only that no node answered."""
+    four = {100 + i: {"partition-id": i, "num-partitions": 4} for i in range(4)}
+    with pytest.raises(NestfedError) as err:
+        run_on_grid(LocalGrid(CA.app, four), run_config(tmp_path))
+    text = str(err.value)
+    assert "only 0 nodes answered the query" in text and "4 nodes for data.num_clients = 3" in text
+    assert "num-partitions = 4 but the experiment has data.num_clients = 3" in text

@@ -362,6 +362,7 @@ class FlowerRun:
     settings: RunSettings
     app_dir: Path | None = None
     log: list[str] = field(default_factory=list)
+    count_refusal: str = field(default="", init=False)  # a node's line refusing the experiment's client count
 
     def say(self, text: str) -> None:
         log(logging.INFO, "[nestfed] %s", text)
@@ -407,6 +408,8 @@ class FlowerRun:
             msg = ex.replies[n]
             if msg.has_error():
                 self.say(f"query: node {n} left out: {_error_text(msg)}")
+                if "num-partitions" in msg.error.reason:  # the engine's node count is not the experiment's
+                    self.count_refusal = msg.error.reason.strip().splitlines()[-1]
                 continue
             try:
                 rec = dict(msg.content.config_records["node"])
@@ -467,7 +470,11 @@ class FlowerRun:
         self.say(f"{len(nodes)} nodes connected (waited for {want})")
         q = self.query(nodes, cfg, cfg_text)
         if len(q.clients) < min_clients:
-            raise NestfedError(f"only {len(q.clients)} nodes answered the query; min-clients is {min_clients}")
+            why = self.count_refusal
+            raise NestfedError(
+                f"only {len(q.clients)} nodes answered the query; min-clients is {min_clients}"
+                + (f"; {len(nodes)} nodes for data.num_clients = {want}, and a node says: {why}" if why else "")
+            )
         for c in q.clients:
             if c.rank > C.r_max(cfg):
                 raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
