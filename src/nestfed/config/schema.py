@@ -337,6 +337,29 @@ DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
 
 
+def check_schedule(t: TrainConfig, lora: LoraConfig, rounds: int) -> None:
+    """The learning-rate schedule's and lora_dropout's values (check_core's part for them). Raises
+    ValueError("<section.key>: <reason>")."""
+    if not 0.0 <= lora.lora_dropout < 1.0:
+        raise ValueError(f"lora.lora_dropout must be in [0, 1), got {lora.lora_dropout}")
+    if t.lr_schedule not in LR_SCHEDULES:
+        raise ValueError(f"train.lr_schedule: unknown schedule '{t.lr_schedule}' (known: {', '.join(LR_SCHEDULES)})")
+    if t.lr_schedule_scope not in ("round", "federation"):
+        raise ValueError(f"train.lr_schedule_scope: '{t.lr_schedule_scope}' is neither 'round' nor 'federation'")
+    if t.warmup_steps < 0:
+        raise ValueError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
+    if not 0 <= t.warmup_ratio < 1:
+        raise ValueError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
+    if t.warmup_steps and t.warmup_ratio:
+        raise ValueError("train.warmup_steps and train.warmup_ratio: give one of the two warm-ups, not both")
+    if t.warmup(rounds) > t.schedule_steps(rounds):
+        span = "each round's" if t.lr_schedule_scope == "round" else "the federation's"
+        raise ValueError(
+            f"train.warmup_steps: a warm-up of {t.warmup(rounds)} steps is longer than {span} "
+            f"{t.schedule_steps(rounds)} steps (train.lr_schedule_scope = '{t.lr_schedule_scope}')"
+        )
+
+
 def check_core(cfg: ExperimentConfig) -> None:
     """Check the core sections' values that types cannot (names, ranks, ranges, combinations).
 
@@ -418,24 +441,7 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("train.local_steps, train.batch_size and train.lr must be positive")
     if t.weight_decay < 0 or t.max_grad_norm < 0:
         raise ValueError("train.weight_decay and train.max_grad_norm must be >= 0")
-    if not 0.0 <= cfg.lora.lora_dropout < 1.0:
-        raise ValueError(f"lora.lora_dropout must be in [0, 1), got {cfg.lora.lora_dropout}")
-    if t.lr_schedule not in LR_SCHEDULES:
-        raise ValueError(f"train.lr_schedule: unknown schedule '{t.lr_schedule}' (known: {', '.join(LR_SCHEDULES)})")
-    if t.lr_schedule_scope not in ("round", "federation"):
-        raise ValueError(f"train.lr_schedule_scope: '{t.lr_schedule_scope}' is neither 'round' nor 'federation'")
-    if t.warmup_steps < 0:
-        raise ValueError(f"train.warmup_steps must be >= 0, got {t.warmup_steps}")
-    if not 0 <= t.warmup_ratio < 1:
-        raise ValueError(f"train.warmup_ratio must be in [0, 1), got {t.warmup_ratio}")
-    if t.warmup_steps and t.warmup_ratio:
-        raise ValueError("train.warmup_steps and train.warmup_ratio: give one of the two warm-ups, not both")
-    if t.warmup(f.rounds) > t.schedule_steps(f.rounds):
-        span = "each round's" if t.lr_schedule_scope == "round" else "the federation's"
-        raise ValueError(
-            f"train.warmup_steps: a warm-up of {t.warmup(f.rounds)} steps is longer than {span} "
-            f"{t.schedule_steps(f.rounds)} steps (train.lr_schedule_scope = '{t.lr_schedule_scope}')"
-        )
+    check_schedule(t, cfg.lora, f.rounds)
     if t.client_memory_mb < 1 or t.client_cache_mb < 1:
         raise ValueError("train.client_memory_mb and train.client_cache_mb must be >= 1")
     if min(t.threads, t.eval_stream_chunk, t.eval_stream_window, t.eval_stream_sinks, t.micro_batch_size) < 0:

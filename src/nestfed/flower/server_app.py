@@ -446,6 +446,25 @@ class FlowerRun:
         return QueryResult(clients, node_of, shapes or {}, base_model, info, initial, time.perf_counter() - t0)
 
     # -- the run -------------------------------------------------------------------------------
+    def gather_clients(self, cfg: ExperimentConfig, cfg_text: str, min_clients: int) -> QueryResult:
+        """Wait for the nodes, QUERY them, and check what they report: at least ``min_clients``
+        answered (else one line, naming the node count against data.num_clients when a node refused
+        it) and no rank above lora.r_max. Raises NestfedError / ConfigError."""
+        want = self.settings.num_supernodes or cfg.data.num_clients
+        nodes = self.wait_for_nodes(want, cfg_text)
+        self.say(f"{len(nodes)} nodes connected (waited for {want})")
+        q = self.query(nodes, cfg, cfg_text)
+        if len(q.clients) < min_clients:
+            why = self.count_refusal
+            raise NestfedError(
+                f"only {len(q.clients)} nodes answered the query; min-clients is {min_clients}"
+                + (f"; {len(nodes)} nodes for data.num_clients = {want}, and a node says: {why}" if why else "")
+            )
+        for c in q.clients:
+            if c.rank > C.r_max(cfg):
+                raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
+        return q
+
     def run(self) -> dict[str, Any]:
         """Validate, query the nodes, run the rounds through the loop, finish the run directory."""
         t_start = time.perf_counter()
@@ -465,19 +484,7 @@ class FlowerRun:
                 f"run config: run-dir {run_dir} exists and is not empty; set resume = true to continue it"
             )
         min_clients = s.min_clients or cfg.federation.min_clients
-        want = s.num_supernodes or cfg.data.num_clients
-        nodes = self.wait_for_nodes(want, cfg_text)
-        self.say(f"{len(nodes)} nodes connected (waited for {want})")
-        q = self.query(nodes, cfg, cfg_text)
-        if len(q.clients) < min_clients:
-            why = self.count_refusal
-            raise NestfedError(
-                f"only {len(q.clients)} nodes answered the query; min-clients is {min_clients}"
-                + (f"; {len(nodes)} nodes for data.num_clients = {want}, and a node says: {why}" if why else "")
-            )
-        for c in q.clients:
-            if c.rank > C.r_max(cfg):
-                raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
+        q = self.gather_clients(cfg, cfg_text, min_clients)
         strategy = method.server(cfg, q.initial_arrays)
         embedded_only(cfg)  # refused before anything is written
         if s.secure_aggregation:  # refused before anything is written
