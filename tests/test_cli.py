@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from nestfed.nn.backbone import byte_tokenizer, tiny_model
+from tests.interruption import interrupted_in_round
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -228,14 +229,7 @@ def test_resume_after_interruption_gives_the_same_adapter(tmp_path, cli):
     assert cli(*args, "--set", "output.name=full", cwd=tmp_path).returncode == 0
     assert cli(*args, "--set", "output.name=cut", cwd=tmp_path).returncode == 0
     full, cut = sorted(runs.glob("full-*"))[0], sorted(runs.glob("cut-*"))[0]
-    # make "cut" look interrupted during round 2: no round-2 checkpoint, adapter, summary or metrics line
-    (cut / "checkpoints" / "round_002.safetensors").unlink()
-    (cut / "summary.json").unlink()
-    import shutil
-
-    shutil.rmtree(cut / "adapter")
-    lines = (cut / "metrics.jsonl").read_text().splitlines()
-    (cut / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    interrupted_in_round(cut, 2)  # "cut" as a crash during round 2 leaves it
     r = cli("run", "--resume", str(cut), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     a = (full / "adapter" / "adapter_model.safetensors").read_bytes()
@@ -558,6 +552,14 @@ def test_a_finished_run_continued_for_more_rounds_equals_one_run_of_them_all(tmp
         a, b = (RunDir(d).load_checkpoint(d / "checkpoints" / f"round_{rnd:03d}.safetensors") for d in (four, two))
         assert list(a.state.arrays) == list(b.state.arrays)  # in the same order
         assert all(torch.equal(a.state.arrays[k], b.state.arrays[k]) for k in a.state.arrays)
+    # a continuation that crashed during round 4 (the round-2 summary.json still there) resumes as it is
+    summary_two = (two / "summary.json").read_text()
+    interrupted_in_round(two, 4)
+    (two / "summary.json").write_text(summary_two)
+    r = cli("run", "--resume", str(two), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-2000:]
+    adapter = "adapter/adapter_model.safetensors"
+    assert (four / adapter).read_bytes() == (two / adapter).read_bytes()
     lines = [
         [_without_times(json.loads(x)) for x in (d / "metrics.jsonl").read_text().splitlines()] for d in (four, two)
     ]

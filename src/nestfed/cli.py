@@ -228,11 +228,13 @@ def _resumable(path: Path, overrides: list[str]) -> tuple[dict[str, Path], Path 
     unfinished ones, and finished ones whose ``--set federation.rounds`` asks for more rounds."""
     from nestfed.federation.run_dir import RunDir
 
-    def wanted(p: Path) -> bool:
-        if not RunDir(p).finished:
+    def wanted(p: Path) -> bool:  # unfinished, or asked for rounds past its latest checkpoint (a
+        rd = RunDir(p)  # continuation that crashed keeps the earlier summary.json and resumes so too)
+        if not rd.finished:
             return True
+        found = rd.checkpoints()
         asked = methods.load_run_config(p / "config.toml", overrides).federation.rounds
-        return asked > methods.load_run_config(p / "config.toml").federation.rounds
+        return bool(found) and asked > found[-1][0]
 
     more = "; --set federation.rounds=N with N above its rounds continues it"
     if (path / "config.toml").is_file():

@@ -4,7 +4,6 @@ follow the schedule at their own rate, dropout masks come from the seed rule alo
 after a before_steps hook that evaluates."""
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from nestfed.federation.hooks import ClientHooks
 from nestfed.federation.messages import Instruction
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.lora import get_adapter_state, inject_lora, lora_modules
+from tests.interruption import interrupted_in_round
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
@@ -37,12 +37,7 @@ def test_dropout_and_a_federation_schedule_resume_exactly(tmp_path, cli):
         r = cli(*run_args(runs, name, *extra), cwd=tmp_path)
         assert r.returncode == 0, r.stderr[-2000:]
     full, cut, plain = (sorted(runs.glob(f"{n}-*"))[0] for n in ("full", "cut", "plain"))
-    # "cut" interrupted during round 2: no round-2 checkpoint, adapter, summary or metrics line
-    (cut / "checkpoints" / "round_002.safetensors").unlink()
-    (cut / "summary.json").unlink()
-    shutil.rmtree(cut / "adapter")
-    lines = (cut / "metrics.jsonl").read_text().splitlines()
-    (cut / "metrics.jsonl").write_text("\n".join(lines[:2]) + "\n")
+    interrupted_in_round(cut, 2)  # "cut" as a crash during round 2 leaves it
     r = cli("run", "--resume", str(cut), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     adapter = "adapter/adapter_model.safetensors"
