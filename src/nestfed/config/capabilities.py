@@ -36,6 +36,8 @@ class Capability(StrEnum):
     #: one global model the server holds that every client could run (the server's global
     #: evaluation, ``evaluation.global_test``)
     GLOBAL_MODEL = "global_model"
+    #: clients train over a backbone whose linear layers bitsandbytes holds quantised (``model.quantization``)
+    QUANTIZED_BACKBONE = "quantized_backbone"
     #: that global model is one LoRA adapter of rank r_max whose rank prefixes a client can run
     #: (``nestfed export --rank``, the truncation curve, dimension importance)
     EXPORT_AT_RANK = "export_at_rank"
@@ -67,6 +69,10 @@ WHAT: dict[Capability, tuple[str, str]] = {
         "evaluate one global model",
         "its clients do not share one global model (each keeps its own)",
     ),
+    Capability.QUANTIZED_BACKBONE: (
+        "train over a quantised backbone",
+        "its clients need the backbone's dense weights (docs/scale.md, quantised backbones)",
+    ),
     Capability.EXPORT_AT_RANK: (
         "export its global adapter at a rank",
         "it has no global LoRA adapter of rank r_max that clients run a prefix of",
@@ -90,6 +96,8 @@ def asked_by(cfg: Any) -> dict[Capability, str]:
         out[Capability.ROBUST_AGGREGATION] = "privacy.mode"
     if not cfg.server_optimizer.identity:
         out[Capability.SERVER_OPTIMIZER] = "server_optimizer.name"
+    if cfg.model.quantization != "none":
+        out[Capability.QUANTIZED_BACKBONE] = "model.quantization"
     return out
 
 

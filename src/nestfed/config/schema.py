@@ -15,6 +15,7 @@ loader (nestfed.config.loader) prefixes the file.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Mapping
@@ -50,6 +51,12 @@ class ModelConfig:
     ``attention_window`` tokens plus the first ``attention_sinks`` (StreamingLLM's sinks), in
     training and evaluation, whatever the method (a deployment that cannot hold the context;
     nestfed.nn.bounded_attention); 0 = the full context.
+    quantization: the frozen backbone's linear layers (not the embeddings or the LM head) held by
+    bitsandbytes: ``none`` (at ``dtype``), ``int8`` (LLM.int8, outlier threshold 6.0) or ``nf4``
+    (4-bit NormalFloat, blocks of 64, QLoRA's); the adapters stay float32 and travel as they do
+    unquantised (nestfed.nn.quantization). double_quant: nf4's absmax constants quantised too
+    (QLoRA's double quantisation). compute_dtype: the dtype nf4 layers dequantise to and compute
+    in (``auto``: float32 on the CPU, bfloat16 on CUDA).
     """
 
     name: str = "smollm2-135m"
@@ -59,6 +66,9 @@ class ModelConfig:
     seed: int = 0  # initialisation seed of the tiny random models
     attention_window: int = 0
     attention_sinks: int = 0
+    quantization: str = "none"
+    double_quant: bool = True
+    compute_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -335,6 +345,7 @@ def sampled_per_round(cfg: ExperimentConfig) -> int:
 
 DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
 DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
+QUANTIZATIONS = ("none", "int8", "nf4")
 
 
 def check_schedule(t: TrainConfig, lora: LoraConfig, rounds: int) -> None:
@@ -360,19 +371,33 @@ def check_schedule(t: TrainConfig, lora: LoraConfig, rounds: int) -> None:
         )
 
 
+def check_model(m: ModelConfig) -> None:
+    """Check ``[model]``'s values. Raises ValueError("model.<key>: <reason>")."""
+    if m.attention_window < 0 or m.attention_sinks < 0:
+        raise ValueError("model.attention_window and model.attention_sinks must be >= 0 tokens")
+    if m.attention_sinks and not m.attention_window:
+        raise ValueError("model.attention_sinks: sinks bound nothing without model.attention_window")
+    if m.dtype not in DTYPES:
+        raise ValueError(f"model.dtype: '{m.dtype}' is not a floating dtype (known: {', '.join(DTYPES)})")
+    if m.compute_dtype not in DTYPES:
+        raise ValueError(f"model.compute_dtype: '{m.compute_dtype}' is not a floating dtype ({', '.join(DTYPES)})")
+    if not DEVICE.fullmatch(m.device):
+        raise ValueError(f"model.device: '{m.device}' is not auto, cpu, cuda or cuda:N")
+    if m.quantization not in QUANTIZATIONS:
+        raise ValueError(f"model.quantization: unknown '{m.quantization}' (known: {', '.join(QUANTIZATIONS)})")
+    if m.quantization != "none" and importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(
+            f"model.quantization: '{m.quantization}' needs bitsandbytes, which is not installed "
+            "(scripts/setup.sh installs it; or pip install bitsandbytes)"
+        )
+
+
 def check_core(cfg: ExperimentConfig) -> None:
     """Check the core sections' values that types cannot (names, ranks, ranges, combinations).
 
     Raises ValueError("<section.key>: <reason>") for the first value at fault.
     """
-    if cfg.model.attention_window < 0 or cfg.model.attention_sinks < 0:
-        raise ValueError("model.attention_window and model.attention_sinks must be >= 0 tokens")
-    if cfg.model.attention_sinks and not cfg.model.attention_window:
-        raise ValueError("model.attention_sinks: sinks bound nothing without model.attention_window")
-    if cfg.model.dtype not in DTYPES:
-        raise ValueError(f"model.dtype: '{cfg.model.dtype}' is not a floating dtype (known: {', '.join(DTYPES)})")
-    if not DEVICE.fullmatch(cfg.model.device):
-        raise ValueError(f"model.device: '{cfg.model.device}' is not auto, cpu, cuda or cuda:N")
+    check_model(cfg.model)
     d = cfg.data
     if d.task not in TASKS:
         raise ValueError(f"data.task: unknown task '{d.task}' (known: {', '.join(TASKS)})")

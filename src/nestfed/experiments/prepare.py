@@ -72,7 +72,7 @@ def prepare(
         names = target_module_names(backbone.model, cfg.lora.target_modules, cfg.lora.layers)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None  # names lora.layers or lora.target_modules
-    smallest = min(min(backbone.model.get_submodule(n).weight.shape) for n in names)
+    smallest = min(min(m.in_features, m.out_features) for m in map(backbone.model.get_submodule, names))
     if r_max(cfg) > smallest:  # checked before any [r, in] matrix is allocated
         raise ConfigError(
             f"lora.ranks: rank {r_max(cfg)} exceeds {smallest}, the smallest adapted layer's min(out, in) "

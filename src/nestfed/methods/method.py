@@ -127,6 +127,9 @@ class Method:
 def lora_method(name: str, summary: str, home: Any, capabilities: frozenset[Capability], **kw: Any) -> Method:
     """The declaration of a method whose clients run the client trainer on the shared backbone
     (nestfed.methods.implementation.lora_implementation): its implementation has both halves, so
-    it runs on Flower (``FLOWER`` is added); everything else it can do is in ``capabilities``.
-    ``kw``: the other :class:`Method` fields (sections, checks, refusals)."""
-    return Method(name, summary, home, capabilities=frozenset(capabilities) | {Capability.FLOWER}, **kw)
+    it runs on Flower (``FLOWER`` is added), and its LoRA layers wrap a quantised base as they wrap
+    a dense one, a merged residual kept in float beside it (``QUANTIZED_BACKBONE`` is added);
+    everything else it can do is in ``capabilities``. ``kw``: the other :class:`Method` fields
+    (sections, checks, refusals)."""
+    shared = {Capability.FLOWER, Capability.QUANTIZED_BACKBONE}
+    return Method(name, summary, home, capabilities=frozenset(capabilities) | shared, **kw)

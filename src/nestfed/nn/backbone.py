@@ -26,6 +26,7 @@ from nestfed.io import atomic
 from nestfed.nn.bounded_attention import install_bounded_attention
 from nestfed.nn.layer_inputs import check_architecture
 from nestfed.nn.placement import resolve_device, resolve_dtype
+from nestfed.nn.quantization import quantize_linears
 
 SMOLLM2 = "smollm2-135m"
 GEMMA3 = "gemma3-270m"
@@ -346,7 +347,7 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
         tok = byte_tokenizer(bos=family == "gemma3")
         model = tiny_model(family, len(tok), seed=cfg.seed).to(device=device, dtype=dtype)
         check_architecture(model)
-        return Backbone(freeze(_bounded(model, cfg)), tok, "")
+        return Backbone(freeze(_bounded(_quantized(model, cfg, device), cfg)), tok, "")
     if cfg.name in BUILTINS:
         path = convert_builtin(cfg.name, Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir())
     elif cfg.name in PRETRAINED_TINY:
@@ -372,7 +373,7 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
     check_architecture(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    return Backbone(freeze(_bounded(model, cfg)), tokenizer, str(path))
+    return Backbone(freeze(_bounded(_quantized(model, cfg, device), cfg)), tokenizer, str(path))
 
 
 def pretrained_tiny_dir(cfg: ModelConfig) -> Path:
@@ -380,6 +381,13 @@ def pretrained_tiny_dir(cfg: ModelConfig) -> Path:
     directory ``<model cache>/<name>-seed<model.seed>``."""
     root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     return root / f"{cfg.name}-seed{cfg.seed}"
+
+
+def _quantized(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module:
+    """The model with its linear layers held as ``model.quantization`` says (nestfed.nn.quantization;
+    unchanged for ``none``)."""
+    quantize_linears(model, cfg.quantization, resolve_dtype(cfg.compute_dtype, device), cfg.double_quant)
+    return model
 
 
 def _bounded(model: nn.Module, cfg: ModelConfig) -> nn.Module:

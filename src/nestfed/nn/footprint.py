@@ -3,7 +3,8 @@ into the largest rank it can train (``population.memory_mib``, nestfed.config.po
 
     bytes(r) = W + 16 P(r) + S(r)
 
-- W: the frozen backbone's parameters and buffers at their dtype (each storage once, LoRA excluded);
+- W: the frozen backbone's parameters and buffers at their dtype (each storage once, LoRA excluded;
+  a quantised backbone's packed weights and their quantisation state, ``model.quantization``);
 - P(r) = r * sum over LoRA layers of (in + out): the trainable parameters at rank r, 16 bytes each
   (a float32 value, its gradient and AdamW's two moments; nestfed.nn.placement keeps what trains in
   float32);
@@ -34,11 +35,14 @@ from nestfed.config import TrainConfig
 from nestfed.nn.frozen_prefix import labelled_logits
 from nestfed.nn.lora import active_rank, lora_modules
 from nestfed.nn.placement import model_device
+from nestfed.nn.quantization import quantization_state_bytes
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """W: bytes of the model's parameters and buffers, LoRA matrices excluded, each storage once."""
-    seen, total = set(), 0
+    """W: bytes of the model's parameters and buffers, LoRA matrices excluded, each storage once;
+    for a quantised backbone the packed weights at their integer dtype plus the quantisation state
+    beside them (nestfed.nn.quantization.quantization_state_bytes)."""
+    seen, total = set(), quantization_state_bytes(model)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if ".lora_" in name:
             continue

@@ -26,6 +26,7 @@ from torch import nn
 
 from nestfed.nn.keys import LAYER_INDEX, PEFT_PREFIX, layer_indices, module_of, peft_key
 from nestfed.nn.placement import trainable_dtype
+from nestfed.nn.quantization import dense_dtype
 from nestfed.seeds import stream_seed
 
 __all__ = [
@@ -70,7 +71,7 @@ class LoraLinear(nn.Module):
         self.register_buffer("merged_A", None, persistent=False)
         self.register_buffer("merged_B", None, persistent=False)
         for m in (self.lora_A, self.lora_B):
-            m.to(device=base_layer.weight.device, dtype=trainable_dtype(base_layer.weight.dtype))
+            m.to(device=base_layer.weight.device, dtype=trainable_dtype(dense_dtype(base_layer)))
         with torch.no_grad():
             self.lora_B.weight.zero_()
 
@@ -91,7 +92,7 @@ class LoraLinear(nn.Module):
                 f"in={self.in_features}, out={self.out_features}"
             )
         w = self.base_layer.weight
-        dtype = trainable_dtype(w.dtype)
+        dtype = trainable_dtype(dense_dtype(self.base_layer))
         self.lora_A.weight = nn.Parameter(A.detach().to(w.device, dtype).clone())
         self.lora_B.weight = nn.Parameter(B.detach().to(w.device, dtype).clone())
         self.lora_A.out_features = self.lora_B.in_features = r
@@ -102,9 +103,9 @@ class LoraLinear(nn.Module):
         if A is None:
             self.merged_A = self.merged_B = None
             return
-        w = self.base_layer.weight
-        self.merged_A = A.detach().to(w.device, w.dtype)
-        self.merged_B = B.detach().to(w.device, w.dtype)
+        w, dtype = self.base_layer.weight, dense_dtype(self.base_layer)  # a float residual beside a quantised base
+        self.merged_A = A.detach().to(w.device, dtype)
+        self.merged_B = B.detach().to(w.device, dtype)
 
     def delta_weight(self, r: int | None = None) -> torch.Tensor:
         """The LoRA update s * B[:, :r] @ A[:r] as a dense [out, in] matrix (for tests and merges)."""

@@ -87,6 +87,7 @@ from nestfed.nn.causal_conv import causal_conv, identity_taps, next_tail
 from nestfed.nn.gates import BETA_SOURCES, DYNAMIC_RANGE, GATE_SCOPES, GATES
 from nestfed.nn.keys import PEFT_PREFIX, layer_indices, layer_of
 from nestfed.nn.placement import trainable_dtype
+from nestfed.nn.quantization import dense_dtype
 from nestfed.ops.delta_rule import delta_rule, delta_rule_recurrent
 
 MEMORY_KEY = ".memory."
@@ -432,8 +433,8 @@ def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int
         H = cfg.num_attention_heads
         Hkv = getattr(cfg, "num_key_value_heads", None) or H
         rule = MemoryRule(cfg.hidden_size, H, Hkv, attn.head_dim, settings)
-        w = attn.q_proj.weight if hasattr(attn.q_proj, "weight") else attn.q_proj.base_layer.weight
-        rule.to(device=w.device, dtype=trainable_dtype(w.dtype))
+        q = attn.q_proj if hasattr(attn.q_proj, "weight") else attn.q_proj.base_layer
+        rule.to(device=q.weight.device, dtype=trainable_dtype(dense_dtype(q)))
         for p in rule.parameters():
             p.requires_grad_(False)
         attn.memory = rule

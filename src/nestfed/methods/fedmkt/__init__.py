@@ -24,6 +24,8 @@ METHOD = Method(
     check_config=check_compression,
     capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.RESUME}),
     refusals={
+        C.QUANTIZED_BACKBONE: "its clients' compressed models are derived from an SVD of the dense pretrained "
+        "weights (nestfed.nn.svd), which a quantised weight does not hold",
         C.ROBUST_AGGREGATION: "its server learns by distillation from logits, not by combining parameter "
         "updates (docs/trust.md)",
         C.SERVER_OPTIMIZER: "its server learns by distillation, and its state holds the server's knowledge "

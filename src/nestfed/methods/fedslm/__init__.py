@@ -30,6 +30,9 @@ METHOD = Method(
     # SERVER_OPTIMIZER: the fused cores M_l keep their shape, so the fusion minus M_l is an update
     capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.SERVER_OPTIMIZER, C.RESUME}),
     refusals={
+        C.QUANTIZED_BACKBONE: "its clients' models are derived from an SVD of the dense pretrained weights "
+        "(nestfed.nn.svd), which a quantised weight does not hold; compare it with nf4 clients of another "
+        "method at the same memory budget instead (docs/scale.md)",
         C.ROBUST_AGGREGATION: "its clients train cores of different shapes in nested SVD groups, fused by "
         "coverage; a rule would need one block per group and core position, which is not built (the norm "
         "bound, validation.max_update_norm, applies; docs/trust.md)",

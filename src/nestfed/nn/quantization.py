@@ -1,0 +1,182 @@
+"""The frozen backbone's linear layers held quantised by bitsandbytes, as QLoRA holds them.
+
+QLoRA (Dettmers et al., "QLoRA: Efficient Finetuning of Quantized LLMs", arXiv 2305.14314,
+section 3): the frozen weights are stored in 4-bit NormalFloat (``nf4``: blocks of 64 weights,
+one absmax constant each; with double quantisation the constants are quantised to 8 bits in blocks
+of 256) and dequantised to the compute dtype in every forward; the LoRA matrices beside them stay
+in 16 or 32 bits and are what trains. ``int8`` is LLM.int8 (Dettmers et al., arXiv 2208.07339):
+row-wise absmax int8 weights, activations' outlier columns (magnitude above 6.0) in float.
+
+Every ``nn.Linear`` of the model is replaced, except the output head and any layer whose weight is
+the input embedding's (tied), as transformers' ``BitsAndBytesConfig`` does by default, so a model
+quantised here holds the same bytes as one loaded with ``load_in_4bit`` / ``load_in_8bit``
+(tests/nn/test_quantization.py). The kernels are bitsandbytes' (CPU and CUDA); nestfed only
+chooses the layers and sizes them.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from types import ModuleType
+
+import torch
+from torch import nn
+
+#: LLM.int8's outlier threshold (transformers' ``llm_int8_threshold`` default)
+INT8_THRESHOLD = 6.0
+
+
+def dense_dtype(layer: nn.Module) -> torch.dtype:
+    """The floating dtype a layer computes in: its weight's, or for a quantised layer the dtype it
+    dequantises to (nf4's compute dtype; float32 for int8 and when none is set)."""
+    w = layer.weight
+    if w.dtype.is_floating_point:
+        return w.dtype
+    return getattr(layer, "compute_dtype", None) or torch.float32
+
+
+def is_quantized(layer: nn.Module) -> bool:
+    """Whether the layer holds its weight quantised (an integer-typed weight)."""
+    w = getattr(layer, "weight", None)
+    return isinstance(w, torch.Tensor) and not w.dtype.is_floating_point
+
+
+def quantizable(model: nn.Module) -> list[str]:
+    """Paths of the plain ``nn.Linear`` layers to quantise: all but the output head and layers that
+    share the input embedding's weight."""
+    emb = model.get_input_embeddings()
+    head = model.get_output_embeddings()
+    tied = {emb.weight.data_ptr()} if emb is not None else set()
+    return [
+        name
+        for name, m in model.named_modules()
+        if type(m) is nn.Linear and m is not head and m.weight.data_ptr() not in tied
+    ]
+
+
+#: bitsandbytes' loggers that speak on every use: an optional CPU kernel package it looks for on
+#: import, and int8's cast of float32 inputs to float16 (LLM.int8's, expected) on every matmul
+QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")
+
+
+def _bnb() -> ModuleType:
+    """bitsandbytes, imported with its per-call warnings (:data:`QUIET`) at ERROR."""
+    for name in QUIET:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    import bitsandbytes
+
+    return bitsandbytes
+
+
+def _nf4(m: nn.Linear, compute_dtype: torch.dtype, double_quant: bool) -> nn.Module:
+    bnb = _bnb()
+
+    q = bnb.nn.Linear4bit(
+        m.in_features,
+        m.out_features,
+        bias=m.bias is not None,
+        compute_dtype=compute_dtype,
+        compress_statistics=double_quant,
+        quant_type="nf4",
+        device="meta",
+    )
+    q.weight = bnb.nn.Params4bit(
+        m.weight.data, requires_grad=False, compress_statistics=double_quant, quant_type="nf4", module=q
+    )
+    if m.bias is not None:
+        q.bias = nn.Parameter(m.bias.data, requires_grad=False)
+    keep_trainable_layout(q)
+    return q.to(m.weight.device)  # moving a Params4bit quantises it
+
+
+def keep_trainable_layout(layer: nn.Module) -> None:
+    """Keep an nf4 layer out of bitsandbytes' packed CPU inference layout. On a CPU with AVX512-BF16,
+    bitsandbytes 0.50 repacks a Linear4bit's weight in place on its first forward in eval mode without
+    gradients (nestfed's frozen prefix, an evaluation), and from then on computes it in bfloat16
+    with a kernel that has no backward: the LoRA layers below it would silently get no gradient
+    through it. Off, every forward dequantises and multiplies (``gemm_4bit``; ``MatMul4Bit`` with
+    its backward when gradients are needed)."""
+    if hasattr(layer, "support_avx512bf16_for_cpu"):
+        layer.support_avx512bf16_for_cpu = False
+
+
+def _int8(m: nn.Linear) -> nn.Module:
+    bnb = _bnb()
+
+    q = bnb.nn.Linear8bitLt(
+        m.in_features,
+        m.out_features,
+        bias=m.bias is not None,
+        has_fp16_weights=False,
+        threshold=INT8_THRESHOLD,
+        device="meta",
+    )
+    q.weight = bnb.nn.Int8Params(m.weight.data, requires_grad=False, has_fp16_weights=False)
+    if m.bias is not None:
+        q.bias = nn.Parameter(m.bias.data, requires_grad=False)
+    return q.to(m.weight.device)  # moving Int8Params quantises it
+
+
+def quantize_linears(
+    model: nn.Module, quantization: str, compute_dtype: torch.dtype, double_quant: bool = True
+) -> list[str]:
+    """Replace the model's linear layers (:func:`quantizable`) by bitsandbytes layers holding the
+    same weights quantised: ``nf4`` (Linear4bit) or ``int8`` (Linear8bitLt); ``none`` changes
+    nothing. Returns the replaced paths. Raises ValueError for another name."""
+    if quantization == "none":
+        return []
+    if quantization not in ("nf4", "int8"):
+        raise ValueError(f"model.quantization: unknown '{quantization}' (none, int8, nf4)")
+    names = quantizable(model)
+    for name in names:
+        parent_name, _, leaf = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        m = getattr(parent, leaf)
+        q = _nf4(m, compute_dtype, double_quant) if quantization == "nf4" else _int8(m)
+        setattr(parent, leaf, q)
+    return names
+
+
+def _state_tensors(layer: nn.Module) -> Iterator[torch.Tensor]:
+    """The tensors a quantised layer keeps beside its weight: nf4's quantisation state (absmax,
+    code book, and the nested state of double quantisation), int8's row scales."""
+    state = getattr(layer.weight, "quant_state", None)
+    while state is not None:
+        for name in ("absmax", "code", "offset"):
+            t = getattr(state, name, None)
+            if isinstance(t, torch.Tensor):
+                yield t
+        state = getattr(state, "state2", None)
+    for holder in (layer.weight, getattr(layer, "state", None)):  # the first forward moves it to the state
+        scb = getattr(holder, "SCB", None)
+        if isinstance(scb, torch.Tensor):
+            yield scb
+
+
+def quantization_state_bytes(model: nn.Module) -> int:
+    """Bytes of the quantisation state of every quantised layer (not parameters or buffers, so
+    a count over those misses them), each storage once."""
+    seen: dict[int, int] = {}
+    for m in model.modules():
+        if is_quantized(m):
+            for t in _state_tensors(m):
+                seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+    return sum(seen.values())
+
+
+def bnb_config(model: object, compute_dtype: torch.dtype) -> dict[str, object] | None:
+    """transformers' ``BitsAndBytesConfig`` keyword arguments that load a model as ``model`` (a
+    ModelConfig) quantises it here (None for ``none``): what an exported adapter records and what
+    PEFT or lm-eval pass to load the same base."""
+    q = getattr(model, "quantization", "none")
+    if q == "nf4":
+        return {
+            "load_in_4bit": True,
+            "bnb_4bit_quant_type": "nf4",
+            "bnb_4bit_use_double_quant": bool(model.double_quant),
+            "bnb_4bit_compute_dtype": compute_dtype,
+        }
+    if q == "int8":
+        return {"load_in_8bit": True, "llm_int8_threshold": INT8_THRESHOLD}
+    return None
