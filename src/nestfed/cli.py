@@ -465,6 +465,13 @@ def eval_(
     dtype: Annotated[
         str, typer.Option("--dtype", help="auto (float32 on the CPU, bfloat16 on CUDA) | float32 | bfloat16 | float16")
     ] = "auto",
+    quantization: Annotated[
+        str,
+        typer.Option(
+            "--quantization",
+            help="the backbone held by bitsandbytes: 4 (nf4, FlowerTune's leaderboard), 8 (int8) or none",
+        ),
+    ] = "none",
     backbone: Annotated[
         bool,
         typer.Option(
@@ -493,6 +500,7 @@ def eval_(
         batch_size,
         device,
         dtype,
+        harness.quantization_name(quantization),
     )
     protocol.placement()  # a bad --device or --dtype is one line before anything runs
     target = (

@@ -76,14 +76,16 @@ def test_sample_keeps_every_subject_in_proportion_and_is_seeded():
             harness.sample_subjects(items, bad, seed=0)
 
 
-def reference(base: Path, adapter: Path | None, items) -> dict[str, list[str]]:
+def reference(base: Path, adapter: Path | None, items, quantization=None) -> dict[str, list[str]]:
     """Each question's predicted letter by hand: greedy next token decoded and extracted
-    (generation), and the letter whose byte token has the highest logit (log-likelihood)."""
+    (generation), and the letter whose byte token has the highest logit (log-likelihood); on the
+    base loaded with ``quantization`` (BitsAndBytesConfig keyword arguments) when given."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
 
     tok = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    quantized = {"quantization_config": BitsAndBytesConfig(**quantization), "device_map": "cpu"} if quantization else {}
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32, **quantized)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, adapter)
     model.eval()
@@ -141,3 +143,26 @@ def test_bad_directories_are_one_line_errors(tmp_path, tiny_setup):
         harness.evaluate(base, tmp_path, protocol)
     with pytest.raises(ConfigError, match="unknown astrology"):
         harness.questions(harness.Protocol(str(mmlu), categories=("astrology",)))
+
+
+def test_lm_eval_on_a_4bit_base_scores_what_that_base_answers(tiny_setup):
+    """``nestfed eval --quantization 4``: lm-eval scores the adapter over the nf4 base (transformers'
+    BitsAndBytesConfig, as FlowerTune's leaderboard) exactly as the same base answers by hand."""
+    pytest.importorskip("bitsandbytes")
+    from nestfed.config import ModelConfig
+    from nestfed.nn.quantization import bnb_config
+
+    base, adapter, mmlu = tiny_setup
+    protocol = harness.Protocol(str(mmlu), batch_size=4, device="cpu", quantization=harness.quantization_name("4"))
+    assert protocol.quantization == "nf4"
+    lm = harness.lm_model(base, adapter, protocol)
+    assert any(type(m).__name__ == "Linear4bit" for m in lm.model.modules())
+    items = harness.questions(protocol)
+    flat = [x for c in harness.CATEGORIES for x in items[c]]
+    ref = reference(base, adapter, flat, bnb_config(ModelConfig(quantization="nf4", device="cpu")))
+    scored = harness.evaluate(base, adapter, protocol, items)
+    for scoring in harness.SCORINGS:
+        expected = [int(p == harness.LETTERS[x.answer].lower()) for x, p in zip(flat, ref[scoring])]
+        assert [v for c in harness.CATEGORIES for v in scored[scoring][c]] == expected, scoring
+    with pytest.raises(ConfigError, match="--quantization: '3' is not 4, 8 or none"):
+        harness.quantization_name("3")

@@ -63,3 +63,58 @@ def test_a_missing_bitsandbytes_is_named_with_the_fix(monkeypatch):
 def test_an_unknown_quantization_is_refused():
     with pytest.raises(ConfigError, match=r"model.quantization: unknown 'fp8' \(known: none, int8, nf4\)"):
         config("fedavg", "model.quantization=fp8")
+
+
+def card_config(readme: str) -> dict:
+    """The BitsAndBytesConfig keyword arguments a model card records (PEFT's ``- key: value`` lines)."""
+    from nestfed.nn.peft_export import QUANTIZATION_PREFIX
+
+    lines = readme.split(QUANTIZATION_PREFIX, 1)[1].strip().splitlines()
+    out = {}
+    for line in lines:
+        if not line.startswith("- "):
+            break
+        key, value = line[2:].split(": ", 1)
+        out[key] = {"True": True, "False": False}.get(value, value)
+    return out
+
+
+def test_the_export_records_its_quantised_base_and_loads_on_it_in_peft(tmp_path, one_thread):
+    """PreLort over nf4, exported at r_max: the README.md model card records the bitsandbytes config
+    as PEFT does; PEFT loads the adapter onto the base that config loads, with the logits nestfed
+    deploys (train mode: the same kernels; in eval mode bitsandbytes computes nf4 in bfloat16 on
+    AVX512-BF16 CPUs, within bfloat16's rounding)."""
+    from peft import PeftModel
+    from tiny_federation import tiny_prepared
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from nestfed.config import r_max
+    from nestfed.experiments.export import export_adapter
+    from nestfed.nn.arrays import apply_arrays
+    from nestfed.nn.backbone import tiny_dir
+    from nestfed.nn.frozen_prefix import lm_logits
+
+    cfg = config("prelort", "federation.rounds=1", "model.quantization=nf4", "model.device=cpu")
+    prep = tiny_prepared(cfg)
+    state, _, mr = tiny_run(tmp_path / "run", cfg, prep)
+    out, _ = export_adapter(tmp_path / "run", rank=r_max(cfg), out=tmp_path / "peft")
+    recorded = card_config((out / "README.md").read_text())
+    assert recorded == {
+        "load_in_4bit": True,
+        "bnb_4bit_quant_type": "nf4",
+        "bnb_4bit_use_double_quant": True,
+        "bnb_4bit_compute_dtype": "float32",
+    }
+    arrays, scale = mr.strategy.deploy(state, None)
+    ours = prep.backbone.model
+    apply_arrays(ours, arrays, scale)
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    expected = lm_logits(ours, ids)
+    base = AutoModelForCausalLM.from_pretrained(
+        tiny_dir("tiny-llama", 0), quantization_config=BitsAndBytesConfig(**recorded), device_map="cpu"
+    )
+    theirs = PeftModel.from_pretrained(base, out).train()
+    torch.testing.assert_close(theirs(ids).logits, expected, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():
+        evaluated = theirs.eval()(ids).logits
+    torch.testing.assert_close(evaluated, expected, rtol=0.05, atol=0.05)

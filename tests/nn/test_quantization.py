@@ -24,7 +24,7 @@ def reference(quantization: str):
     """The tiny Llama as transformers loads it quantised (what PEFT's QLoRA trains over)."""
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    cfg = BitsAndBytesConfig(**bnb_config(ModelConfig(name="tiny-llama", quantization=quantization), torch.float32))
+    cfg = BitsAndBytesConfig(**bnb_config(ModelConfig(name="tiny-llama", quantization=quantization, device="cpu")))
     return AutoModelForCausalLM.from_pretrained(
         tiny_dir("tiny-llama", 0), quantization_config=cfg, dtype=torch.float32, device_map="cpu"
     )

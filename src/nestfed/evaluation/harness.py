@@ -37,6 +37,7 @@ sample of that fraction of every subject (at least one question), which keeps th
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import math
 import re
@@ -50,6 +51,7 @@ import numpy as np
 from nestfed.data.sources import MultipleChoice, mmlu
 from nestfed.errors import ConfigError
 from nestfed.nn.placement import resolve_device, resolve_dtype
+from nestfed.nn.quantization import bnb_config
 
 #: FlowerTune's MMLU category groups (benchmarks.py, MMLU_CATEGORY), the three on the leaderboard
 CATEGORIES: dict[str, tuple[str, ...]] = {
@@ -184,7 +186,9 @@ class Protocol:
     """Which MMLU questions and how: the local MMLU root folder, the categories, the fraction of
     each subject sampled with ``seed``, lm-eval's batch size (prompts per forward), and where the
     model runs in what dtype (``model.device`` / ``model.dtype``'s names: nestfed.nn.placement;
-    ``auto`` = float32 on the CPU, bfloat16 on CUDA)."""
+    ``auto`` = float32 on the CPU, bfloat16 on CUDA); quantization: the backbone held ``nf4`` or
+    ``int8`` by bitsandbytes (``model.quantization``'s names; FlowerTune's leaderboard scores on a
+    4-bit base), ``none`` = at dtype."""
 
     mmlu_root: str
     categories: tuple[str, ...] = tuple(CATEGORIES)
@@ -193,12 +197,28 @@ class Protocol:
     batch_size: int = 16
     device: str = "auto"
     dtype: str = "auto"
+    quantization: str = "none"
 
     def placement(self) -> tuple[str, str]:
         """(device, dtype) resolved, e.g. ("cpu", "float32") or ("cuda:0", "bfloat16"). Raises
         ConfigError as nestfed.nn.placement does."""
         device = resolve_device(self.device)
         return str(device), str(resolve_dtype(self.dtype, device)).removeprefix("torch.")
+
+
+#: ``nestfed eval --quantization``'s values (FlowerTune's bit widths, or model.quantization's names)
+QUANTIZATION_NAMES = {"4": "nf4", "nf4": "nf4", "8": "int8", "int8": "int8", "none": "none", "16": "none", "32": "none"}
+
+
+def quantization_name(value: str) -> str:
+    """``model.quantization``'s name for ``--quantization`` (4 -> nf4, 8 -> int8, none). Raises
+    ConfigError naming the values it takes, or when bitsandbytes is missing for a quantised one."""
+    name = QUANTIZATION_NAMES.get(str(value).strip().lower())
+    if name is None:
+        raise ConfigError(f"--quantization: '{value}' is not 4, 8 or none")
+    if name != "none" and importlib.util.find_spec("bitsandbytes") is None:
+        raise ConfigError(f"--quantization {value}: needs bitsandbytes (scripts/setup.sh installs it)")
+    return name
 
 
 def questions(protocol: Protocol) -> dict[str, list[MultipleChoice]]:
@@ -296,16 +316,13 @@ def evaluate(
     logging.getLogger("lm-eval").setLevel(logging.ERROR)
     logging.getLogger("lm_eval").setLevel(logging.ERROR)
     items = items_by_category if items_by_category is not None else questions(protocol)
-    device, dtype = protocol.placement()
-    model_args = {"pretrained": str(backbone_dir), "dtype": dtype, "device": device}
-    if adapter_dir is not None:
-        model_args["peft"] = str(adapter_dir)
+    model = lm_model(backbone_dir, adapter_dir, protocol)
     import lm_eval.evaluator
 
     # lm-eval records `git describe` of the working directory, whose "fatal: not a git repository"
     # reaches the terminal from any other folder: ask git quietly instead
     with mock.patch.object(lm_eval.evaluator, "get_git_commit_hash", quiet_git_hash):
-        res = _simple_evaluate(lm_eval, model_args, items, protocol)
+        res = _simple_evaluate(lm_eval, model, items, protocol)
     out: dict[str, dict[str, list[int]]] = {s: {} for s in SCORINGS}
     for scoring, metric in zip(SCORINGS, ("exact_match", "acc")):
         for category, its in items.items():
@@ -316,10 +333,36 @@ def evaluate(
     return out
 
 
-def _simple_evaluate(lm_eval, model_args: dict, items, protocol) -> dict:
+def lm_model(backbone_dir: str | Path, adapter_dir: str | Path | None, protocol: Protocol) -> dict | object:
+    """What lm-eval scores: ``hf`` model arguments (the backbone in the protocol's dtype on its
+    device, the PEFT adapter on top), or with ``protocol.quantization`` (``nf4`` / ``int8``,
+    FlowerTune's ``--quantization 4`` / ``8``) an ``HFLM`` over the backbone loaded through
+    transformers' ``BitsAndBytesConfig`` (nestfed.nn.quantization.bnb_config) with the adapter on it."""
+    device, dtype = protocol.placement()
+    if protocol.quantization == "none":
+        args = {"pretrained": str(backbone_dir), "dtype": dtype, "device": device}
+        return args if adapter_dir is None else {**args, "peft": str(adapter_dir)}
+    from lm_eval.models.huggingface import HFLM
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
+
+    from nestfed.config import ModelConfig
+
+    bnb = bnb_config(ModelConfig(quantization=protocol.quantization, device=device))
+    model = AutoModelForCausalLM.from_pretrained(
+        backbone_dir, quantization_config=BitsAndBytesConfig(**bnb), dtype=dtype, device_map=device
+    )
+    if adapter_dir is not None:
+        model = PeftModel.from_pretrained(model, adapter_dir)
+    tokenizer = AutoTokenizer.from_pretrained(backbone_dir)
+    return HFLM(pretrained=model.eval(), tokenizer=tokenizer, batch_size=protocol.batch_size)
+
+
+def _simple_evaluate(lm_eval, model: dict | object, items, protocol) -> dict:
+    as_args = isinstance(model, dict)
     return lm_eval.simple_evaluate(
-        model="hf",
-        model_args=model_args,
+        model="hf" if as_args else model,
+        model_args=model if as_args else None,
         tasks=tasks(items),
         batch_size=protocol.batch_size,
         log_samples=True,

@@ -33,6 +33,7 @@ from nestfed.federation.run_dir import RunDir
 from nestfed.methods.implementation import lora_settings
 from nestfed.nn.backbone import load_backbone
 from nestfed.nn.peft_export import export_peft_adapter
+from nestfed.nn.quantization import bnb_config
 
 #: what an adapter directory written by PEFT (or by us) holds; only such a directory is replaced
 ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "adapter_model.bin", "README.md"}
@@ -137,7 +138,7 @@ def export_adapter(
     check_target(target, rd.path)
     base = _base_model(rd, cfg)
     try:
-        path = export_peft_adapter(arrays, scale, target, base, cfg.lora.lora_dropout)
+        path = export_peft_adapter(arrays, scale, target, base, cfg.lora.lora_dropout, bnb_config(cfg.model))
     except ValueError as exc:
         raise NestfedError(f"{run_dir}: {exc}") from None
     return path, {

@@ -130,6 +130,8 @@ def _key(backbone: Path, adapter: Path | None, protocol: harness.Protocol) -> st
     adapter's files: an edited answer key, another copy of MMLU behind the same relative path or
     other weights give another key."""
     spec = {k: v for k, v in asdict(protocol).items() if k not in ("device", "dtype", "mmlu_root")}
+    if spec.get("quantization") == "none":  # the keys of results scored before quantisation existed
+        del spec["quantization"]
     dtype = protocol.placement()[1]
     if dtype != "float32":
         spec["dtype"] = dtype

@@ -50,6 +50,7 @@ from nestfed.federation.plots import run_plots
 from nestfed.federation.summary import client_table, rank_summary, summarise
 from nestfed.io import atomic
 from nestfed.nn.peft_export import export_peft_adapter
+from nestfed.nn.quantization import bnb_config
 
 log = logging.getLogger("nestfed")
 
@@ -457,9 +458,11 @@ class RunDir:
         return diff
 
     # -- exports and the summary ---------------------------------------------------------------
-    def write_adapter(self, arrays: Arrays, scaling: float, base_model: str = "", lora_dropout: float = 0.0) -> Path:
+    def write_adapter(
+        self, arrays: Arrays, scaling: float, base_model: str = "", lora_dropout: float = 0.0, quantization=None
+    ) -> Path:
         """The PEFT adapter directory ``adapter/`` (nestfed.nn.peft_export), atomically."""
-        return export_peft_adapter(arrays, scaling, self.path / "adapter", base_model, lora_dropout)
+        return export_peft_adapter(arrays, scaling, self.path / "adapter", base_model, lora_dropout, quantization)
 
     def write_tensors(self, name: str, arrays: Arrays) -> Path:
         """``<name>`` (a safetensors file in the run directory), atomically."""
@@ -534,7 +537,7 @@ class RunDir:
         arrays, scale = exports.adapter or ({}, 1.0)
         summary["adapter"] = None
         if arrays and summary["aggregated_rounds"] > 0:
-            self.write_adapter(arrays, scale, exports.base_model, cfg.lora.lora_dropout)
+            self.write_adapter(arrays, scale, exports.base_model, cfg.lora.lora_dropout, bnb_config(cfg.model))
             summary["adapter"] = "adapter"
         elif arrays:
             log.warning("%s: no round aggregated, so no adapter is exported", self.path)

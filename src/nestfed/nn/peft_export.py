@@ -9,6 +9,7 @@ The directory holds ``adapter_config.json`` (written by ``peft.LoraConfig.save_p
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -18,14 +19,37 @@ from safetensors.torch import save_file
 from nestfed.io import atomic
 from nestfed.nn.keys import module_of
 
+QUANTIZATION_PREFIX = "The following `bitsandbytes` quantization config was used during training:"
+
+
+def model_card(base_model: str, quantization: Mapping[str, object]) -> str:
+    """The adapter's README.md as PEFT writes it for an adapter trained over a quantised base
+    (``PeftModel.create_or_update_model_card``): ``library_name: peft`` and the base model in the
+    metadata, the ``bitsandbytes`` config under "Training procedure" (one ``- key: value`` line each,
+    the keyword arguments of transformers' ``BitsAndBytesConfig``)."""
+    from huggingface_hub import ModelCard, ModelCardData
+
+    data = ModelCardData(library_name="peft", base_model=base_model or None)
+    lines = [f"- {k}: {str(v).removeprefix('torch.')}" for k, v in quantization.items()]
+    text = "\n".join(["## Training procedure", "", QUANTIZATION_PREFIX, *lines, ""])
+    return str(ModelCard(f"---\n{data.to_yaml()}\n---\n\n{text}"))
+
 
 def export_peft_adapter(
-    state: dict[str, torch.Tensor], scaling: float, out_dir: str | Path, base_model: str = "", lora_dropout: float = 0.0
+    state: dict[str, torch.Tensor],
+    scaling: float,
+    out_dir: str | Path,
+    base_model: str = "",
+    lora_dropout: float = 0.0,
+    quantization: Mapping[str, object] | None = None,
 ) -> Path:
     """Write ``state`` ({PEFT key: tensor}, one rank r for every layer) to ``out_dir``.
 
     scaling: the s that multiplies B @ A in nestfed (exported as lora_alpha = s * r). lora_dropout:
     the dropout the adapter trained with (``lora.lora_dropout``; PEFT applies it in training only).
+    quantization: the base's ``BitsAndBytesConfig`` keyword arguments when it trained over a
+    quantised backbone (nestfed.nn.quantization.bnb_config), recorded in a README.md model card as
+    PEFT records them.
     The directory is written beside its target and renamed into place (never half-written), with
     the user's umask. Raises ValueError when layers disagree on the rank, the rank is 0 (PEFT cannot
     load it) or a key is not a LoRA key.
@@ -50,6 +74,8 @@ def export_peft_adapter(
 
     def build(tmp: Path) -> None:
         config.save_pretrained(tmp)
+        if quantization:
+            (tmp / "README.md").write_text(model_card(base_model, quantization))
         save_file({k: v.detach().contiguous().cpu() for k, v in state.items()}, tmp / "adapter_model.safetensors")
 
     return atomic.write_dir(Path(out_dir), build)

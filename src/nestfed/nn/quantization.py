@@ -165,17 +165,20 @@ def quantization_state_bytes(model: nn.Module) -> int:
     return sum(seen.values())
 
 
-def bnb_config(model: object, compute_dtype: torch.dtype) -> dict[str, object] | None:
+def bnb_config(model: object) -> dict[str, object] | None:
     """transformers' ``BitsAndBytesConfig`` keyword arguments that load a model as ``model`` (a
     ModelConfig) quantises it here (None for ``none``): what an exported adapter records and what
-    PEFT or lm-eval pass to load the same base."""
+    PEFT or lm-eval pass to load the same base. The compute dtype is resolved for this machine
+    (``auto``: float32 on the CPU, bfloat16 on CUDA)."""
+    from nestfed.nn.placement import resolve_device, resolve_dtype
+
     q = getattr(model, "quantization", "none")
     if q == "nf4":
         return {
             "load_in_4bit": True,
             "bnb_4bit_quant_type": "nf4",
             "bnb_4bit_use_double_quant": bool(model.double_quant),
-            "bnb_4bit_compute_dtype": compute_dtype,
+            "bnb_4bit_compute_dtype": resolve_dtype(model.compute_dtype, resolve_device(model.device)),
         }
     if q == "int8":
         return {"load_in_8bit": True, "llm_int8_threshold": INT8_THRESHOLD}
