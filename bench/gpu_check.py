@@ -11,6 +11,10 @@ Parts (each timed and guarded: a part that fails records its error and the other
   PEFT's own LoRA on the same random-initialised model, batch and dtype (bf16 weights, fp32
   adapters, autocast), at two real shapes: SmolLM2-135M's and TinyLlama-1.1B's. Criterion: nestfed
   >= 0.9x PEFT's tokens per second.
+- ``qlora``: a QLoRA step (issue 34): nestfed's LoRA over an nf4 backbone (``model.quantization``)
+  against PEFT's LoRA over the same nf4 layers, tokens per second interleaved (criterion >= 0.9x),
+  and the nf4 step's peak memory over the same model's bf16 LoRA step. Needs bitsandbytes
+  (``bench/gpu_bundle.sh`` carries its wheel).
 - ``prelort``: one PreLort step with |R_k| = 1..4 nested sub-ranks (R_k = the top |R_k| of 1, 2, 4,
   8): a step costs about |R_k| passes (arXiv 2606.15963 section 2.2), ``objective = "sampled"`` one.
 - ``fednl``: a FedNL step (the delta-rule memory on every layer, through flash-linear-attention's
@@ -210,6 +214,70 @@ def part_lora_vs_peft(s: Setting) -> dict:
     return out
 
 
+def quantised_model(shape: str, s: Setting):
+    """``model_of`` with its linear layers in nf4 (nestfed.nn.quantization, QLoRA's double
+    quantisation, computing in s.dtype), as ``model.quantization = "nf4"`` holds a backbone."""
+    from nestfed.nn.quantization import quantize_linears
+
+    model = model_of(shape, s)
+    quantize_linears(model, "nf4", s.dtype, double_quant=True)
+    return model
+
+
+def part_qlora(s: Setting) -> dict:
+    """A QLoRA step (issue 34): nestfed's LoRA over an nf4 backbone against PEFT's LoRA over the
+    same nf4 layers (the same random model, batch and adapter init, one step's loss compared), and
+    the nf4 step's peak memory against the same model's plain LoRA step in s.dtype. Criterion:
+    nestfed >= 0.9x PEFT's tokens per second."""
+    from peft import LoraConfig, get_peft_model
+
+    from nestfed.nn.lora import inject_lora, lora_modules
+
+    shape = s.shapes[0]
+    batch, tokens = batch_of(shape, s)
+    ids = batch.input_ids.to(s.device)
+    autocast = torch.autocast(s.device.type, dtype=s.dtype, enabled=s.dtype != torch.float32)
+
+    def build_ours():
+        model = quantised_model(shape, s)
+        inject_lora(model, TARGETS, 8, 16.0 / 8)
+        params = [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
+        for p in params:
+            p.requires_grad_(True)
+        model.train()
+        return model, params, lambda: batch.loss(model).backward()
+
+    def build_peft():
+        peft_model = get_peft_model(quantised_model(shape, s), LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGETS)))
+        peft_model.train()
+
+        def step():
+            with autocast:
+                loss = peft_model(input_ids=ids, labels=ids).loss
+            loss.backward()
+
+        return peft_model, [p for p in peft_model.parameters() if p.requires_grad], step
+
+    alone = {}
+    for name, build in (("nestfed_nf4", build_ours), ("peft_nf4", build_peft), ("nestfed_dense", None)):
+        model, params, step = build() if build else nestfed_lora(shape, s) + (None,)
+        if step is None:
+            model.train()
+            step = lambda model=model: batch.loss(model).backward()  # noqa: E731
+        alone[name] = timed_steps(step, params, s, tokens)
+        del model, params, step
+        free(s)
+    ours, peft = build_ours(), build_peft()
+    speed = interleaved({"nestfed": stepper(ours[2], ours[1]), "peft": stepper(peft[2], peft[1])}, s, tokens)
+    del ours, peft
+    free(s)
+    peaks = {k: v["peak_memory_bytes"] for k, v in alone.items()}
+    return {"shape": shape, "batch": list(s.batch(shape)), "alone": alone, "tokens_per_s_interleaved": speed,
+            "tokens_per_s_ratio": speed["nestfed"] / speed["peft"],
+            "nf4_over_dense_peak_memory": None if peaks["nestfed_dense"] is None
+            else peaks["nestfed_nf4"] / peaks["nestfed_dense"]}
+
+
 def lora_setup(s: Setting):
     """The first shape's LoRA model (training mode), its trainable parameters, a batch and its tokens."""
     shape = s.shapes[0]
@@ -342,6 +410,8 @@ def criteria(results: dict, dry: bool) -> dict:
            else get("fednl", "result", "tokens_per_s_ratio") >= 0.7,
            "fedslm_peak_memory<=0.6": None if get("fedslm", "result", "peak_memory_ratio") is None
            else get("fedslm", "result", "peak_memory_ratio") <= 0.6,
+           "qlora_tokens_per_s_vs_peft>=0.9": None if get("qlora", "result", "tokens_per_s_ratio") is None
+           else get("qlora", "result", "tokens_per_s_ratio") >= 0.9,
            "two_rounds_finished": get("two_rounds", "result", "finished"),
            "cuda_tests_passed": None if get("cuda_tests", "result", "returncode") is None
            else get("cuda_tests", "result", "returncode") == 0}
@@ -353,14 +423,14 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="every part on the CPU at tiny sizes (no GPU needed)")
     ap.add_argument("--out", type=Path, help="write the JSON here too")
     ap.add_argument("--bundle", type=Path, default=ROOT / ".gpu_bundle", help="tokenizer and data (gpu_bundle.sh)")
-    ap.add_argument("--parts", nargs="+", default=["cuda_tests", "lora_vs_peft", "prelort", "fednl", "fedslm",
-                                                   "two_rounds"])
+    ap.add_argument("--parts", nargs="+", default=["cuda_tests", "lora_vs_peft", "qlora", "prelort", "fednl",
+                                                   "fedslm", "two_rounds"])
     a = ap.parse_args()
     if not a.dry_run and not torch.cuda.is_available():
         print("no CUDA device: run with --dry-run for the CPU check", file=sys.stderr)
         return 2
     s = Setting(a.dry_run)
-    parts = {"cuda_tests": part_cuda_tests, "lora_vs_peft": part_lora_vs_peft, "prelort": part_prelort,
+    parts = {"cuda_tests": part_cuda_tests, "lora_vs_peft": part_lora_vs_peft, "qlora": part_qlora, "prelort": part_prelort,
              "fednl": part_fednl, "fedslm": part_fedslm, "two_rounds": lambda s: part_two_rounds(s, a.bundle)}
     import transformers
 

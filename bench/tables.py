@@ -56,6 +56,7 @@ BENCH_RENDERERS = {
     "fednl_mqar": ("fednl_mqar", "table"),
     "fednl_mqar_capability": ("fednl_mqar_capability", "table"),
     "generation_speed": ("generation_speed", "table"),
+    "quantization_memory": ("quantization_memory", "table"),
 }
 
 

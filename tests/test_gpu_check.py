@@ -22,15 +22,17 @@ def test_gpu_check_dry_run_runs_every_part(tmp_path):
     )
     assert p.returncode == 0, p.stderr[-3000:]
     got = json.loads(out.read_text())
-    parts = ["cuda_tests", "lora_vs_peft", "prelort", "fednl", "fedslm", "two_rounds"]
+    parts = ["cuda_tests", "lora_vs_peft", "qlora", "prelort", "fednl", "fedslm", "two_rounds"]
     assert got["dry_run"] is True and got["device"] == "cpu"
     for part in parts:
         assert "error" not in got[part], (part, got[part].get("traceback"))
     assert got["two_rounds"]["result"]["finished"] is True
     assert got["lora_vs_peft"]["result"]["tiny"]["tokens_per_s_ratio"] > 0
+    assert got["qlora"]["result"]["tokens_per_s_ratio"] > 0
     assert [f"R_k={n}" for n in (1, 2, 3, 4)] == sorted(got["prelort"]["result"])
     assert set(got["criteria"]) == {
         "lora_tokens_per_s_vs_peft>=0.9",
+        "qlora_tokens_per_s_vs_peft>=0.9",
         "fednl_fused_vs_lora>=0.7",
         "fedslm_peak_memory<=0.6",
         "two_rounds_finished",

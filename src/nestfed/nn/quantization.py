@@ -16,7 +16,6 @@ chooses the layers and sizes them.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from types import ModuleType
 
@@ -55,15 +54,8 @@ def quantizable(model: nn.Module) -> list[str]:
     ]
 
 
-#: bitsandbytes' loggers that speak on every use: an optional CPU kernel package it looks for on
-#: import, and int8's cast of float32 inputs to float16 (LLM.int8's, expected) on every matmul
-QUIET = ("bitsandbytes.backends.cpu.ops", "bitsandbytes.autograd._functions")
-
-
 def _bnb() -> ModuleType:
-    """bitsandbytes, imported with its per-call warnings (:data:`QUIET`) at ERROR."""
-    for name in QUIET:
-        logging.getLogger(name).setLevel(logging.ERROR)
+    """bitsandbytes (its noisy loggers are quieted when nestfed is imported: nestfed/__init__.py)."""
     import bitsandbytes
 
     return bitsandbytes
