@@ -360,7 +360,7 @@ def table(result: dict) -> str:
     return "\n".join([head, "|" + "---|" * 6, "| " + " | ".join(row) + " |"]) + "\n"
 
 
-def main() -> None:
+def main() -> None:  # noqa: PLR0915 (the command line, then one subprocess per setting)
     ap = argparse.ArgumentParser()
     ap.add_argument("--ratios", type=float, nargs="+", default=[0.3, 0.5, 0.7])
     ap.add_argument("--batch", type=int, default=4)

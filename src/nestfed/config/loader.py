@@ -48,7 +48,7 @@ class Schema:
     former: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
 
 
-def _coerce(value: Any, tp: Any, where: str) -> Any:
+def _coerce(value: Any, tp: Any, where: str) -> Any:  # noqa: C901 (one branch per TOML type a field may hold)
     """Convert a TOML value to the annotated type ``tp``; raise ConfigError naming ``where``."""
     origin = typing.get_origin(tp)
     if origin is tuple:

@@ -392,12 +392,8 @@ def check_model(m: ModelConfig) -> None:
         )
 
 
-def check_core(cfg: ExperimentConfig) -> None:
-    """Check the core sections' values that types cannot (names, ranks, ranges, combinations).
-
-    Raises ValueError("<section.key>: <reason>") for the first value at fault.
-    """
-    check_model(cfg.model)
+def check_data(cfg: ExperimentConfig) -> None:
+    """Check ``[data]`` (and its source's own checks). Raises ValueError("data.<key>: <reason>")."""
     d = cfg.data
     if d.task not in TASKS:
         raise ValueError(f"data.task: unknown task '{d.task}' (known: {', '.join(TASKS)})")
@@ -418,11 +414,15 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("data.block_size must be >= 8 tokens")
     if d.max_train < 1 or d.max_test < 1:
         raise ValueError("data.max_train and data.max_test must be >= 1 (blocks or examples per client)")
-    lo = cfg.lora
+
+
+def check_lora(cfg: ExperimentConfig) -> None:
+    """Check ``[lora]`` and ``[population]``'s ranks. Raises ValueError("lora.<key>: <reason>")."""
+    lo, n = cfg.lora, cfg.data.num_clients
     if not lo.ranks or any(r < 1 for r in lo.ranks):
         raise ValueError(f"lora.ranks: every rank must be a positive integer, got {list(lo.ranks)}")
-    if len(lo.ranks) not in (1, d.num_clients):
-        raise ValueError(f"lora.ranks: {len(lo.ranks)} ranks for data.num_clients = {d.num_clients} clients")
+    if len(lo.ranks) not in (1, n):
+        raise ValueError(f"lora.ranks: {len(lo.ranks)} ranks for data.num_clients = {n} clients")
     if lo.r_max < 0:
         raise ValueError("lora.r_max must be >= 0")
     check_population(cfg.population, lo.ranks, lo.r_max)
@@ -436,7 +436,12 @@ def check_core(cfg: ExperimentConfig) -> None:
         raise ValueError("lora.scaling must be 'fixed' or 'rank'")
     if not lo.target_modules:
         raise ValueError("lora.target_modules is empty")
-    f = cfg.federation
+
+
+def check_federation(cfg: ExperimentConfig) -> None:
+    """Check ``[federation]``, ``[output]``, ``[evaluation]`` and ``[generation]``. Raises
+    ValueError("<section.key>: <reason>")."""
+    f, d = cfg.federation, cfg.data
     if f.rounds < 1:
         raise ValueError("federation.rounds must be >= 1")
     if not 0 < f.fraction <= 1:
@@ -461,12 +466,16 @@ def check_core(cfg: ExperimentConfig) -> None:
         )
     if any(r < 1 for r in cfg.output.truncations):
         raise ValueError(f"output.truncations: every rank must be >= 1, got {list(cfg.output.truncations)}")
+
+
+def check_train(cfg: ExperimentConfig) -> None:
+    """Check ``[train]``. Raises ValueError("train.<key>: <reason>")."""
     t = cfg.train
     if t.local_steps < 1 or t.batch_size < 1 or t.lr <= 0:
         raise ValueError("train.local_steps, train.batch_size and train.lr must be positive")
     if t.weight_decay < 0 or t.max_grad_norm < 0:
         raise ValueError("train.weight_decay and train.max_grad_norm must be >= 0")
-    check_schedule(t, cfg.lora, f.rounds)
+    check_schedule(t, cfg.lora, cfg.federation.rounds)
     if t.client_memory_mb < 1 or t.client_cache_mb < 1:
         raise ValueError("train.client_memory_mb and train.client_cache_mb must be >= 1")
     if min(t.threads, t.eval_stream_chunk, t.eval_stream_window, t.eval_stream_sinks, t.micro_batch_size) < 0:
@@ -476,12 +485,26 @@ def check_core(cfg: ExperimentConfig) -> None:
         )
     if t.eval_batch_size < 1:
         raise ValueError("train.eval_batch_size must be >= 1")
+
+
+def check_core(cfg: ExperimentConfig) -> None:
+    """Check the core sections' values that types cannot (names, ranks, ranges, combinations),
+    section by section, in this order.
+
+    Raises ValueError("<section.key>: <reason>") for the first value at fault.
+    """
+    check_model(cfg.model)
+    check_data(cfg)
+    check_lora(cfg)
+    check_federation(cfg)
+    check_train(cfg)
+    f = cfg.federation
     check_trust(
         cfg.validation,
         cfg.robust,
         cfg.privacy,
         cfg.attack,
-        d.num_clients,
+        cfg.data.num_clients,
         sampled_per_round(cfg),
         f.fraction,
         f.sampling,

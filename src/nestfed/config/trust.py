@@ -92,7 +92,7 @@ class AttackConfig:
     value: float = 1e9
 
 
-def check_trust(
+def check_trust(  # noqa: C901 (one branch per trust setting's check, in order)
     v: ValidationConfig,
     r: RobustConfig,
     p: PrivacyConfig,

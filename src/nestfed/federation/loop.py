@@ -310,7 +310,7 @@ class RoundLoop:
             state = self.run_round(rnd, state)
         return state
 
-    def run_round(self, rnd: int, state: GlobalState) -> GlobalState:
+    def run_round(self, rnd: int, state: GlobalState) -> GlobalState:  # noqa: C901, PLR0915 (the round's phases; split into steps is issue 36's)
         """One round: sample, configure, exchange, validate and fold, aggregate, evaluate, commit."""
         t0 = time.perf_counter()
         online = self.population.online(rnd, self.clients)

@@ -47,7 +47,7 @@ def payload_stats(arrays: Arrays) -> dict:
     }
 
 
-def validate_reply(instruction: Instruction, reply: Reply) -> None:
+def validate_reply(instruction: Instruction, reply: Reply) -> None:  # noqa: C901 (one branch per way a reply can be malformed)
     """Check a reply against what its instruction expects; raise UpdateRejected with the reason.
 
     Rejected: missing or extra keys, a wrong shape, a rank above the instructed one (or any other
