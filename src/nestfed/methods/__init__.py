@@ -25,6 +25,7 @@ from nestfed.methods import (
     fedsa_lora,
     fedslm,
     fedssi,
+    fedsvd,
     ffa_lora,
     flexlora,
     flora,
@@ -54,6 +55,7 @@ REGISTRY: dict[str, Method] = {
         flexlora.METHOD,
         fedsa_lora.METHOD,
         fedex_lora.METHOD,
+        fedsvd.METHOD,
     )
 }
 
