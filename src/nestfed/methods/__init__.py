@@ -31,6 +31,7 @@ from nestfed.methods import (
     flora,
     hetlora,
     local_only,
+    lora_fair,
     prelort,
     zeropad,
 )
@@ -56,6 +57,7 @@ REGISTRY: dict[str, Method] = {
         fedsa_lora.METHOD,
         fedex_lora.METHOD,
         fedsvd.METHOD,
+        lora_fair.METHOD,
     )
 }
 
