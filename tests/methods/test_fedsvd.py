@@ -89,6 +89,21 @@ def test_product_svd_and_refactorise_against_the_dense_svd():
         product_svd(B, A.T)
 
 
+def test_equals_the_authors_rule_on_the_same_inputs_up_to_signs():
+    """The authors' code (seanie12/fed-svd, ``reinit_lora``) takes the dense SVD of B A and sets
+    A = Vh[:r], B = U[:, :r] diag(S[:r]); written here independently on the same inputs. Singular
+    vectors are defined up to sign: each row of A agrees up to its sign, with B's column flipped alike."""
+    torch.manual_seed(1)
+    A, B = torch.randn(4, 12, dtype=torch.float64), torch.randn(10, 4, dtype=torch.float64)
+    U, S, Vh = torch.linalg.svd(B @ A, full_matrices=False)
+    ref_A, ref_B = Vh[:4], U[:, :4] @ torch.diag(S[:4])
+    A2, B2 = refactorise(B, A)
+    signs = torch.sign((A2 * ref_A).sum(dim=1))
+    assert torch.equal(signs.abs(), torch.ones(4, dtype=torch.float64))
+    torch.testing.assert_close(A2, signs[:, None] * ref_A, rtol=1e-9, atol=1e-9)
+    torch.testing.assert_close(B2, ref_B * signs, rtol=1e-9, atol=1e-9)
+
+
 @pytest.mark.parametrize("scaling", ["fixed", "rank"])
 def test_the_global_model_is_exactly_the_mean_of_the_clients_models(scaling):
     """Heterogeneous ranks: s B' A' = sum_k p_k s_k B_k A[:r_k] (the mean product has rank <= r_max),

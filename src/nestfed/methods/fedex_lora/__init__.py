@@ -11,7 +11,12 @@ Weights (``[fedex_lora] weighting``, :class:`FedExLoRAOptions`): p_k = n_k / N (
 default) or p_k = 1 / K (``uniform``, the paper's). The formulas below hold for either. *Decision*
 (the default): n_k / N, the weighting of every other nestfed rule, so that a comparison weighs the
 clients alike and the states pinned before the option existed stay bit-identical (a run directory
-without the section resumes as it ran). ``uniform`` is the paper's rule exactly.
+without the section resumes as it ran). ``uniform`` is the paper's rule exactly. Public code read
+for this (none copied): FedLLM-Factory's ``alg/fedexlora.py`` mixes the two weightings (the mean
+product with n_k / N, Abar, Bbar and their product with 1/K) and adds the residual without the LoRA
+scale, so its model is the mean of the clients' only when n_k are equal and s = 1; the FedEx rule
+in the FedSVD authors' code (seanie12/fed-svd) uses one weighting throughout (n_k / N, or 1/K with
+its ``--balanced``) and the scale.
 
 Here (nestfed.nn.lora keeps a layer's frozen residual factorised as ``merged_B @ merged_A``, as
 FLoRA does):

@@ -26,7 +26,9 @@ distance replaces the cosine similarity and ||dB||_F^2 the paper's norm: the clo
 server learning rate or step count, is deterministic (exact resume) and never forms an [out, in]
 matrix (dW / s Abar^T = sum_k p_k (s_k / s) B_k (A_k Abar^T)). Unlike the cosine, it also matches
 the product's scale. At lambda = 0 the corrected product is the projection of dW / s onto Abar's
-row space, the best any B can do with A = Abar. ``[lora_fair] lam`` (lambda, default 0.01: the
+row space, the best any B can do with A = Abar; that projection also maximises the paper's cosine
+(which any positive multiple of it maximises too), so the two objectives agree at lambda = 0 up to
+the product's scale, which the cosine leaves free. ``[lora_fair] lam`` (lambda, default 0.01: the
 paper's value, though it weighs a different objective here; the scale of Abar Abar^T sets its
 effect).
 
