@@ -18,6 +18,7 @@ from nestfed.experiments.run import run_method
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fedavg.strategy import FedAvg
+from nestfed.methods.fedex_lora import FedExLoRAOptions
 from nestfed.methods.fedex_lora.strategy import ClientFactors, FedExLoRA, compact, round_residual
 from nestfed.nn.keys import merged_key
 
@@ -68,6 +69,32 @@ def test_hand_computed_first_and_second_round():
     residual = one[MB].double() @ one[MA].double()
     torch.testing.assert_close(residual, T([[7.5, 9.0], [15.0, 18.0]], dtype=torch.float64))
     torch.testing.assert_close(delta(one, s1), T([[10.0, 12.5], [22.5, 28.5]], dtype=torch.float64))
+
+
+def test_uniform_weighting_is_the_papers_one_over_k_hand_computed():
+    """``weighting = "uniform"``: p_k = 1/2 for both clients whatever their n_k (1 and 3)."""
+    st = FedExLoRA(LoraSettings(r_max=2, lora_alpha=2.0), FedExLoRAOptions(weighting="uniform"))
+    state = st.initialize({"m": (2, 2)}, CLIENTS)
+    state.arrays[A_KEY] = T([[1.0, 1.0], [1.0, 1.0]])
+    new = st.aggregate(1, state, {1: Reply({A_KEY: A1, B_KEY: B1}, 1), 2: Reply({A_KEY: A2, B_KEY: B2}, 3)})
+    # Abar = ([[1, 2], [0, 0]] + [[3, 4], [5, 6]]) / 2; Bbar = ([[1, 0], [3, 0]] + [[1, 2], [3, 4]]) / 2
+    torch.testing.assert_close(new.arrays[A_KEY], T([[2.0, 3.0], [2.5, 3.0]]))
+    torch.testing.assert_close(new.arrays[B_KEY], T([[1.0, 1.0], [3.0, 2.0]]))
+    # B1 A1 = [[1, 2], [3, 6]], B2 A2 = [[13, 16], [29, 36]]: their plain mean [[7, 9], [16, 21]]
+    # minus Bbar Abar = [[4.5, 6], [11, 15]] is the residual, stored densely (5 pairs > min(out, in))
+    torch.testing.assert_close(new.arrays[MB], T([[2.5, 3.0], [5.0, 6.0]]))
+    torch.testing.assert_close(new.arrays[MA], torch.eye(2))
+    glob, s = st.deploy(new)
+    torch.testing.assert_close(delta(glob, s), T([[7.0, 9.0], [16.0, 21.0]], dtype=torch.float64))
+
+
+def test_the_weighting_option_defaults_to_examples_and_refuses_other_values():
+    assert tiny_config("strategy.name=fedex_lora").section("fedex_lora").weighting == "examples"
+    assert tiny_config("strategy.name=fedex_lora", "fedex_lora.weighting=uniform").section("fedex_lora").weighting == (
+        "uniform"
+    )
+    with pytest.raises(ConfigError, match="weighting: unknown weighting 'equal'"):
+        tiny_config("strategy.name=fedex_lora", "fedex_lora.weighting=equal")
 
 
 def test_round_residual_factors_hand_computed():

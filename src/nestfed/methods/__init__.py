@@ -25,11 +25,13 @@ from nestfed.methods import (
     fedsa_lora,
     fedslm,
     fedssi,
+    fedsvd,
     ffa_lora,
     flexlora,
     flora,
     hetlora,
     local_only,
+    lora_fair,
     prelort,
     zeropad,
 )
@@ -54,6 +56,8 @@ REGISTRY: dict[str, Method] = {
         flexlora.METHOD,
         fedsa_lora.METHOD,
         fedex_lora.METHOD,
+        fedsvd.METHOD,
+        lora_fair.METHOD,
     )
 }
 

@@ -1,10 +1,22 @@
 """FedEx-LoRA (Singhal, Ponkshe and Vepakomma, "Exact Aggregation for Federated and Efficient
 Fine-Tuning of Foundation Models", arXiv 2410.09432, ACL 2025; its method section): FedAvg of A and B, plus the
 residual the averaging misses folded into the frozen weights, so the aggregated model is exactly
-the n_k-weighted mean of the clients' models (docs/methods.md, "Baselines reviewers ask for").
+the weighted mean of the clients' models (docs/methods.md, "Baselines reviewers ask for").
 
-Paper (one rank r, one scale s, its aggregation rule): Abar = sum_k p_k A_k, Bbar = sum_k p_k B_k and
-W0 <- W0 + sum_k p_k s B_k A_k - s Bbar Abar on the server and every client (p_k = n_k / N).
+Paper (one rank r, one scale s, its aggregation rule, section 3 "Method"): Abar = (1/K) sum_k A_k,
+Bbar = (1/K) sum_k B_k and W0 <- W0 + (1/K) sum_k s B_k A_k - s Bbar Abar on the server and every
+client: the paper and its authors' code average the K clients with equal weights 1/K.
+
+Weights (``[fedex_lora] weighting``, :class:`FedExLoRAOptions`): p_k = n_k / N (``examples``, the
+default) or p_k = 1 / K (``uniform``, the paper's). The formulas below hold for either. *Decision*
+(the default): n_k / N, the weighting of every other nestfed rule, so that a comparison weighs the
+clients alike and the states pinned before the option existed stay bit-identical (a run directory
+without the section resumes as it ran). ``uniform`` is the paper's rule exactly. Public code read
+for this (none copied): FedLLM-Factory's ``alg/fedexlora.py`` mixes the two weightings (the mean
+product with n_k / N, Abar, Bbar and their product with 1/K) and adds the residual without the LoRA
+scale, so its model is the mean of the clients' only when n_k are equal and s = 1; the FedEx rule
+in the FedSVD authors' code (seanie12/fed-svd) uses one weighting throughout (n_k / N, or 1/K with
+its ``--balanced``) and the scale.
 
 Here (nestfed.nn.lora keeps a layer's frozen residual factorised as ``merged_B @ merged_A``, as
 FLoRA does):
@@ -39,14 +51,34 @@ A and B blocks would guard; so is a server optimiser (the residual's arrays chan
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
+
+WEIGHTINGS = ("examples", "uniform")
+
+
+@dataclass(frozen=True)
+class FedExLoRAOptions:
+    """weighting: the client weights p_k of the means and of the residual: ``examples`` (p_k = n_k / N,
+    the default: every other nestfed rule's weights, and the states pinned before the option existed)
+    or ``uniform`` (p_k = 1 / K, the paper's and its authors' code's). Raises ValueError naming the
+    field for any other value."""
+
+    weighting: str = "examples"
+
+    def __post_init__(self) -> None:
+        if self.weighting not in WEIGHTINGS:
+            raise ValueError(f"weighting: unknown weighting '{self.weighting}' (known: {', '.join(WEIGHTINGS)})")
+
 
 METHOD = lora_method(
     "fedex_lora",
     "FedAvg of A and B plus the exact residual mean(s_k B_k A_k) - s Bbar Abar "
     "folded into the frozen weights (Singhal et al., ACL 2025)",
     "nestfed.methods.fedex_lora.strategy",
+    sections={"fedex_lora": FedExLoRAOptions},
     capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME}),
     refusals={
         C.ROBUST_AGGREGATION: "FedEx-LoRA folds every client's exact product s_k B_k A_k into the frozen "

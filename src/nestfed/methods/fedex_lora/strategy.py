@@ -10,7 +10,8 @@ import torch
 from nestfed.config import ExperimentConfig
 from nestfed.federation.aggregation import one_adapter, pad_rank, weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
-from nestfed.federation.strategy import LoraStrategy, copy_state, examples
+from nestfed.federation.strategy import LoraSettings, LoraStrategy, copy_state, examples
+from nestfed.methods.fedex_lora import FedExLoRAOptions
 from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.nn.keys import merged_key, module_of, peft_key
 
@@ -19,8 +20,8 @@ Factors = tuple[torch.Tensor, torch.Tensor]  # (rows [q, in], columns [out, q]):
 
 @dataclass(frozen=True)
 class ClientFactors:
-    """One replying client of a layer: A [r_k, in], B [out, r_k], its weight p_k = n_k / N and its
-    LoRA scale s_k."""
+    """One replying client of a layer: A [r_k, in], B [out, r_k], its weight p_k (n_k / N or 1 / K,
+    ``[fedex_lora] weighting``) and its LoRA scale s_k."""
 
     A: torch.Tensor
     B: torch.Tensor
@@ -110,6 +111,17 @@ class FedExLoRA(LoraStrategy):
 
     name = "fedex_lora"
 
+    def __init__(self, settings: LoraSettings, options: FedExLoRAOptions | None = None):
+        """options: ``[fedex_lora]`` (None: the defaults, n_k / N weights)."""
+        self.o = options if options is not None else FedExLoRAOptions()
+        super().__init__(settings, self.o)
+
+    def weights(self, replies: dict[int, Reply]) -> dict[int, float]:
+        """The unnormalised client weights: n_k (``examples``) or 1 (``uniform``: p_k = 1 / K)."""
+        if self.o.weighting == "uniform":
+            return {c: 1.0 for c in replies}
+        return examples(replies)
+
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
         """The usual initial adapter (A random, B = 0) and an empty residual (R = 0). Raises
         ValueError for a client rank above r_max."""
@@ -134,10 +146,10 @@ class FedExLoRA(LoraStrategy):
         return out
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """Abar, Bbar: n_k-weighted zero-padded means; the residual gains :func:`round_residual`'s
-        factors and is compacted (:func:`compact`)."""
+        """Abar, Bbar: zero-padded means with weights p_k (:meth:`weights`); the residual gains
+        :func:`round_residual`'s factors and is compacted (:func:`compact`)."""
         new = copy_state(state)
-        n = examples(replies)
+        n = self.weights(replies)
         total = sum(n.values())
         cids = sorted(replies)
         s_global = self.s.scale(self.s.r_max)
@@ -176,7 +188,7 @@ class FedExLoRA(LoraStrategy):
 
 
 def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedExLoRA:
-    return FedExLoRA(lora_settings(cfg))
+    return FedExLoRA(lora_settings(cfg), cfg.section("fedex_lora"))
 
 
 IMPLEMENTATION = lora_implementation(_strategy)
