@@ -48,6 +48,7 @@ from unittest import mock
 
 import numpy as np
 
+from nestfed.config import ModelConfig
 from nestfed.data.sources import MultipleChoice, mmlu
 from nestfed.errors import ConfigError
 from nestfed.nn.placement import resolve_device, resolve_dtype
@@ -345,8 +346,6 @@ def lm_model(backbone_dir: str | Path, adapter_dir: str | Path | None, protocol:
     from lm_eval.models.huggingface import HFLM
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer, BitsAndBytesConfig
-
-    from nestfed.config import ModelConfig
 
     bnb = bnb_config(ModelConfig(quantization=protocol.quantization, device=device))
     model = AutoModelForCausalLM.from_pretrained(

@@ -22,6 +22,8 @@ from types import ModuleType
 import torch
 from torch import nn
 
+from nestfed.nn.placement import resolve_device, resolve_dtype
+
 #: LLM.int8's outlier threshold (transformers' ``llm_int8_threshold`` default)
 INT8_THRESHOLD = 6.0
 
@@ -162,8 +164,6 @@ def bnb_config(model: object) -> dict[str, object] | None:
     ModelConfig) quantises it here (None for ``none``): what an exported adapter records and what
     PEFT or lm-eval pass to load the same base. The compute dtype is resolved for this machine
     (``auto``: float32 on the CPU, bfloat16 on CUDA)."""
-    from nestfed.nn.placement import resolve_device, resolve_dtype
-
     q = getattr(model, "quantization", "none")
     if q == "nf4":
         return {
