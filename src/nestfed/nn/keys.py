@@ -3,7 +3,9 @@
 A payload is a flat ``{key: tensor}`` dict. LoRA matrices use PEFT's keys,
 ``base_model.model.<module path>.lora_A.weight`` (A: [r, in]) and ``...lora_B.weight``
 (B: [out, r]); a layer's frozen low-rank residual uses ``...<module>.merged_A`` / ``merged_B``;
-any other parameter of the model travels as ``base_model.model.<parameter path>``.
+a LoRA layer's trainable core (nestfed.nn.lora_core) uses ``...<module>.lora_core.weight`` or
+``...<module>.lora_heads.weight``; any other parameter of the model travels as
+``base_model.model.<parameter path>``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import re
 
 PEFT_PREFIX = "base_model.model."
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
-_MODULE_KEY = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.(?:(lora_A|lora_B)\.weight|(merged_A|merged_B))")
+_MODULE_KEY = re.compile(
+    re.escape(PEFT_PREFIX) + r"(.+)\.(?:(lora_A|lora_B|lora_core|lora_heads)\.weight|(merged_A|merged_B))"
+)
 
 
 def peft_key(module_name: str, which: str) -> str:
@@ -27,9 +31,16 @@ def merged_key(module_name: str, which: str) -> str:
     return f"{PEFT_PREFIX}{module_name}.merged_{which}"
 
 
+def lora_core_key(module_name: str, kind: str) -> str:
+    """Key of a LoRA layer's trainable core: ``base_model.model.<module>.<kind>.weight``, kind
+    ``lora_core`` (Fed-SB's R [1, r, r]) or ``lora_heads`` (RAVAN's heads [h, q, q])."""
+    return f"{PEFT_PREFIX}{module_name}.{kind}.weight"
+
+
 def module_of(key: str) -> tuple[str, str]:
     """Split a payload key into (module path, kind), kind one of ``lora_A``, ``lora_B``,
-    ``merged_A``, ``merged_B``. Raises KeyError when the key is none of these."""
+    ``lora_core``, ``lora_heads``, ``merged_A``, ``merged_B``. Raises KeyError when the key is
+    none of these."""
     m = _MODULE_KEY.fullmatch(key)
     if m is None:
         raise KeyError(f"not a LoRA payload key: {key}")
