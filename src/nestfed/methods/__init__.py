@@ -16,6 +16,7 @@ from nestfed import config as C
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.config.capabilities import Capability, asked_by, refusal
 from nestfed.methods import (
+    fed_sb,
     fedala,
     fedavg,
     fedex_lora,
@@ -54,6 +55,7 @@ REGISTRY: dict[str, Method] = {
         flexlora.METHOD,
         fedsa_lora.METHOD,
         fedex_lora.METHOD,
+        fed_sb.METHOD,
     )
 }
 

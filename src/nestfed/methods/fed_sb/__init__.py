@@ -1,0 +1,69 @@
+"""Fed-SB (Singhal, Ponkshe, Vartak, Varshney and Vepakomma, "Fed-SB: A Silver Bullet for Extreme
+Communication Efficiency and Performance in (Private) Federated LoRA Fine-Tuning", arXiv
+2502.15436; its method section): LoRA-SB's update Delta W = B R A with B [out, r] and A [r, in]
+frozen, clients train only R [r, r], and the server averages R:
+
+    R^agg = (1/c) sum_i R_i,        Delta W^agg = B R^agg A = (1/c) sum_i B R_i A
+
+(the paper's aggregation, over its c clients), so the aggregate is exactly the mean of the
+clients' updates and a client's upload is r^2 numbers per layer whatever the number of clients
+(docs/methods.md section 6).
+
+Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core.SquareCore):
+
+- The update is s B R A with nestfed's LoRA scale s (``lora.scaling``); the payload carries A, B
+  and R (key ``...lora_core.weight`` [1, r, r]); the reply carries only R.
+- *Decision* (weights): R^agg = sum_k (n_k / N) R_k, FedAvg's weights like every nestfed rule;
+  the paper's (and its public code's) 1/c is the same when the clients hold equal data.
+- *Decision* (initialisation): LoRA-SB initialises B, R, A from a truncated SVD of an
+  approximation of the first full fine-tuning step. The public code (CERT-Lab/fed-sb,
+  ``estimate_and_process_grads_torch`` and ``find_and_initialize_grad``) takes
+  -lr_eff sign(sum of full-weight gradients over ``num_samples`` = 170 examples), its SVD
+  U S V^T at rank r, and sets B = U, A = V^T, R = S, the adapter starting at that truncated step
+  (lora_alpha = r, so s = 1). The gradient is computed on the *whole training set before it is
+  split among the clients*: pooled client data on one machine, which a federation does not have;
+  the paper does not say how a federation would get it. nestfed draws B with orthonormal columns
+  and A with orthonormal rows (seeded QR of Gaussian draws, stream ``fed_sb_init/<module>``, the
+  same on every node) and starts R at 0, so round 1 starts from the backbone. A federated
+  gradient initialisation (clients' summed sign-gradients, itself a round of communication) is not
+  built.
+- *Decision* (ranks): one rank for every client (the paper's experiments). Heterogeneous and
+  elastic ranks are refused: a client at a lower rank would train a block of R while running the
+  rest frozen, a rule not written here.
+- Robust rules and central DP apply to R as one block (the default block rule over the replies;
+  R is the update's whole parameterisation); a server optimiser steps R (A and B never move, so
+  their pseudo-gradient is 0). Secure aggregation is refused only because nestfed's secure sum
+  counts rank rows of LoRA matrices and R has none (nestfed.federation.secure_sum.layout); the
+  rule itself is a weighted mean, which a secure sum gives.
+- Export: one PEFT LoRA adapter of rank r, A' = A and B' = B R at scale s (B' A' = B R A exactly;
+  nestfed.federation.aggregation.fold_cores). Its rank prefixes are no model a client runs (R mixes
+  every direction), so it does not declare ``EXPORT_AT_RANK``.
+"""
+
+from __future__ import annotations
+
+from nestfed.config.capabilities import Capability as C
+from nestfed.methods.method import lora_method
+
+#: why the core methods (Fed-SB, RAVAN) refuse what they refuse
+CORE_REFUSALS = {
+    C.SECURE_AGGREGATION: "nestfed's secure sum counts rank rows of LoRA matrices, and the trained core "
+    "[h, q, q] has none (the rule itself, a weighted mean, is one a secure sum could give)",
+    C.EXPORT_AT_RANK: "the exported adapter (A, B M) is exact at rank r only: the core M mixes every "
+    "direction, so no rank prefix is a model a client runs",
+}
+
+METHOD = lora_method(
+    "fed_sb",
+    "A and B frozen, clients train only R [r, r] between them; R averaged exactly, "
+    "r^2 numbers per layer (Singhal et al. 2025)",
+    "nestfed.methods.fed_sb.strategy",
+    capabilities=frozenset(
+        {C.ROBUST_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL},
+    ),
+    refusals={
+        **CORE_REFUSALS,
+        C.HETEROGENEOUS_RANKS: "every client trains one R [r, r] between the same frozen A and B at one "
+        "rank (the paper's setting; a lower-rank client's block rule is not written)",
+    },
+)
