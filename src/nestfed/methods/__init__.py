@@ -32,6 +32,7 @@ from nestfed.methods import (
     hetlora,
     local_only,
     prelort,
+    ravan,
     zeropad,
 )
 from nestfed.methods.method import Method
@@ -56,6 +57,7 @@ REGISTRY: dict[str, Method] = {
         fedsa_lora.METHOD,
         fedex_lora.METHOD,
         fed_sb.METHOD,
+        ravan.METHOD,
     )
 }
 
