@@ -33,13 +33,13 @@ def _one_thread(one_thread):
 def test_the_server_averages_R_with_n_k_weights_hand_computed():
     st = FedSB(LoraSettings(r_max=2, lora_alpha=2.0))
     state = st.initialize({"m": (3, 2)}, CLIENTS)
-    assert state.arrays[R_KEY].shape == (1, 2, 2) and not state.arrays[R_KEY].any()
+    assert state.arrays[R_KEY].shape == (2, 2) and not state.arrays[R_KEY].any()
     ins = st.configure(1, state, CLIENTS)
-    assert ins[1].expect == {R_KEY: (1, 2, 2)}  # only R comes back
-    r1, r2 = T([[[1.0, 2.0], [3.0, 4.0]]]), T([[[5.0, 6.0], [7.0, 8.0]]])
+    assert ins[1].expect == {R_KEY: (2, 2)}  # only R comes back
+    r1, r2 = T([[1.0, 2.0], [3.0, 4.0]]), T([[5.0, 6.0], [7.0, 8.0]])
     new = st.aggregate(1, state, {1: Reply({R_KEY: r1}, 1), 2: Reply({R_KEY: r2}, 3)})
     # (1 r1 + 3 r2) / 4 = [[4, 5], [6, 7]]
-    torch.testing.assert_close(new.arrays[R_KEY], T([[[4.0, 5.0], [6.0, 7.0]]]))
+    torch.testing.assert_close(new.arrays[R_KEY], T([[4.0, 5.0], [6.0, 7.0]]))
     assert torch.equal(new.arrays[A_KEY], state.arrays[A_KEY]) and torch.equal(new.arrays[B_KEY], state.arrays[B_KEY])
 
 
@@ -48,11 +48,11 @@ def test_the_aggregate_is_exactly_the_weighted_mean_of_the_clients_updates():
     clients = [ClientInfo(c, 3, n) for c, n in enumerate((2, 5, 1))]
     state = st.initialize({"m": (5, 4)}, clients)
     g = torch.Generator().manual_seed(3)
-    cores = {c.cid: torch.randn(1, 3, 3, generator=g, dtype=torch.float64).float() for c in clients}
+    cores = {c.cid: torch.randn(3, 3, generator=g, dtype=torch.float64).float() for c in clients}
     new = st.aggregate(1, state, {c.cid: Reply({R_KEY: cores[c.cid]}, c.num_examples) for c in clients})
     A, B = state.arrays[A_KEY].double(), state.arrays[B_KEY].double()
-    expected = sum(n * 2.0 * B @ cores[c][0].double() @ A for c, n in ((0, 2), (1, 5), (2, 1))) / 8
-    got = 2.0 * B @ new.arrays[R_KEY][0].double() @ A
+    expected = sum(n * 2.0 * B @ cores[c].double() @ A for c, n in ((0, 2), (1, 5), (2, 1))) / 8
+    got = 2.0 * B @ new.arrays[R_KEY].double() @ A
     torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
 
 
@@ -75,7 +75,7 @@ def test_the_core_layer_computes_s_B_R_A_and_trains_only_R():
     lin = torch.nn.Sequential()
     lin.add_module("m", layer())
     A, B = T([[1.0, 0.0, 2.0, 0.0], [0.0, 1.0, 0.0, -1.0]]), T([[1.0, 0.0], [0.0, 2.0], [1.0, 1.0]])
-    R = T([[[1.0, 2.0], [0.0, 1.0]]])
+    R = T([[1.0, 2.0], [0.0, 1.0]])
     keys = {peft_key("m", "lora_A"): A, peft_key("m", "lora_B"): B, lora_core_key("m", "lora_core"): R}
     apply_arrays(lin, keys, 0.5)
     x = T([[1.0, 1.0, 1.0, 0.0]])
@@ -93,7 +93,7 @@ def test_the_core_layer_computes_s_B_R_A_and_trains_only_R():
 
 
 def test_the_export_folds_R_into_B():
-    A, B, R = T([[1.0, 2.0]]), T([[1.0], [3.0]]), T([[[2.0]]])
+    A, B, R = T([[1.0, 2.0]]), T([[1.0], [3.0]]), T([[2.0]])
     folded = fold_cores({A_KEY: A, B_KEY: B, R_KEY: R})
     assert set(folded) == {A_KEY, B_KEY}
     torch.testing.assert_close(folded[B_KEY], T([[2.0], [6.0]]))
@@ -131,3 +131,20 @@ def test_a_tiny_run_learns_and_its_peft_export_has_the_deployed_logits(tmp_path)
     expected = lm_logits(ours, ids)
     peft_model = PeftModel.from_pretrained(load_backbone(cfg.model).model, out)
     torch.testing.assert_close(peft_model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_the_secure_rebuild_is_the_hand_computed_mean():
+    """R's rows are its rank dimension, every client holds all of them: G + S / N is the mean."""
+    from nestfed.federation.secure_sum import layout, plain_sum
+
+    st = FedSB(LoraSettings(r_max=2, lora_alpha=2.0))
+    state = st.initialize({"m": (3, 2)}, CLIENTS)
+    state.arrays[R_KEY] = T([[1.0, 1.0], [0.0, 0.0]])
+    ins = st.configure(1, state, CLIENTS)
+    r1, r2 = T([[1.0, 2.0], [3.0, 4.0]]), T([[5.0, 6.0], [7.0, 8.0]])
+    replies = {1: {R_KEY: r1}, 2: {R_KEY: r2}}
+    sums = plain_sum({c: ins[c].arrays for c in replies}, replies, {1: 1, 2: 3}, layout(ins[c].expect for c in replies))
+    # S = 1 (r1 - G) + 3 (r2 - G) = [[12, 16], [24, 28]], N = 4: G + S / N = [[4, 5], [6, 7]]
+    torch.testing.assert_close(sums.sums[R_KEY], T([[12.0, 16.0], [24.0, 28.0]], dtype=torch.float64))
+    new = st.aggregate_secure(1, state, sums)
+    torch.testing.assert_close(new.arrays[R_KEY], T([[4.0, 5.0], [6.0, 7.0]]))

@@ -34,15 +34,15 @@ def test_the_server_averages_s_i_H_i_with_n_k_weights_hand_computed():
     st = Ravan(LoraSettings(r_max=4, lora_alpha=4.0), heads=2)
     clients = [ClientInfo(1, 4, 1), ClientInfo(2, 4, 3)]
     state = st.initialize({"m": (4, 5)}, clients)
-    assert state.arrays[H_KEY].shape == (2, 2, 2) and not state.arrays[H_KEY].any()
+    assert state.arrays[H_KEY].shape == (4, 2) and not state.arrays[H_KEY].any()  # [H_1; H_2]
     assert state.arrays[A_KEY].shape == (4, 5) and state.arrays[B_KEY].shape == (4, 4)
     ins = st.configure(1, state, clients)
-    assert ins[1].expect == {H_KEY: (2, 2, 2)}
-    h1 = T([[[1.0, 0.0], [0.0, 1.0]], [[2.0, 2.0], [2.0, 2.0]]])
-    h2 = T([[[5.0, 4.0], [0.0, 1.0]], [[-2.0, 6.0], [2.0, 2.0]]])
+    assert ins[1].expect == {H_KEY: (4, 2)}
+    h1 = T([[1.0, 0.0], [0.0, 1.0], [2.0, 2.0], [2.0, 2.0]])
+    h2 = T([[5.0, 4.0], [0.0, 1.0], [-2.0, 6.0], [2.0, 2.0]])
     new = st.aggregate(1, state, {1: Reply({H_KEY: h1}, 1), 2: Reply({H_KEY: h2}, 3)})
     # (1 h1 + 3 h2) / 4: head 0 [[4, 3], [0, 1]], head 1 [[-1, 5], [2, 2]]
-    torch.testing.assert_close(new.arrays[H_KEY], T([[[4.0, 3.0], [0.0, 1.0]], [[-1.0, 5.0], [2.0, 2.0]]]))
+    torch.testing.assert_close(new.arrays[H_KEY], T([[4.0, 3.0], [0.0, 1.0], [-1.0, 5.0], [2.0, 2.0]]))
 
 
 def test_the_aggregate_is_exactly_the_weighted_mean_of_the_clients_heads():
@@ -50,12 +50,14 @@ def test_the_aggregate_is_exactly_the_weighted_mean_of_the_clients_heads():
     clients = [ClientInfo(c, 6, n) for c, n in enumerate((4, 1, 3))]
     state = st.initialize({"m": (7, 8)}, clients)
     g = torch.Generator().manual_seed(1)
-    replies = {c.cid: torch.randn(3, 2, 2, generator=g) for c in clients}
+    replies = {c.cid: torch.randn(6, 2, generator=g) for c in clients}  # 3 heads of [2, 2], stacked
     new = st.aggregate(1, state, {c.cid: Reply({H_KEY: replies[c.cid]}, c.num_examples) for c in clients})
     A, B = state.arrays[A_KEY].double(), state.arrays[B_KEY].double()
 
     def update(heads):  # s sum_i B_i H_i A_i, head by head
-        return sum(0.5 * B[:, 2 * i : 2 * i + 2] @ heads[i].double() @ A[2 * i : 2 * i + 2] for i in range(3))
+        return sum(
+            0.5 * B[:, 2 * i : 2 * i + 2] @ heads[2 * i : 2 * i + 2].double() @ A[2 * i : 2 * i + 2] for i in range(3)
+        )
 
     expected = sum(n * update(replies[c]) for c, n in ((0, 4), (1, 1), (2, 3))) / 8
     torch.testing.assert_close(update(new.arrays[H_KEY]), expected, rtol=1e-6, atol=1e-6)
@@ -74,7 +76,7 @@ def test_the_gated_heads_layer_starts_its_gates_at_1_and_replies_s_i_H_i():
     model = torch.nn.Sequential()
     model.add_module("m", LoraLinear(torch.nn.Linear(2, 2), rank=2, scaling=1.0))
     A, B = torch.eye(2), T([[1.0, 0.0], [1.0, 1.0]])
-    H = T([[[1.0]], [[4.0]]])  # two heads of rank 1
+    H = T([[1.0], [4.0]])  # two heads of rank 1, stacked
     apply_arrays(model, {A_KEY: A, B_KEY: B, H_KEY: H}, 1.0)
     heads = model.m.lora_core
     torch.testing.assert_close(heads.gates.detach(), T([1.0, 1.0]))
@@ -84,7 +86,7 @@ def test_the_gated_heads_layer_starts_its_gates_at_1_and_replies_s_i_H_i():
     x = T([[1.0, 1.0]])
     # A x = [1, 1]; gated heads [2 * 1, 0.5 * 4] -> [2, 2]; B [2, 2] = [2, 4]
     torch.testing.assert_close(model(x) - model.m.base_layer(x), T([[2.0, 4.0]]))
-    torch.testing.assert_close(lora_arrays(model)[H_KEY], T([[[2.0]], [[2.0]]]))
+    torch.testing.assert_close(lora_arrays(model)[H_KEY], T([[2.0], [2.0]]))
     apply_arrays(model, {A_KEY: A, B_KEY: B, H_KEY: H}, 1.0)  # the next round: gates back at 1
     torch.testing.assert_close(model.m.lora_core.gates.detach(), T([1.0, 1.0]))
 

@@ -12,6 +12,7 @@ import torch
 
 from nestfed.federation.messages import Arrays
 from nestfed.nn.keys import merged_key, module_of, peft_key, rank_dim
+from nestfed.nn.lora_core import core_matrix
 
 
 def truncate_rank(arrays: Arrays, r: int) -> Arrays:
@@ -96,8 +97,8 @@ CORE_KINDS = ("lora_core", "lora_heads")
 
 
 def fold_cores(arrays: Arrays) -> Arrays:
-    """The payload with every layer's trainable core (``lora_core`` / ``lora_heads`` [h, q, q],
-    nestfed.nn.lora_core) folded into its B: B' = B blockdiag(core) [out, r], A unchanged, so that
+    """The payload with every layer's trainable core (``lora_core`` / ``lora_heads`` [r, q],
+    nestfed.nn.lora_core) folded into its B: B' = B blockdiag(heads) [out, r], A unchanged, so that
     B' A = B M A exactly (the plain LoRA adapter PEFT loads). Other arrays are returned as they
     are. Raises KeyError when a layer with a core lacks its B."""
     cores = {}
@@ -111,7 +112,7 @@ def fold_cores(arrays: Arrays) -> Arrays:
     out = {k: v for k, v in arrays.items() if k not in cores}
     for k, module in cores.items():
         b = peft_key(module, "lora_B")
-        out[b] = arrays[b] @ torch.block_diag(*arrays[k]).to(arrays[b].dtype)
+        out[b] = arrays[b] @ core_matrix(arrays[k]).to(arrays[b].dtype)
     return out
 
 

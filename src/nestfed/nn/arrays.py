@@ -48,7 +48,7 @@ def extra_parameters(model: nn.Module, arrays: Arrays) -> dict[str, nn.Parameter
 def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
     """Load a payload into the model (see the module docstring); every LoRA layer's scale becomes
     ``scaling`` (s). lora_A: [r, in], lora_B: [out, r], merged_A: [R, in], merged_B: [out, R],
-    lora_core / lora_heads: [h, q, q] with h q = r.
+    lora_core / lora_heads: [r, q] (nestfed.nn.lora_core).
 
     Raises KeyError for a key that names nothing, ValueError for a shape mismatch.
     """
@@ -94,7 +94,7 @@ def lora_parameters(model: nn.Module, train_a: bool = True) -> list[nn.Parameter
 def lora_arrays(model: nn.Module, with_a: bool = True) -> Arrays:
     """The adapter as loaded now, PEFT-keyed detached copies: A [r, in] (when ``with_a``) and
     B [out, r] of every layer of rank > 0; for a layer with a core only the core's reply
-    [h, q, q] (its frozen A and B never travel back)."""
+    [r, q] (its frozen A and B never travel back)."""
     out = {}
     for name, m in lora_modules(model).items():
         if m.rank == 0:

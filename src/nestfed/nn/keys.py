@@ -33,7 +33,7 @@ def merged_key(module_name: str, which: str) -> str:
 
 def lora_core_key(module_name: str, kind: str) -> str:
     """Key of a LoRA layer's trainable core: ``base_model.model.<module>.<kind>.weight``, kind
-    ``lora_core`` (Fed-SB's R [1, r, r]) or ``lora_heads`` (RAVAN's heads [h, q, q])."""
+    ``lora_core`` (Fed-SB's R [r, r]) or ``lora_heads`` (RAVAN's heads stacked, [r, q])."""
     return f"{PEFT_PREFIX}{module_name}.{kind}.weight"
 
 
@@ -47,10 +47,15 @@ def module_of(key: str) -> tuple[str, str]:
     return m.group(1), m.group(2) or m.group(3)
 
 
+#: payload keys whose dim 0 is the rank dimension: A [r, in] and a trainable core [r, q] (its row j
+#: feeds B's column j; nestfed.nn.lora_core)
+_RANK_ROWS = ("lora_A.weight", "lora_core.weight", "lora_heads.weight")
+
+
 def rank_dim(key: str) -> int | None:
-    """The rank dimension of a payload key: 0 for ``lora_A`` [r, in], 1 for ``lora_B`` [out, r],
-    None for any other key."""
-    if key.endswith("lora_A.weight"):
+    """The rank dimension of a payload key: 0 for ``lora_A`` [r, in] and a core (``lora_core``
+    [r, r], ``lora_heads`` [r, q]), 1 for ``lora_B`` [out, r], None for any other key."""
+    if key.endswith(_RANK_ROWS):
         return 0
     if key.endswith("lora_B.weight"):
         return 1

@@ -112,17 +112,17 @@ class LoraLinear(nn.Module):
         self.merged_A = A.detach().to(w.device, w.dtype)
         self.merged_B = B.detach().to(w.device, w.dtype)
 
-    def set_core(self, kind: str | None, heads: torch.Tensor | None = None) -> None:
-        """Install the core variant ``kind`` (nestfed.nn.lora_core) holding ``heads`` [h, q, q] with
-        h q = rank; None removes the core (plain LoRA). Raises ValueError when h q differs from the
-        rank, KeyError for an unknown kind."""
+    def set_core(self, kind: str | None, core: torch.Tensor | None = None) -> None:
+        """Install the core variant ``kind`` (nestfed.nn.lora_core) holding ``core`` [r, q] (h = r / q
+        stacked heads of [q, q]) with r = rank; None removes the core (plain LoRA). Raises ValueError
+        when r differs from the rank or q does not divide it, KeyError for an unknown kind."""
         if kind is None:
             self.lora_core = None
             return
-        core = make_core(kind, heads, self.base_layer.weight)
-        if core.rank != self.rank:
-            raise ValueError(f"a core of rank {core.rank} ({tuple(heads.shape)}) between factors of rank {self.rank}")
-        self.lora_core = core
+        made = make_core(kind, core, self.base_layer.weight)
+        if made.rank != self.rank:
+            raise ValueError(f"a core of rank {made.rank} ({tuple(core.shape)}) between factors of rank {self.rank}")
+        self.lora_core = made
 
     def delta_weight(self, r: int | None = None) -> torch.Tensor:
         """The LoRA update s * B[:, :r] @ A[:r] as a dense [out, in] matrix (for tests and merges);

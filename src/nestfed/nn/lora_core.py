@@ -8,14 +8,18 @@ a layer without a core computes exactly what it computed before this module exis
 
 The variants, each installed by the payload key that carries it (nestfed.nn.keys.lora_core_key):
 
-- :class:`SquareCore` (``lora_core`` [1, r, r], Fed-SB, arXiv 2502.15436): M = R, one dense r x r
+- :class:`SquareCore` (``lora_core`` [r, r], Fed-SB, arXiv 2502.15436): M = R, one dense r x r
   matrix. The reply is R.
-- :class:`GatedHeads` (``lora_heads`` [h, q, q], RAVAN, NeurIPS 2025): r = h q, A = [A_1; ...; A_h],
-  B = [B_1, ..., B_h], and M = blockdiag(g_1 H_1, ..., g_h H_h), so s B M A = s sum_i g_i B_i H_i A_i.
-  The gates g_i [h] train with the heads, start at 1 every round and never travel: the reply is the
-  folded g_i H_i (RAVAN's upload of s_i H_i).
+- :class:`GatedHeads` (``lora_heads`` [r, q], RAVAN, NeurIPS 2025): the heads H_i [q, q] stacked
+  row-wise, H = [H_1; ...; H_h], r = h q; A = [A_1; ...; A_h], B = [B_1, ..., B_h], and
+  M = blockdiag(g_1 H_1, ..., g_h H_h), so s B M A = s sum_i g_i B_i H_i A_i. The gates g_i [h] train
+  with the heads, start at 1 every round and never travel: the reply is the folded g_i H_i (RAVAN's
+  upload of s_i H_i).
 
-Both keep the core in the trainable dtype of the base layer (nestfed.nn.placement.trainable_dtype).
+A core is held as [r, q] (Fed-SB: q = r, one head): its row j feeds B's column j, so dim 0 is the
+core's rank dimension (nestfed.nn.keys.rank_dim), as A's is: the round loop's sums, secure sums
+and rank blocks treat it like A. Both keep the core in the trainable dtype of the base layer
+(nestfed.nn.placement.trainable_dtype).
 """
 
 from __future__ import annotations
@@ -26,42 +30,55 @@ from torch import nn
 from nestfed.nn.keys import lora_core_key
 from nestfed.nn.placement import trainable_dtype
 
-__all__ = ["CORE_KINDS", "GatedHeads", "LoraCore", "SquareCore", "core_kind_of", "make_core"]
+__all__ = ["CORE_KINDS", "GatedHeads", "LoraCore", "SquareCore", "core_kind_of", "core_matrix", "make_core"]
+
+
+def core_matrix(core: torch.Tensor) -> torch.Tensor:
+    """M = blockdiag(H_1, ..., H_h) [r, r] from the stacked heads ``core`` [r, q] (h = r / q).
+    Raises ValueError when q does not divide r."""
+    r, q = core.shape
+    if q == 0 or r % q:
+        raise ValueError(f"a LoRA core must be [h q, q], got {tuple(core.shape)}")
+    return torch.block_diag(*core.reshape(r // q, q, q))
 
 
 class LoraCore(nn.Module):
     """What a core variant provides (the protocol :class:`~nestfed.nn.lora.LoraLinear` calls).
 
-    ``weight``: the core's trainable heads [h, q, q] (h q = the layer's rank r). kind: the payload
-    key kind that carries it.
+    ``weight``: the core's trainable heads stacked row-wise, [r, q] (h = r / q heads of [q, q];
+    r = the layer's rank). kind: the payload key kind that carries it.
     """
 
     kind = ""
 
-    def __init__(self, heads: torch.Tensor, like: torch.Tensor):
+    def __init__(self, core: torch.Tensor, like: torch.Tensor):
         super().__init__()
-        if heads.dim() != 3 or heads.shape[1] != heads.shape[2]:
-            raise ValueError(f"a LoRA core must be [h, q, q], got {tuple(heads.shape)}")
-        self.weight = nn.Parameter(heads.detach().to(like.device, trainable_dtype(like.dtype)).clone())
+        core_matrix(core)  # checks the shape
+        self.weight = nn.Parameter(core.detach().to(like.device, trainable_dtype(like.dtype)).clone())
 
     @property
     def rank(self) -> int:
-        """r = h q, the rank of the factors the core sits between."""
-        return self.weight.shape[0] * self.weight.shape[1]
+        """r, the rank of the factors the core sits between."""
+        return self.weight.shape[0]
+
+    @property
+    def heads(self) -> int:
+        """h = r / q."""
+        return self.weight.shape[0] // self.weight.shape[1]
 
     def matrix(self) -> torch.Tensor:
         """M [r, r]: the block-diagonal matrix of the (gated) heads."""
-        return torch.block_diag(*self.gated())
+        return core_matrix(self.gated())
 
     def gated(self) -> torch.Tensor:
-        """The heads as they act, [h, q, q] (default: as held)."""
+        """The heads as they act, [r, q] (default: as held)."""
         return self.weight
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
         """z [..., r] (A x) -> [..., r] (M A x), head by head: no [r, r] matrix is formed."""
-        h, q, _ = self.weight.shape
-        heads = self.gated()
-        zs = z.reshape(*z.shape[:-1], h, q)
+        r, q = self.weight.shape
+        heads = self.gated().reshape(r // q, q, q)
+        zs = z.reshape(*z.shape[:-1], r // q, q)
         return torch.einsum("...hj,hij->...hi", zs, heads).reshape(z.shape)
 
     def trainable(self) -> list[nn.Parameter]:
@@ -69,7 +86,7 @@ class LoraCore(nn.Module):
         return [self.weight]
 
     def reply(self) -> torch.Tensor:
-        """What the client sends back: the heads as they act, [h, q, q] (detached copy)."""
+        """What the client sends back: the heads as they act, [r, q] (detached copy)."""
         return self.gated().detach().clone()
 
 
@@ -78,23 +95,25 @@ class SquareCore(LoraCore):
 
     kind = "lora_core"
 
-    def __init__(self, heads: torch.Tensor, like: torch.Tensor):
-        super().__init__(heads, like)
-        if heads.shape[0] != 1:
-            raise ValueError(f"Fed-SB's core is one [r, r] matrix, got {heads.shape[0]} heads")
+    def __init__(self, core: torch.Tensor, like: torch.Tensor):
+        super().__init__(core, like)
+        if core.shape[0] != core.shape[1]:
+            raise ValueError(f"Fed-SB's core is one [r, r] matrix, got {tuple(core.shape)}")
 
 
 class GatedHeads(LoraCore):
-    """RAVAN's heads H_i [h, q, q] with their gates g_i [h] (the paper's s_i), the gates at 1 on load."""
+    """RAVAN's heads H = [H_1; ...; H_h] [r, q] with their gates g_i [h] (the paper's s_i), the
+    gates at 1 on load."""
 
     kind = "lora_heads"
 
-    def __init__(self, heads: torch.Tensor, like: torch.Tensor):
-        super().__init__(heads, like)
-        self.gates = nn.Parameter(torch.ones(heads.shape[0], device=self.weight.device, dtype=self.weight.dtype))
+    def __init__(self, core: torch.Tensor, like: torch.Tensor):
+        super().__init__(core, like)
+        self.gates = nn.Parameter(torch.ones(self.heads, device=self.weight.device, dtype=self.weight.dtype))
 
     def gated(self) -> torch.Tensor:
-        return self.gates[:, None, None] * self.weight
+        """g_i H_i stacked, [r, q]: each head's q rows times its gate."""
+        return self.gates.repeat_interleave(self.weight.shape[1])[:, None] * self.weight
 
     def trainable(self) -> list[nn.Parameter]:
         return [self.weight, self.gates]
@@ -112,7 +131,7 @@ def core_kind_of(arrays: dict[str, torch.Tensor], module: str) -> str | None:
     return kinds[0] if kinds else None
 
 
-def make_core(kind: str, heads: torch.Tensor, like: torch.Tensor) -> LoraCore:
-    """The core variant ``kind`` holding ``heads`` [h, q, q], on ``like``'s device. Raises KeyError
-    for an unknown kind, ValueError for a shape the variant does not take."""
-    return CORE_KINDS[kind](heads, like)
+def make_core(kind: str, core: torch.Tensor, like: torch.Tensor) -> LoraCore:
+    """The core variant ``kind`` holding ``core`` [r, q], on ``like``'s device. Raises KeyError for
+    an unknown kind, ValueError for a shape the variant does not take."""
+    return CORE_KINDS[kind](core, like)

@@ -12,7 +12,7 @@ clients' updates and a client's upload is r^2 numbers per layer whatever the num
 Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core.SquareCore):
 
 - The update is s B R A with nestfed's LoRA scale s (``lora.scaling``); the payload carries A, B
-  and R (key ``...lora_core.weight`` [1, r, r]); the reply carries only R.
+  and R (key ``...lora_core.weight`` [r, r]); the reply carries only R.
 - *Decision* (weights): R^agg = sum_k (n_k / N) R_k, FedAvg's weights like every nestfed rule;
   the paper's (and its public code's) 1/c is the same when the clients hold equal data.
 - *Decision* (initialisation): LoRA-SB initialises B, R, A from a truncated SVD of an
@@ -32,9 +32,10 @@ Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core
   rest frozen, a rule not written here.
 - Robust rules and central DP apply to R as one block (the default block rule over the replies;
   R is the update's whole parameterisation); a server optimiser steps R (A and B never move, so
-  their pseudo-gradient is 0). Secure aggregation is refused only because nestfed's secure sum
-  counts rank rows of LoRA matrices and R has none (nestfed.federation.secure_sum.layout); the
-  rule itself is a weighted mean, which a secure sum gives.
+  their pseudo-gradient is 0). Secure aggregation gives the rule exactly: R's rows are its rank
+  dimension (row j feeds B's column j; nestfed.nn.keys.rank_dim), every client holds every row,
+  and the new R is G + S / N from the sum S of the n_k-weighted updates (``aggregate_secure``),
+  so replies also fold into running sums (``federation.hold_replies``).
 - Export: one PEFT LoRA adapter of rank r, A' = A and B' = B R at scale s (B' A' = B R A exactly;
   nestfed.federation.aggregation.fold_cores). Its rank prefixes are no model a client runs (R mixes
   every direction), so it does not declare ``EXPORT_AT_RANK``.
@@ -45,10 +46,11 @@ from __future__ import annotations
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
-#: why the core methods (Fed-SB, RAVAN) refuse what they refuse
+#: what the core methods (Fed-SB, RAVAN) can do, and why they refuse the rest
+CORE_CAPABILITIES = frozenset(
+    {C.ROBUST_AGGREGATION, C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL}
+)
 CORE_REFUSALS = {
-    C.SECURE_AGGREGATION: "nestfed's secure sum counts rank rows of LoRA matrices, and the trained core "
-    "[h, q, q] has none (the rule itself, a weighted mean, is one a secure sum could give)",
     C.EXPORT_AT_RANK: "the exported adapter (A, B M) is exact at rank r only: the core M mixes every "
     "direction, so no rank prefix is a model a client runs",
 }
@@ -58,9 +60,7 @@ METHOD = lora_method(
     "A and B frozen, clients train only R [r, r] between them; R averaged exactly, "
     "r^2 numbers per layer (Singhal et al. 2025)",
     "nestfed.methods.fed_sb.strategy",
-    capabilities=frozenset(
-        {C.ROBUST_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL},
-    ),
+    capabilities=CORE_CAPABILITIES,
     refusals={
         **CORE_REFUSALS,
         C.HETEROGENEOUS_RANKS: "every client trains one R [r, r] between the same frozen A and B at one "

@@ -13,6 +13,7 @@ import torch
 from nestfed.config import ExperimentConfig
 from nestfed.federation.aggregation import fold_cores, weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
+from nestfed.federation.secure_sum import SecureSum, segment_mean
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples
 from nestfed.methods.implementation import lora_implementation, lora_settings
 from nestfed.nn.keys import lora_core_key, peft_key
@@ -42,7 +43,8 @@ def frozen_factors(out_f: int, in_f: int, rank: int, seed: int, module: str, str
 
 class CoreStrategy(LoraStrategy):
     """Global state per layer: the frozen factors ``lora_A`` [r, in] and ``lora_B`` [out, r] and
-    the core (key kind :attr:`kind`) [h, q, q], h = :meth:`heads`, h q = r = r_max. Every client
+    the core (key kind :attr:`kind`) [r, q]: h = :meth:`heads` heads [q, q] stacked row-wise,
+    h q = r = r_max (nestfed.nn.lora_core). Every client
     (one rank, r_max) receives all three and sends back only the core; the server sets the core to
     the n_k-weighted mean of the replies' cores, A and B never change, so s B M A is exactly the
     n_k-weighted mean of the clients' s B M_k A (M linear in the core)."""
@@ -69,7 +71,7 @@ class CoreStrategy(LoraStrategy):
         for m, (out_f, in_f) in sorted(shapes.items()):
             A, B = frozen_factors(out_f, in_f, r, self.s.init_seed, m, self.stream)
             arrays[peft_key(m, "lora_A")], arrays[peft_key(m, "lora_B")] = A, B
-            arrays[lora_core_key(m, self.kind)] = torch.zeros(h, r // h, r // h)
+            arrays[lora_core_key(m, self.kind)] = torch.zeros(r, r // h)
         return GlobalState(arrays, {"ranks": {str(c.cid): c.rank for c in clients}})
 
     def core_keys(self, arrays: Arrays) -> list[str]:
@@ -90,6 +92,15 @@ class CoreStrategy(LoraStrategy):
             new.arrays[key] = weighted_mean([replies[c].arrays[key] for c in cids], [n[c] for c in cids])
         return new
 
+    def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
+        """:meth:`aggregate` from secure sums alone: each core gets G + S / N, the n_k-weighted mean
+        update added to the core the clients were sent, which is the weighted mean of the replies
+        (every client holds every row: nestfed.federation.secure_sum.segment_mean)."""
+        new = copy_state(state)
+        for key, s in secure.sums.items():
+            new.arrays[key] = segment_mean(state.arrays[key], s, secure.counts, 0)
+        return new
+
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
         """A plain PEFT LoRA adapter of rank r_max at scale s: A' = A, B' = B blockdiag(core), so
         B' A' = B M A exactly (nestfed.federation.aggregation.fold_cores)."""
@@ -97,7 +108,7 @@ class CoreStrategy(LoraStrategy):
 
 
 class FedSB(CoreStrategy):
-    """Fed-SB: the core is one R [1, r, r] (module docstring of nestfed.methods.fed_sb)."""
+    """Fed-SB: the core is one R [r, r] (module docstring of nestfed.methods.fed_sb)."""
 
     name = "fed_sb"
     kind = "lora_core"

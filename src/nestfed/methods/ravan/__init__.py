@@ -19,10 +19,10 @@ nestfed.nn.lora_core.GatedHeads):
   is h (:class:`RavanOptions`; it must divide r). The update is s sum_i g_i B_i H_i A_i with
   nestfed's LoRA scale s (``lora.scaling``) and the paper's s_i called gates g_i.
 - The payload carries A = [A_1; ...; A_h] [r, in], B = [B_1, ..., B_h] [out, r] and the heads
-  (key ``...lora_heads.weight`` [h, q, q]). The gates start at 1 on every client each round and
-  never travel: the reply is g_i H_i [h, q, q], the server's H_i^agg = sum_k (n_k / N) g_{i,k} H_{i,k}
-  and the global gates are 1 (as in FedLLM-Factory's RAVAN, which resets the global s_i to 1
-  after folding them into H_i).
+  (key ``...lora_heads.weight``: H = [H_1; ...; H_h] [r, q]). The gates start at 1 on every
+  client each round and never travel: the reply is the stacked g_i H_i [r, q], the server's
+  H_i^agg = sum_k (n_k / N) g_{i,k} H_{i,k} and the global gates are 1 (as in FedLLM-Factory's
+  RAVAN, which resets the global s_i to 1 after folding them into H_i).
 - *Decision* (initialisation): H_i = 0, so round 1 starts from the backbone; the stacked B has
   orthonormal columns and the stacked A orthonormal rows (seeded QR of Gaussian draws, stream
   ``ravan_init/<module>``, the same on every node), so the heads span mutually orthogonal
@@ -33,8 +33,8 @@ nestfed.nn.lora_core.GatedHeads):
 - *Decision* (ranks): one rank for every client. The paper handles clients of less compute by
   letting them train a subset of the heads; that is not built, so heterogeneous and elastic ranks
   are refused.
-- Robust rules, central DP and a server optimiser act on the heads as Fed-SB's on R; secure
-  aggregation and export at a rank are refused for Fed-SB's reasons (nestfed.methods.fed_sb). The
+- Robust rules, central DP, secure aggregation and a server optimiser act on the stacked heads as
+  Fed-SB's on R; export at a rank is refused for Fed-SB's reason (nestfed.methods.fed_sb). The
   export is one PEFT LoRA adapter of rank r: A' = A, B' = B blockdiag(H_1, ..., H_h) at scale s.
 """
 
@@ -44,7 +44,7 @@ from dataclasses import dataclass
 
 from nestfed.config import ExperimentConfig, r_max
 from nestfed.config.capabilities import Capability as C
-from nestfed.methods.fed_sb import CORE_REFUSALS
+from nestfed.methods.fed_sb import CORE_CAPABILITIES, CORE_REFUSALS
 from nestfed.methods.method import lora_method
 
 
@@ -74,7 +74,7 @@ METHOD = lora_method(
     "nestfed.methods.ravan.strategy",
     sections={"ravan": RavanOptions},
     check_config=_check,
-    capabilities=frozenset({C.ROBUST_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL}),
+    capabilities=CORE_CAPABILITIES,
     refusals={
         **CORE_REFUSALS,
         C.HETEROGENEOUS_RANKS: "every client trains all h heads at one rank (the paper's clients of "

@@ -15,7 +15,8 @@ from nestfed.methods.implementation import lora_implementation, lora_settings
 
 
 class Ravan(CoreStrategy):
-    """RAVAN: the core is h heads [h, q, q] (q = r_max / h) between the stacked frozen factors
+    """RAVAN: the core is h heads H_i [q, q] (q = r_max / h) stacked row-wise, [r, q], between the
+    stacked frozen factors
     A = [A_1; ...; A_h] [r, in] and B = [B_1, ..., B_h] [out, r]; the server averages the replied
     s_i H_i with n_k weights, and the gates restart at 1 (module docstring of nestfed.methods.ravan).
     """
