@@ -18,7 +18,7 @@ from nestfed.federation.run_dir import RunDir
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.ravan.strategy import Ravan
 from nestfed.nn.arrays import apply_arrays, lora_arrays, lora_parameters
-from nestfed.nn.keys import lora_core_key, peft_key
+from nestfed.nn.keys import lora_core_key, merged_key, peft_key
 from nestfed.nn.lora import LoraLinear
 
 T = torch.tensor
@@ -97,8 +97,53 @@ def test_the_options_and_refusals():
         tiny_config("strategy.name=ravan", "lora.ranks=[4]", "ravan.heads=3")
     with pytest.raises(ConfigError, match="heads must be >= 1"):
         tiny_config("strategy.name=ravan", "lora.ranks=[4]", "ravan.heads=0")
-    with pytest.raises(ConfigError, match="ravan cannot take clients of different ranks"):
-        tiny_config("strategy.name=ravan")
+    with pytest.raises(ConfigError, match="ravan.heads: client ranks \\[2\\] are not multiples of the head rank 4"):
+        tiny_config("strategy.name=ravan", "ravan.heads=2")  # ranks 2, 4, 8: heads of rank 4
+    assert tiny_config("strategy.name=ravan").lora.ranks == (2, 4, 8)  # 4 heads of rank 2
+
+
+def test_a_client_of_lower_rank_runs_the_global_model_with_its_other_heads_frozen():
+    """Rank 2 of 4 (heads of rank 2): it holds head 0 and runs head 1 as its frozen residual
+    s B_1 H_1 A_1, so its model's output is the global model's."""
+    st = Ravan(LoraSettings(r_max=4, lora_alpha=8.0), heads=2)  # s = 2
+    clients = [ClientInfo(0, 2, 1), ClientInfo(1, 4, 1)]
+    state = st.initialize({"m": (3, 5)}, clients)
+    state.arrays[H_KEY] = torch.randn(4, 2, generator=torch.Generator().manual_seed(4))
+    ins = st.configure(1, state, clients)
+    low = ins[0].arrays
+    assert low[A_KEY].shape == (2, 5) and low[H_KEY].shape == (2, 2) and ins[0].expect == {H_KEY: (2, 2)}
+    A, B, H = state.arrays[A_KEY], state.arrays[B_KEY], state.arrays[H_KEY]
+    torch.testing.assert_close(low[merged_key("m", "A")], A[2:])
+    torch.testing.assert_close(low[merged_key("m", "B")], 2.0 * B[:, 2:] @ H[2:])  # s B_1 H_1
+    assert merged_key("m", "A") not in ins[1].arrays  # the full-rank client holds every head
+    outputs = []
+    for arrays in (low, ins[1].arrays):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential()
+        model.add_module("m", LoraLinear(torch.nn.Linear(5, 3), rank=4, scaling=2.0))
+        apply_arrays(model, arrays, ins[0].config["scaling"])
+        outputs.append(model(torch.ones(1, 5)))
+        if arrays is low:
+            assert lora_parameters(model) == [model.m.lora_core.weight, model.m.lora_core.gates]
+    torch.testing.assert_close(outputs[0], outputs[1])
+
+
+def test_heterogeneous_ranks_hand_computed_untrained_heads_count_at_the_global_value():
+    st = Ravan(LoraSettings(r_max=4, lora_alpha=4.0), heads=2)  # heads of rank 2
+    clients = [ClientInfo(1, 2, 1), ClientInfo(2, 4, 3)]
+    state = st.initialize({"m": (4, 5)}, clients)
+    state.arrays[H_KEY] = T([[1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0]])
+    ins = st.configure(1, state, clients)
+    assert ins[1].arrays[H_KEY].shape == (2, 2) and ins[1].arrays[merged_key("m", "A")].shape == (2, 5)
+    assert ins[1].expect == {H_KEY: (2, 2)} and ins[1].config["scaling"] == ins[2].config["scaling"] == 1.0
+    h1 = T([[5.0, 5.0], [5.0, 5.0]])  # client 1 trained head 0 only
+    h2 = T([[1.0, 1.0], [1.0, 1.0], [6.0, 6.0], [10.0, 10.0]])
+    new = st.aggregate(1, state, {1: Reply({H_KEY: h1}, 1), 2: Reply({H_KEY: h2}, 3)})
+    # head 0: (1 * 5 + 3 * 1) / 4 = 2; head 1: client 1 ran the global [2, 2]:
+    # row 2 (1 * 2 + 3 * 6) / 4 = 5, row 3 (1 * 2 + 3 * 10) / 4 = 8
+    torch.testing.assert_close(new.arrays[H_KEY], T([[2.0, 2.0], [2.0, 2.0], [5.0, 5.0], [8.0, 8.0]]))
+    deployed, scale = st.deploy(new, 1)
+    assert deployed[H_KEY].shape == (4, 2) and scale == 1.0  # every client runs the global model
 
 
 def test_a_tiny_run_learns_and_its_peft_export_has_the_deployed_logits(tmp_path):
@@ -109,14 +154,15 @@ def test_a_tiny_run_learns_and_its_peft_export_has_the_deployed_logits(tmp_path)
     from nestfed.nn.frozen_prefix import lm_logits
     from nestfed.nn.lora import lora_modules
 
-    cfg = tiny_config("strategy.name=ravan", "lora.ranks=[4]", "ravan.heads=2", "federation.rounds=2")
+    cfg = tiny_config("strategy.name=ravan", "federation.rounds=2")  # ranks 2, 4, 8: 4 heads of rank 2
     prep = tiny_prepared(cfg)
     summary = run_method(prep, cfg, tmp_path / "run")
     assert summary["method"] == "ravan" and summary["aggregated_rounds"] == 2
     ls = lines(tmp_path / "run")
     assert ls[-1]["eval"]["0"]["loss"] < ls[0]["eval"]["0"]["loss"]
     out = tmp_path / "run" / "adapter"
-    assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
+    assert json.loads((out / "adapter_config.json").read_text())["r"] == 8
+    assert {ln["clients"][c]["metrics"]["rank"] for ln in ls[1:] for c in ln["clients"]} == {2.0, 4.0, 8.0}
     # the adapter the run exported is B' = B blockdiag(H_i), A' = A of its final state
     state = RunDir(tmp_path / "run").latest_checkpoint(False).state
     arrays, scale = get("ravan").server(cfg, {}).deploy(state, None)
@@ -129,3 +175,25 @@ def test_a_tiny_run_learns_and_its_peft_export_has_the_deployed_logits(tmp_path)
     torch.testing.assert_close(peft_model(ids).logits, expected, rtol=1e-4, atol=1e-4)
     saved = load_file(str(out / "adapter_model.safetensors"))
     assert not any("heads" in k for k in saved)
+
+
+def test_at_heterogeneous_ranks_the_aggregate_is_exactly_the_mean_of_the_clients_models():
+    """Client k trains its first r_k / q heads and runs the rest at the global values; its model's
+    update is s B blockdiag(heads it ran) A; the aggregate's is their n_k-weighted mean."""
+    st = Ravan(LoraSettings(r_max=6, lora_alpha=3.0), heads=3)  # s = 0.5, q = 2
+    clients = [ClientInfo(0, 2, 4), ClientInfo(1, 4, 1), ClientInfo(2, 6, 3)]
+    state = st.initialize({"m": (7, 8)}, clients)
+    g = torch.Generator().manual_seed(2)
+    state.arrays[H_KEY] = torch.randn(6, 2, generator=g)
+    replies = {c.cid: torch.randn(c.rank, 2, generator=g) for c in clients}
+    new = st.aggregate(1, state, {c.cid: Reply({H_KEY: replies[c.cid]}, c.num_examples) for c in clients})
+    A, B, G = state.arrays[A_KEY].double(), state.arrays[B_KEY].double(), state.arrays[H_KEY].double()
+
+    def update(heads):
+        return sum(0.5 * B[:, 2 * i : 2 * i + 2] @ heads[2 * i : 2 * i + 2] @ A[2 * i : 2 * i + 2] for i in range(3))
+
+    def ran(c):  # the heads client c ran: its trained rows, then the global ones
+        return torch.cat([replies[c].double(), G[replies[c].shape[0] :]])
+
+    expected = sum(n * update(ran(c)) for c, n in ((0, 4), (1, 1), (2, 3))) / 8
+    torch.testing.assert_close(update(new.arrays[H_KEY].double()), expected, rtol=1e-6, atol=1e-6)

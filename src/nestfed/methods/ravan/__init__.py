@@ -30,9 +30,29 @@ nestfed.nn.lora_core.GatedHeads):
   (torch.randn: entries of size 1, so ||B_i H_i A_i x|| grows with sqrt(in out)) and H_i = 0,
   s_i = 1; the paper compares initialisations in an ablation, which we could not read here.
 - *Decision* (weights): n_k / N, as FedLLM-Factory's RAVAN and every nestfed rule.
-- *Decision* (ranks): one rank for every client. The paper handles clients of less compute by
-  letting them train a subset of the heads; that is not built, so heterogeneous and elastic ranks
-  are refused.
+- Heterogeneous and elastic ranks (the paper's computational heterogeneity: a client of less
+  compute trains only some of the heads): a client of rank r_k (``lora.ranks``, a multiple of q)
+  receives A[:r_k], B[:, :r_k] and its first r_k / q heads, and the other heads folded into its
+  frozen residual (s B_i H_i A_i with s_i = 1, as ``merged_B @ merged_A``:
+  nestfed.methods.fed_sb.strategy.frozen_heads), so it runs the global model exactly, at the
+  global scale; it trains and sends only its heads' s_i H_i [r_k, q]. *Decisions* (the paper also
+  selects heads by other rules, which we could not read here): the heads a client trains are the
+  first ones (nestfed's prefix convention, so an elastic rank works the same way); a head a client
+  did not train counts in the mean at the value it ran, the global one, so
+  H^agg = H + sum_k p_k pad(s H_k - H[:r_k]) and the aggregate stays exactly the n_k-weighted mean
+  of the clients' models (RAVAN's exactness). A head only high-rank clients train is then moved by
+  their data share of each round's mean update, not replaced by their mean.
+- *Decision* (weights): n_k / N, as FedLLM-Factory's RAVAN and every nestfed rule.
+- Heterogeneous ranks (the paper's computational heterogeneity: a client of less compute trains
+  only some of the heads): every client runs all h heads (the global model, at the global scale);
+  a client of rank r_k (``lora.ranks``, a multiple of q) trains the first r_k / q heads and their
+  scales, runs the others frozen with s_i = 1, and sends only the trained s_i H_i [r_k, q].
+  *Decisions* (the paper also selects heads by other rules, which we could not read here): the
+  heads a client trains are the first ones (nestfed's prefix convention, so an elastic rank works
+  the same way); a head a client did not train counts in the mean at the value it ran, the global
+  one, so H^agg = H + sum_k p_k pad(s H_k - H[:r_k]) and the aggregate stays exactly the
+  n_k-weighted mean of the clients' models (RAVAN's exactness). A head only high-rank clients train
+  is then moved by their data share each round, not replaced by their mean.
 - Robust rules, central DP, secure aggregation and a server optimiser act on the stacked heads as
   Fed-SB's on R; export at a rank is refused for Fed-SB's reason (nestfed.methods.fed_sb). The
   export is one PEFT LoRA adapter of rank r: A' = A, B' = B blockdiag(H_1, ..., H_h) at scale s.
@@ -61,10 +81,18 @@ class RavanOptions:
 
 
 def _check(cfg: ExperimentConfig) -> None:
-    """The rank must be a multiple of the heads. Raises ValueError naming ``ravan.heads``."""
+    """r_max must be a multiple of the heads, and every client rank a multiple of a head's rank
+    q = r_max / h (a client trains whole heads). Raises ValueError naming ``ravan.heads``."""
     h, r = cfg.section("ravan").heads, r_max(cfg)
     if r % h:
         raise ValueError(f"ravan.heads: {h} heads do not divide the LoRA rank {r} (each head has rank r / h)")
+    ranks = sorted(set(cfg.lora.ranks) | set(cfg.population.support(r)))
+    odd = [k for k in ranks if k % (r // h)]
+    if odd:
+        raise ValueError(
+            f"ravan.heads: client ranks {odd} are not multiples of the head rank {r // h} = {r} / {h} "
+            "(a client trains whole heads)"
+        )
 
 
 METHOD = lora_method(
@@ -74,10 +102,6 @@ METHOD = lora_method(
     "nestfed.methods.ravan.strategy",
     sections={"ravan": RavanOptions},
     check_config=_check,
-    capabilities=CORE_CAPABILITIES,
-    refusals={
-        **CORE_REFUSALS,
-        C.HETEROGENEOUS_RANKS: "every client trains all h heads at one rank (the paper's clients of "
-        "less compute train a subset of the heads, which is not built)",
-    },
+    capabilities=CORE_CAPABILITIES | {C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS},
+    refusals=CORE_REFUSALS,
 )

@@ -2,7 +2,8 @@
 
 The clients run the default client hooks: the payload's ``lora_heads`` key installs RAVAN's gated
 heads on each LoRA layer (nestfed.nn.lora_core.GatedHeads: the gates start at 1 on every load),
-which train H_i and s_i and reply with s_i H_i.
+which train H_i and s_i and reply with s_i H_i; a client of rank r_k receives its first r_k / q heads
+and the others folded into its frozen residual (nestfed.methods.fed_sb.strategy.frozen_heads).
 """
 
 from __future__ import annotations
@@ -16,10 +17,11 @@ from nestfed.methods.implementation import lora_implementation, lora_settings
 
 class Ravan(CoreStrategy):
     """RAVAN: the core is h heads H_i [q, q] (q = r_max / h) stacked row-wise, [r, q], between the
-    stacked frozen factors
-    A = [A_1; ...; A_h] [r, in] and B = [B_1, ..., B_h] [out, r]; the server averages the replied
-    s_i H_i with n_k weights, and the gates restart at 1 (module docstring of nestfed.methods.ravan).
-    """
+    stacked frozen factors A = [A_1; ...; A_h] [r, in] and B = [B_1, ..., B_h] [out, r]; a client
+    of rank r_k trains the first r_k / q heads, running the others as a frozen residual; the server
+    averages the replied s_i H_i with n_k weights, heads a client did not train counting at the
+    values it ran (CoreStrategy), and the gates restart at 1 (module docstring of
+    nestfed.methods.ravan)."""
 
     name = "ravan"
     kind = "lora_heads"
