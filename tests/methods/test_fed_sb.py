@@ -8,9 +8,12 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_federation import lines, tiny_config, tiny_prepared, tiny_run
 
 from nestfed.config import ConfigError
+from nestfed.errors import NestfedError
+from nestfed.experiments.export import export_adapter
 from nestfed.experiments.run import run_method
 from nestfed.federation.aggregation import fold_cores, one_adapter
 from nestfed.federation.messages import ClientInfo, Reply
@@ -131,6 +134,16 @@ def test_a_tiny_run_learns_and_its_peft_export_has_the_deployed_logits(tmp_path)
     expected = lm_logits(ours, ids)
     peft_model = PeftModel.from_pretrained(load_backbone(cfg.model).model, out)
     torch.testing.assert_close(peft_model(ids).logits, expected, rtol=1e-4, atol=1e-4)
+    # nestfed export --client K writes the same adapter (every client runs the global model, B R
+    # folded); --rank is refused with the reason
+    client, _ = export_adapter(tmp_path / "run", client=1, out=tmp_path / "client1")
+    ours_b, theirs_b = (
+        load_file(str(out / "adapter_model.safetensors")),
+        load_file(str(client / "adapter_model.safetensors")),
+    )
+    assert ours_b.keys() == theirs_b.keys() and all(torch.equal(ours_b[k], theirs_b[k]) for k in ours_b)
+    with pytest.raises(NestfedError, match="fed_sb cannot export its global adapter at a rank: the exported adapter"):
+        export_adapter(tmp_path / "run", rank=4, out=tmp_path / "r4")
 
 
 def test_the_secure_rebuild_is_the_hand_computed_mean():
