@@ -15,9 +15,16 @@ Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core
   and R (key ``...lora_core.weight`` [r, r]); the reply carries only R.
 - *Decision* (weights): R^agg = sum_k (n_k / N) R_k, FedAvg's weights like every nestfed rule;
   the paper's (and its public code's) 1/c is the same when the clients hold equal data.
+- Where the public code (CERT-Lab/fed-sb, read in its fork putssander/fed-sb at 3515e04 and
+  223f345) deviates from the paper: its multi-round script
+  (fed/CR/multiround_train_cr_fed.py) appends every client's R to one list created before the
+  round loop and never cleared, so round t's aggregate is the mean over the clients of rounds
+  1..t, not over the round's c clients as R^agg = (1/c) sum_i R_i says; nestfed averages the
+  round's replies only. Its single-round aggregation (fed/fed_agg.py,
+  ``aggregate_models_fed_sb``) is the paper's plain mean.
 - *Decision* (initialisation): LoRA-SB initialises B, R, A from a truncated SVD of an
-  approximation of the first full fine-tuning step. The public code (CERT-Lab/fed-sb,
-  ``estimate_and_process_grads_torch`` and ``find_and_initialize_grad``) takes
+  approximation of the first full fine-tuning step. The public code
+  (``estimate_and_process_grads_torch`` and ``find_and_initialize_grad``) takes
   -lr_eff sign(sum of full-weight gradients over ``num_samples`` = 170 examples), its SVD
   U S V^T at rank r, and sets B = U, A = V^T, R = S, the adapter starting at that truncated step
   (lora_alpha = r, so s = 1). The gradient is computed on the *whole training set before it is

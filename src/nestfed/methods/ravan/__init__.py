@@ -30,6 +30,10 @@ nestfed.nn.lora_core.GatedHeads):
   (torch.randn: entries of size 1, so ||B_i H_i A_i x|| grows with sqrt(in out)) and H_i = 0,
   s_i = 1; the paper compares initialisations in an ablation, which we could not read here.
 - *Decision* (weights): n_k / N, as FedLLM-Factory's RAVAN and every nestfed rule.
+- FedLLM-Factory's RAVAN (alg/ravan.py, the public implementation read here) also differs in two
+  conventions: each of its heads has the full LoRA rank (``--lora_rank`` r per head, total rank
+  h r, an upload of h r^2 numbers per layer; nestfed cuts the LoRA rank into h heads of r / h), and
+  its update carries no LoRA scale (nestfed's s = lora_alpha / r multiplies the sum of heads).
 - Heterogeneous and elastic ranks (the paper's computational heterogeneity: a client of less
   compute trains only some of the heads): a client of rank r_k (``lora.ranks``, a multiple of q)
   receives A[:r_k], B[:, :r_k] and its first r_k / q heads, and the other heads folded into its
@@ -43,6 +47,10 @@ nestfed.nn.lora_core.GatedHeads):
   of the clients' models (RAVAN's exactness). A head only high-rank clients train is then moved by
   their data share of each round's mean update, not replaced by their mean.
 - *Decision* (weights): n_k / N, as FedLLM-Factory's RAVAN and every nestfed rule.
+- FedLLM-Factory's RAVAN (alg/ravan.py, the public implementation read here) also differs in two
+  conventions: each of its heads has the full LoRA rank (``--lora_rank`` r per head, total rank
+  h r, an upload of h r^2 numbers per layer; nestfed cuts the LoRA rank into h heads of r / h), and
+  its update carries no LoRA scale (nestfed's s = lora_alpha / r multiplies the sum of heads).
 - Heterogeneous ranks (the paper's computational heterogeneity: a client of less compute trains
   only some of the heads): every client runs all h heads (the global model, at the global scale);
   a client of rank r_k (``lora.ranks``, a multiple of q) trains the first r_k / q heads and their
@@ -70,8 +78,8 @@ from nestfed.methods.method import lora_method
 
 @dataclass(frozen=True)
 class RavanOptions:
-    """heads: h, the number of heads the LoRA rank r is cut into (>= 1, dividing r; FedLLM-Factory's
-    default 4)."""
+    """heads: h, the number of heads the LoRA rank r is cut into (>= 1, dividing r; 4 as
+    FedLLM-Factory's default, whose heads each have the full rank r instead)."""
 
     heads: int = 4
 
