@@ -12,7 +12,7 @@ import torch
 
 from nestfed.federation.messages import Arrays
 from nestfed.nn.keys import merged_key, module_of, peft_key, rank_dim
-from nestfed.nn.lora_core import core_matrix
+from nestfed.nn.lora_core import CORE_KINDS, core_matrix
 
 
 def truncate_rank(arrays: Arrays, r: int) -> Arrays:
@@ -91,9 +91,6 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     w = (w / w.sum()).to(tensors[0].dtype)
     stacked = torch.stack([t.reshape(-1) for t in tensors])  # [K, numel]
     return (w @ stacked).reshape(tensors[0].shape)
-
-
-CORE_KINDS = ("lora_core", "lora_heads")
 
 
 def fold_cores(arrays: Arrays) -> Arrays:
