@@ -5,9 +5,10 @@ frozen, clients train only R [r, r], and the server averages R:
 
     R^agg = (1/c) sum_i R_i,        Delta W^agg = B R^agg A = (1/c) sum_i B R_i A
 
-(the paper's aggregation, over its c clients), so the aggregate is exactly the mean of the
-clients' updates and a client's upload is r^2 numbers per layer whatever the number of clients
-(docs/methods.md section 6).
+(the paper's aggregation, over its c clients, as its authors' project page and summaries state
+it; the paper's own text, and so its equation numbers, could not be read here), so the aggregate
+is exactly the mean of the clients' updates and a client's upload is r^2 numbers per layer
+whatever the number of clients (docs/methods.md section 6).
 
 Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core.SquareCore):
 
@@ -28,15 +29,17 @@ Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core
   -lr_eff sign(sum of full-weight gradients over ``num_samples`` = 170 examples), its SVD
   U S V^T at rank r, and sets B = U, A = V^T, R = S, the adapter starting at that truncated step
   (lora_alpha = r, so s = 1). The gradient is computed on the *whole training set before it is
-  split among the clients*: pooled client data on one machine, which a federation does not have;
-  the paper does not say how a federation would get it. nestfed draws B with orthonormal columns
+  split among the clients*: pooled client data on one machine, which a federation does not have.
+  nestfed draws B with orthonormal columns
   and A with orthonormal rows (seeded QR of Gaussian draws, stream ``fed_sb_init/<module>``, the
   same on every node) and starts R at 0, so round 1 starts from the backbone. A federated
   gradient initialisation (clients' summed sign-gradients, itself a round of communication) is not
   built.
-- *Decision* (ranks): one rank for every client (the paper's experiments). Heterogeneous and
+- *Decision* (ranks): one rank for every client, as the public code runs it. Summaries of the
+  paper say it also takes clients of different ranks, which we could not read; heterogeneous and
   elastic ranks are refused: a client at a lower rank would train a block of R while running the
-  rest frozen, a rule not written here.
+  rest frozen, a rule not written here (its reply would not be a prefix of R's rows, which the
+  secure sums need).
 - Robust rules and central DP apply to R as one block (the default block rule over the replies;
   R is the update's whole parameterisation); a server optimiser steps R (A and B never move, so
   their pseudo-gradient is 0). Secure aggregation gives the rule exactly: R's rows are its rank

@@ -11,12 +11,14 @@ s_i and upload s_i H_i, which the server averages, so that
 
 exactly; the upload is h q^2 numbers per layer (r q for total rank r = h q), whatever the number of
 clients, and the scales let training concentrate on the useful heads (docs/methods.md section 6).
+The equations are the abstract's and the public implementation's; the paper's text, and so its
+equation numbers, could not be read here.
 
 Here (nestfed.methods.ravan.strategy, on Fed-SB's core strategy; the layer variant is
 nestfed.nn.lora_core.GatedHeads):
 
-- The LoRA rank r (``lora.ranks``, one for every client) is the total rank h q; ``[ravan] heads``
-  is h (:class:`RavanOptions`; it must divide r). The update is s sum_i g_i B_i H_i A_i with
+- The LoRA rank r = r_max (``lora.ranks``) is the total rank h q; ``[ravan] heads`` is h
+  (:class:`RavanOptions`; it must divide r). The update is s sum_i g_i B_i H_i A_i with
   nestfed's LoRA scale s (``lora.scaling``) and the paper's s_i called gates g_i.
 - The payload carries A = [A_1; ...; A_h] [r, in], B = [B_1, ..., B_h] [out, r] and the heads
   (key ``...lora_heads.weight``: H = [H_1; ...; H_h] [r, q]). The gates start at 1 on every
@@ -46,21 +48,6 @@ nestfed.nn.lora_core.GatedHeads):
   H^agg = H + sum_k p_k pad(s H_k - H[:r_k]) and the aggregate stays exactly the n_k-weighted mean
   of the clients' models (RAVAN's exactness). A head only high-rank clients train is then moved by
   their data share of each round's mean update, not replaced by their mean.
-- *Decision* (weights): n_k / N, as FedLLM-Factory's RAVAN and every nestfed rule.
-- FedLLM-Factory's RAVAN (alg/ravan.py, the public implementation read here) also differs in two
-  conventions: each of its heads has the full LoRA rank (``--lora_rank`` r per head, total rank
-  h r, an upload of h r^2 numbers per layer; nestfed cuts the LoRA rank into h heads of r / h), and
-  its update carries no LoRA scale (nestfed's s = lora_alpha / r multiplies the sum of heads).
-- Heterogeneous ranks (the paper's computational heterogeneity: a client of less compute trains
-  only some of the heads): every client runs all h heads (the global model, at the global scale);
-  a client of rank r_k (``lora.ranks``, a multiple of q) trains the first r_k / q heads and their
-  scales, runs the others frozen with s_i = 1, and sends only the trained s_i H_i [r_k, q].
-  *Decisions* (the paper also selects heads by other rules, which we could not read here): the
-  heads a client trains are the first ones (nestfed's prefix convention, so an elastic rank works
-  the same way); a head a client did not train counts in the mean at the value it ran, the global
-  one, so H^agg = H + sum_k p_k pad(s H_k - H[:r_k]) and the aggregate stays exactly the
-  n_k-weighted mean of the clients' models (RAVAN's exactness). A head only high-rank clients train
-  is then moved by their data share each round, not replaced by their mean.
 - Robust rules, central DP, secure aggregation and a server optimiser act on the stacked heads as
   Fed-SB's on R; export at a rank is refused for Fed-SB's reason (nestfed.methods.fed_sb). The
   export is one PEFT LoRA adapter of rank r: A' = A, B' = B blockdiag(H_1, ..., H_h) at scale s.
