@@ -18,7 +18,8 @@ from nestfed.experiments.run import run_method
 from nestfed.federation.aggregation import fold_cores, one_adapter
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.strategy import LoraSettings
-from nestfed.methods.fed_sb.strategy import FedSB, orthonormal
+from nestfed.methods.fed_sb.frozen_factors import orthonormal
+from nestfed.methods.fed_sb.strategy import FedSB
 from nestfed.nn.arrays import apply_arrays, lora_arrays, lora_parameters
 from nestfed.nn.keys import lora_core_key, peft_key
 from nestfed.nn.lora import LoraLinear
@@ -38,7 +39,7 @@ def test_the_server_averages_R_with_n_k_weights_hand_computed():
     state = st.initialize({"m": (3, 2)}, CLIENTS)
     assert state.arrays[R_KEY].shape == (2, 2) and not state.arrays[R_KEY].any()
     ins = st.configure(1, state, CLIENTS)
-    assert ins[1].expect == {R_KEY: (2, 2)}  # only R comes back
+    assert set(ins[1].arrays) == {R_KEY} and ins[1].expect == {R_KEY: (2, 2)}  # only R travels, both ways
     r1, r2 = T([[1.0, 2.0], [3.0, 4.0]]), T([[5.0, 6.0], [7.0, 8.0]])
     new = st.aggregate(1, state, {1: Reply({R_KEY: r1}, 1), 2: Reply({R_KEY: r2}, 3)})
     # (1 r1 + 3 r2) / 4 = [[4, 5], [6, 7]]

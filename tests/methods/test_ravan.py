@@ -16,6 +16,7 @@ from nestfed.experiments.run import run_method
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.run_dir import RunDir
 from nestfed.federation.strategy import LoraSettings
+from nestfed.methods.fed_sb.frozen_factors import client_payload, frozen_heads_key
 from nestfed.methods.ravan.strategy import Ravan
 from nestfed.nn.arrays import apply_arrays, lora_arrays, lora_parameters
 from nestfed.nn.keys import lora_core_key, merged_key, peft_key
@@ -103,21 +104,25 @@ def test_the_options_and_refusals():
 
 
 def test_a_client_of_lower_rank_runs_the_global_model_with_its_other_heads_frozen():
-    """Rank 2 of 4 (heads of rank 2): it holds head 0 and runs head 1 as its frozen residual
-    s B_1 H_1 A_1, so its model's output is the global model's."""
-    st = Ravan(LoraSettings(r_max=4, lora_alpha=8.0), heads=2)  # s = 2
+    """Rank 2 of 4 (heads of rank 2): it receives head 0 and, as frozen heads, head 1; it draws A
+    and B from the seed and runs head 1 as its frozen residual s B_1 H_1 A_1, so its model's
+    output is the global model's. Neither A nor B travels."""
+    st = Ravan(LoraSettings(r_max=4, lora_alpha=8.0, init_seed=3), heads=2)  # s = 2
     clients = [ClientInfo(0, 2, 1), ClientInfo(1, 4, 1)]
     state = st.initialize({"m": (3, 5)}, clients)
     state.arrays[H_KEY] = torch.randn(4, 2, generator=torch.Generator().manual_seed(4))
-    ins = st.configure(1, state, clients)
-    low = ins[0].arrays
-    assert low[A_KEY].shape == (2, 5) and low[H_KEY].shape == (2, 2) and ins[0].expect == {H_KEY: (2, 2)}
     A, B, H = state.arrays[A_KEY], state.arrays[B_KEY], state.arrays[H_KEY]
+    ins = st.configure(1, state, clients)
+    assert set(ins[0].arrays) == {H_KEY, frozen_heads_key("m")} and set(ins[1].arrays) == {H_KEY}
+    assert ins[0].expect == {H_KEY: (2, 2)} and ins[0].config["scaling"] == 2.0
+    low = client_payload(ins[0].arrays, ins[0].config, {"m": (3, 5)})
+    assert torch.equal(low[A_KEY], A[:2]) and torch.equal(low[B_KEY], B[:, :2])  # drawn from the seed
     torch.testing.assert_close(low[merged_key("m", "A")], A[2:])
     torch.testing.assert_close(low[merged_key("m", "B")], 2.0 * B[:, 2:] @ H[2:])  # s B_1 H_1
-    assert merged_key("m", "A") not in ins[1].arrays  # the full-rank client holds every head
+    full = client_payload(ins[1].arrays, ins[1].config, {"m": (3, 5)})
+    assert merged_key("m", "A") not in full and torch.equal(full[A_KEY], A)
     outputs = []
-    for arrays in (low, ins[1].arrays):
+    for arrays in (low, full):
         torch.manual_seed(0)
         model = torch.nn.Sequential()
         model.add_module("m", LoraLinear(torch.nn.Linear(5, 3), rank=4, scaling=2.0))
@@ -134,7 +139,7 @@ def test_heterogeneous_ranks_hand_computed_untrained_heads_count_at_the_global_v
     state = st.initialize({"m": (4, 5)}, clients)
     state.arrays[H_KEY] = T([[1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0]])
     ins = st.configure(1, state, clients)
-    assert ins[1].arrays[H_KEY].shape == (2, 2) and ins[1].arrays[merged_key("m", "A")].shape == (2, 5)
+    assert ins[1].arrays[H_KEY].shape == (2, 2) and ins[1].arrays[frozen_heads_key("m")].shape == (2, 2)
     assert ins[1].expect == {H_KEY: (2, 2)} and ins[1].config["scaling"] == ins[2].config["scaling"] == 1.0
     h1 = T([[5.0, 5.0], [5.0, 5.0]])  # client 1 trained head 0 only
     h2 = T([[1.0, 1.0], [1.0, 1.0], [6.0, 6.0], [10.0, 10.0]])

@@ -12,8 +12,10 @@ whatever the number of clients (docs/methods.md section 6).
 
 Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core.SquareCore):
 
-- The update is s B R A with nestfed's LoRA scale s (``lora.scaling``); the payload carries A, B
-  and R (key ``...lora_core.weight`` [r, r]); the reply carries only R.
+- The update is s B R A with nestfed's LoRA scale s (``lora.scaling``). Only R travels (key
+  ``...lora_core.weight`` [r, r]), in both directions: the server and every client draw A and B
+  from the LoRA seed (nestfed.methods.fed_sb.frozen_factors), the paper's one-time distribution
+  of the frozen adapters done by the seed.
 - *Decision* (weights): R^agg = sum_k (n_k / N) R_k, FedAvg's weights like every nestfed rule;
   the paper's (and its public code's) 1/c is the same when the clients hold equal data.
 - Where the public code (CERT-Lab/fed-sb, read in its fork putssander/fed-sb at 3515e04 and

@@ -2,8 +2,10 @@
 strategy it shares with RAVAN (nestfed.methods.ravan): frozen factors A, B and a trainable core
 between them (nestfed.nn.lora_core), the core averaged exactly.
 
-The clients run the default client hooks: the payload's core key installs the core variant on each
-LoRA layer (nestfed.nn.arrays.apply_arrays), which then trains only the core and replies with it.
+Only cores travel: the clients draw A and B from the seed themselves
+(nestfed.methods.fed_sb.frozen_factors.CoreHooks); the payload's core key installs the core
+variant on each LoRA layer (nestfed.nn.arrays.apply_arrays), which trains only the core and replies
+with it.
 """
 
 from __future__ import annotations
@@ -11,36 +13,14 @@ from __future__ import annotations
 import torch
 
 from nestfed.config import ExperimentConfig
-from nestfed.federation.aggregation import fold_cores, pad_rank, rank_prefix, weighted_mean
+from nestfed.federation.aggregation import fold_cores, pad_rank, weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Reply
 from nestfed.federation.robust import Block, BlockRule
 from nestfed.federation.secure_sum import SecureSum
 from nestfed.federation.strategy import LoraStrategy, copy_state, examples
+from nestfed.methods.fed_sb.frozen_factors import RANK, SEED, STREAM, CoreHooks, frozen_factors, frozen_heads_key
 from nestfed.methods.implementation import lora_implementation, lora_settings
-from nestfed.nn.keys import lora_core_key, merged_key, module_of, peft_key
-from nestfed.nn.lora_core import core_matrix
-from nestfed.seeds import stream_seed
-
-
-def orthonormal(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
-    """A [rows, cols] matrix with orthonormal columns (rows >= cols) or orthonormal rows (rows <
-    cols): the Q factor of a standard Gaussian draw (Gram-Schmidt by Householder QR), each
-    direction signed so that R's diagonal is positive (Q is then unique for the draw)."""
-    tall = rows >= cols
-    gauss = torch.randn(rows, cols, generator=g, dtype=torch.float64)
-    q, r = torch.linalg.qr(gauss if tall else gauss.T)
-    q = q * torch.sign(torch.diagonal(r)).where(torch.diagonal(r) != 0, torch.ones(()))
-    return (q if tall else q.T).to(torch.float32)
-
-
-def frozen_factors(out_f: int, in_f: int, rank: int, seed: int, module: str, stream: str) -> tuple:
-    """(A [rank, in], B [out, rank]) for one layer: orthonormal rows of A and columns of B (where
-    the shape allows), drawn from the seed rule's stream ``<stream>/<module>`` of ``seed``
-    (nestfed.seeds: round 0, client 0), so every node draws the same factors."""
-    g = torch.Generator().manual_seed(stream_seed(seed, 0, 0, f"{stream}/{module}"))
-    A = orthonormal(rank, in_f, g)
-    B = orthonormal(out_f, rank, g)
-    return A, B
+from nestfed.nn.keys import lora_core_key, module_of, peft_key
 
 
 def update_mean(g: torch.Tensor, replies: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
@@ -59,29 +39,14 @@ def update_mean(g: torch.Tensor, replies: list[torch.Tensor], weights: list[floa
     return weighted_mean(full, weights)
 
 
-def frozen_heads(
-    A: torch.Tensor, B: torch.Tensor, core: torch.Tensor, rank: int, scale: float
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The heads a client of rank ``rank`` runs but does not train, as a frozen residual
-    (nestfed.nn.lora's ``merged_B @ merged_A``, at scale 1): rows A[rank:] [r - rank, in] and
-    columns s B[:, rank:] blockdiag(core[rank:]) [out, r - rank], so that the client's
-    s B[:, :rank] M[:rank] A[:rank] plus this residual is the global s B M A exactly. A: [r, in];
-    B: [out, r]; core: [r, q] with q dividing rank. Raises ValueError otherwise."""
-    q = core.shape[1]
-    if rank % q or not 0 < rank <= core.shape[0]:
-        raise ValueError(f"rank {rank} is not a multiple of the head rank {q} up to {core.shape[0]}")
-    if rank == core.shape[0]:
-        return A[:0], B[:, :0]
-    return A[rank:].clone(), scale * B[:, rank:] @ core_matrix(core[rank:])
-
-
 class CoreStrategy(LoraStrategy):
     """Global state per layer: the frozen factors ``lora_A`` [r, in] and ``lora_B`` [out, r] and
     the core (key kind :attr:`kind`) [r, q]: h = :meth:`heads` heads [q, q] stacked row-wise,
     h q = r = r_max (nestfed.nn.lora_core). A client of rank r_k (a multiple of q) receives the
-    rank-r_k prefix of the three and the other heads as a frozen residual (:func:`frozen_heads`), so
-    it runs the global model exactly, at the global scale s = scale(r_max); it trains its prefix of
-    the core and sends back only that, [r_k, q]. The server sets the core to :func:`update_mean`
+    core's first r_k rows and, below r, the other heads, which it runs as a frozen residual with A
+    and B drawn from the seed (nestfed.methods.fed_sb.frozen_factors), so it runs the global model
+    exactly, at the global scale s = scale(r_max); it trains its prefix of the core and sends back
+    only that, [r_k, q]. The server sets the core to :func:`update_mean`
     (rows a client did not train count at the values it ran); A and B never change, so s B M A is
     exactly the n_k-weighted mean of the clients' s B M_k A (M linear in the core). At r_k = r
     (Fed-SB's only case) there is no residual."""
@@ -121,20 +86,23 @@ class CoreStrategy(LoraStrategy):
         return sorted(k for k in arrays if k.endswith(suffix))
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict:
-        """The global scale for every client: each runs the whole global model."""
-        return {"scaling": self.s.scale(self.s.r_max)}
+        """The global scale for every client (each runs the whole global model) and what it draws
+        its frozen factors from: the LoRA seed, r and the stream."""
+        return {"scaling": self.s.scale(self.s.r_max), SEED: self.s.init_seed, RANK: self.s.r_max, STREAM: self.stream}
 
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
-        """A[:r_k] [r_k, in], B[:, :r_k] [out, r_k] and the core's first r_k rows [r_k, q] (views),
-        and below r the other heads as ``merged_A`` [r - r_k, in], ``merged_B`` [out, r - r_k]
-        (:func:`frozen_heads`)."""
-        out = rank_prefix(state.arrays, rank)
-        if rank < self.s.r_max:
-            s = self.s.scale(self.s.r_max)
-            for key in self.core_keys(state.arrays):
-                m = module_of(key)[0]
-                A, B = state.arrays[peft_key(m, "lora_A")], state.arrays[peft_key(m, "lora_B")]
-                out[merged_key(m, "A")], out[merged_key(m, "B")] = frozen_heads(A, B, state.arrays[key], rank, s)
+        """The core's first r_k rows [r_k, q] (views) and, below r, the other heads under
+        ``frozen_heads`` [r - r_k, q]; never A or B (the client draws them from the seed)."""
+        out: Arrays = {}
+        for key in self.core_keys(state.arrays):
+            core = state.arrays[key]
+            if rank % core.shape[1] or not 0 < rank <= core.shape[0]:
+                raise ValueError(
+                    f"rank {rank} is not a multiple of the head rank {core.shape[1]} up to {core.shape[0]}"
+                )
+            out[key] = core[:rank]
+            if rank < core.shape[0]:
+                out[frozen_heads_key(module_of(key)[0])] = core[rank:]
         return out
 
     def reply_keys(self, sent: Arrays) -> list[str]:
@@ -201,4 +169,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedSB:
     return FedSB(lora_settings(cfg))
 
 
-IMPLEMENTATION = lora_implementation(_strategy)
+IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: CoreHooks())

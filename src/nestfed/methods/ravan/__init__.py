@@ -20,8 +20,9 @@ nestfed.nn.lora_core.GatedHeads):
 - The LoRA rank r = r_max (``lora.ranks``) is the total rank h q; ``[ravan] heads`` is h
   (:class:`RavanOptions`; it must divide r). The update is s sum_i g_i B_i H_i A_i with
   nestfed's LoRA scale s (``lora.scaling``) and the paper's s_i called gates g_i.
-- The payload carries A = [A_1; ...; A_h] [r, in], B = [B_1, ..., B_h] [out, r] and the heads
-  (key ``...lora_heads.weight``: H = [H_1; ...; H_h] [r, q]). The gates start at 1 on every
+- A = [A_1; ...; A_h] [r, in] and B = [B_1, ..., B_h] [out, r] are drawn from the LoRA seed by
+  the server and every client (nestfed.methods.fed_sb.frozen_factors) and never travel; the
+  payload carries the heads (key ``...lora_heads.weight``: H = [H_1; ...; H_h] [r, q]). The gates start at 1 on every
   client each round and never travel: the reply is the stacked g_i H_i [r, q], the server's
   H_i^agg = sum_k (n_k / N) g_{i,k} H_{i,k} and the global gates are 1 (as in FedLLM-Factory's
   RAVAN, which resets the global s_i to 1 after folding them into H_i).
@@ -38,10 +39,10 @@ nestfed.nn.lora_core.GatedHeads):
   its update carries no LoRA scale (nestfed's s = lora_alpha / r multiplies the sum of heads).
 - Heterogeneous and elastic ranks (the paper's computational heterogeneity: a client of less
   compute trains only some of the heads): a client of rank r_k (``lora.ranks``, a multiple of q)
-  receives A[:r_k], B[:, :r_k] and its first r_k / q heads, and the other heads folded into its
-  frozen residual (s B_i H_i A_i with s_i = 1, as ``merged_B @ merged_A``:
-  nestfed.methods.fed_sb.strategy.frozen_heads), so it runs the global model exactly, at the
-  global scale; it trains and sends only its heads' s_i H_i [r_k, q]. *Decisions* (the paper also
+  receives its first r_k / q heads and the others (``frozen_heads``), which it runs as its frozen
+  residual (s B_i H_i A_i with s_i = 1, as ``merged_B @ merged_A``:
+  nestfed.methods.fed_sb.frozen_factors.client_payload), so it runs the global model exactly, at
+  the global scale; it trains and sends only its heads' s_i H_i [r_k, q]. *Decisions* (the paper also
   selects heads by other rules, which we could not read here): the heads a client trains are the
   first ones (nestfed's prefix convention, so an elastic rank works the same way); a head a client
   did not train counts in the mean at the value it ran, the global one, so

@@ -1,9 +1,10 @@
 """ravan: the server strategy (the method is declared in nestfed.methods.ravan).
 
-The clients run the default client hooks: the payload's ``lora_heads`` key installs RAVAN's gated
-heads on each LoRA layer (nestfed.nn.lora_core.GatedHeads: the gates start at 1 on every load),
-which train H_i and s_i and reply with s_i H_i; a client of rank r_k receives its first r_k / q heads
-and the others folded into its frozen residual (nestfed.methods.fed_sb.strategy.frozen_heads).
+The clients draw A and B from the seed (nestfed.methods.fed_sb.frozen_factors.CoreHooks); the
+payload's ``lora_heads`` key installs RAVAN's gated heads on each LoRA layer
+(nestfed.nn.lora_core.GatedHeads: the gates start at 1 on every load), which train H_i and s_i and
+reply with s_i H_i; a client of rank r_k receives its first r_k / q heads and runs the others as
+its frozen residual.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 from nestfed.config import ExperimentConfig
 from nestfed.federation.messages import Arrays
 from nestfed.federation.strategy import LoraSettings
+from nestfed.methods.fed_sb.frozen_factors import CoreHooks
 from nestfed.methods.fed_sb.strategy import CoreStrategy
 from nestfed.methods.implementation import lora_implementation, lora_settings
 
@@ -39,4 +41,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> Ravan:
     return Ravan(lora_settings(cfg), cfg.section("ravan"))
 
 
-IMPLEMENTATION = lora_implementation(_strategy)
+IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: CoreHooks())
