@@ -162,3 +162,15 @@ def test_the_secure_rebuild_is_the_hand_computed_mean():
     torch.testing.assert_close(sums.sums[R_KEY], T([[12.0, 16.0], [24.0, 28.0]], dtype=torch.float64))
     new = st.aggregate_secure(1, state, sums)
     torch.testing.assert_close(new.arrays[R_KEY], T([[4.0, 5.0], [6.0, 7.0]]))
+
+
+def test_the_core_trains_at_its_own_learning_rate_when_set():
+    from nestfed.methods import get
+
+    cfg = tiny_config("strategy.name=fed_sb", "lora.ranks=[4]", "fed_sb.lr=0.25")
+    params = [torch.nn.Parameter(torch.zeros(2, 2))]
+    assert get("fed_sb").client_hooks(cfg).param_groups(None, params) == [{"params": params, "lr": 0.25}]
+    default = tiny_config("strategy.name=fed_sb", "lora.ranks=[4]")
+    assert get("fed_sb").client_hooks(default).param_groups(None, params) == [{"params": params}]
+    with pytest.raises(ConfigError, match="lr must be >= 0"):
+        tiny_config("strategy.name=fed_sb", "lora.ranks=[4]", "fed_sb.lr=-1")

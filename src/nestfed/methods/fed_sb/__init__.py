@@ -48,6 +48,7 @@ Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core
   dimension (row j feeds B's column j; nestfed.nn.keys.rank_dim), every client holds every row,
   and the new R is G + S / N from the sum S of the n_k-weighted updates (``aggregate_secure``),
   so replies also fold into running sums (``federation.hold_replies``).
+- Options (``[fed_sb]``, :class:`FedSBOptions`): ``lr``, the core's own learning rate.
 - Export: one PEFT LoRA adapter of rank r, A' = A and B' = B R at scale s (B' A' = B R A exactly;
   nestfed.federation.aggregation.fold_cores). Its rank prefixes are no model a client runs (R mixes
   every direction), so it does not declare ``EXPORT_AT_RANK``.
@@ -55,8 +56,23 @@ Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
+
+
+@dataclass(frozen=True)
+class FedSBOptions:
+    """lr: the core's own AdamW learning rate on the clients (>= 0; 0 = ``train.lr``): R moves
+    about sqrt(out / 3r) times less per step than LoRA at one rate (docs/methods.md section 6)."""
+
+    lr: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.lr < 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
+
 
 #: what the core methods (Fed-SB, RAVAN) can do, and why they refuse the rest
 CORE_CAPABILITIES = frozenset(
@@ -72,6 +88,7 @@ METHOD = lora_method(
     "A and B frozen, clients train only R [r, r] between them; R averaged exactly, "
     "r^2 numbers per layer (Singhal et al. 2025)",
     "nestfed.methods.fed_sb.strategy",
+    sections={"fed_sb": FedSBOptions},
     capabilities=CORE_CAPABILITIES,
     refusals={
         **CORE_REFUSALS,

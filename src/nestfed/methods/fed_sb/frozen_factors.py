@@ -89,7 +89,15 @@ def client_payload(arrays: Arrays, config: dict, shapes: dict[str, tuple[int, in
 class CoreHooks(ClientHooks):
     """The clients of Fed-SB and RAVAN: rebuild the frozen factors (and a lower rank's frozen
     heads) before loading (:func:`client_payload`); the core variant the payload installs then
-    trains only the core and replies with it (nestfed.nn.arrays)."""
+    trains only the core and replies with it (nestfed.nn.arrays). lr: the cores' own AdamW learning
+    rate (the method's ``lr`` option; 0: ``train.lr``)."""
+
+    def __init__(self, lr: float = 0.0):
+        self.lr = float(lr)
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
         return client_payload(arrays, ctx.config, module_shapes(ctx.model))
+
+    def param_groups(self, ctx: FitContext, params: list) -> list[dict]:
+        """One group, at the method's own learning rate when it sets one."""
+        return [{"params": params, "lr": self.lr}] if self.lr > 0 else [{"params": params}]

@@ -169,4 +169,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedSB:
     return FedSB(lora_settings(cfg))
 
 
-IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: CoreHooks())
+IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: CoreHooks(cfg.section("fed_sb").lr))

@@ -18,8 +18,9 @@ Here (nestfed.methods.ravan.strategy, on Fed-SB's core strategy; the layer varia
 nestfed.nn.lora_core.GatedHeads):
 
 - The LoRA rank r = r_max (``lora.ranks``) is the total rank h q; ``[ravan] heads`` is h
-  (:class:`RavanOptions`; it must divide r). The update is s sum_i g_i B_i H_i A_i with
-  nestfed's LoRA scale s (``lora.scaling``) and the paper's s_i called gates g_i.
+  (:class:`RavanOptions`; it must divide r), ``[ravan] lr`` the heads' own learning rate. The
+  update is s sum_i g_i B_i H_i A_i with nestfed's LoRA scale s (``lora.scaling``) and the
+  paper's s_i called gates g_i.
 - A = [A_1; ...; A_h] [r, in] and B = [B_1, ..., B_h] [out, r] are drawn from the LoRA seed by
   the server and every client (nestfed.methods.fed_sb.frozen_factors) and never travel; the
   payload carries the heads (key ``...lora_heads.weight``: H = [H_1; ...; H_h] [r, q]). The gates start at 1 on every
@@ -67,13 +68,18 @@ from nestfed.methods.method import lora_method
 @dataclass(frozen=True)
 class RavanOptions:
     """heads: h, the number of heads the LoRA rank r is cut into (>= 1, dividing r; 4 as
-    FedLLM-Factory's default, whose heads each have the full rank r instead)."""
+    FedLLM-Factory's default, whose heads each have the full rank r instead); lr: the heads' and
+    scales' own AdamW learning rate on the clients (>= 0; 0 = ``train.lr``; docs/methods.md
+    section 6 on their step size)."""
 
     heads: int = 4
+    lr: float = 0.0
 
     def __post_init__(self) -> None:
         if self.heads < 1:
             raise ValueError(f"heads must be >= 1, got {self.heads}")
+        if self.lr < 0:
+            raise ValueError(f"lr must be >= 0, got {self.lr}")
 
 
 def _check(cfg: ExperimentConfig) -> None:

@@ -41,4 +41,4 @@ def _strategy(cfg: ExperimentConfig, initial: Arrays) -> Ravan:
     return Ravan(lora_settings(cfg), cfg.section("ravan"))
 
 
-IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: CoreHooks())
+IMPLEMENTATION = lora_implementation(_strategy, hooks=lambda cfg: CoreHooks(cfg.section("ravan").lr))
