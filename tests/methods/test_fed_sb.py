@@ -5,6 +5,7 @@ export (B' = B R loads with the same logits) and a short run on the tiny config.
 """
 
 import json
+import math
 
 import pytest
 import torch
@@ -174,3 +175,14 @@ def test_the_core_trains_at_its_own_learning_rate_when_set():
     assert get("fed_sb").client_hooks(default).param_groups(None, params) == [{"params": params}]
     with pytest.raises(ConfigError, match="lr must be >= 0"):
         tiny_config("strategy.name=fed_sb", "lora.ranks=[4]", "fed_sb.lr=-1")
+
+
+def test_a_client_sends_and_receives_r_squared_numbers_per_layer_whatever_the_number_of_clients():
+    shapes = {"a": (6, 5), "b": (7, 3)}
+    for k in (2, 9):
+        clients = [ClientInfo(c, 3, 1 + c) for c in range(k)]
+        st = FedSB(LoraSettings(r_max=3, lora_alpha=3.0))
+        ins = st.configure(1, st.initialize(shapes, clients), clients)
+        for i in ins.values():
+            assert sum(v.numel() for v in i.arrays.values()) == 2 * 3 * 3  # two layers, R [3, 3] each
+            assert sum(math.prod(s) for s in i.expect.values()) == 2 * 3 * 3
