@@ -12,6 +12,7 @@ import torch
 
 from nestfed.federation.messages import Arrays
 from nestfed.nn.keys import merged_key, module_of, peft_key, rank_dim
+from nestfed.nn.lora_core import CORE_KINDS, core_matrix
 
 
 def truncate_rank(arrays: Arrays, r: int) -> Arrays:
@@ -92,6 +93,26 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
     return (w @ stacked).reshape(tensors[0].shape)
 
 
+def fold_cores(arrays: Arrays) -> Arrays:
+    """The payload with every layer's trainable core (``lora_core`` / ``lora_heads`` [r, q],
+    nestfed.nn.lora_core) folded into its B: B' = B blockdiag(heads) [out, r], A unchanged, so that
+    B' A = B M A exactly (the plain LoRA adapter PEFT loads). Other arrays are returned as they
+    are. Raises KeyError when a layer with a core lacks its B."""
+    cores = {}
+    for k in arrays:
+        try:
+            module, kind = module_of(k)
+        except KeyError:
+            continue
+        if kind in CORE_KINDS:
+            cores[k] = module
+    out = {k: v for k, v in arrays.items() if k not in cores}
+    for k, module in cores.items():
+        b = peft_key(module, "lora_B")
+        out[b] = arrays[b] @ core_matrix(arrays[k]).to(arrays[b].dtype)
+    return out
+
+
 def one_adapter(arrays: Arrays, scale: float) -> tuple[Arrays, float]:
     """A payload ({PEFT key: tensor}: lora_A [r, in], lora_B [out, r], and optionally merged_A
     [R, in], merged_B [out, R] at scale 1) as one PEFT LoRA adapter of a single rank and its scale.
@@ -100,7 +121,8 @@ def one_adapter(arrays: Arrays, scale: float) -> tuple[Arrays, float]:
     returned as they are. Otherwise, per layer, A' = [merged_A; scale A] and B' = [merged_B, B] at
     scale 1, zero-padded to the largest rank over the layers: B' A' = merged_B merged_A + scale B A
     exactly (zero rows add nothing): FedEx-LoRA's export, and ``nestfed export --client`` for
-    FLoRA's and FedEx-LoRA's clients. Raises ValueError for a key that is not a LoRA or merged factor
+    FLoRA's and FedEx-LoRA's clients. A trainable core is folded into B first (:func:`fold_cores`:
+    Fed-SB, RAVAN). Raises ValueError for a key that is not a LoRA or merged factor
     (e.g. memory rules or SVD cores, which PEFT's LoRA cannot hold), or a layer missing A or B.
     """
     for k in arrays:
@@ -108,6 +130,7 @@ def one_adapter(arrays: Arrays, scale: float) -> tuple[Arrays, float]:
             module_of(k)
         except KeyError:
             raise ValueError(f"payload key {k} is not a LoRA factor: a PEFT LoRA adapter cannot hold it") from None
+    arrays = fold_cores(arrays)
     modules = sorted({module_of(k)[0] for k in arrays})
     merged = any(merged_key(m, "A") in arrays for m in modules)
     ranks = {v.shape[rank_dim(k)] for k, v in arrays.items() if rank_dim(k) is not None}

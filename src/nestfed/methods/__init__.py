@@ -16,6 +16,7 @@ from nestfed import config as C
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.config.capabilities import Capability, asked_by, refusal
 from nestfed.methods import (
+    fed_sb,
     fedala,
     fedavg,
     fedex_lora,
@@ -33,6 +34,7 @@ from nestfed.methods import (
     local_only,
     lora_fair,
     prelort,
+    ravan,
     zeropad,
 )
 from nestfed.methods.method import Method
@@ -58,6 +60,8 @@ REGISTRY: dict[str, Method] = {
         fedex_lora.METHOD,
         fedsvd.METHOD,
         lora_fair.METHOD,
+        fed_sb.METHOD,
+        ravan.METHOD,
     )
 }
 

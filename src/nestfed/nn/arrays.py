@@ -2,7 +2,8 @@
 
 A payload (``{key: tensor}``, nestfed.nn.keys) sets every LoRA layer's adapter (its rank follows
 the shapes; a layer the payload omits gets rank 0), every layer's frozen low-rank residual
-(``merged_A`` / ``merged_B``; removed when absent), and any model parameter it names
+(``merged_A`` / ``merged_B``; removed when absent), every layer's trainable core (``lora_core`` or
+``lora_heads``, nestfed.nn.lora_core; removed when absent), and any model parameter it names
 (``base_model.model.<parameter path>``: a memory layer's rules, an SVD layer's core). Memory
 layers run exactly where the payload carries their rules (nestfed.nn.memory.sync_memory).
 """
@@ -12,8 +13,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from nestfed.nn.keys import PEFT_PREFIX, merged_key, module_of, peft_key
+from nestfed.nn.keys import PEFT_PREFIX, lora_core_key, merged_key, module_of, peft_key
 from nestfed.nn.lora import lora_modules
+from nestfed.nn.lora_core import core_kind_of
 from nestfed.nn.memory import sync_memory
 
 Arrays = dict[str, torch.Tensor]
@@ -45,7 +47,8 @@ def extra_parameters(model: nn.Module, arrays: Arrays) -> dict[str, nn.Parameter
 
 def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
     """Load a payload into the model (see the module docstring); every LoRA layer's scale becomes
-    ``scaling`` (s). lora_A: [r, in], lora_B: [out, r], merged_A: [R, in], merged_B: [out, R].
+    ``scaling`` (s). lora_A: [r, in], lora_B: [out, r], merged_A: [R, in], merged_B: [out, R],
+    lora_core / lora_heads: [r, q] (nestfed.nn.lora_core).
 
     Raises KeyError for a key that names nothing, ValueError for a shape mismatch.
     """
@@ -57,6 +60,8 @@ def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
         m.set_weights(a, b)
         m.scaling = float(scaling)
         m.set_merged(arrays.get(merged_key(name, "A")), arrays.get(merged_key(name, "B")))
+        kind = core_kind_of(arrays, name)
+        m.set_core(kind, None if kind is None else arrays[lora_core_key(name, kind)])
     with torch.no_grad():
         for key, param in extras.items():
             if param.shape != arrays[key].shape:
@@ -67,10 +72,18 @@ def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
 
 def lora_parameters(model: nn.Module, train_a: bool = True) -> list[nn.Parameter]:
     """The LoRA parameters to train, layer by layer: [A, B] of every layer of rank > 0 (only B
-    when ``train_a`` is False). Switches requires_grad on for them (A's off when not trained)."""
+    when ``train_a`` is False); a layer with a core trains only its core's parameters (A and B
+    frozen). Switches requires_grad on for them (off for the frozen ones)."""
     params = []
     for m in lora_modules(model).values():
         if m.rank == 0:
+            continue
+        if m.lora_core is not None:
+            m.lora_A.weight.requires_grad_(False)
+            m.lora_B.weight.requires_grad_(False)
+            for p in m.lora_core.trainable():
+                p.requires_grad_(True)
+                params.append(p)
             continue
         m.lora_A.weight.requires_grad_(train_a)
         m.lora_B.weight.requires_grad_(True)
@@ -80,10 +93,14 @@ def lora_parameters(model: nn.Module, train_a: bool = True) -> list[nn.Parameter
 
 def lora_arrays(model: nn.Module, with_a: bool = True) -> Arrays:
     """The adapter as loaded now, PEFT-keyed detached copies: A [r, in] (when ``with_a``) and
-    B [out, r] of every layer of rank > 0."""
+    B [out, r] of every layer of rank > 0; for a layer with a core only the core's reply
+    [r, q] (its frozen A and B never travel back)."""
     out = {}
     for name, m in lora_modules(model).items():
         if m.rank == 0:
+            continue
+        if m.lora_core is not None:
+            out[lora_core_key(name, m.lora_core.kind)] = m.lora_core.reply()
             continue
         if with_a:
             out[peft_key(name, "lora_A")] = m.lora_A.weight.detach().clone()

@@ -3,7 +3,9 @@
 A payload is a flat ``{key: tensor}`` dict. LoRA matrices use PEFT's keys,
 ``base_model.model.<module path>.lora_A.weight`` (A: [r, in]) and ``...lora_B.weight``
 (B: [out, r]); a layer's frozen low-rank residual uses ``...<module>.merged_A`` / ``merged_B``;
-any other parameter of the model travels as ``base_model.model.<parameter path>``.
+a LoRA layer's trainable core (nestfed.nn.lora_core) uses ``...<module>.lora_core.weight`` or
+``...<module>.lora_heads.weight``; any other parameter of the model travels as
+``base_model.model.<parameter path>``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,9 @@ import re
 
 PEFT_PREFIX = "base_model.model."
 LAYER_INDEX = re.compile(r"\.layers\.(\d+)\.")
-_MODULE_KEY = re.compile(re.escape(PEFT_PREFIX) + r"(.+)\.(?:(lora_A|lora_B)\.weight|(merged_A|merged_B))")
+_MODULE_KEY = re.compile(
+    re.escape(PEFT_PREFIX) + r"(.+)\.(?:(lora_A|lora_B|lora_core|lora_heads)\.weight|(merged_A|merged_B))"
+)
 
 
 def peft_key(module_name: str, which: str) -> str:
@@ -27,19 +31,31 @@ def merged_key(module_name: str, which: str) -> str:
     return f"{PEFT_PREFIX}{module_name}.merged_{which}"
 
 
+def lora_core_key(module_name: str, kind: str) -> str:
+    """Key of a LoRA layer's trainable core: ``base_model.model.<module>.<kind>.weight``, kind
+    ``lora_core`` (Fed-SB's R [r, r]) or ``lora_heads`` (RAVAN's heads stacked, [r, q])."""
+    return f"{PEFT_PREFIX}{module_name}.{kind}.weight"
+
+
 def module_of(key: str) -> tuple[str, str]:
     """Split a payload key into (module path, kind), kind one of ``lora_A``, ``lora_B``,
-    ``merged_A``, ``merged_B``. Raises KeyError when the key is none of these."""
+    ``lora_core``, ``lora_heads``, ``merged_A``, ``merged_B``. Raises KeyError when the key is
+    none of these."""
     m = _MODULE_KEY.fullmatch(key)
     if m is None:
         raise KeyError(f"not a LoRA payload key: {key}")
     return m.group(1), m.group(2) or m.group(3)
 
 
+#: payload keys whose dim 0 is the rank dimension: A [r, in] and a trainable core [r, q] (its row j
+#: feeds B's column j; nestfed.nn.lora_core)
+_RANK_ROWS = ("lora_A.weight", "lora_core.weight", "lora_heads.weight")
+
+
 def rank_dim(key: str) -> int | None:
-    """The rank dimension of a payload key: 0 for ``lora_A`` [r, in], 1 for ``lora_B`` [out, r],
-    None for any other key."""
-    if key.endswith("lora_A.weight"):
+    """The rank dimension of a payload key: 0 for ``lora_A`` [r, in] and a core (``lora_core``
+    [r, r], ``lora_heads`` [r, q]), 1 for ``lora_B`` [out, r], None for any other key."""
+    if key.endswith(_RANK_ROWS):
         return 0
     if key.endswith("lora_B.weight"):
         return 1

@@ -11,7 +11,9 @@ s = lora_alpha / r_max at every sub-rank and client), so a prefix of a high-rank
 exactly what a low-rank adapter with the same rows computes.
 
 Optionally a layer carries a frozen low-rank residual ``merged_B @ merged_A`` (FLoRA's merge of
-the stacked global update into the base weights, kept factorised: exact and cheap).
+the stacked global update into the base weights, kept factorised: exact and cheap), and optionally a
+trainable core M between frozen A and B (``lora_core``, a variant of nestfed.nn.lora_core: Fed-SB's
+R, RAVAN's gated heads), when the update is ``s * B M A x``.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 from torch import nn
 
 from nestfed.nn.keys import LAYER_INDEX, PEFT_PREFIX, layer_indices, module_of, peft_key
+from nestfed.nn.lora_core import LoraCore, make_core
 from nestfed.nn.placement import trainable_dtype
 from nestfed.nn.quantization import dense_dtype
 from nestfed.seeds import stream_seed
@@ -53,7 +56,9 @@ class LoraLinear(nn.Module):
     scaling: s, multiplied into the LoRA path at every sub-rank. dropout: PEFT's lora_dropout on
     the LoRA path's input (train mode only). forward: x [..., in] -> [..., out].
     A and B live on the base layer's device, in float32 beside a half-precision base
-    (nestfed.nn.placement.trainable_dtype), else in the base's dtype.
+    (nestfed.nn.placement.trainable_dtype), else in the base's dtype. lora_core: None (plain LoRA)
+    or a core variant M [r, r] between A and B (:meth:`set_core`; then the update is s B M A x at the
+    full rank, and only the core trains).
     """
 
     def __init__(self, base_layer: nn.Linear, rank: int, scaling: float, dropout: float = 0.0):
@@ -70,6 +75,7 @@ class LoraLinear(nn.Module):
         self.active_rank: int | None = None  # None = the full held rank
         self.register_buffer("merged_A", None, persistent=False)
         self.register_buffer("merged_B", None, persistent=False)
+        self.lora_core: LoraCore | None = None
         for m in (self.lora_A, self.lora_B):
             m.to(device=base_layer.weight.device, dtype=trainable_dtype(dense_dtype(base_layer)))
         with torch.no_grad():
@@ -107,15 +113,34 @@ class LoraLinear(nn.Module):
         self.merged_A = A.detach().to(w.device, dtype)
         self.merged_B = B.detach().to(w.device, dtype)
 
+    def set_core(self, kind: str | None, core: torch.Tensor | None = None) -> None:
+        """Install the core variant ``kind`` (nestfed.nn.lora_core) holding ``core`` [r, q] (h = r / q
+        stacked heads of [q, q]) with r = rank; None removes the core (plain LoRA). Raises ValueError
+        when r differs from the rank or q does not divide it, KeyError for an unknown kind."""
+        if kind is None:
+            self.lora_core = None
+            return
+        made = make_core(kind, core, self.base_layer.weight)
+        if made.rank != self.rank:
+            raise ValueError(f"a core of rank {made.rank} ({tuple(core.shape)}) between factors of rank {self.rank}")
+        self.lora_core = made
+
     def delta_weight(self, r: int | None = None) -> torch.Tensor:
-        """The LoRA update s * B[:, :r] @ A[:r] as a dense [out, in] matrix (for tests and merges)."""
+        """The LoRA update s * B[:, :r] @ A[:r] as a dense [out, in] matrix (for tests and merges);
+        with a core, s * B M A (r must then be None or the full rank)."""
         r = self.rank if r is None else r
+        if self.lora_core is not None:
+            if r != self.rank:
+                raise ValueError("a layer with a core has no prefix sub-ranks")
+            return self.scaling * self.lora_B.weight @ self.lora_core.matrix() @ self.lora_A.weight
         return self.scaling * self.lora_B.weight[:, :r] @ self.lora_A.weight[:r]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = self.base_layer(x)
         if self.merged_A is not None:
             out = out + (x @ self.merged_A.T) @ self.merged_B.T
+        if self.lora_core is not None:
+            return out + self._core_forward(x)
         r = self.rank if self.active_rank is None else self.active_rank
         if r > 0:
             A = self.lora_A.weight[:r]  # [r, in]
@@ -126,6 +151,15 @@ class LoraLinear(nn.Module):
             else:  # half-precision activations, float32 adapter (nestfed.nn.placement)
                 out = out + (((x.to(A.dtype) @ A.T) @ B.T) * self.scaling).to(out.dtype)
         return out
+
+    def _core_forward(self, x: torch.Tensor) -> torch.Tensor:
+        """s B M A x at the full rank (a sub-rank is refused: M mixes every direction). x [..., in]."""
+        if self.active_rank not in (None, self.rank):
+            raise ValueError(f"a layer with a core runs only its full rank {self.rank}, not {self.active_rank}")
+        A, B = self.lora_A.weight, self.lora_B.weight
+        x = self.lora_dropout(x)
+        y = (self.lora_core(x.to(A.dtype) @ A.T) @ B.T) * self.scaling
+        return y.to(x.dtype)
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
