@@ -120,7 +120,7 @@ class LoraLinear(nn.Module):
         if kind is None:
             self.lora_core = None
             return
-        made = make_core(kind, core, self.base_layer.weight)
+        made = make_core(kind, core, self.lora_A.weight)  # A is in the trainable dtype, also beside a quantised base
         if made.rank != self.rank:
             raise ValueError(f"a core of rank {made.rank} ({tuple(core.shape)}) between factors of rank {self.rank}")
         self.lora_core = made
