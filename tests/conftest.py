@@ -19,6 +19,14 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def pytest_collection_modifyitems(config, items):
+    """``flower`` and ``e2e`` tests are ``slow`` too, so ``-m "not slow"`` (the quick loop) leaves
+    them out with the rest of what runs whole federations, processes or real models."""
+    for item in items:
+        if item.get_closest_marker("flower") or item.get_closest_marker("e2e"):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)

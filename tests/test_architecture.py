@@ -64,6 +64,7 @@ def test_the_core_names_no_method():
     assert not hits, "\n".join(hits)
 
 
+@pytest.mark.slow
 def test_no_function_imports_nestfed_locally():
     """A function-local import of nestfed is how cycles used to be dodged; none is left. The two entry
     points alone import what they run when they run it (the command line per command, the FAB's
@@ -115,6 +116,7 @@ def test_the_docs_the_code_cites_exist_and_are_cited(doc):
     assert not stale, stale
 
 
+@pytest.mark.slow
 def test_the_command_line_answers_without_loading_a_model_library():
     """``nestfed --help``, ``nestfed methods`` and a config error import neither torch nor transformers
     (their start time is measured by bench/cli_start.py)."""

@@ -109,6 +109,7 @@ def test_a_model_nestfed_cannot_compute_exactly_is_one_line_before_any_run_dir(t
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_an_unexpected_error_prints_no_locals(tmp_path):
     """A bug (here: a loss that raises) is a traceback of code lines only, never of local variables."""
     script = (
@@ -139,6 +140,7 @@ def test_an_unexpected_error_prints_no_locals(tmp_path):
     assert "locals" not in r.stderr and len(r.stderr.splitlines()) < 300
 
 
+@pytest.mark.slow
 def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path, cli):
     runs = tmp_path / "runs"
     r = nestfed(
@@ -179,6 +181,7 @@ def test_tiny_run_writes_a_complete_run_directory_and_compare_reads_it(tmp_path,
     assert (tmp_path / "c.png").is_file() and "backbone" in c.stdout
 
 
+@pytest.mark.slow
 def test_a_run_of_many_clients_reads_by_rank_group_and_writes_small_files(tmp_path, cli):
     """120 clients over the 20 Newsgroups sample's blocks, 12 sampled per round, a panel of 5: the
     preparation is one line of counts, the table has a column per rank group (none per client), the
@@ -210,6 +213,7 @@ def test_a_run_of_many_clients_reads_by_rank_group_and_writes_small_files(tmp_pa
     assert "r=2 mean" in (parent / "comparison.md").read_text()
 
 
+@pytest.mark.slow
 def test_resume_after_interruption_gives_the_same_adapter(tmp_path, cli):
     runs = tmp_path / "runs"
     args = [
@@ -238,6 +242,7 @@ def test_resume_after_interruption_gives_the_same_adapter(tmp_path, cli):
     assert len((cut / "metrics.jsonl").read_text().splitlines()) == 3
 
 
+@pytest.mark.slow
 def test_instruction_and_multiple_choice_tasks_run(tmp_path, cli):
     data = tmp_path / "dolly.jsonl"
     rows = [
@@ -345,6 +350,7 @@ def test_a_config_that_is_not_utf8_is_one_line(tmp_path, cli):
     assert r.returncode == 2 and "latin.toml: not UTF-8 text" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_resume_refuses_what_the_run_directory_does_not_describe(tmp_path, cli):
     runs = tmp_path / "runs"
     r = cli("run", str(TINY), "--set", f"output.dir={runs}", "--set", "federation.rounds=1", cwd=tmp_path)
@@ -404,6 +410,7 @@ def test_more_bad_input_found_by_trying_it(tmp_path, cli, args, needle):
     assert len(r.stderr.strip().splitlines()) == 1 and not (tmp_path / "runs").exists()
 
 
+@pytest.mark.slow
 def test_resume_refuses_a_config_or_methods_beside_it_and_compare_dedupes(tmp_path, cli):
     r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'runs'}", "--set", "federation.rounds=1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
@@ -417,6 +424,7 @@ def test_resume_refuses_a_config_or_methods_beside_it_and_compare_dedupes(tmp_pa
     assert c.stdout.count("│ prelort") == 1 and c.stdout.count("| prelort |") == 1, c.stdout
 
 
+@pytest.mark.slow
 def test_seeds_run_every_method_per_seed_and_report_intervals(tmp_path, cli):
     runs = tmp_path / "runs"
     r = cli(
@@ -474,6 +482,7 @@ def test_seeds_run_every_method_per_seed_and_report_intervals(tmp_path, cli):
     assert cli("run", str(TINY), "--seeds", "0", cwd=tmp_path).returncode == 2
 
 
+@pytest.mark.slow
 def test_compare_of_one_run_twice_is_one_line(tmp_path, cli):
     """Two copies of one run (label, seed and every field alike) cannot be paired by seed: one line
     naming the fix, exit 2, no traceback. Runs that differ in a field are labelled by it instead
@@ -519,6 +528,7 @@ def _without_times(obj):
     return [_without_times(v) for v in obj] if isinstance(obj, list) else obj
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method,ranks", [("fedavg", "[4,4]"), ("prelort", "[2,4]")])
 def test_a_finished_run_continued_for_more_rounds_equals_one_run_of_them_all(tmp_path, cli, method, ranks):
     import torch

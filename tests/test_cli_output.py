@@ -49,6 +49,7 @@ def _drain(fd: int) -> None:
         pass
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("stderr", ["pipe", "terminal"])
 def test_round_lines_reach_a_pipe_while_the_run_goes_on(tmp_path, stderr):
     (tmp_path / "held.py").write_text(HELD)

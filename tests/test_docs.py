@@ -15,6 +15,7 @@ slugify = pytest.importorskip("markdown.extensions.toc", reason="the docs extra"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_the_docs_site_builds_strictly(tmp_path):
     exe = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
     assert exe, "mkdocs is part of the docs extra (scripts/setup.sh installs it)"
@@ -41,6 +42,7 @@ def test_the_readme_links_only_to_pages_that_exist():
     assert len(readme.splitlines()) <= 250
 
 
+@pytest.mark.slow
 def test_a_link_to_a_missing_anchor_fails_the_build(tmp_path):
     """mkdocs.yml's validation makes a link to an anchor no page has fail the strict build."""
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
@@ -56,6 +58,7 @@ def test_a_link_to_a_missing_anchor_fails_the_build(tmp_path):
     assert r.returncode != 0 and "does not contain an anchor '#no-such-section'" in r.stdout + r.stderr
 
 
+@pytest.mark.slow
 def test_the_python_api_example_runs_as_the_page_writes_it(tmp_path):
     page = (ROOT / "docs" / "getting-started.md").read_text()
     section = page[page.index("## The Python API") :]

@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.mark.slow
 def test_gpu_check_dry_run_runs_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
     p = subprocess.run(
@@ -40,6 +43,7 @@ def test_gpu_check_dry_run_runs_every_part(tmp_path):
     }
 
 
+@pytest.mark.slow
 def test_gpu_check_without_cuda_says_so():
     import torch
 

@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -18,6 +20,7 @@ def tables_module():
     return module
 
 
+@pytest.mark.slow
 def test_every_committed_table_is_its_regeneration():
     r = subprocess.run([sys.executable, str(ROOT / "bench" / "tables.py"), "--check"], capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr

@@ -76,6 +76,7 @@ def test_the_key_covers_the_inputs(tmp_path):
     assert "nn/bounded_attention.py" in client_cache.PREPARING  # the frozen prefix runs through it
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", [b"", b"\x00" * 64, b"not safetensors at all"])
 def test_a_damaged_file_is_rebuilt(tmp_path, damage):
     c = cfg()

@@ -45,6 +45,7 @@ def test_pools_exclude_every_used_record_and_fill_blocks():
         server_text(records, pools, tok, block_size=16, blocks=40)
 
 
+@pytest.mark.slow
 def test_bbc_server_text_shares_no_block_with_any_client():
     cfg = methods.load_config(
         None, ["model.name='tiny-llama'", "data.block_size=32", "data.max_train=4", "data.max_test=2"]

@@ -105,6 +105,7 @@ def test_missing_columns_and_files_are_named(tmp_path, data_file):
         local_file(tmp_path / "broken.jsonl", "body")
 
 
+@pytest.mark.slow
 def test_cli_trains_on_a_local_file_and_bad_input_is_one_line(tmp_path, cli, caplog):
     path = tmp_path / "notes.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows()))

@@ -110,6 +110,7 @@ def test_haystack_halves_are_disjoint():
     assert tr.docs[0] + te.docs[0] == full
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(
     not (sources.AUSTEN_DIR / "Rdata.rdb").is_file() or importlib.util.find_spec("rdata") is None,
     reason="r-cran-janeaustenr or rdata not installed",

@@ -115,6 +115,7 @@ def tiny_setup(tmp_path_factory):
     return base, adapter, mmlu
 
 
+@pytest.mark.slow
 def test_lm_eval_scores_equal_the_reference_with_and_without_the_adapter(tiny_setup):
     base, adapter, mmlu = tiny_setup
     protocol = harness.Protocol(str(mmlu), batch_size=4)
@@ -145,6 +146,7 @@ def test_bad_directories_are_one_line_errors(tmp_path, tiny_setup):
         harness.questions(harness.Protocol(str(mmlu), categories=("astrology",)))
 
 
+@pytest.mark.slow
 def test_lm_eval_on_a_4bit_base_scores_what_that_base_answers(tiny_setup):
     """``nestfed eval --quantization 4``: lm-eval scores the adapter over the nf4 base (transformers'
     BitsAndBytesConfig, as FlowerTune's leaderboard) exactly as the same base answers by hand."""

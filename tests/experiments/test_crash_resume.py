@@ -63,6 +63,7 @@ def nestfed(tmp, *args, kill_at=None):
     return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "kill_at,where",
     [

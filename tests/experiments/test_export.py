@@ -67,6 +67,7 @@ def test_truncating_the_run_adapter_by_hand_gets_the_scale_wrong(prelort_run, tm
     assert (peft_logits(good) - expected).abs().max().item() == 0.0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "method", ["prelort", "hetlora", "flexlora", "local_only", "fedsa_lora", "flora", "fedex_lora"]
 )

@@ -51,6 +51,7 @@ def test_domains_match_the_paper():
     assert {items[i].subject for i in math_cs} == set(DOMAINS["math_cs"])
 
 
+@pytest.mark.slow
 def test_fednl_then_fedavg_on_one_preparation(tmp_path):
     cfg = tiny_cfg(tmp_path, travel="rules")
     prep = prepare(cfg)
@@ -80,6 +81,7 @@ def test_fednl_then_fedavg_on_one_preparation(tmp_path):
     assert s_a["initial"] == s_b["initial"] == s_nl["initial"]  # round 0: the backbone alone
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["fedprox", "fedala", "fedssi"])
 def test_baselines_run_through_the_recipe(tmp_path, name):
     """The aggregation drop is local minus federated accuracy from the last round's own lines,

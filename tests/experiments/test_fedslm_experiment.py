@@ -44,6 +44,7 @@ def summary(parent, method):
     return json.loads((parent / method / "summary.json").read_text())
 
 
+@pytest.mark.slow
 def test_every_method_writes_a_run_directory_and_the_comparison(run):
     parent, stdout = run
     for method in ("fedslm", "fedmkt", "fedavg", "hetlora"):
@@ -114,6 +115,7 @@ def _prepared(overrides):
     return cfg, prep, prepare_compressed(prep, cfg)
 
 
+@pytest.mark.slow
 def test_weak_model_fuses_the_frozen_layers_by_the_chosen_rule():
     """Frozen compressed layers of W_g: coverage keeps diag(S[:R]); average scales coordinate k by
     the data share of the groups holding it (nestfed.methods.fedslm.strategy)."""

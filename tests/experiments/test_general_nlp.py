@@ -57,6 +57,7 @@ def _fake_run(root: Path, method: str, base: Path, adapter: Path) -> Path:
     return run
 
 
+@pytest.mark.slow
 def test_nestfed_eval_prints_the_table_and_reuses_scores(tmp_path, cli):
     base, adapter = save_tiny(tmp_path)
     mmlu = write_mmlu(tmp_path / "mmlu", n=1)
@@ -125,6 +126,7 @@ def test_the_score_cache_keys_on_contents_not_paths(tmp_path):
     assert key(*tree(tmp_path / "d", "A", b"w2")) != first  # other weights behind the same config.json
 
 
+@pytest.mark.slow
 def test_a_run_on_the_built_in_tiny_model_is_evaluated_from_its_written_out_directory(tmp_path, cli, monkeypatch):
     """The tiny random model has no directory: eval writes it out once (the run's model.seed)."""
     import torch

@@ -46,6 +46,7 @@ def _one_thread(one_thread):
     yield
 
 
+@pytest.mark.slow
 def test_a_run_writes_its_generations_and_scores(tmp_path):
     cfg = load_config(CONFIG, [*OVERRIDES, f"output.dir={tmp_path}"])
     s = run_method(prepare(cfg), cfg, tmp_path / "run")
@@ -70,6 +71,7 @@ def test_a_run_writes_its_generations_and_scores(tmp_path):
     assert (tmp_path / "run" / "generations" / "rank2.jsonl").is_file()
 
 
+@pytest.mark.slow
 def test_compare_shows_rouge_l_over_seeds(tmp_path):
     res = CliRunner().invoke(
         app,
@@ -98,6 +100,7 @@ FEDSLM = [
 ]
 
 
+@pytest.mark.slow
 def test_fedslm_clients_answer_with_their_compressed_models(tmp_path):
     """Each FedSLM client answers with its group's SVD-compressed model and trained cores: its
     answers are what that model generates one prompt at a time, the references' perplexity is that

@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from nestfed.nn.backbone import byte_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -22,6 +24,7 @@ CATEGORIES = [
 ]
 
 
+@pytest.mark.slow
 def test_paper_config_runs_with_its_files_in_place(cli, tmp_path):
     model_dir = tmp_path / "models" / "TinyLlama-1.1B"
     tok = byte_tokenizer()

@@ -145,6 +145,7 @@ def _has_amx() -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_the_pins_hold_under_avx2_kernels_on_an_avx512_machine():
     here = (platform.machine(), torch.backends.cpu.get_cpu_capability())
     if here != ("x86_64", "AVX512"):

@@ -3,6 +3,7 @@ alike): the attacker's training text changes, nobody else's, and no test split."
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from nestfed import methods
@@ -11,6 +12,7 @@ from nestfed.experiments.prepare import prepare
 TINY = Path(__file__).parents[2] / "configs" / "tiny.toml"
 
 
+@pytest.mark.slow
 def test_only_the_attackers_training_text_is_poisoned():
     clean = prepare(methods.load_config(TINY))
     poisoned = prepare(methods.load_config(TINY, ["attack.kind=shuffle", "attack.clients=[1]"]))

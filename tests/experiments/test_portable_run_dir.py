@@ -4,12 +4,15 @@ resolved (and as written), so resume, export and PEFT's own loader find the mode
 import json
 from pathlib import Path
 
+import pytest
+
 from nestfed.nn.backbone import byte_tokenizer, tiny_model
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 
 
+@pytest.mark.slow
 def test_a_run_with_relative_paths_resumes_exports_and_loads_from_another_folder(tmp_path, cli):
     import torch
     from peft import AutoPeftModelForCausalLM

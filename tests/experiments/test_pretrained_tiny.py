@@ -12,6 +12,7 @@ from nestfed.experiments.pretrained_tiny import ensure_pretrained, mqar_layout, 
 from nestfed.nn.backbone import byte_tokenizer, load_backbone
 
 
+@pytest.mark.slow
 def test_it_is_pretrained_once_and_then_loaded(tmp_path, one_thread):
     cfg = ModelConfig(name="tiny-llama-mqar", cache_dir=str(tmp_path))
     with pytest.raises(ConfigError, match="is pretrained once by nestfed.experiments.pretrained_tiny"):

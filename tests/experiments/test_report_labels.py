@@ -3,6 +3,8 @@ in which they differ, and pairs the seeds of one experiment as before."""
 
 from pathlib import Path
 
+import pytest
+
 from nestfed.experiments.report import differing_fields
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -21,8 +23,14 @@ def test_runs_sharing_a_label_are_told_apart_by_the_fields_that_differ():
     assert differing_fields(cfgs, labels) == [["train.lr=0.001"], ["train.lr=0.0003"], ["train.lr=0.001"], [], []]
     # seeds, names, threads alone do not make runs different experiments
     assert differing_fields([cfg(1e-3, 0, "a"), cfg(1e-3, 1, "b")], ["prelort"] * 2) == [[], []]
+    # a section one run records and another (made before the section existed) does not is no difference
+    newer = {**cfg(1e-3, 0, "b"), "model": {"quantization": "nf4"}, "fedsvd": {"period": 1}}
+    older = {**cfg(1e-3, 0, "a"), "model": {"quantization": "none"}}
+    expected = [["model.quantization=none"], ["model.quantization=nf4"]]
+    assert differing_fields([older, newer], ["zeropad"] * 2) == expected
 
 
+@pytest.mark.slow
 def test_compare_accepts_a_sweep_and_labels_it(tmp_path, cli):
     sets = [f"output.dir={tmp_path / 'runs'}", "federation.rounds=1", "data.num_clients=2", "lora.ranks=[2,4]"]
     sets.append("output.plots=false")

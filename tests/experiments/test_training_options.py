@@ -31,6 +31,7 @@ def run_args(runs: Path, name: str, *extra: str) -> list[str]:
     return ["run", str(TINY), *[x for s in sets for x in ("--set", s)], *extra]
 
 
+@pytest.mark.slow
 def test_dropout_and_a_federation_schedule_resume_exactly(tmp_path, cli):
     runs = tmp_path / "runs"
     for name, extra in (("full", OPTIONS), ("cut", OPTIONS), ("plain", [])):

@@ -129,6 +129,7 @@ def test_one_hostile_client_of_three_leaves_every_lora_method_within_five_percen
     assert abs(_final_ppl(tmp_path / "hostile") / clean - 1) < 0.05
 
 
+@pytest.mark.slow
 def test_no_honest_reply_of_the_tiny_federation_is_screened_out(tmp_path):
     for name in LORA:
         tiny_run(tmp_path / name, _config(name, "federation.rounds=3"))

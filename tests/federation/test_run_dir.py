@@ -69,6 +69,7 @@ def inject(monkeypatch, at: int, seen: list):
     monkeypatch.setattr(atomic, "write_dir", write_dir)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_a_failure_at_every_write_point_resumes_to_the_same_final_state(tmp_path, monkeypatch, case):
     cfg = tiny_config(*CASES[case], "federation.rounds=2", "output.plots=true")
@@ -217,6 +218,7 @@ def test_a_run_in_which_no_round_aggregated_exports_no_adapter(tmp_path):
         )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["fedslm", "fedmkt"])
 def test_compressed_methods_resume_exactly_after_a_crash_in_a_later_round(tmp_path, monkeypatch, method):
     """FedMKT's clients keep their own models (their kept state, checkpointed with each round) and

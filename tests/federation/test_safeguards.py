@@ -58,6 +58,7 @@ def test_hetlora_1e19_is_rejected_and_the_global_stays_finite():
     assert all(torch.isfinite(v).all() for v in new.arrays.values()) and facts["update_norm"] > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["hetlora", "fedavg", "zeropad", "prelort"])
 def test_a_huge_reply_in_round_1_is_rejected_and_the_run_goes_on(tmp_path, method):
     ranks = "lora.ranks=[4,4,4]" if method in ("fedavg", "hetlora") else "lora.ranks=[2,4,8]"
@@ -70,6 +71,7 @@ def test_a_huge_reply_in_round_1_is_rejected_and_the_run_goes_on(tmp_path, metho
     assert all(torch.isfinite(v).all() for v in state.arrays.values())
 
 
+@pytest.mark.slow
 def test_with_a_norm_bound_1e6_never_reaches_the_global_model(tmp_path):
     cfg = tiny_config("validation.max_update_norm=1.0", "validation.on_norm=clip")
     state, _, _ = tiny_run(tmp_path, cfg, wrap=poison_round_1(1e6))
@@ -104,6 +106,7 @@ def test_inflated_num_examples_is_refused_or_capped():
     assert out.num_examples == 16 and facts["num_examples_capped_from"] == 10**9
 
 
+@pytest.mark.slow
 def test_inflated_num_examples_in_a_run_is_rejected(tmp_path):
     def liar(trainer):
         real = trainer.fit
@@ -136,6 +139,7 @@ def test_a_wrong_dtype_is_rejected(tmp_path):
     assert "dtype float64, but float32 was sent" in lines(tmp_path)[1]["rejected"]["0"]
 
 
+@pytest.mark.slow
 def test_a_non_finite_aggregate_is_never_the_new_global_state(tmp_path):
     cfg = tiny_config("federation.rounds=2")
     from nestfed import methods
@@ -177,6 +181,7 @@ def analytic_gaussian_epsilon(sigma: float, delta: float) -> float:
     return brentq(gap, 1e-6, 100)
 
 
+@pytest.mark.slow
 def test_epsilon_comes_from_the_accountant_and_matches_the_analytic_gaussian():
     # 4 rounds of z = 2 without subsampling compose to one Gaussian of sigma 2 / sqrt(4) = 1
     central = PrivacyConfig(mode="central", clip_norm=1.0, noise_multiplier=2.0, delta=1e-5)
@@ -190,6 +195,7 @@ def test_epsilon_comes_from_the_accountant_and_matches_the_analytic_gaussian():
     assert epsilon(central, 4, 1.0) <= epsilon(rdp, 4, 1.0) < 1.5 * epsilon(central, 4, 1.0)
 
 
+@pytest.mark.slow
 def test_a_dp_run_writes_epsilon_per_round(tmp_path):
     cfg = tiny_config("privacy.mode=central", "privacy.clip_norm=0.5", "privacy.noise_multiplier=1.0")
     tiny_run(tmp_path, cfg)
@@ -212,6 +218,7 @@ def test_local_dp_clips_and_noises_on_the_client(tmp_path):
     assert ln["privacy"]["mode"] == "local" and ln["privacy"]["epsilon"] is None  # no noise: infinite epsilon
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "trust",
     [

@@ -77,6 +77,7 @@ def test_scalars_flattens_a_line_by_hand():
     }
 
 
+@pytest.mark.slow
 def test_both_sinks_hold_what_metrics_jsonl_holds(tmp_path):
     cfg = tracked(tmp_path)
     tiny_run(tmp_path / "run", cfg)
@@ -93,6 +94,7 @@ def test_both_sinks_hold_what_metrics_jsonl_holds(tmp_path):
     assert client.get_experiment(run.info.experiment_id).name == "t"
 
 
+@pytest.mark.slow
 def test_a_crash_and_resume_leaves_every_round_once(tmp_path):
     """Killed in round 2 (rounds 0 and 1 committed and tracked), resumed: each sink holds each
     round exactly once, the values of the resumed metrics.jsonl."""
@@ -109,6 +111,7 @@ def test_a_crash_and_resume_leaves_every_round_once(tmp_path):
     assert tensorboard_values(tmp_path / "run") == expected(tmp_path / "run", as_float32=True)
 
 
+@pytest.mark.slow
 def test_a_sink_added_on_resume_is_caught_up(tmp_path):
     cfg = tiny_config("strategy.name=prelort", f"output.dir={tmp_path}")
     with pytest.raises(Interrupt):
@@ -132,6 +135,7 @@ class Failing:
         pass
 
 
+@pytest.mark.slow
 def test_a_failing_sink_is_dropped_with_a_warning_and_the_run_goes_on(tmp_path, monkeypatch):
     real = tracking.sinks
     monkeypatch.setattr(tracking, "sinks", lambda *a: real(*a) + [Failing()])

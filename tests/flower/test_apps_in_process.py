@@ -48,6 +48,7 @@ def state_of(run_dir, rnd):
     return RunDir(run_dir).load_checkpoint(run_dir / "checkpoints" / f"round_{rnd:03d}.safetensors").state
 
 
+@pytest.mark.slow
 def test_same_final_adapter_and_evaluation_as_the_embedded_runner(tmp_path, keep_threads):
     emb = embedded_run(tmp_path / "embedded")
     grid = LocalGrid(CA.app, NODES)
@@ -215,6 +216,7 @@ def nodes_with_state(root):
     return {n: {**cfg, "client-state": str(root / f"node-{n}")} for n, cfg in NODES.items()}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name,extra", [("fednl", ("fednl.travel=rules",)), ("fednl", ()), ("fedala", ())])
 def test_client_state_survives_fresh_processes_on_the_nodes_disk(tmp_path, keep_threads, name, extra):
     """FedNL rules-only (each client's own LoRA) and FedALA (its weights and local model) keep
@@ -274,6 +276,7 @@ def test_client_state_survives_fresh_processes_on_the_nodes_disk(tmp_path, keep_
     assert lost[2]["eval"] != em[2]["eval"]
 
 
+@pytest.mark.slow
 def test_a_stateful_method_resumes_on_flower_from_the_nodes_state(tmp_path, keep_threads):
     """FedALA crashed after round 1 (the ServerApp gone, the nodes' processes too) resumes from its
     checkpoint and each node's state of round 1, to the embedded runner's adapter bit for bit;

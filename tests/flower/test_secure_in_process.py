@@ -70,6 +70,7 @@ def assert_within_bound(run_dir, missing=frozenset()):
     return worst, eps
 
 
+@pytest.mark.slow
 def test_secure_round_equals_the_plain_aggregate_within_the_quantisation_error(tmp_path, keep_threads):
     run_dir = tmp_path / "secure"
     run_on_grid(LocalGrid(CA.app, NODES), run_config(run_dir))
@@ -83,6 +84,7 @@ def test_secure_round_equals_the_plain_aggregate_within_the_quantisation_error(t
     assert worst > 0 and eps < 1e-5  # quantised, not exact: the sum really went through SecAgg+
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "stage,mode",
     [

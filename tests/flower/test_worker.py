@@ -39,6 +39,7 @@ def _worker_pids(folder: Path) -> set[int]:
     return {int(x) for x in out.stdout.split()}
 
 
+@pytest.mark.slow
 def test_forwarded_messages_give_the_embedded_runners_adapter_and_state(tmp_path, worker_dir, keep_threads):
     over = OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]", 'lora.target_modules=["q_proj","v_proj"]')
     emb = embedded_run(tmp_path / "embedded", over)
@@ -70,11 +71,13 @@ def _bad_query(node_id: int) -> tuple[Message, Context]:
     return msg, ctx
 
 
+@pytest.mark.slow
 def test_a_failing_client_is_reported_with_its_error(worker_dir):
     with pytest.raises(RuntimeError, match="ConfigError: node config: partition-id = 7"):
         NF.forward(*_bad_query(201))
 
 
+@pytest.mark.slow
 def test_the_forwarder_process_stays_light():
     code = (
         "import sys, nestfed.flower.node_forwarder; "
@@ -106,6 +109,7 @@ def test_a_worker_that_cannot_start_is_reported_with_its_log(tmp_path, monkeypat
         shutil.rmtree(d, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_a_worker_that_leaves_as_the_forwarder_connects_is_replaced_once(worker_dir, monkeypatch):
     """The first connection is closed by its peer before any answer (a worker leaving on its idle
     time); the forwarder connects again, to a fresh worker, which answers (here with the client's

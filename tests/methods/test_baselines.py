@@ -39,6 +39,7 @@ def built(name, *options):
     return methods.get(name).build(tiny_prepared(cfg), cfg)
 
 
+@pytest.mark.slow
 def test_off_switches_reduce_to_fedavg_exactly(tmp_path):
     ref, _, _ = tiny_run(tmp_path / "avg", cfg_of("fedavg"))
     prox_state, _, _ = tiny_run(tmp_path / "prox", cfg_of("fedprox", "fedprox.mu=0.0"))

@@ -117,6 +117,7 @@ class AskingTransport(InProcessTransport):
     asks = {C.FLOWER: "strategy.name", C.SECURE_AGGREGATION: "run config: secure-aggregation"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "caps,transport,extra,needle",
     [
@@ -162,6 +163,7 @@ def test_every_refusal_names_what_and_why():
 # -- what each declared capability means ---------------------------------------------------------
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", declaring(C.ROBUST_AGGREGATION))
 def test_the_mean_block_rule_is_the_methods_own_aggregate(name):
     st, state, _, replies = one_round(name, C.ROBUST_AGGREGATION)
@@ -195,6 +197,7 @@ def test_the_secure_rebuild_is_the_methods_own_aggregate(name):
         assert float((noisy.arrays[k] - own.arrays[k]).abs().max()) <= bound, k
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", declaring(C.SERVER_OPTIMIZER))
 def test_the_server_optimisers_identity_step_is_the_methods_own_aggregate(name):
     st, state, _, replies = one_round(name, C.SERVER_OPTIMIZER)
@@ -220,6 +223,7 @@ def same_tree(a, b) -> bool:
     return a == b
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", declaring(C.RESUME))
 def test_a_resumed_run_is_the_uninterrupted_run(tmp_path, name, one_thread):
     full, resumed = crash_and_resume(tmp_path, config(name))

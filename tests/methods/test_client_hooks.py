@@ -43,6 +43,7 @@ def ctx_for(model, config=None):
     return FitContext(0, dict(config or {}), {}, model, ClientData(ids, ids.clone(), ids, ids.clone()), TrainConfig())
 
 
+@pytest.mark.slow
 def test_nested_objective_is_the_mean_of_the_subrank_losses_and_gradients(model):
     ids = torch.randint(0, 258, (2, 12))
     batch = Batch(ids.clone(), input_ids=ids)

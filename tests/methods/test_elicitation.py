@@ -64,6 +64,7 @@ def _setup(tiny_llama):
     return model, weak, params, CachedText(ids)
 
 
+@pytest.mark.slow
 def test_pure_imitation_moves_the_student_towards_the_weak_model(tiny_llama):
     model, weak, params, text = _setup(tiny_llama)
     idx = torch.arange(6)
@@ -76,6 +77,7 @@ def test_pure_imitation_moves_the_student_towards_the_weak_model(tiny_llama):
     assert info["steps"] == 8 and not any(p.requires_grad for p in params)
 
 
+@pytest.mark.slow
 def test_self_anchoring_sharpens_the_students_own_predictions(tiny_llama):
     model, weak, params, text = _setup(tiny_llama)
     idx = torch.arange(6)

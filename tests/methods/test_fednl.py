@@ -52,6 +52,7 @@ def run(tmp, rounds=2, travel="all", resume=False, wrap=None, gate="learned"):
     return state, mr.trainer, mr.strategy
 
 
+@pytest.mark.slow
 def test_what_travels_in_each_mode_and_its_bytes(tmp_path):
     s_all, _, _ = run(tmp_path / "all", travel="all")
     s_rules, trainer, _ = run(tmp_path / "rules", travel="rules")
@@ -91,6 +92,7 @@ def test_aggregation_is_fedavg_of_theta_by_examples():
     assert set(replies[0].arrays) == set(ins[0].arrays)  # everything sent trains and comes back
 
 
+@pytest.mark.slow
 def test_kept_lora_makes_a_resumed_run_exact(tmp_path):
     full, t_full, _ = run(tmp_path / "full", rounds=3, travel="rules")
 
@@ -169,6 +171,7 @@ def test_fednl_refuses_a_model_without_memory_and_bad_options():
         methods.get("fednl").check_model(tiny_prepared(cfg), cfg)
 
 
+@pytest.mark.slow
 def test_travel_none_is_local_only_training_with_no_aggregation_drop(tmp_path):
     """``travel = "none"``: the server's rules never move, each client trains and keeps its own
     rules and LoRA, and evaluating the federated model is evaluating the client's own model (the
@@ -294,6 +297,7 @@ def test_window_dropout_draws_per_step_and_never_reaches_evaluation():
     assert 0.2 < float(per_head.mean()) < 0.3 and float(per_head.std(0).min()) > 0  # heads drawn apart
 
 
+@pytest.mark.slow
 def test_fednl_runs_federated_mqar_through_the_recipe(tmp_path):
     """configs/fednl/mqar.toml's source and FedNL on a tiny model: each client is scored on its own
     and on the held-out vocabulary, per queried value, and the gates moved off their start."""

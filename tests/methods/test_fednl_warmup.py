@@ -20,6 +20,7 @@ def _one_thread(one_thread):
     yield
 
 
+@pytest.mark.slow
 def test_attention_transfer_fits_the_memory_to_full_attention():
     """On a tiny model whose every layer sees 4 tokens, 60 steps take each layer's relative error
     against full attention below what the window alone gives (what lies past the window is read
@@ -59,6 +60,7 @@ def warm_cfg(tmp_path, *extra):
     )
 
 
+@pytest.mark.slow
 def test_the_federation_starts_from_the_warmed_rules_and_the_cache_is_found(tmp_path):
     cfg = warm_cfg(tmp_path)
     cold = warm_cfg(tmp_path, "fednl.warmup_steps=0")

@@ -118,12 +118,14 @@ def test_unknown_options_name_the_field():
         tiny_config("strategy.name=prelort", "prelort.aggregation=median")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("objective", ["sampled", "full_rank"])
 def test_variants_resume_exactly(tmp_path, objective):
     full, resumed = crash_and_resume(tmp_path, tiny_config("strategy.name=prelort", f"prelort.objective={objective}"))
     assert same_arrays(full.arrays, resumed.arrays)
 
 
+@pytest.mark.slow
 def test_sampled_objective_trains_one_pass_per_step(tmp_path):
     """Under the sampled objective a rank-8 client's step is one forward at the drawn sub-rank; the
     run differs from the nested one (different gradients) and lowers the training loss."""
@@ -136,6 +138,7 @@ def test_sampled_objective_trains_one_pass_per_step(tmp_path):
     assert s[-1]["eval"]["2"]["loss"] < s[0]["eval"]["2"]["loss"]
 
 
+@pytest.mark.slow
 def test_local_only_clients_keep_their_own_adapters(tmp_path):
     cfg = tiny_config("strategy.name=local_only")
     state, loop, mr = tiny_run(tmp_path / "run", cfg)
@@ -158,6 +161,7 @@ def test_local_only_clients_keep_their_own_adapters(tmp_path):
     assert first_loss[-1] < first_loss[0]
 
 
+@pytest.mark.slow
 def test_local_only_resumes_exactly_and_refuses_robust_rules(tmp_path):
     crash_and_resume(tmp_path, tiny_config("strategy.name=local_only"))
     # the server state never moves: what must survive the crash is each client's own adapter,
@@ -295,6 +299,7 @@ def test_min_holders_caps_what_clients_deploy_and_what_is_exported(scaling):
     )
 
 
+@pytest.mark.slow
 def test_min_holders_run_ends_where_the_stored_curve_says(tmp_path):
     """A real run with min_holders = 2 on the tiny federation (ranks 2/4/8: [4, 8) has one holder)
     ends at the same global adapter as the plain run, and each client's final perplexity is the
@@ -376,6 +381,7 @@ def test_equal_validation_losses_keep_the_clients_own_rank():
     assert hooks.after_load(ctx, {})["deploy_rank"] == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("scaling", ["fixed", "rank"])
 def test_a_validated_run_deploys_and_exports_each_clients_chosen_prefix(tmp_path, scaling, monkeypatch):
     """A real run: each client's final evaluation is the global adapter cut to the rank it chose
@@ -432,6 +438,7 @@ def test_bad_deploy_rank_options_name_the_key():
         tiny_config("strategy.name=prelort", "prelort.validation_rows=0")
 
 
+@pytest.mark.slow
 def test_a_validated_run_resumes_exactly_with_each_clients_choice(tmp_path):
     """A crash mid-run resumes to the uninterrupted run's adapter, and each client's kept choice
     (its checkpointed state) is the uninterrupted run's."""

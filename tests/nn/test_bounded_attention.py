@@ -31,6 +31,7 @@ def test_a_window_wider_than_the_rows_is_the_backbone(ids):
     torch.testing.assert_close(logits(wide, ids), logits(plain, ids), rtol=0, atol=0)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sinks", [0, 2])
 def test_a_token_further_back_than_every_layers_window_changes_nothing_but_a_sink(ids, sinks):
     """Two layers of window W see back at most 2 (W - 1) tokens: a token further back than that

@@ -40,6 +40,7 @@ def test_the_footprint_counts_weights_parameters_and_a_linear_saved_activation(m
     assert smaller.saved_at_1 < fp.saved_at_1 and smaller.weights == fp.weights
 
 
+@pytest.mark.slow
 def test_memory_budgets_become_ranks_through_the_footprint(keep_threads, monkeypatch, tmp_path):
     """prepare measures the footprint and gives each client the largest rank its budget holds:
     with bytes(r) = 99 MiB + 2 r MiB, a 104 MiB budget holds rank 2 and 115 MiB rank 4 (of 1, 2, 4, 8)."""

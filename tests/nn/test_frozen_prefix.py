@@ -1,3 +1,4 @@
+import pytest
 import torch
 from torch.nn import functional as F
 
@@ -14,6 +15,7 @@ from nestfed.nn.frozen_prefix import (
 from nestfed.nn.lora import get_adapter_state, inject_lora, set_adapter_state
 
 
+@pytest.mark.slow
 def test_split_forward_equals_full_model(tiny):
     m = tiny.model
     inject_lora(m, ("q_proj", "v_proj"), rank=4, scaling=1.0, layers=(1,))
@@ -36,6 +38,7 @@ def test_causal_lm_loss_matches_hf_and_ignores_masked(tiny_llama):
     torch.testing.assert_close(causal_lm_loss(out.logits, labels), out.loss, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_labelled_logits_equal_full_head_on_labelled_positions_and_same_loss_and_grads(tiny_llama):
     m = tiny_llama.model
     inject_lora(m, ("q_proj", "v_proj"), rank=4, scaling=1.0)

@@ -52,6 +52,7 @@ def maskless_logits(model, ids):
     return model.lm_head(inner.norm(h))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "build",
     [lambda: qwen2_sliding("sdpa"), lambda: qwen2_sliding("eager"), lambda: llama("eager")],

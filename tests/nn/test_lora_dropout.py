@@ -50,6 +50,7 @@ def test_a_training_pass_drops_the_lora_inputs_as_dropout_does():
     torch.testing.assert_close(got, want)
 
 
+@pytest.mark.slow
 def test_a_run_with_lora_dropout_is_reproducible_and_its_adapter_records_it(tmp_path, cli):
     tiny = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"
     sets = ["federation.rounds=1", "data.num_clients=2", "lora.ranks=[2,4]"]
@@ -63,6 +64,7 @@ def test_a_run_with_lora_dropout_is_reproducible_and_its_adapter_records_it(tmp_
     assert json.loads((a / "adapter_config.json").read_text())["lora_dropout"] == pytest.approx(0.1)
 
 
+@pytest.mark.slow
 def test_a_whole_model_computes_what_peft_computes_with_dropout():
     """Our injected model and PEFT's with the same LoRA weights and lora_dropout: equal logits in
     evaluation, and in training from equal random draws (the same masks on the same inputs)."""

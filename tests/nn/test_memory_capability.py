@@ -83,6 +83,7 @@ def test_the_window_alone_cannot_see_the_pairs(task):
     assert not torch.equal(a, b)  # the pairs' own positions do change
 
 
+@pytest.mark.slow
 def test_a_memory_trained_from_scratch_recalls_past_the_window(task):
     """The whole tiny model with a memory on both layers, trained from scratch for 400 steps of 32
     rows (backbone at 3e-3, the rules in their own group at 1e-1): >= 90% of the queries (this
@@ -101,6 +102,7 @@ def test_a_memory_trained_from_scratch_recalls_past_the_window(task):
         assert recall_accuracy(model, task, 256, seed=1) <= 2 * CHANCE
 
 
+@pytest.mark.slow
 def test_lora_and_memory_on_a_frozen_backbone_reach_full_attention(task):
     """A backbone pretrained with full attention (400 steps: 53% recall), frozen; under the window
     it is at chance. LoRA r = 8 on q, k, v and the default memory, trained 150 steps (LoRA at 3e-3,

@@ -73,6 +73,7 @@ def test_bf16_frozen_weights_float32_adapters():
         assert torch.equal(lm_logits(half, ids), b)
 
 
+@pytest.mark.slow
 def test_bf16_policy_trains_float32_parameters():
     _, half = _pair()
     params = [p for m in lora_modules(half).values() for p in (m.lora_A.weight, m.lora_B.weight)]

@@ -153,6 +153,7 @@ def dequantized(model):
     return dense
 
 
+@pytest.mark.slow
 def test_nf4_layers_compute_their_dequantised_weights_forward_and_backward_after_an_evaluation():
     """An evaluation first (eval mode, no gradients: what makes bitsandbytes 0.50 repack nf4 for a
     bfloat16 inference kernel without a backward on AVX512-BF16 CPUs), then a training pass: the

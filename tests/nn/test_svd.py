@@ -62,6 +62,7 @@ def test_default_target_is_every_attention_and_mlp_projection(tiny):
         target_linear_names(tiny.model, r"(unclosed")
 
 
+@pytest.mark.slow
 def test_bases_are_nested_prefixes_across_ratios(tiny_llama):
     model = tiny_llama.model
     bases = compute_bases(model, [0.3, 0.5, 0.7])

@@ -75,6 +75,7 @@ def test_truncated_whitened_svd_minimises_the_output_error_on_the_calibration_ac
         assert ((W - truncated(damped, r)) @ X.T).norm() < ((W - truncated(plain, r)) @ X.T).norm()
 
 
+@pytest.mark.slow
 def test_whitened_truncation_beats_plain_svd_on_a_tiny_models_own_activations(tiny_llama):
     """Every layer of the tiny Llama at rho = 0.3, the activations recorded independently of
     second_moments (forward hooks on the Linear modules, the full model's forward)."""

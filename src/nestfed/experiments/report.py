@@ -154,14 +154,17 @@ def differing_fields(cfgs: list[dict[str, Any]], labels: list[str]) -> list[list
     """For each run, ``key=value`` of every config field in which runs sharing its label (and no
     ``output.label``) differ, beyond :data:`SAME_EXPERIMENT`: two PreLort runs differing only in
     ``train.lr`` become ``prelort train.lr=0.001`` and ``prelort train.lr=0.0003``. ``[]`` for a
-    run whose label already tells it apart."""
+    run whose label already tells it apart. Only fields every such run records count (a run made
+    before a section existed does not record it)."""
     flat = [
         {f"{sec}.{k}": v for sec, table in c.items() if isinstance(table, dict) for k, v in table.items()} for c in cfgs
     ]
     out: list[list[str]] = [[] for _ in cfgs]
     for label in dict.fromkeys(labels):
         idx = [i for i, lab in enumerate(labels) if lab == label and not cfgs[i].get("output", {}).get("label")]
-        keys = sorted({k for i in idx for k in flat[i]})
+        # fields every run records: a run written before a section existed lacks it, which says
+        # nothing of a difference (the section was at its default then)
+        keys = sorted(set.intersection(*(set(flat[i]) for i in idx))) if idx else []
         varying = [
             k for k in keys if not k.startswith(SAME_EXPERIMENT) and len({json.dumps(flat[i].get(k)) for i in idx}) > 1
         ]

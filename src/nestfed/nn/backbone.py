@@ -26,7 +26,7 @@ from nestfed.io import atomic
 from nestfed.nn.bounded_attention import install_bounded_attention
 from nestfed.nn.layer_inputs import check_architecture
 from nestfed.nn.placement import resolve_device, resolve_dtype
-from nestfed.nn.quantization import quantize_linears
+from nestfed.nn.quantization import quantize_linears, release_checkpoint
 
 SMOLLM2 = "smollm2-135m"
 GEMMA3 = "gemma3-270m"
@@ -386,7 +386,8 @@ def pretrained_tiny_dir(cfg: ModelConfig) -> Path:
 def _quantized(model: nn.Module, cfg: ModelConfig, device: torch.device) -> nn.Module:
     """The model with its linear layers held as ``model.quantization`` says (nestfed.nn.quantization;
     unchanged for ``none``)."""
-    quantize_linears(model, cfg.quantization, resolve_dtype(cfg.compute_dtype, device), cfg.double_quant)
+    if quantize_linears(model, cfg.quantization, resolve_dtype(cfg.compute_dtype, device), cfg.double_quant):
+        release_checkpoint(model)
     return model
 
 

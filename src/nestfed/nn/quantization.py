@@ -132,6 +132,17 @@ def quantize_linears(
     return names
 
 
+def release_checkpoint(model: nn.Module) -> None:
+    """Give the float parameters and buffers left after quantisation (embeddings, norms) storage of
+    their own. transformers maps a safetensors checkpoint into memory, and one tensor still viewing
+    the mapping keeps every page quantisation read resident: the dense weights would stay in the
+    process's memory beside their packed copies."""
+    with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            if t.dtype.is_floating_point:
+                t.data = t.data.clone()
+
+
 def _state_tensors(layer: nn.Module) -> Iterator[torch.Tensor]:
     """The tensors a quantised layer keeps beside its weight: nf4's quantisation state (absmax,
     code book, and the nested state of double quantisation), int8's row scales."""
