@@ -130,3 +130,27 @@ def test_a_worker_that_leaves_as_the_forwarder_connects_is_replaced_once(worker_
     with pytest.raises(RuntimeError, match="ConfigError: node config: partition-id = 7"):
         NF.forward(*_bad_query(202))
     assert calls == [202, 202]
+
+
+def test_an_idle_worker_leaves_and_removes_its_socket_and_a_replaced_one_leaves_it(tmp_path):
+    """nestfed.flower.worker.serve in this process: with no message for idle_s it returns and removes
+    its socket; when another worker has replaced the socket file it returns and leaves that one."""
+    import socket
+    import threading
+
+    from nestfed.flower.worker import serve
+
+    path = tmp_path / "w" / "node.sock"
+    t0 = time.monotonic()
+    serve(path, idle_s=0.2)
+    assert not path.exists() and time.monotonic() - t0 < 5.0
+    t = threading.Thread(target=serve, args=(path, 30.0))
+    t.start()
+    while not path.exists():
+        time.sleep(0.01)
+    other = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    other.bind(str(path.with_name("other.sock")))
+    os.replace(path.with_name("other.sock"), path)  # another worker took the path over
+    t.join(timeout=5.0)
+    assert not t.is_alive() and path.exists()  # it left within its 1 s poll, and left the other's socket
+    other.close()
