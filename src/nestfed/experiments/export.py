@@ -65,6 +65,30 @@ def _base_model(rd: RunDir, cfg) -> str:
     return load_backbone(cfg.model).source
 
 
+def _client_adapter(run_dir, method, cfg, ck, strategy, ranks: dict[int, int], client: int, rank: int | None):
+    """(arrays, scale, rank) of the adapter client ``client`` runs (its deployed arrays through its
+    hooks' evaluation view), for :func:`export_adapter`. Raises NestfedError as it documents."""
+    if client not in ranks:
+        raise NestfedError(f"--client {client}: {run_dir} has clients {', '.join(map(str, sorted(ranks)))}")
+    hooks = method.client_hooks(cfg)
+    if hooks is None:
+        raise NestfedError(f"--client: {method.name}'s clients do not run the LoRA client trainer")
+    arrays, scale = strategy.deploy(ck.state, client)
+    kept = (ck.client_state or {}).get(client, {})
+    arrays = hooks.evaluation_arrays(kept, arrays)
+    # below r_k where the method caps it (PreLort's min_holders) or the client chose less (deploy_rank)
+    deployed = adapter_rank(arrays) or ranks[client]
+    if rank is not None and rank != deployed:
+        raise NestfedError(f"--rank {rank}: client {client} runs rank {deployed} (give that rank or leave --rank out)")
+    files = strategy.export_files(ck.state)
+    if files:
+        raise NestfedError(
+            f"--client: {method.name}'s clients also run {', '.join(sorted(files))}, which a "
+            "PEFT LoRA adapter cannot hold"
+        )
+    return arrays, scale, deployed
+
+
 def export_adapter(
     run_dir: str | Path, rank: int | None = None, client: int | None = None, out: str | Path | None = None
 ) -> tuple[Path, dict]:
@@ -97,27 +121,7 @@ def export_adapter(
     settings = lora_settings(cfg)
     ranks = {int(c): int(r) for c, r in ck.state.meta.get("ranks", {}).items()}
     if client is not None:
-        if client not in ranks:
-            raise NestfedError(f"--client {client}: {run_dir} has clients {', '.join(map(str, sorted(ranks)))}")
-        hooks = method.client_hooks(cfg)
-        if hooks is None:
-            raise NestfedError(f"--client: {method.name}'s clients do not run the LoRA client trainer")
-        arrays, scale = strategy.deploy(ck.state, client)
-        kept = (ck.client_state or {}).get(client, {})
-        arrays = hooks.evaluation_arrays(kept, arrays)
-        # below r_k where the method caps it (PreLort's min_holders) or the client chose less (deploy_rank)
-        deployed = adapter_rank(arrays) or ranks[client]
-        if rank is not None and rank != deployed:
-            raise NestfedError(
-                f"--rank {rank}: client {client} runs rank {deployed} (give that rank or leave --rank out)"
-            )
-        files = strategy.export_files(ck.state)
-        if files:
-            raise NestfedError(
-                f"--client: {method.name}'s clients also run {', '.join(sorted(files))}, which a "
-                "PEFT LoRA adapter cannot hold"
-            )
-        r = deployed
+        arrays, scale, r = _client_adapter(run_dir, method, cfg, ck, strategy, ranks, client, rank)
     else:
         arrays, scale = strategy.export(ck.state)
         reason = skip_reason(cfg, arrays, strategy.export_files(ck.state))
