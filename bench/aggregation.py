@@ -1,8 +1,8 @@
 """Server aggregation time for 100 clients over SmolLM2-135M's q, k, v, o shapes, for every rule.
 
 Prints one JSON object. Shapes (30 layers): q, o [576, 576]; k, v [192, 576] (3 KV heads x 64).
-Two settings: every client at rank 16 (all six rules), and heterogeneous ranks 2/4/8/16 cycling
-over the clients (the four heterogeneous rules). Client updates are random tensors: aggregation
+Two settings: every client at rank 16 (every rule of :data:`EQUAL`), and heterogeneous ranks
+2/4/8/16 cycling over the clients (the rules of :data:`HETEROGENEOUS`). Client updates are random tensors: aggregation
 cost does not depend on their values. Times are the median of ``--repeats`` runs, in seconds.
 
     python bench/aggregation.py [--clients 100] [--rank 16] [--layers 30] [--repeats 3]
@@ -68,6 +68,25 @@ def bench(name: str, ranks: list[int], layers: int, repeats: int) -> dict:
     return {"seconds": statistics.median(times), "all_seconds": times, "uplink_params_total": params}
 
 
+#: the rules timed with every client at one rank, and those that take ranks 2/4/8/16 (Fed-SB takes
+#: one rank; RAVAN's heads of rank 4 leave out a client of rank 2)
+EQUAL = (
+    "fedavg",
+    "zeropad",
+    "hetlora",
+    "prelort",
+    "ffa_lora",
+    "flora",
+    "flexlora",
+    "fedex_lora",
+    "fedsvd",
+    "lora_fair",
+    "fed_sb",
+    "ravan",
+)
+HETEROGENEOUS = ("zeropad", "hetlora", "prelort", "flora", "flexlora", "fedex_lora", "fedsvd", "lora_fair")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--clients", type=int, default=100)
@@ -88,9 +107,9 @@ def main() -> None:
         "equal_rank": {},
         "heterogeneous_ranks_2_4_8_16": {},
     }
-    for name in ("fedavg", "zeropad", "hetlora", "prelort", "ffa_lora", "flora"):
+    for name in EQUAL:
         result["equal_rank"][name] = bench(name, homogeneous, a.layers, a.repeats)
-    for name in ("zeropad", "hetlora", "prelort", "flora"):
+    for name in HETEROGENEOUS:
         result["heterogeneous_ranks_2_4_8_16"][name] = bench(name, heterogeneous, a.layers, a.repeats)
     print(json.dumps(result, indent=2))
 
