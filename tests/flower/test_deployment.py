@@ -22,7 +22,7 @@ from flower_helpers import APP_DIR, OVERRIDES, TINY, assert_same_adapter, expect
 from safetensors.torch import load_file  # noqa: E402
 
 from nestfed.federation.run_dir import RunDir  # noqa: E402
-from nestfed.testing.flower_deployment import LocalDeployment, make_node_key, make_tls  # noqa: E402
+from nestfed.testing.flower_deployment import LocalDeployment  # noqa: E402
 
 pytestmark = pytest.mark.flower
 
@@ -109,44 +109,6 @@ def test_a_supernode_killed_mid_run_is_dropped_and_nothing_is_corrupted(deployme
     assert not list((run_dir / "checkpoints").glob(".*"))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dropped_updates"] == 2 and nodes[0].popen.poll() is None
-
-
-def test_tls_and_supernode_authentication_admit_registered_nodes_only(tmp_path):
-    tls = make_tls(tmp_path / "certs")
-    good, good_pub = make_node_key(tmp_path / "keys", "registered")
-    bad, _ = make_node_key(tmp_path / "keys", "unregistered")
-    d = LocalDeployment(tmp_path / "flower", tls=tls, supernode_auth=True)
-    try:
-        d.start_superlink()  # HTTPS only: /health answered over TLS with our CA
-        node_id = int(d.register(good_pub)["node-id"])
-        joined = d.start_supernode({"partition-id": 0}, key=good, name="registered")
-        refused = d.start_supernode({"partition-id": 1}, key=bad, name="unregistered")
-        keyless = d.start_supernode({"partition-id": 2}, name="keyless")
-        deadline = time.monotonic() + 120
-        online = []
-        while time.monotonic() < deadline:
-            online = [int(n["node-id"]) for n in d.nodes() if n.get("status") == "online"]
-            if online and refused.popen.poll() is not None and keyless.popen.poll() is not None:
-                break
-            time.sleep(1)
-        assert online == [node_id], d.nodes()
-        assert joined.popen.poll() is None
-        for p in (refused, keyless):
-            assert p.popen.poll() not in (None, 0), p.tail()
-            assert "Failed to activate SuperNode" in p.log.read_text() or "305" in p.log.read_text(), p.tail()
-        assert "No SuperNode found with the given public key" in (d.root / "superlink.log").read_text()
-        # the registered node serves a nestfed run over TLS (one round, the other partitions absent)
-        run_dir = tmp_path / "run"
-        over = ";".join(OVERRIDES + ("federation.rounds=1", "federation.min_clients=1"))
-        finish(
-            d,
-            d.submit(APP_DIR, run_config(run_dir, overrides=over, **{"num-supernodes": 1, "connect-timeout-s": 30.0})),
-        )
-        line = metrics(run_dir)[1]
-        assert line["aggregated"] and line["clients"]["0"]["status"] == "accepted" and line["sampled"] == [0]
-        assert (run_dir / "adapter" / "adapter_model.safetensors").exists()
-    finally:
-        d.stop()
 
 
 def test_fednl_rules_only_keeps_each_clients_lora_across_fresh_processes(deployment, tmp_path):

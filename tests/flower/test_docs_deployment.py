@@ -10,7 +10,8 @@ launch blocks of step 5 run in the shell of step 3 (its ``export`` line first), 
 
 The smoke test (the main job at a tiny budget on SmolLM2: one round, five nodes over TLS with
 SuperNode authentication) finishes with the embedded runner's run directory; the main job's launch
-is accepted and ``flwr stop`` cancels it."""
+is accepted and ``flwr stop`` cancels it. Beside the five, step 4's command with a key that was
+never registered, and without a key, is refused (the SuperLink names the unknown key)."""
 
 import json
 import re
@@ -53,10 +54,12 @@ class Page:
         out = text.replace("superlink.example.org", "localhost").replace("9092", str(port))
         return out.replace("/srv/nestfed", str(work)).replace("/path/to", str(work))
 
-    def node(self, k: int) -> str:
-        assert self.supernode.startswith("K=0 ")
+    def node(self, k: int, key: str | None = "keys/node$K") -> str:
+        """Step 4 for client k: with its key as the page writes it, another key, or none (None)."""
+        assert self.supernode.startswith("K=0 ") and " --auth-supernode-private-key keys/node$K" in self.supernode
         with_port = self.supernode.replace("--node-config", f"--port {free_port()} --node-config")
-        return f"K={k}" + with_port[len("K=0") :]
+        auth = "" if key is None else f" --auth-supernode-private-key {key}"
+        return f"K={k}" + with_port[len("K=0") :].replace(" --auth-supernode-private-key keys/node$K", auth)
 
 
 def run_id(stdout: str) -> int:
@@ -111,6 +114,12 @@ def test_the_deployment_commands_of_docs_flower_run_as_written(tmp_path):
         run(page.register, work, env)
         for k in range(NODES):
             background(d, f"supernode-{k}", page.node(k), work, env)
+        # beside them, a node whose key was never registered and one with no key: both refused
+        run('ssh-keygen -q -t ecdsa -b 384 -N "" -f keys/stranger -C stranger', work, env)
+        refused = [
+            background(d, "unregistered", page.node(NODES, "keys/stranger"), work, env),
+            background(d, "keyless", page.node(NODES + 1, None), work, env),
+        ]
         smoke = run_id(run(page.smoke, work, env).stdout)
         follow = run(page.follow.replace("RUN_ID", str(smoke)), work, env, timeout=600).stdout
         assert '"finished:completed"' in follow, follow[-3000:]
@@ -122,7 +131,12 @@ def test_the_deployment_commands_of_docs_flower_run_as_written(tmp_path):
         while (status := d.run_status(main)["status"]) != "finished:stopped" and time.monotonic() < deadline:
             time.sleep(1)
         assert status == "finished:stopped"
-        assert all(p.popen.poll() is None for p in d.procs), [p.tail() for p in d.procs]  # all still serving
+        serving = [p for p in d.procs if p not in refused]
+        assert all(p.popen.poll() is None for p in serving), [p.tail() for p in serving]  # all still serving
+        for p in refused:
+            assert p.popen.poll() not in (None, 0), p.tail()
+            assert "Failed to activate SuperNode" in p.log.read_text() or "305" in p.log.read_text(), p.tail()
+        assert "No SuperNode found with the given public key" in (d.root / "superlink.log").read_text()
     finally:
         d.stop()
     lines = [json.loads(x) for x in (work / "runs" / "smoke" / "metrics.jsonl").read_text().splitlines()]
