@@ -12,8 +12,6 @@ Settings for every process: a private ``FLWR_HOME``, ``FLWR_TELEMETRY_ENABLED=0`
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import json
 import os
 import shutil
@@ -404,79 +402,3 @@ class LocalDeployment:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
-
-
-def make_tls(out: Path, hostnames: tuple[str, ...] = ("localhost",), ips: tuple[str, ...] = ("127.0.0.1",)) -> TLSFiles:
-    """A self-signed CA and a SuperLink certificate for ``hostnames``/``ips`` (ECDSA P-256), with ``cryptography``."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    out.mkdir(parents=True, exist_ok=True)
-    now = datetime.datetime.now(datetime.timezone.utc)
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "nestfed test CA")])
-    ca = (
-        x509.CertificateBuilder()
-        .subject_name(ca_name)
-        .issuer_name(ca_name)
-        .public_key(ca_key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .add_extension(
-            x509.KeyUsage(
-                digital_signature=True,
-                key_cert_sign=True,
-                crl_sign=True,
-                content_commitment=False,
-                key_encipherment=False,
-                data_encipherment=False,
-                key_agreement=False,
-                encipher_only=False,
-                decipher_only=False,
-            ),
-            critical=True,
-        )
-        .sign(ca_key, hashes.SHA256())
-    )
-    key = ec.generate_private_key(ec.SECP256R1())
-    sans = [x509.DNSName(h) for h in hostnames] + [x509.IPAddress(ipaddress.ip_address(i)) for i in ips]
-    cert = (
-        x509.CertificateBuilder()
-        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, hostnames[0])]))
-        .issuer_name(ca_name)
-        .public_key(key.public_key())
-        .serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(days=1))
-        .add_extension(x509.SubjectAlternativeName(sans), critical=False)
-        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
-        .add_extension(x509.ExtendedKeyUsage([x509.oid.ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
-        .sign(ca_key, hashes.SHA256())
-    )
-    files = TLSFiles(out / "ca.crt", out / "server.pem", out / "server.key")
-    files.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    files.server_cert.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    files.server_key.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    )
-    return files
-
-
-def make_node_key(out: Path, name: str) -> tuple[Path, Path]:
-    """An ECDSA (P-384) SuperNode key pair in OpenSSH format, as flwr loads them: (private, public)."""
-    from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    out.mkdir(parents=True, exist_ok=True)
-    key = ec.generate_private_key(ec.SECP384R1())
-    priv, pub = out / name, out / f"{name}.pub"
-    priv.write_bytes(
-        key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.OpenSSH, serialization.NoEncryption())
-    )
-    pub.write_bytes(key.public_key().public_bytes(serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH))
-    os.chmod(priv, 0o600)
-    return priv, pub
