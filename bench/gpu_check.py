@@ -170,15 +170,29 @@ def batch_of(shape: str, s: Setting):
     return Batch(ids.clone(), input_ids=ids), B * T
 
 
-def part_lora_vs_peft(s: Setting) -> dict:
-    """Peak memory of each side alone (the other deleted), then tokens/s of both timed in alternation."""
+def peft_lora(model, ids, s: Setting):
+    """PEFT's LoRA (r = 8 on q, k, v, o) over ``model`` in training mode: (model, trainable
+    parameters, one forward + backward on ``ids`` under autocast in s.dtype)."""
     from peft import LoraConfig, get_peft_model
 
+    peft_model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGETS)))
+    peft_model.train()
+    autocast = torch.autocast(s.device.type, dtype=s.dtype, enabled=s.dtype != torch.float32)
+
+    def step():
+        with autocast:
+            loss = peft_model(input_ids=ids, labels=ids).loss
+        loss.backward()
+
+    return peft_model, [p for p in peft_model.parameters() if p.requires_grad], step
+
+
+def part_lora_vs_peft(s: Setting) -> dict:
+    """Peak memory of each side alone (the other deleted), then tokens/s of both timed in alternation."""
     out = {}
     for shape in s.shapes:
         batch, tokens = batch_of(shape, s)
         ids = batch.input_ids.to(s.device)
-        autocast = torch.autocast(s.device.type, dtype=s.dtype, enabled=s.dtype != torch.float32)
 
         def build_ours():
             model, params = nestfed_lora(shape, s)
@@ -186,15 +200,7 @@ def part_lora_vs_peft(s: Setting) -> dict:
             return model, params, lambda: batch.loss(model).backward()
 
         def build_peft():
-            peft_model = get_peft_model(model_of(shape, s), LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGETS)))
-            peft_model.train()
-
-            def step():
-                with autocast:
-                    loss = peft_model(input_ids=ids, labels=ids).loss
-                loss.backward()
-
-            return peft_model, [p for p in peft_model.parameters() if p.requires_grad], step
+            return peft_lora(model_of(shape, s), ids, s)
 
         alone = {}
         for name, build in (("nestfed", build_ours), ("peft", build_peft)):
@@ -226,50 +232,38 @@ def quantised_model(shape: str, s: Setting):
 
 def part_qlora(s: Setting) -> dict:
     """A QLoRA step (issue 34): nestfed's LoRA over an nf4 backbone against PEFT's LoRA over the
-    same nf4 layers (the same random model, batch and adapter init, one step's loss compared), and
-    the nf4 step's peak memory against the same model's plain LoRA step in s.dtype. Criterion:
+    same nf4 layers (the same random model, batch and adapter init), tokens per second interleaved,
+    and the nf4 step's peak memory against the same model's plain LoRA step in s.dtype. Criterion:
     nestfed >= 0.9x PEFT's tokens per second."""
-    from peft import LoraConfig, get_peft_model
-
     from nestfed.nn.lora import inject_lora, lora_modules
 
     shape = s.shapes[0]
     batch, tokens = batch_of(shape, s)
     ids = batch.input_ids.to(s.device)
-    autocast = torch.autocast(s.device.type, dtype=s.dtype, enabled=s.dtype != torch.float32)
 
-    def build_ours():
+    def ours(model, params):
+        model.train()
+        return model, params, lambda: batch.loss(model).backward()
+
+    def build_nf4():
         model = quantised_model(shape, s)
         inject_lora(model, TARGETS, 8, 16.0 / 8)
         params = [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
         for p in params:
             p.requires_grad_(True)
-        model.train()
-        return model, params, lambda: batch.loss(model).backward()
+        return ours(model, params)
 
-    def build_peft():
-        peft_model = get_peft_model(quantised_model(shape, s), LoraConfig(r=8, lora_alpha=16, target_modules=list(TARGETS)))
-        peft_model.train()
-
-        def step():
-            with autocast:
-                loss = peft_model(input_ids=ids, labels=ids).loss
-            loss.backward()
-
-        return peft_model, [p for p in peft_model.parameters() if p.requires_grad], step
-
+    builds = {"nestfed_nf4": build_nf4, "peft_nf4": lambda: peft_lora(quantised_model(shape, s), ids, s),
+              "nestfed_dense": lambda: ours(*nestfed_lora(shape, s))}
     alone = {}
-    for name, build in (("nestfed_nf4", build_ours), ("peft_nf4", build_peft), ("nestfed_dense", None)):
-        model, params, step = build() if build else nestfed_lora(shape, s) + (None,)
-        if step is None:
-            model.train()
-            step = lambda model=model: batch.loss(model).backward()  # noqa: E731
+    for name, build in builds.items():
+        model, params, step = build()
         alone[name] = timed_steps(step, params, s, tokens)
         del model, params, step
         free(s)
-    ours, peft = build_ours(), build_peft()
-    speed = interleaved({"nestfed": stepper(ours[2], ours[1]), "peft": stepper(peft[2], peft[1])}, s, tokens)
-    del ours, peft
+    a, b = builds["nestfed_nf4"](), builds["peft_nf4"]()
+    speed = interleaved({"nestfed": stepper(a[2], a[1]), "peft": stepper(b[2], b[1])}, s, tokens)
+    del a, b
     free(s)
     peaks = {k: v["peak_memory_bytes"] for k, v in alone.items()}
     return {"shape": shape, "batch": list(s.batch(shape)), "alone": alone, "tokens_per_s_interleaved": speed,

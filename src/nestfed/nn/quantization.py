@@ -78,10 +78,8 @@ def _nf4(m: nn.Linear, compute_dtype: torch.dtype, double_quant: bool) -> nn.Mod
     q.weight = bnb.nn.Params4bit(
         m.weight.data, requires_grad=False, compress_statistics=double_quant, quant_type="nf4", module=q
     )
-    if m.bias is not None:
-        q.bias = nn.Parameter(m.bias.data, requires_grad=False)
     keep_trainable_layout(q)
-    return q.to(m.weight.device)  # moving a Params4bit quantises it
+    return _placed(q, m)
 
 
 def keep_trainable_layout(layer: nn.Module) -> None:
@@ -107,9 +105,15 @@ def _int8(m: nn.Linear) -> nn.Module:
         device="meta",
     )
     q.weight = bnb.nn.Int8Params(m.weight.data, requires_grad=False, has_fp16_weights=False)
+    return _placed(q, m)
+
+
+def _placed(q: nn.Module, m: nn.Linear) -> nn.Module:
+    """``q`` with ``m``'s bias (frozen), moved to ``m``'s device: moving a Params4bit or Int8Params
+    is what quantises it."""
     if m.bias is not None:
         q.bias = nn.Parameter(m.bias.data, requires_grad=False)
-    return q.to(m.weight.device)  # moving Int8Params quantises it
+    return q.to(m.weight.device)
 
 
 def quantize_linears(
