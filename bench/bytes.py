@@ -16,6 +16,7 @@ import json
 import torch
 
 from nestfed import methods
+from nestfed.config.capabilities import Capability
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.payload import payload_stats
 
@@ -52,8 +53,30 @@ def shapes(layers: list[int]) -> dict[str, tuple[int, int]]:
     return out
 
 
+# Every rule that exchanges LoRA factors (or their cores), in the docs' order; the methods that take
+# one rank only (fedavg, fed_sb) run at rank 8 on every client, RAVAN (whole heads of rank 16 / 4)
+# at 4, 4, 4, 8, 16.
+METHODS = (
+    "fedavg",
+    "zeropad",
+    "hetlora",
+    "prelort",
+    "ffa_lora",
+    "flora",
+    "flexlora",
+    "fedsa_lora",
+    "fedex_lora",
+    "fedsvd",
+    "lora_fair",
+    "fed_sb",
+    "ravan",
+)
+OWN_RANKS = {"ravan": [4, 4, 4, 8, 16]}
+
+
 def method_bytes(name: str, layer_ids: list[int], rounds: int = 3) -> dict:
-    ranks = RANKS if name != "fedavg" else [8] * len(RANKS)
+    heterogeneous = Capability.HETEROGENEOUS_RANKS in methods.get(name).capabilities
+    ranks = OWN_RANKS.get(name, RANKS) if heterogeneous else [8] * len(RANKS)
     st = strategy(name, ranks, 16.0, "hetlora.pruning=false")
     clients = [ClientInfo(i, r, 24) for i, r in enumerate(ranks)]
     state = st.initialize(shapes(layer_ids), clients)
@@ -80,7 +103,7 @@ def main() -> None:
     result = {"full_model_params": FULL_PARAMS, "full_model_bytes_fp32": full_fp32, "placements": {}}
     for label, layer_ids in (("top4_layers_qkvo", [26, 27, 28, 29]), ("all30_layers_qkvo", list(range(30)))):
         res = {}
-        for name in ("fedavg", "zeropad", "hetlora", "prelort", "ffa_lora", "flora"):
+        for name in METHODS:
             r = method_bytes(name, layer_ids)
             r["round1_mean_fraction_of_full_model"] = r["rounds"][0]["mean_bytes_per_client"] / full_fp32
             r["round3_mean_fraction_of_full_model"] = r["rounds"][-1]["mean_bytes_per_client"] / full_fp32
