@@ -119,7 +119,7 @@ def test_the_docs_the_code_cites_exist_and_are_cited(doc):
 @pytest.mark.slow
 def test_the_command_line_answers_without_loading_a_model_library():
     """``nestfed --help``, ``nestfed methods`` and a config error import neither torch nor transformers
-    (their start time is measured by bench/cli_start.py)."""
+    (their start time is measured by bench/perf/cli_start.py)."""
     probe = (
         "import sys; from nestfed import cli; sys.argv = ['nestfed', *sys.argv[1:]]\n"
         "try:\n    cli.main()\nexcept SystemExit as e:\n    code = e.code\n"

@@ -1,4 +1,4 @@
-"""bench/gpu_check.py's dry run: every part of the prepared GPU check runs on the CPU at tiny sizes,
+"""bench/tools/gpu_check.py's dry run: every part of the prepared GPU check runs on the CPU at tiny sizes,
 so a typo or a broken import shows here, not in the few minutes of a lent GPU."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_gpu_check_dry_run_runs_every_part(tmp_path):
     out = tmp_path / "gpu_check.json"
     p = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--dry-run", "--out", str(out)],
+        [sys.executable, str(ROOT / "bench" / "tools" / "gpu_check.py"), "--dry-run", "--out", str(out)],
         capture_output=True,
         text=True,
         cwd=ROOT,
@@ -45,6 +45,8 @@ def test_gpu_check_dry_run_runs_every_part(tmp_path):
 
 @pytest.mark.slow
 def test_gpu_check_without_cuda_says_so():
+    """Run through bench/gpu_check.py, the path the GPU instructions name: it forwards the
+    arguments, the message and the exit status of bench/tools/gpu_check.py."""
     import torch
 
     if torch.cuda.is_available():

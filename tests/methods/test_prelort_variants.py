@@ -303,7 +303,7 @@ def test_min_holders_caps_what_clients_deploy_and_what_is_exported(scaling):
 def test_min_holders_run_ends_where_the_stored_curve_says(tmp_path):
     """A real run with min_holders = 2 on the tiny federation (ranks 2/4/8: [4, 8) has one holder)
     ends at the same global adapter as the plain run, and each client's final perplexity is the
-    plain run's truncation curve at min(r_k, 4): what bench/prelort_min_holders.py reads."""
+    plain run's truncation curve at min(r_k, 4): what bench/studies/prelort_min_holders.py reads."""
     from nestfed.experiments.run import run_method
 
     base = ("strategy.name=prelort", "output.truncations=[1,2,4,8]")

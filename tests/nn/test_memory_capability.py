@@ -89,7 +89,7 @@ def test_a_memory_trained_from_scratch_recalls_past_the_window(task):
     rows (backbone at 3e-3, the rules in their own group at 1e-1): >= 90% of the queries (this
     seed: 94% by step 200, 97% at 400), and the memory knocked out is back at chance. The beta of
     the keys' average (``keys``) learns this from scratch faster than beta from the input
-    (bench/fednl_mqar_capability.py: 98.8% against 75.8% over 3 seeds at 1,000 steps)."""
+    (bench/studies/fednl_mqar_capability.py: 98.8% against 75.8% over 3 seeds at 1,000 steps)."""
     model = windowed(tiny_mqar_model(258, seed=0))
     rules = with_memory(model, MemorySettings(beta_source="keys"))
     backbone = [p for n, p in model.named_parameters() if ".memory." not in n]

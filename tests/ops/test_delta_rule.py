@@ -297,8 +297,8 @@ def test_fla_absent_is_not_an_error(monkeypatch):
 
 
 def test_gpu_bench_script_cpu_dry_run(capsys):
-    """bench/gpu_delta_rule.py imports without a GPU and its CPU dry run passes its checks."""
-    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_delta_rule.py"
+    """bench/perf/gpu_delta_rule.py imports without a GPU and its CPU dry run passes its checks."""
+    path = Path(__file__).resolve().parents[2] / "bench" / "perf" / "gpu_delta_rule.py"
     spec = importlib.util.spec_from_file_location("gpu_delta_rule_bench", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)  # import runs nothing

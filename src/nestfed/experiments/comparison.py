@@ -1,6 +1,6 @@
 """The Markdown of a comparison of finished runs (``nestfed compare``'s comparison.md): a function of
 the comparison rows (comparison.json) and the reference label alone, so every committed table can be
-regenerated from its results file (bench/tables.py).
+regenerated from its results file (bench/tools/tables.py).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Training and scoring on multi-query associative recall outside the federation: what pretrains
 ``tiny-llama-mqar`` (nestfed.experiments.pretrained_tiny) and what the memory's capability tests
-and benchmark train (tests/nn/test_memory_capability.py, bench/fednl_mqar_capability.py).
+and benchmark train (tests/nn/test_memory_capability.py, bench/studies/fednl_mqar_capability.py).
 
 Rows come from nestfed.data.mqar (Zoology's MQAR; Arora et al. 2024); the loss is the next-token
 cross-entropy on the queried values only, the accuracy the argmax over the vocabulary's values at

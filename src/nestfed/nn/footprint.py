@@ -17,7 +17,7 @@ into the largest rank it can train (``population.memory_mib``, nestfed.config.po
   accounted for as they are configured.
 
 What it leaves out: the client's own data and cached prefix, the allocator's slack, kernels'
-workspaces and the runtime (a lower bound on a step's peak: bench/fedslm_memory.py sets the same
+workspaces and the runtime (a lower bound on a step's peak: bench/perf/fedslm_memory.py sets the same
 accounting beside the sampled resident memory). For a model of SmolLM2's size, LoRA on a few layers
 changes bytes(r) by a few MB per rank step: budgets then choose ranks only when they sit close to
 W + S, and the footprint of the whole model, not the rank, decides which devices can take part.

@@ -379,7 +379,7 @@ def delta_rule_chunkwise(
         initial_state: [B, H, K, V] or None (zeros).
         output_final_state: return S_T when True, else None.
         chunk_size: C, tokens per chunk (on a 2-core AVX2 CPU at K = V = 64, C = 32 is the
-            fastest, about 1.2x faster than 64; see bench/delta_rule.py).
+            fastest, about 1.2x faster than 64; see bench/perf/delta_rule.py).
 
     Returns:
         (o [B, T, H, V] in the input dtype, final_state [B, H, K, V] in the compute dtype or
@@ -390,7 +390,7 @@ def delta_rule_chunkwise(
     and T_c (3 T' C), [U; -Q S] (2 T' V), and one state per chunk boundary ((T' / C + 1) K V).
     All of it is linear in T, with no per-token state: at C = 32 and K = V = 64 it is about
     610 elements (2.4 KB in fp32) per token and head, against about 4,400 (one K x V state per
-    token plus its inputs) for autograd through the recurrence; bench/delta_rule.py measures
+    token plus its inputs) for autograd through the recurrence; bench/perf/delta_rule.py measures
     both. (flash-linear-attention goes further and recomputes the chunk states in backward.)
 
     Raises:

@@ -1,6 +1,6 @@
 """A Flower deployment on this machine: a SuperLink and SuperNodes on 127.0.0.1, driven by ``flwr``.
 
-Used by the tests (``tests/flower``) and ``bench/flower_vs_embedded.py``; also a quick way to try
+Used by the tests (``tests/flower``) and ``bench/perf/flower_vs_embedded.py``; also a quick way to try
 the apps before going to real machines. Everything it starts is a child process started in its
 own session; :meth:`LocalDeployment.stop` (also on ``with`` exit, on error too) stops each one by
 its PID: SIGTERM to the process, then SIGKILL to its process group (the ClientApp / ServerApp

@@ -4,7 +4,7 @@
 per simulated node, its own ``node_config``), in the order messages were pushed. It runs the
 exact code paths of the deployed apps (records, handlers, validation, aggregation) without a
 SuperLink, SuperNodes, process starts or polling: the fast test of the apps' logic, and the
-"no transport" baseline of ``bench/flower_vs_embedded.py``. ``fail`` lets a test make a node
+"no transport" baseline of ``bench/perf/flower_vs_embedded.py``. ``fail`` lets a test make a node
 answer with an error or not at all.
 """
 

@@ -7,7 +7,7 @@ Counted exactly as the runner counts them: the safetensors serialisation of the 
 weights: the shapes are what matter) by the real code paths (inject_lora, install_memory,
 fresh_rule_arrays, FedNL.initialize). Seconds; no model download.
 
-    .venv/bin/python bench/fednl_bytes.py
+    .venv/bin/python bench/perf/fednl_bytes.py
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> None:
         "unit": "bytes per client per round, one direction (down = up for FedNL)",
         "rows": rows,
     }
-    out = Path(__file__).parent / "results" / "fednl_bytes.json"
+    out = Path(__file__).parents[1] / "results" / "fednl_bytes.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2) + "\n")
     print(json.dumps(res, indent=2))

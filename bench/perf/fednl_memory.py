@@ -15,8 +15,8 @@ then streams ``length`` tokens in chunks with torch.no_grad() and reports:
 
 Acceptance (FedNL issue, section 3): FedNL's peak at 16K over its peak at 1K is at most 1.1.
 
-    .venv/bin/python bench/fednl_memory.py                 # 1K, 4K, 16K; about 10 minutes on 1 core
-    .venv/bin/python bench/fednl_memory.py --lengths 1024 4096 --chunk 256 --window 256
+    .venv/bin/python bench/perf/fednl_memory.py                 # 1K, 4K, 16K; about 10 minutes on 1 core
+    .venv/bin/python bench/perf/fednl_memory.py --lengths 1024 4096 --chunk 256 --window 256
 """
 
 from __future__ import annotations
@@ -136,7 +136,7 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=512)
     ap.add_argument("--window", type=int, default=512)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "fednl_memory.json"))
+    ap.add_argument("--out", default=str(Path(__file__).parents[1] / "results" / "fednl_memory.json"))
     ap.add_argument("--one", nargs=2, metavar=("METHOD", "LENGTH"), help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.one:

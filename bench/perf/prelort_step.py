@@ -9,7 +9,7 @@ run). Two models (SmolLM2-135M and a tiny random Llama) and two placements: LoRA
 every layer with the whole model in the graph, and the main job's top-4 layers with the frozen
 prefix cached (nestfed/frozen_prefix.py). The paper reports about 1.4x (arXiv 2606.15963, sec. 4).
 
-    python bench/prelort_step.py [--quick] [--repeats 5] [--batch 4] [--tokens 128]
+    python bench/perf/prelort_step.py [--quick] [--repeats 5] [--batch 4] [--tokens 128]
 """
 
 from __future__ import annotations

@@ -10,8 +10,8 @@ FedAvg with full attention (``model.attention_window = 0``, the ceiling). ``summ
 final evaluations, evaluates the frozen backbone with the window and with full attention, every
 FedNL model with its memory knocked out, and writes the results JSON::
 
-    .venv/bin/python bench/fednl_mqar.py run --out /tmp/mqar --seeds 3
-    .venv/bin/python bench/fednl_mqar.py summarise /tmp/mqar --json bench/results/fednl_mqar.json
+    .venv/bin/python bench/studies/fednl_mqar.py run --out /tmp/mqar --seeds 3
+    .venv/bin/python bench/studies/fednl_mqar.py summarise /tmp/mqar --json bench/results/fednl_mqar.json
 
 Reported: accuracy (%) on the clients' own vocabularies and on the held-out one (argmax over every
 vocabulary's values at each queried position; 1/10 for a guess of the right vocabulary), mean
@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "fednl" / "mqar.toml"
 VARIANTS = {  # label: (nestfed run --methods, extra --set)
     "fednl": ("fednl", []),
@@ -127,7 +127,7 @@ def summarise(out: Path, path: Path | None) -> dict:
     o = cfg.section("mqar")
     res: dict = {
         "bench": "fednl_mqar",
-        "command": "bench/fednl_mqar.py run --seeds 3 && bench/fednl_mqar.py summarise",
+        "command": "bench/studies/fednl_mqar.py run --seeds 3 && bench/studies/fednl_mqar.py summarise",
         "config": str(CONFIG.relative_to(ROOT)),
         "window": cfg.model.attention_window,
         "task": {

@@ -10,27 +10,43 @@ every 0.5 s; psutil) and the machine's used memory above what it was before, the
 the peak, the dropped clients, and whether the final adapter equals the embedded runner's. Prints
 one JSON object (and writes it with ``--out``).
 
-    .venv/bin/python bench/flower_scale.py [--clients 100] [--out bench/results/flower_scale.json]
+    .venv/bin/python bench/perf/flower_scale.py [--clients 100] [--out bench/results/flower_scale.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 
 import psutil
+import torch
+from safetensors.torch import load_file
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "tests" / "flower"))
+from nestfed import methods
+from nestfed.experiments.prepare import prepare
+from nestfed.experiments.run import run_method
+from nestfed.testing.flower_deployment import LocalDeployment
 
-from flower_helpers import APP_DIR, TINY, adapter_tensors, embedded_run  # noqa: E402
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ROOT / "configs" / "tiny.toml"
+APP_DIR = ROOT / "flower_app"
 
-from nestfed.testing.flower_deployment import LocalDeployment  # noqa: E402
+
+def embedded_run(run_dir: Path, overrides) -> Path:
+    """The embedded runner on the same experiment, into ``run_dir`` (returned): the reference whose
+    final adapter the simulation must equal bit for bit."""
+    cfg = methods.load_config(TINY, list(overrides))
+    run_method(prepare(cfg), cfg, run_dir)
+    return run_dir
+
+
+def adapter_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
+    """The final PEFT adapter's tensors of a run directory, by PEFT key."""
+    return load_file(str(run_dir / "adapter" / "adapter_model.safetensors"))
 
 
 class TreeMemory:

@@ -2,7 +2,7 @@
 accuracy per client and method (federated, local before aggregation, the aggregation drop),
 NIAH accuracy per template, per context length and per depth, and the bytes per client per round.
 
-    .venv/bin/python bench/fednl_tables.py runs/fednl_mmlu-... [more run dirs] [--json out.json]
+    .venv/bin/python bench/studies/fednl_tables.py runs/fednl_mmlu-... [more run dirs] [--json out.json]
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ weak-to-strong elicitation's alpha sweep runs at the end of every FedSLM run (al
 ``elicitation.compare_alphas``). Each run is a ``nestfed run`` subprocess (the ratios change what is
 prepared); one JSON object is printed and written with ``--out``, a plot with ``--plot``.
 
-    .venv/bin/python bench/fedslm_recovery.py --rounds 10 --seed 0 \
+    .venv/bin/python bench/studies/fedslm_recovery.py --rounds 10 --seed 0 \
         --out bench/results/fedslm_recovery/seed0.json --plot bench/results/fedslm_recovery/seed0.png
-    .venv/bin/python bench/fedslm_recovery.py --table bench/results/fedslm_recovery/seed0.json
+    .venv/bin/python bench/studies/fedslm_recovery.py --table bench/results/fedslm_recovery/seed0.json
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "fedslm_bbc_news.toml"
 
 

@@ -3,7 +3,7 @@ with the GGUF header parsed once (what nestfed does) and, side by side in the sa
 transformers alone parses it (once for the config, the weights and the tokenizer). Checks that both
 write byte-identical files; prints one JSON object.
 
-    .venv/bin/python bench/conversion.py [--model gemma3-270m] [--out bench/results/conversion.json]
+    .venv/bin/python bench/perf/conversion.py [--model gemma3-270m] [--out bench/results/conversion.json]
 """
 
 from __future__ import annotations

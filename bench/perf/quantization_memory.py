@@ -15,7 +15,7 @@ subprocess, one after another in one run, so the settings share the machine's st
   transformers and bitsandbytes; ``footprint_error`` = footprint / step peak - 1;
 - ``step_s``: the median of --steps training steps (forward, backward, AdamW) after one warm-up.
 
-    python bench/quantization_memory.py [--models smollm2-135m gemma3-270m] [--rank 8] [--batch 4]
+    python bench/perf/quantization_memory.py [--models smollm2-135m gemma3-270m] [--rank 8] [--batch 4]
         [--tokens 128] [--steps 3] [--threads 2] [--out FILE]
 """
 
@@ -98,7 +98,7 @@ def child(model_name: str, precision: str, rank: int, batch: int, tokens: int, s
 
 
 def table(res: dict) -> str:
-    """Markdown: one row per (model, precision), MiB and seconds (bench/tables.py renders it)."""
+    """Markdown: one row per (model, precision), MiB and seconds (bench/tools/tables.py renders it)."""
     lines = [
         "| model | precision | weights W (MiB) | footprint (MiB) | RSS built (MiB) | RSS step peak (MiB) "
         "| footprint / peak | step (s) |",

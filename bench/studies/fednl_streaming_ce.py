@@ -18,7 +18,7 @@ nestfed.evaluation.streaming:
 The windowed streams keep ``sink`` attention-sink tokens; by default at positions just before the
 window (StreamingLLM's cache positions), ``--sink-positions absolute`` keeps them at 0..sink-1.
 
-    .venv/bin/python bench/fednl_streaming_ce.py --fednl runs/fednl_long_text-... --fedavg runs/fedavg_long-...
+    .venv/bin/python bench/studies/fednl_streaming_ce.py --fednl runs/fednl_long_text-... --fedavg runs/fedavg_long-...
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def probe_text(tokenizer, n: int) -> tuple[torch.Tensor, str]:
 def table(result: dict) -> str:
     """The markdown rows of docs/fednl.md's streaming-CE table for one result: per stream, the CE
     of each 1K-token bin relative to the first (bins 1-12 as a range, 13-16 each), last / first and
-    the mean CE (bench/tables.py regenerates the docs' copy from the JSON)."""
+    the mean CE (bench/tools/tables.py regenerates the docs' copy from the JSON)."""
     where = (
         "none"
         if not result["sink"]
@@ -100,7 +100,7 @@ def main() -> None:
     )
     ap.add_argument("--streams", nargs="+", default=["fednl", "fedavg_window", "fedavg_full", "backbone_full"])
     ap.add_argument("--label", default="", help="what the FedNL stream is called in the table (its recipe)")
-    ap.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "fednl_streaming_ce.json")
+    ap.add_argument("--out", type=Path, default=Path(__file__).parents[1] / "results" / "fednl_streaming_ce.json")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     from nestfed.config import r_max

@@ -4,7 +4,7 @@ same model (SmolLM2-135M-Instruct), prompts (BBC headline prompts in the chat te
 size and greedy decoding; each side in its own process (its peak RSS its own), the sides
 alternating, ``--repeats`` times each. Both sides must produce the same tokens (checked).
 
-    .venv/bin/python bench/generation_speed.py --prompts 100 --new-tokens 32 --batch 8 \
+    .venv/bin/python bench/perf/generation_speed.py --prompts 100 --new-tokens 32 --batch 8 \
         --json bench/results/generation_speed.json
 
 Reported per side: seconds per repeat, generated tokens, tokens/s (generated tokens / seconds,
@@ -134,7 +134,7 @@ def main() -> None:
     same = runs["ours"][0]["tokens"] == runs["hf"][0]["tokens"]
     res = {
         "bench": "generation_speed",
-        "command": "bench/generation_speed.py " + " ".join(sys.argv[1:]),
+        "command": "bench/perf/generation_speed.py " + " ".join(sys.argv[1:]),
         "model": "smollm2-135m",
         "adapter": "LoRA r 16 on q, k, v, o of the top 4 layers (seeded random)",
         "prompts": a.prompts,

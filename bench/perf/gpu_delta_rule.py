@@ -4,10 +4,10 @@
 To be run on a CUDA machine where ``fla-core`` is installed (``pip install fla-core``, or the
 carried wheel):
 
-    python bench/gpu_delta_rule.py                 # checks at T = 100, 2048; timings at
-                                                   # T = 2048, 8192, 16384; B = 4, H = 9, K = 64
-    python bench/gpu_delta_rule.py --cpu-dry-run   # the same code path at tiny sizes on CPU
-                                                   # (the "fla" side is then the CPU dispatcher)
+    python bench/perf/gpu_delta_rule.py                 # checks at T = 100, 2048; timings at
+                                                        # T = 2048, 8192, 16384; B = 4, H = 9, K = 64
+    python bench/perf/gpu_delta_rule.py --cpu-dry-run   # the same code path at tiny sizes on CPU
+                                                        # (the "fla" side is then the CPU dispatcher)
 
 Check: both sides get the same inputs, rounded to bf16 (the reference computes in fp32 on the
 rounded values, so only the kernel's own precision is measured). For o, the final state and

@@ -32,7 +32,7 @@ forward of 1 x 128 tokens) and greedy decode tokens/s (16 new tokens with the KV
 16-token prompt), medians over ``--repeats`` rounds. ``train_step_s`` of the memory settings is
 one step each, in separate processes: indicative only on a loaded machine.
 
-    python bench/fedslm_memory.py [--ratios 0.3 0.5 0.7] [--batch 4] [--tokens 128] [--out FILE]
+    python bench/perf/fedslm_memory.py [--ratios 0.3 0.5 0.7] [--batch 4] [--tokens 128] [--out FILE]
         [--levers none|nestfed|checkpoint|checkpoint+micro] [--micro 1] [--only SETTING ...] [--no-speed]
 
 --levers (issue 13's memory levers, the same for both sides of a comparison): ``nestfed`` is

@@ -8,7 +8,7 @@ The prompts are one MMLU domain client's training questions as configs/fednl/mml
 seconds for each way, their ratio, the positions computed, the max |difference| and the max |value|
 of the hidden states.
 
-    .venv/bin/python bench/prefix_cache.py [--client 3] [--rows 64] [--threads 2]
+    .venv/bin/python bench/perf/prefix_cache.py [--client 3] [--rows 64] [--threads 2]
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:

@@ -15,8 +15,8 @@ evaluates every FedNL model again with its memory knocked out (alpha = 0), the b
 window (the floor) and with full attention (the ceiling), probes the memory of a trained FedNL
 model, and writes the results JSON::
 
-    .venv/bin/python bench/fednl_recall.py run --out /tmp/recall --seeds 3
-    .venv/bin/python bench/fednl_recall.py summarise /tmp/recall --json bench/results/fednl_recall/recall.json
+    .venv/bin/python bench/studies/fednl_recall.py run --out /tmp/recall --seeds 3
+    .venv/bin/python bench/studies/fednl_recall.py summarise /tmp/recall --json bench/results/fednl_recall/recall.json
 
 Reported: accuracy (the argmax over the five kinds' 40 value tokens; a model that knows the kind
 but not the fact scores 1/8) per group own@<distance> / held_out@<distance>, mean over clients,
@@ -42,7 +42,7 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "fednl" / "recall.toml"
 VARIANTS = {  # label: (nestfed run --methods, extra --set)
     "fednl": ("fednl", []),
@@ -280,7 +280,7 @@ def summarise(out: Path, path: Path | None, config: Path) -> dict:
     o = cfg.section("fednl")
     res: dict = {
         "bench": "fednl_recall",
-        "command": f"bench/fednl_recall.py run --seeds 3 --config {config.relative_to(ROOT)} && summarise",
+        "command": f"bench/studies/fednl_recall.py run --seeds 3 --config {config.relative_to(ROOT)} && summarise",
         "config": str(config.relative_to(ROOT)),
         "window": cfg.model.attention_window,
         "sinks": cfg.model.attention_sinks,
@@ -482,7 +482,7 @@ def layers(config: Path, path: Path | None) -> dict:
     t0 = time.perf_counter()
     res = {
         "bench": "fednl_recall",
-        "command": f"bench/fednl_recall.py layers --config {config.relative_to(ROOT)}",
+        "command": f"bench/studies/fednl_recall.py layers --config {config.relative_to(ROOT)}",
         "window": cfg.model.attention_window,
         "sinks": cfg.model.attention_sinks,
         "methods": {},

@@ -10,12 +10,12 @@ under, so the clients, seeds and kernels are the same and every (seed, client) p
 This script pairs them with those stored seeds and prints JSON (also written to dilution.json
 beside the stored comparison, with a markdown table)::
 
-    .venv/bin/python bench/prelort_dilution.py 1.0=OUT1/<run>/comparison.json 0.5=OUT2/<run>/comparison.json
+    .venv/bin/python bench/studies/prelort_dilution.py 1.0=OUT1/<run>/comparison.json 0.5=OUT2/<run>/comparison.json
 
 Another ``[prelort]`` variant the same way, named by its spec (``deploy_rank=validated=PATH``,
 ``--name deploy_rank``). The protocol (configs/bbc_news_protocol.toml), paired with its stored seeds::
 
-    .venv/bin/python bench/prelort_dilution.py 1.0=... 0.5=... \
+    .venv/bin/python bench/studies/prelort_dilution.py 1.0=... 0.5=... \
         --stored bench/results/bbc_news_protocol/comparison.json --config configs/bbc_news_protocol.toml
 
 Reported: per client and mean held-out perplexity (mean ± 95% t half width over seeds), the paired
@@ -31,7 +31,7 @@ from pathlib import Path
 
 from nestfed.experiments.intervals import mean_interval, paired_difference, relative_differences
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STORED = ROOT / "bench" / "results" / "main_job_seeds" / "comparison.json"
 RANKS = ("1", "2", "4", "8", "16")
 

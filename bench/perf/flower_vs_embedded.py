@@ -31,7 +31,7 @@ then the forwarder process's start, and ``rebuild_s`` is 0 for every message aft
 ClientApp processes (nestfed.data.client_cache: the first message builds it, the others load it);
 ``off`` rebuilds it in every process, as before the cache existed. Run both to see what it removes.
 
-Usage: ``.venv/bin/python bench/flower_vs_embedded.py [--keep DIR] [--client-cache on|off]``; the main
+Usage: ``.venv/bin/python bench/perf/flower_vs_embedded.py [--keep DIR] [--client-cache on|off]``; the main
 job's protocol (SmolLM2-135M, real BBC News, 3 clients of ranks 2/4/8, 4 local steps, 2 rounds):
 ``--config configs/bbc_news.toml --set data.num_clients=3 --set lora.ranks=[2,4,8] --set
 federation.rounds=2 --set train.threads=0 --embedded-threads 2 --node-threads 1`` (the embedded
@@ -51,7 +51,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 APP_DIR = ROOT / "flower_app"
 OVERRIDES = [

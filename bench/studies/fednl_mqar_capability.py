@@ -15,7 +15,7 @@ heads; every layer's window 8 tokens; 4 pairs, 16 fillers, 4 queries; 32 keys, 3
 Reported per variant: recall (%) over 512 fresh rows, mean ± 95% t half width over seeds, each
 seed, the recall with the memory knocked out, the mean gate after training and the seconds per run.
 
-    .venv/bin/python bench/fednl_mqar_capability.py --seeds 3 --json bench/results/fednl_mqar_capability.json
+    .venv/bin/python bench/studies/fednl_mqar_capability.py --seeds 3 --json bench/results/fednl_mqar_capability.json
 """
 
 from __future__ import annotations
@@ -232,7 +232,7 @@ def main() -> None:
             print(json.dumps(got if isinstance(got, dict) else got[-1])[:300], flush=True)
     res = {
         "bench": "fednl_mqar_capability",
-        "command": "bench/fednl_mqar_capability.py --seeds 3",
+        "command": "bench/studies/fednl_mqar_capability.py --seeds 3",
         "task": {
             "window": WINDOW,
             "layers": 2,

@@ -4,7 +4,7 @@ median of ``--repeats`` runs, taken interleaved with a baseline checkout when on
 (``--baseline-src DIR``: its ``src`` folder, run with the same interpreter through PYTHONPATH), so a
 loaded machine hits both alike. Prints one JSON object (and writes it with ``--out``).
 
-    .venv/bin/python bench/cli_start.py [--repeats 5] [--baseline-src /path/to/old/src] [--out FILE]
+    .venv/bin/python bench/perf/cli_start.py [--repeats 5] [--baseline-src /path/to/old/src] [--out FILE]
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMANDS = {
     "help": ["--help"],
     "methods": ["methods"],

@@ -20,9 +20,9 @@ server_s)), the aggregation's own ``aggregate_s`` and ``commit_s``, ``held_bytes
 held), ``bytes_per_round``, and the client pool's counters (clients built). Prints one JSON object and
 writes it with ``--out`` (and a plot beside it with ``--plot``).
 
-    .venv/bin/python bench/scale.py [--out bench/results/scale.json] [--plot bench/results/scale.png]
+    .venv/bin/python bench/perf/scale.py [--out bench/results/scale.json] [--plot bench/results/scale.png]
         [--only tiny|smollm2] [--rounds 4]
-    .venv/bin/python bench/scale.py --table bench/results/scale.json [--plot P]   # docs/results.md's table (and plot)
+    .venv/bin/python bench/perf/scale.py --table bench/results/scale.json [--plot P]  # results.md's table, plot
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 BASE = [
     "data.partition=iid",

@@ -1,5 +1,5 @@
 """docs/benchmarks.md's tables, one renderer per results file of the smaller benchmarks (each prints
-Markdown from the JSON its script wrote; bench/tables.py calls them by a marker's
+Markdown from the JSON its script wrote; bench/tools/tables.py calls them by a marker's
 ``renderer=summaries.<name>``, and its --check catches a table that drifted from its file)."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def _table(head: list[str], rows: list[list]) -> str:
 
 
 def aggregation(d: dict) -> str:
-    """bench/aggregation.py: server seconds per rule (best of the repeats' medians as stored)."""
+    """bench/perf/aggregation.py: server seconds per rule (best of the repeats' medians as stored)."""
     hetero = d.get("heterogeneous_ranks_2_4_8_16", {})
     rows = [
         [m, f"{v['seconds']:.2f}", f"{hetero[m]['seconds']:.2f}" if m in hetero else "-"]
@@ -25,7 +25,7 @@ def aggregation(d: dict) -> str:
 
 
 def bytes_per_round(d: dict) -> str:
-    """bench/bytes.py: mean bytes per client per round (both directions), KiB, and the share of the
+    """bench/perf/bytes.py: mean bytes per client per round (both directions), KiB, and the share of the
     full fp32 model in round 1."""
     rows = []
     for placement, by_method in d["placements"].items():
@@ -47,7 +47,7 @@ def bytes_per_round(d: dict) -> str:
 
 
 def delta_rule(d: dict) -> str:
-    """bench/delta_rule.py: the chunkwise form's forward + backward speed-up over the per-token
+    """bench/perf/delta_rule.py: the chunkwise form's forward + backward speed-up over the per-token
     recurrence, and the memory kept for backward, per sequence length."""
     rows = []
     for r in d["results"]:
@@ -68,7 +68,7 @@ def delta_rule(d: dict) -> str:
 
 
 def prelort_step(d: dict) -> str:
-    """bench/prelort_step.py: a PreLort local step over a plain LoRA step, by the number of nested
+    """bench/perf/prelort_step.py: a PreLort local step over a plain LoRA step, by the number of nested
     sub-ranks |R_k| (and the sampled objective's, when measured)."""
     rows = []
     for r in d["runs"]:
@@ -86,13 +86,13 @@ def prelort_step(d: dict) -> str:
 
 
 def figures(d: dict) -> str:
-    """Any results file of scalar figures (bench/prefix_cache.py, bench/conversion.py): one row each."""
+    """Any results file of scalar figures (bench/perf/prefix_cache.py, bench/perf/conversion.py): one row each."""
     rows = [[k, v] for k, v in d.items() if k != "bench" and not isinstance(v, (dict, list))]
     return _table(["figure", "value"], rows)
 
 
 def gpu_delta_rule(d: dict) -> str:
-    """bench/gpu_delta_rule.py: flash-linear-attention's kernel (bf16) against the chunkwise form
+    """bench/perf/gpu_delta_rule.py: flash-linear-attention's kernel (bf16) against the chunkwise form
     (fp32): the largest relative RMS error per T, and the timings when measured."""
     rows = [
         [c["T"], "yes" if c["ok"] else "no", f"{max(e['rel_rms'] for e in c['errors'].values()):.4f}"]

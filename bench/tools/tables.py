@@ -12,10 +12,10 @@ comparison, the reference label. The file is rendered by the code that wrote it:
 (a JSON list: ``nestfed compare``'s comparison.json, a ``--table`` file) by
 nestfed.experiments.comparison.markdown; a bench's JSON by that bench's ``table`` (keyed by its
 ``bench`` field), or by the function a marker names (``renderer=summaries.aggregation``:
-bench/summaries.py); a Markdown results file is taken as it is.
+bench/tools/summaries.py); a Markdown results file is taken as it is.
 
-    .venv/bin/python bench/tables.py            # rewrite every block from its results file
-    .venv/bin/python bench/tables.py --check    # exit 1 naming each block that differs (tests/test_tables.py)
+    .venv/bin/python bench/tools/tables.py            # rewrite every block from its results file
+    .venv/bin/python bench/tools/tables.py --check    # exit 1 naming each block that differs (tests/test_tables.py)
 """
 
 from __future__ import annotations
@@ -28,14 +28,25 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+#: bench/'s folders of scripts (bench/README.md); a renderer's script is found by its name in them
+FOLDERS = ("perf", "studies", "tools")
 BLOCK = re.compile(r"(<!-- table: (?P<spec>[^>]*?) -->\n)(?P<body>.*?)(<!-- /table -->)", re.S)
 
 
+def bench_script(name: str) -> Path:
+    """bench/<folder>/<name>.py, whichever of :data:`FOLDERS` holds it (the scripts' names are unique
+    across the folders). Raises FileNotFoundError when none does."""
+    found = [path for folder in FOLDERS if (path := ROOT / "bench" / folder / f"{name}.py").is_file()]
+    if not found:
+        raise FileNotFoundError(f"no bench script {name}.py in any of bench/{{{','.join(FOLDERS)}}}")
+    return found[0]
+
+
 def bench_module(name: str):
-    """bench/<name>.py as a module (the bench scripts are not a package)."""
-    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "bench" / f"{name}.py")
+    """bench/<folder>/<name>.py (:func:`bench_script`) as a module (the bench scripts are not a package)."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", bench_script(name))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -74,7 +85,7 @@ def renderer(data) -> Callable[..., str]:
     if isinstance(data, dict) and data.get("bench") in BENCH_RENDERERS:  # a bench that names itself
         script, fn = BENCH_RENDERERS[data["bench"]]
         return getattr(bench_module(script), fn)
-    if isinstance(data, dict) and "runs" in data:  # bench/fednl_tables.py's tables
+    if isinstance(data, dict) and "runs" in data:  # bench/studies/fednl_tables.py's tables
         return bench_module("fednl_tables").markdown
     if isinstance(data, dict) and "accuracy_final" in data:  # one FedNL run's summary
         return bench_module("fednl_tables").single_run

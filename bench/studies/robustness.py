@@ -6,8 +6,8 @@ a privacy-utility curve (central DP, noise multipliers 0, 0.5, 1, 2, epsilon at 
 dp-accounting's PLD accountant). One seed; prints one JSON object and writes
 bench/results/robustness.{json,md,png}.
 
-    python bench/robustness.py [--config configs/robustness.toml] [--method prelort] [--quick]
-    python bench/robustness.py --privacy-only   # add missing noise multipliers to the saved results
+    python bench/studies/robustness.py [--config configs/robustness.toml] [--method prelort] [--quick]
+    python bench/studies/robustness.py --privacy-only   # add missing noise multipliers to the saved results
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ RULES = {
     "norm bound": {"rule": "mean"},
 }
 NOISE = (0.0, 0.01, 0.03, 0.1, 0.5, 1.0, 2.0)
-OUT = Path(__file__).parent / "results"
+OUT = Path(__file__).parents[1] / "results"
 
 
 def update_norms(run_dir: Path) -> list[float]:
@@ -55,7 +55,7 @@ def update_norms(run_dir: Path) -> list[float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--config", default=str(Path(__file__).parents[1] / "configs" / "robustness.toml"))
+    ap.add_argument("--config", default=str(Path(__file__).parents[2] / "configs" / "robustness.toml"))
     ap.add_argument("--method", default="prelort")
     ap.add_argument("--quick", action="store_true", help="one round, two attacks, two rules (a smoke test)")
     ap.add_argument(
@@ -168,7 +168,7 @@ def cell(v: dict) -> str:
 
 def table(report: dict) -> str:
     """The markdown tables of docs/trust.md: one row per attack, one column per rule; then the
-    privacy curve (bench/tables.py regenerates the docs' copy from robustness.json)."""
+    privacy curve (bench/tools/tables.py regenerates the docs' copy from robustness.json)."""
     res = report["results"]
     rules = list(next(iter(res.values())))
     rows = [

@@ -15,7 +15,7 @@ one line, nestfed.errors.RunFailed), ``n/a`` (the method refuses the setting, e.
 went on). Prints one JSON
 object (``--out`` writes it, ``--table`` a markdown table beside it).
 
-    .venv/bin/python bench/faults.py [--out bench/results/faults.json] [--methods prelort,zeropad]
+    .venv/bin/python bench/studies/faults.py [--out bench/results/faults.json] [--methods prelort,zeropad]
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 BASE = [
     "data.num_clients=3",
