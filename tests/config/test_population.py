@@ -95,6 +95,7 @@ def test_elastic_ranks_are_refused_by_methods_that_need_one_rank_or_do_not_train
         "flora",
         "ffa_lora",
         "flexlora",
+        "raflora",
         "fedsa_lora",
         "fedex_lora",
         "local_only",

@@ -69,7 +69,7 @@ def test_truncating_the_run_adapter_by_hand_gets_the_scale_wrong(prelort_run, tm
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "method", ["prelort", "hetlora", "flexlora", "local_only", "fedsa_lora", "flora", "fedex_lora"]
+    "method", ["prelort", "hetlora", "flexlora", "raflora", "local_only", "fedsa_lora", "flora", "fedex_lora"]
 )
 def test_client_export_runs_in_peft_as_the_client_runs_it(tmp_path, method):
     """Each client's exported adapter against the client's own evaluation path: the strategy's

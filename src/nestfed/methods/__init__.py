@@ -34,6 +34,7 @@ from nestfed.methods import (
     local_only,
     lora_fair,
     prelort,
+    raflora,
     ravan,
     zeropad,
 )
@@ -60,6 +61,7 @@ REGISTRY: dict[str, Method] = {
         fedex_lora.METHOD,
         fedsvd.METHOD,
         lora_fair.METHOD,
+        raflora.METHOD,
         fed_sb.METHOD,
         ravan.METHOD,
     )

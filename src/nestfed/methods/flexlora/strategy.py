@@ -100,21 +100,30 @@ class FlexLoRA(LoraStrategy):
             out = {k: (v * factor if rank_dim(k) is not None else v) for k, v in out.items()}
         return out
 
-    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """W = sum_k p_k s_k B_k A_k per layer (p_k = n_k / N over ``replies``), stored as its
-        rank-r_max truncated SVD at the global scale (:func:`product_svd`, :func:`split_factors`)."""
-        new = copy_state(state)
+    def layer_terms(
+        self, state: GlobalState, replies: dict[int, Reply], module: str
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
+        """The terms (B_i, A_i, c_i) of one layer's aggregate W = sum_i c_i B_i A_i, in the order
+        :func:`product_svd` takes them: FlexLoRA's are every replying client's factors (sorted by
+        cid) with c_k = p_k s_k, p_k = n_k / N over ``replies``."""
+        a_key, b_key = peft_key(module, "lora_A"), peft_key(module, "lora_B")
         n = examples(replies)
         total = sum(n.values())
         cids = sorted(replies)
+        As = [replies[c].arrays[a_key] for c in cids]
+        Bs = [replies[c].arrays[b_key] for c in cids]
+        return Bs, As, [n[c] / total * self.s.scale(a.shape[0]) for c, a in zip(cids, As)]
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """W = sum_i c_i B_i A_i per layer (:meth:`layer_terms`; FlexLoRA's: sum_k p_k s_k B_k A_k),
+        stored as its rank-r_max truncated SVD at the global scale (:func:`product_svd`,
+        :func:`split_factors`)."""
+        new = copy_state(state)
         s_global = self.s.scale(self.s.r_max)
         discarded = []
         for m in lora_modules_of(state.arrays):
             a_key, b_key = peft_key(m, "lora_A"), peft_key(m, "lora_B")
-            As = [replies[c].arrays[a_key] for c in cids]
-            Bs = [replies[c].arrays[b_key] for c in cids]
-            coeffs = [n[c] / total * self.s.scale(a.shape[0]) for c, a in zip(cids, As)]
-            U, S, Vh = product_svd(Bs, As, coeffs)
+            U, S, Vh = product_svd(*self.layer_terms(state, replies, m))
             if S.numel() == 0 or float(S[0]) == 0.0:  # W = 0: keep the previous factors (module docstring)
                 continue
             A, B = split_factors(U, S, Vh, self.s.r_max, s_global)
