@@ -5,7 +5,7 @@ Two settings: every client at rank 16 (every rule of :data:`EQUAL`), and heterog
 2/4/8/16 cycling over the clients (the rules of :data:`HETEROGENEOUS`). Client updates are random tensors: aggregation
 cost does not depend on their values. Times are the median of ``--repeats`` runs, in seconds.
 
-    python bench/aggregation.py [--clients 100] [--rank 16] [--layers 30] [--repeats 3]
+    python bench/perf/aggregation.py [--clients 100] [--rank 16] [--layers 30] [--repeats 3]
 """
 
 from __future__ import annotations

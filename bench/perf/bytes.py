@@ -6,7 +6,7 @@ SmolLM2-135M's shapes; two placements: the main job's (q, k, v, o on the top 4 l
 layers. Ranks 2, 4, 4, 8, 16 as in the main job. FLoRA's downlink (the accumulated stack) grows
 every round: its figures are given after rounds 1 and 3.
 
-    python bench/bytes.py
+    python bench/perf/bytes.py
 """
 
 from __future__ import annotations
