@@ -360,10 +360,9 @@ def pathological(
 
 
 def natural_id(labels: Sequence[Hashable], ids: Sequence[Hashable]) -> list[list[int]]:
-    """One client per natural id: a topic, a writer, a speaker (flwr-datasets'
-    ``NaturalIdPartitioner``).
+    """One client per natural id: a topic, a writer, a speaker.
 
-    Client i holds every item whose label is ``ids[i]``.
+    flwr-datasets' ``NaturalIdPartitioner``: client i holds every item whose label is ``ids[i]``.
 
     Args:
         labels: one label per item.
