@@ -67,10 +67,17 @@ from nestfed.methods.method import lora_method
 
 @dataclass(frozen=True)
 class RavanOptions:
-    """heads: h, the number of heads the LoRA rank r is cut into (>= 1, dividing r; 4 as
-    FedLLM-Factory's default, whose heads each have the full rank r instead); lr: the heads' and
-    scales' own AdamW learning rate on the clients (>= 0; 0 = ``train.lr``; docs/methods.md
-    section 7 on their step size)."""
+    """Options of ``[ravan]``.
+
+    Attributes:
+        heads: h, the number of heads the LoRA rank r is cut into (>= 1, dividing r; 4 as
+            FedLLM-Factory's default, whose heads each have the full rank r instead).
+        lr: the heads' and scales' own AdamW learning rate on the clients (>= 0; 0 = ``train.lr``;
+            docs/methods.md section 7 on their step size).
+
+    Raises:
+        ValueError: for heads < 1 or lr < 0.
+    """
 
     heads: int = 4
     lr: float = 0.0
