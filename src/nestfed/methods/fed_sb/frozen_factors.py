@@ -92,10 +92,10 @@ def frozen_factors(out_f: int, in_f: int, rank: int, seed: int, module: str, str
 def client_payload(arrays: Arrays, config: dict, shapes: dict[str, tuple[int, int]]) -> Arrays:
     """What a client loads from what it received.
 
-    Per layer with a core (``lora_core`` / ``lora_heads`` [r_k, q]): the frozen A[:r_k] [r_k, in]
-    and B[:, :r_k] [out, r_k] drawn from the config's seed (:func:`frozen_factors`), and, when
-    ``frozen_heads`` [r - r_k, q] came too, the residual ``merged_A`` = A[r_k:] [r - r_k, in],
-    ``merged_B`` = s B[:, r_k:] blockdiag(heads) [out, r - r_k] at the config's scale s. Other
+    Per layer with a core (``lora_core`` / ``lora_heads`` [r_k, q]): the frozen A[:r_k] ([r_k, in])
+    and B[:, :r_k] ([out, r_k]) drawn from the config's seed (:func:`frozen_factors`), and, when
+    ``frozen_heads`` [r - r_k, q] came too, the residual ``merged_A`` = A[r_k:] ([r - r_k, in]),
+    ``merged_B`` = s B[:, r_k:] blockdiag(heads) ([out, r - r_k]) at the config's scale s. Other
     arrays pass as they are.
 
     Args:

@@ -253,9 +253,9 @@ class FedExLoRA(LoraStrategy):
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
         """One PEFT adapter at scale 1 whose product is the global delta exactly.
 
-        Per layer A = [merged_A; s Abar] [R + r_max, in] and B = [merged_B, Bbar] [out, R + r_max],
-        zero-padded to the largest R + r_max over the layers (PEFT needs one rank; zero rows add
-        nothing).
+        Per layer A = [merged_A; s Abar] (shape [R + r_max, in]) and B = [merged_B, Bbar] (shape
+        [out, R + r_max]), zero-padded to the largest R + r_max over the layers (PEFT needs one
+        rank; zero rows add nothing).
         """
         return one_adapter(state.arrays, self.s.scale(self.s.r_max))
 

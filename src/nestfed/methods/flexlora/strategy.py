@@ -25,10 +25,10 @@ def product_svd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The thin SVD of W = sum_k c_k B_k A_k without forming W (FlexLoRA's redistribution SVD).
 
-    With B = [B_1 ... B_K] [out, R] and A = [c_1 A_1; ...; c_K A_K] [R, in] (R = sum r_k), W = B A =
-    Q_b (R_b R_a^T) Q_a^T from the reduced QR decompositions B = Q_b R_b and A^T = Q_a R_a, and the
-    SVD of the small core R_b R_a^T gives W's. Float64 throughout. Signs: the largest-magnitude
-    entry of each column of U is positive (the first on ties).
+    With B = [B_1 ... B_K] (shape [out, R]) and A = [c_1 A_1; ...; c_K A_K] (shape [R, in], R = sum
+    r_k), W = B A = Q_b (R_b R_a^T) Q_a^T from the reduced QR decompositions B = Q_b R_b and A^T =
+    Q_a R_a, and the SVD of the small core R_b R_a^T gives W's. Float64 throughout. Signs: the
+    largest-magnitude entry of each column of U is positive (the first on ties).
 
     Args:
         Bs: the B_k, [out, r_k] each.
