@@ -91,8 +91,9 @@ class CoreStrategy(LoraStrategy):
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
         """Frozen orthonormal factors (:func:`frozen_factors`) and a zero core, so round 1 starts from the backbone.
 
-        Raises ValueError for an r_max that h heads do not divide, or a client rank that is not a
-        multiple of q up to r_max.
+        Raises:
+            ValueError: for an r_max that h heads do not divide, or a client rank that is not a
+                multiple of q up to r_max.
         """
         h, r = self.heads(), self.s.r_max
         if r % h:

@@ -105,7 +105,10 @@ class FedSVD(LoraStrategy):
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
         """The rank-r_k prefix, B multiplied by s / s_k so that the client runs s B[:, :r_k] A[:r_k].
 
-        The factor is 1 under ``fixed`` scaling. Raises ValueError when rank exceeds r_max.
+        The factor is 1 under ``fixed`` scaling.
+
+        Raises:
+            ValueError: when rank exceeds r_max.
         """
         out = truncate_rank(state.arrays, rank)
         factor = self.s.scale(self.s.r_max) / self.s.scale(rank)

@@ -125,8 +125,11 @@ class FlexLoRA(LoraStrategy):
         """The rank-r_k truncation: the prefix of the global factors, rescaled once the state is an SVD.
 
         Both factors are multiplied by sqrt(s / s_k) once the state is an SVD (so s_k B' A' = the
-        rank-r_k truncation of W); before, the plain prefix of the initial adapter (random A, B =
-        0). Raises ValueError when rank exceeds r_max.
+        rank-r_k truncation of W); before, the plain prefix of the initial adapter (random A, zero
+        B).
+
+        Raises:
+            ValueError: when rank exceeds r_max.
         """
         out = truncate_rank(state.arrays, rank)
         factor = math.sqrt(self.s.scale(self.s.r_max) / self.s.scale(rank))
