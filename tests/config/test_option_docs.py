@@ -28,3 +28,29 @@ def test_each_field_gets_its_default_and_its_own_meaning():
         OptionDoc("ranks", "[2, 4]", "the ranks."),
         OptionDoc("undocumented", "0", ""),
     ]
+
+
+@dataclass(frozen=True)
+class GoogleOptions:
+    """Options of ``[demo]``: the prose before the section is no field's meaning.
+
+    Attributes:
+        mode: ``fast`` or ``exact`` (see :func:`~nestfed.ops.delta_rule.chunk_delta_rule`); its
+            description runs over two lines.
+        steps: local steps per round.
+
+    Raises:
+        ValueError: for a bad mode.
+    """
+
+    mode: str = "fast"
+    steps: int = 3
+    undocumented: int = 0
+
+
+def test_a_google_attributes_section_gives_each_field_its_item_and_no_raises():
+    assert option_docs(GoogleOptions) == [
+        OptionDoc("mode", '"fast"', "`fast` or `exact` (see chunk_delta_rule); its description runs over two lines."),
+        OptionDoc("steps", "3", "local steps per round."),
+        OptionDoc("undocumented", "0", ""),
+    ]

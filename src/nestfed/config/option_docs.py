@@ -1,7 +1,7 @@
 """Each option of a config section with its default and meaning, read from the section's dataclass:
 the fields and their defaults from ``dataclasses.fields``, the meaning from the class docstring's
-``name: meaning`` runs (the style every options dataclass is documented in), for ``nestfed methods
-NAME``."""
+``name: meaning`` runs (its Google-style ``Attributes:`` section, the style every options dataclass
+is documented in), for ``nestfed methods NAME``."""
 
 from __future__ import annotations
 
@@ -22,9 +22,9 @@ class OptionDoc(NamedTuple):
 
 def option_docs(cls: type) -> list[OptionDoc]:
     """The options of a section's dataclass ``cls``, in field order. A field's meaning is the text
-    after the first ``<field>:`` of the docstring (whitespace joined) up to the next field's; fields
-    described together (``a, b: ...``) share that text; ``""`` for a field the docstring does not
-    name."""
+    after the first ``<field>:`` of the docstring (whitespace joined) up to the next field's or a
+    ``Raises`` section; fields described together (``a, b: ...``) share that text; ``""`` for a
+    field the docstring does not name."""
     fields = dataclasses.fields(cls)
     names = {f.name for f in fields}
     text = " ".join((inspect.getdoc(cls) or "").split())
@@ -36,7 +36,7 @@ def option_docs(cls: type) -> list[OptionDoc]:
     meanings: dict[str, str] = {}
     for i, (_, end, group) in enumerate(heads):
         stop = heads[i + 1][0] if i + 1 < len(heads) else len(text)
-        meaning = _plain(text[end:stop].split(" Raises ")[0]).strip().rstrip(";,").strip()
+        meaning = _plain(re.split(r" Raises:? ", text[end:stop])[0]).strip().rstrip(";,").strip()
         for name in group:
             meanings.setdefault(name, meaning)
     return [OptionDoc(f.name, _default(f), meanings.get(f.name, "")) for f in fields]

@@ -1,20 +1,25 @@
-"""A client's prepared data kept on disk, so that a fresh process (a Flower ClientApp: flwr 1.42
-starts one per message) or a client evicted from memory (nestfed.data.client_pool) loads it instead
-of partitioning, tokenising and running the frozen prefix again (the frozen prefix is most of a
-SmolLM2 client's build).
+"""A client's prepared data kept on disk.
 
-One safetensors file per (experiment inputs, client): the token ids and labels, the frozen
+A fresh process (a Flower ClientApp: flwr 1.42 starts one per message) or a client evicted from
+memory (nestfed.data.client_pool) loads it instead of partitioning, tokenising and running the
+frozen prefix again (the frozen prefix is most of a SmolLM2 client's build).
+
+One safetensors file per (experiment inputs, client) holds the token ids and labels, the frozen
 prefix's outputs (train_hidden / test_hidden: [N, T, d]) and the test groups, with the rest as
 metadata. The file name is a SHA-256 over everything the prepared data depends on (:func:`key`):
-the model and data sections and the data source's own section ([niah], [recall]), the LoRA layers
-and target modules (they fix the first adapted layer), the prefix's batch size, a data attack's
-settings, the torch thread count (CPU kernels may round differently with another count), the
-torch and transformers versions, the format, the size and modification time of a local data
-path, and a digest of nestfed's own code that prepares data (:func:`code_digest`: the data
-package and the modules the frozen prefix runs through), so an
-edit of tokenisation, packing or the prefix is a new file too. Files are written atomically with
-the user's umask; an unreadable one is ignored (and rebuilt). :class:`ClientCache` bounds a
-directory's size, evicting the files used longest ago.
+
+- the model and data sections and the data source's own section ([niah], [recall]);
+- the LoRA layers and target modules (they fix the first adapted layer) and the prefix's batch size;
+- a data attack's settings;
+- the torch thread count (CPU kernels may round differently with another count);
+- the torch and transformers versions and the file format;
+- the size and modification time of a local data path;
+- a digest of nestfed's own code that prepares data (:func:`code_digest`: the data package and the
+  modules the frozen prefix runs through), so an edit of tokenisation, packing or the prefix is a
+  new file too.
+
+Files are written atomically with the user's umask; an unreadable one is ignored (and rebuilt).
+:class:`ClientCache` bounds a directory's size, evicting the files used longest ago.
 """
 
 from __future__ import annotations
@@ -65,7 +70,11 @@ PREPARING = (
 
 @functools.lru_cache(maxsize=1)
 def code_digest() -> str:
-    """SHA-256 (hex) over the source of the modules in :data:`PREPARING` (files sorted by path)."""
+    """SHA-256 (hex) over the source of the modules in :data:`PREPARING` (files sorted by path).
+
+    Returns:
+        The hex digest (computed once per process).
+    """
     root = Path(__file__).resolve().parents[1]
     h = hashlib.sha256()
     for part in PREPARING:
@@ -77,8 +86,15 @@ def code_digest() -> str:
 
 
 def key(cfg: ExperimentConfig, cid: int) -> str:
-    """The SHA-256 (hex) naming client ``cid``'s prepared data under ``cfg`` (see the module
-    docstring for what it covers)."""
+    """The SHA-256 (hex) naming a client's prepared data under a config (module docstring).
+
+    Args:
+        cfg: the experiment.
+        cid: the client id.
+
+    Returns:
+        The hex digest.
+    """
     d = to_dict(cfg)
     inputs = {
         "format": FORMAT,
@@ -102,12 +118,32 @@ def key(cfg: ExperimentConfig, cid: int) -> str:
 
 
 def path_for(cache_dir: str | Path, cfg: ExperimentConfig, cid: int) -> Path:
-    """``<cache_dir>/<key>.safetensors``."""
+    """The cache file of a client: ``<cache_dir>/<key>.safetensors``.
+
+    Args:
+        cache_dir: the cache directory.
+        cfg: the experiment.
+        cid: the client id.
+
+    Returns:
+        The file's path.
+    """
     return Path(cache_dir) / f"{key(cfg, cid)}.safetensors"
 
 
 def save(path: str | Path, data: ClientData) -> Path:
-    """Write ``data`` to ``path`` atomically (see the module docstring). Raises OSError."""
+    """Write a client's data to ``path`` atomically (module docstring).
+
+    Args:
+        path: the file to write.
+        data: the client's data.
+
+    Returns:
+        The path written.
+
+    Raises:
+        OSError: when the file cannot be written.
+    """
     tensors = {
         "train_ids": data.train_ids,
         "train_labels": data.train_labels,
@@ -130,8 +166,15 @@ def save(path: str | Path, data: ClientData) -> Path:
 
 
 def load(path: str | Path) -> ClientData | None:
-    """The ClientData saved at ``path``; None when there is no such file or it is unreadable,
-    truncated or of another format (the caller then rebuilds it)."""
+    """The ClientData saved at ``path``.
+
+    Args:
+        path: the cache file.
+
+    Returns:
+        The data, or None when there is no such file or it is unreadable, truncated or of another
+            format (the caller then rebuilds it).
+    """
     path = Path(path)
     if not path.is_file():
         return None
@@ -160,18 +203,31 @@ def load(path: str | Path) -> ClientData | None:
 
 @dataclass
 class ClientCache:
-    """A directory of prepared client data (one file per :func:`key`) of at most ``max_bytes``:
-    after each write the files used longest ago (by modification time, which a read refreshes) are
+    """A directory of prepared client data (one file per :func:`key`) of at most ``max_bytes``.
+
+    After each write the files used longest ago (by modification time, which a read refreshes) are
     removed until the directory fits, never the file just written. Its size is read from the
-    directory once and then tracked; another process writing the same directory is seen at the
-    next full scan (when the tracked size exceeds the bound)."""
+    directory once and then tracked; another process writing the same directory is seen at the next
+    full scan (when the tracked size exceeds the bound).
+
+    Attributes:
+        root: the directory.
+        max_bytes: the bound on the directory's size in bytes.
+    """
 
     root: Path
     max_bytes: int
     _sizes: dict[str, int] | None = field(default=None, repr=False)
 
     def path(self, k: str) -> Path:
-        """``<root>/<k>.safetensors``."""
+        """The file of a key: ``<root>/<k>.safetensors``.
+
+        Args:
+            k: the key (:func:`key`).
+
+        Returns:
+            The file's path.
+        """
         return Path(self.root) / f"{k}.safetensors"
 
     def _scan(self) -> dict[str, int]:
@@ -184,7 +240,14 @@ class ClientCache:
         return out
 
     def get(self, k: str) -> ClientData | None:
-        """The data saved under key ``k`` (its use time refreshed), or None (:func:`load`)."""
+        """The data saved under a key, its use time refreshed (:func:`load`).
+
+        Args:
+            k: the key.
+
+        Returns:
+            The data, or None when there is no usable file.
+        """
         p = self.path(k)
         data = load(p)
         if data is not None:
@@ -195,7 +258,18 @@ class ClientCache:
         return data
 
     def put(self, k: str, data: ClientData) -> Path:
-        """Save ``data`` under key ``k`` (:func:`save`), then bound the directory. Raises OSError."""
+        """Save data under a key (:func:`save`), then bound the directory.
+
+        Args:
+            k: the key.
+            data: the client's data.
+
+        Returns:
+            The path written.
+
+        Raises:
+            OSError: when the file cannot be written.
+        """
         p = save(self.path(k), data)
         if self._sizes is None:
             self._sizes = self._scan()

@@ -25,15 +25,28 @@ from nestfed.data.clients import ClientData, ClientSource
 
 
 def data_bytes(d: ClientData) -> int:
-    """Bytes of a client's tensors (token ids, labels, frozen-prefix outputs, test groups)."""
+    """Bytes of a client's tensors (token ids, labels, frozen-prefix outputs, test groups).
+
+    Args:
+        d: the client's data.
+
+    Returns:
+        The total size in bytes.
+    """
     tensors = [d.train_ids, d.train_labels, d.test_ids, d.test_labels, d.train_hidden, d.test_hidden]
     tensors += list((d.test_groups or {}).values())
     return int(sum(t.numel() * t.element_size() for t in tensors if t is not None))
 
 
 def peek(path) -> tuple[int, str] | None:
-    """(n_k, label) of a client-cache file from its header alone (no tensor read), or None when it
-    is missing, unreadable or of another format."""
+    """A client-cache file's n_k and label, read from its header alone (no tensor read).
+
+    Args:
+        path (str | Path): the cache file.
+
+    Returns:
+        (n_k, label), or None when the file is missing, unreadable or of another format.
+    """
     try:
         with safe_open(str(path), framework="pt") as f:
             meta = dict(f.metadata() or {})
@@ -46,8 +59,17 @@ def peek(path) -> tuple[int, str] | None:
 
 @dataclass
 class PoolStats:
-    """What a pool did: clients registered, built, loaded from the disk cache, served from memory,
-    evicted from memory; the bytes in memory now and at most."""
+    """What a pool did, counted since it was made.
+
+    Attributes:
+        registered: clients registered (n_k and label learnt).
+        built: clients built from their records.
+        loaded: clients loaded from the disk cache.
+        hits: reads served from memory.
+        evicted: clients evicted from memory.
+        memory_bytes: bytes of the clients in memory now.
+        peak_memory_bytes: the most bytes in memory at once.
+    """
 
     registered: int = 0
     built: int = 0
@@ -62,10 +84,16 @@ class PoolStats:
 class ClientPool(Mapping):
     """{cid: ClientData} over ``cids``, each client built on first read (module docstring).
 
-    source: builds a client's tokens; finish(cid, data): completes a built client in place
-    (poisoning, the frozen prefix); key(cid): its on-disk cache key (nestfed.data.client_cache.key);
-    disk: the on-disk cache (None = off); memory_bytes: the in-memory budget (at least the client
-    just read is kept).
+    Attributes:
+        source: builds a client's tokens.
+        cids: the clients of the pool.
+        finish: ``finish(cid, data)`` completes a built client in place (poisoning, the frozen
+            prefix).
+        key: ``key(cid)`` is the client's on-disk cache key (nestfed.data.client_cache.key).
+        disk: the on-disk cache; None = off.
+        memory_bytes: the in-memory budget in bytes (the client just read is kept whatever its
+            size); default 256 MiB.
+        stats: what the pool did.
     """
 
     source: ClientSource
@@ -97,8 +125,21 @@ class ClientPool(Mapping):
         return self._keys[cid]
 
     def register(self, cid: int) -> tuple[int, str]:
-        """(n_k, label) of client ``cid`` (module docstring). Raises KeyError for a client outside
-        the pool, DataError / ConfigError as the source does."""
+        """A client's n_k and label (module docstring).
+
+        Read from memory, else from the disk cache's header, else by building the client's tokens.
+
+        Args:
+            cid: the client id.
+
+        Returns:
+            (n_k, label).
+
+        Raises:
+            KeyError: for a client outside the pool.
+            DataError: as the source raises it.
+            ConfigError: as the source raises it.
+        """
         if cid not in self._ids:
             raise KeyError(cid)
         if cid not in self._registered:
@@ -115,11 +156,25 @@ class ClientPool(Mapping):
         return self._registered[cid]
 
     def num_examples(self, cid: int) -> int:
-        """n_k of client ``cid`` (:meth:`register`)."""
+        """n_k of a client (:meth:`register`).
+
+        Args:
+            cid: the client id.
+
+        Returns:
+            The client's training examples.
+        """
         return self.register(cid)[0]
 
     def label(self, cid: int) -> str:
-        """The labels of client ``cid`` (:meth:`register`)."""
+        """The labels of a client (:meth:`register`).
+
+        Args:
+            cid: the client id.
+
+        Returns:
+            The label string.
+        """
         return self.register(cid)[1]
 
     def __getitem__(self, cid: int) -> ClientData:
@@ -153,5 +208,9 @@ class ClientPool(Mapping):
         self.stats.peak_memory_bytes = max(self.stats.peak_memory_bytes, self.stats.memory_bytes)
 
     def in_memory(self) -> list[int]:
-        """The clients held in memory now, least recently used first."""
+        """The clients held in memory now, least recently used first.
+
+        Returns:
+            Their ids.
+        """
         return list(self._memory)

@@ -31,9 +31,19 @@ log = logging.getLogger(__name__)
 class ClientData:
     """One client's tokenised partition.
 
-    train_ids / test_ids: [N, T] token ids; train_labels / test_labels: [N, T] (-100 = no loss).
-    train_hidden / test_hidden: the frozen prefix's outputs [N, T, d] entering layer ``start``
-    (None = run the whole model). letter_ids: the 4 answer-letter token ids for multiple choice.
+    Attributes:
+        train_ids: [N, T] training token ids.
+        train_labels: [N, T] training labels (-100 = no loss).
+        test_ids: [M, T] held-out token ids.
+        test_labels: [M, T] held-out labels (-100 = no loss).
+        train_hidden: [N, T, d] the frozen prefix's outputs entering layer ``start`` for the
+            training rows; None = run the whole model.
+        test_hidden: [M, T, d] the same for the held-out rows.
+        start: the first trained layer the hidden states enter (0 = no frozen prefix).
+        letter_ids: the 4 answer-letter token ids for multiple choice; None for other tasks.
+        label: the client's labels as listings show them.
+        test_groups: optional named groups of held-out rows, {name: row indices [n]} (e.g. NIAH's
+            context lengths); evaluation adds ``accuracy@<name>`` and ``loss@<name>`` per group.
     """
 
     train_ids: torch.Tensor
@@ -55,8 +65,16 @@ class ClientData:
         return int(self.train_ids.shape[0])
 
     def cache_prefix(self, model: nn.Module, start: int, batch_size: int = 8) -> None:
-        """Compute and keep the frozen layers' outputs for train and test (see frozen_prefix),
-        each row only up to its last labelled token (what every loss and metric here reads)."""
+        """Compute and keep the frozen layers' outputs for the train and test rows.
+
+        The outputs are nestfed.nn.frozen_prefix's. Each row runs only up to its last labelled token
+        (what every loss and metric here reads), with the model in eval mode.
+
+        Args:
+            model: the backbone with its adapters.
+            start: the first trained layer; 0 keeps no prefix.
+            batch_size: rows per forward pass.
+        """
         self.start = start
         if start > 0:
             was = model.training  # the frozen layers' outputs, as evaluation sees them
@@ -74,7 +92,12 @@ class ClientData:
 
 @dataclass(frozen=True)
 class TokenBlock:
-    """One block of ``block_size`` token ids of the corpus (``data.unit = "block"``): ids [T]."""
+    """One block of the corpus' token ids (``data.unit = "block"``).
+
+    Attributes:
+        ids: [T] token ids, T = ``data.block_size``.
+        label: the label of the documents the block was packed from.
+    """
 
     ids: torch.Tensor
     label: str
@@ -148,7 +171,18 @@ def _partition(labels: list[str], d: DataConfig) -> list[list[int]]:
 
 
 def tokenise(records: list[Any], idx: list[int], d: DataConfig, tokenizer, cap: int) -> tasks.TokenDataset:
-    """The records at ``idx`` tokenised for ``d.task``, at most ``cap`` rows (blocks or examples)."""
+    """The records at ``idx`` tokenised for ``d.task``.
+
+    Args:
+        records: the source's records (documents, instruction or multiple-choice items, or blocks).
+        idx: the indices of the records to tokenise.
+        d: the data config (``task``, ``unit``, ``block_size``, ``template``).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        cap: the most rows (blocks or examples) to keep.
+
+    Returns:
+        The token dataset, at most ``cap`` rows.
+    """
     items = [records[i] for i in idx]
     if d.unit == "block":  # already tokenised: the client's first ``cap`` blocks
         ids = torch.stack([b.ids for b in items[:cap]]) if items else torch.zeros(0, d.block_size, dtype=torch.long)
@@ -170,11 +204,21 @@ def _as_text(x: Any) -> str:
 
 
 def load_partitions(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str], list[list[int]]]:
-    """Read the data source and partition it: (records, labels, record indices per client).
-    tokenizer: needed for ``data.unit = "block"`` (the corpus is tokenised into blocks first).
+    """Read the data source and partition its records among the clients.
 
-    Raises DataError (missing or malformed data, a client whose partition is empty) or
-    ConfigError (bad partition settings), each one line.
+    A generated source (e.g. nestfed.data.niah) has no shared records: all three lists are empty.
+
+    Args:
+        d: the data config.
+        tokenizer (PreTrainedTokenizerBase): needed for ``data.unit = "block"`` (the corpus is
+            tokenised into blocks first); None otherwise.
+
+    Returns:
+        The records, one label per record, and the record indices of each client.
+
+    Raises:
+        DataError: for missing or malformed data, or a client whose partition is empty (one line).
+        ConfigError: for bad partition or unit settings (one line).
     """
     if not source_of(d.source).shared:  # generated per client (e.g. data/niah.py), no shared records
         return [], [], []
@@ -196,13 +240,16 @@ def load_partitions(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str]
 
 
 class ClientSource:
-    """Any one client's tokenised train/test data (no frozen prefix), built when asked for: the
-    source is read and partitioned on the first request (:func:`load_partitions`), then each client
-    is split (seeded by ``data.seed + cid``) and tokenised on its own. A generated source's clients
-    (NIAH's), generated together by its reader, are built all at once on the first request.
+    """Any one client's tokenised train and test data (no frozen prefix), built when asked for.
 
-    cfg: the experiment; tokenizer: the backbone's; loaded: a :func:`load_partitions` result to use
-    (read on first use when None).
+    The source is read and partitioned on the first request (:func:`load_partitions`); then each
+    client is split (seeded by ``data.seed + cid``) and tokenised on its own. A generated source's
+    clients (NIAH's), generated together by its reader, are built all at once on the first request.
+
+    Args:
+        cfg: the experiment.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        loaded (tuple | None): a :func:`load_partitions` result to use; read on first use when None.
     """
 
     def __init__(self, cfg: ExperimentConfig, tokenizer, loaded=None):
@@ -211,18 +258,32 @@ class ClientSource:
 
     @property
     def loaded(self) -> tuple[list[Any], list[str], list[list[int]]]:
-        """(records, labels, record indices per client), read and partitioned once."""
+        """The records, labels and record indices per client, read and partitioned once."""
         if self._loaded is None:
             self._loaded = load_partitions(self.cfg.data, self.tokenizer)
         return self._loaded
 
     def records_of(self, cid: int) -> tuple[list[int], list[int]]:
-        """Client ``cid``'s (train, test) record indices."""
+        """A client's train and test record indices.
+
+        Args:
+            cid: the client id.
+
+        Returns:
+            The train indices and the test indices.
+        """
         idx = self.loaded[2][cid]
         return partition.train_test_split(idx, self.cfg.data.test_fraction, self.cfg.data.seed + cid)
 
     def label(self, cid: int) -> str:
-        """The client's labels, ``"+"``-joined (``"<n> labels"`` beyond three)."""
+        """A client's labels, ``"+"``-joined (``"<n> labels"`` beyond three).
+
+        Args:
+            cid: the client id.
+
+        Returns:
+            The label string.
+        """
         if not source_of(self.cfg.data.source).shared:
             return self.build(cid).label
         records, labels, parts = self.loaded
@@ -230,8 +291,19 @@ class ClientSource:
         return "+".join(names) if len(names) <= 3 else f"{len(names)} labels"
 
     def build(self, cid: int) -> ClientData:
-        """Client ``cid``'s data. Raises DataError (missing or malformed data, a client left without
-        examples) or ConfigError, each one line."""
+        """A client's tokenised data.
+
+        Args:
+            cid: the client id.
+
+        Returns:
+            A fresh ClientData (a copy for a generated source: what the pool does to it is done in
+                place).
+
+        Raises:
+            DataError: for missing or malformed data, or a client left without examples (one line).
+            ConfigError: for bad data settings (one line).
+        """
         d = self.cfg.data
         if not source_of(d.source).shared:
             if self._generated is None:
@@ -262,11 +334,21 @@ class ClientSource:
 
 
 def build_client_data(cfg: ExperimentConfig, tokenizer, loaded=None) -> tuple[dict[int, ClientData], list[list[str]]]:
-    """Tokenised train/test data for every client, from the config's source, partition and task
-    (:class:`ClientSource` for each), and each client's sorted labels.
+    """Tokenised train and test data for every client, from the config's source, partition and task.
 
-    loaded: the result of :func:`load_partitions` (read here when None).
-    Raises DataError (missing or malformed data, a client left without examples) or ConfigError.
+    Each client is built by a :class:`ClientSource`.
+
+    Args:
+        cfg: the experiment.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        loaded (tuple | None): a :func:`load_partitions` result; read here when None.
+
+    Returns:
+        {cid: ClientData}, and each client's sorted labels.
+
+    Raises:
+        DataError: for missing or malformed data, or a client left without examples.
+        ConfigError: for bad data settings.
     """
     if not source_of(cfg.data.source).shared:
         return source_of(cfg.data.source).read(cfg, tokenizer)
@@ -279,8 +361,16 @@ def build_client_data(cfg: ExperimentConfig, tokenizer, loaded=None) -> tuple[di
 def generated_client_data(
     clients: list[dict], letter_ids: list[int] | None
 ) -> tuple[dict[int, ClientData], list[list[str]]]:
-    """A generated source's clients (``[{"train", "test": TokenDataset, "groups", "label"}]``, in
-    client order) as ClientData with those test groups and ``letter_ids``, and each client's labels."""
+    """A generated source's clients as ClientData.
+
+    Args:
+        clients: in client order, ``{"train": TokenDataset, "test": TokenDataset, "groups": test
+            groups, "label": str}`` each.
+        letter_ids: the answer-letter token ids every client gets, or None.
+
+    Returns:
+        {cid: ClientData} with those test groups, and each client's labels (one each).
+    """
     out = {
         cid: ClientData(
             c["train"].input_ids,

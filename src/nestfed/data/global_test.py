@@ -19,9 +19,24 @@ from nestfed.seeds import stream_seed
 
 
 def global_test_set(source: ClientSource, rows: int, num_clients: int, seed: int) -> ClientData:
-    """``rows`` rows (blocks for causal_lm, examples otherwise) of the global held-out set, drawn
-    with the seed rule's stream ``global_test`` of (seed, 0, 0); train tensors empty ([0, T]),
-    label ``"global"``. Raises DataError when the clients' held-out records give no row."""
+    """The global held-out set: ``rows`` rows drawn from every client's held-out records.
+
+    The pool is the union of the clients' held-out record indices, shuffled with the seed rule's
+    stream ``global_test`` of (seed, 0, 0).
+
+    Args:
+        source: the clients' source (its records, partition and tokenizer).
+        rows: how many rows to keep: blocks for causal_lm, examples otherwise.
+        num_clients: the clients whose held-out records are pooled (cids 0 .. num_clients - 1).
+        seed: the federation's seed.
+
+    Returns:
+        ClientData with empty train tensors ([0, T]), the rows as its test split, and label
+            ``"global"``.
+
+    Raises:
+        DataError: when the clients' held-out records give no row.
+    """
     d = source.cfg.data
     pool = sorted({i for cid in range(num_clients) for i in source.records_of(cid)[1]})
     order = np.random.default_rng(stream_seed(seed, 0, 0, "global_test")).permutation(len(pool))

@@ -23,10 +23,21 @@ from nestfed.errors import ConfigError, DataError
 
 
 def consumed_texts(texts: Sequence[str], tokenizer, block_size: int, max_blocks: int) -> int:
-    """How many leading texts :func:`~nestfed.data.tasks.pack_causal_lm` uses for ``max_blocks``
-    blocks of ``block_size`` tokens: the smallest n with sum_{i<n} (tokens_i + 1 eos) >= the
-    stream tokens it keeps (``block_size - 1`` per block after a BOS token, :func:`~nestfed.data.tasks.bos_id`;
-    all texts when they do not fill the blocks)."""
+    """How many leading texts packing uses to fill ``max_blocks`` blocks.
+
+    The packing is :func:`~nestfed.data.tasks.pack_causal_lm`'s; n is the smallest with sum_{i<n}
+    (tokens_i + 1 eos) >= the stream tokens packing keeps (``block_size - 1`` per block after a BOS
+    token, :func:`~nestfed.data.tasks.bos_id`).
+
+    Args:
+        texts: the documents in packing order.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        block_size: tokens per block.
+        max_blocks: the blocks to fill.
+
+    Returns:
+        n, or all texts when they do not fill the blocks.
+    """
     limit = max_blocks * (block_size - (tasks.bos_id(tokenizer) is not None))
     total = 0
     for n, text in enumerate(texts, 1):
@@ -50,7 +61,20 @@ def server_pools(
 
     Mirrors build_client_data's split (seed + cid) and its use of the train records: packing for
     ``task = "causal_lm"`` (:func:`consumed_texts`), the first ``max_train`` records for
-    ``"instruction"`` (one row each). Returns one index list per client, in the split's order.
+    ``"instruction"`` (one row each).
+
+    Args:
+        records: the source's records.
+        parts: the record indices of each client.
+        test_fraction: ``data.test_fraction``.
+        seed: ``data.seed``.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        block_size: tokens per block.
+        max_train: ``data.max_train``.
+        task: ``causal_lm`` or ``instruction``.
+
+    Returns:
+        One index list per client, in the split's order.
     """
     pools = []
     for cid, idx in enumerate(parts):
@@ -71,12 +95,25 @@ def server_text(
     blocks: int,
     as_text: Callable[[Any], str] = lambda r: r.text,
 ) -> tasks.TokenDataset:
-    """``blocks`` blocks of ``block_size`` tokens drawn evenly from the clients' pools (ceil(blocks/K)
-    per client, packed per client, then cut to ``blocks``). input_ids/labels [blocks, block_size];
-    the labels are only for evaluation: elicitation never reads them. as_text: a record's text
-    (its ``text``; an instruction record's whole exchange in the run's template).
+    """Blocks of server text drawn evenly from the clients' pools.
 
-    Raises DataError when the pools cannot fill the blocks.
+    ceil(blocks / K) blocks are packed from each client's pool, then the whole is cut to ``blocks``.
+    The labels are only for evaluation: elicitation never reads them.
+
+    Args:
+        records: the source's records.
+        pools: per client, the indices of its unused records (:func:`server_pools`).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        block_size: tokens per block.
+        blocks: the blocks to return.
+        as_text: a record's text (its ``text``; an instruction record's whole exchange in the run's
+            template).
+
+    Returns:
+        input_ids and labels, [blocks, block_size] each.
+
+    Raises:
+        DataError: when a client's pool cannot fill its share of the blocks.
     """
     per = math.ceil(blocks / max(len(pools), 1))
     parts = []
@@ -93,13 +130,25 @@ def server_text(
 
 
 def load_server_text(cfg, tokenizer, blocks: int, loaded=None) -> tasks.TokenDataset:
-    """The server text of an experiment config: for ``data.task = "causal_lm"`` the held-out
-    documents packed, for ``"instruction"`` the held-out records' whole exchanges in
-    ``data.template`` (:func:`nestfed.data.templates.example_text`) packed the same way.
+    """The server text of an experiment config.
 
-    loaded: the result of :func:`nestfed.data.clients.load_partitions` (read here when None).
-    Raises ConfigError (another task, a template the tokenizer cannot render) or DataError (too
-    little held-out text).
+    For ``data.task = "causal_lm"`` the held-out documents are packed; for ``"instruction"`` the
+    held-out records' whole exchanges in ``data.template``
+    (:func:`nestfed.data.templates.example_text`) are packed the same way.
+
+    Args:
+        cfg (ExperimentConfig): the experiment.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        blocks: the blocks to return.
+        loaded (tuple | None): a :func:`nestfed.data.clients.load_partitions` result; read here when
+            None.
+
+    Returns:
+        input_ids and labels, [blocks, data.block_size] each.
+
+    Raises:
+        ConfigError: for another task, or a template the tokenizer cannot render.
+        DataError: when there is too little held-out text.
     """
     d = cfg.data
     if d.task not in ("causal_lm", "instruction"):

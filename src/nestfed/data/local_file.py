@@ -14,12 +14,23 @@ READERS = {".jsonl": "from_json", ".json": "from_json", ".csv": "from_csv", ".pa
 
 
 def local_file(path: str | Path, text_column: str, label_column: str = "") -> list[Document]:
-    """The rows of ``path`` as Documents (text, label; label "all" when ``label_column`` is "").
+    """The rows of a local file as Documents (text, label).
 
-    Rows whose text is empty or missing are left out. Raises DataError naming the file when it is
-    missing, of an unknown kind, unreadable, without a usable row, or has a row without a label
-    (naming the first), and ConfigError naming the field when a named column is absent (listing
-    the columns the file has).
+    Rows whose text is empty or missing are left out.
+
+    Args:
+        path: a ``.jsonl``, ``.json``, ``.csv`` or ``.parquet`` file.
+        text_column: the column holding the text.
+        label_column: the column holding the label; ``""`` labels every row ``"all"``.
+
+    Returns:
+        One Document per row with text, in file order.
+
+    Raises:
+        DataError: when the file is missing, of an unknown kind, unreadable or without a usable row,
+            or a row has no label (the message names the file and the first such row).
+        ConfigError: when a named column is absent (the message names the field and lists the file's
+            columns).
     """
     path = Path(path)
     reader = READERS.get(path.suffix.lower())

@@ -1,15 +1,21 @@
-"""Non-IID MMLU by domain: FedNL's five clients (arXiv 2605.16350, section 5.1; docs/methods.md
-section 3), each holding the questions of one domain, capped at 2000 train / 200 test.
+"""Non-IID MMLU by domain: FedNL's five clients, each holding the questions of one domain.
+
+The setting of arXiv 2605.16350, section 5.1 (docs/methods.md section 3), capped at 2000 train / 200
+test questions per client.
 
 docs/methods.md names the domains' subjects in words; the mapping to MMLU's 57 subject files is ours
-where the words are a family ("history", "politics", "economics", "religion", "biology",
-"chemistry", "physics"): history = high-school European, US and world history and prehistory;
-politics = high-school government and politics and US foreign policy; economics = high-school
-macro- and microeconomics and econometrics; religion = world religions; biology, chemistry =
-their high-school and college files; physics = high-school, college and conceptual physics.
-professional_accounting is in no domain (the paper lists it nowhere) and is left out. Check:
-the Math/CS domain has 1,098 questions, which a 1/6 test fraction splits into the paper's
-915 train / 183 test (tested).
+where the words are a family:
+
+- history: high-school European, US and world history, and prehistory;
+- politics: high-school government and politics, and US foreign policy;
+- economics: high-school macro- and microeconomics, and econometrics;
+- religion: world religions;
+- biology, chemistry: their high-school and college files;
+- physics: high-school, college and conceptual physics.
+
+professional_accounting is in no domain (the paper lists it nowhere) and is left out. Check: the
+Math/CS domain has 1,098 questions, which a 1/6 test fraction splits into the paper's 915 train /
+183 test (tested).
 """
 
 from __future__ import annotations
@@ -92,7 +98,14 @@ TEST_FRACTION = 1 / 6  # 1,098 Math/CS questions -> 915 train / 183 test, as in 
 
 
 def domain_of(subject: str) -> str | None:
-    """The FedNL domain of an MMLU subject name (None for a subject in no domain)."""
+    """The FedNL domain of an MMLU subject name.
+
+    Args:
+        subject: the MMLU subject (its file's stem).
+
+    Returns:
+        The domain, or None for a subject in no domain.
+    """
     for dom, subjects in DOMAINS.items():
         if subject in subjects:
             return dom
@@ -102,10 +115,20 @@ def domain_of(subject: str) -> str | None:
 def domain_items(root: str | Path, split: str = "test", seed: int = 0) -> tuple[list[MultipleChoice], list[str]]:
     """Every question of the five domains from ``<root>/<split>/`` and its domain label.
 
-    The items come in a seeded random order (so that capping a client's sorted item indices
-    takes a random sample of its subjects, not the alphabetically first ones).
-    Returns (items, labels). Raises DataError (from :func:`nestfed.data.sources.mmlu`) when the
-    folder or a domain's subject file is missing or malformed.
+    The items come in a seeded random order, so that capping a client's sorted item indices takes a
+    random sample of its subjects, not the alphabetically first ones.
+
+    Args:
+        root: MMLU's folder.
+        split: the split's subfolder (``test``, ``dev``, ``val``).
+        seed: the seed of the order.
+
+    Returns:
+        The items and one domain label per item.
+
+    Raises:
+        DataError: when the folder or a domain's subject file is missing or malformed (from
+            :func:`nestfed.data.sources.mmlu`).
     """
     subjects = [s for subs in DOMAINS.values() for s in subs]
     items = mmlu(root, split, subjects)

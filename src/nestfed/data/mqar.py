@@ -50,16 +50,30 @@ WORDS = (
 
 @dataclass(frozen=True)
 class Vocab:
-    """One vocabulary: ``keys`` and ``values`` (token ids, disjoint)."""
+    """One vocabulary of keys and values.
+
+    Attributes:
+        keys: the key token ids.
+        values: the value token ids (disjoint from the keys).
+    """
 
     keys: tuple[int, ...]
     values: tuple[int, ...]
 
 
 def single_tokens(tokenizer) -> list[int]:
-    """Candidate token ids, each one token on its own, distinct and in a fixed order: the words of
-    :data:`WORDS` with a leading space, then single printable characters, then the other ASCII
-    characters (a byte-level tokenizer's only one-token strings); special tokens left out."""
+    """Candidate token ids, each one token on its own, distinct and in a fixed order.
+
+    First the words of :data:`WORDS` with a leading space, then single printable characters, then
+    the other ASCII characters (a byte-level tokenizer's only one-token strings); special tokens are
+    left out.
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+
+    Returns:
+        The token ids.
+    """
     special = set(getattr(tokenizer, "all_special_ids", []) or [])
     out, seen = [], set()
     chars = string.ascii_letters + string.digits + string.punctuation
@@ -73,10 +87,22 @@ def single_tokens(tokenizer) -> list[int]:
 
 
 def vocabularies(tokenizer, pools: int, vocab: int, fillers: int) -> tuple[list[Vocab], tuple[int, ...]]:
-    """``pools`` disjoint vocabularies of ``vocab`` keys and ``vocab`` values each, and
-    ``fillers`` filler tokens, from :func:`single_tokens` in order (keys and values interleaved,
-    so that every pool draws alike from the list). Raises ValueError when the tokenizer has too
-    few one-token candidates."""
+    """Disjoint vocabularies and filler tokens from :func:`single_tokens`, in order.
+
+    Keys and values are interleaved, so that every pool draws alike from the list.
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        pools: how many vocabularies.
+        vocab: keys (and values) per vocabulary.
+        fillers: how many filler tokens.
+
+    Returns:
+        The vocabularies and the filler token ids.
+
+    Raises:
+        ValueError: when the tokenizer has too few one-token candidates.
+    """
     cand = single_tokens(tokenizer)
     need = 2 * pools * vocab + fillers
     if len(cand) < need:
@@ -100,9 +126,23 @@ def mqar_row(
     rng: random.Random,
     bos: Sequence[int] = (),
 ) -> tuple[list[int], list[int]]:
-    """One row (module docstring): ids and labels (the queried values; IGNORE_INDEX elsewhere).
+    """One row (module docstring): its ids and labels.
+
     Keys are distinct within a row, values drawn with replacement, the queries a random order of
-    ``queries`` distinct keys."""
+    ``queries`` distinct keys.
+
+    Args:
+        vocab: the vocabulary the pairs come from.
+        fillers: the filler tokens.
+        pairs: key-value pairs stated.
+        queries: keys asked again (at most ``pairs``).
+        gap: filler tokens between the pairs and the queries.
+        rng: the random stream.
+        bos: tokens the row starts with (a BOS token or none).
+
+    Returns:
+        The ids and the labels (the queried values; IGNORE_INDEX elsewhere), of equal length.
+    """
     keys = rng.sample(vocab.keys, pairs)
     values = [rng.choice(vocab.values) for _ in range(pairs)]
     ids = list(bos)
@@ -119,13 +159,33 @@ def mqar_row(
 def mqar_batch(
     vocab: Vocab, fillers: Sequence[int], n: int, pairs: int, queries: int, gap: int, rng: random.Random
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``n`` rows of one shape as tensors: input_ids and labels, each [n, 2 (pairs + queries) + gap]."""
+    """Rows of one shape as tensors, for training loops outside the federation.
+
+    Args:
+        vocab: the vocabulary the pairs come from.
+        fillers: the filler tokens.
+        n: rows.
+        pairs: key-value pairs per row.
+        queries: keys asked again per row.
+        gap: filler tokens between the pairs and the queries.
+        rng: the random stream.
+
+    Returns:
+        input_ids and labels, each [n, 2 (pairs + queries) + gap].
+    """
     rows = [mqar_row(vocab, fillers, pairs, queries, gap, rng) for _ in range(n)]
     return torch.tensor([r[0] for r in rows]), torch.tensor([r[1] for r in rows])
 
 
 def union(vocabs: Sequence[Vocab]) -> Vocab:
-    """One vocabulary holding every key and every value of ``vocabs``."""
+    """One vocabulary holding every key and every value of ``vocabs``.
+
+    Args:
+        vocabs: the vocabularies, in order.
+
+    Returns:
+        Their union (keys and values concatenated in order).
+    """
     return Vocab(tuple(k for v in vocabs for k in v.keys), tuple(x for v in vocabs for x in v.values))
 
 
@@ -135,10 +195,23 @@ def _dataset(vocab, fillers, n, o, rng, tokenizer) -> TokenDataset:
 
 
 def mqar_clients(cfg: ExperimentConfig, tokenizer) -> tuple[list[dict], list[int]]:
-    """Client i trains on ``data.max_train`` rows of vocabulary i and is tested on
-    ``data.max_test`` rows of its own (group ``own``) and of the held-out vocabulary
-    (``held_out``, when ``[mqar] held_out``). Returns the clients (``train``, ``test``, ``groups``,
-    ``label``) and every pool's values (the candidates accuracy takes its argmax over)."""
+    """Every client's rows: client i trains on vocabulary i.
+
+    Client i trains on ``data.max_train`` rows of vocabulary i and is tested on ``data.max_test``
+    rows of its own (group ``own``) and of the held-out vocabulary (group ``held_out``, when
+    ``[mqar] held_out``).
+
+    Args:
+        cfg: the experiment (``[data]`` and ``[mqar]``).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+
+    Returns:
+        The clients (dicts of ``train``, ``test``, ``groups``, ``label``) and every pool's values
+            (the candidates accuracy takes its argmax over).
+
+    Raises:
+        ValueError: when the tokenizer has too few one-token candidates.
+    """
     d, o = cfg.data, cfg.section("mqar")
     pools = d.num_clients + (1 if o.held_out else 0)
     vocabs, fillers = vocabularies(tokenizer, pools, o.vocab, o.fillers)
@@ -156,9 +229,18 @@ def mqar_clients(cfg: ExperimentConfig, tokenizer) -> tuple[list[dict], list[int
 
 
 def mqar_client_data(cfg: ExperimentConfig, tokenizer) -> tuple[dict[int, ClientData], list[list[str]]]:
-    """The mqar source's reader (nestfed.config.sources): every client as ClientData with accuracy
-    over every pool's values. Raises ConfigError when the tokenizer has too few one-token
-    candidates for the vocabularies asked."""
+    """The mqar source's reader (nestfed.config.sources).
+
+    Args:
+        cfg: the experiment.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+
+    Returns:
+        {cid: ClientData} scored over every pool's values, and each client's labels.
+
+    Raises:
+        ConfigError: when the tokenizer has too few one-token candidates for the vocabularies asked.
+    """
     try:
         clients, candidates = mqar_clients(cfg, tokenizer)
     except ValueError as exc:

@@ -186,9 +186,14 @@ MONTHS = (
 class NiahItem:
     """One needle task before it meets a haystack.
 
-    needles: the event sentences, in haystack order; depths: the depth fraction of each (same
-    order, increasing); question; options: the 4 answer strings (A-D); answer: the gold index
-    0-3; gold_depth: the depth fraction of the event that holds the answer.
+    Attributes:
+        template: the template's name (:data:`TEMPLATES`).
+        needles: the event sentences, in haystack order.
+        depths: the depth fraction of each event (same order, increasing).
+        question: the question asked after the haystack.
+        options: the 4 answer strings (A-D).
+        answer: the gold index, 0-3.
+        gold_depth: the depth fraction of the event that holds the answer.
     """
 
     template: str
@@ -356,10 +361,14 @@ def make_item(template: str, rng: random.Random, depth: float = 0.5) -> NiahItem
 class Haystack:
     """Tokenised long documents to cut haystacks from, with the sentence boundaries marked.
 
-    texts: the documents (e.g. ``[t.text for t in sources.long_texts()]``); tokenizer: a
-    Hugging Face tokenizer. half: ``train`` takes the first half of each document's tokens,
-    ``test`` the second (disjoint haystacks), ``all`` everything. Documents with fewer than 64
-    tokens in their half are dropped. Raises ValueError when none is left or ``half`` is unknown.
+    Args:
+        texts: the documents (e.g. ``[t.text for t in sources.long_texts()]``).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        half: ``train``: each document's first half of tokens, ``test``: the second, ``all``: all; a document
+            under 64 tokens is dropped.
+
+    Raises:
+        ValueError: when no document is left or ``half`` is unknown.
     """
 
     def __init__(self, texts: Sequence[str], tokenizer, half: str = "all"):
@@ -382,8 +391,18 @@ class Haystack:
         return max(len(d) for d in self.docs)
 
     def span(self, rng: random.Random, n: int) -> list[int]:
-        """``n`` consecutive haystack tokens from a random document long enough (documents are
-        concatenated, in order, when none is). Raises ValueError for n < 1."""
+        """Consecutive haystack tokens from a random document long enough (else all, concatenated).
+
+        Args:
+            rng: the random stream.
+            n: tokens wanted.
+
+        Returns:
+            ``n`` token ids.
+
+        Raises:
+            ValueError: for n < 1.
+        """
         if n < 1:
             raise ValueError(f"haystack span must be >= 1 token, got {n}")
         fits = [d for d in self.docs if len(d) >= n]
@@ -398,8 +417,16 @@ class Haystack:
         return joined[s : s + n]
 
     def insertion_point(self, hay: list[int], depth: float, lo: int) -> int:
-        """The first sentence boundary at or after ``depth * len(hay)`` (and after ``lo``); the
-        position itself when none follows within 128 tokens."""
+        """The first sentence boundary at or after ``depth * len(hay)`` and after ``lo``.
+
+        Args:
+            hay: the haystack's token ids.
+            depth: the depth fraction in [0, 1].
+            lo: the earliest position (the previous event's).
+
+        Returns:
+            The position (the depth's own when no boundary follows within 128 tokens).
+        """
         p = max(int(round(depth * len(hay))), lo)
         for j in range(p, min(p + 128, len(hay))):
             if j > 0 and self._boundary.get(hay[j - 1], False):
@@ -415,12 +442,21 @@ def _ends_sentence(text: str) -> bool:
 def render(
     item: NiahItem, tokenizer, haystack: Haystack, length: int, rng: random.Random
 ) -> tuple[list[int], list[int], float]:
-    """One example of exactly ``length`` tokens: the BOS token (where the tokenizer puts one,
-    :func:`nestfed.data.tasks.bos_id`), haystack with the needles inserted, the question prompt,
-    the gold letter (the only labelled token).
+    """One example of exactly ``length`` tokens: BOS, the haystack with the needles, question, answer.
 
-    Returns (input ids, labels, the gold event's actual depth as a fraction of the haystack).
-    Raises ValueError when ``length`` leaves fewer than 32 haystack tokens.
+    Args:
+        item: the needle task.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        haystack: where the haystack tokens come from.
+        length: the example's tokens.
+        rng: the random stream.
+
+    Returns:
+        The input ids, the labels (the gold letter only), and the gold event's actual depth as a fraction of the
+            haystack.
+
+    Raises:
+        ValueError: when ``length`` leaves fewer than 32 haystack tokens.
     """
     bridge, letters = _answer_tokens(tokenizer)
     question = _encode(tokenizer, ["\n\n" + mc_prompt(item.question, item.options)])[0] + bridge
@@ -451,12 +487,22 @@ def render(
 def niah_dataset(
     template: str, n: int, length: int, depths: Sequence[float], tokenizer, haystack: Haystack, seed: int
 ) -> tuple[TokenDataset, list[dict]]:
-    """``n`` examples of ``template`` at context ``length`` tokens, the gold depths cycling through
-    ``depths`` (equal counts per depth); seeded (same arguments, same tensors).
+    """Seeded examples of one template at one context length, gold depths cycling through ``depths``.
 
-    Returns the dataset (input_ids / labels [n, length]) and one record per row: ``depth``
-    (requested), ``actual_depth``, ``answer`` (gold index), ``length``.
-    Raises ValueError as :func:`make_item` and :func:`render` do, or for n < 1 or no depths.
+    Args:
+        template: the template's name.
+        n: examples.
+        length: tokens per example.
+        depths: the requested gold depths.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        haystack: where the haystack tokens come from.
+        seed: the seed of the examples.
+
+    Returns:
+        The dataset ([n, length] ids, labels), and per row ``depth``, ``actual_depth``, ``answer``, ``length``.
+
+    Raises:
+        ValueError: for n < 1 or no depths, and as :func:`make_item` and :func:`render` raise it.
     """
     if n < 1 or not depths:
         raise ValueError(f"niah_dataset: need n >= 1 and at least one depth, got n={n}, depths={list(depths)}")
@@ -472,8 +518,14 @@ def niah_dataset(
 
 
 def group_rows(meta: Sequence[dict]) -> dict[str, torch.Tensor]:
-    """Disjoint row groups ``"<length>@<depth>"`` -> row indices, for per-length and per-depth
-    accuracy (:class:`nestfed.data.clients.ClientData.test_groups`)."""
+    """Disjoint row groups for per-length and per-depth accuracy (ClientData.test_groups).
+
+    Args:
+        meta: one record per row, as :func:`niah_dataset` returns them.
+
+    Returns:
+        {"<length>@<depth>": row indices}.
+    """
     groups: dict[str, list[int]] = {}
     for i, m in enumerate(meta):
         groups.setdefault(f"{m['length']}@{m['depth']:g}", []).append(i)
@@ -481,16 +533,23 @@ def group_rows(meta: Sequence[dict]) -> dict[str, torch.Tensor]:
 
 
 def niah_clients(d, tokenizer, o: NiahOptions | None = None) -> list[dict]:
-    """The NIAH federation of a data config ``d`` (``DataConfig`` with source ``niah``) and the
-    generator's options ``o`` (``[niah]``): client i holds template i (``o.templates`` or the seven
-    of :data:`TEMPLATES`), ``d.max_train`` training examples at ``o.train_length`` tokens from the
-    training haystack halves, and ``d.max_test`` test examples per length in ``o.test_lengths``
-    from the test halves, depths cycling through ``o.depths``; haystacks from
-    ``sources.long_texts(o.haystack)``.
+    """The NIAH federation of a data config: client i holds template i.
 
-    Returns one dict per client: ``train``, ``test`` (TokenDataset), ``groups`` (test row groups
-    "<length>@<depth>"), ``label`` (the template). Raises ValueError for an unknown template or
-    when the number of templates differs from ``d.num_clients``; DataError when a corpus is missing.
+    Client i gets ``d.max_train`` training examples of ``o.train_length`` tokens and ``d.max_test`` test
+    examples per length in ``o.test_lengths``, from disjoint halves of ``sources.long_texts(o.haystack)``,
+    depths cycling through ``o.depths``.
+
+    Args:
+        d (DataConfig): the data config (source ``niah``).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        o: the generator's options (``[niah]``; defaults when None); templates: ``o.templates`` or all seven.
+
+    Returns:
+        One dict per client: ``train``, ``test`` (TokenDataset), ``groups`` (:func:`group_rows`), ``label``.
+
+    Raises:
+        ValueError: for an unknown template, or not one template per client.
+        DataError: when a corpus is missing.
     """
     o = o or NiahOptions()
     templates = list(o.templates) or list(TEMPLATES)
@@ -520,9 +579,19 @@ def niah_clients(d, tokenizer, o: NiahOptions | None = None) -> list[dict]:
 
 
 def niah_client_data(cfg: ExperimentConfig, tokenizer) -> tuple[dict[int, ClientData], list[list[str]]]:
-    """The NIAH source's reader (nestfed.config.sources): every client (one template each, the
-    ``[niah]`` section's settings) as ClientData with test groups per length and depth, and each
-    client's labels. Raises ConfigError (templates), DataError (a missing corpus)."""
+    """The NIAH source's reader (nestfed.config.sources).
+
+    Args:
+        cfg: the experiment (``[data]`` and ``[niah]``).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+
+    Returns:
+        {cid: ClientData} with test groups per length and depth, and each client's labels.
+
+    Raises:
+        ConfigError: for the templates.
+        DataError: when a corpus is missing.
+    """
     try:
         clients = niah_clients(cfg.data, tokenizer, cfg.section("niah"))
     except ValueError as exc:

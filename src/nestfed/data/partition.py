@@ -1,15 +1,22 @@
 """Split a data set among federated clients. Everything here returns index lists, never data.
 
 The partitioners are flwr-datasets' (Flower's maintained ones, run over an in-memory Hugging Face
-``datasets.Dataset`` of the labels): :func:`iid` (``IidPartitioner``), :func:`dirichlet`
-(``DirichletPartitioner``), :func:`pathological` (``PathologicalPartitioner``) and
-:func:`natural_id` (``NaturalIdPartitioner``). Three are our own: :func:`by_label` (each client is
-given a list of labels, and a label listed by several clients is split evenly among them; no
-flwr-datasets partitioner takes a label list per client), :func:`train_test_split` (each client's
-held-out part, at least one item on each side of the split even for a client of two items, where
-``datasets.Dataset.train_test_split`` refuses a split that leaves a side empty) and
-:func:`inner_dirichlet` (flwr-datasets' ``InnerDirichletPartitioner`` divides by zero once a
-client's labels run out, which many clients at small alpha always reach).
+``datasets.Dataset`` of the labels):
+
+- :func:`iid`: ``IidPartitioner``;
+- :func:`dirichlet`: ``DirichletPartitioner``;
+- :func:`pathological`: ``PathologicalPartitioner``;
+- :func:`natural_id`: ``NaturalIdPartitioner``.
+
+Three are our own:
+
+- :func:`by_label`: each client is given a list of labels, and a label listed by several clients is
+  split evenly among them (no flwr-datasets partitioner takes a label list per client);
+- :func:`train_test_split`: each client's held-out part, at least one item on each side of the split
+  even for a client of two items (``datasets.Dataset.train_test_split`` refuses a split that leaves
+  a side empty);
+- :func:`inner_dirichlet`: flwr-datasets' ``InnerDirichletPartitioner`` divides by zero once a
+  client's labels run out, which many clients at small alpha always reach.
 
 Common contract: deterministic for a given ``seed``, each client's list sorted ascending, clients
 disjoint, and their union covering every assigned item (:func:`by_label`, :func:`natural_id` and
@@ -42,12 +49,20 @@ def _label_groups(labels: Sequence[Hashable]) -> dict[Hashable, np.ndarray]:
 def by_label(labels: Sequence[str], client_labels: Sequence[Sequence[str]], seed: int = 0) -> list[list[int]]:
     """Natural non-IID split: client ``i`` gets the items whose label is in ``client_labels[i]``.
 
-    labels: one label per item (length N). client_labels: per client, the labels it holds.
-    A label listed by several clients has its items shuffled (seeded) and split among them as
-    evenly as possible (sizes differ by at most 1). Items of labels no client lists stay
-    unassigned. Returns one sorted index list per client.
-    Raises ValueError when a client lists a label absent from ``labels`` (naming label and
-    client) or when there are no clients.
+    A label listed by several clients has its items shuffled (seeded) and split among them as evenly
+    as possible (sizes differ by at most 1). Items of labels no client lists stay unassigned.
+
+    Args:
+        labels: one label per item (length N).
+        client_labels: per client, the labels it holds.
+        seed: the seed of the shuffles.
+
+    Returns:
+        One sorted index list per client.
+
+    Raises:
+        ValueError: when a client lists a label absent from ``labels`` (naming label and client), or
+            there are no clients.
     """
     if len(client_labels) == 0:
         raise ValueError("by_label: client_labels is empty (no clients)")
@@ -87,10 +102,22 @@ def _flwr_partitions(columns: dict[str, list[Any]], partitioner: Any, num_parts:
 
 
 def iid(n: int, num_clients: int, seed: int = 0) -> list[list[int]]:
-    """IID split of items ``0..n-1`` (flwr-datasets' ``IidPartitioner``): a seeded permutation
-    (``numpy.random.default_rng(seed)``) cut into ``num_clients`` contiguous shards whose sizes
-    differ by at most 1. Returns one sorted index list per client.
-    Raises ValueError when num_clients < 1 or n < num_clients (a client would get nothing)."""
+    """IID split of items ``0..n-1`` (flwr-datasets' ``IidPartitioner``).
+
+    A seeded permutation (``numpy.random.default_rng(seed)``) cut into ``num_clients`` contiguous
+    shards whose sizes differ by at most 1.
+
+    Args:
+        n: the items.
+        num_clients: the clients.
+        seed: the permutation's seed.
+
+    Returns:
+        One sorted index list per client.
+
+    Raises:
+        ValueError: when num_clients < 1 or n < num_clients (a client would get nothing).
+    """
     if num_clients < 1:
         raise ValueError(f"iid: num_clients must be >= 1, got {num_clients}")
     if n < num_clients:
@@ -104,14 +131,27 @@ def iid(n: int, num_clients: int, seed: int = 0) -> list[list[int]]:
 def dirichlet(
     labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int = 0, min_size: int = 1
 ) -> list[list[int]]:
-    """Label-Dirichlet non-IID split (Hsu et al. 2019; flwr-datasets' ``DirichletPartitioner``
-    with self-balancing, the NIID-Bench variant): for each label, client proportions
-    p ~ Dir(alpha * 1), clients already holding more than N / num_clients items get no more; the
-    draw is repeated until every client holds at least ``min_size`` items. Small alpha (0.1)
-    gives few labels per client, large alpha (100) approaches IID. Every item is assigned.
-    Returns one sorted index list per client.
-    Raises ValueError for num_clients < 1, alpha <= 0, min_size < 0, num_clients * min_size > N,
-    or when the partitioner's draws cannot meet min_size.
+    """Label-Dirichlet non-IID split (Hsu et al. 2019; flwr-datasets' ``DirichletPartitioner``).
+
+    With self-balancing, the NIID-Bench variant: for each label, client proportions p ~ Dir(alpha *
+    1), clients already holding more than N / num_clients items get no more; the draw is repeated
+    until every client holds at least ``min_size`` items. Small alpha (0.1) gives few labels per
+    client, large alpha (100) approaches IID. Every item is assigned.
+
+    Args:
+        labels: one label per item (length N).
+        num_clients: the clients.
+        alpha: the Dirichlet concentration, > 0.
+        seed: the draws' seed.
+        min_size: the fewest items a client may hold.
+
+    Returns:
+        One sorted index list per client.
+
+    Raises:
+        ValueError: for num_clients < 1, alpha <= 0, min_size < 0, num_clients * min_size > N, or
+            when the partitioner's draws cannot meet min_size (the message says how many clients
+            could be served and what would serve them).
     """
     n = len(labels)
     if num_clients < 1:
@@ -138,10 +178,22 @@ def dirichlet(
 
 
 def dirichlet_remedies(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int, min_size: int) -> str:
-    """What would serve ``num_clients`` where :func:`dirichlet` at ``alpha`` cannot, each checked
-    on these labels: ``partition = 'inner_dirichlet'`` (equal shares; works for up to N clients)
-    and the smallest alpha among ``alpha * 2**k`` (k = 1..10) at which :func:`dirichlet` succeeds
-    with this seed, when one does."""
+    """What would serve ``num_clients`` where :func:`dirichlet` at ``alpha`` cannot.
+
+    Each option is checked on these labels: ``partition = 'inner_dirichlet'`` (equal shares; works
+    for up to N clients) and the smallest alpha among ``alpha * 2**k`` (k = 1..10) at which
+    :func:`dirichlet` succeeds with this seed, when one does.
+
+    Args:
+        labels: one label per item (length N).
+        num_clients: the clients to serve.
+        alpha: the Dirichlet concentration that failed.
+        seed: the draws' seed.
+        min_size: the fewest items a client may hold.
+
+    Returns:
+        The options joined by " or ", or "fewer clients" when none serves.
+    """
     options = []
     if num_clients <= len(labels):
         options.append("partition = 'inner_dirichlet' (equal shares, the same label mixes)")
@@ -164,9 +216,21 @@ def _dirichlet_partitioner(num_clients: int, alpha: float, min_size: int, seed: 
 def largest_dirichlet(
     labels: Sequence[Hashable], alpha: float, seed: int = 0, min_size: int = 1, upper: int | None = None
 ) -> int:
-    """The largest client count up to ``upper`` (default N) for which :func:`dirichlet` succeeds
-    with this seed, by bisection (a failure above a success is assumed, as the draws' retries make
-    it in practice); 0 when even one client fails."""
+    """The largest client count up to ``upper`` for which :func:`dirichlet` succeeds with this seed.
+
+    Found by bisection (a failure above a success is assumed, as the draws' retries make it in
+    practice).
+
+    Args:
+        labels: one label per item (length N).
+        alpha: the Dirichlet concentration.
+        seed: the draws' seed.
+        min_size: the fewest items a client may hold.
+        upper: the largest count tried; N when None.
+
+    Returns:
+        The count, 0 when even one client fails.
+    """
     ds = _label_dataset(labels)
     lo, hi = 0, min(upper if upper is not None else len(labels), len(labels) // max(min_size, 1))
     while lo < hi:
@@ -186,8 +250,19 @@ def _label_dataset(labels: Sequence[Hashable]):
 
 
 def dirichlet_serves(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 1) -> bool:
-    """Whether :func:`dirichlet` succeeds for ``num_clients`` on ``labels`` (a label sequence, or
-    the ``datasets.Dataset`` of them this module builds) at this alpha, seed and min_size."""
+    """Whether :func:`dirichlet` succeeds for ``num_clients`` at this alpha, seed and min_size.
+
+    Args:
+        labels (Sequence | datasets.Dataset): a label sequence, or the ``datasets.Dataset`` of them
+            this module builds.
+        num_clients: the clients.
+        alpha: the Dirichlet concentration.
+        seed: the draws' seed.
+        min_size: the fewest items a client may hold.
+
+    Returns:
+        True when the partitioner's draws serve them.
+    """
     if num_clients < 1 or num_clients * min_size > len(labels):
         return False
     part = _dirichlet_partitioner(num_clients, alpha, min_size, seed)
@@ -202,15 +277,29 @@ def dirichlet_serves(labels, num_clients: int, alpha: float, seed: int = 0, min_
 
 
 def inner_dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int = 0) -> list[list[int]]:
-    """Label-Dirichlet mixes at equal sizes (the sampling of Acar et al. 2021, as flwr-datasets'
-    ``InnerDirichletPartitioner`` does it): client k's label mix p_k ~ Dir(alpha * 1); every client
-    gets floor(N / K) items (the first N mod K one more), dealt one at a time in a seeded random
-    order of the clients' slots, each item's label drawn from the client's mix over the labels that
-    still have items, so late draws drift towards the labels left. Our own rather than the
-    library's, which divides by zero when every label of a client's (near one-hot) mix has run out:
-    such a client draws from the labels left in proportion to what is left. Succeeds whenever
-    K <= N, where :func:`dirichlet`'s minimum size cannot be met. Returns one sorted index list per
-    client. Raises ValueError for num_clients < 1 or > N, or alpha <= 0."""
+    """Label-Dirichlet mixes at equal sizes (Acar et al. 2021).
+
+    The sampling of flwr-datasets' ``InnerDirichletPartitioner``: client k's label mix is p_k ~
+    Dir(alpha * 1); every client gets floor(N / K) items (the first N mod K one more), dealt one at
+    a time in a seeded random order of the clients' slots, each item's label drawn from the client's
+    mix over the labels that still have items, so late draws drift towards the labels left.
+
+    Our own rather than the library's, which divides by zero when every label of a client's (near
+    one-hot) mix has run out: such a client draws from the labels left in proportion to what is
+    left. Succeeds whenever K <= N, where :func:`dirichlet`'s minimum size cannot be met.
+
+    Args:
+        labels: one label per item (length N).
+        num_clients: the clients K.
+        alpha: the Dirichlet concentration, > 0.
+        seed: the draws' seed.
+
+    Returns:
+        One sorted index list per client.
+
+    Raises:
+        ValueError: for num_clients < 1 or > N, or alpha <= 0.
+    """
     n = len(labels)
     if not 1 <= num_clients <= n:
         raise ValueError(f"inner_dirichlet: num_clients must be in 1..{n} (the items), got {num_clients}")
@@ -236,12 +325,24 @@ def inner_dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, 
 def pathological(
     labels: Sequence[Hashable], num_clients: int, classes_per_client: int, seed: int = 0
 ) -> list[list[int]]:
-    """Pathological (label-based) split (McMahan et al. 2017's shards; flwr-datasets'
-    ``PathologicalPartitioner``, ``first-deterministic``): client i holds ``classes_per_client``
-    labels, the first label i mod L, the others drawn at random (seeded); each label's items are
-    divided evenly among the clients holding it. Labels no client draws stay unassigned.
-    Returns one sorted index list per client.
-    Raises ValueError for num_clients < 1 or classes_per_client outside 1..L (L distinct labels).
+    """Pathological (label-based) split (McMahan et al. 2017's shards).
+
+    flwr-datasets' ``PathologicalPartitioner`` in ``first-deterministic`` mode: client i holds
+    ``classes_per_client`` labels, the first label i mod L, the others drawn at random (seeded);
+    each label's items are divided evenly among the clients holding it. Labels no client draws stay
+    unassigned.
+
+    Args:
+        labels: one label per item (L distinct).
+        num_clients: the clients.
+        classes_per_client: labels per client, in 1..L.
+        seed: the draws' seed.
+
+    Returns:
+        One sorted index list per client.
+
+    Raises:
+        ValueError: for num_clients < 1 or classes_per_client outside 1..L.
     """
     distinct = len(set(labels))
     if num_clients < 1:
@@ -259,9 +360,20 @@ def pathological(
 
 
 def natural_id(labels: Sequence[Hashable], ids: Sequence[Hashable]) -> list[list[int]]:
-    """One client per natural id (flwr-datasets' ``NaturalIdPartitioner``: a topic, a writer, a
-    speaker): client i holds every item whose label is ``ids[i]``. Returns one sorted index list
-    per client. Raises ValueError naming an id no item carries, or an id given twice."""
+    """One client per natural id: a topic, a writer, a speaker.
+
+    flwr-datasets' ``NaturalIdPartitioner``: client i holds every item whose label is ``ids[i]``.
+
+    Args:
+        labels: one label per item.
+        ids: the natural id of each client.
+
+    Returns:
+        One sorted index list per client.
+
+    Raises:
+        ValueError: naming an id no item carries, or an id given twice.
+    """
     present = {str(x) for x in labels}
     for i, x in enumerate(ids):
         if str(x) not in present:
@@ -280,12 +392,22 @@ def natural_id(labels: Sequence[Hashable], ids: Sequence[Hashable]) -> list[list
 
 
 def train_test_split(indices: Sequence[int], test_fraction: float, seed: int = 0) -> tuple[list[int], list[int]]:
-    """Split ``indices`` (the item ids themselves, e.g. one client's list) into (train, test).
+    """Split ``indices`` (the item ids themselves, e.g. one client's list) into train and test.
 
     The test part has round(len * test_fraction) items, but at least 1 when len >= 2 and
-    test_fraction > 0, and never all of them (at least 1 stays in train); test_fraction 0 gives
-    an empty test part. Both lists sorted. Deterministic by seed.
-    Raises ValueError unless 0 <= test_fraction < 1.
+    test_fraction > 0, and never all of them (at least 1 stays in train); test_fraction 0 gives an
+    empty test part. Deterministic by seed.
+
+    Args:
+        indices: the item ids.
+        test_fraction: the held-out share, in [0, 1).
+        seed: the permutation's seed.
+
+    Returns:
+        The train and test ids, each sorted.
+
+    Raises:
+        ValueError: unless 0 <= test_fraction < 1.
     """
     if not 0 <= test_fraction < 1:
         raise ValueError(f"train_test_split: test_fraction must be in [0, 1), got {test_fraction}")

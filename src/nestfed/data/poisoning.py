@@ -12,11 +12,23 @@ from nestfed.data.clients import ClientData
 def poison_tokens(
     ids: torch.Tensor, labels: torch.Tensor, kind: str, vocab_size: int, generator: torch.Generator
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Poisoned copies of ids [N, T] and labels [N, T] (-100 = no loss).
+    """Poisoned copies of a batch of token ids and their labels.
 
-    shuffle: within each row the labelled positions' tokens are permuted (same words, no order);
-    random_text: every labelled position gets a uniformly random token id in [0, vocab_size).
-    Unlabelled positions (prompts, padding) are kept. Raises ValueError for another kind.
+    Unlabelled positions (prompts, padding) are kept.
+
+    Args:
+        ids: [N, T] token ids.
+        labels: [N, T] labels (-100 = no loss).
+        kind: ``shuffle`` (each row's labelled tokens permuted: same words, no order) or
+            ``random_text`` (each labelled position a uniformly random token id in [0, vocab_size)).
+        vocab_size: the tokenizer's vocabulary size.
+        generator: the random stream.
+
+    Returns:
+        The poisoned ids [N, T] and labels [N, T].
+
+    Raises:
+        ValueError: when ``kind`` is another kind.
     """
     if kind not in ("shuffle", "random_text"):
         raise ValueError(f"attack.kind: '{kind}' does not poison data")
@@ -35,7 +47,15 @@ def poison_tokens(
 
 
 def poison_client(data: ClientData, kind: str, vocab_size: int, seed: int) -> None:
-    """Poison ``data``'s training split in place (before its frozen prefix is cached); the test
-    split is untouched, so held-out metrics measure the damage. ``seed``: the seed rule's."""
+    """Poison a client's training split in place, before its frozen prefix is cached.
+
+    The test split is untouched, so held-out metrics measure the damage.
+
+    Args:
+        data: the client's data; its train_ids and train_labels are replaced.
+        kind: ``shuffle`` or ``random_text`` (:func:`poison_tokens`).
+        vocab_size: the tokenizer's vocabulary size.
+        seed: the seed rule's seed for this client.
+    """
     g = torch.Generator().manual_seed(seed)
     data.train_ids, data.train_labels = poison_tokens(data.train_ids, data.train_labels, kind, vocab_size, g)

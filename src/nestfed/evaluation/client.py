@@ -19,9 +19,20 @@ from nestfed.nn.bounded_attention import enabled_bounds
 
 
 def pool_groups(results: list[tuple[str, dict[str, float]]], per_group: bool) -> dict[str, float]:
-    """Held-out metrics over several row groups: results [(group name, its metrics)].
+    """Held-out metrics over several row groups.
+
     ``loss`` and ``accuracy`` are weighted by labelled tokens (for multiple choice, one per row:
-    row-weighted); with ``per_group`` also ``loss@<group>`` and ``accuracy@<group>``."""
+    row-weighted).
+
+    Args:
+        results: [(group name, its metrics)], each metrics dict with ``loss``, ``tokens`` and maybe
+            ``accuracy``.
+        per_group: also report ``loss@<group>`` and ``accuracy@<group>``.
+
+    Returns:
+        ``loss``, ``ppl``, ``tokens``, ``accuracy`` when any group has it, and the per-group
+            metrics.
+    """
     out: dict[str, float] = {}
     total = count = correct = answers = 0.0
     for name, ev in results:
@@ -42,10 +53,24 @@ def pool_groups(results: list[tuple[str, dict[str, float]]], per_group: bool) ->
 
 
 def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict[str, float]:
-    """Held-out metrics of ``model`` as loaded on client data ``d``'s test set (evaluate_lm); with
-    ``test_groups``, also ``loss@<group>`` and ``accuracy@<group>`` per group of rows (each group run
-    alone, so rows of one length are not padded to another's). With ``train.eval_stream_chunk`` > 0
-    each row streams through nestfed.evaluation.streaming (constant memory, :func:`evaluate_streamed`)."""
+    """Held-out metrics of a model as loaded on a client's test set.
+
+    One pass is :func:`~nestfed.evaluation.lm.evaluate_lm`. With ``test_groups``, each group of rows
+    is run alone (so rows of one length are not padded to another's) and reported as
+    ``loss@<group>`` and ``accuracy@<group>`` too. With ``train.eval_stream_chunk`` > 0 each row
+    streams through nestfed.evaluation.streaming at constant memory (:func:`evaluate_streamed`).
+
+    Args:
+        model: the backbone with the payload loaded.
+        d: the client's data.
+        train: the evaluation settings (``eval_batch_size``, ``eval_stream_*``).
+
+    Returns:
+        The metrics (module docstring).
+
+    Raises:
+        ValueError: as :func:`evaluate_streamed` raises it.
+    """
     if train.eval_stream_chunk > 0:
         return evaluate_streamed(model, d, train)
     if not d.test_groups:
@@ -76,16 +101,31 @@ def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict
 
 
 def evaluate_streamed(model: nn.Module, d: ClientData, train: TrainConfig) -> dict[str, float]:
-    """Streamed evaluation (long contexts): per group when ``test_groups`` is set, as above.
-    The stream's window and sinks: ``train.eval_stream_window`` / ``train.eval_stream_sinks``, or
+    """Streamed evaluation for long contexts, per group when ``test_groups`` is set.
+
+    The stream's window and sinks are ``train.eval_stream_window`` / ``train.eval_stream_sinks``, or
     where 0 the largest of the layers whose linear path the evaluated payload enabled (FedNL's
-    memory window and sinks), the window 1024 tokens when none is: so a baseline compared with
-    FedNL streams through FedNL's window only when ``train.eval_stream_window`` says so, whatever
-    the order the methods ran in. With sinks the sinks sit at cache positions
-    (nestfed.evaluation.streaming's default, what keeps contexts past the backbone's trained
-    length usable), so the numbers then differ from a one-pass evaluation, which keeps them at
-    their own positions. Raises ValueError when the frozen prefix is cached (streams need token
-    ids) or a layer lacks bounded attention."""
+    memory window and sinks), the window 1024 tokens when none is: so a baseline compared with FedNL
+    streams through FedNL's window only when ``train.eval_stream_window`` says so, whatever the
+    order the methods ran in.
+
+    With sinks, the sinks sit at cache positions (nestfed.evaluation.streaming's default, what keeps
+    contexts past the backbone's trained length usable), so the numbers then differ from a one-pass
+    evaluation, which keeps them at their own positions.
+
+    Args:
+        model: the backbone with the payload loaded.
+        d: the client's data.
+        train: the evaluation settings (``eval_stream_chunk``, ``eval_stream_window``,
+            ``eval_stream_sinks``).
+
+    Returns:
+        The metrics (module docstring).
+
+    Raises:
+        ValueError: when the frozen prefix is cached (streams need token ids) or a layer lacks
+            bounded attention.
+    """
     if d.test_hidden is not None:
         raise ValueError("train.eval_stream_chunk needs train.cache_frozen_prefix = false (streams start from tokens)")
     layers = enabled_bounds(model).values()  # only the layers this run's payload enabled: never another method's

@@ -40,8 +40,17 @@ from nestfed.seeds import stream_seed
 
 @dataclass(frozen=True)
 class Decoding:
-    """How to pick tokens: max_new_tokens (>= 1); temperature (0 = greedy); top_p in (0, 1]; seed
-    (sampling's, per prompt). Raises ValueError for a value out of range."""
+    """How to pick tokens (module docstring).
+
+    Attributes:
+        max_new_tokens: the most tokens generated per prompt, >= 1; default 32.
+        temperature: 0 = greedy (the default); else the softmax temperature.
+        top_p: the nucleus's probability mass, in (0, 1]; default 1 (no cut).
+        seed: sampling's seed (each prompt's generator is seeded from it and the prompt's index).
+
+    Raises:
+        ValueError: for a value out of range.
+    """
 
     max_new_tokens: int = 32
     temperature: float = 0.0
@@ -79,8 +88,14 @@ def _generators(d: Decoding, index: Sequence[int]) -> list[torch.Generator | Non
 
 
 def uses_streams(model: nn.Module) -> bool:
-    """Whether the model's attention is bounded (a deployment's fixed window) or a memory runs:
-    then generation streams token by token (module docstring)."""
+    """Whether generation streams token by token (module docstring).
+
+    Args:
+        model: the backbone with the payload loaded.
+
+    Returns:
+        True when the model's attention is bounded (a deployment's fixed window) or a memory runs.
+    """
     fixed = any(b.fixed and (b.window > 0 or b.sink > 0) for b in bounded_layers(model).values())
     return fixed or bool(enabled_bounds(model))
 
@@ -95,10 +110,23 @@ def generate(
     batch_size: int = 8,
     on_batch: Callable[[int], None] | None = None,
 ) -> list[list[int]]:
-    """The new tokens of each prompt (token ids, each a non-empty list; the stop token included
-    when one ended the row), in the prompts' order. on_batch(rows done) after each batch.
+    """The new tokens of each prompt, in the prompts' order (module docstring).
 
-    Raises ValueError for an empty prompt or batch_size < 1.
+    Args:
+        model: the backbone with the payload loaded.
+        prompts: the prompts' token ids, each non-empty.
+        decoding: how to pick tokens.
+        stop_ids: tokens that end a row (kept in its output).
+        pad_id: the id prompts are left-padded with.
+        batch_size: prompts per batch.
+        on_batch: called with the rows done after each batch; None for no progress.
+
+    Returns:
+        Per prompt, its new token ids (a non-empty list; the stop token included when one ended the
+            row).
+
+    Raises:
+        ValueError: for an empty prompt or batch_size < 1.
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -115,8 +115,18 @@ SCORINGS = ("generation", "loglik")
 
 
 def prompt(question: str, choices: tuple[str, ...] | list[str]) -> str:
-    """FlowerTune's prompt for one MMLU question (utils.format_example inside benchmarks.py's
-    instruction and the chat wrapper of its ``inference``), as one string."""
+    """FlowerTune's prompt for one MMLU question, as one string.
+
+    utils.format_example inside benchmarks.py's instruction and the chat wrapper of its
+    ``inference``.
+
+    Args:
+        question: the question ("?" appended unless it ends in "?" or ".").
+        choices: the four options, A-D.
+
+    Returns:
+        The prompt (module docstring).
+    """
     if not question.endswith("?") and not question.endswith("."):
         question += "?"
     options = "\n".join(f"{LETTERS[i]}. {c}" for i, c in enumerate(choices))
@@ -125,11 +135,19 @@ def prompt(question: str, choices: tuple[str, ...] | list[str]) -> str:
 
 
 def extract_answer(output: str) -> str:
-    """FlowerTune's answer extraction for a multiple-choice generation (utils.format_answer with
-    ``answer_type="mcq"``): lower-case; the line after a ``"\\n##"`` if there is one; every
-    non-alphanumeric character to a space, spaces collapsed and stripped; the first character if it
-    is a letter it accepts (a-e, or the words yes / no), else the whole lower-cased output (which
-    then matches no gold letter)."""
+    r"""FlowerTune's answer extraction for a multiple-choice generation.
+
+    utils.format_answer with ``answer_type="mcq"``: lower-case; the line after a ``"\n##"`` if there
+    is one; every non-alphanumeric character to a space, spaces collapsed and stripped; then the
+    first character.
+
+    Args:
+        output: the generated text.
+
+    Returns:
+        The first character if it is a letter it accepts (a-e, or the words yes / no), else the
+            whole lower-cased output (which then matches no gold letter).
+    """
     text = output.lower()
     full = text
     if "\n##" in text:
@@ -142,9 +160,19 @@ def extract_answer(output: str) -> str:
 
 
 def sample_subjects(items: list[MultipleChoice], fraction: float, seed: int) -> list[MultipleChoice]:
-    """A seeded sample of ``fraction`` of each subject's questions (ceil, at least one), in file
-    order within each subject; ``fraction = 1`` returns every item. Raises ConfigError for a
-    fraction outside (0, 1]."""
+    """A seeded sample of ``fraction`` of each subject's questions (ceil, at least one).
+
+    Args:
+        items: the questions.
+        fraction: the share kept, in (0, 1]; 1 keeps every item.
+        seed: the sample's seed.
+
+    Returns:
+        The sample, in file order within each subject.
+
+    Raises:
+        ConfigError: for a fraction outside (0, 1].
+    """
     if not 0 < fraction <= 1:
         raise ConfigError(f"--fraction {fraction}: must be in (0, 1]")
     if fraction == 1:
@@ -184,12 +212,22 @@ def _extract_filter(resps, docs):
 
 @dataclass(frozen=True)
 class Protocol:
-    """Which MMLU questions and how: the local MMLU root folder, the categories, the fraction of
-    each subject sampled with ``seed``, lm-eval's batch size (prompts per forward), and where the
-    model runs in what dtype (``model.device`` / ``model.dtype``'s names: nestfed.nn.placement;
-    ``auto`` = float32 on the CPU, bfloat16 on CUDA); quantization: the backbone held ``nf4`` or
-    ``int8`` by bitsandbytes (``model.quantization``'s names; FlowerTune's leaderboard scores on a
-    4-bit base), ``none`` = at dtype."""
+    """Which MMLU questions to score and how.
+
+    Attributes:
+        mmlu_root: the local MMLU root folder.
+        categories: the categories (:data:`CATEGORIES`); default all three.
+        fraction: the share of each subject sampled, in (0, 1]; default 1.
+        seed: the sample's seed.
+        batch_size: lm-eval's batch size (prompts per forward); default 16.
+        device: where the model runs (``model.device``'s names: nestfed.nn.placement); default
+            ``auto``.
+        dtype: the model's dtype (``model.dtype``'s names); ``auto`` = float32 on the CPU, bfloat16
+            on CUDA.
+        quantization: the backbone held ``nf4`` or ``int8`` by bitsandbytes
+            (``model.quantization``'s names; FlowerTune's leaderboard scores on a 4-bit base);
+            ``none`` (the default) = at dtype.
+    """
 
     mmlu_root: str
     categories: tuple[str, ...] = tuple(CATEGORIES)
@@ -201,8 +239,14 @@ class Protocol:
     quantization: str = "none"
 
     def placement(self) -> tuple[str, str]:
-        """(device, dtype) resolved, e.g. ("cpu", "float32") or ("cuda:0", "bfloat16"). Raises
-        ConfigError as nestfed.nn.placement does."""
+        """The device and dtype resolved, e.g. ("cpu", "float32") or ("cuda:0", "bfloat16").
+
+        Returns:
+            The device's and the dtype's names.
+
+        Raises:
+            ConfigError: as nestfed.nn.placement raises it.
+        """
         device = resolve_device(self.device)
         return str(device), str(resolve_dtype(self.dtype, device)).removeprefix("torch.")
 
@@ -212,8 +256,18 @@ QUANTIZATION_NAMES = {"4": "nf4", "nf4": "nf4", "8": "int8", "int8": "int8", "no
 
 
 def quantization_name(value: str) -> str:
-    """``model.quantization``'s name for ``--quantization`` (4 -> nf4, 8 -> int8, none). Raises
-    ConfigError naming the values it takes, or when bitsandbytes is missing for a quantised one."""
+    """``model.quantization``'s name for a ``--quantization`` value (4 -> nf4, 8 -> int8, none).
+
+    Args:
+        value: the command line's value (:data:`QUANTIZATION_NAMES`).
+
+    Returns:
+        ``nf4``, ``int8`` or ``none``.
+
+    Raises:
+        ConfigError: naming the values it takes, or when bitsandbytes is missing for a quantised
+            one.
+    """
     name = QUANTIZATION_NAMES.get(str(value).strip().lower())
     if name is None:
         raise ConfigError(f"--quantization: '{value}' is not 4, 8 or none")
@@ -223,8 +277,18 @@ def quantization_name(value: str) -> str:
 
 
 def questions(protocol: Protocol) -> dict[str, list[MultipleChoice]]:
-    """The questions of each category under ``protocol``. Raises ConfigError for an unknown
-    category and DataError (naming the file) for a missing or malformed MMLU file."""
+    """The questions of each category under a protocol.
+
+    Args:
+        protocol: the categories, root folder, fraction and seed.
+
+    Returns:
+        {category: its questions}.
+
+    Raises:
+        ConfigError: for an unknown category.
+        DataError: naming the file, for a missing or malformed MMLU file.
+    """
     unknown = [c for c in protocol.categories if c not in CATEGORIES]
     if unknown:
         raise ConfigError(f"--categories: unknown {', '.join(unknown)} (known: {', '.join(CATEGORIES)})")
@@ -235,15 +299,31 @@ def questions(protocol: Protocol) -> dict[str, list[MultipleChoice]]:
 
 
 def task_name(category: str, scoring: str) -> str:
-    """lm-eval's name for one category and scoring: ``flowertune_mmlu_<category>`` (generation)
-    or ``flowertune_mmlu_<category>_loglik``."""
+    """lm-eval's name for one category and scoring.
+
+    Args:
+        category: the category.
+        scoring: ``generation`` or ``loglik`` (:data:`SCORINGS`).
+
+    Returns:
+        ``flowertune_mmlu_<category>`` (generation) or ``flowertune_mmlu_<category>_loglik``.
+    """
     return TASK_PREFIX + category + ("" if scoring == "generation" else "_" + scoring)
 
 
 def tasks(items_by_category: dict[str, list[MultipleChoice]]) -> list:
-    """Two lm-eval ``ConfigurableTask`` per category: FlowerTune's (greedy generation of one token,
-    :func:`extract_answer` as a custom filter, exact match against the gold letter) and the
-    log-likelihood one (``multiple_choice`` over the letters A-D after the same prompt, accuracy)."""
+    """Two lm-eval ``ConfigurableTask`` per category.
+
+    FlowerTune's (greedy generation of one token, :func:`extract_answer` as a custom filter, exact
+    match against the gold letter) and the log-likelihood one (``multiple_choice`` over the letters
+    A-D after the same prompt, accuracy).
+
+    Args:
+        items_by_category: {category: its questions}.
+
+    Returns:
+        The tasks, two per category in order.
+    """
     import datasets
     from lm_eval.api.task import ConfigurableTask
 
@@ -298,13 +378,23 @@ def evaluate(
     protocol: Protocol,
     items_by_category: dict[str, list[MultipleChoice]] | None = None,
 ) -> dict[str, dict[str, list[int]]]:
-    """Score the Hugging Face model in ``backbone_dir`` (with the PEFT adapter in ``adapter_dir``
-    on top, if given) on FlowerTune's protocol through ``lm_eval.simple_evaluate``, on the
-    protocol's device in its dtype (fp32 on the CPU).
+    """Score a Hugging Face model (and a PEFT adapter on top) on FlowerTune's protocol.
 
-    Returns, per scoring (:data:`SCORINGS`) and category, the per-question correctness (1 / 0) in
-    the order of :func:`questions`, so that two models can be compared question by question.
-    Raises ConfigError when lm-eval is not installed or a directory is not a model / adapter.
+    Runs ``lm_eval.simple_evaluate`` on the protocol's device in its dtype (fp32 on the CPU).
+
+    Args:
+        backbone_dir: the Hugging Face model directory.
+        adapter_dir: the PEFT adapter directory, or None for the backbone alone.
+        protocol: what to score and where.
+        items_by_category: the questions; :func:`questions` of the protocol when None.
+
+    Returns:
+        Per scoring (:data:`SCORINGS`) and category, the per-question correctness (1 / 0) in the
+            order of :func:`questions`, so that two models can be compared question by question.
+
+    Raises:
+        ConfigError: when lm-eval is not installed or a directory is not a model / adapter.
+        RuntimeError: when lm-eval scores fewer questions than asked.
     """
     try:
         import lm_eval
@@ -335,10 +425,21 @@ def evaluate(
 
 
 def lm_model(backbone_dir: str | Path, adapter_dir: str | Path | None, protocol: Protocol) -> dict | object:
-    """What lm-eval scores: ``hf`` model arguments (the backbone in the protocol's dtype on its
-    device, the PEFT adapter on top), or with ``protocol.quantization`` (``nf4`` / ``int8``,
-    FlowerTune's ``--quantization 4`` / ``8``) an ``HFLM`` over the backbone loaded through
-    transformers' ``BitsAndBytesConfig`` (nestfed.nn.quantization.bnb_config) with the adapter on it."""
+    """What lm-eval scores: ``hf`` model arguments, or an ``HFLM`` over a quantised backbone.
+
+    The arguments load the backbone in the protocol's dtype on its device, the PEFT adapter on top.
+    With ``protocol.quantization`` (``nf4`` / ``int8``, FlowerTune's ``--quantization 4`` / ``8``)
+    the backbone is loaded through transformers' ``BitsAndBytesConfig``
+    (nestfed.nn.quantization.bnb_config) with the adapter on it.
+
+    Args:
+        backbone_dir: the Hugging Face model directory.
+        adapter_dir: the PEFT adapter directory, or None.
+        protocol: the device, dtype, quantization and batch size.
+
+    Returns:
+        The ``hf`` model arguments (a dict), or the HFLM.
+    """
     device, dtype = protocol.placement()
     if protocol.quantization == "none":
         args = {"pretrained": str(backbone_dir), "dtype": dtype, "device": device}
@@ -374,8 +475,11 @@ def _simple_evaluate(lm_eval, model: dict | object, items, protocol) -> dict:
 
 
 def quiet_git_hash() -> str | None:
-    """``git describe --always`` of the working directory, its stderr kept off the terminal; None
-    outside a git repository or without git."""
+    """``git describe --always`` of the working directory, its stderr kept off the terminal.
+
+    Returns:
+        The description, or None outside a git repository or without git.
+    """
     try:
         done = subprocess.run(["git", "describe", "--always"], capture_output=True, text=True, check=False)
     except OSError:

@@ -23,12 +23,21 @@ def evaluate_lm(
 ) -> dict[str, float]:
     """Token-weighted next-token cross-entropy over a dataset.
 
-    labels: [N, T] (HF convention, -100 ignored); input_ids: [N, T] or hidden: [N, T, d] entering
-    layer ``start``. Returns ``loss`` (nats per labelled token), ``ppl`` = exp(loss), ``tokens``
-    (labelled tokens counted) and, when ``letter_ids`` (the candidate token ids: MMLU's 4 letters,
-    a recall task's values) is given, ``accuracy``: the fraction of labelled tokens whose argmax
-    over the candidates' logits is the label (multiple choice has one labelled token per row, the
-    gold letter; multi-query recall one per query).
+    Args:
+        model: the backbone with the payload loaded.
+        labels: [N, T] (HF convention, -100 ignored).
+        input_ids: [N, T] token ids; or None when ``hidden`` is given.
+        hidden: [N, T, d] the frozen prefix's outputs entering layer ``start``; or None.
+        start: the first layer run on ``hidden``.
+        batch_size: rows per forward pass.
+        letter_ids: the candidate token ids (MMLU's 4 letters, a recall task's values); None for no
+            accuracy.
+
+    Returns:
+        ``loss`` (nats per labelled token), ``ppl`` = exp(loss), ``tokens`` (labelled tokens
+            counted) and, with ``letter_ids``, ``accuracy``: the fraction of labelled tokens whose
+            argmax over the candidates' logits is the label (multiple choice has one labelled token
+            per row, the gold letter; multi-query recall one per query).
     """
     total, count, correct = 0.0, 0, 0
     N = labels.shape[0]

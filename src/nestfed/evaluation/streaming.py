@@ -43,8 +43,13 @@ STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # frequencies independent
 
 @dataclass
 class StreamStats:
-    """What a stream cost: ``state_bytes`` carried after each chunk (KV caches, memory states,
-    tails; bytes), ``tokens`` processed, ``chunks``."""
+    """What a stream cost.
+
+    Attributes:
+        state_bytes: the state carried after each chunk (KV caches, memory states, tails), in bytes.
+        tokens: tokens processed.
+        chunks: chunks processed.
+    """
 
     state_bytes: list[int] = field(default_factory=list)
     tokens: int = 0
@@ -57,21 +62,29 @@ def streaming(
 ) -> Iterator[dict[int, LayerStream]]:
     """Attach a fresh :class:`LayerStream` to every attention layer for the duration of a stream.
 
-    mode: ``memory`` -- layers whose memory is enabled run it, every softmax path uses the window;
-    ``window`` -- no memory, every softmax path windowed (a sliding-window baseline); ``full`` --
-    no memory and no stream window (the model's own attention; the cache is bounded only by the
-    layers' own sliding windows). window: tokens (>= 1 for
-    ``memory`` and ``window``). sink: the first tokens every windowed query keeps seeing
-    (attention sinks, nn/bounded_attention.py; 0 = none). sink_positions: ``cache`` -- before each
-    chunk the sinks move to the positions just before the window (StreamingLLM's positions
-    within the cache, Xiao et al., ICLR 2024, section 3.2; :func:`shift_sinks`), so no query
-    is ever further than ``sink + window + chunk`` tokens from a key it sees, whatever the
-    stream's length; ``absolute`` -- sink j stays at position j (past the backbone's trained
-    context once the stream is long enough). Yields {layer index: LayerStream}; detaches them
-    on exit.
+    The streams are detached on exit.
 
-    Raises ValueError for an unknown mode or sink_positions, a bad window, or a layer without
-    bounded attention.
+    Args:
+        model: the backbone, bounded attention installed on every attention layer.
+        mode: ``memory``: layers whose memory is enabled run it, every softmax path uses the window;
+            ``window``: no memory, every softmax path windowed (a sliding-window baseline);
+            ``full``: no memory and no stream window (the model's own attention; the cache is
+            bounded only by the layers' own sliding windows).
+        window: the stream's window in tokens (>= 1 for ``memory`` and ``window``).
+        sink: the first tokens every windowed query keeps seeing (attention sinks,
+            nn/bounded_attention.py; 0 = none).
+        sink_positions: ``cache``: before each chunk the sinks move to the positions just before the
+            window (StreamingLLM's positions within the cache, Xiao et al., ICLR 2024, section 3.2;
+            :func:`shift_sinks`), so no query is ever further than ``sink + window + chunk`` tokens
+            from a key it sees, whatever the stream's length; ``absolute``: sink j stays at position
+            j (past the backbone's trained context once the stream is long enough).
+
+    Yields:
+        {layer index: LayerStream}.
+
+    Raises:
+        ValueError: for an unknown mode or sink_positions, a bad window, or a layer without bounded
+            attention.
     """
     if mode not in MODES:
         raise ValueError(f"stream mode must be one of {', '.join(MODES)}, got '{mode}'")
@@ -100,16 +113,25 @@ def streaming(
 
 
 def shift_sinks(model: nn.Module, pos: int) -> None:
-    """Before a chunk whose first token sits at position ``pos``: give every attached stream whose
-    sinks use cache positions the RoPE rotation that moves sink j to ``pos - window + 1 - sink + j``
-    (just before the first window key the chunk's first query sees), or none while that shift is
-    <= 0 (the sinks are still in place). StreamingLLM (Xiao et al., ICLR 2024), section 3.2.
+    """Move the streams' sinks before a chunk whose first token sits at position ``pos``.
 
-    The shift composes with the sinks' own rotation, so the RoPE frequencies must not depend on
-    the position (``rope_type`` default, linear, llama3 or yarn; yarn's attention scaling is
-    divided out so the sinks are not scaled twice). Each layer's shift uses its own layer type's
-    rotation (Gemma-3's local and global bases). Raises ValueError for another rope_type
-    (dynamic, longrope): stream those with ``sink_positions = "absolute"``.
+    Every attached stream whose sinks use cache positions gets the RoPE rotation that moves sink j
+    to ``pos - window + 1 - sink + j`` (just before the first window key the chunk's first query
+    sees), or none while that shift is <= 0 (the sinks are still in place). StreamingLLM (Xiao et
+    al., ICLR 2024), section 3.2.
+
+    The shift composes with the sinks' own rotation, so the RoPE frequencies must not depend on the
+    position (``rope_type`` default, linear, llama3 or yarn; yarn's attention scaling is divided out
+    so the sinks are not scaled twice). Each layer's shift uses its own layer type's rotation
+    (Gemma-3's local and global bases).
+
+    Args:
+        model: the backbone with streams attached.
+        pos: the chunk's first absolute position.
+
+    Raises:
+        ValueError: for another rope_type (dynamic, longrope): stream those with ``sink_positions =
+            "absolute"``.
     """
     ref = model.model.embed_tokens.weight
     types = layer_types(model)
@@ -133,12 +155,23 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
 
 
 def chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int, last_only: bool = False) -> torch.Tensor:
-    """Logits [B, T, V] of one chunk ids [B, T] whose first token sits at absolute position ``pos``
-    (with ``last_only``, [B, 1, V]: the last position's only, as generation needs), the streams'
-    sinks shifted first (:func:`shift_sinks`). Each layer gets the rotary embedding
-    of its type at the chunk's positions (nestfed.nn.layer_inputs.layer_rotary); its bounded attention
-    builds the mask over its stream's cache (the layer's own sliding window, the stream's window
-    and sinks) in its attention implementation's format (nestfed.nn.layer_inputs.positional_mask)."""
+    """Logits of one chunk whose first token sits at absolute position ``pos``.
+
+    The streams' sinks are shifted first (:func:`shift_sinks`). Each layer gets the rotary embedding
+    of its type at the chunk's positions (nestfed.nn.layer_inputs.layer_rotary); its bounded
+    attention builds the mask over its stream's cache (the layer's own sliding window, the stream's
+    window and sinks) in its attention implementation's format
+    (nestfed.nn.layer_inputs.positional_mask).
+
+    Args:
+        model: the backbone with streams attached.
+        ids: [B, T] the chunk's token ids.
+        pos: the chunk's first absolute position.
+        last_only: compute the last position's logits only, as generation needs.
+
+    Returns:
+        [B, T, V] logits; [B, 1, V] with ``last_only``.
+    """
     inner = model.model
     shift_sinks(model, pos)
     ids = to_model(model, ids)
@@ -182,14 +215,28 @@ def stream_nll(
     on_chunk: Callable[[int, StreamStats], None] | None = None,
     sink_positions: str = "cache",
 ) -> torch.Tensor:
-    """Next-token NLL (nats; fp32, fp64 for an fp64 model) of tokens 1..N-1 of ``ids`` [B, N], streamed ``chunk`` tokens
-    at a time through the model's memory layers (see :func:`streaming` for ``mode``, ``window``,
-    ``sink`` and ``sink_positions``; with sinks at cache positions the NLL depends on ``chunk``).
+    """Next-token NLL of tokens 1..N-1 of a stream, ``chunk`` tokens at a time.
 
-    Returns [B, N - 1]. Only one chunk's activations and logits live at a time; the state carried
-    between chunks is bounded by the window (mode ``memory`` / ``window``). stats, when given, is
-    filled (state bytes after each chunk); on_chunk(chunk index, stats) is called after each chunk.
-    Raises ValueError as :func:`streaming` does, or for chunk < 1 or a non-2-D ids.
+    The stream runs through the model's memory layers. Only one chunk's activations and logits live
+    at a time; the state carried between chunks is bounded by the window (mode ``memory`` /
+    ``window``). With sinks at cache positions the NLL depends on ``chunk``.
+
+    Args:
+        model: the backbone, bounded attention installed.
+        ids: [B, N] token ids.
+        chunk: tokens per chunk.
+        mode: the stream mode (:func:`streaming`).
+        window: the stream's window in tokens (:func:`streaming`).
+        stats: filled with the state bytes after each chunk, when given.
+        sink: attention sinks (:func:`streaming`).
+        on_chunk: called as ``on_chunk(chunk index, stats)`` after each chunk; None for none.
+        sink_positions: ``cache`` or ``absolute`` (:func:`streaming`).
+
+    Returns:
+        [B, N - 1] NLL in nats (fp32; fp64 for an fp64 model).
+
+    Raises:
+        ValueError: as :func:`streaming` raises it, or for chunk < 1 or a non-2-D ids.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 token, got {chunk}")
@@ -221,10 +268,22 @@ def stream_nll_hf(
     stats: StreamStats | None = None,
     on_chunk: Callable[[int, StreamStats], None] | None = None,
 ) -> torch.Tensor:
-    """The plain-attention baseline: the same NLL [B, N - 1] through Hugging Face's DynamicCache,
-    whose keys and values grow with every token (the backbone as it ships).
+    """The plain-attention baseline: the same NLL through Hugging Face's DynamicCache.
 
-    Raises ValueError for chunk < 1 or a non-2-D ids.
+    Its keys and values grow with every token (the backbone as it ships).
+
+    Args:
+        model: the backbone.
+        ids: [B, N] token ids.
+        chunk: tokens per chunk.
+        stats: filled with the cache bytes after each chunk, when given.
+        on_chunk: called as ``on_chunk(chunk index, stats)`` after each chunk; None for none.
+
+    Returns:
+        [B, N - 1] NLL in nats.
+
+    Raises:
+        ValueError: for chunk < 1 or a non-2-D ids.
     """
     if chunk < 1 or ids.dim() != 2:
         raise ValueError(f"need chunk >= 1 and ids [B, N]; got chunk {chunk}, ids {tuple(ids.shape)}")
@@ -254,12 +313,21 @@ def stream_nll_hf(
 
 
 def binned_ce(nll: torch.Tensor, bin_size: int = 1024) -> dict[str, list[float]]:
-    """The streaming-CE probe's curve (FedNL, arXiv 2605.16350, section 5.3): the mean NLL of
-    each bin of ``bin_size`` consecutive predicted tokens, and each bin relative to the first.
+    """The streaming-CE probe's curve (FedNL, arXiv 2605.16350, section 5.3).
 
-    nll: [N'] or [B, N'] (averaged over B). Returns ``ce`` (nats per token per bin), ``relative``
-    (ce / ce[0]), ``tokens`` (tokens per bin; the last bin may be shorter).
-    Raises ValueError for an empty nll or bin_size < 1.
+    The mean NLL of each bin of ``bin_size`` consecutive predicted tokens, and each bin relative to
+    the first.
+
+    Args:
+        nll: [N'] or [B, N'] (averaged over B).
+        bin_size: predicted tokens per bin.
+
+    Returns:
+        ``ce`` (nats per token per bin), ``relative`` (ce / ce[0]), ``tokens`` (tokens per bin; the
+            last bin may be shorter).
+
+    Raises:
+        ValueError: for an empty nll or bin_size < 1.
     """
     if bin_size < 1 or nll.numel() == 0:
         raise ValueError("binned_ce needs a non-empty nll and bin_size >= 1")
@@ -283,18 +351,30 @@ def stream_evaluate(
     sink: int = 0,
     sink_positions: str = "cache",
 ) -> dict[str, float]:
-    """Held-out metrics of right-padded rows, each streamed alone at constant memory (mode
-    ``memory``: enabled memory layers run their memory, every softmax path sees ``window``
-    tokens). For contexts whose one-pass forward does not fit (NIAH at 8K/16K on a CPU).
+    """Held-out metrics of right-padded rows, each streamed alone at constant memory.
 
-    input_ids, labels: [N, T] (HF convention, -100 ignored; a row ends at its last labelled
-    token). Returns ``loss`` (nats per labelled token), ``ppl``, ``tokens`` and, with
-    ``letter_ids`` (the candidate ids), ``accuracy``: the fraction of labelled tokens whose argmax
-    over the candidates' logits is the label (one per row for multiple choice) -- the same numbers
-    :func:`nestfed.evaluation.lm.evaluate_lm` gives when the
-    one-pass forward uses the same window (tested; with sinks, for ``sink_positions="absolute"``,
-    the one-pass forward's).
-    Raises ValueError as :func:`streaming` does, or for mismatched shapes.
+    Mode ``memory``: enabled memory layers run their memory, every softmax path sees ``window``
+    tokens. For contexts whose one-pass forward does not fit (NIAH at 8K/16K on a CPU). The numbers
+    are those :func:`nestfed.evaluation.lm.evaluate_lm` gives when the one-pass forward uses the
+    same window (tested; with sinks, for ``sink_positions="absolute"``, the one-pass forward's).
+
+    Args:
+        model: the backbone, bounded attention installed.
+        input_ids: [N, T] token ids.
+        labels: [N, T] (HF convention, -100 ignored; a row ends at its last labelled token).
+        chunk: tokens per chunk.
+        window: the stream's window in tokens.
+        letter_ids: the candidate ids for accuracy; None for none.
+        sink: attention sinks (:func:`streaming`).
+        sink_positions: ``cache`` or ``absolute`` (:func:`streaming`).
+
+    Returns:
+        ``loss`` (nats per labelled token), ``ppl``, ``tokens`` and, with ``letter_ids``,
+            ``accuracy``: the fraction of labelled tokens whose argmax over the candidates' logits
+            is the label (one per row for multiple choice).
+
+    Raises:
+        ValueError: as :func:`streaming` raises it, or for mismatched shapes.
     """
     if input_ids.shape != labels.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both be [N, T]")

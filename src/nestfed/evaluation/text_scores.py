@@ -24,7 +24,14 @@ _ARTICLES = re.compile(r"\b(a|an|the)\b")
 
 
 def normalise(text: str) -> str:
-    """SQuAD's answer normalisation (module docstring)."""
+    """SQuAD's answer normalisation (module docstring).
+
+    Args:
+        text: an answer or reference.
+
+    Returns:
+        The normalised text.
+    """
     text = text.lower()
     text = "".join(ch for ch in text if ch not in set(string.punctuation))
     text = _ARTICLES.sub(" ", text)
@@ -39,17 +46,41 @@ def _scorer():
 
 
 def rouge_l(answer: str, reference: str) -> float:
-    """ROUGE-L F-measure of ``answer`` against ``reference`` (module docstring), in [0, 1]."""
+    """ROUGE-L F-measure of an answer against its reference (module docstring).
+
+    Args:
+        answer: the generated answer.
+        reference: the reference answer.
+
+    Returns:
+        The F-measure in [0, 1].
+    """
     return float(_scorer().score(reference, answer)["rougeL"].fmeasure)
 
 
 def exact_match(answer: str, reference: str) -> float:
-    """1.0 when the two are equal after :func:`normalise`, else 0.0."""
+    """Whether the answer equals the reference after :func:`normalise`.
+
+    Args:
+        answer: the generated answer.
+        reference: the reference answer.
+
+    Returns:
+        1.0 or 0.0.
+    """
     return float(normalise(answer) == normalise(reference))
 
 
 def verbalised(answer: str, verbaliser: Sequence[str]) -> str | None:
-    """The verbaliser label the answer names first (whole word, case-insensitive), or None."""
+    """The verbaliser label the answer names first (whole word, case-insensitive).
+
+    Args:
+        answer: the text to read.
+        verbaliser: the labels.
+
+    Returns:
+        The label, or None when it names none.
+    """
     best, at = None, len(answer) + 1
     for label in verbaliser:
         m = re.search(rf"\b{re.escape(label)}\b", answer, flags=re.IGNORECASE)
@@ -59,16 +90,32 @@ def verbalised(answer: str, verbaliser: Sequence[str]) -> str | None:
 
 
 def answer_scores(answer: str, reference: str, verbaliser: Sequence[str] = ()) -> dict[str, float]:
-    """The scores of one answer: ``accuracy`` when the reference is one of the verbaliser's labels
-    (a classification record), else ``rouge_l`` and ``exact_match`` (a generation record)."""
+    """The scores of one answer.
+
+    Args:
+        answer: the generated answer.
+        reference: the reference answer.
+        verbaliser: the labels of classification records; empty for none.
+
+    Returns:
+        ``accuracy`` when the reference is one of the verbaliser's labels (a classification record),
+            else ``rouge_l`` and ``exact_match`` (a generation record).
+    """
     if verbaliser and normalise(reference) in {normalise(v) for v in verbaliser}:
         return {"accuracy": float(verbalised(answer, verbaliser) == verbalised(reference, verbaliser))}
     return {"rouge_l": rouge_l(answer, reference), "exact_match": exact_match(answer, reference)}
 
 
 def mean_scores(scores: Sequence[dict[str, float]]) -> dict[str, float]:
-    """The mean of each score over the answers that have it, ``answers`` (all of them) and, per
-    score, ``answers:<score>`` (how many had it)."""
+    """The mean of each score over the answers that have it.
+
+    Args:
+        scores: one dict per answer (:func:`answer_scores`).
+
+    Returns:
+        Each score's mean, ``answers`` (all of them) and, per score, ``answers:<score>`` (how many
+            had it).
+    """
     out: dict[str, float] = {"answers": float(len(scores))}
     for k in sorted({k for s in scores for k in s}):
         vals = [s[k] for s in scores if k in s]

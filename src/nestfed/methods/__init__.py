@@ -69,7 +69,17 @@ REGISTRY: dict[str, Method] = {
 
 
 def get(name: str) -> Method:
-    """The registered method ``name``. Raises ConfigError listing the known ones."""
+    """The registered method ``name``.
+
+    Args:
+        name: the method's name.
+
+    Returns:
+        Its declaration.
+
+    Raises:
+        ConfigError: listing the known ones, for an unknown name.
+    """
     try:
         return REGISTRY[name]
     except KeyError:
@@ -112,19 +122,35 @@ def _check(cfg: ExperimentConfig) -> None:
 
 
 def heterogeneous() -> list[str]:
-    """The registered methods that take clients of different ranks and run on Flower."""
+    """The registered methods that take clients of different ranks and run on Flower.
+
+    Returns:
+        Their names, in registry order.
+    """
     return [m.name for m in REGISTRY.values() if m.can(Capability.HETEROGENEOUS_RANKS) and m.on_flower]
 
 
 def declaring(capability: Capability) -> list[str]:
-    """The registered methods that declare ``capability``, in registry order."""
+    """The registered methods that declare ``capability``, in registry order.
+
+    Args:
+        capability: the capability.
+
+    Returns:
+        Their names.
+    """
     return [m.name for m in REGISTRY.values() if m.can(capability)]
 
 
 def schema() -> C.Schema:
-    """What configs may hold beyond the core sections: every registered home's sections, the
-    names ``strategy.name`` accepts and the cross-section checks (built from :data:`REGISTRY`
-    on each call, so a home registered later is known at once)."""
+    """What configs may hold beyond the core sections.
+
+    Every registered home's sections, the names ``strategy.name`` accepts and the cross-section
+    checks, built from :data:`REGISTRY` on each call, so a home registered later is known at once.
+
+    Returns:
+        The schema.
+    """
     moved = {old: new for m in REGISTRY.values() for old, new in m.moved.items()}
     former: dict[str, dict[str, Any]] = {}
     for m in REGISTRY.values():
@@ -134,32 +160,88 @@ def schema() -> C.Schema:
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """Read and validate an experiment TOML (``extends`` followed) with ``section.key=value``
-    overrides. Raises ConfigError naming the file and key at fault."""
+    """Read and validate an experiment TOML (``extends`` followed), with overrides.
+
+    Args:
+        path: the TOML file; None for the defaults.
+        overrides: ``section.key=value`` strings, applied in order.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: naming the file and key at fault.
+    """
     return C.load(path, overrides, schema())
 
 
 def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
-    """A run directory's config.toml (a resolved config, which an earlier nestfed may have written
-    with settings that moved since: nestfed.config.loader.migrate), with overrides."""
+    """A run directory's config.toml, with overrides.
+
+    A resolved config, which an earlier nestfed may have written with settings that moved since
+    (nestfed.config.loader.migrate).
+
+    Args:
+        path: the run directory's config.toml.
+        overrides: ``section.key=value`` strings, applied in order.
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: naming the file and key at fault.
+    """
     return C.load(path, overrides, schema(), stored=True)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "<config>", stored: bool = False) -> ExperimentConfig:
-    """Validate a parsed TOML document (e.g. the resolved config a Flower server sends); stored: a
-    resolved config a run recorded (migrated as :func:`load_run_config`'s)."""
+    """Validate a parsed TOML document (e.g. the resolved config a Flower server sends).
+
+    Args:
+        data: the parsed document.
+        source: what error messages call it.
+        stored: a resolved config a run recorded (migrated as :func:`load_run_config`'s).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: naming the source and key at fault.
+    """
     s = schema()
     return C.from_dict(C.migrate(data, s) if stored else data, source, s)
 
 
 def with_method(cfg: ExperimentConfig, name: str) -> ExperimentConfig:
-    """``cfg`` running method ``name`` (validated: e.g. fedavg with unequal ranks is refused)."""
+    """A config running another method, validated (e.g. fedavg with unequal ranks is refused).
+
+    Args:
+        cfg: the experiment.
+        name: the method to run.
+
+    Returns:
+        The validated copy.
+
+    Raises:
+        ConfigError: for an unknown method or a setting it refuses.
+    """
     get(name)
     return C.replace(cfg, schema(), strategy={"name": name})
 
 
 def replace_config(cfg: ExperimentConfig, **sections: dict[str, Any]) -> ExperimentConfig:
-    """A validated copy with fields of named sections replaced (nestfed.config.replace)."""
+    """A validated copy with fields of named sections replaced (nestfed.config.replace).
+
+    Args:
+        cfg: the experiment.
+        **sections: {section: {field: value}} to replace.
+
+    Returns:
+        The validated copy.
+
+    Raises:
+        ConfigError: for a value the schema refuses.
+    """
     return C.replace(cfg, schema(), **sections)
 
 

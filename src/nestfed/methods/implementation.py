@@ -26,8 +26,16 @@ from nestfed.federation.strategy import LoraSettings, Strategy
 
 @dataclass
 class MethodRun:
-    """A method set up on a prepared experiment: strategy, trainer, clients, LoRA shapes, whether
-    its clients keep state between rounds, and ``finish(state) -> Exports`` after the last round."""
+    """A method set up on a prepared experiment.
+
+    Attributes:
+        strategy: the server's strategy.
+        trainer: runs the clients' local rounds.
+        clients: the clients with their ranks and example counts.
+        shapes: {module: (out, in)} of the LoRA layers.
+        keeps_client_state: whether its clients keep state between rounds.
+        finish: ``finish(state) -> Exports`` after the last round.
+    """
 
     strategy: Strategy
     trainer: Trainer
@@ -39,8 +47,13 @@ class MethodRun:
 
 @dataclass
 class ClientSide:
-    """A method's client on one node (Flower): its trainer and the arrays the server's strategy
-    starts from that only a model can give (e.g. fresh memory rules; {} for most methods)."""
+    """A method's client on one node (Flower).
+
+    Attributes:
+        trainer: the node's client trainer.
+        initial_arrays: the arrays the server's strategy starts from that only a model can give
+            (e.g. fresh memory rules; {} for most methods).
+    """
 
     trainer: ClientTrainer
     initial_arrays: Arrays
@@ -50,11 +63,17 @@ class ClientSide:
 class Implementation:
     """What runs one method.
 
-    build(prep, cfg) -> MethodRun; client(prep, cfg) -> ClientSide and server(cfg, initial_arrays)
-    -> Strategy: the two halves on Flower (None: not on Flower); check_model(prep, cfg): checks that
-    need the model, raising ConfigError, run before any file is written; keeps_client_state(cfg):
-    whether its clients keep state between rounds under this config; client_hooks(cfg): the client
-    hooks of a method whose clients run the LoRA client trainer (None for the others).
+    Attributes:
+        build: ``build(prep, cfg) -> MethodRun``.
+        client: ``client(prep, cfg) -> ClientSide``, the client half on Flower; None: not on Flower.
+        server: ``server(cfg, initial_arrays) -> Strategy``, the server half on Flower; None: not on
+            Flower.
+        check_model: ``check_model(prep, cfg)``: checks that need the model, raising ConfigError,
+            run before any file is written; None for none.
+        keeps_client_state: ``keeps_client_state(cfg)``: whether its clients keep state between
+            rounds under this config.
+        client_hooks: ``client_hooks(cfg)``: the client hooks of a method whose clients run the LoRA
+            client trainer; None for the others.
     """
 
     build: Callable[[Prepared, ExperimentConfig], MethodRun]
@@ -66,8 +85,16 @@ class Implementation:
 
 
 def lora_settings(cfg: ExperimentConfig) -> LoraSettings:
-    """The LoRA numbers every LoRA strategy needs, from the config: r_max, lora_alpha, the scaling
-    convention, the initialisation seed and the federation's seed."""
+    """The LoRA numbers every LoRA strategy needs, from the config.
+
+    r_max, lora_alpha, the scaling convention, the initialisation seed and the federation's seed.
+
+    Args:
+        cfg: the experiment.
+
+    Returns:
+        The settings.
+    """
     return LoraSettings(
         r_max=r_max(cfg),
         lora_alpha=cfg.lora.lora_alpha,
@@ -86,11 +113,18 @@ def lora_implementation(
 ) -> Implementation:
     """The implementation of a method whose clients run the client trainer on the shared backbone.
 
-    strategy(cfg, initial_arrays) -> its server strategy; hooks(cfg) -> its client hooks;
-    setup(prep, cfg) -> initial arrays: what it adds to the model before its first round (e.g.
-    memory layers), on the server's model and on every Flower node alike; report(prep, cfg) -> the
-    method's own summary fields, measured by its setup (e.g. a warm-up's cost), in an embedded
-    run's summary. ``kw``: the other :class:`Implementation` fields (check_model).
+    Args:
+        strategy: ``strategy(cfg, initial_arrays)`` -> its server strategy.
+        hooks: ``hooks(cfg)`` -> its client hooks; plain ClientHooks by default.
+        setup: ``setup(prep, cfg)`` -> initial arrays: what it adds to the model before its first
+            round (e.g. memory layers), on the server's model and on every Flower node alike; None
+            for nothing.
+        report: ``report(prep, cfg)`` -> the method's own summary fields, measured by its setup
+            (e.g. a warm-up's cost), in an embedded run's summary; None for none.
+        **kw: the other :class:`Implementation` fields (check_model).
+
+    Returns:
+        The implementation, with both halves on Flower.
     """
 
     def client(prep: Prepared, cfg: ExperimentConfig) -> ClientSide:

@@ -16,29 +16,67 @@ from nestfed.methods.compressed.setup import CompressedSetup
 def evaluate_server(
     prep: Prepared, cfg: ExperimentConfig, arrays: Arrays, scaling: float
 ) -> dict[str, dict[str, float]]:
-    """The full server model (backbone + LoRA ``arrays`` at scale s) on every client's test set:
-    {cid: held-out metrics}."""
+    """The full server model (backbone + LoRA ``arrays`` at scale s) on every client's test set.
+
+    Args:
+        prep: the prepared experiment (backbone, clients' data).
+        cfg: the experiment (``[train]``'s evaluation settings).
+        arrays: the server's LoRA arrays.
+        scaling: the LoRA scale s.
+
+    Returns:
+        {cid (str): held-out metrics}.
+    """
     trainer = ClientTrainer(prep.backbone.model, prep.data, cfg.train)
     return {str(cid): trainer.evaluate(cid, arrays, scaling) for cid in sorted(prep.data)}
 
 
 def mean_ppl(evals: dict[str, dict[str, float]]) -> float:
-    """Mean over clients of the held-out perplexity."""
+    """Mean over clients of the held-out perplexity.
+
+    Args:
+        evals: {cid: held-out metrics with ``ppl``}.
+
+    Returns:
+        The mean (0 for no client).
+    """
     return sum(v["ppl"] for v in evals.values()) / max(len(evals), 1)
 
 
 def compressed_clients(prep: Prepared) -> list[ClientInfo]:
-    """The clients as the server sees them (rank 0: they hold SVD cores, not LoRA)."""
+    """The clients as the server sees them (rank 0: they hold SVD cores, not LoRA).
+
+    Args:
+        prep: the prepared experiment.
+
+    Returns:
+        One ClientInfo per client, in cid order.
+    """
     return [ClientInfo(cid, 0, d.num_examples) for cid, d in sorted(prep.data.items())]
 
 
 def core_train(cfg: ExperimentConfig) -> TrainConfig:
-    """The local training settings of the cores: train.* with lr = compression.core_lr."""
+    """The local training settings of the cores: train.* with lr = compression.core_lr.
+
+    Args:
+        cfg: the experiment.
+
+    Returns:
+        The training settings.
+    """
     return dataclasses.replace(cfg.train, lr=cfg.section("compression").core_lr)
 
 
 def client_memory(setup: CompressedSetup) -> dict[str, Any]:
-    """Bytes of every group's client model against the full backbone (parameters + buffers)."""
+    """Bytes of every group's client model against the full backbone (parameters + buffers).
+
+    Args:
+        setup: the compressed side of the experiment.
+
+    Returns:
+        ``full_model_bytes``, ``groups`` ({g: ratio, bytes, ratio_to_full}) and
+            ``mean_ratio_to_full`` over the clients.
+    """
     full = setup.bytes["full"]
     return {
         "full_model_bytes": full,

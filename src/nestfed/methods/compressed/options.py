@@ -13,19 +13,26 @@ WHITENINGS = ("none", "activation")
 
 @dataclass(frozen=True)
 class CompressionOptions:
-    """Compressed clients (arXiv 2607.29071 step 1; docs/methods.md, FedSLM).
+    """Options of ``[compression]``: compressed clients (arXiv 2607.29071 step 1; docs/methods.md, FedSLM).
 
-    client_ratios: the compression ratio rho of each client (one value = every client); each
-    distinct value is a group. target: regex over module paths of the Linear layers factorised as
-    U Sigma V^T (default every attention and MLP projection of the decoder blocks). train_layers:
-    decoder layers whose cores train and travel (negative counts from the top; empty = every
-    compressed layer); the other cores stay diag(S). fusion: ``coverage`` | ``average`` (FedSLM's
-    cross-group fusion). core_lr: AdamW learning rate of the cores. server_blocks: blocks of
-    unlabeled server text held out from every client (elicitation's D_server, FedMKT's public
-    set, the whitening's calibration text). whitening: ``activation`` (default, our decision beyond
-    the paper's plain SVD: SVD-LLM's truncation-aware data whitening, arXiv 2403.07378, section
-    3.1; needs server_blocks * data.block_size >= the widest compressed layer's input size, checked
-    when the model is prepared) or ``none`` (the plain truncated SVD of W).
+    Attributes:
+        client_ratios: the compression ratio rho of each client (one value = every client); each
+            distinct value is a group.
+        target: regex over module paths of the Linear layers factorised as U Sigma V^T (default
+            every attention and MLP projection of the decoder blocks).
+        train_layers: decoder layers whose cores train and travel (negative counts from the top;
+            empty = every compressed layer); the other cores stay diag(S).
+        fusion: ``coverage`` or ``average`` (FedSLM's cross-group fusion).
+        core_lr: AdamW learning rate of the cores (> 0).
+        server_blocks: blocks of unlabeled server text held out from every client (elicitation's
+            D_server, FedMKT's public set, the whitening's calibration text; >= 1).
+        whitening: ``activation`` (default, our decision beyond the paper's plain SVD: SVD-LLM's
+            truncation-aware data whitening, arXiv 2403.07378, section 3.1; needs server_blocks *
+            data.block_size >= the widest compressed layer's input size, checked when the model is
+            prepared) or ``none`` (the plain truncated SVD of W).
+
+    Raises:
+        ValueError: for a value out of range or an unknown fusion or whitening.
     """
 
     client_ratios: tuple[float, ...] = (0.5,)
@@ -48,8 +55,16 @@ class CompressionOptions:
 
 
 def check_compression(cfg: ExperimentConfig) -> None:
-    """One compression ratio, or one per client; documents as the unit (the server text is the
-    documents no client uses). Raises ValueError naming compression.client_ratios or data.unit."""
+    """One compression ratio or one per client, and documents as the unit.
+
+    The server text is the documents no client uses.
+
+    Args:
+        cfg: the experiment.
+
+    Raises:
+        ValueError: naming compression.client_ratios or data.unit.
+    """
     n = len(cfg.section("compression").client_ratios)
     if n not in (1, cfg.data.num_clients):
         raise ValueError(f"compression.client_ratios: {n} ratios for data.num_clients = {cfg.data.num_clients} clients")

@@ -52,13 +52,24 @@ from nestfed.nn.whitening import DAMPING, second_moments, token_hash
 class CompressedSetup:
     """The compressed side of an experiment.
 
-    ratios: the distinct compression ratios, sorted (group g has ratios[g]); client_group:
-    {cid: g}; bases: {module: SVDFactors} at the largest rank; trained: module paths whose cores
-    train and travel; models: {g: compressed model}; data: {g: {cid: ClientData}} for the group's
-    clients, prefix cached from layer ``start``; server_text: [N, T] blocks held out from every
-    client; public: {g: CachedText} the server text as group g's model sees it, plus "strong" (the
-    backbone); initial: {g: {core key: diag(S[:r])}}; bytes: {"full": backbone bytes, g: group
-    model bytes} (parameters and buffers, LoRA excluded, shared tensors once).
+    Attributes:
+        ratios: the distinct compression ratios, sorted (group g has ratios[g]).
+        client_group: {cid: g}.
+        bases: {module: SVDFactors} at the largest rank.
+        trained: module paths whose cores train and travel.
+        models: {g: compressed model}.
+        data: {g: {cid: ClientData}} for the group's clients, prefix cached from layer ``start``.
+        server_text: [N, T] blocks held out from every client.
+        public: {g: CachedText} the server text as group g's model sees it, plus "strong" (the
+            backbone).
+        initial: {g: {core key: diag(S[:r])}}.
+        bytes: {"full": backbone bytes, g: group model bytes} (parameters and buffers, LoRA
+            excluded, shared tensors once).
+        start: the first layer the group models' cached prefixes enter.
+        shared_prefix: whether every group's prefix equals the backbone's (the backbone's cached
+            outputs are shared).
+        prepare_time_s: seconds the preparation took.
+        extra: what a method adds (e.g. measurements of its own).
     """
 
     ratios: list[float]
@@ -77,11 +88,22 @@ class CompressedSetup:
     extra: dict = field(default_factory=dict)
 
     def ranks(self, g: int) -> dict[str, int]:
-        """{module: r_gl} of the trained layers of group g."""
+        """The ranks r_gl of group g's trained layers.
+
+        Args:
+            g: the group.
+
+        Returns:
+            {module: r_gl}.
+        """
         return {n: self.models[g].get_submodule(n).rank for n in self.trained}
 
     def group_examples(self) -> dict[int, float]:
-        """N_g: training examples of every group (all its clients)."""
+        """N_g: training examples of every group (all its clients).
+
+        Returns:
+            {g: N_g}.
+        """
         out = {g: 0.0 for g in range(len(self.ratios))}
         for g, d in self.data.items():
             out[g] += float(sum(x.num_examples for x in d.values()))
@@ -89,7 +111,14 @@ class CompressedSetup:
 
 
 def model_bytes(model: nn.Module) -> int:
-    """Bytes of a model's parameters and buffers, LoRA matrices excluded, each storage counted once."""
+    """Bytes of a model's parameters and buffers, LoRA matrices excluded, each storage counted once.
+
+    Args:
+        model: the model.
+
+    Returns:
+        The bytes.
+    """
     seen, total = set(), 0
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if ".lora_" in name:
@@ -102,17 +131,36 @@ def model_bytes(model: nn.Module) -> int:
 
 
 def client_ratios(cfg: ExperimentConfig) -> list[float]:
-    """rho of every client: ``compression.client_ratios`` broadcast to data.num_clients."""
+    """rho of every client: ``compression.client_ratios`` broadcast to data.num_clients.
+
+    Args:
+        cfg: the experiment.
+
+    Returns:
+        One ratio per client.
+    """
     r = list(cfg.section("compression").client_ratios)
     return r * cfg.data.num_clients if len(r) == 1 else r
 
 
 def bases_cache_key(source: str, cfg: ExperimentConfig, calibration: torch.Tensor | None = None) -> str:
-    """16 hex digits naming a model's cached bases: source, target, largest ratio, the resolved dtype
-    of the frozen weights (``auto`` keys as what it resolves to) and, for
-    ``compression.whitening = "activation"``, the mode, the damping and a hash of the calibration
-    token ids (another server text gives other bases). Plain SVD keeps the key of earlier versions,
-    so existing caches stay valid. Raises ValueError when whitening needs calibration ids and gets none.
+    """16 hex digits naming a model's cached bases.
+
+    Covers the source, target, largest ratio, the resolved dtype of the frozen weights (``auto``
+    keys as what it resolves to) and, for ``compression.whitening = "activation"``, the mode, the
+    damping and a hash of the calibration token ids (another server text gives other bases). Plain
+    SVD keeps the key of earlier versions, so existing caches stay valid.
+
+    Args:
+        source: where the backbone was loaded from.
+        cfg: the experiment.
+        calibration: the calibration token ids [B, T]; needed for whitening.
+
+    Returns:
+        The key.
+
+    Raises:
+        ValueError: when whitening needs calibration ids and gets none.
     """
     c = cfg.section("compression")
     dtype = str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))).removeprefix("torch.")
@@ -125,10 +173,19 @@ def bases_cache_key(source: str, cfg: ExperimentConfig, calibration: torch.Tenso
 
 
 def check_calibration(model: nn.Module, cfg: ExperimentConfig, calibration: torch.Tensor) -> None:
-    """The whitened SVD needs at least as many calibration tokens as the widest compressed layer has
-    inputs (else C = X^T X / N is rank deficient and the damping alone decides the directions the
-    server text never shows). calibration: [B, T] server text ids. Raises ConfigError naming
-    ``compression.server_blocks`` (and ``compression.target`` for a regex matching nothing).
+    """Check that the calibration text has as many tokens as the widest compressed layer has inputs.
+
+    Else C = X^T X / N is rank deficient and the damping alone decides the directions the server
+    text never shows.
+
+    Args:
+        model: the backbone.
+        cfg: the experiment (``compression.target``).
+        calibration: [B, T] server text ids.
+
+    Raises:
+        ConfigError: naming ``compression.server_blocks`` (and ``compression.target`` for a regex
+            matching nothing).
     """
     try:
         names = target_linear_names(model, cfg.section("compression").target)
@@ -151,12 +208,24 @@ def cached_bases(
 ) -> dict[str, SVDFactors]:
     """The SVD bases at the largest ratio, read from the cache when a real model was computed before.
 
-    calibration: the server text's token ids [B, T] (data/held_out.py; held out from every client),
-    needed for ``compression.whitening = "activation"``: the input second moment of every compressed
-    layer is collected on it (:func:`nestfed.nn.whitening.second_moments`) and the bases are
-    SVD-LLM's whitened SVD. Cache: <model cache dir>/svd/<:func:`bases_cache_key`>.safetensors
+    With ``compression.whitening = "activation"`` the input second moment of every compressed layer
+    is collected on the calibration text (:func:`nestfed.nn.whitening.second_moments`) and the bases
+    are SVD-LLM's whitened SVD. Cache: <model cache dir>/svd/<:func:`bases_cache_key`>.safetensors
     (only for models loaded from a directory; tiny random models are recomputed: milliseconds).
-    Raises ConfigError for a bad target regex or ratio, too little calibration text or a missing one.
+
+    Args:
+        model: the backbone.
+        cfg: the experiment.
+        source: where the backbone was loaded from ("" = not from a directory: no cache).
+        say (Callable[[str], None]): progress lines.
+        calibration: the server text's token ids [B, T] (data/held_out.py; held out from every
+            client); needed for whitening.
+
+    Returns:
+        {module: SVDFactors}.
+
+    Raises:
+        ConfigError: for a bad target regex or ratio, too little calibration text or a missing one.
     """
     c = cfg.section("compression")
     top = max(client_ratios(cfg))
@@ -198,13 +267,23 @@ def cached_bases(
 
 
 def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> CompressedSetup:
-    """Build (once per preparation; memoised in ``prep.cache``) the compressed side of an experiment.
+    """Build the compressed side of an experiment, once per preparation (memoised in ``prep.cache``).
 
-    prep: the prepared experiment (the backbone with LoRA, every client's data). The server text is
-    loaded first: with ``compression.whitening = "activation"`` it is the calibration text of the
-    SVD (only server text, held out from every client; no client data leave the clients).
-    Raises ConfigError (target, train_layers, whitening, too little calibration text) or
-    DataError (too little held-out server text).
+    The server text is loaded first: with ``compression.whitening = "activation"`` it is the
+    calibration text of the SVD (only server text, held out from every client; no client data leave
+    the clients).
+
+    Args:
+        prep: the prepared experiment (the backbone with LoRA, every client's data).
+        cfg: the experiment.
+        say (Callable[[str], None] | None): progress lines; None for silence.
+
+    Returns:
+        The compressed setup.
+
+    Raises:
+        ConfigError: for the target, train_layers, whitening, or too little calibration text.
+        DataError: for too little held-out server text.
     """
     memo = prep.cache.setdefault("compressed", {})
     key = (

@@ -64,8 +64,16 @@ from nestfed.methods.method import lora_method
 
 @dataclass(frozen=True)
 class FedSBOptions:
-    """lr: the core's own AdamW learning rate on the clients (>= 0; 0 = ``train.lr``): R moves
-    about sqrt(out / 3r) times less per step than LoRA at one rate (docs/methods.md section 7)."""
+    """Options of ``[fed_sb]``.
+
+    Attributes:
+        lr: the core's own AdamW learning rate on the clients (>= 0; 0 = ``train.lr``): R moves
+            about sqrt(out / 3r) times less per step than LoRA at one rate (docs/methods.md section
+            7).
+
+    Raises:
+        ValueError: when lr < 0.
+    """
 
     lr: float = 0.0
 

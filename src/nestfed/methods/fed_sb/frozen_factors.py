@@ -26,15 +26,34 @@ SEED, RANK, STREAM = "core_seed", "core_rank", "core_stream"
 
 
 def frozen_heads_key(module: str) -> str:
-    """Instruction key of the heads a client runs frozen: ``base_model.model.<module>.frozen_heads``
-    [r - r_k, q] (never loaded as it is: :func:`client_payload` turns it into the residual)."""
+    """Instruction key of the heads a client runs frozen: ``base_model.model.<module>.frozen_heads``.
+
+    The array is [r - r_k, q]; it is never loaded as it is (:func:`client_payload` turns it into the
+    residual).
+
+    Args:
+        module: the layer's module path.
+
+    Returns:
+        The key.
+    """
     return f"{PEFT_PREFIX}{module}.frozen_heads"
 
 
 def orthonormal(rows: int, cols: int, g: torch.Generator) -> torch.Tensor:
-    """A [rows, cols] matrix with orthonormal columns (rows >= cols) or orthonormal rows (rows <
-    cols): the Q factor of a standard Gaussian draw (Gram-Schmidt by Householder QR), each
-    direction signed so that R's diagonal is positive (Q is then unique for the draw)."""
+    """A matrix with orthonormal columns (rows >= cols) or orthonormal rows (rows < cols).
+
+    The Q factor of a standard Gaussian draw (Householder QR), each direction signed so that R's
+    diagonal is positive (Q is then unique for the draw).
+
+    Args:
+        rows: the matrix's rows.
+        cols: its columns.
+        g: the random stream.
+
+    Returns:
+        [rows, cols] float32.
+    """
     tall = rows >= cols
     gauss = torch.randn(rows, cols, generator=g, dtype=torch.float64)
     q, r = torch.linalg.qr(gauss if tall else gauss.T)
@@ -49,21 +68,48 @@ def _drawn(out_f: int, in_f: int, rank: int, seed: int, module: str, stream: str
 
 
 def frozen_factors(out_f: int, in_f: int, rank: int, seed: int, module: str, stream: str) -> tuple:
-    """(A [rank, in], B [out, rank]) for one layer: orthonormal rows of A and columns of B (where
-    the shape allows), drawn from the seed rule's stream ``<stream>/<module>`` of ``seed``
-    (nestfed.seeds: round 0, client 0), so the server and every client draw the same factors
-    (copies of a cached draw)."""
+    """The frozen A and B of one layer, the same on the server and every client.
+
+    Orthonormal rows of A and columns of B (where the shape allows), drawn from the seed rule's
+    stream ``<stream>/<module>`` of ``seed`` (nestfed.seeds: round 0, client 0); copies of a cached
+    draw.
+
+    Args:
+        out_f: the layer's output features.
+        in_f: its input features.
+        rank: r.
+        seed: the LoRA seed.
+        module: the layer's module path.
+        stream: the stream's name (``fed_sb_init``, ``ravan_init``).
+
+    Returns:
+        A [rank, in] and B [out, rank].
+    """
     A, B = _drawn(out_f, in_f, rank, seed, module, stream)
     return A.clone(), B.clone()
 
 
 def client_payload(arrays: Arrays, config: dict, shapes: dict[str, tuple[int, int]]) -> Arrays:
-    """What a client loads from what it received: per layer with a core (``lora_core`` /
-    ``lora_heads`` [r_k, q]) the frozen A[:r_k] [r_k, in] and B[:, :r_k] [out, r_k] drawn from the
-    config's seed (:func:`frozen_factors`), and, when ``frozen_heads`` [r - r_k, q] came too, the
-    residual ``merged_A`` = A[r_k:] [r - r_k, in], ``merged_B`` = s B[:, r_k:] blockdiag(heads)
-    [out, r - r_k] at the config's scale s. Other arrays pass as they are. shapes: {module: (out,
-    in)}. Raises KeyError for a core of a module the model does not adapt."""
+    """What a client loads from what it received.
+
+    Per layer with a core (``lora_core`` / ``lora_heads`` [r_k, q]): the frozen A[:r_k] ([r_k, in])
+    and B[:, :r_k] ([out, r_k]) drawn from the config's seed (:func:`frozen_factors`), and, when
+    ``frozen_heads`` [r - r_k, q] came too, the residual ``merged_A`` = A[r_k:] ([r - r_k, in]),
+    ``merged_B`` = s B[:, r_k:] blockdiag(heads) ([out, r - r_k]) at the config's scale s. Other
+    arrays pass as they are.
+
+    Args:
+        arrays: the received payload.
+        config: the instruction's config (``core_seed``, ``core_rank``, ``core_stream``,
+            ``scaling``).
+        shapes: {module: (out, in)}.
+
+    Returns:
+        The arrays to load.
+
+    Raises:
+        KeyError: for a core of a module the model does not adapt.
+    """
     r, seed, stream = int(config[RANK]), int(config[SEED]), str(config[STREAM])
     out = {}
     for key, v in arrays.items():
@@ -87,15 +133,20 @@ def client_payload(arrays: Arrays, config: dict, shapes: dict[str, tuple[int, in
 
 
 class CoreHooks(ClientHooks):
-    """The clients of Fed-SB and RAVAN: rebuild the frozen factors (and a lower rank's frozen
-    heads) before loading (:func:`client_payload`); the core variant the payload installs then
-    trains only the core and replies with it (nestfed.nn.arrays). lr: the cores' own AdamW learning
-    rate (the method's ``lr`` option; 0: ``train.lr``)."""
+    """The clients of Fed-SB and RAVAN: rebuild the frozen factors before loading.
+
+    A lower rank's frozen heads are rebuilt too (:func:`client_payload`); the core variant the
+    payload installs then trains only the core and replies with it (nestfed.nn.arrays).
+
+    Args:
+        lr: the cores' own AdamW learning rate (the method's ``lr`` option; 0: ``train.lr``).
+    """
 
     def __init__(self, lr: float = 0.0):
         self.lr = float(lr)
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
+        """The received cores with the frozen factors (and residual) drawn from the seed (:func:`client_payload`)."""
         return client_payload(arrays, ctx.config, module_shapes(ctx.model))
 
     def param_groups(self, ctx: FitContext, params: list) -> list[dict]:

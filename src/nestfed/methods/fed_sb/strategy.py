@@ -24,11 +24,23 @@ from nestfed.nn.keys import lora_core_key, module_of, peft_key
 
 
 def update_mean(g: torch.Tensor, replies: list[torch.Tensor], weights: list[float]) -> torch.Tensor:
-    """sum_k p_k X_k over the clients' whole cores, where client k's core is its reply X_k [t_k, q]
-    on the rows it trained and the sent global core g [r, q] on the others: g + sum_k p_k
-    pad(X_k - g[:t_k]), the n_k-weighted mean of the clients' cores as they ran them (p_k = w_k /
-    sum w). With every t_k = r it is the weighted mean of the replies, bit for bit. Raises
-    ValueError for a reply with more rows than g."""
+    """sum_k p_k X_k over the clients' whole cores, as they ran them.
+
+    Client k's core is its reply X_k [t_k, q] on the rows it trained and the sent global core g on
+    the others: g + sum_k p_k pad(X_k - g[:t_k]), the n_k-weighted mean (p_k = w_k / sum w). With
+    every t_k = r it is the weighted mean of the replies, bit for bit.
+
+    Args:
+        g: [r, q] the sent global core.
+        replies: the clients' cores, [t_k, q] each.
+        weights: the w_k.
+
+    Returns:
+        The new core [r, q].
+
+    Raises:
+        ValueError: for a reply with more rows than g.
+    """
     full = []
     for x in replies:
         if x.shape[0] > g.shape[0]:
@@ -40,33 +52,49 @@ def update_mean(g: torch.Tensor, replies: list[torch.Tensor], weights: list[floa
 
 
 class CoreStrategy(LoraStrategy):
-    """Global state per layer: the frozen factors ``lora_A`` [r, in] and ``lora_B`` [out, r] and
-    the core (key kind :attr:`kind`) [r, q]: h = :meth:`heads` heads [q, q] stacked row-wise,
-    h q = r = r_max (nestfed.nn.lora_core). A client of rank r_k (a multiple of q) receives the
-    core's first r_k rows and, below r, the other heads, which it runs as a frozen residual with A
-    and B drawn from the seed (nestfed.methods.fed_sb.frozen_factors), so it runs the global model
-    exactly, at the global scale s = scale(r_max); it trains its prefix of the core and sends back
-    only that, [r_k, q]. The server sets the core to :func:`update_mean`
-    (rows a client did not train count at the values it ran); A and B never change, so s B M A is
-    exactly the n_k-weighted mean of the clients' s B M_k A (M linear in the core). At r_k = r
-    (Fed-SB's only case) there is no residual."""
+    """Frozen factors A, B and a trainable core between them, averaged exactly (Fed-SB's and RAVAN's server).
+
+    Global state per layer: the frozen factors ``lora_A`` [r, in] and ``lora_B`` [out, r] and the
+    core (key kind :attr:`kind`) [r, q]: h = :meth:`heads` heads [q, q] stacked row-wise, h q = r =
+    r_max (nestfed.nn.lora_core).
+
+    A client of rank r_k (a multiple of q) receives the core's first r_k rows and, below r, the
+    other heads, which it runs as a frozen residual with A and B drawn from the seed
+    (nestfed.methods.fed_sb.frozen_factors), so it runs the global model exactly, at the global
+    scale s = scale(r_max); it trains its prefix of the core and sends back only that, [r_k, q].
+
+    The server sets the core to :func:`update_mean` (rows a client did not train count at the values
+    it ran); A and B never change, so s B M A is exactly the n_k-weighted mean of the clients' s B
+    M_k A (M linear in the core). At r_k = r (Fed-SB's only case) there is no residual.
+    """
 
     name = "core"
     kind = "lora_core"
     stream = "core_init"
 
     def heads(self) -> int:
-        """h, the number of heads the core of rank r_max is cut into (Fed-SB: 1)."""
+        """h, the number of heads the core of rank r_max is cut into (Fed-SB: 1).
+
+        Returns:
+            h.
+        """
         return 1
 
     def head_rank(self) -> int:
-        """q = r_max / h."""
+        """q = r_max / h.
+
+        Returns:
+            q.
+        """
         return self.s.r_max // self.heads()
 
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
-        """Frozen orthonormal factors (:func:`frozen_factors`) and a zero core (so round 1 starts
-        from the backbone). Raises ValueError for an r_max that h heads do not divide, or a client
-        rank that is not a multiple of q up to r_max."""
+        """Frozen orthonormal factors (:func:`frozen_factors`) and a zero core, so round 1 starts from the backbone.
+
+        Raises:
+            ValueError: for an r_max that h heads do not divide, or a client rank that is not a
+                multiple of q up to r_max.
+        """
         h, r = self.heads(), self.s.r_max
         if r % h:
             raise ValueError(f"rank {r} is not a multiple of the {h} heads")
@@ -81,18 +109,26 @@ class CoreStrategy(LoraStrategy):
         return GlobalState(arrays, {"ranks": {str(c.cid): c.rank for c in clients}})
 
     def core_keys(self, arrays: Arrays) -> list[str]:
-        """The core keys of a payload, sorted."""
+        """The core keys of a payload, sorted.
+
+        Args:
+            arrays: the payload.
+
+        Returns:
+            The keys.
+        """
         suffix = f".{self.kind}.weight"
         return sorted(k for k in arrays if k.endswith(suffix))
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict:
-        """The global scale for every client (each runs the whole global model) and what it draws
-        its frozen factors from: the LoRA seed, r and the stream."""
+        """The global scale for every client and what it draws its frozen factors from (LoRA seed, r, stream)."""
         return {"scaling": self.s.scale(self.s.r_max), SEED: self.s.init_seed, RANK: self.s.r_max, STREAM: self.stream}
 
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
-        """The core's first r_k rows [r_k, q] (views) and, below r, the other heads under
-        ``frozen_heads`` [r - r_k, q]; never A or B (the client draws them from the seed)."""
+        """The core's first r_k rows [r_k, q] (views) and, below r, the other heads under ``frozen_heads``.
+
+        The heads are [r - r_k, q]; never A or B (the client draws them from the seed).
+        """
         out: Arrays = {}
         for key in self.core_keys(state.arrays):
             core = state.arrays[key]
@@ -120,9 +156,11 @@ class CoreStrategy(LoraStrategy):
         return new
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
-        """One block of every reply's core update, zero-padded to r rows (rows a client did not
-        train: no change), added to the global core: under the n_k-weighted mean rule this is
-        :meth:`aggregate` (docs/trust.md)."""
+        """One block of every reply's core update, zero-padded to r rows, added to the global core.
+
+        Rows a client did not train count as no change; under the n_k-weighted mean rule this is
+        :meth:`aggregate` (docs/trust.md).
+        """
         new = copy_state(state)
         keys = self.core_keys(state.arrays)
         start = {k: state.arrays[k] for k in keys}
@@ -137,9 +175,11 @@ class CoreStrategy(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: each core gets G + S / N, S the sum of the
-        n_k-weighted updates zero-padded to r rows and N = C[0] the round's total n_k
-        (nestfed.federation.secure_sum)."""
+        """:meth:`aggregate` from secure sums alone: each core gets G + S / N.
+
+        S is the sum of the n_k-weighted updates zero-padded to r rows and N = C[0] the round's
+        total n_k (nestfed.federation.secure_sum).
+        """
         new = copy_state(state)
         total = float(secure.counts[0])
         for key, s in secure.sums.items():
@@ -152,8 +192,10 @@ class CoreStrategy(LoraStrategy):
         return {k: v.clone() for k, v in state.arrays.items()}, self.s.scale(self.s.r_max)
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
-        """A plain PEFT LoRA adapter of rank r_max at scale s: A' = A, B' = B blockdiag(core), so
-        B' A' = B M A exactly (nestfed.federation.aggregation.fold_cores)."""
+        """A plain PEFT LoRA adapter of rank r_max at scale s: A' = A, B' = B blockdiag(core).
+
+        So B' A' = B M A exactly (nestfed.federation.aggregation.fold_cores).
+        """
         return fold_cores(state.arrays), self.s.scale(self.s.r_max)
 
 

@@ -22,8 +22,16 @@ from nestfed.methods.method import lora_method
 
 @dataclass(frozen=True)
 class FedALAOptions:
-    """layers: top decoder layers mixed element-wise (>= 0); steps: ALA batches per round (>= 0);
-    eta: the weights' learning rate (> 0)."""
+    """Options of ``[fedala]``.
+
+    Attributes:
+        layers: top decoder layers holding LoRA that are mixed element-wise (FedALA's p; >= 0).
+        steps: ALA batches spent learning W per round (>= 0).
+        eta: W's learning rate (> 0; FedALA's default 1.0).
+
+    Raises:
+        ValueError: for layers or steps < 0, or eta <= 0.
+    """
 
     layers: int = 1
     steps: int = 2

@@ -23,15 +23,31 @@ class FedALA(FedAvg):
 
 
 def ala_keys(arrays: Arrays, layers: int) -> list[str]:
-    """LoRA keys of the top ``layers`` decoder layers that hold LoRA (FedALA's mixed part), sorted."""
+    """LoRA keys of the top ``layers`` decoder layers that hold LoRA (FedALA's mixed part), sorted.
+
+    Args:
+        arrays: the payload.
+        layers: how many top layers (``fedala.layers``).
+
+    Returns:
+        The keys.
+    """
     lora = [k for k in arrays if rank_dim(k) is not None and layer_of(k) is not None]
     top = sorted({layer_of(k) for k in lora}, reverse=True)[: max(layers, 0)]
     return sorted(k for k in lora if layer_of(k) in top)
 
 
 def ala_mix(global_arrays: Arrays, local: Arrays, weights: Arrays) -> Arrays:
-    """theta_hat = theta_local + (theta_global - theta_local) * W on the keys of ``weights``,
-    theta_global elsewhere (FedALA eq. 5). Shapes of W equal those of the arrays."""
+    """theta_hat = theta_local + (theta_global - theta_local) * W on the keys of ``weights`` (FedALA eq. 5).
+
+    Args:
+        global_arrays: theta_global, {key: tensor}.
+        local: theta_local on (at least) the keys of ``weights``.
+        weights: W, each of its array's shape, in [0, 1].
+
+    Returns:
+        theta_hat on the keys of ``weights``, theta_global elsewhere.
+    """
     out = dict(global_arrays)
     for k, w in weights.items():
         out[k] = torch.lerp(local[k], global_arrays[k], w)  # exact at W = 0 and W = 1
@@ -39,8 +55,11 @@ def ala_mix(global_arrays: Arrays, local: Arrays, weights: Arrays) -> Arrays:
 
 
 class ALAHooks(ClientHooks):
-    """Learn W after the global arrays are loaded, remember the trained LoRA as the local model,
-    and evaluate the mixed model."""
+    """Learn W after the global arrays are loaded, keep the trained LoRA as the local model, evaluate the mix.
+
+    Args:
+        options: ``[fedala]``.
+    """
 
     keeps_state = True
 
@@ -48,10 +67,13 @@ class ALAHooks(ClientHooks):
         self.o = options
 
     def after_load(self, ctx: FitContext, arrays: Arrays) -> dict[str, float]:
-        """W <- clip(W - eta * dL/dtheta_hat * (theta_global - theta_local), 0, 1) over ``steps``
-        batches of the seed rule's stream ``ala_weights`` (eq. 6), then theta_hat is loaded. The first
-        round a client takes part it has no local model yet and starts from the global one.
-        Returns ``ala_loss`` (mean loss over the ALA steps, nats/token; absent when skipped)."""
+        """Learn W over ``steps`` batches (eq. 6), then load theta_hat; returns ``ala_loss``.
+
+        W <- clip(W - eta * dL/dtheta_hat * (theta_global - theta_local), 0, 1) over batches of the
+        seed rule's stream ``ala_weights``. The first round a client takes part it has no local
+        model yet and starts from the global one. ``ala_loss`` is the mean loss over the ALA steps,
+        nats per token (absent when skipped).
+        """
         local = ctx.state.get(ALA_LOCAL)
         keys = ala_keys(arrays, self.o.layers)
         if local is None or not keys:

@@ -12,11 +12,12 @@ from nestfed.nn.keys import rank_dim
 
 
 class FedAvg(LoraStrategy):
-    """Homogeneous-rank LoRA averaged with weights n_k / N. Requires equal client ranks."""
+    """Homogeneous-rank LoRA averaged with weights n_k / N; requires equal client ranks."""
 
     name = "fedavg"
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """Every LoRA matrix the n_k-weighted mean of the clients'."""
         new = copy_state(state)
         n = examples(replies)
         cids = sorted(replies)
@@ -25,7 +26,10 @@ class FedAvg(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: at one rank, G + S / N (nestfed.federation.secure_sum)."""
+        """:meth:`aggregate` from secure sums alone: at one rank, G + S / N.
+
+        The rebuild is nestfed.federation.secure_sum's.
+        """
         new = copy_state(state)
         for key, s in secure.sums.items():
             new.arrays[key] = padded_mean(state.arrays[key], s, secure.counts, rank_dim(key))

@@ -61,10 +61,16 @@ WEIGHTINGS = ("examples", "uniform")
 
 @dataclass(frozen=True)
 class FedExLoRAOptions:
-    """weighting: the client weights p_k of the means and of the residual: ``examples`` (p_k = n_k / N,
-    the default: every other nestfed rule's weights, and the states pinned before the option existed)
-    or ``uniform`` (p_k = 1 / K, the paper's and its authors' code's). Raises ValueError naming the
-    field for any other value."""
+    """Options of ``[fedex_lora]``.
+
+    Attributes:
+        weighting: the client weights p_k of the means and of the residual: ``examples`` (p_k = n_k
+            / N, the default: every other nestfed rule's weights, and the states pinned before the
+            option existed) or ``uniform`` (p_k = 1 / K, the paper's and its authors' code's).
+
+    Raises:
+        ValueError: naming the field for any other value.
+    """
 
     weighting: str = "examples"
 

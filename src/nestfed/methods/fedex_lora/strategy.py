@@ -20,8 +20,14 @@ Factors = tuple[torch.Tensor, torch.Tensor]  # (rows [q, in], columns [out, q]):
 
 @dataclass(frozen=True)
 class ClientFactors:
-    """One replying client of a layer: A [r_k, in], B [out, r_k], its weight p_k (n_k / N or 1 / K,
-    ``[fedex_lora] weighting``) and its LoRA scale s_k."""
+    """One replying client of a layer.
+
+    Attributes:
+        A: [r_k, in] its trained A.
+        B: [out, r_k] its trained B.
+        p: its weight p_k (n_k / N or 1 / K, ``[fedex_lora] weighting``).
+        s: its LoRA scale s_k.
+    """
 
     A: torch.Tensor
     B: torch.Tensor
@@ -30,19 +36,40 @@ class ClientFactors:
 
 
 def nonzero_columns(rows: torch.Tensor, cols: torch.Tensor) -> Factors:
-    """The factor pairs whose column of ``cols`` [out, q] is not all zero (a zero column adds
-    nothing to cols @ rows); rows [q, in]."""
+    """The factor pairs whose column of ``cols`` is not all zero (a zero column adds nothing to cols @ rows).
+
+    Args:
+        rows: [q, in].
+        cols: [out, q].
+
+    Returns:
+        The kept rows [q', in] and columns [out, q'].
+    """
     keep = cols.ne(0).any(dim=0)
     return rows[keep], cols[:, keep]
 
 
 def client_fold(A: torch.Tensor, B: torch.Tensor, rank: int, s_global: float, s_client: float) -> Factors:
-    """Factors of s Bbar Abar - s_k Bbar[:, :r_k] Abar[:r_k]: what a client of rank r_k adds to
-    its frozen residual so that it runs the global model exactly (this module's decision for
-    heterogeneous ranks). A: Abar [r_max, in]; B: Bbar [out, r_max]. With s_k = s: the tail, rows
-    s Abar[r_k:] and columns Bbar[:, r_k:] (empty at r_k = r_max); else rows [s Abar; -s_k
-    Abar[:r_k]] and columns [Bbar, Bbar[:, :r_k]]. Zero columns are dropped. Raises ValueError when
-    rank exceeds r_max."""
+    """Factors of s Bbar Abar - s_k Bbar[:, :r_k] Abar[:r_k], added to a client's frozen residual.
+
+    With them a client of rank r_k runs the global model exactly (this module's decision for
+    heterogeneous ranks). With s_k = s: the tail, rows s Abar[r_k:] and columns Bbar[:, r_k:] (empty
+    at r_k = r_max); else rows [s Abar; -s_k Abar[:r_k]] and columns [Bbar, Bbar[:, :r_k]]. Zero
+    columns are dropped.
+
+    Args:
+        A: Abar [r_max, in].
+        B: Bbar [out, r_max].
+        rank: the client's rank r_k.
+        s_global: the global scale s.
+        s_client: the client's scale s_k.
+
+    Returns:
+        The rows [q, in] and columns [out, q].
+
+    Raises:
+        ValueError: when rank exceeds r_max.
+    """
     if rank > A.shape[0]:
         raise ValueError(f"rank {rank} exceeds the global rank {A.shape[0]}")
     if s_client == s_global:
@@ -61,15 +88,26 @@ def round_residual(
     B_new: torch.Tensor,
     s_global: float,
 ) -> Factors:
-    """Factors of one round's residual (FedEx-LoRA's residual, extended to heterogeneous ranks):
+    """Factors of one round's residual (FedEx-LoRA's residual, extended to heterogeneous ranks).
 
-        sum_j d_j B_old[:, j] A_old[j] + sum_k p_k s_k B_k A_k - s B_new A_new,
-        d_j = sum_k p_k (s - s_k [r_k > j]).
+    The residual, with d_j = sum_k p_k (s - s_k [r_k > j]), is
 
-    A_old, A_new: the global Abar [r_max, in] before and after the round; B_old, B_new: Bbar
-    [out, r_max]; clients: the replying clients (weights p_k summing to 1). The first term is the
-    part of the old global LoRA that clients of rank r_k <= j ran frozen (module docstring); it is
-    zero at equal ranks and one scale. Rows [q, in] carry the coefficients; zero columns dropped.
+        sum_j d_j B_old[:, j] A_old[j] + sum_k p_k s_k B_k A_k - s B_new A_new
+
+    The first term is the part of the old global LoRA that clients of rank r_k <= j ran frozen
+    (module docstring); it is zero at equal ranks and one scale. Rows carry the coefficients; zero
+    columns are dropped.
+
+    Args:
+        A_old: the global Abar [r_max, in] before the round.
+        B_old: the global Bbar [out, r_max] before the round.
+        clients: the replying clients (weights p_k summing to 1).
+        A_new: Abar after the round.
+        B_new: Bbar after the round.
+        s_global: the global scale s.
+
+    Returns:
+        The rows [q, in] and columns [out, q].
     """
     r_max = A_old.shape[0]
     d = [sum(c.p * (s_global - (c.s if c.A.shape[0] > j else 0.0)) for c in clients) for j in range(r_max)]
@@ -86,11 +124,20 @@ def round_residual(
 
 
 def compact(rows: torch.Tensor, cols: torch.Tensor) -> Factors:
-    """The residual cols @ rows (rows [R, in], cols [out, R]) unchanged when R <= min(out, in);
-    else written densely as an exact factorisation of min(out, in) terms: rows = I [in, in] and
-    cols = the dense [out, in] residual when in <= out, otherwise rows = the dense residual and
-    cols = I [out, out]. The dense residual is computed in float64 and rounded once to the
-    factors' dtype."""
+    """The residual cols @ rows, written with at most min(out, in) terms.
+
+    Unchanged when R <= min(out, in); else written densely as an exact factorisation: rows = I [in,
+    in] and cols = the dense [out, in] residual when in <= out, otherwise rows = the dense residual
+    and cols = I [out, out]. The dense residual is computed in float64 and rounded once to the
+    factors' dtype.
+
+    Args:
+        rows: [R, in].
+        cols: [out, R].
+
+    Returns:
+        The rows and columns.
+    """
     out_f, in_f = cols.shape[0], rows.shape[1]
     if rows.shape[0] <= min(out_f, in_f):
         return rows, cols
@@ -101,30 +148,49 @@ def compact(rows: torch.Tensor, cols: torch.Tensor) -> Factors:
 
 
 def lora_modules_of(arrays: Arrays) -> list[str]:
-    """Module paths of the ``lora_A`` keys of a payload, sorted."""
+    """Module paths of the ``lora_A`` keys of a payload, sorted.
+
+    Args:
+        arrays: the payload.
+
+    Returns:
+        The module paths.
+    """
     return sorted(module_of(k)[0] for k in arrays if k.endswith("lora_A.weight"))
 
 
 class FedExLoRA(LoraStrategy):
-    """Global state per layer: Abar ``lora_A`` [r_max, in], Bbar ``lora_B`` [out, r_max] and the
-    exact residual ``merged_A`` [R, in], ``merged_B`` [out, R] (module docstring)."""
+    """Global state per layer: Abar, Bbar and the exact residual (module docstring).
+
+    Abar ``lora_A`` [r_max, in], Bbar ``lora_B`` [out, r_max], and the residual ``merged_A`` [R,
+    in], ``merged_B`` [out, R].
+
+    Args:
+        settings: the LoRA numbers.
+        options: ``[fedex_lora]``; the defaults (n_k / N weights) when None.
+    """
 
     name = "fedex_lora"
 
     def __init__(self, settings: LoraSettings, options: FedExLoRAOptions | None = None):
-        """options: ``[fedex_lora]`` (None: the defaults, n_k / N weights)."""
         self.o = options if options is not None else FedExLoRAOptions()
         super().__init__(settings, self.o)
 
     def weights(self, replies: dict[int, Reply]) -> dict[int, float]:
-        """The unnormalised client weights: n_k (``examples``) or 1 (``uniform``: p_k = 1 / K)."""
+        """The unnormalised client weights: n_k (``examples``) or 1 (``uniform``: p_k = 1 / K).
+
+        Args:
+            replies: {cid: reply} of the round.
+
+        Returns:
+            {cid: weight}.
+        """
         if self.o.weighting == "uniform":
             return {c: 1.0 for c in replies}
         return examples(replies)
 
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
-        """The usual initial adapter (A random, B = 0) and an empty residual (R = 0). Raises
-        ValueError for a client rank above r_max."""
+        """The usual initial adapter (A random, B = 0) and an empty residual (R = 0)."""
         state = super().initialize(shapes, clients)
         for m, (out_f, in_f) in sorted(shapes.items()):
             state.arrays[merged_key(m, "A")] = torch.zeros(0, in_f)
@@ -132,8 +198,10 @@ class FedExLoRA(LoraStrategy):
         return state
 
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
-        """Abar[:r_k] [r_k, in], Bbar[:, :r_k] [out, r_k] and the frozen residual: the global stack
-        followed by :func:`client_fold` (so the client runs the global model exactly)."""
+        """Abar[:r_k], Bbar[:, :r_k] and the frozen residual: the global stack, then :func:`client_fold`.
+
+        So the client runs the global model exactly.
+        """
         s_global, s_client = self.s.scale(self.s.r_max), self.s.scale(rank)
         out = {}
         for m in lora_modules_of(state.arrays):
@@ -146,8 +214,11 @@ class FedExLoRA(LoraStrategy):
         return out
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """Abar, Bbar: zero-padded means with weights p_k (:meth:`weights`); the residual gains
-        :func:`round_residual`'s factors and is compacted (:func:`compact`)."""
+        """Abar, Bbar: zero-padded means with weights p_k; the residual gains the round's factors, compacted.
+
+        The weights are :meth:`weights`; the factors :func:`round_residual`'s; the compaction
+        :func:`compact`.
+        """
         new = copy_state(state)
         n = self.weights(replies)
         total = sum(n.values())
@@ -175,15 +246,17 @@ class FedExLoRA(LoraStrategy):
         return new
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
-        """Client cid's payload at its scale s_k (the global model exactly); None: Abar, Bbar and the
-        residual stack at the global scale."""
+        """Client cid's payload at its scale s_k (the global model exactly); None: the global one at scale s."""
         r = self.s.r_max if cid is None else self.rank_of(state, cid)
         return self.client_arrays(state, r), self.s.scale(r)
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
-        """One PEFT adapter at scale 1 whose product is the global delta exactly: per layer
-        A = [merged_A; s Abar] [R + r_max, in] and B = [merged_B, Bbar] [out, R + r_max], zero-padded
-        to the largest R + r_max over the layers (PEFT needs one rank; zero rows add nothing)."""
+        """One PEFT adapter at scale 1 whose product is the global delta exactly.
+
+        Per layer A = [merged_A; s Abar] (shape [R + r_max, in]) and B = [merged_B, Bbar] (shape
+        [out, R + r_max]), zero-padded to the largest R + r_max over the layers (PEFT needs one
+        rank; zero rows add nothing).
+        """
         return one_adapter(state.arrays, self.s.scale(self.s.r_max))
 
 

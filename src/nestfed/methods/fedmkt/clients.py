@@ -39,8 +39,18 @@ KNOWLEDGE = (VALUES, INDICES, CE)
 
 @torch.no_grad()
 def text_knowledge(model: nn.Module, text: CachedText, labels: torch.Tensor, k: int, batch_size: int = 8) -> Arrays:
-    """Top-k knowledge of ``model`` (as loaded) on every block of ``text``: {public.values [N, T, k],
-    public.indices [N, T, k], public.ce [N]} (distillation.knowledge), computed batch by batch."""
+    """Top-k knowledge of a model (as loaded) on every block of a text, computed batch by batch.
+
+    Args:
+        model: the model.
+        text: the public blocks as the model sees them.
+        labels: [N, T] public labels.
+        k: tokens kept per position.
+        batch_size: blocks per forward pass.
+
+    Returns:
+        {public.values [N, T, k], public.indices [N, T, k], public.ce [N]} (distillation.knowledge).
+    """
     was_training = model.training
     model.eval()
     n = text.input_ids.shape[0]
@@ -60,9 +70,17 @@ def _rows(know: Arrays, idx: torch.Tensor) -> Arrays:
 class ServerDistiller:
     """FedMKT's server: the full model with LoRA, distilling from the clients on the public text.
 
-    model: the backbone with LoRA layers; public: the public blocks as it sees them; labels:
-    [N, T] public labels (the LM part of the objective); scaling: the LoRA scale s; topk,
-    lm_weight, steps, batch_size, lr: distillation.py / config [fedmkt]; seed.
+    Attributes:
+        model: the backbone with LoRA layers.
+        public: the public blocks as it sees them.
+        labels: [N, T] public labels (the LM part of the objective).
+        scaling: the LoRA scale s.
+        topk: logits kept per token (``fedmkt.topk``).
+        lm_weight: the LM loss's weight (``fedmkt.lm_weight``).
+        steps: distillation steps per round (``fedmkt.server_steps``).
+        batch_size: public blocks per step.
+        lr: the LoRA's AdamW learning rate (``fedmkt.server_lr``).
+        seed: the federation's seed (batch order).
     """
 
     model: nn.Module
@@ -77,15 +95,31 @@ class ServerDistiller:
     seed: int = 0
 
     def knowledge(self, adapter: Arrays) -> Arrays:
-        """The server model's knowledge on the public text under ``adapter``."""
+        """The server model's knowledge on the public text under an adapter.
+
+        Args:
+            adapter: the server's LoRA arrays.
+
+        Returns:
+            The knowledge (:func:`text_knowledge`).
+        """
         apply_arrays(self.model, adapter, self.scaling)
         return text_knowledge(self.model, self.public, self.labels, self.topk)
 
     def distill(self, adapter: Arrays, teachers: list[Arrays], rnd: int) -> tuple[Arrays, dict[str, float]]:
-        """``steps`` steps of FedMKT's objective towards, per block, the lowest-CE knowledge among the
-        server's own (first) and the teachers'. Returns the trained adapter (A and B) and metrics
-        ``server_distill_loss`` (nats, last step), ``server_teacher_share`` (fraction of blocks taught
-        by a client), ``server_time_s``."""
+        """``steps`` steps of FedMKT's objective towards, per block, the lowest-CE knowledge of all.
+
+        The candidates are the server's own knowledge (first) and the teachers'.
+
+        Args:
+            adapter: the server's LoRA arrays at the round's start.
+            teachers: the clients' knowledge, in client-id order.
+            rnd: the round (the batch order's seed).
+
+        Returns:
+            The trained adapter (A and B) and metrics ``server_distill_loss`` (nats, last step),
+                ``server_teacher_share`` (fraction of blocks taught by a client), ``server_time_s``.
+        """
         t0 = time.perf_counter()
         own = self.knowledge(adapter)
         target, choice = select_min_ce([own, *teachers])
@@ -125,10 +159,18 @@ class ServerDistiller:
 class MutualClientTrainer:
     """FedMKT's client: distil from the server's knowledge, train on private data, send knowledge.
 
-    base: the group model's ClientTrainer (private training and evaluation); public / labels: the
-    public blocks as this model sees them; initial: the model's initial trainable arrays (its cores
-    diag(S)); topk, lm_weight, steps (public distillation steps per round), batch_size, lr.
     The client's own trainable arrays are its kept state (``client_state[cid]["own"]``), never sent.
+
+    Attributes:
+        base: the group model's ClientTrainer (private training and evaluation).
+        public: the public blocks as this model sees them.
+        labels: [N, T] public labels.
+        initial: the model's initial trainable arrays (its cores diag(S)).
+        topk: logits kept per token.
+        lm_weight: the LM loss's weight.
+        steps: public distillation steps per round.
+        batch_size: public blocks per step.
+        lr: the cores' AdamW learning rate on the public text.
     """
 
     base: ClientTrainer
@@ -143,6 +185,7 @@ class MutualClientTrainer:
 
     @property
     def client_state(self) -> ClientState:
+        """The clients' kept state (the base trainer's): {cid: {"own": arrays}}."""
         return self.base.client_state
 
     @client_state.setter
@@ -150,15 +193,30 @@ class MutualClientTrainer:
         self.base.client_state = state
 
     def own(self, cid: int) -> Arrays:
-        """The client's own model: its kept arrays, or the initial ones before its first round."""
+        """The client's own model: its kept arrays, or the initial ones before its first round.
+
+        Args:
+            cid: the client.
+
+        Returns:
+            Its trainable arrays.
+        """
         return self.base.client_state.get(cid, {}).get(OWN, self.initial)
 
     def fit(self, cid: int, instruction: Instruction) -> Reply:
-        """One FedMKT client round. The instruction carries the server's knowledge (``public.*``).
+        """One FedMKT client round; the instruction carries the server's knowledge (``public.*``).
 
-        Metrics: ClientTrainer.fit's plus ``distill_loss`` (nats, last public step) and
-        ``server_share`` (fraction of public blocks where the server's knowledge was the target).
-        Raises KeyError when the instruction lacks the server's knowledge.
+        Args:
+            cid: the client.
+            instruction: the round's instruction.
+
+        Returns:
+            A reply carrying the client's knowledge on the public text; metrics: ClientTrainer.fit's
+                plus ``distill_loss`` (nats, last public step) and ``server_share`` (fraction of
+                public blocks where the server's knowledge was the target).
+
+        Raises:
+            KeyError: when the instruction lacks the server's knowledge.
         """
         cfg = instruction.config
         model = self.base.model
@@ -199,10 +257,32 @@ class MutualClientTrainer:
         return Reply(know, reply.num_examples, metrics)
 
     def evaluate_as_sent(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
-        """Refused: these clients run compressed models, and no global adapter is sent to evaluate
-        as it is (the method does not declare ``EXPORT_AT_RANK``). Raises TypeError."""
+        """Refused: these clients run compressed models, and no global adapter is sent to evaluate as it is.
+
+        The method does not declare ``EXPORT_AT_RANK``.
+
+        Args:
+            cid: the client.
+            arrays: the arrays.
+            scaling: the LoRA scale.
+
+        Returns:
+            Never: it always raises.
+
+        Raises:
+            TypeError: always.
+        """
         raise TypeError("compressed clients have no global adapter to evaluate as sent")
 
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
-        """The client's own model on its test set (``arrays`` is ignored: nothing is deployed to it)."""
+        """The client's own model on its test set.
+
+        Args:
+            cid: the client.
+            arrays: ignored (nothing is deployed to it).
+            scaling: ignored.
+
+        Returns:
+            The held-out metrics.
+        """
         return self.base.evaluate(cid, self.own(cid), 1.0)

@@ -28,11 +28,19 @@ VALUES, INDICES, CE = "public.values", "public.indices", "public.ce"
 
 @torch.no_grad()
 def knowledge(logits: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, torch.Tensor]:
-    """Top-k knowledge of logits [N, T, V] on blocks with labels [N, T] (-100 ignored).
+    """Top-k knowledge of a model's logits on public blocks.
 
-    Returns {VALUES: [N, T, k] float16 log-probs, INDICES: [N, T, k] int32, CE: [N] float32}, in host
-    memory (they travel) whatever device the logits are on.
-    Raises ValueError for k < 1 or k > V.
+    Args:
+        logits: [N, T, V].
+        labels: [N, T] (-100 ignored).
+        k: tokens kept per position, in [1, V].
+
+    Returns:
+        {VALUES: [N, T, k] float16 log-probs, INDICES: [N, T, k] int32, CE: [N] float32}, in host
+            memory (they travel) whatever device the logits are on.
+
+    Raises:
+        ValueError: for k < 1 or k > V.
     """
     V = logits.shape[-1]
     if not 1 <= k <= V:
@@ -45,16 +53,29 @@ def knowledge(logits: torch.Tensor, labels: torch.Tensor, k: int) -> dict[str, t
 
 
 def merge_knowledge(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Concatenate knowledge computed batch by batch along the block dimension."""
+    """Concatenate knowledge computed batch by batch along the block dimension.
+
+    Args:
+        parts: knowledge dicts, in block order.
+
+    Returns:
+        One knowledge dict over all blocks.
+    """
     return {key: torch.cat([p[key] for p in parts]) for key in (VALUES, INDICES, CE)}
 
 
 def select_min_ce(candidates: Sequence[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """DualMinCE: per block, the knowledge of the candidate with the lowest CE.
 
-    candidates[c]: knowledge dicts over the same N blocks. Returns (selected knowledge over the
-    N blocks, chosen candidate index per block [N] long; ties go to the first candidate).
-    Raises ValueError when there is no candidate or the shapes differ.
+    Args:
+        candidates: knowledge dicts over the same N blocks.
+
+    Returns:
+        The selected knowledge over the N blocks, and the chosen candidate index per block [N]
+            (int64; ties go to the first candidate).
+
+    Raises:
+        ValueError: when there is no candidate or the shapes differ.
     """
     if not candidates:
         raise ValueError("no knowledge to select from")
@@ -71,8 +92,16 @@ def select_min_ce(candidates: Sequence[dict[str, torch.Tensor]]) -> tuple[dict[s
 
 
 def dense_target(values: torch.Tensor, indices: torch.Tensor, vocab: int) -> torch.Tensor:
-    """The top-k distribution as a dense [B, T, V] probability tensor (renormalised over the k kept
-    tokens, zero elsewhere). values: [B, T, k] log-probs; indices: [B, T, k]."""
+    """The top-k distribution as a dense probability tensor, renormalised over the k kept tokens, zero elsewhere.
+
+    Args:
+        values: [B, T, k] log-probs.
+        indices: [B, T, k] token ids.
+        vocab: V.
+
+    Returns:
+        [B, T, V] probabilities.
+    """
     p = torch.softmax(values.float(), dim=-1)
     out = torch.zeros(*values.shape[:-1], vocab, dtype=p.dtype, device=p.device)
     return out.scatter_(-1, indices.long(), p)
@@ -83,9 +112,19 @@ def mutual_loss(
 ) -> torch.Tensor:
     """FedMKT's objective on public blocks: lm_weight * CE(labels) + (1 - lm_weight) * soft CE.
 
-    logits: [B, T, V]; labels: [B, T]; target: knowledge of the same B blocks (VALUES, INDICES);
-    the soft CE is -sum_v p_target(v) log q(v), averaged over positions. Raises ValueError for
-    lm_weight outside [0, 1].
+    The soft CE is -sum_v p_target(v) log q(v), averaged over positions.
+
+    Args:
+        logits: [B, T, V] the learner's logits.
+        labels: [B, T].
+        target: knowledge of the same B blocks (VALUES, INDICES).
+        lm_weight: in [0, 1].
+
+    Returns:
+        The 0-dim loss in nats.
+
+    Raises:
+        ValueError: for lm_weight outside [0, 1].
     """
     if not 0.0 <= lm_weight <= 1.0:
         raise ValueError(f"lm_weight must be in [0, 1], got {lm_weight}")

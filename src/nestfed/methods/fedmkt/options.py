@@ -7,11 +7,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class FedMKTOptions:
-    """FedMKT (Fan et al., COLING 2025): mutual top-k logit distillation on the server text.
+    """Options of ``[fedmkt]``: FedMKT's mutual top-k logit distillation on the server text (Fan et al., COLING 2025).
 
-    topk: logits kept per token (>= 1); lm_weight: weight of the LM loss beside the distillation
-    loss, in [0, 1] (FedMKT's code: 0.9); client_steps / server_steps: distillation steps per
-    round (>= 0); batch_size: public blocks per step; server_lr: AdamW rate of the server's LoRA.
+    Attributes:
+        topk: logits kept per token (>= 1).
+        lm_weight: weight of the LM loss beside the distillation loss, in [0, 1] (FedMKT's code:
+            0.9).
+        client_steps: the clients' public distillation steps per round (>= 0).
+        server_steps: the server's distillation steps per round (>= 0).
+        batch_size: public blocks per step (>= 1).
+        server_lr: AdamW learning rate of the server's LoRA (> 0).
+
+    Raises:
+        ValueError: for a value out of range.
     """
 
     topk: int = 10

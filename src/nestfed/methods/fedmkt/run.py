@@ -25,8 +25,18 @@ from nestfed.nn.lora import init_adapter_state
 
 
 def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
-    """The server distiller on the full model (LoRA of rank lora.r_max), one mutual-distillation
-    trainer per compressed group, the FedMKT strategy; after the last round the server's LoRA."""
+    """FedMKT set up on a prepared experiment.
+
+    The server distiller on the full model (LoRA of rank lora.r_max), one mutual-distillation
+    trainer per compressed group, the FedMKT strategy; after the last round the server's LoRA.
+
+    Args:
+        prep: the prepared experiment.
+        cfg: the experiment.
+
+    Returns:
+        The method run.
+    """
     setup = prepare_compressed(prep, cfg)
     m, c = cfg.section("fedmkt"), cfg.section("compression")
     r = r_max(cfg)

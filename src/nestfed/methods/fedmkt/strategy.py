@@ -36,17 +36,37 @@ class ServerLearner(Protocol):
     scaling: float
 
     def knowledge(self, adapter: Arrays) -> Arrays:
-        """The server model's knowledge on the public text under ``adapter``."""
+        """The server model's knowledge on the public text under ``adapter``.
+
+        Args:
+            adapter: the server's LoRA arrays.
+
+        Returns:
+            The knowledge ({public.values, public.indices, public.ce}).
+        """
 
     def distill(self, adapter: Arrays, teachers: list[Arrays], rnd: int) -> tuple[Arrays, dict[str, float]]:
-        """Train the adapter on the public text from the teachers' knowledge; return it and metrics."""
+        """Train the adapter on the public text from the teachers' knowledge.
+
+        Args:
+            adapter: the server's LoRA arrays at the round's start.
+            teachers: the clients' knowledge, in client-id order.
+            rnd: the round.
+
+        Returns:
+            The trained adapter and metrics.
+        """
 
 
 class FedMKT:
     """FedMKT's rounds around an injected :class:`ServerLearner`.
 
-    initial_adapter: the server LoRA at round 0 (B = 0: the pretrained model); client_group:
-    {cid: group} and ratios (recorded in each instruction for the client side); seed.
+    Args:
+        server: the server's model work.
+        initial_adapter: the server LoRA at round 0 (B = 0: the pretrained model).
+        client_group: {cid: group} (recorded in each instruction for the client side).
+        ratios: the groups' compression ratios (recorded likewise).
+        seed: the federation's seed.
     """
 
     name = "fedmkt"
@@ -66,7 +86,18 @@ class FedMKT:
         self.seed = seed
 
     def initialize(self, shapes: Any, clients: list[ClientInfo]) -> GlobalState:
-        """The initial server adapter and its knowledge. Raises ValueError for a client without a group."""
+        """The initial server adapter and its knowledge.
+
+        Args:
+            shapes: unused.
+            clients: the federation's clients.
+
+        Returns:
+            The round-0 state.
+
+        Raises:
+            ValueError: for a client without a group.
+        """
         for c in clients:
             if c.cid not in self.client_group:
                 raise ValueError(f"client {c.cid}: no FedMKT client model (compression ratio) assigned")
@@ -76,10 +107,27 @@ class FedMKT:
 
     @staticmethod
     def adapter_of(state: GlobalState) -> Arrays:
-        """The server LoRA held in the state (PEFT keys)."""
+        """The server LoRA held in the state (PEFT keys).
+
+        Args:
+            state: the global state.
+
+        Returns:
+            The LoRA arrays.
+        """
         return {k: v for k, v in state.arrays.items() if rank_dim(k) is not None}
 
     def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        """Every client receives the server's knowledge.
+
+        Args:
+            rnd: the round (1-based).
+            state: the global state.
+            clients: the sampled clients.
+
+        Returns:
+            {cid: instruction}.
+        """
         sent = {k: state.arrays[k] for k in KNOWLEDGE}
         expect = {k: tuple(v.shape) for k, v in sent.items()}
         out = {}
@@ -90,7 +138,16 @@ class FedMKT:
         return out
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """The server distils from the clients' knowledge (in client-id order) and refreshes its own."""
+        """The server distils from the clients' knowledge (in client-id order) and refreshes its own.
+
+        Args:
+            rnd: the round.
+            state: the global state.
+            replies: {cid: reply carrying knowledge}.
+
+        Returns:
+            The new state, its meta's ``server`` the distillation's metrics.
+        """
         teachers = [{k: replies[c].arrays[k] for k in KNOWLEDGE} for c in sorted(replies)]
         adapter, metrics = self.server.distill(self.adapter_of(state), teachers, rnd)
         arrays = dict(adapter)
@@ -100,15 +157,37 @@ class FedMKT:
         return GlobalState(arrays, meta)
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
-        """cid None: the server's LoRA and scale. A client's model never leaves it: an empty payload
-        (the client trainer evaluates its own model)."""
+        """The server's LoRA and scale; for a client, an empty payload (its model never leaves it).
+
+        Args:
+            state: the global state.
+            cid: the client; None for the server.
+
+        Returns:
+            The arrays and the scale.
+        """
         if cid is None:
             return self.adapter_of(state), self.server.scaling
         return {}, 1.0
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
-        """The server's LoRA (PEFT keys) and its scale."""
+        """The server's LoRA (PEFT keys) and its scale.
+
+        Args:
+            state: the global state.
+
+        Returns:
+            The arrays and the scale.
+        """
         return self.deploy(state, None)
 
     def export_files(self, state: GlobalState) -> dict[str, Arrays]:
+        """No further files.
+
+        Args:
+            state: the global state.
+
+        Returns:
+            {}.
+        """
         return {}

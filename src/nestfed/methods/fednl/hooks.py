@@ -34,10 +34,19 @@ KEPT_RULES = "kept_rules"
 
 
 class FedNLHooks(ClientHooks):
-    """keep_lora: the client keeps its LoRA (``travel = "rules"``); memory: the [fednl] section
-    (a ``constant`` gate follows alpha_start -> alpha_end over alpha_warmup_steps local steps of
-    the run); local_steps: train.local_steps; init_seed: lora.init_seed; keep_rules: the client
-    also keeps its memory rules (``travel = "none"``, local-only; implies keep_lora)."""
+    """FedNL's client: the rules' own learning rate, the constant gate's schedule, the window dropout.
+
+    When only the rules travel, the client keeps its own LoRA between rounds (module docstring).
+
+    Args:
+        keep_lora: the client keeps its LoRA (``travel = "rules"``).
+        memory: the [fednl] section (a ``constant`` gate follows alpha_start -> alpha_end over
+            alpha_warmup_steps local steps of the run).
+        local_steps: train.local_steps.
+        init_seed: lora.init_seed.
+        keep_rules: the client also keeps its memory rules (``travel = "none"``, local-only; implies
+            keep_lora).
+    """
 
     def __init__(
         self, keep_lora: bool, memory: FedNLOptions, local_steps: int, init_seed: int, keep_rules: bool = False
@@ -50,8 +59,7 @@ class FedNLHooks(ClientHooks):
         self.init_seed = init_seed
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
-        """The received rules plus the client's own LoRA (from its last round, or fresh at rank
-        ``rank``: A Kaiming-uniform, B = 0)."""
+        """The received rules plus the client's own LoRA (from its last round, or fresh: A Kaiming-uniform, B = 0)."""
         if not self.keep_lora:
             return arrays
         if KEPT not in ctx.state:
@@ -67,9 +75,11 @@ class FedNLHooks(ClientHooks):
         return {**arrays, **own}
 
     def param_groups(self, ctx: FitContext, params: list[nn.Parameter]) -> list[dict[str, Any]]:
-        """LoRA at ``train.lr``; every memory-rule parameter in its own group at ``rule_lr`` with
-        no weight decay (the references' recipe: Infini-attention's gate at 0.01, LoLCATs' and
-        TPTT's rules apart from the LoRA)."""
+        """LoRA at ``train.lr``; every memory-rule parameter in its own group at ``rule_lr``, no weight decay.
+
+        The references' recipe: Infini-attention's gate at 0.01, LoLCATs' and TPTT's rules apart
+        from the LoRA.
+        """
         rule_ids = {id(p) for r in memory_rules(ctx.model).values() for p in r.parameters()}
         rules = [p for p in params if id(p) in rule_ids]
         rest = [p for p in params if id(p) not in rule_ids]
@@ -84,9 +94,12 @@ class FedNLHooks(ClientHooks):
         return {}
 
     def before_step(self, ctx: FitContext, step: int) -> None:
-        """A constant gate takes the schedule's value at the run's local step (round - 1) *
-        local_steps + step (docs/methods.md: scheduled from 0.01 to 0.5 over the first steps); the
-        window dropout draws this step's suppressed heads (:func:`dropped_heads`)."""
+        """Set a constant gate to the schedule's value, and draw this step's suppressed heads.
+
+        The schedule's step is the run's local step (round - 1) * local_steps + step
+        (docs/methods.md: scheduled from 0.01 to 0.5 over the first steps); the window dropout's
+        heads come from :func:`dropped_heads`.
+        """
         m = self.memory
         if m.gate == "constant":
             done = (ctx.round - 1) * self.local_steps + step
@@ -112,18 +125,27 @@ class FedNLHooks(ClientHooks):
         return rules
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
-        """The deployed rules plus the client's own LoRA (rules mode); the client's own rules too
-        (``travel = "none"``)."""
+        """The deployed rules plus the client's own LoRA (rules mode); its own rules too (``travel = "none"``)."""
         if not arrays or KEPT not in state:
             return arrays
         return {**self._own_rules(state, arrays), **state[KEPT]}
 
 
 def dropped_heads(model: nn.Module, fraction: float, scope: str, g: torch.Generator) -> dict[int, torch.Tensor]:
-    """One step's window dropout (arXiv 2510.05901's Scheduled Sliding-window Dropout): {memory
-    layer: [H] bool, True where the head's softmax output is suppressed}. ``scope = "steps"``:
-    with probability ``fraction`` every head of every memory layer at once, else none;
-    ``"heads"``: each head of each layer on its own with probability ``fraction``."""
+    """One step's window dropout (arXiv 2510.05901's Scheduled Sliding-window Dropout).
+
+    ``scope = "steps"``: with probability ``fraction`` every head of every memory layer at once,
+    else none; ``"heads"``: each head of each layer on its own with probability ``fraction``.
+
+    Args:
+        model: the backbone with its memory layers.
+        fraction: the dropout probability.
+        scope: ``steps`` or ``heads``.
+        g: the random stream.
+
+    Returns:
+        {memory layer: [H] bool, True where the head's softmax output is suppressed}.
+    """
     rules = memory_rules(model)
     if scope == "steps":
         on = bool(torch.rand((), generator=g) < fraction)

@@ -15,35 +15,56 @@ WARMUP_CORPORA = ("wikipedia", "austen", "all")
 
 @dataclass(frozen=True)
 class FedNLOptions:
-    """travel: what crosses the wire, ``all`` (LoRA on q, k, v plus the memory rules) or ``rules``
-    (only the memory rules; each client keeps its LoRA) or ``none`` (the local-only baseline: each
-    client keeps its LoRA and its rules, nothing is aggregated, so the federated model and the
-    client's own are the same and the aggregation drop is zero by construction).
+    """Options of ``[fednl]``: what travels, the memory layer, how its rules train, the server's warm-up.
 
-    The memory layer (nestfed.nn.memory.MemorySettings, whose docstring gives each choice's
-    source): layers: decoder layers that get a memory (empty = the LoRA layers, ``lora.layers``).
-    gate: constant | learned | dynamic; gate_scope: ``head`` | ``layer``. alpha_init: the gate's
-    start (learned, dynamic; 0.5, where the references start theirs). alpha_start / alpha_end /
-    alpha_warmup_steps: the constant gate's schedule over local steps. window: the softmax path's
-    sliding window in tokens (0 = none). sink_tokens: attention sinks (StreamingLLM; 0 = none).
-    beta_source: ``hidden`` | ``keys``; beta_window: tokens in the keys source's causal average.
-    conv_size: taps of the short causal convolution on q, k, v (0 = none). norm_weight: a learned
-    per-head weight on the read. output_gate: a per-head output gate. dynamic_kernel: the dynamic
-    gate's Conv1d width. chunk_size: tokens per chunk of the chunkwise delta rule.
+    The memory layer's settings are nestfed.nn.memory.MemorySettings', whose docstring gives each
+    choice's source. The rules train on a client in their own AdamW group (``rule_lr``, no weight
+    decay) beside LoRA's ``train.lr``: Adam moves a parameter by about its lr per step, so a gate at
+    the LoRA's 1e-3 would move its logit by at most 0.024 in 24 steps. The server's memory warm-up
+    (attention transfer, LoLCATs' first stage; nestfed.methods.fednl.warmup), before round 1, fits
+    every memory layer's rules so that the layer, with its memory and its window, outputs what the
+    full-attention layer outputs (MSE) on public rows.
 
-    How the rules train on a client: rule_lr: AdamW learning rate of every memory parameter (the
-    gate, beta, the convolution, the norm and output gate), in their own parameter group with no
-    weight decay, beside LoRA's ``train.lr`` (Adam moves a parameter by about its lr per step: a
-    gate at the LoRA's 1e-3 moves its logit by at most 0.024 in 24 steps). window_dropout: the
-    fraction of local steps (``window_dropout_scope = "steps"``: every memory head at once) or of
-    heads per step (``"heads"``) whose softmax output is suppressed, so that the memory has to
-    carry (Scheduled Sliding-window Dropout, arXiv 2510.05901); 0 = none. Never at evaluation.
+    Attributes:
+        travel: what crosses the wire: ``all`` (LoRA on q, k, v plus the memory rules), ``rules``
+            (only the memory rules; each client keeps its LoRA) or ``none`` (the local-only
+            baseline: each client keeps its LoRA and its rules, nothing is aggregated, so the
+            federated model and the client's own are the same and the aggregation drop is zero by
+            construction).
+        layers: decoder layers that get a memory (empty = the LoRA layers, ``lora.layers``).
+        gate: ``constant``, ``learned`` or ``dynamic``.
+        gate_scope: ``head`` or ``layer``.
+        alpha_init: the gate's start, in [0, 1] (learned, dynamic; 0.5, where the references start
+            theirs).
+        alpha_start: the constant gate's alpha at the run's first local step, in [0, 1].
+        alpha_end: the constant gate's alpha from ``alpha_warmup_steps`` local steps on, in [0, 1].
+        alpha_warmup_steps: local steps of the run over which the constant gate goes linearly from
+            ``alpha_start`` to ``alpha_end`` (>= 0; 0 = ``alpha_end`` from the start).
+        window: the softmax path's sliding window in tokens (0 = none).
+        sink_tokens: attention sinks (StreamingLLM; 0 = none).
+        beta_source: ``hidden`` or ``keys``.
+        beta_window: tokens in the keys source's causal average (>= 1).
+        conv_size: taps of the short causal convolution on q, k, v (0 = none).
+        norm_weight: a learned per-head weight on the read.
+        output_gate: a per-head output gate.
+        dynamic_kernel: the dynamic gate's Conv1d width (>= 1).
+        chunk_size: tokens per chunk of the chunkwise delta rule (>= 1).
+        rule_lr: AdamW learning rate of every memory parameter (the gate, beta, the convolution, the
+            norm and output gate) on the clients (> 0).
+        window_dropout: the fraction of local steps (``window_dropout_scope = "steps"``: every
+            memory head at once) or of heads per step (``"heads"``) whose softmax output is
+            suppressed, so that the memory has to carry (Scheduled Sliding-window Dropout, arXiv
+            2510.05901), in [0, 1); 0 = none. Never at evaluation.
+        window_dropout_scope: ``steps`` or ``heads`` (``window_dropout``).
+        warmup_steps: AdamW steps of the server's memory warm-up before round 1 (0 = none).
+        warmup_lr: the warm-up's learning rate (> 0).
+        warmup_rows: public rows the warm-up fits on (>= 1).
+        warmup_length: tokens per warm-up row (>= 16).
+        warmup_batch: warm-up rows per step (>= 1).
+        warmup_corpus: where the warm-up's rows come from: ``wikipedia``, ``austen`` or ``all``.
 
-    The server's memory warm-up (attention transfer, LoLCATs' first stage; nestfed.methods.fednl.
-    warmup), before round 1: warmup_steps AdamW steps (0 = none) at warmup_lr fitting every memory
-    layer's rules so that the layer, with its memory and its window, outputs what the
-    full-attention layer outputs (MSE) on warmup_rows public rows of warmup_length tokens
-    (warmup_corpus: ``wikipedia`` | ``austen`` | ``all``), warmup_batch rows per step.
+    Raises:
+        ValueError: naming the field for an unknown choice or a value out of range.
     """
 
     travel: str = "all"

@@ -11,7 +11,14 @@ from nestfed.nn.memory import MemorySettings, fresh_rule_arrays, install_memory,
 
 
 def memory_settings(cfg: ExperimentConfig) -> MemorySettings:
-    """The memory layer's settings from the [fednl] section (a constant gate starts at alpha_start)."""
+    """The memory layer's settings from the [fednl] section (a constant gate starts at alpha_start).
+
+    Args:
+        cfg: the experiment.
+
+    Returns:
+        The settings.
+    """
     m = cfg.section("fednl")
     return MemorySettings(
         gate=m.gate,
@@ -33,8 +40,17 @@ def memory_layers(prep: Prepared, cfg: ExperimentConfig) -> list[int]:
     """The decoder layers that get a memory (``fednl.layers``, default the LoRA layers).
 
     The memory must lie at or above the frozen prefix whose outputs were cached (a disabled memory
-    layer computes exactly the backbone, so installing it later is safe). Raises ConfigError for a
-    layer out of range or below the cached prefix.
+    layer computes exactly the backbone, so installing it later is safe).
+
+    Args:
+        prep: the prepared experiment (its backbone and cached prefix).
+        cfg: the experiment.
+
+    Returns:
+        The layer indices.
+
+    Raises:
+        ConfigError: for a layer out of range or below the cached prefix.
     """
     try:
         layers = resolve_layers(prep.backbone.model, cfg.section("fednl").layers or cfg.lora.layers, "fednl.layers")
@@ -50,10 +66,22 @@ def memory_layers(prep: Prepared, cfg: ExperimentConfig) -> list[int]:
 
 
 def install(prep: Prepared, cfg: ExperimentConfig) -> Arrays:
-    """Install the memory layers (if the model has none there yet) and return the rules the
-    federation starts from, payload-keyed: fresh ones, fitted to full attention by the server's
-    warm-up when ``[fednl] warmup_steps`` > 0 (nestfed.methods.fednl.warmup). Raises ConfigError as
-    :func:`memory_layers` does, DataError when the warm-up's corpus is missing."""
+    """Install the memory layers (if the model has none there yet) and return the rules the federation starts from.
+
+    The rules are payload-keyed: fresh ones, fitted to full attention by the server's warm-up when
+    ``[fednl] warmup_steps`` > 0 (nestfed.methods.fednl.warmup).
+
+    Args:
+        prep: the prepared experiment.
+        cfg: the experiment.
+
+    Returns:
+        The starting rules.
+
+    Raises:
+        ConfigError: as :func:`memory_layers` raises it.
+        DataError: when the warm-up's corpus is missing.
+    """
     layers = memory_layers(prep, cfg)
     install_memory(prep.backbone.model, memory_settings(cfg), layers)
     return warm_rules(prep, cfg, layers, fresh_rule_arrays(prep.backbone.model, layers))

@@ -37,12 +37,16 @@ from nestfed.nn.memory import alpha_schedule, is_constant_alpha_key, is_memory_k
 
 
 class FedNL(LoraStrategy):
-    """FedAvg of theta. options: the [fednl] section (what travels; the constant gate's schedule);
-    memory_init: the memory rules' starting arrays, payload-keyed (from
-    :func:`nestfed.nn.memory.fresh_rule_arrays`); local_steps: train.local_steps (the schedule
-    counts local steps).
+    """FedAvg of theta (module docstring): LoRA when it travels, and the memory rules.
 
     Raises ValueError at :meth:`initialize` without memory rules.
+
+    Args:
+        settings: the LoRA numbers.
+        options: the [fednl] section (what travels; the constant gate's schedule).
+        memory_init: the memory rules' starting arrays, payload-keyed (from
+            :func:`nestfed.nn.memory.fresh_rule_arrays`).
+        local_steps: train.local_steps (the schedule counts local steps).
     """
 
     name = "fednl"
@@ -61,7 +65,14 @@ class FedNL(LoraStrategy):
         self.local_steps = local_steps
 
     def alpha_at(self, step: int) -> float:
-        """The constant gate's scheduled alpha after ``step`` local steps of the run."""
+        """The constant gate's scheduled alpha after ``step`` local steps of the run.
+
+        Args:
+            step: local steps done in the run.
+
+        Returns:
+            alpha in [0, 1].
+        """
         m = self.memory
         return alpha_schedule(step, m.alpha_start, m.alpha_end, m.alpha_warmup_steps)
 
@@ -71,6 +82,7 @@ class FedNL(LoraStrategy):
                 arrays[k] = torch.full_like(arrays[k], self.alpha_at(step))
 
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
+        """The initial state: the LoRA (when it travels) and the memory rules, the constant gate at step 0."""
         travel = self.travel
         state = super().initialize(shapes, clients)
         rules = self.memory_init or {}
@@ -89,8 +101,10 @@ class FedNL(LoraStrategy):
         return sorted(sent)
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """FedAvg of every travelling array (n_k weights); with ``travel = "none"`` (local-only)
-        the rules are left as they started. Then the constant gate's schedule."""
+        """FedAvg of every travelling array (n_k weights), then the constant gate's schedule.
+
+        With ``travel = "none"`` (local-only) the rules are left as they started.
+        """
         new = copy_state(state)
         if self.travel == "none":
             self._set_alpha(new.arrays, rnd * self.local_steps)
@@ -103,21 +117,24 @@ class FedNL(LoraStrategy):
         return new
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
-        """The equal-rank block of every travelling array (rules and, when it travels, LoRA)
-        combined by ``rule``; the gate schedule as in :meth:`aggregate`."""
+        """The equal-rank block of every travelling array combined by ``rule``, then the gate schedule."""
         new = super().robust_aggregate(rnd, state, replies, rule)
         self._set_alpha(new.arrays, rnd * self.local_steps)
         return new
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
-        """The LoRA part as a PEFT adapter (empty when only the rules travel: each client's LoRA
-        is its own); the rules go to memory_rules.safetensors (:meth:`export_files`)."""
+        """The LoRA part as a PEFT adapter (empty when only the rules travel: each client's LoRA is its own).
+
+        The rules go to memory_rules.safetensors (:meth:`export_files`).
+        """
         return ({k: v.clone() for k, v in state.arrays.items() if rank_dim(k) is not None}, self.s.scale(self.s.r_max))
 
     def export_files(self, state: GlobalState) -> dict[str, Arrays]:
-        """``memory_rules.safetensors``: the global memory rules (beta, gates, convolutions, norms),
-        payload-keyed; with the server's warm-up also ``memory_warmup.safetensors``, the warmed
-        rules the federation started from."""
+        """``memory_rules.safetensors``: the global memory rules (beta, gates, convolutions, norms), payload-keyed.
+
+        With the server's warm-up also ``memory_warmup.safetensors``, the warmed rules the
+        federation started from.
+        """
         out = {"memory_rules.safetensors": {k: v.clone() for k, v in state.arrays.items() if is_memory_key(k)}}
         if self.memory.warmup_steps:
             out["memory_warmup.safetensors"] = {k: v.clone() for k, v in self.memory_init.items()}

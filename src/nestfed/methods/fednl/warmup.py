@@ -48,7 +48,15 @@ REPORT = "fednl_warmup"  # the Prepared.cache key and the summary field
 
 
 def warmup_key(cfg: ExperimentConfig, layers: list[int]) -> str:
-    """The sha256 (hex, 16 characters) of everything the warm-up's result depends on."""
+    """The sha256 (hex, 16 characters) of everything the warm-up's result depends on.
+
+    Args:
+        cfg: the experiment (model, [fednl], LoRA seed).
+        layers: the memory layers.
+
+    Returns:
+        The key.
+    """
     m = cfg.model
     what = {
         "version": VERSION,
@@ -61,14 +69,34 @@ def warmup_key(cfg: ExperimentConfig, layers: list[int]) -> str:
 
 
 def cache_path(cfg: ExperimentConfig, layers: list[int]) -> Path:
-    """Where the warm-up of ``cfg`` is kept."""
+    """Where the warm-up of ``cfg`` is kept: ``<model cache>/fednl_warmup/<key>.safetensors``.
+
+    Args:
+        cfg: the experiment.
+        layers: the memory layers.
+
+    Returns:
+        The file's path.
+    """
     root = Path(cfg.model.cache_dir) if cfg.model.cache_dir else default_cache_dir()
     return root / "fednl_warmup" / f"{warmup_key(cfg, layers)}.safetensors"
 
 
 def public_rows(cfg: ExperimentConfig, tokenizer) -> torch.Tensor:
-    """``warmup_rows`` rows [N, warmup_length] of public text (module docstring), each starting
-    with the tokenizer's BOS where it has one; seeded by ``lora.init_seed``."""
+    """``warmup_rows`` rows of public text (module docstring), seeded by ``lora.init_seed``.
+
+    Each row starts with the tokenizer's BOS where it has one.
+
+    Args:
+        cfg: the experiment (``[fednl] warmup_*``).
+        tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
+
+    Returns:
+        [N, warmup_length] token ids.
+
+    Raises:
+        DataError: when a corpus is missing.
+    """
     o = cfg.section("fednl")
     hay = Haystack([t.text for t in long_texts(o.warmup_corpus)], tokenizer, "train")
     rng = random.Random(stream_seed(cfg.lora.init_seed, 0, 0, "fednl_warmup/rows"))
@@ -88,11 +116,24 @@ def _load(path: Path) -> tuple[Arrays, dict[str, Any]] | None:
 
 
 def warm_rules(prep: Prepared, cfg: ExperimentConfig, layers: list[int], fresh: Arrays) -> Arrays:
-    """The memory rules the federation starts from: ``fresh`` (payload-keyed, from
-    nestfed.nn.memory.fresh_rule_arrays) fitted to full attention by ``[fednl] warmup_steps``
-    steps of attention transfer, or ``fresh`` itself when that is 0. Found in the cache when
-    there; the facts go to ``prep.cache[REPORT]`` (:func:`report`). Leaves the model with a zero
-    LoRA and the warmed rules loaded. Raises DataError when a corpus is missing."""
+    """The memory rules the federation starts from, fitted to full attention when ``[fednl] warmup_steps`` > 0.
+
+    ``fresh`` fitted by ``warmup_steps`` steps of attention transfer, or ``fresh`` itself when that
+    is 0. Found in the cache when there; the facts go to ``prep.cache[REPORT]`` (:func:`report`).
+    Leaves the model with a zero LoRA and the warmed rules loaded.
+
+    Args:
+        prep: the prepared experiment.
+        cfg: the experiment.
+        layers: the memory layers.
+        fresh: the fresh rules, payload-keyed (from nestfed.nn.memory.fresh_rule_arrays).
+
+    Returns:
+        The starting rules, payload-keyed.
+
+    Raises:
+        DataError: when a corpus is missing.
+    """
     o = cfg.section("fednl")
     if o.warmup_steps == 0:
         return fresh
@@ -119,8 +160,17 @@ def warm_rules(prep: Prepared, cfg: ExperimentConfig, layers: list[int], fresh: 
 
 
 def report(prep: Prepared, cfg: ExperimentConfig) -> dict[str, Any]:
-    """The run summary's ``fednl_warmup`` field: the warm-up's cost and fit (steps, rows, tokens,
-    seconds when it was fitted, rel_mse per layer for the window alone, the memory at the start and
-    after), or nothing without a warm-up."""
+    """The run summary's ``fednl_warmup`` field: the warm-up's cost and fit.
+
+    Steps, rows, tokens, seconds when it was fitted, rel_mse per layer for the window alone, the
+    memory at the start and after.
+
+    Args:
+        prep: the prepared experiment (its cache holds the facts).
+        cfg: the experiment.
+
+    Returns:
+        {``fednl_warmup``: facts}, or {} without a warm-up.
+    """
     facts = prep.cache.get(REPORT)
     return {REPORT: facts} if facts is not None and cfg.section("fednl").warmup_steps else {}

@@ -15,7 +15,14 @@ from nestfed.methods.method import lora_method
 
 @dataclass(frozen=True)
 class FedProxOptions:
-    """mu: the proximal weight (>= 0; 0 is FedAvg exactly)."""
+    """Options of ``[fedprox]``.
+
+    Attributes:
+        mu: the proximal weight (>= 0; 0 is FedAvg exactly).
+
+    Raises:
+        ValueError: when mu < 0.
+    """
 
     mu: float = 0.01
 

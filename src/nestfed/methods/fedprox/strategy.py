@@ -19,8 +19,13 @@ class FedProx(FedAvg):
 
 
 class ProxHooks(ClientHooks):
-    """CE + mu/2 * sum ||theta - theta_global||^2 over the trained parameters (eq. 2); the anchors
-    theta_global are the received values, kept in ``ctx.scratch["anchor"]``."""
+    """CE + mu/2 * sum ||theta - theta_global||^2 over the trained parameters (eq. 2).
+
+    The anchors theta_global are the received values, kept in ``ctx.scratch["anchor"]``.
+
+    Args:
+        mu: the proximal weight (``fedprox.mu``).
+    """
 
     def __init__(self, mu: float):
         self.mu = mu

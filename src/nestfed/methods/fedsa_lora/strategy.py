@@ -31,24 +31,49 @@ ADAPTER_NOTE = (
 
 
 def a_keys(arrays: Arrays) -> list[str]:
-    """The ``lora_A`` keys of a payload, sorted."""
+    """The ``lora_A`` keys of a payload, sorted.
+
+    Args:
+        arrays: the payload.
+
+    Returns:
+        The keys.
+    """
     return sorted(k for k in arrays if k.endswith("lora_A.weight"))
 
 
 def rank_segments(ranks: Sequence[int]) -> list[tuple[int, int]]:
-    """The row ranges [lo, hi) between consecutive distinct ranks (lo of the first = 0): every row
-    of one range is held by the same clients, those with r_k >= hi. ``[4, 2, 4] -> [(0, 2), (2, 4)]``."""
+    """The row ranges [lo, hi) between consecutive distinct ranks (lo of the first = 0).
+
+    Every row of one range is held by the same clients, those with r_k >= hi: ``[4, 2, 4] -> [(0,
+    2), (2, 4)]``.
+
+    Args:
+        ranks: the clients' ranks.
+
+    Returns:
+        The ranges, in order.
+    """
     bounds = sorted({int(r) for r in ranks})
     return list(zip([0] + bounds[:-1], bounds))
 
 
 def holder_mean(global_a: torch.Tensor, client_as: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """Row j: the weighted mean of the clients' row j over those that hold it (this module's
-    decision for heterogeneous ranks; FedAvg on A, FedSA-LoRA's server step, at one rank).
+    """Row j: the weighted mean of the clients' row j over those that hold it.
 
-    global_a: [r_max, in]; client_as[k]: [r_k, in], r_k <= r_max; weights[k]: n_k. Rows no client
-    holds keep global_a's. Returns a new [r_max, in]. Raises ValueError for an empty list or a
-    client rank above r_max.
+    This module's decision for heterogeneous ranks; at one rank it is FedAvg on A, FedSA-LoRA's
+    server step. Rows no client holds keep global_a's.
+
+    Args:
+        global_a: [r_max, in] the global A.
+        client_as: the clients' A, [r_k, in] each, r_k <= r_max.
+        weights: the n_k.
+
+    Returns:
+        A new [r_max, in].
+
+    Raises:
+        ValueError: for an empty list or a client rank above r_max.
     """
     if not client_as:
         raise ValueError("nothing to average")
@@ -63,8 +88,10 @@ def holder_mean(global_a: torch.Tensor, client_as: Sequence[torch.Tensor], weigh
 
 
 class FedSALoRA(LoraStrategy):
-    """Only A travels and is averaged (:func:`holder_mean`); the state's ``lora_B`` stays the
-    initial zeros [out, r_max] (there is no global B)."""
+    """Only A travels and is averaged (:func:`holder_mean`); there is no global B.
+
+    The state's ``lora_B`` stays the initial zeros [out, r_max].
+    """
 
     name = "fedsa_lora"
 
@@ -84,9 +111,11 @@ class FedSALoRA(LoraStrategy):
         return new
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
-        """One block per rank segment [lo, hi) of A (members: the replying clients with r_k >= hi;
-        holders: every client of the federation with r_k >= hi), in update space; the rule's values
-        replace the segment's rows (docs/trust.md)."""
+        """One block per rank segment [lo, hi) of A, in update space; the rule's values replace the segment's rows.
+
+        Members: the replying clients with r_k >= hi; holders: every client of the federation with
+        r_k >= hi (docs/trust.md).
+        """
         new = copy_state(state)
         n = examples(replies)
         ranks = {c: replies[c].arrays[a_keys(replies[c].arrays)[0]].shape[0] for c in replies}
@@ -106,9 +135,11 @@ class FedSALoRA(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: each row of A gets G[j] + S[j] / C[j], the
-        n_k-weighted mean update of the clients holding it, which is the holder mean
-        (nestfed.federation.secure_sum.segment_mean)."""
+        """:meth:`aggregate` from secure sums alone: each row of A gets G[j] + S[j] / C[j].
+
+        That is the n_k-weighted mean update of the clients holding it, the holder mean
+        (nestfed.federation.secure_sum.segment_mean).
+        """
         new = copy_state(state)
         for key, s in secure.sums.items():
             new.arrays[key] = segment_mean(state.arrays[key], s, secure.counts, rank_dim(key))
@@ -116,15 +147,19 @@ class FedSALoRA(LoraStrategy):
 
 
 class FedSAHooks(ClientHooks):
-    """The client's own B is loaded beside the received A, kept after training, never sent, and
-    used with the global A for evaluation (FedSA-LoRA's method section)."""
+    """The client's own B is loaded beside the received A, kept after training, never sent.
+
+    It is used with the global A for evaluation (FedSA-LoRA's method section).
+    """
 
     keeps_state = True
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
-        """The received A [r, in] plus, per layer, the first r columns of the client's kept B
-        [out, r_k] (zeros before its first round, and for columns it never trained: B's
-        initialisation); r is the instructed rank, r_k or an elastic rank below it."""
+        """The received A [r, in] plus, per layer, the first r columns of the client's kept B [out, r_k].
+
+        Zeros before its first round, and for columns it never trained (B's initialisation); r is
+        the instructed rank, r_k or an elastic rank below it.
+        """
         own = ctx.state.get(OWN_B, {})
         r = int(ctx.config["rank"])
         for m, (out_f, _) in sorted(module_shapes(ctx.model).items()):
@@ -136,17 +171,21 @@ class FedSAHooks(ClientHooks):
         return arrays
 
     def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
-        """Keep the trained B's as ``own_B`` (trained at an elastic rank: its first columns, the rest
-        kept as they were); send the A's only."""
+        """Keep the trained B's as ``own_B`` and send the A's only.
+
+        Trained at an elastic rank, its first columns are replaced and the rest kept as they were.
+        """
         kept = ctx.state.get(OWN_B, {})
         ctx.state[OWN_B] = {k: merge_prefix(kept.get(k), v, 1) for k, v in out.items() if k.endswith("lora_B.weight")}
         return {k: v for k, v in out.items() if not k.endswith("lora_B.weight")}
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
-        """The deployed arrays (global A prefix [r, in], B = 0 [out, r]) with every B the client
-        holds put in place of the zeros (its first r columns; zeros where it never trained one, as
-        after training only an elastic rank's prefix): the client's personalised model. A client
-        that never trained runs B = 0."""
+        """The deployed arrays with every B the client holds in place of the zeros: its personalised model.
+
+        The deployed arrays are the global A prefix [r, in] and B = 0 [out, r]; each kept B gives
+        its first r columns (zeros where it never trained one, as after training only an elastic
+        rank's prefix). A client that never trained runs B = 0.
+        """
         own = state.get(OWN_B)
         if not own or not arrays:
             return arrays

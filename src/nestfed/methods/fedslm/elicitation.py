@@ -30,9 +30,17 @@ def confidence_loss(
 ) -> torch.Tensor:
     """The auxiliary confidence loss, mean over the scored positions, in nats.
 
-    student_logits: [B, T, V] (carries the gradient); weak_logits: [B, T, V] (no gradient is taken
-    through it); alpha: a in [0, 1]; mask: [B, T] bool, the positions to score (default all).
-    Raises ValueError for alpha outside [0, 1] or mismatched shapes.
+    Args:
+        student_logits: [B, T, V] (carries the gradient).
+        weak_logits: [B, T, V] (no gradient is taken through it).
+        alpha: a in [0, 1].
+        mask: [B, T] bool, the positions to score; None scores all.
+
+    Returns:
+        The 0-dim loss.
+
+    Raises:
+        ValueError: for alpha outside [0, 1] or mismatched shapes.
     """
     if not 0.0 <= alpha <= 1.0:
         raise ValueError(f"elicitation alpha must be in [0, 1], got {alpha}")
@@ -69,10 +77,28 @@ def elicit(
 ) -> dict[str, float]:
     """Train ``params`` of the strong student for ``steps`` AdamW steps on the confidence loss.
 
-    student_text and weak_text hold the same blocks (as each model sees them); batches of
-    ``batch_size`` blocks are drawn in a seeded order without replacement (reshuffled per epoch).
-    The weak model runs without gradient. Returns ``loss_first`` / ``loss_last`` (nats, the
-    first and last step's loss), ``steps``, ``time_s``. Raises ValueError (alpha, steps < 0).
+    Batches of ``batch_size`` blocks are drawn in a seeded order without replacement (reshuffled per
+    epoch). The weak model runs without gradient.
+
+    Args:
+        student: the full model with its LoRA.
+        params: the student's trained parameters.
+        weak: the weak model f_w.
+        student_text: the server text as the student sees it.
+        weak_text: the same blocks as the weak model sees them.
+        alpha: a in [0, 1].
+        steps: AdamW steps (>= 0).
+        batch_size: blocks per step.
+        lr: the learning rate.
+        seed: the batch order's seed.
+        max_grad_norm: the gradient clipping norm.
+
+    Returns:
+        ``loss_first`` and ``loss_last`` (nats, the first and last step's loss), ``steps``,
+            ``time_s``.
+
+    Raises:
+        ValueError: for alpha outside [0, 1] or steps < 0.
     """
     if steps < 0:
         raise ValueError(f"elicitation steps must be >= 0, got {steps}")

@@ -7,12 +7,23 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class ElicitationOptions:
-    """The full model (LoRA of ``rank`` on the [lora] layers) learns from the weak fused model on
-    the server text with L = (1 - a) CE(f_w, f_s) + a CE(hard(f_s), f_s).
+    """Options of ``[elicitation]``: FedSLM's weak-to-strong elicitation on the server (step 4).
 
-    alpha: a for the reported server model, in [0, 1]; compare_alphas: further values evaluated
-    beside it (and always "none", the pretrained model); steps (>= 0) / batch_size (blocks) / lr:
-    AdamW; rank: the student LoRA's rank; seed: the order of the server text's batches.
+    The full model (LoRA of ``rank`` on the [lora] layers) learns from the weak fused model on the
+    server text with L = (1 - a) CE(f_w, f_s) + a CE(hard(f_s), f_s).
+
+    Attributes:
+        alpha: a for the reported server model, in [0, 1].
+        compare_alphas: further values of a evaluated beside it, each in [0, 1] (and always "none",
+            the pretrained model).
+        steps: AdamW steps of the elicitation (>= 0).
+        batch_size: server-text blocks per step (>= 1).
+        lr: the AdamW learning rate (> 0).
+        rank: the student LoRA's rank (>= 1).
+        seed: the order of the server text's batches.
+
+    Raises:
+        ValueError: for a value out of range.
     """
 
     alpha: float = 0.5

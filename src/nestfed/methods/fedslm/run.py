@@ -33,8 +33,18 @@ from nestfed.seeds import stream_seed
 def elicitation(
     prep: Prepared, cfg: ExperimentConfig, setup: CompressedSetup, weak, weak_text: CachedText
 ) -> tuple[Arrays, float, dict[str, Any]]:
-    """Step 4 for every variant; the variant ``alpha = elicitation.alpha`` is the reported server
-    model. Returns (its LoRA arrays, its scale s, summary fields)."""
+    """Step 4 for every variant; the variant ``alpha = elicitation.alpha`` is the reported server model.
+
+    Args:
+        prep: the prepared experiment (the backbone is the student).
+        cfg: the experiment (``[elicitation]``, ``[lora]``).
+        setup: the compressed side (the server text as the backbone sees it).
+        weak (nn.Module): the weak model f_w.
+        weak_text: the server text as the weak model sees it.
+
+    Returns:
+        The reported variant's LoRA arrays, its scale s, and the summary fields.
+    """
     e = cfg.section("elicitation")
     scale = cfg.lora.lora_alpha / e.rank
     init = init_adapter_state(prep.shapes, e.rank, cfg.lora.init_seed)
@@ -82,8 +92,18 @@ def elicitation(
 
 
 def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
-    """The compressed groups' trainers (cores trained at compression.core_lr), the FedSLM strategy,
-    and the recipe after the last round: the weak model, its evaluation, elicitation."""
+    """FedSLM set up on a prepared experiment.
+
+    The compressed groups' trainers (cores trained at compression.core_lr), the FedSLM strategy, and
+    the recipe after the last round: the weak model, its evaluation, elicitation.
+
+    Args:
+        prep: the prepared experiment.
+        cfg: the experiment.
+
+    Returns:
+        The method run.
+    """
     setup = prepare_compressed(prep, cfg)
     c = cfg.section("compression")
     groups = SLMGroups(

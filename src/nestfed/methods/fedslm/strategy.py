@@ -45,7 +45,18 @@ from nestfed.nn.svd import core_key
 
 
 def pad_core(core: torch.Tensor, R: int) -> torch.Tensor:
-    """core [r, r] zero-padded to [R, R]. Raises ValueError when r > R or the core is not square."""
+    """A core zero-padded to [R, R].
+
+    Args:
+        core: [r, r].
+        R: the padded size.
+
+    Returns:
+        [R, R].
+
+    Raises:
+        ValueError: when r > R or the core is not square.
+    """
     r = core.shape[0]
     if core.dim() != 2 or core.shape[1] != r or r > R:
         raise ValueError(f"core of shape {tuple(core.shape)} cannot be padded to ({R}, {R})")
@@ -59,10 +70,18 @@ def fuse_cores(
 ) -> torch.Tensor:
     """Cross-group fusion of one layer (FedSLM step 3) in the shared SVD basis.
 
-    previous: M [R, R] of the last round (kept where no group covers an entry under ``coverage``);
-    cores[g]: the group-averaged Sigma_g [r_g, r_g], r_g <= R; weights[g]: N_g (group data size,
-    examples). Returns the new M [R, R] with W_g = U M V^T. Raises ValueError (unknown fusion, no
-    groups, non-positive weights, a core larger than R).
+    Args:
+        previous: M [R, R] of the last round (kept where no group covers an entry under
+            ``coverage``).
+        cores: the group-averaged Sigma_g [r_g, r_g], r_g <= R.
+        weights: N_g (group data size, examples), one per core.
+        fusion: ``coverage`` or ``average`` (module docstring).
+
+    Returns:
+        The new M [R, R], W_g = U M V^T.
+
+    Raises:
+        ValueError: for an unknown fusion, no groups, non-positive weights, or a core larger than R.
     """
     if fusion not in FUSIONS:
         raise ValueError(f"unknown fusion {fusion!r} (known: {', '.join(FUSIONS)})")
@@ -84,7 +103,15 @@ def fuse_cores(
 
 
 def intra_group_mean(cores: Sequence[torch.Tensor], examples: Sequence[float]) -> torch.Tensor:
-    """FedSLM step 2: the n_k-weighted mean of the cores [r, r] of one group's clients."""
+    """FedSLM step 2: the n_k-weighted mean of the cores of one group's clients.
+
+    Args:
+        cores: [r, r] each.
+        examples: the n_k.
+
+    Returns:
+        The mean core [r, r].
+    """
     return weighted_mean(list(cores), list(examples))
 
 
@@ -92,9 +119,12 @@ def intra_group_mean(cores: Sequence[torch.Tensor], examples: Sequence[float]) -
 class SLMGroups:
     """The groups of a FedSLM federation.
 
-    ratios[g]: compression ratio rho_g; ranks[g]: {module path: r_gl} of the layers whose cores
-    train and travel; client_group: {cid: g}; singular_values: {module path: S_l [R_l]} with
-    R_l = max_g r_gl (the initial cores are diag(S[:r])).
+    Attributes:
+        ratios: ratios[g] is group g's compression ratio rho_g.
+        ranks: ranks[g] is {module path: r_gl} of the layers whose cores train and travel.
+        client_group: {cid: g}.
+        singular_values: {module path: S_l [R_l]} with R_l = max_g r_gl (the initial cores are
+            diag(S[:r])).
     """
 
     ratios: list[float]
@@ -103,16 +133,29 @@ class SLMGroups:
     singular_values: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def max_rank(self, module: str) -> int:
-        """R_l: the largest rank any group uses at ``module``."""
+        """R_l: the largest rank any group uses at ``module``.
+
+        Args:
+            module: the module path.
+
+        Returns:
+            R_l.
+        """
         return max(r[module] for r in self.ranks)
 
 
 class FedSLM:
-    """The FedSLM strategy: configure sends each client its group's projected cores, aggregate
-    runs steps 2 and 3. Pure: tensors and numbers only.
+    """The FedSLM strategy: configure sends each client its group's projected cores, aggregate runs steps 2 and 3.
 
-    groups: :class:`SLMGroups`; fusion: ``coverage`` (default) or ``average`` (module docstring);
-    seed: recorded in each instruction for the client's batch order.
+    Pure: tensors and numbers only.
+
+    Args:
+        groups: the federation's groups.
+        fusion: ``coverage`` (default) or ``average`` (module docstring).
+        seed: recorded in each instruction for the client's batch order.
+
+    Raises:
+        ValueError: naming compression.fusion for an unknown fusion.
     """
 
     name = "fedslm"
@@ -126,8 +169,18 @@ class FedSLM:
 
     # -- state ---------------------------------------------------------------------------------
     def initialize(self, shapes: dict[str, tuple[int, int]] | None, clients: list[ClientInfo]) -> GlobalState:
-        """M_l = diag(S_l[:R_l]) for every trained layer. Raises ValueError for a client without a
-        group or a layer without singular values."""
+        """M_l = diag(S_l[:R_l]) for every trained layer.
+
+        Args:
+            shapes: unused (the cores' shapes come from the groups).
+            clients: the federation's clients.
+
+        Returns:
+            The round-0 state, its meta holding the groups, ratios and fusion.
+
+        Raises:
+            ValueError: for a client without a group or a layer without singular values.
+        """
         for c in clients:
             if c.cid not in self.groups.client_group:
                 raise ValueError(f"client {c.cid}: no FedSLM group (compression ratio) assigned")
@@ -145,7 +198,15 @@ class FedSLM:
         return GlobalState(arrays, meta)
 
     def group_cores(self, state: GlobalState, g: int) -> Arrays:
-        """Group g's cores for the next round: Sigma_gl = U_gl^T W_g V_gl = M_l[:r_gl, :r_gl]."""
+        """Group g's cores for the next round: Sigma_gl = U_gl^T W_g V_gl = M_l[:r_gl, :r_gl].
+
+        Args:
+            state: the global state.
+            g: the group.
+
+        Returns:
+            {core key: [r_gl, r_gl]} (copies).
+        """
         out = {}
         for module, r in self.groups.ranks[g].items():
             out[core_key(module)] = state.arrays[core_key(module)][:r, :r].clone()
@@ -153,6 +214,16 @@ class FedSLM:
 
     # -- configure -----------------------------------------------------------------------------
     def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        """One instruction per client: its group's cores, at scale 1.
+
+        Args:
+            rnd: the round (1-based).
+            state: the global state.
+            clients: the sampled clients.
+
+        Returns:
+            {cid: instruction}.
+        """
         out = {}
         for c in clients:
             g = self.groups.client_group[c.cid]
@@ -169,7 +240,16 @@ class FedSLM:
 
     # -- aggregate -----------------------------------------------------------------------------
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """Step 2 (FedAvg of cores inside each group), then step 3 (fusion across groups)."""
+        """Step 2 (FedAvg of cores inside each group), then step 3 (fusion across groups).
+
+        Args:
+            rnd: the round.
+            state: the global state.
+            replies: {cid: reply}.
+
+        Returns:
+            The new state, its meta's ``group_examples`` the round's N_g.
+        """
         new = copy_state(state)
         members: dict[int, list[int]] = {}
         for cid in sorted(replies):
@@ -188,11 +268,26 @@ class FedSLM:
 
     # -- deploy / export -----------------------------------------------------------------------
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
-        """Client cid's cores (its group's block of M); cid None: the weak model's full cores M."""
+        """A client's cores (its group's block of M), or the weak model's full cores M.
+
+        Args:
+            state: the global state.
+            cid: the client; None for the weak model.
+
+        Returns:
+            The cores and the scale 1.
+        """
         if cid is None:
             return {k: v.clone() for k, v in state.arrays.items()}, 1.0
         return self.group_cores(state, self.groups.client_group[cid]), 1.0
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
-        """The weak global model's cores {core key: M_l [R_l, R_l]} (scale 1, unused)."""
+        """The weak global model's cores {core key: M_l [R_l, R_l]} (scale 1, unused).
+
+        Args:
+            state: the global state.
+
+        Returns:
+            The cores and the scale 1.
+        """
         return self.deploy(state, None)

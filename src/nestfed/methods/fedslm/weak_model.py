@@ -18,10 +18,20 @@ from nestfed.nn.svd import derive_compressed, layer_ranks
 
 
 def weak_model(setup: CompressedSetup, prep: Prepared, fused: Arrays, fusion: str) -> nn.Module:
-    """The weak global model f_w: the backbone with every compressed layer at the largest rank R,
-    holding W_g = U M V^T. Trained layers take M from ``fused`` ({core key: [R, R]}); the other
-    compressed layers take the fusion of the groups' fixed cores diag(S[:r_g]) weighted by N_g
-    (``coverage``: diag(S[:R]); ``average``: the shrunken average; nestfed.methods.fedslm.strategy).
+    """The weak global model f_w: the backbone with every compressed layer at the largest rank R, holding W_g = U M V^T.
+
+    Trained layers take M from ``fused``; the other compressed layers take the fusion of the groups'
+    fixed cores diag(S[:r_g]) weighted by N_g (``coverage``: diag(S[:R]); ``average``: the shrunken
+    average; nestfed.methods.fedslm.strategy).
+
+    Args:
+        setup: the compressed side of the experiment.
+        prep: the prepared experiment (its backbone).
+        fused: {core key: M [R, R]} of the trained layers.
+        fusion: ``coverage`` or ``average``.
+
+    Returns:
+        The weak model.
     """
     top = max(setup.ratios)
     sizes = setup.group_examples()
@@ -44,7 +54,17 @@ def weak_model(setup: CompressedSetup, prep: Prepared, fused: Arrays, fusion: st
 def weak_views(
     setup: CompressedSetup, prep: Prepared, weak: nn.Module, cfg: ExperimentConfig
 ) -> tuple[CachedText, dict[int, ClientData]]:
-    """The server text and the clients' test data as the weak model sees them (its frozen prefix)."""
+    """The server text and the clients' test data as the weak model sees them (its frozen prefix).
+
+    Args:
+        setup: the compressed side of the experiment.
+        prep: the prepared experiment (its clients' data).
+        weak: the weak model.
+        cfg: the experiment (``train.eval_batch_size``).
+
+    Returns:
+        The server text and {cid: ClientData} (test rows only).
+    """
     if setup.shared_prefix or not setup.start:
         data = {cid: d for g in setup.data for cid, d in setup.data[g].items()}
         return setup.public["strong" if setup.shared_prefix else 0], data

@@ -17,9 +17,17 @@ from nestfed.methods.method import lora_method
 
 @dataclass(frozen=True)
 class FedSSIOptions:
-    """c: the regulariser's weight (>= 0); psm_lambda: the surrogate's mixing lambda in (0, 1]
-    (1: purely local); psm_steps: surrogate (PSM) steps per round (>= 0; 0: Omega = 1, a plain
-    proximal term); xi: the synaptic-intelligence damping (> 0)."""
+    """Options of ``[fedssi]``.
+
+    Attributes:
+        c: the regulariser's weight (>= 0).
+        psm_lambda: the surrogate's mixing lambda, in (0, 1] (1: purely local).
+        psm_steps: surrogate (PSM) steps per round (>= 0; 0: Omega = 1, a plain proximal term).
+        xi: the synaptic-intelligence damping (> 0).
+
+    Raises:
+        ValueError: for a value out of range.
+    """
 
     c: float = 0.1
     psm_lambda: float = 0.5

@@ -25,15 +25,25 @@ def surrogate_importance(
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
     """FedSSI's parameter importance from a personalised surrogate model (PSM).
 
-    The surrogate starts at the global theta (``anchors``, one per parameter) and takes
-    ``psm_steps`` AdamW steps (lr = train.lr) on CE + q(lambda)/2 ||v - theta_global||^2 with
-    q(lambda) = (1 - lambda) / (2 lambda) (eq. 5), over batches of the seed rule's stream
-    ``surrogate``. Along its path the synaptic-intelligence contribution s_i = sum_steps -g_i * dv_i
-    (g the CE gradient, eq. 6) gives Omega_i = max(s_i, 0) / ((v_i - theta_global,i)^2 + xi)
-    (eq. 7; Zenke et al. 2017). Decision: Omega is rescaled to mean 1 over all parameters
-    (AdamW's step sizes make the raw magnitudes depend on the learning rate), so ``c`` weighs a
-    mean-one importance; with zero steps Omega = 1. The parameters are restored to the anchors.
-    Returns (Omega per parameter, {"psm_loss": mean CE over the surrogate steps}).
+    The surrogate starts at the global theta and takes ``psm_steps`` AdamW steps (lr = train.lr) on
+    CE + q(lambda)/2 ||v - theta_global||^2 with q(lambda) = (1 - lambda) / (2 lambda) (eq. 5), over
+    batches of the seed rule's stream ``surrogate``. Along its path the synaptic-intelligence
+    contribution s_i = sum_steps -g_i * dv_i (g the CE gradient, eq. 6) gives Omega_i = max(s_i, 0)
+    / ((v_i - theta_global,i)^2 + xi) (eq. 7; Zenke et al. 2017).
+
+    Decision: Omega is rescaled to mean 1 over all parameters (AdamW's step sizes make the raw
+    magnitudes depend on the learning rate), so ``c`` weighs a mean-one importance; with zero steps
+    Omega = 1. The parameters are restored to the anchors.
+
+    Args:
+        ctx: the client's round (its model, batches and ``train.lr``).
+        params: the trained parameters.
+        anchors: theta_global, one tensor per parameter.
+        o: ``[fedssi]``.
+
+    Returns:
+        Omega per parameter, and {"psm_loss": mean CE over the surrogate steps} (empty with zero
+            steps).
     """
     if o.psm_steps <= 0:
         return [torch.ones_like(a) for a in anchors], {}
@@ -68,8 +78,11 @@ def surrogate_importance(
 
 
 class SSIHooks(ClientHooks):
-    """The surrogate's importance before the steps, then CE + c * sum_i Omega_i (theta_i -
-    theta_global,i)^2 (eq. 2) at every step."""
+    """The surrogate's importance before the steps, then CE + c * sum_i Omega_i (theta_i - theta_global,i)^2 (eq. 2).
+
+    Args:
+        options: ``[fedssi]``.
+    """
 
     def __init__(self, options: FedSSIOptions):
         self.o = options

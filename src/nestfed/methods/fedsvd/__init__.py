@@ -61,10 +61,17 @@ WEIGHTINGS = ("examples", "uniform")
 
 @dataclass(frozen=True)
 class FedSVDOptions:
-    """weighting: the weights p_k of the mean of B, ``examples`` (n_k / N, the default and the
-    authors' code's) or ``uniform`` (1 / K, the code's ``--balanced``); period: re-factorise by SVD in
-    every ``period``-th round, an integer >= 1 (1, the default and the paper's: every round; the
-    others only average B, as FFA-LoRA). Raises ValueError naming the field for any other value."""
+    """Options of ``[fedsvd]``.
+
+    Attributes:
+        weighting: the weights p_k of the mean of B, ``examples`` (n_k / N, the default and the
+            authors' code's) or ``uniform`` (1 / K, the code's ``--balanced``).
+        period: re-factorise by SVD in every ``period``-th round, an integer >= 1 (1, the default
+            and the paper's: every round; the others only average B, as FFA-LoRA).
+
+    Raises:
+        ValueError: naming the field for any other value.
+    """
 
     weighting: str = "examples"
     period: int = 1

@@ -17,11 +17,19 @@ from nestfed.nn.keys import module_of, peft_key
 def product_svd(B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The thin SVD of B A without forming the [out, in] product (FedSVD's server step).
 
-    B: [out, r]; A: [r, in]. With the reduced QR A^T = Q R (Q [in, q_a], R [q_a, r]),
-    B A = (B R^T) Q^T, and the SVD of the small core B R^T = U S W^T gives B A = U S (W^T Q^T).
-    Float64 throughout. Signs: the largest-magnitude entry of each column of U is positive (the
-    first on ties). Returns U [out, q], S [q] (descending, >= 0), Vh [q, in] (orthonormal rows) with
-    q = min(out, q_a). Raises ValueError when the shapes do not chain.
+    With the reduced QR A^T = Q R (Q [in, q_a], R [q_a, r]), B A = (B R^T) Q^T, and the SVD of the
+    small core B R^T = U S W^T gives B A = U S (W^T Q^T). Float64 throughout. Signs: the
+    largest-magnitude entry of each column of U is positive (the first on ties).
+
+    Args:
+        B: [out, r].
+        A: [r, in].
+
+    Returns:
+        U [out, q], S [q] (descending, >= 0) and Vh [q, in] (orthonormal rows), q = min(out, q_a).
+
+    Raises:
+        ValueError: when the shapes do not chain.
     """
     if B.dim() != 2 or A.dim() != 2 or B.shape[1] != A.shape[0]:
         raise ValueError(f"factors B {tuple(B.shape)} and A {tuple(A.shape)} do not chain into one [out, in]")
@@ -34,11 +42,21 @@ def product_svd(B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def refactorise(B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """FedSVD's re-factorisation of B A at B's rank r: A' = V_r^T [r, in], B' = U_r S_r [out, r]
-    (:func:`product_svd`), so B' A' = B A (B A has rank <= r) and A' has orthonormal rows. When the
-    SVD has fewer than r pairs (out < r) the missing rows of A' and columns of B' are zero. Returned
-    in B's and A's dtypes; None when B A = 0 (the caller keeps its factors). Raises ValueError as
-    :func:`product_svd`."""
+    """FedSVD's re-factorisation of B A at B's rank r: A' = V_r^T [r, in], B' = U_r S_r [out, r].
+
+    From :func:`product_svd`, so B' A' = B A (B A has rank <= r) and A' has orthonormal rows. When
+    the SVD has fewer than r pairs (out < r) the missing rows of A' and columns of B' are zero.
+
+    Args:
+        B: [out, r].
+        A: [r, in].
+
+    Returns:
+        A' and B' in A's and B's dtypes, or None when B A = 0 (the caller keeps its factors).
+
+    Raises:
+        ValueError: as :func:`product_svd` raises it.
+    """
     U, S, Vh = product_svd(B, A)
     if S.numel() == 0 or float(S[0]) == 0.0:
         return None
@@ -52,18 +70,31 @@ def refactorise(B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.T
 
 
 def lora_modules_of(arrays: Arrays) -> list[str]:
-    """Module paths of the ``lora_A`` keys of a payload, sorted."""
+    """Module paths of the ``lora_A`` keys of a payload, sorted.
+
+    Args:
+        arrays: the payload.
+
+    Returns:
+        The module paths.
+    """
     return sorted(module_of(k)[0] for k in arrays if k.endswith("lora_A.weight"))
 
 
 class FedSVD(LoraStrategy):
-    """Global state: ``lora_A`` [r_max, in] (orthonormal rows after the first re-factorisation) and
-    ``lora_B`` [out, r_max] at the global scale s (module docstring of nestfed.methods.fedsvd)."""
+    """Global state: ``lora_A`` [r_max, in] and ``lora_B`` [out, r_max] at the global scale s.
+
+    A has orthonormal rows after the first re-factorisation (module docstring of
+    nestfed.methods.fedsvd).
+
+    Args:
+        settings: the LoRA numbers.
+        options: ``[fedsvd]``; the defaults when None.
+    """
 
     name = "fedsvd"
 
     def __init__(self, settings: LoraSettings, options: FedSVDOptions | None = None):
-        """options: ``[fedsvd]`` (None: the defaults)."""
         self.o = options if options is not None else FedSVDOptions()
         super().__init__(settings, self.o)
 
@@ -72,8 +103,13 @@ class FedSVD(LoraStrategy):
         return [k for k in sent if k.endswith("lora_B.weight")]
 
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
-        """The rank-r_k prefix, B multiplied by s / s_k so that the client runs s B[:, :r_k] A[:r_k]
-        (the identity under ``fixed`` scaling). Raises ValueError when rank exceeds r_max."""
+        """The rank-r_k prefix, B multiplied by s / s_k so that the client runs s B[:, :r_k] A[:r_k].
+
+        The factor is 1 under ``fixed`` scaling.
+
+        Raises:
+            ValueError: when rank exceeds r_max.
+        """
         out = truncate_rank(state.arrays, rank)
         factor = self.s.scale(self.s.r_max) / self.s.scale(rank)
         if factor != 1.0:
@@ -81,12 +117,21 @@ class FedSVD(LoraStrategy):
         return out
 
     def weights(self, replies: dict[int, Reply]) -> dict[int, float]:
-        """The unnormalised client weights: n_k (``examples``) or 1 (``uniform``)."""
+        """The unnormalised client weights: n_k (``examples``) or 1 (``uniform``).
+
+        Args:
+            replies: {cid: reply} of the round.
+
+        Returns:
+            {cid: weight}.
+        """
         return {c: 1.0 for c in replies} if self.o.weighting == "uniform" else examples(replies)
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """Per layer: Bbar = sum_k p_k (s_k / s) pad(B_k) against the state's A, then (in every
-        ``period``-th round) :func:`refactorise` of Bbar A; a zero product keeps (A, Bbar)."""
+        """Per layer: Bbar = sum_k p_k (s_k / s) pad(B_k), then (every ``period``-th round) :func:`refactorise`.
+
+        The product re-factorised is Bbar A with the state's A; a zero product keeps (A, Bbar).
+        """
         new = copy_state(state)
         w = self.weights(replies)
         cids = sorted(replies)

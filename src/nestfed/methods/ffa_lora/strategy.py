@@ -20,6 +20,7 @@ class FFALoRA(LoraStrategy):
         return [k for k in sent if k.endswith("lora_B.weight")]
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """B the n_k-weighted mean of the clients' B, zero-padded to r_max; A unchanged."""
         new = copy_state(state)
         n = examples(replies)
         cids = sorted(replies)

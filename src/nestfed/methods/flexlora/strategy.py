@@ -25,13 +25,22 @@ def product_svd(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The thin SVD of W = sum_k c_k B_k A_k without forming W (FlexLoRA's redistribution SVD).
 
-    Bs[k]: [out, r_k]; As[k]: [r_k, in]; coeffs[k]: c_k (p_k s_k). With B = [B_1 ... B_K] [out, R]
-    and A = [c_1 A_1; ...; c_K A_K] [R, in] (R = sum r_k), W = B A = Q_b (R_b R_a^T) Q_a^T from the
-    reduced QR decompositions B = Q_b R_b and A^T = Q_a R_a, and the SVD of the small core
-    R_b R_a^T gives W's. Float64 throughout. Signs: the largest-magnitude entry of each column of
-    U is positive (the first on ties). Returns U [out, q], S [q] (descending, >= 0) and
-    Vh [q, in] with q = min(out, in, R). Raises ValueError on an empty list, lists of different
-    lengths or factors whose shapes do not chain.
+    With B = [B_1 ... B_K] (shape [out, R]) and A = [c_1 A_1; ...; c_K A_K] (shape [R, in], R = sum
+    r_k), W = B A = Q_b (R_b R_a^T) Q_a^T from the reduced QR decompositions B = Q_b R_b and A^T =
+    Q_a R_a, and the SVD of the small core R_b R_a^T gives W's. Float64 throughout. Signs: the
+    largest-magnitude entry of each column of U is positive (the first on ties).
+
+    Args:
+        Bs: the B_k, [out, r_k] each.
+        As: the A_k, [r_k, in] each.
+        coeffs: the c_k (p_k s_k).
+
+    Returns:
+        U [out, q], S [q] (descending, >= 0) and Vh [q, in] with q = min(out, in, R).
+
+    Raises:
+        ValueError: on an empty list, lists of different lengths, or factors whose shapes do not
+            chain.
     """
     if not Bs or len(Bs) != len(As) or len(As) != len(coeffs):
         raise ValueError(
@@ -61,11 +70,25 @@ def product_svd(
 def split_factors(
     U: torch.Tensor, S: torch.Tensor, Vh: torch.Tensor, rank: int, scale: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """LoRA factors of the rank-``rank`` truncation of U diag(S) Vh at scale s (FlexLoRA section
-    3.2, with this module's symmetric split): A = sqrt(S / s) Vh [rank, in], B = U sqrt(S / s)
-    [out, rank], so s B A = U[:, :rank] diag(S[:rank]) Vh[:rank]. When fewer than ``rank`` singular
-    triplets exist the missing rows of A and columns of B are zero. Float64. Raises ValueError for
-    rank < 1 or s <= 0."""
+    """LoRA factors of the rank-``rank`` truncation of U diag(S) Vh at scale s.
+
+    FlexLoRA section 3.2, with this module's symmetric split: A = sqrt(S / s) Vh, B = U sqrt(S / s),
+    so s B A = U[:, :rank] diag(S[:rank]) Vh[:rank]. When fewer than ``rank`` singular triplets
+    exist the missing rows of A and columns of B are zero. Float64.
+
+    Args:
+        U: [out, q] left singular vectors.
+        S: [q] singular values, descending.
+        Vh: [q, in] right singular vectors.
+        rank: the truncation's rank.
+        scale: the LoRA scale s, > 0.
+
+    Returns:
+        A [rank, in] and B [out, rank].
+
+    Raises:
+        ValueError: for rank < 1 or s <= 0.
+    """
     if rank < 1 or not scale > 0:
         raise ValueError(f"rank must be >= 1 and the scale > 0, got rank {rank}, scale {scale}")
     q = min(rank, S.shape[0])
@@ -78,22 +101,36 @@ def split_factors(
 
 
 def lora_modules_of(arrays: Arrays) -> list[str]:
-    """Module paths of the ``lora_A`` keys of a payload, sorted."""
+    """Module paths of the ``lora_A`` keys of a payload, sorted.
+
+    Args:
+        arrays: the payload.
+
+    Returns:
+        The module paths.
+    """
     return sorted(module_of(k)[0] for k in arrays if k.endswith("lora_A.weight"))
 
 
 class FlexLoRA(LoraStrategy):
-    """Global state: the rank-r_max truncated SVD of the mean product, ``lora_A`` [r_max, in] and
-    ``lora_B`` [out, r_max] at the global scale (module docstring); meta ``svd_form`` and
-    ``discarded_energy``."""
+    """Global state: the rank-r_max truncated SVD of the mean product (module docstring).
+
+    ``lora_A`` [r_max, in] and ``lora_B`` [out, r_max] at the global scale; meta ``svd_form`` and
+    ``discarded_energy``.
+    """
 
     name = "flexlora"
 
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
-        """The rank-r_k truncation: the prefix of the global factors, both multiplied by
-        sqrt(s / s_k) once the state is an SVD (so s_k B' A' = the rank-r_k truncation of W); the
-        plain prefix of the initial adapter before (random A, B = 0). Raises ValueError when rank
-        exceeds r_max."""
+        """The rank-r_k truncation: the prefix of the global factors, rescaled once the state is an SVD.
+
+        Both factors are multiplied by sqrt(s / s_k) once the state is an SVD (so s_k B' A' = the
+        rank-r_k truncation of W); before, the plain prefix of the initial adapter (random A, zero
+        B).
+
+        Raises:
+            ValueError: when rank exceeds r_max.
+        """
         out = truncate_rank(state.arrays, rank)
         factor = math.sqrt(self.s.scale(self.s.r_max) / self.s.scale(rank))
         if state.meta.get(SVD_FORM) and factor != 1.0:
@@ -103,9 +140,19 @@ class FlexLoRA(LoraStrategy):
     def layer_terms(
         self, state: GlobalState, replies: dict[int, Reply], module: str
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
-        """The terms (B_i, A_i, c_i) of one layer's aggregate W = sum_i c_i B_i A_i, in the order
-        :func:`product_svd` takes them: FlexLoRA's are every replying client's factors (sorted by
-        cid) with c_k = p_k s_k, p_k = n_k / N over ``replies``."""
+        """The terms (B_i, A_i, c_i) of one layer's aggregate W = sum_i c_i B_i A_i.
+
+        FlexLoRA's are every replying client's factors (sorted by cid) with c_k = p_k s_k,
+        p_k = n_k / N over ``replies``, in the order :func:`product_svd` takes them.
+
+        Args:
+            state: the global state before the round.
+            replies: the round's replies by client id.
+            module: the LoRA layer's module name.
+
+        Returns:
+            The lists of B_i [out, r_i], A_i [r_i, in] and the coefficients c_i.
+        """
         a_key, b_key = peft_key(module, "lora_A"), peft_key(module, "lora_B")
         n = examples(replies)
         total = sum(n.values())
@@ -115,9 +162,11 @@ class FlexLoRA(LoraStrategy):
         return Bs, As, [n[c] / total * self.s.scale(a.shape[0]) for c, a in zip(cids, As)]
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """W = sum_i c_i B_i A_i per layer (:meth:`layer_terms`; FlexLoRA's: sum_k p_k s_k B_k A_k),
-        stored as its rank-r_max truncated SVD at the global scale (:func:`product_svd`,
-        :func:`split_factors`)."""
+        """W = sum_i c_i B_i A_i per layer, stored as its rank-r_max truncated SVD at the global scale.
+
+        The terms come from :meth:`layer_terms` (FlexLoRA's: sum_k p_k s_k B_k A_k), the SVD from
+        :func:`product_svd` and :func:`split_factors`.
+        """
         new = copy_state(state)
         s_global = self.s.scale(self.s.r_max)
         discarded = []
@@ -136,8 +185,7 @@ class FlexLoRA(LoraStrategy):
         return new
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
-        """Client cid's rank-r_k truncation at its scale s_k (:meth:`client_arrays`); None: the
-        global rank-r_max factors at the global scale."""
+        """Client cid's rank-r_k truncation at its scale s_k (:meth:`client_arrays`); None: the global factors."""
         r = self.s.r_max if cid is None else self.rank_of(state, cid)
         return self.client_arrays(state, r), self.s.scale(r)
 

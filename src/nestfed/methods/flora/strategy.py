@@ -15,7 +15,14 @@ from nestfed.seeds import stream_seed
 
 
 def modules_of(arrays: Arrays) -> list[str]:
-    """Module paths present in a FLoRA state (from its merged_A keys), sorted."""
+    """Module paths present in a FLoRA state (from its merged_A keys), sorted.
+
+    Args:
+        arrays: the state's arrays.
+
+    Returns:
+        The module paths.
+    """
     return sorted(k[len(PEFT_PREFIX) : -len(".merged_A")] for k in arrays if k.endswith(".merged_A"))
 
 
@@ -25,6 +32,7 @@ class FLoRA(LoraStrategy):
     name = "flora"
 
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
+        """Empty stacks per layer: merged_A [0, in] and merged_B [out, 0]."""
         state = super().initialize(shapes, clients)  # validates ranks
         arrays = {}
         for m, (out_f, in_f) in sorted(shapes.items()):
@@ -33,9 +41,11 @@ class FLoRA(LoraStrategy):
         return GlobalState(arrays, state.meta)
 
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
+        """The whole accumulated stack (a copy), whatever the rank."""
         return {k: v.clone() for k, v in state.arrays.items()}
 
     def expected_shapes(self, sent: Arrays, rank: int) -> dict[str, tuple[int, ...]]:
+        """A fresh LoRA of the client's rank: lora_A [r_k, in] and lora_B [out, r_k]."""
         out = {}
         for m in modules_of(sent):
             out[peft_key(m, "lora_A")] = (rank, sent[merged_key(m, "A")].shape[1])
@@ -43,6 +53,7 @@ class FLoRA(LoraStrategy):
         return out
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """Stack every client's p_k s_k A_k and B_k onto the merged A and B (module docstring)."""
         new = copy_state(state)
         n = examples(replies)
         total = sum(n.values())
@@ -58,9 +69,11 @@ class FLoRA(LoraStrategy):
         return new
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
+        """The whole stack, at scale 1 (the scales are in the stacked A)."""
         return {k: v.clone() for k, v in state.arrays.items()}, 1.0
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
+        """The stack as one PEFT LoRA of rank R (all stacked ranks), at scale 1."""
         out = {}
         for m in modules_of(state.arrays):
             out[peft_key(m, "lora_A")] = state.arrays[merged_key(m, "A")].clone()
@@ -69,9 +82,14 @@ class FLoRA(LoraStrategy):
 
 
 class FLoRAHooks(ClientHooks):
-    """Every round the client starts from a fresh LoRA of its rank r_k (A random, B = 0), drawn
-    from the seed rule's stream ``fresh_lora`` of (lora.init_seed, round, client); the received
-    stack is loaded as each layer's frozen residual."""
+    """Every round the client starts from a fresh LoRA of its rank r_k (A random, B = 0).
+
+    The fresh LoRA is drawn from the seed rule's stream ``fresh_lora`` of (lora.init_seed, round,
+    client); the received stack is loaded as each layer's frozen residual.
+
+    Args:
+        init_seed: ``lora.init_seed``.
+    """
 
     def __init__(self, init_seed: int):
         self.init_seed = init_seed

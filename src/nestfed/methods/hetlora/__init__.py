@@ -26,10 +26,18 @@ WEIGHTINGS = ("norm", "examples")
 
 @dataclass(frozen=True)
 class HetLoRAOptions:
-    """reg: lambda, the weight of the rank self-pruning regulariser (>= 0); tail: the fraction of
-    the rank it regularises, in (0, 1]; prune_ratio: the rank kept when pruning, in (0, 1];
-    weighting: ``norm`` (Frobenius norm of each update) or ``examples`` (n_k); pruning: whether
-    clients prune their rank at all."""
+    """Options of ``[hetlora]``.
+
+    Attributes:
+        reg: lambda, the weight of the rank self-pruning regulariser (>= 0).
+        tail: the fraction of the rank it regularises, in (0, 1].
+        prune_ratio: the rank kept when pruning, in (0, 1].
+        weighting: ``norm`` (Frobenius norm of each update) or ``examples`` (n_k).
+        pruning: whether clients prune their rank at all.
+
+    Raises:
+        ValueError: for a value out of range or an unknown weighting.
+    """
 
     reg: float = 0.01
     tail: float = 0.25

@@ -22,13 +22,28 @@ from nestfed.nn.lora import lora_modules
 
 
 def tail_size(rank: int, tail: float) -> int:
-    """HetLoRA's number of regularised tail dimensions: ceil(tail * rank), 0 when rank is 1."""
+    """HetLoRA's number of regularised tail dimensions: ceil(tail * rank), 0 when rank is 1.
+
+    Args:
+        rank: the client's rank r_k.
+        tail: the regularised fraction (``hetlora.tail``).
+
+    Returns:
+        The tail's dimensions, at most rank - 1.
+    """
     return 0 if rank <= 1 else min(rank - 1, max(1, math.ceil(tail * rank)))
 
 
 def tail_norm(model: nn.Module, tail: float) -> torch.Tensor:
-    """sum over LoRA layers of ||s B[:, r-t:] A[r-t:]||_F with t = :func:`tail_size` (a 0-dim
-    tensor, differentiable)."""
+    """sum over LoRA layers of ||s B[:, r-t:] A[r-t:]||_F with t = :func:`tail_size`.
+
+    Args:
+        model: the backbone with its LoRA layers.
+        tail: the regularised fraction (``hetlora.tail``).
+
+    Returns:
+        The norm, a 0-dim differentiable tensor.
+    """
     modules = lora_modules(model)
     total = torch.zeros((), device=next(iter(modules.values())).lora_A.weight.device if modules else None)
     for m in modules.values():
@@ -41,7 +56,12 @@ def tail_norm(model: nn.Module, tail: float) -> torch.Tensor:
 
 
 class HetLoRA(LoraStrategy):
-    """Zero-padded, norm-weighted aggregation; remembers each client's pruned rank and tail norm."""
+    """Zero-padded, norm-weighted aggregation; remembers each client's pruned rank and tail norm.
+
+    Args:
+        settings: the LoRA numbers.
+        options: ``[hetlora]``.
+    """
 
     name = "hetlora"
 
@@ -52,12 +72,16 @@ class HetLoRA(LoraStrategy):
 
     @property
     def may_shrink_rank(self) -> bool:  # type: ignore[override]
+        """Whether replies may come back at a lower rank: when clients prune (``hetlora.pruning``)."""
         return self.o.pruning
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
-        """``hetlora_prev_tail``: the client's tail norm after its last round; -1 (no pruning) before
-        its first, when that round trained another rank, and in a round at an elastic rank below
-        its own (pruning decides the client's own rank, which a round of less memory says nothing of)."""
+        """``hetlora_prev_tail``: the client's tail norm after its last round.
+
+        It is -1 (no pruning) before its first round, when that round trained another rank, and in a
+        round at an elastic rank below its own (pruning decides the client's own rank, which a round
+        of less memory says nothing of).
+        """
         prev = state.meta.get("tail_norms", {}).get(str(client.cid))
         prev_rank = state.meta.get("tail_ranks", {}).get(str(client.cid), rank)
         own = self.rank_of(state, client.cid)
@@ -66,9 +90,15 @@ class HetLoRA(LoraStrategy):
         return {"hetlora_prev_tail": float(prev) if comparable else -1.0}
 
     def remember(self, new: GlobalState, replies: dict[int, Reply]) -> None:
-        """Keep each replying client's pruned rank (a reply below the rank it was sent, which was
-        its own: clients prune only at their own rank) and its tail norm with the rank it was
-        measured at."""
+        """Keep each replying client's pruned rank and its tail norm in the state's meta.
+
+        A reply below the rank it was sent, which was its own, is a pruned rank (clients prune only
+        at their own rank); the tail norm is kept with the rank it was measured at.
+
+        Args:
+            new: the state being aggregated (its meta is updated in place).
+            replies: {cid: reply} of this round.
+        """
         for c in sorted(replies):
             r = reply_rank(replies[c])
             own = int(new.meta["ranks"][str(c)])
@@ -79,13 +109,13 @@ class HetLoRA(LoraStrategy):
                 new.meta.setdefault("tail_ranks", {})[str(c)] = r
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
-        """The padded block of :meth:`LoraStrategy.robust_aggregate` (norm weights replaced by the
-        rule), with pruned ranks remembered."""
+        """LoraStrategy's padded block (norm weights replaced by the rule), pruned ranks remembered."""
         new = super().robust_aggregate(rnd, state, replies, rule)
         self.remember(new, replies)
         return new
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """Zero-pad every reply to r_max, average with norm (or n_k) weights per layer, remember pruned ranks."""
         new = copy_state(state)
         n = examples(replies)
         cids = sorted(replies)
@@ -113,8 +143,14 @@ class HetLoRA(LoraStrategy):
 
 
 class HetLoRAHooks(ClientHooks):
-    """CE + lambda * tail norm; after the local steps, prune the rank when the tail norm fell
-    below its value in the client's previous round (``hetlora_prev_tail``, sent by the strategy)."""
+    """CE + lambda * tail norm; after the local steps, prune the rank when the tail norm fell.
+
+    The rank is pruned when the tail norm fell below its value in the client's previous round
+    (``hetlora_prev_tail``, sent by the strategy).
+
+    Args:
+        options: ``[hetlora]``.
+    """
 
     def __init__(self, options: HetLoRAOptions):
         self.o = options

@@ -27,8 +27,10 @@ class LocalOnly(LoraStrategy):
         return copy_state(state)
 
     def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
-        """Every client is sent (and replies) its own rank's prefix, what it keeps; a client at an
-        elastic rank this round trains that prefix of it (``train_rank``)."""
+        """Send every client its own rank's prefix, what it keeps and replies.
+
+        A client at an elastic rank this round trains that prefix of it (``train_rank``).
+        """
         out = super().configure(rnd, state, [replace(c, round_rank=0) for c in clients])
         for c in clients:
             if c.round_rank and c.round_rank < c.rank:
@@ -41,20 +43,26 @@ def _clone(arrays: Arrays) -> Arrays:
 
 
 class LocalOnlyHooks(ClientHooks):
-    """The client trains from its own kept adapter (from the received initial prefix in its first
-    round) and is evaluated under it."""
+    """The client trains from its own kept adapter and is evaluated under it.
+
+    In its first round it starts from the received initial prefix.
+    """
 
     keeps_state = True
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
-        """The client's kept adapter ({key: [r_k, in] / [out, r_k]}), or the received one at first;
-        at an elastic rank this round (``train_rank``) its prefix of that rank."""
+        """The client's kept adapter ({key: [r_k, in] / [out, r_k]}), or the received one at first.
+
+        At an elastic rank this round (``train_rank``), its prefix of that rank.
+        """
         ctx.scratch["own"] = _clone(ctx.state.get("adapter", arrays))
         return truncate_rank(ctx.scratch["own"], int(ctx.config.get("train_rank", ctx.config["rank"])))
 
     def reply_arrays(self, ctx: FitContext, out: Arrays) -> Arrays:
-        """Keep the trained adapter on the client (trained at an elastic rank: its prefix, the rest
-        kept as it was) and send it (the server ignores it)."""
+        """Keep the trained adapter on the client and send it (the server ignores it).
+
+        Trained at an elastic rank, its prefix is replaced and the rest kept as it was.
+        """
         own = ctx.scratch["own"]
         ctx.state["adapter"] = {
             k: merge_prefix(own.get(k), v, rank_dim(k)) if rank_dim(k) is not None else v.detach().clone()

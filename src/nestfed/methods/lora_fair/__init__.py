@@ -55,9 +55,16 @@ from nestfed.methods.method import lora_method
 
 @dataclass(frozen=True)
 class LoraFairOptions:
-    """lam: lambda, the weight of ||dB||_F^2 in the server's least-squares correction, a number >= 0
-    (0.01, the paper's value for its own objective; 0: the exact projection of the mean product onto
-    Abar's row space). Raises ValueError naming the field for any other value."""
+    """Options of ``[lora_fair]``.
+
+    Attributes:
+        lam: lambda, the weight of ||dB||_F^2 in the server's least-squares correction, a number >=
+            0 (0.01, the paper's value for its own objective; 0: the exact projection of the mean
+            product onto Abar's row space).
+
+    Raises:
+        ValueError: naming the field for any other value.
+    """
 
     lam: float = 0.01
 

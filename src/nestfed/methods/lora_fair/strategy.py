@@ -23,15 +23,28 @@ def correction(
     coeffs: Sequence[float],
     lam: float,
 ) -> torch.Tensor:
-    """LoRA-FAIR's correction dB [out, r] in its closed least-squares form (module docstring of
-    nestfed.methods.lora_fair):
+    """LoRA-FAIR's correction dB [out, r] in its closed least-squares form.
 
-        dB = (T - Bbar Abar) Abar^T (Abar Abar^T + lam I)^+,   T = sum_k c_k B_k A_k,
+    The minimiser of ||(Bbar + dB) Abar - T||_F^2 + lam ||dB||_F^2 with T = sum_k c_k B_k A_k
+    (module docstring of nestfed.methods.lora_fair), that is
 
-    the minimiser of ||(Bbar + dB) Abar - T||_F^2 + lam ||dB||_F^2. A_bar: [r, in]; B_bar: [out, r];
-    As[k]: [r_k, in]; Bs[k]: [out, r_k]; coeffs[k]: c_k (p_k s_k / s). T Abar^T is formed as
-    sum_k c_k B_k (A_k Abar^T), never as an [out, in] matrix. Float64; returned in B_bar's dtype.
-    Raises ValueError for lam < 0, lists of different lengths or factors whose shapes do not chain.
+        dB = (T - Bbar Abar) Abar^T (Abar Abar^T + lam I)^+
+
+    T Abar^T is formed as sum_k c_k B_k (A_k Abar^T), never as an [out, in] matrix. Float64 inside.
+
+    Args:
+        A_bar: [r, in] the mean A.
+        B_bar: [out, r] the mean B.
+        As: the clients' A_k, [r_k, in] each.
+        Bs: the clients' B_k, [out, r_k] each.
+        coeffs: the c_k (p_k s_k / s).
+        lam: the regulariser's weight, >= 0.
+
+    Returns:
+        dB [out, r] in B_bar's dtype.
+
+    Raises:
+        ValueError: for lam < 0, lists of different lengths, or factors whose shapes do not chain.
     """
     if lam < 0 or len(As) != len(Bs) or len(Bs) != len(coeffs):
         raise ValueError(f"correction needs lam >= 0 and as many A, B and coefficients, got lam {lam}")
@@ -47,24 +60,38 @@ def correction(
 
 
 def lora_modules_of(arrays: Arrays) -> list[str]:
-    """Module paths of the ``lora_A`` keys of a payload, sorted."""
+    """Module paths of the ``lora_A`` keys of a payload, sorted.
+
+    Args:
+        arrays: the payload.
+
+    Returns:
+        The module paths.
+    """
     return sorted(module_of(k)[0] for k in arrays if k.endswith("lora_A.weight"))
 
 
 class LoraFair(LoraStrategy):
-    """Global state: Abar ``lora_A`` [r_max, in] and the corrected Bbar + dB ``lora_B`` [out, r_max]
-    at the global scale s; clients receive its rank-r_k prefix (the base class's)."""
+    """Global state: Abar ``lora_A`` [r_max, in] and the corrected Bbar + dB ``lora_B`` [out, r_max].
+
+    Both at the global scale s; clients receive its rank-r_k prefix (the base class's).
+
+    Args:
+        settings: the LoRA numbers.
+        options: ``[lora_fair]``; the defaults when None.
+    """
 
     name = "lora_fair"
 
     def __init__(self, settings: LoraSettings, options: LoraFairOptions | None = None):
-        """options: ``[lora_fair]`` (None: the defaults)."""
         self.o = options if options is not None else LoraFairOptions()
         super().__init__(settings, self.o)
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """Per layer: Abar, Bbar the n_k-weighted zero-padded means, then B = Bbar + :func:`correction`
-        with coefficients p_k s_k / s (p_k = n_k / N over ``replies``)."""
+        """Per layer: Abar, Bbar the n_k-weighted zero-padded means, then B = Bbar + :func:`correction`.
+
+        The coefficients are p_k s_k / s (p_k = n_k / N over ``replies``).
+        """
         new = copy_state(state)
         n = examples(replies)
         total = sum(n.values())

@@ -35,20 +35,32 @@ DEPLOY_RANKS = ("own", "validated")
 
 @dataclass(frozen=True)
 class PreLortOptions:
-    """objective: ``nested`` (mean loss over R_k, |R_k| passes per step; section 2.2), ``sampled``
-    (one sub-rank r ~ Uniform(R_k) per step, drawn from the seed rule's stream ``subrank/<step>`` of
-    (federation.seed, round, client): an unbiased estimate of the nested loss, one pass per step) or
-    ``full_rank`` (plain LoRA at r_k: the ablation "nested aggregation only"); aggregation:
-    ``segment`` (section 2.3) or ``zeropad`` (ZeroPad's padded mean: the ablation "nested objective,
-    zero-padded aggregation"); dilution: the exponent of :func:`~nestfed.methods.prelort.strategy.segment_weight`
-    in [0, 1] (0, the paper: every segment's mean update undiluted); min_holders: a segment
-    [lo, hi) held by fewer clients of the federation (r_k >= hi) is left out of what any client
-    deploys and of the exported adapter (:func:`~nestfed.methods.prelort.strategy.deploy_cap`; 0 or
-    1, the paper: every segment); deploy_rank: ``own`` (the paper: client k runs the prefix r_k)
-    or ``validated`` (the prefix r in R_k with the lowest loss on ``validation_rows`` rows the
-    client holds out of its training data, chosen on the global adapter it receives each round;
-    :class:`~nestfed.methods.prelort.strategy.PreLortHooks`). Raises ValueError naming the field
-    for any other value."""
+    """Options of ``[prelort]``.
+
+    Attributes:
+        objective: ``nested`` (mean loss over R_k, |R_k| passes per step; section 2.2), ``sampled``
+            (one sub-rank r ~ Uniform(R_k) per step, drawn from the seed rule's stream
+            ``subrank/<step>`` of (federation.seed, round, client): an unbiased estimate of the
+            nested loss, one pass per step) or ``full_rank`` (plain LoRA at r_k: the ablation
+            "nested aggregation only").
+        aggregation: ``segment`` (section 2.3) or ``zeropad`` (ZeroPad's padded mean: the ablation
+            "nested objective, zero-padded aggregation").
+        dilution: the exponent of :func:`~nestfed.methods.prelort.strategy.segment_weight`, in [0,
+            1] (0, the paper: every segment's mean update undiluted).
+        min_holders: a segment [lo, hi) held by fewer clients of the federation (r_k >= hi) is left
+            out of what any client deploys and of the exported adapter
+            (:func:`~nestfed.methods.prelort.strategy.deploy_cap`; 0 or 1, the paper: every
+            segment).
+        deploy_rank: ``own`` (the paper: client k runs the prefix r_k) or ``validated`` (the prefix
+            r in R_k with the lowest loss on ``validation_rows`` rows the client holds out of its
+            training data, chosen on the global adapter it receives each round;
+            :class:`~nestfed.methods.prelort.strategy.PreLortHooks`).
+        validation_rows: the training rows a client holds out to choose its rank under ``deploy_rank
+            = "validated"``, an integer >= 1 (unused otherwise).
+
+    Raises:
+        ValueError: naming the field for any other value.
+    """
 
     objective: str = "nested"
     aggregation: str = "segment"

@@ -28,6 +28,12 @@ def segments(ranks: Sequence[int]) -> list[tuple[int, int]]:
     """The rank segments [r_{l-1}, r_l) of the sorted distinct ranks, r_0 = 0.
 
     ``segments([4, 2, 8, 4]) == [(0, 2), (2, 4), (4, 8)]``.
+
+    Args:
+        ranks: the ranks (repeats allowed).
+
+    Returns:
+        The segments, in order.
     """
     bounds = sorted(set(int(r) for r in ranks))
     return list(zip([0] + bounds[:-1], bounds))
@@ -44,12 +50,22 @@ def segment_average(
 ) -> torch.Tensor:
     """Segment-wise aggregation in update space (arXiv 2606.15963, section 2.3), optionally diluted.
 
-    global_t: the global matrix, rank r_max along ``dim``; client_ts[k]: client k's trained
-    matrix of rank client_ranks[k] along ``dim`` (started from global_t's prefix). For each
-    segment [lo, hi) the update of the clients with r_k >= hi is averaged with weights n_k, scaled
-    by :func:`segment_weight` (1 at the paper's ``dilution = 0``) and added to the global segment;
-    a segment no participating client reaches is left unchanged. Returns the new global matrix
-    (same shape as global_t).
+    For each segment [lo, hi) the update of the clients with r_k >= hi is averaged with weights n_k,
+    scaled by :func:`segment_weight` (1 at the paper's ``dilution = 0``) and added to the global
+    segment; a segment no participating client reaches is left unchanged.
+
+    Args:
+        global_t: the global matrix, rank r_max along ``dim``.
+        client_ts: client k's trained matrix of rank client_ranks[k] along ``dim`` (started from
+            global_t's prefix).
+        client_ranks: the rank each client trained.
+        weights: the n_k.
+        dim: the rank dimension (0 for A, 1 for B).
+        bounds: the segments (:func:`segments` of the federation's ranks).
+        dilution: the exponent of :func:`segment_weight`.
+
+    Returns:
+        The new global matrix, global_t's shape.
     """
     out = global_t.clone()
     total = float(sum(weights))
@@ -65,23 +81,40 @@ def segment_average(
 
 
 def segment_weight(held: float, total: float, dilution: float) -> float:
-    """The factor a segment's mean update is scaled by: (N_l / N)^dilution, N_l the examples of the
-    round's clients that hold the segment, N those of every client of the round. ``dilution`` 0:
-    the paper's segment-wise mean (1); 1: the mean diluted over every client, as ZeroPad dilutes the
-    rows few clients hold (in update space: sum over holders of n_k delta_k / N); in between, a
-    shrinkage of the segments few clients hold. Equal ranks give 1 for any dilution (FedAvg)."""
+    """The factor a segment's mean update is scaled by: (N_l / N)^dilution.
+
+    ``dilution`` 0: the paper's segment-wise mean (1); 1: the mean diluted over every client, as
+    ZeroPad dilutes the rows few clients hold (in update space: sum over holders of n_k delta_k /
+    N); in between, a shrinkage of the segments few clients hold. Equal ranks give 1 for any
+    dilution (FedAvg).
+
+    Args:
+        held: N_l, the examples of the round's clients that hold the segment.
+        total: N, those of every client of the round.
+        dilution: the exponent, in [0, 1].
+
+    Returns:
+        The factor, in (0, 1].
+    """
     if dilution == 0.0 or held >= total:
         return 1.0
     return float((held / total) ** dilution)
 
 
 def deploy_cap(ranks: dict[str, int], min_holders: int) -> int:
-    """The largest rank any client deploys under ``[prelort] min_holders``: the top ``hi`` of the
-    federation's segments [lo, hi) held by at least ``min_holders`` clients (r_k >= hi; ``ranks``:
-    {cid: r_k} of every client). The lowest segment is always kept, and ``min_holders`` <= 1 keeps
-    every segment (r_max of the federation).
+    """The largest rank any client deploys under ``[prelort] min_holders``.
 
-    ``deploy_cap({"0": 2, "1": 4, "2": 4, "3": 8, "4": 16}, 2) == 8``: [8, 16) has one holder.
+    The top ``hi`` of the federation's segments [lo, hi) held by at least ``min_holders`` clients
+    (r_k >= hi). The lowest segment is always kept, and ``min_holders`` <= 1 keeps every segment
+    (r_max of the federation). ``deploy_cap({"0": 2, "1": 4, "2": 4, "3": 8, "4": 16}, 2) == 8``:
+    [8, 16) has one holder.
+
+    Args:
+        ranks: {cid: r_k} of every client.
+        min_holders: ``[prelort] min_holders``.
+
+    Returns:
+        The rank.
     """
     bounds = sorted({int(r) for r in ranks.values()})
     if min_holders <= 1:
@@ -96,16 +129,28 @@ class PreLort(LoraStrategy):
     name = "prelort"
 
     def federation_ranks(self, state: GlobalState) -> list[int]:
-        """R_fed: the sorted distinct ranks of every client in the federation (read once per ranks
-        table: a round asks for every sampled client, and a federation may hold thousands)."""
+        """R_fed: the sorted distinct ranks of every client in the federation.
+
+        Read once per ranks table: a round asks for every sampled client, and a federation may hold
+        thousands.
+
+        Args:
+            state: the global state (its meta's ``ranks``).
+
+        Returns:
+            The ranks, ascending.
+        """
         table = state.meta["ranks"]
         if getattr(self, "_rfed", (None,))[0] is not table:
             self._rfed = (table, sorted({int(r) for r in table.values()}))
         return list(self._rfed[1])
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
-        """``subranks``: R_k, the federation's ranks up to the rank the client trains this round (its
-        own, or an elastic rank below it: one of the federation's ranks, nestfed.federation.population)."""
+        """``subranks``: R_k, the federation's ranks up to the rank the client trains this round.
+
+        That rank is its own, or an elastic rank below it (one of the federation's ranks,
+        nestfed.federation.population).
+        """
         return {"subranks": [r for r in self.federation_ranks(state) if r <= rank]}
 
     @property
@@ -114,6 +159,10 @@ class PreLort(LoraStrategy):
         return self.options is not None and self.options.aggregation == "zeropad"
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """:func:`segment_average` of every LoRA matrix over R_fed's segments.
+
+        ZeroPad's mean under ``aggregation = "zeropad"``.
+        """
         if self.zero_padded:
             return ZeroPad(self.s).aggregate(rnd, state, replies)
         new = copy_state(state)
@@ -144,8 +193,10 @@ class PreLort(LoraStrategy):
         return 0 if self.options is None else int(self.options.min_holders)
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
-        """Client ``cid``'s prefix, at most :func:`deploy_cap`'s rank under ``min_holders`` (None:
-        the global adapter at that cap); the scale of the rank deployed."""
+        """Client ``cid``'s prefix, at most :func:`deploy_cap`'s rank under ``min_holders``, at its scale.
+
+        None: the global adapter at that cap.
+        """
         if self.min_holders <= 1:
             return super().deploy(state, cid)
         r = self.s.r_max if cid is None else self.rank_of(state, cid)
@@ -153,10 +204,12 @@ class PreLort(LoraStrategy):
         return truncate_rank(state.arrays, r), self.s.scale(r)
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
-        """The global adapter at r_max, the segments above :func:`deploy_cap`'s rank zeroed under
-        ``min_holders`` (so every prefix a client exports, ``nestfed export --rank``, leaves them
-        out), its function that of :meth:`deploy` for no client (under ``rank`` scaling the kept B
-        columns carry s(cap) / s(r_max))."""
+        """The global adapter at r_max, the segments above :func:`deploy_cap`'s rank zeroed under ``min_holders``.
+
+        So every prefix a client exports (``nestfed export --rank``) leaves them out, its function
+        that of :meth:`deploy` for no client (under ``rank`` scaling the kept B columns carry s(cap)
+        / s(r_max)).
+        """
         arrays, scale = super().export(state)
         if self.min_holders > 1:
             cap = deploy_cap(state.meta["ranks"], self.min_holders)
@@ -170,9 +223,11 @@ class PreLort(LoraStrategy):
         return arrays, scale
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
-        """Rank-aware robust aggregation: one block per rank segment [lo, hi), its members the
-        replying clients with r_k >= hi, its holders every client of the federation with r_k >= hi;
-        the segment's combined update is added to the global segment (docs/trust.md)."""
+        """Rank-aware robust aggregation: one block per rank segment [lo, hi), added to the global segment.
+
+        Its members are the replying clients with r_k >= hi, its holders every client of the
+        federation with r_k >= hi (docs/trust.md).
+        """
         new = copy_state(state)
         n = examples(replies)
         ranks = {c: reply_rank(replies[c]) for c in replies}
@@ -196,8 +251,11 @@ class PreLort(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: each rank row's n_k-weighted mean update over the
-        clients holding it, which is its segment's mean (nestfed.federation.secure_sum)."""
+        """:meth:`aggregate` from secure sums alone: each rank row's n_k-weighted mean update over its holders.
+
+        That is its segment's mean (nestfed.federation.secure_sum), diluted as
+        :func:`segment_weight` says.
+        """
         if self.zero_padded:
             return ZeroPad(self.s).aggregate_secure(rnd, state, secure)
         new = copy_state(state)
@@ -218,9 +276,19 @@ class PreLort(LoraStrategy):
 
 
 def nested_loss(model: torch.nn.Module, batch: Batch, subranks: Sequence[int]) -> float:
-    """PreLort's local objective (arXiv 2606.15963, section 2.2):
-    L_k = 1/|R_k| sum_{r in R_k} CE(f(.; theta, r)), one forward/backward per sub-rank r
-    (each pass's graph is freed before the next). Returns L_k (nats per labelled token)."""
+    """PreLort's local objective (arXiv 2606.15963, section 2.2), backpropagated.
+
+    L_k = 1/|R_k| sum_{r in R_k} CE(f(.; theta, r)), one forward/backward per sub-rank r (each
+    pass's graph is freed before the next).
+
+    Args:
+        model: the backbone with its LoRA layers.
+        batch: one batch.
+        subranks: R_k.
+
+    Returns:
+        L_k in nats per labelled token.
+    """
     ranks = list(subranks)
     total = 0.0
     for r in ranks:
@@ -232,10 +300,25 @@ def nested_loss(model: torch.nn.Module, batch: Batch, subranks: Sequence[int]) -
 
 
 def sampled_subrank(subranks: Sequence[int], seed: int, rnd: int, cid: int, step: int) -> int:
-    """The sub-rank one step of the ``sampled`` objective trains: uniform over R_k = ``subranks``,
-    drawn from the seed rule's stream ``subrank/<step>`` of (seed, round, client), so
-    E_r[CE(f(.; theta, r))] is the nested loss L_k (arXiv 2606.15963, section 2.2) and a resumed run
-    draws the same sub-ranks. Raises ValueError for an empty ``subranks``."""
+    """The sub-rank one step of the ``sampled`` objective trains: uniform over R_k.
+
+    Drawn from the seed rule's stream ``subrank/<step>`` of (seed, round, client), so E_r[CE(f(.;
+    theta, r))] is the nested loss L_k (arXiv 2606.15963, section 2.2) and a resumed run draws the
+    same sub-ranks.
+
+    Args:
+        subranks: R_k.
+        seed: the federation's seed.
+        rnd: the round.
+        cid: the client.
+        step: the local step.
+
+    Returns:
+        The sub-rank.
+
+    Raises:
+        ValueError: for an empty ``subranks``.
+    """
     ranks = list(subranks)
     if not ranks:
         raise ValueError("subranks is empty: a client trains at least its own rank")
@@ -244,17 +327,24 @@ def sampled_subrank(subranks: Sequence[int], seed: int, rnd: int, cid: int, step
 
 
 class PreLortHooks(ClientHooks):
-    """The local objective over the sub-ranks R_k the strategy sends (``subranks``): nested (every
-    sub-rank, :func:`nested_loss`), sampled (one drawn sub-rank per step, :func:`sampled_subrank`)
-    or the plain loss at the client's rank (``full_rank``).
+    """The local objective over the sub-ranks R_k the strategy sends (``subranks``).
+
+    Nested (every sub-rank, :func:`nested_loss`), sampled (one drawn sub-rank per step,
+    :func:`sampled_subrank`) or the plain loss at the client's rank (``full_rank``).
 
     With ``validation_rows`` > 0 (``[prelort] deploy_rank = "validated"``) the client holds that
     many of its training rows out of training (the same rows every round: the seed rule's stream
     ``validation`` of (federation seed, client)), measures the received global adapter's loss on
     them at every r in R_k, keeps the best r (ties: the larger) in its state and runs the deployed
     adapter cut to it (:meth:`evaluation_arrays`, so evaluation and ``nestfed export --client``
-    follow it). The choice never leaves the client. ``rank_scaling``: lora.scaling = "rank"
-    (s = lora_alpha / r), where a cut to r' rescales B by r / r'."""
+    follow it). The choice never leaves the client.
+
+    Args:
+        objective: ``nested``, ``sampled`` or ``full_rank``.
+        validation_rows: rows held out to choose the deploy rank; 0 = none (the client runs r_k).
+        rank_scaling: lora.scaling = "rank" (s = lora_alpha / r), where a cut to r' rescales B by r
+            / r'.
+    """
 
     def __init__(self, objective: str = "nested", validation_rows: int = 0, rank_scaling: bool = False):
         self.objective = objective
@@ -263,8 +353,10 @@ class PreLortHooks(ClientHooks):
         self.keeps_state = validation_rows > 0
 
     def after_load(self, ctx: FitContext, arrays: Arrays) -> dict[str, float]:
-        """Hold the validation rows out and choose the deploy rank on them (class docstring);
-        returns ``deploy_rank`` and ``validation_loss@<r>`` (nats per labelled token)."""
+        """Hold the validation rows out and choose the deploy rank on them (class docstring).
+
+        Returns ``deploy_rank`` and ``validation_loss@<r>`` (nats per labelled token).
+        """
         n = ctx.data.num_examples
         v = min(self.validation_rows, n - 1)
         if v < 1 or "subranks" not in ctx.config:
@@ -292,12 +384,21 @@ class PreLortHooks(ClientHooks):
 
     @staticmethod
     def choose(losses: dict[int, float]) -> int:
-        """The deploy rank from {r: validation loss}: the lowest loss, ties to the larger r."""
+        """The deploy rank: the lowest validation loss, ties to the larger r.
+
+        Args:
+            losses: {r: validation loss}.
+
+        Returns:
+            The rank.
+        """
         return min(losses, key=lambda r: (losses[r], -r))
 
     def evaluation_arrays(self, state: dict[str, Arrays], arrays: Arrays) -> Arrays:
-        """The deployed arrays cut to the client's chosen rank (as deployed when it chose none or
-        a rank at or above theirs)."""
+        """The deployed arrays cut to the client's chosen rank.
+
+        As deployed when it chose none, or a rank at or above theirs.
+        """
         if "deploy" not in state:
             return arrays
         r = int(state["deploy"]["rank"][0])

@@ -21,12 +21,13 @@ nestfed.nn.lora_core.GatedHeads):
   (:class:`RavanOptions`; it must divide r), ``[ravan] lr`` the heads' own learning rate. The
   update is s sum_i g_i B_i H_i A_i with nestfed's LoRA scale s (``lora.scaling``) and the
   paper's s_i called gates g_i.
-- A = [A_1; ...; A_h] [r, in] and B = [B_1, ..., B_h] [out, r] are drawn from the LoRA seed by
-  the server and every client (nestfed.methods.fed_sb.frozen_factors) and never travel; the
-  payload carries the heads (key ``...lora_heads.weight``: H = [H_1; ...; H_h] [r, q]). The gates start at 1 on every
-  client each round and never travel: the reply is the stacked g_i H_i [r, q], the server's
-  H_i^agg = sum_k (n_k / N) g_{i,k} H_{i,k} and the global gates are 1 (as in FedLLM-Factory's
-  RAVAN, which resets the global s_i to 1 after folding them into H_i).
+- A = [A_1; ...; A_h] (shape [r, in]) and B = [B_1, ..., B_h] (shape [out, r]) are drawn from
+  the LoRA seed by the server and every client (nestfed.methods.fed_sb.frozen_factors) and never
+  travel; the payload carries the heads (key ``...lora_heads.weight``: H = [H_1; ...; H_h], shape
+  [r, q]). The gates start at 1 on every client each round and never travel: the reply is the
+  stacked g_i H_i [r, q], the server's H_i^agg = sum_k (n_k / N) g_{i,k} H_{i,k} and the global
+  gates are 1 (as in FedLLM-Factory's RAVAN, which resets the global s_i to 1 after folding them
+  into H_i).
 - *Decision* (initialisation): H_i = 0, so round 1 starts from the backbone; the stacked B has
   orthonormal columns and the stacked A orthonormal rows (seeded QR of Gaussian draws, stream
   ``ravan_init/<module>``, the same on every node), so the heads span mutually orthogonal
@@ -67,10 +68,17 @@ from nestfed.methods.method import lora_method
 
 @dataclass(frozen=True)
 class RavanOptions:
-    """heads: h, the number of heads the LoRA rank r is cut into (>= 1, dividing r; 4 as
-    FedLLM-Factory's default, whose heads each have the full rank r instead); lr: the heads' and
-    scales' own AdamW learning rate on the clients (>= 0; 0 = ``train.lr``; docs/methods.md
-    section 7 on their step size)."""
+    """Options of ``[ravan]``.
+
+    Attributes:
+        heads: h, the number of heads the LoRA rank r is cut into (>= 1, dividing r; 4 as
+            FedLLM-Factory's default, whose heads each have the full rank r instead).
+        lr: the heads' and scales' own AdamW learning rate on the clients (>= 0; 0 = ``train.lr``;
+            docs/methods.md section 7 on their step size).
+
+    Raises:
+        ValueError: for heads < 1 or lr < 0.
+    """
 
     heads: int = 4
     lr: float = 0.0

@@ -18,12 +18,19 @@ from nestfed.methods.implementation import lora_implementation, lora_settings
 
 
 class Ravan(CoreStrategy):
-    """RAVAN: the core is h heads H_i [q, q] (q = r_max / h) stacked row-wise, [r, q], between the
-    stacked frozen factors A = [A_1; ...; A_h] [r, in] and B = [B_1, ..., B_h] [out, r]; a client
-    of rank r_k trains the first r_k / q heads, running the others as a frozen residual; the server
-    averages the replied s_i H_i with n_k weights, heads a client did not train counting at the
-    values it ran (CoreStrategy), and the gates restart at 1 (module docstring of
-    nestfed.methods.ravan)."""
+    """RAVAN's server: the core is h heads H_i [q, q] (q = r_max / h) stacked row-wise, [r, q].
+
+    The heads sit between the stacked frozen factors A = [A_1; ...; A_h] (shape [r, in]) and B =
+    [B_1, ..., B_h] (shape [out, r]); a client of rank r_k trains the first r_k / q heads, running
+    the others as a frozen residual; the server averages the replied s_i H_i with n_k weights, heads
+    a client did not train counting at the values it ran (CoreStrategy), and the gates restart at 1
+    (module docstring of nestfed.methods.ravan).
+
+    Args:
+        settings: the LoRA numbers.
+        options (RavanOptions | None): ``[ravan]``; its ``heads`` is h unless ``heads`` is given.
+        heads: h, overriding the options'.
+    """
 
     name = "ravan"
     kind = "lora_heads"
@@ -34,6 +41,7 @@ class Ravan(CoreStrategy):
         self._heads = heads if heads is not None else options.heads
 
     def heads(self) -> int:
+        """h, the heads the rank is cut into."""
         return self._heads
 
 

@@ -17,6 +17,7 @@ class ZeroPad(LoraStrategy):
     name = "zeropad"
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """Every LoRA matrix the n_k-weighted mean of the clients', zero-padded to r_max."""
         new = copy_state(state)
         n = examples(replies)
         cids = sorted(replies)
@@ -27,8 +28,10 @@ class ZeroPad(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: (G C + S) / N per rank row, the padded parameter
-        mean (nestfed.federation.secure_sum)."""
+        """:meth:`aggregate` from secure sums alone: (G C + S) / N per rank row.
+
+        The padded parameter mean (nestfed.federation.secure_sum).
+        """
         new = copy_state(state)
         for key, s in secure.sums.items():
             new.arrays[key] = padded_mean(state.arrays[key], s, secure.counts, rank_dim(key))
