@@ -33,6 +33,8 @@ def test_the_docs_site_builds_strictly(tmp_path):
         assert (tmp_path / "site" / f"{page}.html").is_file(), page
     reference = (tmp_path / "site" / "reference" / "index.html").read_text()
     assert "RoundLoop" in reference and "NodeStateStore" in reference  # rendered from the docstrings
+    for section in ("Parameters", "Returns", "Raises"):  # Google-style sections rendered as tables
+        assert f'<span class="doc-section-title">{section}:</span>' in reference, section
 
 
 def test_the_readme_links_only_to_pages_that_exist():

@@ -18,9 +18,14 @@ class UpdateRejected(NestfedError):
 
 
 class RunFailed(NestfedError):
-    """A run stopped because its global model was destroyed or nothing has aggregated for too long:
-    ``round`` is the round at fault. summary.json records ``outcome = "failed"`` and the reason; no
-    adapter is exported."""
+    """A run stopped: its global model was destroyed, or nothing has aggregated for too long.
+
+    summary.json records ``outcome = "failed"`` and the reason; no adapter is exported.
+
+    Args:
+        message: the reason, naming what failed.
+        round: the round at fault (kept as the ``round`` attribute).
+    """
 
     def __init__(self, message: str, round: int):
         super().__init__(message)

@@ -19,11 +19,19 @@ import numpy as np
 
 
 def stream_seed(seed: int, rnd: int, client: int, stream: str) -> int:
-    """A deterministic seed in [0, 2**63) for one random choice.
+    """Derive the deterministic seed of one random choice.
 
-    seed: the run's seed (``federation.seed``, ``lora.init_seed``, ...); rnd: the round (1-based;
-    0 = before the first round); client: the client id (0 for server-side choices); stream: what
-    the numbers are for. Raises ValueError for a negative seed, round or client.
+    Args:
+        seed: the run's seed (``federation.seed``, ``lora.init_seed``, ...).
+        rnd: the round, 1-based; 0 = before the first round.
+        client: the client id; 0 for server-side choices.
+        stream: what the numbers are for (``"batches"``, ``"lora_init/<module>"``, ...).
+
+    Returns:
+        A seed in [0, 2**63).
+
+    Raises:
+        ValueError: for a negative seed, round or client.
     """
     parts = (int(seed), int(rnd), int(client))
     if min(parts) < 0:

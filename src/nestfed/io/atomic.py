@@ -26,7 +26,11 @@ from safetensors.torch import save as st_save
 
 
 def current_umask() -> int:
-    """The process's umask (read by setting and restoring it; e.g. 0o022)."""
+    """Read the process's umask (by setting and restoring it).
+
+    Returns:
+        The umask, e.g. 0o022.
+    """
     mask = os.umask(0)
     os.umask(mask)
     return mask
@@ -46,9 +50,17 @@ def _fsync_dir(folder: Path) -> None:
 
 
 def write_bytes(path: str | Path, data: bytes) -> Path:
-    """Write ``data`` to ``path`` atomically and durably, mode 0666 & ~umask; create parent folders.
+    """Write bytes to a file atomically and durably, mode 0666 & ~umask, creating parent folders.
 
-    Raises OSError from the file system (the temporary file is removed first).
+    Args:
+        path: the target file; replaced whole, or left as it was on a failure.
+        data: the file's contents.
+
+    Returns:
+        ``path``, as a Path.
+
+    Raises:
+        OSError: from the file system (the temporary file is removed first).
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -68,28 +80,73 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    """:func:`write_bytes` of ``text`` encoded as UTF-8."""
+    """Write text, encoded as UTF-8, atomically (:func:`write_bytes`).
+
+    Args:
+        path: the target file.
+        text: the file's contents.
+
+    Returns:
+        ``path``, as a Path.
+
+    Raises:
+        OSError: from the file system.
+    """
     return write_bytes(path, text.encode("utf-8"))
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
-    """:func:`write_text` of ``obj`` as indented JSON. Raises TypeError for what JSON cannot hold."""
+    """Write an object as indented JSON atomically (:func:`write_text`).
+
+    Args:
+        path: the target file.
+        obj: what to write (dicts, lists, strings, numbers, booleans, None).
+
+    Returns:
+        ``path``, as a Path.
+
+    Raises:
+        TypeError: for what JSON cannot hold.
+        OSError: from the file system.
+    """
     return write_text(path, json.dumps(obj, indent=2) + "\n")
 
 
 def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
-    """Write ``{name: tensor}`` (any shapes and dtypes, moved to CPU) as a safetensors file with
-    string ``metadata``, atomically (:func:`write_bytes`). Raises what safetensors raises for
-    unsupported tensors, and OSError."""
+    """Write tensors as a safetensors file, atomically (:func:`write_bytes`).
+
+    Args:
+        path: the target file.
+        tensors: ``{name: tensor}``, any shapes and dtypes (moved to the CPU).
+        metadata: string metadata stored in the file's header; none when None.
+
+    Returns:
+        ``path``, as a Path.
+
+    Raises:
+        Exception: what safetensors raises for unsupported tensors.
+        OSError: from the file system.
+    """
     data = st_save({k: v.detach().contiguous().cpu() for k, v in tensors.items()}, metadata=metadata)
     return write_bytes(path, data)
 
 
 def write_dir(path: str | Path, build: Callable[[Path], None]) -> Path:
-    """Create the directory ``path`` atomically: ``build(tmp)`` fills a fresh folder beside it,
-    which is then renamed into place (an existing ``path`` is replaced: moved aside, then removed).
-    The folder gets mode 0777 & ~umask and its files 0666 & ~umask. Raises what ``build`` raises,
-    after removing the folder."""
+    """Create a directory atomically: build it beside its target, then rename it into place.
+
+    An existing ``path`` is replaced (moved aside, then removed). The folder gets mode 0777 & ~umask
+    and its files 0666 & ~umask.
+
+    Args:
+        path: the directory to create or replace.
+        build: called as ``build(tmp)`` to fill a fresh folder beside ``path``.
+
+    Returns:
+        ``path``, as a Path.
+
+    Raises:
+        Exception: what ``build`` raises, after removing the folder.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}-", suffix=".tmp", dir=path.parent))
@@ -116,8 +173,17 @@ def write_dir(path: str | Path, build: Callable[[Path], None]) -> Path:
 
 
 def append_line(path: str | Path, line: str) -> None:
-    """Append one line (a newline is added) to ``path`` and fsync it. A crash mid-append can leave
-    a torn last line (no trailing newline): readers must drop it. Raises OSError."""
+    """Append one line to a file and fsync it.
+
+    A crash mid-append can leave a torn last line (no trailing newline): readers must drop it.
+
+    Args:
+        path: the file appended to (created when missing).
+        line: the line; a newline is added.
+
+    Raises:
+        OSError: from the file system.
+    """
     path = Path(path)
     with open(path, "a", encoding="utf-8") as f:
         f.write(line.rstrip("\n") + "\n")

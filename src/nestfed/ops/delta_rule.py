@@ -105,26 +105,28 @@ def delta_rule_recurrent(
     output_final_state: bool = True,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The delta rule token by token: the reference (and the inference form, O(1) memory
-    without autograd).
+    """The delta rule token by token: the reference, and the inference form (O(1) memory).
 
     S_t = S_{t-1} + beta_t k_t (v_t - S_{t-1}^T k_t)^T,  o_t = scale * S_t^T q_t
     (Schlag et al. 2021; Yang et al. 2024, eq. 1), S_0 = ``initial_state`` or zeros.
 
+    The loop splits the sequence once with ``unbind`` (indexing ``x[:, t]`` in the loop makes
+    backward O(T^2)). Without autograd it holds one state; under autograd it keeps one K x V state
+    per token for backward (T * B * H * K * V elements): use :func:`delta_rule_chunkwise` to train.
+
     Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (dimensionless, in (0, 1)).
-        scale: read-out scale (dimensionless).
-        initial_state: [B, H, K, V] or None (zeros).
+        q: [B, T, H, K] queries.
+        k: [B, T, H, K] keys.
+        v: [B, T, H, V] values.
+        beta: [B, T, H] write strengths, dimensionless, in (0, 1).
+        scale: read-out scale, dimensionless.
+        initial_state: [B, H, K, V] S_0; zeros when None.
         output_final_state: return S_T when True, else None.
         chunk_size: ignored; accepted so that the three forms share one signature.
 
     Returns:
-        (o [B, T, H, V] in the input dtype, final_state [B, H, K, V] in the compute dtype or
-        None).
-
-    The loop splits the sequence once with ``unbind`` (indexing ``x[:, t]`` in the loop makes
-    backward O(T^2)). Under autograd it keeps one K x V state per token for backward
-    (T * B * H * K * V elements): use :func:`delta_rule_chunkwise` to train.
+        The output o [B, T, H, V] in the input dtype, and final_state [B, H, K, V] in the compute
+        dtype (None unless ``output_final_state``).
 
     Raises:
         ValueError: on a shape, dtype or chunk_size mismatch, naming the argument.
@@ -373,18 +375,6 @@ def delta_rule_chunkwise(
     beta = 0 (a padded token writes nothing), and the output is sliced back to T.
     Differentiable w.r.t. q, k, v, beta and initial_state.
 
-    Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (dimensionless, in (0, 1)).
-        scale: read-out scale (dimensionless).
-        initial_state: [B, H, K, V] or None (zeros).
-        output_final_state: return S_T when True, else None.
-        chunk_size: C, tokens per chunk (on a 2-core AVX2 CPU at K = V = 64, C = 32 is the
-            fastest, about 1.2x faster than 64; see bench/perf/delta_rule.py).
-
-    Returns:
-        (o [B, T, H, V] in the input dtype, final_state [B, H, K, V] in the compute dtype or
-        None).
-
     Memory kept for backward, in compute-dtype elements per (batch, head), with T' = T rounded
     up to a multiple of C: [W; Q] (2 T' K), K (T' K), V (T' V), beta (T'), K K^T, tril(Q K^T)
     and T_c (3 T' C), [U; -Q S] (2 T' V), and one state per chunk boundary ((T' / C + 1) K V).
@@ -392,6 +382,21 @@ def delta_rule_chunkwise(
     610 elements (2.4 KB in fp32) per token and head, against about 4,400 (one K x V state per
     token plus its inputs) for autograd through the recurrence; bench/perf/delta_rule.py measures
     both. (flash-linear-attention goes further and recomputes the chunk states in backward.)
+
+    Args:
+        q: [B, T, H, K] queries.
+        k: [B, T, H, K] keys.
+        v: [B, T, H, V] values.
+        beta: [B, T, H] write strengths, dimensionless, in (0, 1).
+        scale: read-out scale, dimensionless.
+        initial_state: [B, H, K, V] S_0; zeros when None.
+        output_final_state: return S_T when True, else None.
+        chunk_size: C, tokens per chunk (on a 2-core AVX2 CPU at K = V = 64, C = 32 is the
+            fastest, about 1.2x faster than 64; see bench/perf/delta_rule.py).
+
+    Returns:
+        The output o [B, T, H, V] in the input dtype, and final_state [B, H, K, V] in the compute
+        dtype (None unless ``output_final_state``).
 
     Raises:
         ValueError: on a shape, dtype or chunk_size mismatch, naming the argument.
@@ -427,25 +432,28 @@ def delta_rule(
     output_final_state: bool = True,
     chunk_size: int = 64,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The delta rule (Schlag et al. 2021; Yang et al. 2024, WY representation), dispatched to
-    the fastest implementation available.
+    """The delta rule, dispatched to the fastest implementation available.
 
-    On CUDA with bf16/fp16 inputs, when flash-linear-attention (``pip install fla-core``)
-    imports, calls its Triton kernel ``fla.ops.delta_rule.chunk_delta_rule`` (layout
-    [B, T, H, K], chunk size fixed at 64 by the kernel, so ``chunk_size`` is ignored there;
-    fp32 is refused by that kernel). Otherwise (CPU, fp32/fp64, or fla absent) calls
-    :func:`delta_rule_chunkwise`. fla is imported lazily and its absence is never an error.
+    Schlag et al. 2021; Yang et al. 2024, WY representation. On CUDA with bf16/fp16 inputs, when
+    flash-linear-attention (``pip install fla-core``) imports, calls its Triton kernel
+    ``fla.ops.delta_rule.chunk_delta_rule`` (layout [B, T, H, K], chunk size fixed at 64 by the
+    kernel, so ``chunk_size`` is ignored there; fp32 is refused by that kernel). Otherwise (CPU,
+    fp32/fp64, or fla absent) calls :func:`delta_rule_chunkwise`. fla is imported lazily and its
+    absence is never an error.
 
     Args:
-        q, k: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H] (dimensionless, in (0, 1)).
-        scale: read-out scale (dimensionless).
-        initial_state: [B, H, K, V] or None (zeros).
+        q: [B, T, H, K] queries.
+        k: [B, T, H, K] keys.
+        v: [B, T, H, V] values.
+        beta: [B, T, H] write strengths, dimensionless, in (0, 1).
+        scale: read-out scale, dimensionless.
+        initial_state: [B, H, K, V] S_0; zeros when None.
         output_final_state: return S_T when True, else None.
         chunk_size: tokens per chunk for the PyTorch path.
 
     Returns:
-        (o [B, T, H, V] in the input dtype, final_state [B, H, K, V] (fp32 for half inputs) or
-        None).
+        The output o [B, T, H, V] in the input dtype, and final_state [B, H, K, V] (fp32 for half
+        inputs; None unless ``output_final_state``).
 
     Raises:
         ValueError: on a shape, dtype or chunk_size mismatch, naming the argument.
