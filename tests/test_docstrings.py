@@ -15,9 +15,10 @@ and public method (names without a leading underscore, in public classes) of a c
 - dataclasses and NamedTuples list every public field under ``Attributes:``;
 - griffe's own warnings (a malformed section, an unknown parameter) fail too.
 
-A public method overriding a method of a base class whose docstring has an ``Args:`` section needs
-only its summary (the base documents the parameters). To cover a package or module, add its dotted
-name to COVERED.
+A public method overriding a method of a base class that documents it (an ``Args:`` section, or
+no parameter but self) needs only its summary (the base documents parameters and return).
+
+To cover a package or module, add its dotted name to COVERED.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 COVERED = [  # dotted names; a package covers its modules
     "nestfed.errors",
     "nestfed.io",
+    "nestfed.nn",
     "nestfed.ops",
     "nestfed.seeds",
 ]
@@ -145,10 +147,11 @@ class Checker:
         is_property = any("property" in label for label in func.labels)
         if is_property:
             return problems
-        if not (cls is not None and self.overrides_documented(cls, func.name)):
-            problems += self.args_problems(func, params)
-        elif self.names(func, Kind.parameters) is not None:
-            problems += self.args_problems(func, params)
+        if cls is not None and self.overrides_documented(cls, func.name):  # the base documents it
+            if self.names(func, Kind.parameters) is not None:
+                problems += self.args_problems(func, params)
+            return problems
+        problems += self.args_problems(func, params)
         has_returns = self.names(func, Kind.returns) is not None or self.names(func, Kind.yields) is not None
         returns = self.returns_value(func)
         if returns and not has_returns:
@@ -181,7 +184,8 @@ class Checker:
         return False
 
     def overrides_documented(self, cls, name: str) -> bool:
-        """Whether a base class of cls (transitively) has a method `name` whose docstring has Args."""
+        """Whether a base class of cls (transitively) documents a method `name`: its docstring has an
+        Args section, or it takes no parameter but self."""
         seen: set[str] = set()
         stack = list(self.bases(cls))
         while stack:
@@ -190,8 +194,8 @@ class Checker:
                 continue
             seen.add(base.path)
             member = base.members.get(name)
-            if member is not None and not member.is_alias and member.docstring:
-                if self.names(member, Kind.parameters) is not None:
+            if member is not None and not member.is_alias and member.is_function and member.docstring:
+                if self.names(member, Kind.parameters) is not None or len(member.parameters) <= 1:
                     return True
             stack.extend(self.bases(base))
         return False
@@ -334,6 +338,14 @@ class Base:
             value: the value.
         """
 
+    def count(self) -> int:
+        """Count.
+
+        Returns:
+            The count.
+        """
+        return 1
+
 
 class Child(Base):
     """A child, built from a size.
@@ -349,6 +361,10 @@ class Child(Base):
     def hook(self, value: int) -> None:
         """Use the value the child's way."""
 
+    def count(self) -> int:
+        """Count the child's way."""
+        return 2
+
     def own(self, value: int) -> int:
         """Its own method."""
         return value
@@ -362,7 +378,8 @@ def test_the_checker_finds_each_kind_of_problem(tmp_path, checker):
     by_name: dict[str, list[str]] = {}
     for p in problems:
         by_name.setdefault(p.split(" ")[0], []).append(p)
-    assert "broken.documented" not in by_name and "broken.Child.hook" not in by_name and "broken.Base" not in by_name
+    for documented in ("broken.documented", "broken.Base", "broken.Child.hook", "broken.Child.count"):
+        assert documented not in by_name, by_name[documented]
     assert len(by_name["broken.no_args"]) == 3  # summary, Args, Returns
     assert "add an `Args:` section naming x, y" in by_name["broken.no_args"][1]
     assert "add a `Returns:`" in by_name["broken.no_args"][2]

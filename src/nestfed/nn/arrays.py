@@ -22,10 +22,19 @@ Arrays = dict[str, torch.Tensor]
 
 
 def extra_parameters(model: nn.Module, arrays: Arrays) -> dict[str, nn.Parameter]:
-    """The payload keys that name a plain model parameter (not a LoRA matrix or residual factor).
+    """Find the payload keys that name a plain model parameter (not a LoRA matrix or residual factor).
 
     Key ``base_model.model.<parameter path>`` names ``model.get_parameter(<parameter path>)``.
-    Raises KeyError for a key that names neither a LoRA layer nor a parameter.
+
+    Args:
+        model: the model the payload is for.
+        arrays: the payload, ``{key: tensor}`` (nestfed.nn.keys).
+
+    Returns:
+        ``{key: parameter}`` for every key that is not a LoRA layer's.
+
+    Raises:
+        KeyError: for a key that names neither a LoRA layer nor a parameter.
     """
     modules = lora_modules(model)
     out = {}
@@ -46,11 +55,19 @@ def extra_parameters(model: nn.Module, arrays: Arrays) -> dict[str, nn.Parameter
 
 
 def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
-    """Load a payload into the model (see the module docstring); every LoRA layer's scale becomes
-    ``scaling`` (s). lora_A: [r, in], lora_B: [out, r], merged_A: [R, in], merged_B: [out, R],
-    lora_core / lora_heads: [r, q] (nestfed.nn.lora_core).
+    """Load a payload into the model (see the module docstring).
 
-    Raises KeyError for a key that names nothing, ValueError for a shape mismatch.
+    Shapes: lora_A [r, in], lora_B [out, r], merged_A [R, in], merged_B [out, R], lora_core /
+    lora_heads [r, q] (nestfed.nn.lora_core).
+
+    Args:
+        model: the model with LoRA layers.
+        arrays: the payload, ``{key: tensor}`` (nestfed.nn.keys).
+        scaling: every LoRA layer's scale s.
+
+    Raises:
+        KeyError: for a key that names nothing.
+        ValueError: for a shape mismatch.
     """
     extras = extra_parameters(model, arrays)
     for name, m in lora_modules(model).items():
@@ -71,9 +88,18 @@ def apply_arrays(model: nn.Module, arrays: Arrays, scaling: float) -> None:
 
 
 def lora_parameters(model: nn.Module, train_a: bool = True) -> list[nn.Parameter]:
-    """The LoRA parameters to train, layer by layer: [A, B] of every layer of rank > 0 (only B
-    when ``train_a`` is False); a layer with a core trains only its core's parameters (A and B
-    frozen). Switches requires_grad on for them (off for the frozen ones)."""
+    """Select the LoRA parameters to train, layer by layer, switching requires_grad to match.
+
+    A layer with a core trains only its core's parameters (A and B frozen); requires_grad is on for
+    the returned parameters, off for the frozen ones.
+
+    Args:
+        model: the model with LoRA layers.
+        train_a: train A and B when True, only B when False.
+
+    Returns:
+        [A, B] (or [B]) of every layer of rank > 0, or its core's parameters.
+    """
     params = []
     for m in lora_modules(model).values():
         if m.rank == 0:
@@ -92,9 +118,16 @@ def lora_parameters(model: nn.Module, train_a: bool = True) -> list[nn.Parameter
 
 
 def lora_arrays(model: nn.Module, with_a: bool = True) -> Arrays:
-    """The adapter as loaded now, PEFT-keyed detached copies: A [r, in] (when ``with_a``) and
-    B [out, r] of every layer of rank > 0; for a layer with a core only the core's reply
-    [r, q] (its frozen A and B never travel back)."""
+    """Read the adapter as loaded now, as PEFT-keyed detached copies.
+
+    Args:
+        model: the model with LoRA layers.
+        with_a: include every layer's A when True.
+
+    Returns:
+        A [r, in] (when ``with_a``) and B [out, r] of every layer of rank > 0; for a layer with a
+        core only the core's reply [r, q] (its frozen A and B never travel back).
+    """
     out = {}
     for name, m in lora_modules(model).items():
         if m.rank == 0:

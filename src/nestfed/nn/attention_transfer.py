@@ -34,10 +34,13 @@ from nestfed.nn.memory import memory_knocked_out, memory_rules
 class LayerRecord:
     """What one memory layer receives and must give back over the transfer rows.
 
-    hidden: the layer's attention input [N, T, hidden]; target: the full-attention output of its
-    attention module [N, T, hidden] (after o_proj); position_embeddings: RoPE (cos, sin), each
-    [1, T, D] (every row has positions 0..T-1); attention_mask: what the decoder layer handed its
-    attention for the first batch (None for SDPA's implicit causal mask)."""
+    Attributes:
+        hidden: the layer's attention input [N, T, hidden].
+        target: the full-attention output of its attention module [N, T, hidden] (after o_proj).
+        position_embeddings: RoPE (cos, sin), each [1, T, D] (every row has positions 0..T-1).
+        attention_mask: what the decoder layer handed its attention for the first batch (None for
+            SDPA's implicit causal mask).
+    """
 
     hidden: torch.Tensor
     target: torch.Tensor
@@ -47,8 +50,15 @@ class LayerRecord:
 
 @dataclass
 class TransferFacts:
-    """What a fit did. steps, rows, tokens (rows x length, each seen once per epoch), seconds;
-    rel_mse: {layer: {"window": the window alone, "start": the memory before, "end": after}}."""
+    """What a fit did.
+
+    Attributes:
+        steps: optimiser steps taken.
+        rows: transfer rows.
+        tokens: rows x length, each seen once per epoch.
+        seconds: wall time of the fit, measurements included.
+        rel_mse: ``{layer: {"window": the window alone, "start": the memory before, "end": after}}``.
+    """
 
     steps: int
     rows: int
@@ -59,8 +69,16 @@ class TransferFacts:
 
 @contextmanager
 def full_attention(model: nn.Module) -> Iterator[None]:
-    """Within the block every bounded layer computes the backbone's full attention: no window, no
-    sinks, no memory (the teacher). Restores every bound and memory switch afterwards."""
+    """Compute the backbone's full attention in every bounded layer within the block (the teacher).
+
+    No window, no sinks, no memory; every bound and memory switch is restored afterwards.
+
+    Args:
+        model: the backbone with bounded layers.
+
+    Yields:
+        Nothing.
+    """
     bounds = bounded_layers(model)
     rules = memory_rules(model)
     saved = {i: (b.window, b.sink, b.fixed) for i, b in bounds.items()}
@@ -80,9 +98,20 @@ def full_attention(model: nn.Module) -> Iterator[None]:
 
 @torch.no_grad()
 def record_layers(model: nn.Module, layers: list[int], input_ids: torch.Tensor, batch: int) -> dict[int, LayerRecord]:
-    """Run the model with full attention (:func:`full_attention`) over input_ids [N, T] in batches
-    and record, for each decoder layer in ``layers``, its attention's input and output
-    (:class:`LayerRecord`). Raises ValueError for a layer without attention."""
+    """Record the attention input and output of some decoder layers under full attention.
+
+    Args:
+        model: the backbone (run under :func:`full_attention`).
+        layers: the decoder layers to record.
+        input_ids: [N, T] the transfer rows.
+        batch: rows per forward.
+
+    Returns:
+        ``{layer: record}`` (:class:`LayerRecord`).
+
+    Raises:
+        ValueError: for a layer without attention.
+    """
     attns = attention_modules(model)
     seen: dict[int, dict[str, list]] = {i: {"h": [], "y": [], "pe": None, "mask": None} for i in layers}
     hooks = []
@@ -135,7 +164,16 @@ def _rel_mse(y: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def relative_errors(model: nn.Module, records: dict[int, LayerRecord], batch: int) -> dict[int, float]:
-    """{layer: rel_mse of the layer as installed now against its record's full-attention target}."""
+    """Measure each recorded layer as installed now against its full-attention target.
+
+    Args:
+        model: the backbone.
+        records: ``{layer: record}`` from :func:`record_layers`.
+        batch: rows per forward.
+
+    Returns:
+        ``{layer: rel_mse}``.
+    """
     attns = attention_modules(model)
     out = {}
     for i, rec in records.items():
@@ -152,12 +190,24 @@ def relative_errors(model: nn.Module, records: dict[int, LayerRecord], batch: in
 def transfer_memory(
     model: nn.Module, records: dict[int, LayerRecord], steps: int, lr: float, batch: int, seed: int = 0
 ) -> TransferFacts:
-    """Fit the memory rules of the recorded layers (each layer on its own inputs, one AdamW group
-    at ``lr``, no weight decay, gradient norm clipped at 1) for ``steps`` steps of ``batch`` rows
-    drawn in a seeded order, minimising the sum over layers of rel_mse; the memories must be
-    installed and enabled. Returns the facts (the window alone, start and end per layer).
+    """Fit the memory rules of the recorded layers, minimising the sum over layers of rel_mse.
 
-    Raises ValueError when a recorded layer has no memory.
+    Each layer trains on its own inputs, in one AdamW group, no weight decay, gradient norm clipped
+    at 1; the memories must be installed and enabled.
+
+    Args:
+        model: the backbone with its memories.
+        records: ``{layer: record}`` from :func:`record_layers`.
+        steps: optimiser steps.
+        lr: AdamW's learning rate.
+        batch: rows per step, drawn in a seeded order.
+        seed: the order's seed.
+
+    Returns:
+        The facts: the window alone, start and end per layer.
+
+    Raises:
+        ValueError: when a recorded layer has no memory.
     """
     attns, rules = attention_modules(model), memory_rules(model)
     missing = [i for i in records if i not in rules]

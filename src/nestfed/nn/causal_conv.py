@@ -20,17 +20,34 @@ from torch.nn import functional as F
 
 
 def identity_taps(channels: int, size: int) -> torch.Tensor:
-    """The identity kernel [channels, size]: weight[:, -1] = 1, every other tap 0."""
+    """Build the identity kernel: weight[:, -1] = 1, every other tap 0.
+
+    Args:
+        channels: C, the channels.
+        size: K, the taps per channel.
+
+    Returns:
+        The kernel [channels, size], float32.
+    """
     w = torch.zeros(channels, size)
     w[:, -1] = 1.0
     return w
 
 
 def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None = None) -> torch.Tensor:
-    """y [B, T, C] from x [B, T, C] and weight [C, K] (module docstring); tail: up to K - 1 inputs
-    [B, n, C] that precede x (a stream's previous chunk), zeros where there are fewer.
+    """Convolve each channel causally over time with its own kernel (the module docstring's y).
 
-    Raises ValueError when x's channels differ from weight's.
+    Args:
+        x: [B, T, C] inputs.
+        weight: [C, K] kernels, one per channel.
+        tail: [B, n, C] up to K - 1 inputs that precede x (a stream's previous chunk); zeros where
+            there are fewer, or when None.
+
+    Returns:
+        y [B, T, C], in x's dtype.
+
+    Raises:
+        ValueError: when x's channels differ from weight's.
     """
     B, T, C = x.shape
     if weight.shape[0] != C:
@@ -45,7 +62,15 @@ def causal_conv(x: torch.Tensor, weight: torch.Tensor, tail: torch.Tensor | None
 
 
 def next_tail(x: torch.Tensor, tail: torch.Tensor | None, size: int) -> torch.Tensor:
-    """The last ``size - 1`` inputs after x [B, T, C] (with the previous ``tail`` before it),
-    detached: what a stream carries to its next chunk ([B, min(size - 1, n + T), C])."""
+    """Keep the inputs a stream carries to its next chunk (detached).
+
+    Args:
+        x: [B, T, C] this chunk's inputs.
+        tail: [B, n, C] the previous tail, which precedes x; none when None.
+        size: K, the kernel's taps.
+
+    Returns:
+        The last ``size - 1`` inputs, [B, min(size - 1, n + T), C].
+    """
     x = x.detach() if tail is None else torch.cat([tail, x.detach()], dim=1)
     return x[:, x.shape[1] - min(size - 1, x.shape[1]) :]

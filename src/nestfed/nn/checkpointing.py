@@ -16,11 +16,16 @@ from nestfed.errors import ConfigError
 
 
 def enable_activation_checkpointing(model: nn.Module) -> None:
-    """Checkpoint every decoder layer of ``model`` (a transformers ``PreTrainedModel``) with the
-    non-reentrant ``torch.utils.checkpoint``: peak activation memory falls from every layer's
-    saved tensors to one layer's plus each layer's input [B, T, d]; gradients are unchanged.
+    """Checkpoint every decoder layer with the non-reentrant ``torch.utils.checkpoint``.
 
-    Raises ConfigError naming the model class when it does not support checkpointing.
+    Peak activation memory falls from every layer's saved tensors to one layer's plus each layer's
+    input [B, T, d]; gradients are unchanged.
+
+    Args:
+        model: a transformers ``PreTrainedModel``.
+
+    Raises:
+        ConfigError: naming the model class when it does not support checkpointing.
     """
     if not getattr(model, "supports_gradient_checkpointing", False):
         raise ConfigError(

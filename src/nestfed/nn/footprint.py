@@ -39,9 +39,17 @@ from nestfed.nn.quantization import quantization_state_bytes
 
 
 def weight_bytes(model: nn.Module) -> int:
-    """W: bytes of the model's parameters and buffers, LoRA matrices excluded, each storage once;
-    for a quantised backbone the packed weights at their integer dtype plus the quantisation state
-    beside them (nestfed.nn.quantization.quantization_state_bytes)."""
+    """Measure W, the bytes of the model's parameters and buffers, LoRA matrices excluded.
+
+    Each storage counts once; for a quantised backbone the packed weights count at their integer
+    dtype, plus the quantisation state beside them (nestfed.nn.quantization.quantization_state_bytes).
+
+    Args:
+        model: the backbone, LoRA injected or not.
+
+    Returns:
+        W, in bytes.
+    """
     seen, total = set(), quantization_state_bytes(model)
     for name, t in list(model.named_parameters()) + list(model.named_buffers()):
         if ".lora_" in name:
@@ -54,9 +62,22 @@ def weight_bytes(model: nn.Module) -> int:
 
 
 def saved_bytes(model: nn.Module, batch: int, tokens: int, start: int, rank: int, seed: int = 0) -> int:
-    """S(rank): bytes autograd saves during one training forward of a random batch [batch, tokens]
-    entering decoder layer ``start`` (token ids when 0), every LoRA layer at sub-rank ``rank`` and
-    trainable. The model's parameters keep their requires_grad flags afterwards."""
+    """Measure S(rank), the bytes autograd saves during one training forward of a random batch.
+
+    Every LoRA layer runs at sub-rank ``rank`` and trainable; the model's parameters keep their
+    requires_grad flags afterwards.
+
+    Args:
+        model: the backbone with LoRA layers.
+        batch: rows of the random batch.
+        tokens: tokens per row.
+        start: the decoder layer the batch enters (random hidden states), or 0 for token ids.
+        rank: the sub-rank of every LoRA layer.
+        seed: the random batch's seed.
+
+    Returns:
+        S(rank), in bytes (storages counted once, parameters and buffers excluded).
+    """
     modules = lora_modules(model)
     params = [p for m in modules.values() for p in (m.lora_A.weight, m.lora_B.weight)]
     flags = [p.requires_grad for p in params]
@@ -95,10 +116,15 @@ def saved_bytes(model: nn.Module, batch: int, tokens: int, start: int, rank: int
 
 @dataclass(frozen=True)
 class Footprint:
-    """bytes(r) = weights + 16 * per_rank * r + saved_at_1 + saved_slope * (r - 1) (module docstring).
+    """A client's training footprint at any rank (the module docstring).
 
-    weights: W; per_rank: trainable parameters per unit of rank, sum of (in + out) over the LoRA
-    layers; saved_at_1, saved_slope: S(1) and (S(r_max) - S(1)) / (r_max - 1).
+    bytes(r) = weights + 16 * per_rank * r + saved_at_1 + saved_slope * (r - 1).
+
+    Attributes:
+        weights: W, bytes.
+        per_rank: trainable parameters per unit of rank, the sum of (in + out) over the LoRA layers.
+        saved_at_1: S(1), bytes.
+        saved_slope: (S(r_max) - S(1)) / (r_max - 1), bytes per unit of rank.
     """
 
     weights: int
@@ -108,8 +134,20 @@ class Footprint:
 
     @classmethod
     def measure(cls, model: nn.Module, train: TrainConfig, block_size: int, start: int) -> Footprint:
-        """The footprint of ``model`` (LoRA injected at r_max) for the configured step: probes at
-        ranks 1 and r_max (:func:`saved_bytes`). Raises ValueError for a model without LoRA layers."""
+        """Measure the footprint of a model for the configured step: probes at ranks 1 and r_max.
+
+        Args:
+            model: the backbone, LoRA injected at r_max.
+            train: the step's shape (``batch_size``, ``micro_batch_size``).
+            block_size: tokens per row (``data.block_size``).
+            start: the first adapted decoder layer when the frozen prefix is cached, else 0.
+
+        Returns:
+            The footprint (:func:`saved_bytes` at ranks 1 and r_max).
+
+        Raises:
+            ValueError: for a model without LoRA layers.
+        """
         modules = lora_modules(model)
         if not modules:
             raise ValueError("the model has no LoRA layers to size")
@@ -121,11 +159,28 @@ class Footprint:
         return cls(weight_bytes(model), per_rank, lo, (hi - lo) / (r_max - 1) if r_max > 1 else 0.0)
 
     def bytes(self, rank: int) -> int:
-        """The footprint at rank ``rank`` (bytes). Raises ValueError for rank < 1."""
+        """Evaluate the footprint at a rank.
+
+        Args:
+            rank: the LoRA rank r.
+
+        Returns:
+            bytes(r).
+
+        Raises:
+            ValueError: for rank < 1.
+        """
         if rank < 1:
             raise ValueError(f"rank must be >= 1, got {rank}")
         return int(self.weights + 16 * self.per_rank * rank + self.saved_at_1 + self.saved_slope * (rank - 1))
 
     def describe(self, ranks: list[int]) -> dict[str, float]:
-        """{str(rank): MiB} for a report."""
+        """Tabulate the footprint at some ranks, for a report.
+
+        Args:
+            ranks: the ranks.
+
+        Returns:
+            ``{str(rank): MiB}``.
+        """
         return {str(r): self.bytes(r) / 2**20 for r in ranks}

@@ -29,7 +29,14 @@ from nestfed.nn.placement import autocast, to_model
 
 
 def first_adapted_layer(model: nn.Module) -> int:
-    """Index of the lowest decoder layer that holds a LoRA layer (0 when none or non-layered)."""
+    """Find the lowest decoder layer that holds a LoRA layer.
+
+    Args:
+        model: the backbone.
+
+    Returns:
+        Its index; 0 when there is none or a LoRA layer sits outside the decoder layers.
+    """
     idx = []
     for name in lora_modules(model):
         i = layer_of(name)
@@ -51,9 +58,16 @@ def _run_layers(model: nn.Module, hidden: torch.Tensor, start: int, stop: int) -
 
 
 def labelled_length(labels: torch.Tensor) -> torch.Tensor:
-    """Per row of labels [N, T] (-100 = no loss): the positions its loss depends on, up to and
-    including its last labelled token ([N], tokens; 0 for a row without labels). A causal
-    model's outputs there never depend on the positions after them."""
+    """Count, per row, the positions its loss depends on: up to and including its last labelled token.
+
+    A causal model's outputs there never depend on the positions after them.
+
+    Args:
+        labels: [N, T] labels, -100 = no loss.
+
+    Returns:
+        [N] lengths in tokens; 0 for a row without labels.
+    """
     positions = torch.arange(1, labels.shape[1] + 1, device=labels.device)
     return ((labels != -100) * positions).amax(dim=1) if labels.numel() else labels.new_zeros(labels.shape[0])
 
@@ -62,15 +76,24 @@ def labelled_length(labels: torch.Tensor) -> torch.Tensor:
 def prefix_features(
     model: nn.Module, input_ids: torch.Tensor, start: int, batch_size: int = 8, lengths: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Hidden states entering decoder layer ``start``: input_ids [N, T] -> [N, T, hidden].
+    """Compute the hidden states entering a decoder layer, without gradients.
 
-    start = 0 returns the token embeddings. Computed without gradients in batches of
-    ``batch_size`` sequences. lengths [N] (tokens, e.g. :func:`labelled_length`): only the
-    first ``lengths[i]`` positions of row i are needed; rows are then batched longest first and
-    each batch runs only to its longest row, so right padding costs nothing (MMLU prompts: about
-    half the positions). Positions at or past a row's length hold zeros or values nobody reads.
-    The layers run on the model's device (under its autocast, nestfed.nn.placement); the
-    result is kept in host memory, so a GPU holds one batch's activations at a time.
+    The layers run on the model's device (under its autocast, nestfed.nn.placement); the result is
+    kept in host memory, so a GPU holds one batch's activations at a time. With ``lengths``, rows
+    are batched longest first and each batch runs only to its longest row, so right padding costs
+    nothing (MMLU prompts: about half the positions).
+
+    Args:
+        model: the backbone.
+        input_ids: [N, T] token ids.
+        start: the decoder layer entered; 0 gives the token embeddings.
+        batch_size: sequences per forward.
+        lengths: [N] tokens (e.g. :func:`labelled_length`): only the first ``lengths[i]`` positions
+            of row i are needed; None = all of them.
+
+    Returns:
+        [N, T, hidden] in host memory; positions at or past a row's length hold zeros or values
+        nobody reads.
     """
     N, T = input_ids.shape
 
@@ -94,10 +117,19 @@ def prefix_features(
 def final_hidden(
     model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None, start: int = 0
 ) -> torch.Tensor:
-    """The normed last hidden states [B, T, d] (what the LM head reads) from input_ids [B, T], or
-    from ``hidden`` [B, T, d] entering layer ``start``.
+    """Compute the normed last hidden states (what the LM head reads).
 
-    Raises ValueError unless exactly one of input_ids and hidden is given.
+    Args:
+        model: the backbone.
+        input_ids: [B, T] token ids.
+        hidden: [B, T, d] the hidden states entering layer ``start``.
+        start: the layer ``hidden`` enters.
+
+    Returns:
+        [B, T, d] on the model's device.
+
+    Raises:
+        ValueError: unless exactly one of input_ids and hidden is given.
     """
     if (input_ids is None) == (hidden is None):
         raise ValueError("give exactly one of input_ids and hidden")
@@ -111,10 +143,19 @@ def final_hidden(
 def lm_logits(
     model: nn.Module, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None, start: int = 0
 ) -> torch.Tensor:
-    """Logits [B, T, vocab] on the model's device from input_ids [B, T], or from ``hidden`` [B, T, d]
-    entering layer ``start`` (either may be in host memory: moved to the model's device).
+    """Compute the logits from token ids, or from the hidden states entering a layer.
 
-    Raises ValueError unless exactly one of input_ids and hidden is given.
+    Args:
+        model: the backbone.
+        input_ids: [B, T] token ids (may be in host memory: moved to the model's device).
+        hidden: [B, T, d] the hidden states entering layer ``start`` (likewise).
+        start: the layer ``hidden`` enters.
+
+    Returns:
+        [B, T, vocab] on the model's device.
+
+    Raises:
+        ValueError: unless exactly one of input_ids and hidden is given.
     """
     h = final_hidden(model, input_ids, hidden, start)
     with autocast(model):
@@ -128,16 +169,25 @@ def labelled_logits(
     hidden: torch.Tensor | None = None,
     start: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The LM head applied only where a next token is labelled: what every loss here needs.
+    """Apply the LM head only where a next token is labelled: what every loss here needs.
 
-    labels: [B, T] (HF convention: logits[t] predict labels[t + 1], -100 ignored); input_ids or
-    hidden as in :func:`lm_logits`. Returns (logits [N, vocab], targets [N]) for the N labelled
-    next tokens in row-major order. The same values
-    as ``lm_logits`` at those positions; on multiple-choice or response-only batches (one or a few
-    labelled tokens per row) it skips the [B, T, vocab] head, most of a step's cost on SmolLM2
-    (49,152-word vocabulary), and the layers run only up to the batch's last labelled position
-    (:func:`labelled_length`: right padding after it costs nothing). Raises ValueError as
-    :func:`final_hidden`.
+    The same values as ``lm_logits`` at those positions; on multiple-choice or response-only batches
+    (one or a few labelled tokens per row) it skips the [B, T, vocab] head, most of a step's cost on
+    SmolLM2 (49,152-word vocabulary), and the layers run only up to the batch's last labelled
+    position (:func:`labelled_length`: right padding after it costs nothing).
+
+    Args:
+        model: the backbone.
+        labels: [B, T] (HF convention: logits[t] predict labels[t + 1], -100 ignored).
+        input_ids: as in :func:`lm_logits`.
+        hidden: as in :func:`lm_logits`.
+        start: as in :func:`lm_logits`.
+
+    Returns:
+        (logits [N, vocab], targets [N]) for the N labelled next tokens in row-major order.
+
+    Raises:
+        ValueError: as :func:`final_hidden`.
     """
     t = max(int(labelled_length(labels).max()), 1) if labels.numel() else labels.shape[1]
     if t < labels.shape[1]:
@@ -152,9 +202,15 @@ def labelled_logits(
 
 
 def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-    """Next-token cross-entropy in nats: logits [B, T, V], labels [B, T] (HF convention, -100 ignored).
+    """Compute the next-token cross-entropy, in nats.
 
-    reduction ``mean`` (per labelled token) or ``sum``.
+    Args:
+        logits: [B, T, V].
+        labels: [B, T] (HF convention, -100 ignored).
+        reduction: ``mean`` (per labelled token) or ``sum``.
+
+    Returns:
+        The loss, a scalar in float32.
     """
     return F.cross_entropy(
         logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
@@ -166,15 +222,29 @@ def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor, reduction: str = 
 
 @dataclass
 class CachedText:
-    """Token blocks as one model sees them: input_ids [N, T] and, when the model's layers below
-    ``start`` are frozen, their outputs hidden [N, T, d] (the frozen prefix above)."""
+    """Token blocks as one model sees them.
+
+    Attributes:
+        input_ids: [N, T] token ids.
+        hidden: [N, T, d] the outputs of the model's layers below ``start`` when those are frozen
+            (the frozen prefix above); None otherwise.
+        start: the layer ``hidden`` enters.
+    """
 
     input_ids: torch.Tensor
     hidden: torch.Tensor | None = None
     start: int = 0
 
     def logits(self, model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-        """Logits [len(idx), T, V] of ``model`` on the blocks ``idx``."""
+        """Compute a model's logits on some of the blocks.
+
+        Args:
+            model: the backbone.
+            idx: the blocks' indices.
+
+        Returns:
+            [len(idx), T, V] on the model's device.
+        """
         if self.hidden is not None:
             return lm_logits(model, hidden=self.hidden[idx], start=self.start)
         return lm_logits(model, self.input_ids[idx])

@@ -20,27 +20,57 @@ _MODULE_KEY = re.compile(
 
 
 def peft_key(module_name: str, which: str) -> str:
-    """PEFT's saved key of a LoRA matrix: ``base_model.model.<module>.lora_A.weight`` (which =
-    ``lora_A`` or ``lora_B``)."""
+    """Name PEFT's saved key of a LoRA matrix.
+
+    Args:
+        module_name: the module path.
+        which: ``lora_A`` or ``lora_B``.
+
+    Returns:
+        ``base_model.model.<module>.<which>.weight``.
+    """
     return f"{PEFT_PREFIX}{module_name}.{which}.weight"
 
 
 def merged_key(module_name: str, which: str) -> str:
-    """Key of a layer's frozen residual factor: ``base_model.model.<module>.merged_A`` (which =
-    ``A``: [R, in]) or ``merged_B`` (which = ``B``: [out, R])."""
+    """Name the key of a layer's frozen residual factor.
+
+    Args:
+        module_name: the module path.
+        which: ``A`` (the factor [R, in]) or ``B`` (the factor [out, R]).
+
+    Returns:
+        ``base_model.model.<module>.merged_A`` or ``...merged_B``.
+    """
     return f"{PEFT_PREFIX}{module_name}.merged_{which}"
 
 
 def lora_core_key(module_name: str, kind: str) -> str:
-    """Key of a LoRA layer's trainable core: ``base_model.model.<module>.<kind>.weight``, kind
-    ``lora_core`` (Fed-SB's R [r, r]) or ``lora_heads`` (RAVAN's heads stacked, [r, q])."""
+    """Name the key of a LoRA layer's trainable core.
+
+    Args:
+        module_name: the module path.
+        kind: ``lora_core`` (Fed-SB's R [r, r]) or ``lora_heads`` (RAVAN's heads stacked, [r, q]).
+
+    Returns:
+        ``base_model.model.<module>.<kind>.weight``.
+    """
     return f"{PEFT_PREFIX}{module_name}.{kind}.weight"
 
 
 def module_of(key: str) -> tuple[str, str]:
-    """Split a payload key into (module path, kind), kind one of ``lora_A``, ``lora_B``,
-    ``lora_core``, ``lora_heads``, ``merged_A``, ``merged_B``. Raises KeyError when the key is
-    none of these."""
+    """Split a LoRA payload key into its module path and kind.
+
+    Args:
+        key: a payload key.
+
+    Returns:
+        (module path, kind), kind one of ``lora_A``, ``lora_B``, ``lora_core``, ``lora_heads``,
+        ``merged_A``, ``merged_B``.
+
+    Raises:
+        KeyError: when the key is none of these.
+    """
     m = _MODULE_KEY.fullmatch(key)
     if m is None:
         raise KeyError(f"not a LoRA payload key: {key}")
@@ -53,8 +83,15 @@ _RANK_ROWS = ("lora_A.weight", "lora_core.weight", "lora_heads.weight")
 
 
 def rank_dim(key: str) -> int | None:
-    """The rank dimension of a payload key: 0 for ``lora_A`` [r, in] and a core (``lora_core``
-    [r, r], ``lora_heads`` [r, q]), 1 for ``lora_B`` [out, r], None for any other key."""
+    """Find the rank dimension of a payload key.
+
+    Args:
+        key: a payload key.
+
+    Returns:
+        0 for ``lora_A`` [r, in] and a core (``lora_core`` [r, r], ``lora_heads`` [r, q]), 1 for
+        ``lora_B`` [out, r], None for any other key.
+    """
     if key.endswith(_RANK_ROWS):
         return 0
     if key.endswith("lora_B.weight"):
@@ -63,9 +100,20 @@ def rank_dim(key: str) -> int | None:
 
 
 def layer_indices(indices: tuple[int, ...] | list[int], num_layers: int, field: str) -> list[int]:
-    """Decoder-layer indices made absolute (negative counts from the top: -1 is layer
-    num_layers - 1), deduplicated and sorted. Raises ValueError("<field>: index i out of range for
-    n layers") for an index outside [-num_layers, num_layers)."""
+    """Make decoder-layer indices absolute, deduplicated and sorted.
+
+    Args:
+        indices: layer indices; a negative one counts from the top (-1 is layer num_layers - 1).
+        num_layers: the model's decoder layers.
+        field: the config key the indices come from, for the error message.
+
+    Returns:
+        The absolute indices, sorted, each once.
+
+    Raises:
+        ValueError: "<field>: index i out of range for n layers", for an index outside
+            [-num_layers, num_layers).
+    """
     out = set()
     for i in indices:
         j = i + num_layers if i < 0 else i
@@ -76,7 +124,13 @@ def layer_indices(indices: tuple[int, ...] | list[int], num_layers: int, field: 
 
 
 def layer_of(name: str) -> int | None:
-    """The decoder-layer index in a module path or payload key (``...layers.3.self_attn...`` -> 3),
-    None when it names no layer."""
+    """Read the decoder-layer index in a module path or payload key.
+
+    Args:
+        name: a module path or payload key.
+
+    Returns:
+        The index (``...layers.3.self_attn...`` -> 3), None when it names no layer.
+    """
     m = LAYER_INDEX.search("." + name + ".")
     return int(m.group(1)) if m else None

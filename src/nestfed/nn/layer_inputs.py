@@ -52,9 +52,13 @@ POSITIONAL = ("sdpa", "eager")
 def check_architecture(model: nn.Module) -> None:
     """Refuse a model that nestfed cannot compute exactly, before anything is run or written.
 
-    Accepts a ``*ForCausalLM`` of one of ``FAMILIES`` that has every part of ``PARTS``, sets none
-    of ``UNAPPLIED`` and whose layer types :func:`layer_types` knows. Raises ConfigError, one line
-    naming the model's class and what is missing."""
+    Args:
+        model: accepted when a ``*ForCausalLM`` of one of ``FAMILIES`` that has every part of
+            ``PARTS``, sets none of ``UNAPPLIED`` and whose layer types :func:`layer_types` knows.
+
+    Raises:
+        ConfigError: one line naming the model's class and what is missing.
+    """
     name = type(model).__name__
     kind = getattr(getattr(model, "config", None), "model_type", None)
     if kind not in FAMILIES:
@@ -76,8 +80,17 @@ def check_architecture(model: nn.Module) -> None:
 
 
 def layer_types(model: nn.Module) -> list[str]:
-    """Each decoder layer's attention type (``config.layer_types``; all ``full_attention`` when the
-    config has none). Raises ConfigError naming a type nestfed cannot build a mask for."""
+    """List each decoder layer's attention type.
+
+    Args:
+        model: the backbone.
+
+    Returns:
+        ``config.layer_types``; all ``full_attention`` when the config has none.
+
+    Raises:
+        ConfigError: naming a type nestfed cannot build a mask for.
+    """
     inner = model.model
     types = list(getattr(inner.config, "layer_types", None) or ["full_attention"] * len(inner.layers))
     unknown = sorted(set(types) - set(MASKS))
@@ -91,11 +104,22 @@ def layer_types(model: nn.Module) -> list[str]:
 
 
 def decoder_inputs(model: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> tuple[list[Any], list[Any]]:
-    """Per decoder layer, its attention mask and its position embeddings (cos, sin) for hidden
-    states hidden [B, T, H] at positions position_ids [1, T] (or [B, T]), with no padding and no
-    cache: what ``model.model.forward`` passes to ``layers[i]``. Returns (masks, position
-    embeddings), each a list of one entry per layer (masks may be ``None``: SDPA's causal path).
-    Raises ConfigError as :func:`layer_types` does."""
+    """Build each decoder layer's attention mask and position embeddings as the model's forward does.
+
+    What ``model.model.forward`` passes to ``layers[i]``, with no padding and no cache.
+
+    Args:
+        model: the backbone.
+        hidden: [B, T, H] hidden states.
+        position_ids: [1, T] (or [B, T]) positions.
+
+    Returns:
+        (masks, position embeddings (cos, sin)), each a list of one entry per layer (masks may be
+        ``None``: SDPA's causal path).
+
+    Raises:
+        ConfigError: as :func:`layer_types` does.
+    """
     inner = model.model
     types = layer_types(model)
     kinds = sorted(set(types))
@@ -116,16 +140,36 @@ def _per_type(rope: nn.Module) -> bool:
 
 
 def rotary(model: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor, layer_type: str) -> tuple[Any, Any]:
-    """The rotary embedding (cos, sin), each [B, T, D], that layers of ``layer_type`` get at
-    positions position_ids [1, T] (or [B, T]); hidden [B, T, H] gives the dtype and device."""
+    """Compute the rotary embedding that layers of one type get.
+
+    Args:
+        model: the backbone.
+        hidden: [B, T, H] hidden states; they give the dtype and device.
+        position_ids: [1, T] (or [B, T]) positions.
+        layer_type: the layers' attention type (``config.layer_types``).
+
+    Returns:
+        (cos, sin), each [B, T, D].
+    """
     rope = model.model.rotary_emb
     return rope(hidden, position_ids, layer_type) if _per_type(rope) else rope(hidden, position_ids=position_ids)
 
 
 def layer_rotary(model: nn.Module, hidden: torch.Tensor, position_ids: torch.Tensor) -> list[Any]:
-    """Per decoder layer, its rotary embedding (cos, sin) at positions position_ids [1, T] (each
-    [B, T, D]): one per layer type where the model keeps one per type, else one shared by all.
-    Raises ConfigError as :func:`layer_types` does."""
+    """Compute each decoder layer's rotary embedding.
+
+    Args:
+        model: the backbone.
+        hidden: [B, T, H] hidden states; they give the dtype and device.
+        position_ids: [1, T] positions.
+
+    Returns:
+        One (cos, sin) per layer, each [B, T, D]: one per layer type where the model keeps one per
+        type, else one shared by all.
+
+    Raises:
+        ConfigError: as :func:`layer_types` does.
+    """
     types = layer_types(model)
     if not _per_type(model.model.rotary_emb):
         shared = rotary(model, hidden, position_ids, types[0])
@@ -135,8 +179,16 @@ def layer_rotary(model: nn.Module, hidden: torch.Tensor, position_ids: torch.Ten
 
 
 def rope_kind(model: nn.Module, layer_type: str) -> tuple[str, float]:
-    """(rope_type, attention scaling) of the rotary embedding layers of ``layer_type`` get
-    (e.g. ``("default", 1.0)``; yarn scales cos and sin by its attention factor)."""
+    """Read the kind of the rotary embedding that layers of one type get.
+
+    Args:
+        model: the backbone.
+        layer_type: the layers' attention type.
+
+    Returns:
+        (rope_type, attention scaling), e.g. ``("default", 1.0)``; yarn scales cos and sin by its
+        attention factor.
+    """
     rope = model.model.rotary_emb
     kind = getattr(rope, "rope_type", "default")
     if isinstance(kind, dict):  # one per layer type
@@ -145,8 +197,16 @@ def rope_kind(model: nn.Module, layer_type: str) -> tuple[str, float]:
 
 
 def layer_window(config: Any, index: int) -> int:
-    """Tokens of decoder layer ``index``'s own sliding window (``config.sliding_window`` for a
-    ``sliding_attention`` layer of ``config.layer_types``; 0 = full causal attention)."""
+    """Read the size of a decoder layer's own sliding window.
+
+    Args:
+        config: the model's config.
+        index: the decoder layer.
+
+    Returns:
+        Tokens: ``config.sliding_window`` for a ``sliding_attention`` layer of
+        ``config.layer_types``; 0 = full causal attention.
+    """
     types = getattr(config, "layer_types", None)
     return int(config.sliding_window) if types and types[index] == "sliding_attention" else 0
 
@@ -160,15 +220,28 @@ def positional_mask(
     sink: int = 0,
     own_window: int = 0,
 ) -> torch.Tensor:
-    """The softmax mask [1, 1, Tq, Tk] of queries at absolute positions q_pos [Tq] over keys at
-    absolute positions k_pos [Tk] (a cache's keys need not be contiguous: sinks, then a window),
-    or [B, 1, Tq, Tk] for per-row positions q_pos [B, Tq], k_pos [B, Tk]:
-    key at k is seen from q when k <= q, k > q - own_window (the layer's own sliding window, 0 =
-    none) and k > q - window or k < sink (a stream's or FedNL's window with attention sinks;
-    window 0 = none). Built by transformers' mask interface for ``config._attn_implementation``:
-    boolean (True = attend) for SDPA, additive float of ``dtype`` (0 or its minimum) for eager
-    attention, as the model's own masks. Raises ConfigError for another implementation (flash
-    attention takes no such mask)."""
+    """Build the softmax mask of queries over cached keys, both at absolute positions.
+
+    A cache's keys need not be contiguous (sinks, then a window). The key at k is seen from q when
+    k <= q, k > q - own_window and (k > q - window or k < sink). Built by transformers' mask
+    interface for ``config._attn_implementation``, as the model's own masks.
+
+    Args:
+        config: the model's config.
+        q_pos: [Tq] query positions, or [B, Tq] per row.
+        k_pos: [Tk] key positions, or [B, Tk] per row.
+        dtype: the dtype of an additive (eager) mask.
+        window: a stream's or FedNL's window, tokens; 0 = none.
+        sink: attention sinks kept beside the window, tokens.
+        own_window: the layer's own sliding window, tokens; 0 = none.
+
+    Returns:
+        [1, 1, Tq, Tk] (or [B, 1, Tq, Tk] for per-row positions): boolean (True = attend) for SDPA,
+        additive float of ``dtype`` (0 or its minimum) for eager attention.
+
+    Raises:
+        ConfigError: for another implementation (flash attention takes no such mask).
+    """
     impl = config._attn_implementation
     if impl not in POSITIONAL:
         raise ConfigError(

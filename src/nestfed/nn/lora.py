@@ -52,13 +52,24 @@ __all__ = [
 class LoraLinear(nn.Module):
     """A frozen Linear plus a prefix-truncatable LoRA update.
 
-    base_layer: the frozen ``nn.Linear`` (weight [out, in]). rank: number of LoRA rows held.
-    scaling: s, multiplied into the LoRA path at every sub-rank. dropout: PEFT's lora_dropout on
-    the LoRA path's input (train mode only). forward: x [..., in] -> [..., out].
     A and B live on the base layer's device, in float32 beside a half-precision base
-    (nestfed.nn.placement.trainable_dtype), else in the base's dtype. lora_core: None (plain LoRA)
-    or a core variant M [r, r] between A and B (:meth:`set_core`; then the update is s B M A x at the
-    full rank, and only the core trains).
+    (nestfed.nn.placement.trainable_dtype), else in the base's dtype. B starts at zero.
+
+    Args:
+        base_layer: the frozen ``nn.Linear`` (weight [out, in]).
+        rank: number of LoRA rows held.
+        scaling: s, multiplied into the LoRA path at every sub-rank.
+        dropout: PEFT's lora_dropout on the LoRA path's input (train mode only).
+
+    Attributes:
+        lora_A: A, its weight [rank, in].
+        lora_B: B, its weight [out, rank].
+        active_rank: the prefix sub-rank r forward evaluates; None = the full held rank.
+        lora_core: None (plain LoRA) or a core variant M [r, r] between A and B (:meth:`set_core`;
+            then the update is s B M A x at the full rank, and only the core trains).
+
+    Raises:
+        ValueError: for a negative rank.
     """
 
     def __init__(self, base_layer: nn.Linear, rank: int, scaling: float, dropout: float = 0.0):
@@ -87,9 +98,14 @@ class LoraLinear(nn.Module):
         return self.lora_A.weight.shape[0]
 
     def set_weights(self, A: torch.Tensor, B: torch.Tensor) -> None:
-        """Replace the adapter by A: [r, in] and B: [out, r] (copies; r may differ from before).
+        """Replace the adapter by copies of A and B; r may differ from before.
 
-        Raises ValueError on shapes that do not fit the base layer or each other.
+        Args:
+            A: [r, in] the down-projection.
+            B: [out, r] the up-projection.
+
+        Raises:
+            ValueError: on shapes that do not fit the base layer or each other.
         """
         r = A.shape[0]
         if A.shape != (r, self.in_features) or B.shape != (self.out_features, r):
@@ -105,7 +121,12 @@ class LoraLinear(nn.Module):
         self.active_rank = None
 
     def set_merged(self, A: torch.Tensor | None, B: torch.Tensor | None) -> None:
-        """Set the frozen residual delta W = B @ A (A: [R, in], B: [out, R]); None removes it."""
+        """Set the frozen residual delta W = B @ A, or remove it.
+
+        Args:
+            A: [R, in]; None removes the residual.
+            B: [out, R].
+        """
         if A is None:
             self.merged_A = self.merged_B = None
             return
@@ -114,9 +135,16 @@ class LoraLinear(nn.Module):
         self.merged_B = B.detach().to(w.device, dtype)
 
     def set_core(self, kind: str | None, core: torch.Tensor | None = None) -> None:
-        """Install the core variant ``kind`` (nestfed.nn.lora_core) holding ``core`` [r, q] (h = r / q
-        stacked heads of [q, q]) with r = rank; None removes the core (plain LoRA). Raises ValueError
-        when r differs from the rank or q does not divide it, KeyError for an unknown kind."""
+        """Install a core variant between A and B, or remove it (plain LoRA).
+
+        Args:
+            kind: the variant (nestfed.nn.lora_core); None removes the core.
+            core: [r, q] its weights (h = r / q stacked heads of [q, q]) with r = rank.
+
+        Raises:
+            ValueError: when r differs from the rank or q does not divide it.
+            KeyError: for an unknown kind.
+        """
         if kind is None:
             self.lora_core = None
             return
@@ -126,8 +154,17 @@ class LoraLinear(nn.Module):
         self.lora_core = made
 
     def delta_weight(self, r: int | None = None) -> torch.Tensor:
-        """The LoRA update s * B[:, :r] @ A[:r] as a dense [out, in] matrix (for tests and merges);
-        with a core, s * B M A (r must then be None or the full rank)."""
+        """Compute the LoRA update as a dense matrix (for tests and merges).
+
+        Args:
+            r: the prefix sub-rank; None = the full rank (the only one a layer with a core has).
+
+        Returns:
+            s * B[:, :r] @ A[:r], [out, in]; with a core, s * B M A.
+
+        Raises:
+            ValueError: for a sub-rank of a layer with a core.
+        """
         r = self.rank if r is None else r
         if self.lora_core is not None:
             if r != self.rank:
@@ -136,6 +173,17 @@ class LoraLinear(nn.Module):
         return self.scaling * self.lora_B.weight[:, :r] @ self.lora_A.weight[:r]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the base layer plus the residual and the LoRA update at the active sub-rank.
+
+        Args:
+            x: [..., in] inputs.
+
+        Returns:
+            [..., out], in the base layer's output dtype.
+
+        Raises:
+            ValueError: for a sub-rank of a layer with a core.
+        """
         out = self.base_layer(x)
         if self.merged_A is not None:
             out = out + (x @ self.merged_A.T) @ self.merged_B.T
@@ -163,19 +211,33 @@ class LoraLinear(nn.Module):
 
 
 def lora_modules(model: nn.Module) -> dict[str, LoraLinear]:
-    """All LoRA layers of a model by module path (``model.layers.0.self_attn.q_proj``)."""
+    """Find all LoRA layers of a model.
+
+    Args:
+        model: the model searched.
+
+    Returns:
+        ``{module path: layer}``, paths like ``model.layers.0.self_attn.q_proj``.
+    """
     return {name: m for name, m in model.named_modules() if isinstance(m, LoraLinear)}
 
 
 def target_module_names(
     model: nn.Module, target_modules: tuple[str, ...] | list[str], layers: tuple[int, ...] | list[int] = ()
 ) -> list[str]:
-    """Paths of the ``nn.Linear`` modules to adapt.
+    """List the paths of the ``nn.Linear`` modules to adapt.
 
-    target_modules: names matched against the last path component (``q_proj``) or, when a name
-    contains a regex character, as a regex fully matching the whole path. layers: decoder-layer
-    indices to keep (negative counts from the top); empty = every layer.
-    Raises ValueError when nothing matches or a layer index is out of range.
+    Args:
+        model: the model searched.
+        target_modules: names matched against the last path component (``q_proj``) or, when a
+            name contains a regex character, as a regex fully matching the whole path.
+        layers: decoder-layer indices to keep (negative counts from the top); empty = every layer.
+
+    Returns:
+        The module paths, in the model's order.
+
+    Raises:
+        ValueError: when nothing matches or a layer index is out of range.
     """
     num_layers = getattr(getattr(model, "config", None), "num_hidden_layers", None)
     wanted_layers: set[int] | None = None
@@ -208,8 +270,21 @@ def inject_lora(
 ) -> list[str]:
     """Replace each target ``nn.Linear`` by a :class:`LoraLinear` of the given rank (B = 0).
 
-    Returns the adapted module paths. A zero-initialised B leaves the outputs unchanged.
-    Raises ValueError as :func:`target_module_names` does.
+    A zero-initialised B leaves the outputs unchanged.
+
+    Args:
+        model: the model, changed in place.
+        target_modules: as :func:`target_module_names` takes them.
+        rank: the rank of every layer.
+        scaling: s of every layer.
+        layers: decoder-layer indices to adapt (negative counts from the top); empty = every layer.
+        dropout: PEFT's lora_dropout on the LoRA path's input.
+
+    Returns:
+        The adapted module paths.
+
+    Raises:
+        ValueError: as :func:`target_module_names` does.
     """
     names = target_module_names(model, target_modules, layers)
     for name in names:
@@ -220,9 +295,14 @@ def inject_lora(
 
 
 def set_active_rank(model: nn.Module, r: int | None) -> None:
-    """Evaluate every LoRA layer at prefix sub-rank r (None = each layer's full rank).
+    """Evaluate every LoRA layer at a prefix sub-rank.
 
-    Raises ValueError when r exceeds a layer's held rank.
+    Args:
+        model: the model with LoRA layers.
+        r: the sub-rank; None = each layer's full rank.
+
+    Raises:
+        ValueError: when r exceeds a layer's held rank.
     """
     for name, m in lora_modules(model).items():
         if r is not None and r > m.rank:
@@ -232,7 +312,18 @@ def set_active_rank(model: nn.Module, r: int | None) -> None:
 
 @contextmanager
 def active_rank(model: nn.Module, r: int | None) -> Iterator[None]:
-    """Context manager form of :func:`set_active_rank`, restoring the full rank on exit."""
+    """Evaluate at a prefix sub-rank inside a ``with`` block (:func:`set_active_rank`).
+
+    Args:
+        model: the model with LoRA layers.
+        r: the sub-rank; None = each layer's full rank.
+
+    Yields:
+        Nothing; the full rank is restored on exit.
+
+    Raises:
+        ValueError: when r exceeds a layer's held rank.
+    """
     set_active_rank(model, r)
     try:
         yield
@@ -241,9 +332,13 @@ def active_rank(model: nn.Module, r: int | None) -> Iterator[None]:
 
 
 def get_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The adapter as a flat ``{PEFT key: tensor}`` dict (detached CPU copies).
+    """Read the adapter as a flat dict of detached CPU copies.
 
-    lora_A keys hold [r, in], lora_B keys hold [out, r].
+    Args:
+        model: the model with LoRA layers.
+
+    Returns:
+        ``{PEFT key: tensor}``: lora_A keys hold [r, in], lora_B keys hold [out, r].
     """
     state = {}
     for name, m in lora_modules(model).items():
@@ -253,9 +348,15 @@ def get_adapter_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def set_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load ``{PEFT key: tensor}`` into the LoRA layers; the rank follows the tensors' shapes.
+    """Load an adapter into the LoRA layers; the rank follows the tensors' shapes.
 
-    Raises KeyError when a layer's A or B is missing or a key names no LoRA layer.
+    Args:
+        model: the model with LoRA layers.
+        state: ``{PEFT key: tensor}``, A [r, in] and B [out, r] of every layer.
+
+    Raises:
+        KeyError: when a layer's A or B is missing or a key names no LoRA layer.
+        ValueError: on shapes that do not fit a layer.
     """
     modules = lora_modules(model)
     seen = set()
@@ -274,11 +375,18 @@ def set_adapter_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
 
 
 def init_adapter_state(shapes: dict[str, tuple[int, int]], rank: int, seed: int) -> dict[str, torch.Tensor]:
-    """A fresh global adapter: A ~ PEFT's Kaiming-uniform(a=sqrt(5)) init, B = 0.
+    """Draw a fresh global adapter: A ~ PEFT's Kaiming-uniform(a=sqrt(5)) init, B = 0.
 
-    shapes: {module path: (out, in)}. Returns PEFT-keyed tensors, A: [rank, in], B: [out, rank],
-    deterministic for a seed (each module draws from its own generator, seeded by the seed rule's
-    stream ``lora_init/<module path>``: nestfed.seeds).
+    Deterministic for a seed: each module draws from its own generator, seeded by the seed rule's
+    stream ``lora_init/<module path>`` (nestfed.seeds).
+
+    Args:
+        shapes: ``{module path: (out, in)}``.
+        rank: the adapter's rank.
+        seed: the run's initialisation seed.
+
+    Returns:
+        PEFT-keyed tensors, A: [rank, in], B: [out, rank].
     """
     state = {}
     for name, (out_f, in_f) in sorted(shapes.items()):
@@ -290,5 +398,12 @@ def init_adapter_state(shapes: dict[str, tuple[int, int]], rank: int, seed: int)
 
 
 def module_shapes(model: nn.Module) -> dict[str, tuple[int, int]]:
-    """{module path: (out, in)} of every LoRA layer."""
+    """Read the shape of every LoRA layer.
+
+    Args:
+        model: the model with LoRA layers.
+
+    Returns:
+        ``{module path: (out, in)}``.
+    """
     return {n: (m.out_features, m.in_features) for n, m in lora_modules(model).items()}

@@ -34,8 +34,17 @@ __all__ = ["CORE_KINDS", "GatedHeads", "LoraCore", "SquareCore", "core_kind_of",
 
 
 def core_matrix(core: torch.Tensor) -> torch.Tensor:
-    """M = blockdiag(H_1, ..., H_h) [r, r] from the stacked heads ``core`` [r, q] (h = r / q).
-    Raises ValueError when q does not divide r."""
+    """Build the block-diagonal matrix of a core's heads.
+
+    Args:
+        core: [r, q] the heads H_1, ..., H_h stacked row-wise (h = r / q).
+
+    Returns:
+        M = blockdiag(H_1, ..., H_h), [r, r].
+
+    Raises:
+        ValueError: when q does not divide r.
+    """
     r, q = core.shape
     if q == 0 or r % q:
         raise ValueError(f"a LoRA core must be [h q, q], got {tuple(core.shape)}")
@@ -45,8 +54,17 @@ def core_matrix(core: torch.Tensor) -> torch.Tensor:
 class LoraCore(nn.Module):
     """What a core variant provides (the protocol :class:`~nestfed.nn.lora.LoraLinear` calls).
 
-    ``weight``: the core's trainable heads stacked row-wise, [r, q] (h = r / q heads of [q, q];
-    r = the layer's rank). kind: the payload key kind that carries it.
+    Args:
+        core: [r, q] the heads stacked row-wise (h = r / q heads of [q, q]; r = the layer's rank).
+        like: a tensor of the layer's (A's): the core goes to its device, in the trainable dtype of
+            its dtype.
+
+    Attributes:
+        weight: the core's trainable heads stacked row-wise, [r, q].
+        kind: the payload key kind that carries it.
+
+    Raises:
+        ValueError: when q does not divide r.
     """
 
     kind = ""
@@ -58,40 +76,72 @@ class LoraCore(nn.Module):
 
     @property
     def rank(self) -> int:
-        """r, the rank of the factors the core sits between."""
+        """The rank r of the factors the core sits between."""
         return self.weight.shape[0]
 
     @property
     def heads(self) -> int:
-        """h = r / q."""
+        """The number of heads, h = r / q."""
         return self.weight.shape[0] // self.weight.shape[1]
 
     def matrix(self) -> torch.Tensor:
-        """M [r, r]: the block-diagonal matrix of the (gated) heads."""
+        """Build M, the block-diagonal matrix of the (gated) heads.
+
+        Returns:
+            M [r, r].
+        """
         return core_matrix(self.gated())
 
     def gated(self) -> torch.Tensor:
-        """The heads as they act, [r, q] (default: as held)."""
+        """Give the heads as they act (by default as held).
+
+        Returns:
+            The heads [r, q].
+        """
         return self.weight
 
     def forward(self, z: torch.Tensor) -> torch.Tensor:
-        """z [..., r] (A x) -> [..., r] (M A x), head by head: no [r, r] matrix is formed."""
+        """Apply M head by head: no [r, r] matrix is formed.
+
+        Args:
+            z: [..., r] A x.
+
+        Returns:
+            M A x, [..., r].
+        """
         r, q = self.weight.shape
         heads = self.gated().reshape(r // q, q, q)
         zs = z.reshape(*z.shape[:-1], r // q, q)
         return torch.einsum("...hj,hij->...hi", zs, heads).reshape(z.shape)
 
     def trainable(self) -> list[nn.Parameter]:
-        """The parameters that train (A and B stay frozen)."""
+        """List the parameters that train (A and B stay frozen).
+
+        Returns:
+            The core's trainable parameters.
+        """
         return [self.weight]
 
     def reply(self) -> torch.Tensor:
-        """What the client sends back: the heads as they act, [r, q] (detached copy)."""
+        """Give what the client sends back.
+
+        Returns:
+            The heads as they act, [r, q] (a detached copy).
+        """
         return self.gated().detach().clone()
 
 
 class SquareCore(LoraCore):
-    """Fed-SB's R: one dense [r, r] core (h = 1)."""
+    """Fed-SB's R: one dense [r, r] core (h = 1).
+
+    Args:
+        core: [r, r] R.
+        like: a tensor of the layer's (A's): the core goes to its device, in the trainable dtype of
+            its dtype.
+
+    Raises:
+        ValueError: when the core is not square.
+    """
 
     kind = "lora_core"
 
@@ -102,8 +152,19 @@ class SquareCore(LoraCore):
 
 
 class GatedHeads(LoraCore):
-    """RAVAN's heads H = [H_1; ...; H_h] [r, q] with their gates g_i [h] (the paper's s_i), the
-    gates at 1 on load."""
+    """RAVAN's heads H = [H_1; ...; H_h] [r, q] with their gates g_i [h] (the paper's s_i).
+
+    Args:
+        core: [r, q] the heads stacked row-wise (h = r / q heads of [q, q]; r = the layer's rank).
+        like: a tensor of the layer's (A's): the core goes to its device, in the trainable dtype of
+            its dtype.
+
+    Attributes:
+        gates: g [h], trainable, 1 on load.
+
+    Raises:
+        ValueError: when q does not divide r.
+    """
 
     kind = "lora_heads"
 
@@ -112,10 +173,15 @@ class GatedHeads(LoraCore):
         self.gates = nn.Parameter(torch.ones(self.heads, device=self.weight.device, dtype=self.weight.dtype))
 
     def gated(self) -> torch.Tensor:
-        """g_i H_i stacked, [r, q]: each head's q rows times its gate."""
+        """Give g_i H_i stacked: each head's q rows times its gate.
+
+        Returns:
+            The gated heads [r, q].
+        """
         return self.gates.repeat_interleave(self.weight.shape[1])[:, None] * self.weight
 
     def trainable(self) -> list[nn.Parameter]:
+        """List the heads and their gates."""
         return [self.weight, self.gates]
 
 
@@ -123,8 +189,18 @@ CORE_KINDS: dict[str, type[LoraCore]] = {SquareCore.kind: SquareCore, GatedHeads
 
 
 def core_kind_of(arrays: dict[str, torch.Tensor], module: str) -> str | None:
-    """The core kind a payload carries for ``module`` (None: a plain LoRA layer). Raises ValueError
-    when it carries two."""
+    """Find the core kind a payload carries for a module.
+
+    Args:
+        arrays: the payload, ``{key: tensor}``.
+        module: the module path.
+
+    Returns:
+        The kind (a key of CORE_KINDS), None for a plain LoRA layer.
+
+    Raises:
+        ValueError: when it carries two.
+    """
     kinds = [k for k in CORE_KINDS if lora_core_key(module, k) in arrays]
     if len(kinds) > 1:
         raise ValueError(f"{module}: the payload carries two cores ({', '.join(kinds)})")
@@ -132,6 +208,18 @@ def core_kind_of(arrays: dict[str, torch.Tensor], module: str) -> str | None:
 
 
 def make_core(kind: str, core: torch.Tensor, like: torch.Tensor) -> LoraCore:
-    """The core variant ``kind`` holding ``core`` [r, q], on ``like``'s device. Raises KeyError for
-    an unknown kind, ValueError for a shape the variant does not take."""
+    """Build a core variant.
+
+    Args:
+        kind: the variant, a key of CORE_KINDS.
+        core: [r, q] its weights.
+        like: a tensor whose device the core goes to, in the trainable dtype of its dtype.
+
+    Returns:
+        The core.
+
+    Raises:
+        KeyError: for an unknown kind.
+        ValueError: for a shape the variant does not take.
+    """
     return CORE_KINDS[kind](core, like)

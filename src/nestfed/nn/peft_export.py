@@ -23,10 +23,19 @@ QUANTIZATION_PREFIX = "The following `bitsandbytes` quantization config was used
 
 
 def model_card(base_model: str, quantization: Mapping[str, object]) -> str:
-    """The adapter's README.md as PEFT writes it for an adapter trained over a quantised base
-    (``PeftModel.create_or_update_model_card``): ``library_name: peft`` and the base model in the
-    metadata, the ``bitsandbytes`` config under "Training procedure" (one ``- key: value`` line each,
-    the keyword arguments of transformers' ``BitsAndBytesConfig``)."""
+    """Write the adapter's README.md as PEFT writes it for an adapter trained over a quantised base.
+
+    As ``PeftModel.create_or_update_model_card`` does: ``library_name: peft`` and the base model in
+    the metadata, the ``bitsandbytes`` config under "Training procedure".
+
+    Args:
+        base_model: the base model's name or path; none when empty.
+        quantization: the keyword arguments of transformers' ``BitsAndBytesConfig``, one
+            ``- key: value`` line each.
+
+    Returns:
+        The model card's text.
+    """
     from huggingface_hub import ModelCard, ModelCardData
 
     data = ModelCardData(library_name="peft", base_model=base_model or None)
@@ -43,16 +52,28 @@ def export_peft_adapter(
     lora_dropout: float = 0.0,
     quantization: Mapping[str, object] | None = None,
 ) -> Path:
-    """Write ``state`` ({PEFT key: tensor}, one rank r for every layer) to ``out_dir``.
+    """Write a global LoRA adapter as a PEFT adapter directory.
 
-    scaling: the s that multiplies B @ A in nestfed (exported as lora_alpha = s * r). lora_dropout:
-    the dropout the adapter trained with (``lora.lora_dropout``; PEFT applies it in training only).
-    quantization: the base's ``BitsAndBytesConfig`` keyword arguments when it trained over a
-    quantised backbone (nestfed.nn.quantization.bnb_config), recorded in a README.md model card as
-    PEFT records them.
     The directory is written beside its target and renamed into place (never half-written), with
-    the user's umask. Raises ValueError when layers disagree on the rank, the rank is 0 (PEFT cannot
-    load it) or a key is not a LoRA key.
+    the user's umask.
+
+    Args:
+        state: ``{PEFT key: tensor}``, one rank r for every layer.
+        scaling: the s that multiplies B @ A in nestfed (exported as lora_alpha = s * r).
+        out_dir: the adapter directory, created or replaced.
+        base_model: the base model's name or path (``base_model_name_or_path``); none when empty.
+        lora_dropout: the dropout the adapter trained with (``lora.lora_dropout``; PEFT applies it
+            in training only).
+        quantization: the base's ``BitsAndBytesConfig`` keyword arguments when it trained over a
+            quantised backbone (nestfed.nn.quantization.bnb_config), recorded in a README.md model
+            card as PEFT records them.
+
+    Returns:
+        ``out_dir``, as a Path.
+
+    Raises:
+        ValueError: when layers disagree on the rank, the rank is 0 (PEFT cannot load it) or a key
+            is not a LoRA key.
     """
     modules = sorted({module_of(k)[0] for k in state})
     ranks = {state[k].shape[0] for k in state if k.endswith("lora_A.weight")}

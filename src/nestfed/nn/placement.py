@@ -31,10 +31,18 @@ HALF = (torch.bfloat16, torch.float16)
 
 
 def resolve_device(name: str) -> torch.device:
-    """The torch device named by ``model.device`` (``auto`` | ``cpu`` | ``cuda`` | ``cuda:N``).
+    """Resolve ``model.device`` to a torch device.
 
-    Raises ConfigError for another name, or a CUDA device this machine does not have (naming
-    how many it has).
+    Args:
+        name: ``auto`` (the first CUDA device when one is visible, else the CPU), ``cpu``, ``cuda``
+            or ``cuda:N``.
+
+    Returns:
+        The device.
+
+    Raises:
+        ConfigError: for another name, or a CUDA device this machine does not have (naming how
+            many it has).
     """
     if name == "auto":
         return torch.device("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -50,9 +58,19 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """The frozen weights' dtype for ``model.dtype`` on ``device`` (``auto``: float32 on the
-    CPU; bfloat16 on CUDA, float16 where the GPU lacks bfloat16). Raises ConfigError for an
-    unknown name."""
+    """Resolve ``model.dtype`` to the frozen weights' dtype on a device.
+
+    Args:
+        name: ``auto`` (float32 on the CPU; bfloat16 on CUDA, float16 where the GPU lacks
+            bfloat16) or a key of DTYPES.
+        device: where the backbone runs.
+
+    Returns:
+        The dtype.
+
+    Raises:
+        ConfigError: for an unknown name.
+    """
     if name == "auto":
         if device.type != "cuda":
             return torch.float32
@@ -63,30 +81,65 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def trainable_dtype(frozen: torch.dtype) -> torch.dtype:
-    """The dtype of parameters that train beside frozen weights of dtype ``frozen``: float32
-    when those are half precision (bf16 / fp16 master weights lose small updates), else
-    ``frozen`` itself."""
+    """Choose the dtype of parameters that train beside frozen weights.
+
+    Args:
+        frozen: the frozen weights' dtype.
+
+    Returns:
+        float32 when ``frozen`` is half precision (bf16 / fp16 master weights lose small updates),
+        else ``frozen`` itself.
+    """
     return torch.float32 if frozen in HALF else frozen
 
 
 def frozen_dtype(model: nn.Module) -> torch.dtype:
-    """The dtype of the backbone's frozen weights (its input embedding's)."""
+    """Read the dtype of the backbone's frozen weights (its input embedding's).
+
+    Args:
+        model: the backbone.
+
+    Returns:
+        The dtype.
+    """
     return model.get_input_embeddings().weight.dtype
 
 
 def model_device(model: nn.Module) -> torch.device:
-    """The device the backbone's weights live on (its input embedding's)."""
+    """Read the device the backbone's weights live on (its input embedding's).
+
+    Args:
+        model: the backbone.
+
+    Returns:
+        The device.
+    """
     return model.get_input_embeddings().weight.device
 
 
 def to_model(model: nn.Module, t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` moved to the model's device (no copy when it is there already; None stays None)."""
+    """Move a tensor to the model's device (no copy when it is there already).
+
+    Args:
+        model: the backbone.
+        t: the tensor, or None.
+
+    Returns:
+        ``t`` on the model's device; None stays None.
+    """
     return None if t is None else t.to(model_device(model), non_blocking=True)
 
 
 def autocast(model: nn.Module) -> AbstractContextManager:
-    """``torch.autocast`` in the frozen weights' dtype when that is half precision, on the
-    model's device type (CUDA or CPU); a no-op context for float32/float64 weights."""
+    """Choose the autocast context a forward of the model runs under.
+
+    Args:
+        model: the backbone.
+
+    Returns:
+        ``torch.autocast`` in the frozen weights' dtype when that is half precision, on the model's
+        device type (CUDA or CPU); a no-op context for float32/float64 weights.
+    """
     dtype = frozen_dtype(model)
     if dtype not in HALF:
         return nullcontext()
@@ -94,8 +147,14 @@ def autocast(model: nn.Module) -> AbstractContextManager:
 
 
 def release(device: torch.device) -> None:
-    """On CUDA, free the memory a finished client left behind: Python's garbage, then the caching
-    allocator's unused blocks (so the next client's peak is its own). Nothing on the CPU."""
+    """Free the memory a finished client left behind, on CUDA.
+
+    Python's garbage, then the caching allocator's unused blocks (so the next client's peak is its
+    own).
+
+    Args:
+        device: the device used; nothing happens on the CPU.
+    """
     if device.type == "cuda":
         gc.collect()
         torch.cuda.empty_cache()

@@ -29,8 +29,15 @@ INT8_THRESHOLD = 6.0
 
 
 def dense_dtype(layer: nn.Module) -> torch.dtype:
-    """The floating dtype a layer computes in: its weight's, or for a quantised layer the dtype it
-    dequantises to (nf4's compute dtype; float32 for int8 and when none is set)."""
+    """Find the floating dtype a layer computes in.
+
+    Args:
+        layer: a Linear, plain or quantised.
+
+    Returns:
+        Its weight's dtype, or for a quantised layer the dtype it dequantises to (nf4's compute
+        dtype; float32 for int8 and when none is set).
+    """
     w = layer.weight
     if w.dtype.is_floating_point:
         return w.dtype
@@ -38,14 +45,27 @@ def dense_dtype(layer: nn.Module) -> torch.dtype:
 
 
 def is_quantized(layer: nn.Module) -> bool:
-    """Whether the layer holds its weight quantised (an integer-typed weight)."""
+    """Tell whether a layer holds its weight quantised.
+
+    Args:
+        layer: any module.
+
+    Returns:
+        True for an integer-typed weight.
+    """
     w = getattr(layer, "weight", None)
     return isinstance(w, torch.Tensor) and not w.dtype.is_floating_point
 
 
 def quantizable(model: nn.Module) -> list[str]:
-    """Paths of the plain ``nn.Linear`` layers to quantise: all but the output head and layers that
-    share the input embedding's weight."""
+    """List the plain ``nn.Linear`` layers to quantise.
+
+    Args:
+        model: the backbone.
+
+    Returns:
+        Their paths: all but the output head and layers that share the input embedding's weight.
+    """
     emb = model.get_input_embeddings()
     head = model.get_output_embeddings()
     tied = {emb.weight.data_ptr()} if emb is not None else set()
@@ -83,12 +103,17 @@ def _nf4(m: nn.Linear, compute_dtype: torch.dtype, double_quant: bool) -> nn.Mod
 
 
 def keep_trainable_layout(layer: nn.Module) -> None:
-    """Keep an nf4 layer out of bitsandbytes' packed CPU inference layout. On a CPU with AVX512-BF16,
-    bitsandbytes 0.50 repacks a Linear4bit's weight in place on its first forward in eval mode without
-    gradients (nestfed's frozen prefix, an evaluation), and from then on computes it in bfloat16
-    with a kernel that has no backward: the LoRA layers below it would silently get no gradient
-    through it. Off, every forward dequantises and multiplies (``gemm_4bit``; ``MatMul4Bit`` with
-    its backward when gradients are needed)."""
+    """Keep an nf4 layer out of bitsandbytes' packed CPU inference layout.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a Linear4bit's weight in place on its first
+    forward in eval mode without gradients (nestfed's frozen prefix, an evaluation), and from then
+    on computes it in bfloat16 with a kernel that has no backward: the LoRA layers below it would
+    silently get no gradient through it. Off, every forward dequantises and multiplies
+    (``gemm_4bit``; ``MatMul4Bit`` with its backward when gradients are needed).
+
+    Args:
+        layer: a bitsandbytes Linear4bit; other layers are left as they are.
+    """
     if hasattr(layer, "support_avx512bf16_for_cpu"):
         layer.support_avx512bf16_for_cpu = False
 
@@ -119,9 +144,20 @@ def _placed(q: nn.Module, m: nn.Linear) -> nn.Module:
 def quantize_linears(
     model: nn.Module, quantization: str, compute_dtype: torch.dtype, double_quant: bool = True
 ) -> list[str]:
-    """Replace the model's linear layers (:func:`quantizable`) by bitsandbytes layers holding the
-    same weights quantised: ``nf4`` (Linear4bit) or ``int8`` (Linear8bitLt); ``none`` changes
-    nothing. Returns the replaced paths. Raises ValueError for another name."""
+    """Replace the model's linear layers by bitsandbytes layers holding the same weights quantised.
+
+    Args:
+        model: the backbone, changed in place (the layers of :func:`quantizable`).
+        quantization: ``nf4`` (Linear4bit), ``int8`` (Linear8bitLt) or ``none`` (changes nothing).
+        compute_dtype: the dtype nf4 layers dequantise to and compute in.
+        double_quant: quantise nf4's absmax constants too (QLoRA's double quantisation).
+
+    Returns:
+        The replaced paths.
+
+    Raises:
+        ValueError: for another name.
+    """
     if quantization == "none":
         return []
     if quantization not in ("nf4", "int8"):
@@ -137,10 +173,15 @@ def quantize_linears(
 
 
 def release_checkpoint(model: nn.Module) -> None:
-    """Give the float parameters and buffers left after quantisation (embeddings, norms) storage of
-    their own. transformers maps a safetensors checkpoint into memory, and one tensor still viewing
-    the mapping keeps every page quantisation read resident: the dense weights would stay in the
-    process's memory beside their packed copies."""
+    """Give the float parameters and buffers left after quantisation storage of their own.
+
+    transformers maps a safetensors checkpoint into memory, and one tensor still viewing the mapping
+    keeps every page quantisation read resident: the dense weights would stay in the process's
+    memory beside their packed copies.
+
+    Args:
+        model: the quantised backbone; its float tensors (embeddings, norms) are copied.
+    """
     with torch.no_grad():
         for t in [*model.parameters(), *model.buffers()]:
             if t.dtype.is_floating_point:
@@ -164,8 +205,16 @@ def _state_tensors(layer: nn.Module) -> Iterator[torch.Tensor]:
 
 
 def quantization_state_bytes(model: nn.Module) -> int:
-    """Bytes of the quantisation state of every quantised layer (not parameters or buffers, so
-    a count over those misses them), each storage once."""
+    """Measure the quantisation state of every quantised layer, each storage once.
+
+    The state is neither parameters nor buffers, so a count over those misses it.
+
+    Args:
+        model: the backbone.
+
+    Returns:
+        Its bytes (nf4's absmax, code book and nested state; int8's row scales).
+    """
     seen: dict[int, int] = {}
     for m in model.modules():
         if is_quantized(m):
@@ -175,10 +224,17 @@ def quantization_state_bytes(model: nn.Module) -> int:
 
 
 def bnb_config(model: object) -> dict[str, object] | None:
-    """transformers' ``BitsAndBytesConfig`` keyword arguments that load a model as ``model`` (a
-    ModelConfig) quantises it here (None for ``none``): what an exported adapter records and what
-    PEFT or lm-eval pass to load the same base. The compute dtype is resolved for this machine
-    (``auto``: float32 on the CPU, bfloat16 on CUDA)."""
+    """Give the ``BitsAndBytesConfig`` arguments that load a base quantised as nestfed quantises it.
+
+    What an exported adapter records and what PEFT or lm-eval pass to load the same base. The
+    compute dtype is resolved for this machine (``auto``: float32 on the CPU, bfloat16 on CUDA).
+
+    Args:
+        model: a ModelConfig (its ``quantization``, ``double_quant``, ``compute_dtype``, ``device``).
+
+    Returns:
+        transformers' ``BitsAndBytesConfig`` keyword arguments; None for ``none``.
+    """
     q = getattr(model, "quantization", "none")
     if q == "nf4":
         return {

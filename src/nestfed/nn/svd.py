@@ -64,20 +64,32 @@ CORE_SUFFIX = ".sigma"
 
 
 def core_key(module: str) -> str:
-    """Payload key of an SVD layer's core: ``base_model.model.<module>.sigma`` (a model parameter,
-    loaded by nestfed.nn.arrays.apply_arrays)."""
+    """Name the payload key of an SVD layer's core (a model parameter, loaded by nestfed.nn.arrays.apply_arrays).
+
+    Args:
+        module: the module path.
+
+    Returns:
+        ``base_model.model.<module>.sigma``.
+    """
     return f"{PEFT_PREFIX}{module}{CORE_SUFFIX}"
 
 
 class SVDLinear(nn.Module):
     """A Linear layer held as frozen bases and a core: y = x V Sigma^T U^T + b.
 
-    U: [out, r] (frozen buffer), V: [in, r] (frozen buffer), sigma: [r, r] (``nn.Parameter``,
-    created with ``requires_grad=False``; the client trainer switches it on when the payload ships
-    it; float32 beside half-precision bases, nestfed.nn.placement), bias: [out] or None (frozen,
-    copied from the original layer). forward: x [..., in] ->
-    [..., out]. Raises ValueError when the shapes disagree.
     Source: arXiv 2607.29071 step 1, the client layer x -> U_i Sigma_i V_i^T x.
+
+    Args:
+        U: [out, r], held as a frozen buffer.
+        V: [in, r], held as a frozen buffer.
+        sigma: [r, r], held as an ``nn.Parameter`` created with ``requires_grad=False`` (the client
+            trainer switches it on when the payload ships it; float32 beside half-precision bases,
+            nestfed.nn.placement).
+        bias: [out] or None, frozen (copied from the original layer).
+
+    Raises:
+        ValueError: when the shapes disagree.
     """
 
     def __init__(self, U: torch.Tensor, V: torch.Tensor, sigma: torch.Tensor, bias: torch.Tensor | None = None):
@@ -97,6 +109,14 @@ class SVDLinear(nn.Module):
         self.bias = None if bias is None else nn.Parameter(bias.detach().clone(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer: ((x V) Sigma^T) U^T + b.
+
+        Args:
+            x: [..., in] inputs.
+
+        Returns:
+            [..., out], in x's dtype.
+        """
         h = x @ self.V
         if h.dtype == self.sigma.dtype:
             out = (h @ self.sigma.T) @ self.U.T
@@ -105,17 +125,26 @@ class SVDLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
     def weight_equivalent(self) -> torch.Tensor:
-        """The dense U Sigma V^T [out, in] (for tests and the server's merges, never used in forward)."""
+        """Form the dense weight (for tests and the server's merges, never used in forward).
+
+        Returns:
+            U Sigma V^T, [out, in].
+        """
         return reconstruct(self.U, self.sigma, self.V)
 
 
 @dataclass
 class SVDFactors:
-    """The leading singular triplets of one Linear weight W [out, in]: U [out, R], S [R], V [in, R],
-    and, for whitened bases, the dual basis D [in, R] (D^T V = I; None for plain SVD, where D = V).
+    """The leading singular triplets of one Linear weight W [out, in].
 
     R is the largest rank any group uses at this layer; a group of rank r takes the prefixes
     (of D too: D[:, :r]^T V[:, :r] = I_r).
+
+    Attributes:
+        U: [out, R] left singular vectors.
+        S: [R] singular values, descending.
+        V: [in, R] right singular vectors (not orthonormal for whitened bases).
+        D: [in, R] the dual basis of whitened bases (D^T V = I); None for plain SVD, where D = V.
     """
 
     U: torch.Tensor
@@ -124,15 +153,28 @@ class SVDFactors:
     D: torch.Tensor | None = None
 
     def dual(self) -> torch.Tensor:
-        """D [in, R]: the basis :func:`project` pairs with V (V itself when V is orthonormal)."""
+        """Give the basis :func:`project` pairs with V.
+
+        Returns:
+            D [in, R]; V itself when V is orthonormal.
+        """
         return self.V if self.D is None else self.D
 
 
 def rank_for_ratio(out_features: int, in_features: int, ratio: float) -> int:
-    """r = min(min(out, in), floor(ratio * out * in / (out + in))), at least 1 (docs/methods.md section 2).
+    """Choose a layer's rank for a compression ratio (docs/methods.md section 2).
 
-    ratio: rho, the fraction of W's parameter count the bases U, V may use; a ratio of
-    (out + in) / min(out, in) or more gives full rank. Raises ValueError for ratio <= 0.
+    Args:
+        out_features: out, W's rows.
+        in_features: in, W's columns.
+        ratio: rho, the fraction of W's parameter count the bases U, V may use; a ratio of
+            (out + in) / min(out, in) or more gives full rank.
+
+    Returns:
+        r = min(min(out, in), floor(ratio * out * in / (out + in))), at least 1.
+
+    Raises:
+        ValueError: for ratio <= 0.
     """
     if not ratio > 0:
         raise ValueError(f"compression ratio must be > 0, got {ratio}")
@@ -147,18 +189,29 @@ def compute_bases(
     whitening: dict[str, torch.Tensor] | None = None,
     damping: float | None = None,
 ) -> dict[str, SVDFactors]:
-    """One SVD per selected Linear, truncated to the largest rank any ratio needs (server side, once).
+    """Compute one SVD per selected Linear, truncated to the largest rank any ratio needs (server side, once).
 
-    Returns {module path: SVDFactors} with R = rank_for_ratio(out, in, max(ratios)).
-    whitening: None for the plain SVD of W (U, V orthonormal, D None; computed in float32:
-    float64 took 3-4x longer here, 197 s for SmolLM2's 210 projections on 2 busy cores), or
-    {module path: C [in, in]}, the input second moments of every selected Linear on calibration
-    text (:func:`nestfed.nn.whitening.second_moments`), for SVD-LLM's whitened SVD
-    (:func:`nestfed.nn.whitening.whitened_svd`, float64; V not orthonormal, D its dual).
-    damping: eps of the whitening relative to C's mean diagonal (default
-    :data:`nestfed.nn.whitening.DAMPING`). Stored in the weight's dtype. Cost: a full SVD per
-    layer; cache the result with :func:`save_bases`. Raises ValueError (bad ratio, pattern matching
-    nothing, a selected layer without its C, C of the wrong shape or not usable).
+    Cost: a full SVD per layer; cache the result with :func:`save_bases`.
+
+    Args:
+        model: the backbone.
+        ratios: the groups' compression ratios.
+        pattern: a regex over module paths, selecting the layers.
+        whitening: None for the plain SVD of W (U, V orthonormal, D None; computed in float32:
+            float64 took 3-4x longer here, 197 s for SmolLM2's 210 projections on 2 busy cores), or
+            ``{module path: C [in, in]}``, the input second moments of every selected Linear on
+            calibration text (:func:`nestfed.nn.whitening.second_moments`), for SVD-LLM's whitened
+            SVD (:func:`nestfed.nn.whitening.whitened_svd`, float64; V not orthonormal, D its dual).
+        damping: eps of the whitening relative to C's mean diagonal; None =
+            :data:`nestfed.nn.whitening.DAMPING`.
+
+    Returns:
+        ``{module path: SVDFactors}`` with R = rank_for_ratio(out, in, max(ratios)), stored in the
+        weight's dtype.
+
+    Raises:
+        ValueError: for a bad ratio, a pattern matching nothing, a selected layer without its C, or
+            a C of the wrong shape or not usable.
     """
     if not ratios:
         raise ValueError("no compression ratios given")
@@ -184,9 +237,17 @@ def compute_bases(
 
 
 def layer_ranks(bases: dict[str, SVDFactors], ratio: float) -> dict[str, int]:
-    """{module path: r_i} of the group of compression ratio ``ratio`` (capped by the bases' rank R).
+    """Choose every layer's rank for one group.
 
-    Raises ValueError when the ratio needs more rank than the bases hold.
+    Args:
+        bases: ``{module path: SVDFactors}``.
+        ratio: the group's compression ratio.
+
+    Returns:
+        ``{module path: r_i}``.
+
+    Raises:
+        ValueError: when the ratio needs more rank than the bases hold (R).
     """
     ranks = {}
     for name, f in bases.items():
@@ -200,13 +261,24 @@ def layer_ranks(bases: dict[str, SVDFactors], ratio: float) -> dict[str, int]:
 def derive_compressed(
     model: nn.Module, bases: dict[str, SVDFactors], ratio: float, cores: dict[str, torch.Tensor] | None = None
 ) -> nn.Module:
-    """A compressed copy of ``model`` for compression ratio rho: each Linear in ``bases`` becomes an
-    :class:`SVDLinear` with U[:, :r], V[:, :r] and core ``cores[name]`` (default diag(S[:r])).
+    """Derive a compressed copy of a model for one compression ratio.
 
+    Each Linear in ``bases`` becomes an :class:`SVDLinear` with U[:, :r], V[:, :r] and its core.
     Every other parameter and buffer (embeddings, norms, LM head) is shared with ``model``, not
-    copied. The result is frozen (no parameter requires grad) and in eval mode.
-    cores: optional {module path: [r, r]} (e.g. a fused core projected onto this group).
-    Raises ValueError (ratio, core shape).
+    copied.
+
+    Args:
+        model: the backbone.
+        bases: ``{module path: SVDFactors}``.
+        ratio: rho, the group's compression ratio.
+        cores: ``{module path: [r, r]}`` (e.g. a fused core projected onto this group); a layer it
+            leaves out, or all when None, starts at diag(S[:r]).
+
+    Returns:
+        The copy, frozen (no parameter requires grad) and in eval mode.
+
+    Raises:
+        ValueError: for a ratio the bases cannot serve or a core of the wrong shape.
     """
     ranks = layer_ranks(bases, ratio)
     replaced = {id(base_linear(model.get_submodule(n)).weight) for n in bases}
@@ -233,13 +305,31 @@ def _copy_structure(model: nn.Module, memo: dict[int, torch.Tensor]) -> nn.Modul
 
 
 def svd_modules(model: nn.Module) -> dict[str, SVDLinear]:
-    """All SVD layers of a model by module path."""
+    """Find all SVD layers of a model.
+
+    Args:
+        model: the model searched.
+
+    Returns:
+        ``{module path: layer}``.
+    """
     return {n: m for n, m in model.named_modules() if isinstance(m, SVDLinear)}
 
 
 def select_layers(names: list[str], layers: tuple[int, ...] | list[int], num_layers: int) -> list[str]:
-    """The names among ``names`` in the decoder layers ``layers`` (negative counts from the top;
-    empty = all). Raises ValueError for an index out of range."""
+    """Keep the module paths that lie in some decoder layers.
+
+    Args:
+        names: module paths.
+        layers: decoder-layer indices (negative counts from the top); empty = all.
+        num_layers: the model's decoder layers.
+
+    Returns:
+        The paths among ``names`` in those layers, in their order.
+
+    Raises:
+        ValueError: for an index out of range.
+    """
     if not layers:
         return list(names)
     wanted = set(layer_indices(layers, num_layers, "compression.train_layers"))
@@ -247,27 +337,50 @@ def select_layers(names: list[str], layers: tuple[int, ...] | list[int], num_lay
 
 
 def reconstruct(U: torch.Tensor, sigma: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
-    """W = U Sigma V^T [out, in] from U [out, r], sigma [r, r], V [in, r] (FedSLM step 3's W_i)."""
+    """Reconstruct a weight from its bases and core (FedSLM step 3's W_i).
+
+    Args:
+        U: [out, r].
+        sigma: [r, r].
+        V: [in, r].
+
+    Returns:
+        W = U Sigma V^T, [out, in].
+    """
     return U @ sigma @ V.T
 
 
 def project(W: torch.Tensor, U: torch.Tensor, V: torch.Tensor, D: torch.Tensor | None = None) -> torch.Tensor:
-    """Sigma = U^T W D [r, r]: the least-squares best core for W [out, in] given bases U [out, r]
-    (orthonormal) and V [in, r] (docs/methods.md section 2, the decision for the next round's start).
+    """Project a weight onto bases: the least-squares best core.
 
-    D: None when V is orthonormal (plain SVD; D = V, least squares in the Frobenius norm), else
-    the dual basis of whitened bases (``SVDFactors.D[:, :r]``, D = L L^T V with D^T V = I; least
-    squares in the activation norm ||(.) L||_F, L L^T the damped normalised input second moment,
-    nn/whitening.py). Either way
-    W = U M V^T projects to M[:r, :r]. U^T W V with non-orthonormal V is NOT a least-squares core.
+    docs/methods.md section 2, the decision for the next round's start. Either way W = U M V^T
+    projects to M[:r, :r]. U^T W V with non-orthonormal V is NOT a least-squares core.
+
+    Args:
+        W: [out, in] the weight.
+        U: [out, r] orthonormal.
+        V: [in, r].
+        D: None when V is orthonormal (plain SVD; D = V, least squares in the Frobenius norm), else
+            the dual basis of whitened bases (``SVDFactors.D[:, :r]``, D = L L^T V with D^T V = I;
+            least squares in the activation norm ||(.) L||_F, L L^T the damped normalised input
+            second moment, nn/whitening.py).
+
+    Returns:
+        Sigma = U^T W D, [r, r].
     """
     return U.T @ W @ (V if D is None else D)
 
 
 def parameter_bytes(model: nn.Module) -> dict[str, int]:
-    """Bytes held by a model: ``parameters``, ``trainable`` (requires_grad), ``buffers``, ``total``.
+    """Measure the bytes a model holds.
 
     Tensors shared between several modules are counted once (by storage).
+
+    Args:
+        model: the model.
+
+    Returns:
+        ``{"parameters", "trainable" (requires_grad), "buffers", "total"}``, bytes.
     """
     seen: set[int] = set()
 
@@ -289,8 +402,14 @@ def parameter_bytes(model: nn.Module) -> dict[str, int]:
 
 
 def save_bases(bases: dict[str, SVDFactors], path, metadata: dict[str, str] | None = None) -> None:
-    """Write bases to a safetensors file (keys ``<module>.U``, ``.S``, ``.V`` and, for whitened
-    bases, ``.D``), atomically."""
+    """Write bases to a safetensors file, atomically.
+
+    Args:
+        bases: ``{module path: SVDFactors}``; the keys are ``<module>.U``, ``.S``, ``.V`` and, for
+            whitened bases, ``.D``.
+        path: the file.
+        metadata: string metadata stored in the file's header.
+    """
     tensors = {}
     for name, f in bases.items():
         tensors.update({f"{name}.U": f.U.contiguous(), f"{name}.S": f.S.contiguous(), f"{name}.V": f.V.contiguous()})
@@ -300,10 +419,16 @@ def save_bases(bases: dict[str, SVDFactors], path, metadata: dict[str, str] | No
 
 
 def load_bases(path) -> tuple[dict[str, SVDFactors], dict[str, str]]:
-    """Read bases written by :func:`save_bases`: ({module path: SVDFactors}, metadata); D is None
-    where the file holds none (plain SVD).
+    """Read bases written by :func:`save_bases`.
 
-    Raises ValueError when a module lacks one of U, S, V.
+    Args:
+        path: the file.
+
+    Returns:
+        (``{module path: SVDFactors}``, metadata); D is None where the file holds none (plain SVD).
+
+    Raises:
+        ValueError: when a module lacks one of U, S, V.
     """
     with safe_open(str(path), framework="pt") as fh:
         meta = dict(fh.metadata() or {})

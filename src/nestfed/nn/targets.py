@@ -11,8 +11,19 @@ from nestfed.nn.patterns import DEFAULT_TARGET
 
 
 def base_linear(module: nn.Module) -> nn.Linear:
-    """The frozen ``nn.Linear`` of a module: itself, or a :class:`LoraLinear`'s ``base_layer``
-    (the SVD is of the pretrained W; a LoRA update on top is ignored). Raises TypeError otherwise."""
+    """Find the frozen ``nn.Linear`` of a module.
+
+    The SVD is of the pretrained W; a LoRA update on top is ignored.
+
+    Args:
+        module: an ``nn.Linear`` or a :class:`LoraLinear`.
+
+    Returns:
+        The module itself, or a :class:`LoraLinear`'s ``base_layer``.
+
+    Raises:
+        TypeError: for any other module.
+    """
     if isinstance(module, LoraLinear):
         return module.base_layer
     if isinstance(module, nn.Linear):
@@ -21,9 +32,17 @@ def base_linear(module: nn.Module) -> nn.Linear:
 
 
 def target_linear_names(model: nn.Module, pattern: str = DEFAULT_TARGET) -> list[str]:
-    """Paths of the Linear modules (``nn.Linear`` or LoRA-wrapped) whose full path matches ``pattern``.
+    """List the Linear modules (``nn.Linear`` or LoRA-wrapped) whose full path matches a pattern.
 
-    Raises ValueError for an invalid regex or when nothing matches.
+    Args:
+        model: the model searched.
+        pattern: a regex, matched against the whole module path.
+
+    Returns:
+        The module paths, in the model's order.
+
+    Raises:
+        ValueError: for an invalid regex or when nothing matches.
     """
     try:
         rx = re.compile(pattern)

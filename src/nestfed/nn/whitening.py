@@ -60,18 +60,29 @@ def second_moments(
     pattern: str | None = None,
     batch_size: int = 8,
 ) -> dict[str, torch.Tensor]:
-    """The input second moment C = X^T X / N [in, in] (float64, in host memory) of each target Linear on token batches.
+    """Collect each target Linear's input second moment C = X^T X / N on token batches.
 
-    model: a Llama/Qwen2-family causal LM (run through :func:`nestfed.nn.frozen_prefix.final_hidden`,
-    no LM head), frozen; LoRA-wrapped layers are hooked at their ``base_layer`` (the SVD is of the
-    pretrained W, its input is the wrapper's input). input_ids: [B, T] calibration blocks; every
-    token counts (packed blocks, no padding). names: module paths to collect (default: those
-    matching ``pattern``, default :data:`~nestfed.nn.svd.DEFAULT_TARGET`). N = B * T tokens.
-    Runs under torch.no_grad in eval mode (the mode is restored), in batches of ``batch_size``
-    sequences. Memory: 8 in^2 bytes per module (about 1.1 GB for all 210 projections of
-    SmolLM2-135M, 140 MB for its top four layers).
-    Raises ValueError (pattern matching nothing, empty input_ids, a layer no activation reached).
     Source: SVD-LLM (arXiv 2403.07378) section 3.1, the calibration step of its data whitening.
+    Runs under torch.no_grad in eval mode (the mode is restored). N = B * T tokens. Memory: 8 in^2
+    bytes per module (about 1.1 GB for all 210 projections of SmolLM2-135M, 140 MB for its top four
+    layers).
+
+    Args:
+        model: a Llama/Qwen2-family causal LM (run through
+            :func:`nestfed.nn.frozen_prefix.final_hidden`, no LM head), frozen; LoRA-wrapped layers
+            are hooked at their ``base_layer`` (the SVD is of the pretrained W, its input is the
+            wrapper's input).
+        input_ids: [B, T] calibration blocks; every token counts (packed blocks, no padding).
+        names: module paths to collect; None = those matching ``pattern``.
+        pattern: a regex over module paths; None = :data:`~nestfed.nn.svd.DEFAULT_TARGET`.
+        batch_size: sequences per forward.
+
+    Returns:
+        ``{module path: C}``, C [in, in] float64 in host memory.
+
+    Raises:
+        ValueError: for a pattern matching nothing, empty input_ids, or a layer no activation
+            reached.
     """
     if input_ids.dim() != 2 or input_ids.numel() == 0:
         raise ValueError(f"calibration input_ids must be a non-empty [B, T] tensor, got {tuple(input_ids.shape)}")
@@ -108,14 +119,24 @@ def second_moments(
 
 
 def whitening_factor(C: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
-    """L [in, in] lower triangular (float64) with L L^T = C / mean(diag(C)) + eps I.
+    """Factor a normalised, damped second moment: L L^T = C / mean(diag(C)) + eps I.
 
-    C: [in, in] symmetric positive semi-definite second moment (any scale). damping: eps relative
-    to the normalised unit mean diagonal (0 allowed when C is positive definite). When the
-    Cholesky factorisation fails, eps is multiplied by 10 (starting from max(damping, 1e-6)), at
-    most :data:`MAX_RETRIES` times. Raises ValueError (not square, non-finite, zero trace, still
-    not positive definite). Source: SVD-LLM (arXiv 2403.07378) section 3.1 (its whitening matrix
-    is this Cholesky factor; the normalisation and damping are ours, the damping as in GPTQ).
+    Source: SVD-LLM (arXiv 2403.07378) section 3.1 (its whitening matrix is this Cholesky factor;
+    the normalisation and damping are ours, the damping as in GPTQ). When the Cholesky
+    factorisation fails, eps is multiplied by 10 (starting from max(damping, 1e-6)), at most
+    :data:`MAX_RETRIES` times.
+
+    Args:
+        C: [in, in] symmetric positive semi-definite second moment (any scale).
+        damping: eps relative to the normalised unit mean diagonal (0 allowed when C is positive
+            definite).
+
+    Returns:
+        L [in, in], lower triangular, float64.
+
+    Raises:
+        ValueError: when C is not square, not finite, has zero trace, or is still not positive
+            definite.
     """
     if C.dim() != 2 or C.shape[0] != C.shape[1]:
         raise ValueError(f"second moment must be square [in, in], got {tuple(C.shape)}")
@@ -137,14 +158,24 @@ def whitening_factor(C: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
 def whitened_svd(
     W: torch.Tensor, C: torch.Tensor, damping: float = DAMPING
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Activation-aware SVD of W [out, in] for input second moment C [in, in] (module docstring).
+    """Compute the activation-aware SVD of a weight (the module docstring).
 
-    Returns (U [out, k], S [k], V [in, k], D [in, k]) in float64, k = min(out, in), S descending:
-    W = U diag(S) V^T exactly at this full rank k (whatever the damping), U orthonormal,
-    V = L^{-T} Vw and the dual basis D = L Vw with D^T V = I (L from :func:`whitening_factor`).
-    Cost: a Cholesky of [in, in] and an SVD of [out, in] in float64 (0.4-0.7 s for SmolLM2's
-    576 x 1536 layers on one core). Raises ValueError (shapes, C not usable, see :func:`whitening_factor`).
-    Source: SVD-LLM (arXiv 2403.07378) section 3.1, truncation-aware data whitening.
+    Source: SVD-LLM (arXiv 2403.07378) section 3.1, truncation-aware data whitening. Cost: a
+    Cholesky of [in, in] and an SVD of [out, in] in float64 (0.4-0.7 s for SmolLM2's 576 x 1536
+    layers on one core).
+
+    Args:
+        W: [out, in] the weight.
+        C: [in, in] its input second moment.
+        damping: eps of :func:`whitening_factor`.
+
+    Returns:
+        (U [out, k], S [k], V [in, k], D [in, k]) in float64, k = min(out, in), S descending:
+        W = U diag(S) V^T exactly at this full rank k (whatever the damping), U orthonormal,
+        V = L^{-T} Vw and the dual basis D = L Vw with D^T V = I (L from :func:`whitening_factor`).
+
+    Raises:
+        ValueError: for mismatched shapes, or a C that is not usable (see :func:`whitening_factor`).
     """
     if W.dim() != 2 or tuple(C.shape) != (W.shape[1], W.shape[1]):
         raise ValueError(
@@ -158,7 +189,14 @@ def whitened_svd(
 
 
 def token_hash(input_ids: torch.Tensor) -> str:
-    """A 16-hex-digit SHA-256 of calibration token ids [B, T] (shape and int64 values), for cache keys."""
+    """Hash calibration token ids (shape and int64 values), for cache keys.
+
+    Args:
+        input_ids: [B, T] token ids.
+
+    Returns:
+        The first 16 hex digits of their SHA-256.
+    """
     ids = input_ids.detach().to(torch.int64).contiguous().cpu()
     h = hashlib.sha256(str(tuple(ids.shape)).encode())
     h.update(ids.numpy().tobytes())
