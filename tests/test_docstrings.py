@@ -36,6 +36,7 @@ yaml = pytest.importorskip("yaml", reason="the docs extra (mkdocs)")
 ROOT = Path(__file__).resolve().parents[1]
 
 COVERED = [  # dotted names; a package covers its modules
+    "nestfed.config",
     "nestfed.errors",
     "nestfed.io",
     "nestfed.nn",

@@ -81,8 +81,14 @@ WHAT: dict[Capability, tuple[str, str]] = {
 
 
 def asked_by(cfg: Any) -> dict[Capability, str]:
-    """The capabilities an experiment config asks for, {capability: the field that asks}.
-    ``cfg``: an ExperimentConfig (typed loosely: this module sits below the schema)."""
+    """Find the capabilities an experiment config asks for.
+
+    Args:
+        cfg: an ExperimentConfig (typed loosely: this module sits below the schema).
+
+    Returns:
+        ``{capability: the field that asks}``.
+    """
     out: dict[Capability, str] = {}
     if len(set(cfg.lora.ranks)) > 1:
         out[Capability.HETEROGENEOUS_RANKS] = "lora.ranks"
@@ -104,8 +110,17 @@ def asked_by(cfg: Any) -> dict[Capability, str]:
 def refusal(
     method: str, declared: Iterable[Capability], asked: Mapping[Capability, str], reasons: Mapping[Capability, str]
 ) -> str | None:
-    """The one line refusing the first capability in ``asked`` ({capability: field}) that
-    ``declared`` lacks, ``<field>: <method> cannot <what>: <reason>``; None when all are declared."""
+    """Write the one line refusing the first capability asked for that a method lacks.
+
+    Args:
+        method: the method's name.
+        declared: the capabilities it declares.
+        asked: ``{capability: field}``, what is asked for.
+        reasons: the method's own reasons (``Method.refusals``); a capability's default otherwise.
+
+    Returns:
+        ``<field>: <method> cannot <what>: <reason>``; None when all are declared.
+    """
     have = set(declared)
     for cap, where in asked.items():
         if cap not in have:

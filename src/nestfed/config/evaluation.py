@@ -15,12 +15,17 @@ FINALS = ("all", "panel")
 
 @dataclass(frozen=True)
 class EvaluationConfig:
-    """clients: the panel evaluated after rounds 1..R-1 (0 = every client), drawn once from
-    ``data.seed`` (the seed rule's stream ``eval_panel``); final: rounds 0 and R evaluate ``all``
-    clients or the ``panel``; every: evaluate after every ``every``-th round (round R always);
-    global_test: rows (blocks or examples) of a global held-out set drawn uniformly from the union of
-    every client's held-out records (so from the population's own mixture), evaluated on the server
-    under the global adapter after every evaluated round (0 = none)."""
+    """Which clients a round evaluates, and the global held-out set.
+
+    Attributes:
+        clients: the panel evaluated after rounds 1..R-1 (0 = every client), drawn once from
+            ``data.seed`` (the seed rule's stream ``eval_panel``).
+        final: rounds 0 and R evaluate ``all`` clients or the ``panel``.
+        every: evaluate after every ``every``-th round (round R always).
+        global_test: rows (blocks or examples) of a global held-out set drawn uniformly from the
+            union of every client's held-out records (so from the population's own mixture),
+            evaluated on the server under the global adapter after every evaluated round (0 = none).
+    """
 
     clients: int = 0
     final: str = "all"
@@ -29,7 +34,15 @@ class EvaluationConfig:
 
 
 def check_evaluation(e: EvaluationConfig, num_clients: int) -> None:
-    """Raises ValueError("evaluation.<key>: <reason>") for the first value at fault."""
+    """Check ``[evaluation]``.
+
+    Args:
+        e: the section.
+        num_clients: ``data.num_clients``, the panel's upper bound.
+
+    Raises:
+        ValueError: "evaluation.<key>: <reason>", for the first value at fault.
+    """
     if e.clients < 0 or e.clients > num_clients:
         raise ValueError(f"evaluation.clients must be in 0..data.num_clients = {num_clients}, got {e.clients}")
     if e.final not in FINALS:

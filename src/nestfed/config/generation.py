@@ -11,13 +11,21 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class GenerationConfig:
-    """rows: held-out prompts per client answered after the last round (0 = no generated
-    evaluation); max_new_tokens: tokens generated per answer at most; temperature: 0 = greedy,
-    else sampling; top_p: the nucleus; seed: sampling's (per prompt); batch_size: prompts per
-    batch; verbaliser: the labels a classification answer is read as (the first one the answer
-    names, case-insensitive, whole words; accuracy against the reference; empty = none); ranks:
-    truncation ranks r at which the global adapter also answers every client's prompts (a
-    nested method's prefixes; empty = none)."""
+    """The generated evaluation after the last round.
+
+    Attributes:
+        rows: held-out prompts per client answered after the last round (0 = no generated
+            evaluation).
+        max_new_tokens: tokens generated per answer at most.
+        temperature: 0 = greedy, else sampling.
+        top_p: the nucleus.
+        seed: sampling's (per prompt).
+        batch_size: prompts per batch.
+        verbaliser: the labels a classification answer is read as (the first one the answer names,
+            case-insensitive, whole words; accuracy against the reference; empty = none).
+        ranks: truncation ranks r at which the global adapter also answers every client's prompts
+            (a nested method's prefixes; empty = none).
+    """
 
     rows: int = 0
     max_new_tokens: int = 32
@@ -30,8 +38,17 @@ class GenerationConfig:
 
 
 def check_generation(g: GenerationConfig, task: str, template: str, templates: tuple[str, ...]) -> None:
-    """The instruction settings: ``data.template`` among ``templates``, then ``[generation]``.
-    Raises ValueError("<section>.<key>: <reason>") for the first value at fault."""
+    """Check the instruction settings: ``data.template``, then ``[generation]``.
+
+    Args:
+        g: the ``[generation]`` section.
+        task: ``data.task`` (a generated evaluation needs ``instruction``).
+        template: ``data.template``.
+        templates: the known templates.
+
+    Raises:
+        ValueError: "<section>.<key>: <reason>", for the first value at fault.
+    """
     if template not in templates:
         raise ValueError(f"data.template: unknown template '{template}' (known: {', '.join(templates)})")
     if g.rows < 0:

@@ -31,14 +31,17 @@ from nestfed.errors import ConfigError
 class Schema:
     """What a config may hold beyond the core sections.
 
-    sections: {section name: options dataclass} declared by method homes (each dataclass checks
-    its own values in ``__post_init__``, raising ValueError("<key>: <reason>")); methods: the
-    names ``strategy.name`` accepts; check: cross-section checks of the named method, called with
-    the whole config, raising ValueError("<section.key>: <reason>"); moved: {former section: the
-    section that now holds its keys}, for a one-line pointer; former: {section: {key: what a run
-    written before the key existed ran with}} (a value, or a function of the whole stored
-    document), which :func:`migrate` fills into a stored config lacking the key, so that an earlier
-    run directory resumes, exports and compares as it ran when a default has changed since.
+    Attributes:
+        sections: {section name: options dataclass} declared by method homes (each dataclass checks
+            its own values in ``__post_init__``, raising ValueError("<key>: <reason>")).
+        methods: the names ``strategy.name`` accepts.
+        check: cross-section checks of the named method, called with the whole config, raising
+            ValueError("<section.key>: <reason>"); None = none.
+        moved: {former section: the section that now holds its keys}, for a one-line pointer.
+        former: {section: {key: what a run written before the key existed ran with}} (a value, or a
+            function of the whole stored document), which :func:`migrate` fills into a stored
+            config lacking the key, so that an earlier run directory resumes, exports and compares
+            as it ran when a default has changed since.
     """
 
     sections: Mapping[str, type] = field(default_factory=dict)
@@ -137,9 +140,16 @@ def _section(cls: type, table: dict[str, Any], name: str, source: str, schema: S
 
 
 def parse_override(text: str) -> tuple[str, Any]:
-    """Parse ``section.key=value``; the value is read as TOML, else kept as a plain string.
+    """Parse a ``section.key=value`` override.
 
-    Raises ConfigError when there is no '=' or no dotted key.
+    Args:
+        text: the override as given on the command line.
+
+    Returns:
+        (``section.key``, value): the value read as TOML, else kept as a plain string.
+
+    Raises:
+        ConfigError: when there is no '=' or no dotted key.
     """
     if "=" not in text:
         raise ConfigError(f"override '{text}': expected section.key=value")
@@ -157,7 +167,16 @@ def parse_override(text: str) -> tuple[str, Any]:
 def from_dict(data: Mapping[str, Any], source: str = "<config>", schema: Schema = Schema()) -> ExperimentConfig:
     """Build and validate an ExperimentConfig from nested dicts (a parsed TOML document).
 
-    Raises ConfigError naming ``source`` and the section or key at fault.
+    Args:
+        data: ``{section: {key: value}}``.
+        source: where the document comes from, for the error messages.
+        schema: the sections and methods beyond the core.
+
+    Returns:
+        The config.
+
+    Raises:
+        ConfigError: naming ``source`` and the section or key at fault.
     """
     hints = typing.get_type_hints(ExperimentConfig)
     sections = _all_sections(schema)
@@ -184,8 +203,16 @@ def from_dict(data: Mapping[str, Any], source: str = "<config>", schema: Schema 
 
 
 def validate(cfg: ExperimentConfig, source: str, schema: Schema) -> None:
-    """The core checks, the method's name, then the method's own cross-section checks.
-    Raises ConfigError("<source>: <section.key>: <reason>")."""
+    """Run the core checks, check the method's name, then the method's own cross-section checks.
+
+    Args:
+        cfg: the config.
+        source: where it comes from, for the error message.
+        schema: the methods and their checks.
+
+    Raises:
+        ConfigError: "<source>: <section.key>: <reason>".
+    """
     if schema.methods and cfg.strategy.name not in schema.methods:
         raise ConfigError(
             f"{source}: strategy.name: unknown method '{cfg.strategy.name}' (known: {', '.join(schema.methods)})"
@@ -230,7 +257,18 @@ def _read_toml(p: Path, seen: set[Path]) -> dict[str, Any]:
 
 
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """``data`` (parsed TOML tables) with ``section.key=value`` overrides set. Raises ConfigError."""
+    """Set ``section.key=value`` overrides in parsed TOML tables.
+
+    Args:
+        data: ``{section: {key: value}}``, changed in place.
+        overrides: the overrides, in order (a later one wins).
+
+    Returns:
+        ``data``.
+
+    Raises:
+        ConfigError: for a malformed override or a section that is not a table.
+    """
     for text in overrides:
         key, value = parse_override(text)
         section, name = key.split(".")
@@ -242,12 +280,21 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
 
 
 def migrate(data: Mapping[str, Any], schema: Schema = Schema()) -> dict[str, Any]:
-    """A resolved config written by an earlier nestfed (a run directory's config.toml), its moved
-    settings put where they live now: a former section's keys into the section that holds them
-    (``schema.moved``), and a core key named ``<section>_<key>`` for a section that now owns it
-    (``data.niah_train_length`` -> ``niah.train_length``), and a section's keys added since with
-    the values it ran with then (``schema.former``). A user's own config is not migrated: it gets
-    the one-line pointer instead, and the current defaults."""
+    """Put a stored resolved config's moved settings where they live now.
+
+    A former section's keys go into the section that holds them (``schema.moved``), a core key named
+    ``<section>_<key>`` into the section that owns it (``data.niah_train_length`` ->
+    ``niah.train_length``), and a section gets the keys added since with the values it ran with
+    then (``schema.former``). A user's own config is not migrated: it gets the one-line pointer
+    instead, and the current defaults.
+
+    Args:
+        data: a resolved config written by an earlier nestfed (a run directory's config.toml).
+        schema: the moves and former values.
+
+    Returns:
+        A migrated copy.
+    """
     out = {name: dict(table) if isinstance(table, dict) else table for name, table in data.items()}
     for old, new in schema.moved.items():
         if isinstance(out.get(old), dict) and old not in _all_sections(schema):
@@ -276,10 +323,22 @@ def load(
     stored: bool = False,
 ) -> ExperimentConfig:
     """Read a TOML experiment file (following ``extends``) and apply ``section.key=value`` overrides.
-    stored: the file is a run directory's resolved config (:func:`migrate` first).
 
-    Raises ConfigError (file missing or unreadable, not UTF-8, TOML syntax, unknown section or
-    key, bad type or value).
+    Path fields are made absolute (:func:`resolve_paths`); the values as written are kept in
+    ``given``.
+
+    Args:
+        path: the file; None = the defaults.
+        overrides: ``section.key=value`` overrides.
+        schema: the sections and methods beyond the core.
+        stored: the file is a run directory's resolved config (:func:`migrate` first).
+
+    Returns:
+        The validated config.
+
+    Raises:
+        ConfigError: for a file missing or unreadable, not UTF-8, TOML syntax, an unknown section or
+            key, a bad type or value.
     """
     data: dict[str, Any] = {}
     source = "<defaults>"
@@ -297,8 +356,16 @@ def load(
 
 
 def given_comments(text: str) -> dict[str, str]:
-    """``{"section.key": value as written}`` from the ``# given as "..."`` comments :func:`dumps_toml`
-    writes beside resolved paths (a stored config keeps them when it is written again)."""
+    """Read the ``# given as "..."`` comments :func:`dumps_toml` writes beside resolved paths.
+
+    A stored config keeps them when it is written again.
+
+    Args:
+        text: a resolved config's TOML text.
+
+    Returns:
+        ``{"section.key": value as written}``.
+    """
     out, section = {}, ""
     for line in text.splitlines():
         head = re.fullmatch(r"\[(\w+)\]\s*", line)
@@ -316,12 +383,18 @@ PATH_FIELDS = (("model", "name"), ("model", "cache_dir"), ("data", "path"), ("po
 
 
 def resolve_paths(data: dict[str, Any]) -> dict[str, str]:
-    """Make the path fields of ``data`` (parsed TOML tables, changed in place) absolute against the
-    working directory, so a run directory works from any folder: ``model.name`` when it names an
-    existing directory (a built-in model's name stays a name), ``data.path`` and
-    ``population.elastic_trace`` when they exist (a missing one keeps its text for the error that
-    names it), ``model.cache_dir`` always. Returns ``{"section.key": value as written}`` for every
-    field it changed."""
+    """Make the path fields absolute against the working directory, so a run directory works from any folder.
+
+    ``model.name`` when it names an existing directory (a built-in model's name stays a name),
+    ``data.path`` and ``population.elastic_trace`` when they exist (a missing one keeps its text for
+    the error that names it), ``model.cache_dir`` always.
+
+    Args:
+        data: parsed TOML tables, changed in place.
+
+    Returns:
+        ``{"section.key": value as written}`` for every field it changed.
+    """
     given = {}
     for section, key in PATH_FIELDS:
         table = data.get(section)
@@ -339,7 +412,14 @@ def resolve_paths(data: dict[str, Any]) -> dict[str, str]:
 
 
 def to_dict(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:
-    """The resolved config as nested plain dicts (tuples become lists), core sections first."""
+    """Turn the resolved config into nested plain dicts, core sections first.
+
+    Args:
+        cfg: the config.
+
+    Returns:
+        ``{section: {key: value}}``, tuples as lists.
+    """
 
     def plain(v: Any) -> Any:
         return [plain(x) for x in v] if isinstance(v, tuple) else v
@@ -351,8 +431,17 @@ def to_dict(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:
 
 
 def dumps_toml(cfg: ExperimentConfig) -> str:
-    """Serialise the resolved config to TOML text (reloadable by :func:`load`); a {value: share}
-    table is written as an inline table, ``{2 = 0.4, 4 = 0.6}``."""
+    """Serialise the resolved config to TOML text, reloadable by :func:`load`.
+
+    A {value: share} table is written as an inline table, ``{2 = 0.4, 4 = 0.6}``; a resolved path
+    carries its value as written in a ``# given as "..."`` comment.
+
+    Args:
+        cfg: the config.
+
+    Returns:
+        The TOML text.
+    """
     lines = []
     for section, table in to_dict(cfg).items():
         obj = getattr(cfg, section) if section in CORE_SECTIONS else cfg.section(section)
@@ -383,8 +472,21 @@ def _toml_value(v: Any) -> str:
 
 
 def replace(cfg: ExperimentConfig, schema: Schema, **sections: dict[str, Any]) -> ExperimentConfig:
-    """A validated copy of ``cfg`` with fields of named sections replaced:
-    ``replace(cfg, schema, strategy={'name': 'flora'})``. Raises ConfigError."""
+    """Copy a config with fields of named sections replaced, and validate the copy.
+
+    ``replace(cfg, schema, strategy={'name': 'flora'})``.
+
+    Args:
+        cfg: the config.
+        schema: the sections and methods beyond the core.
+        **sections: ``{section: {key: value}}`` the fields to replace.
+
+    Returns:
+        The validated copy.
+
+    Raises:
+        ConfigError: for a value at fault.
+    """
     core, extra = {}, dict(cfg.sections)
     for name, values in sections.items():
         try:
@@ -400,7 +502,15 @@ def replace(cfg: ExperimentConfig, schema: Schema, **sections: dict[str, Any]) -
 
 
 def differences(old: ExperimentConfig, new: ExperimentConfig) -> list[str]:
-    """The dotted keys whose values differ, as ``section.key: old -> new`` (sorted)."""
+    """List the dotted keys whose values differ between two configs.
+
+    Args:
+        old: one config.
+        new: the other.
+
+    Returns:
+        ``section.key: old -> new`` lines, sorted.
+    """
     a, b = to_dict(old), to_dict(new)
     out = []
     for section in sorted(set(a) | set(b)):

@@ -30,24 +30,31 @@ ELASTIC = ("none", "uniform", "trace")
 class PopulationConfig:
     """The clients as a population.
 
-    rank_shares: {rank r: share} the clients' ranks r_k are drawn from (shares sum to 1); empty =
-    ``lora.ranks``, which it then replaces (lora.ranks must then be left at one value).
-    memory_mib: {device memory in MiB: share}: alternatively each client's memory budget is drawn
-    from these tiers and its rank is the largest of ``rank_choices`` whose training footprint fits
-    the budget (the footprint model of nestfed.nn.footprint, measured on the backbone when the
-    experiment is prepared). rank_choices: the ranks a memory budget chooses from (empty = 1, 2,
-    4, ... up to lora.r_max). rank_draw: ``stratified`` (each value's count is its share of
-    data.num_clients, rounded by largest remainders, on a seeded permutation of the clients) or
-    ``independent`` (every client draws on its own).
-    elastic: ``none``; ``uniform`` (each round a sampled client trains at a rank drawn uniformly from
-    the federation's ranks up to its own, as if its free memory varied); ``trace`` (the ranks of
-    ``elastic_trace``, a CSV file with columns round, client and rank, or memory_mib: a budget
-    trace, each budget turned into the largest rank whose footprint fits, a budget that holds none
-    sitting the round out; a (round, client) it does not list trains at its own rank). A method
-    serves an elastic rank by training the prefix of that
-    rank, or refuses the setting with its reason (the ELASTIC_RANKS capability, nestfed.config.capabilities).
-    availability: the probability that a client is online in a round (sampling draws from the
-    online clients); dropout: the probability that a sampled client drops out before it replies.
+    A method serves an elastic rank by training the prefix of that rank, or refuses the setting
+    with its reason (the ELASTIC_RANKS capability, nestfed.config.capabilities).
+
+    Attributes:
+        rank_shares: {rank r: share} the clients' ranks r_k are drawn from (shares sum to 1); empty
+            = ``lora.ranks``, which it then replaces (lora.ranks must then be left at one value).
+        memory_mib: {device memory in MiB: share}: alternatively each client's memory budget is
+            drawn from these tiers and its rank is the largest of ``rank_choices`` whose training
+            footprint fits the budget (the footprint model of nestfed.nn.footprint, measured on the
+            backbone when the experiment is prepared).
+        rank_choices: the ranks a memory budget chooses from (empty = 1, 2, 4, ... up to
+            lora.r_max).
+        rank_draw: ``stratified`` (each value's count is its share of data.num_clients, rounded by
+            largest remainders, on a seeded permutation of the clients) or ``independent`` (every
+            client draws on its own).
+        elastic: ``none``; ``uniform`` (each round a sampled client trains at a rank drawn uniformly
+            from the federation's ranks up to its own, as if its free memory varied); ``trace``
+            (the ranks of ``elastic_trace``).
+        elastic_trace: a CSV file with columns round, client and rank, or memory_mib (a budget
+            trace, each budget turned into the largest rank whose footprint fits, a budget that
+            holds none sitting the round out); a (round, client) it does not list trains at its own
+            rank.
+        availability: the probability that a client is online in a round (sampling draws from the
+            online clients).
+        dropout: the probability that a sampled client drops out before it replies.
     """
 
     rank_shares: Shares = ()
@@ -65,8 +72,15 @@ class PopulationConfig:
         return bool(self.rank_shares or self.memory_mib)
 
     def support(self, r_max_setting: int) -> list[int]:
-        """The ranks a client may be given, sorted: the shares' ranks, or the memory budgets' choices
-        (``rank_choices``, else 1, 2, 4, ... up to ``r_max_setting``); [] when lora.ranks decides."""
+        """List the ranks a client may be given, sorted.
+
+        Args:
+            r_max_setting: ``lora.r_max`` as set (0 = unset).
+
+        Returns:
+            The shares' ranks, or the memory budgets' choices (``rank_choices``, else 1, 2, 4, ...
+            up to ``r_max_setting``); [] when lora.ranks decides.
+        """
         if self.rank_shares:
             return sorted(r for r, _ in self.rank_shares)
         if self.memory_mib:
@@ -92,8 +106,16 @@ def _check_shares(name: str, shares: Shares) -> None:
 
 
 def check_population(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setting: int) -> None:
-    """Check ``[population]`` against ``lora.ranks`` and ``lora.r_max``. Raises
-    ValueError("population.<key>: <reason>") for the first value at fault."""
+    """Check ``[population]`` against ``lora.ranks`` and ``lora.r_max``.
+
+    Args:
+        p: the section.
+        lora_ranks: ``lora.ranks``.
+        r_max_setting: ``lora.r_max`` as set (0 = unset).
+
+    Raises:
+        ValueError: "population.<key>: <reason>", for the first value at fault.
+    """
     _check_shares("rank_shares", p.rank_shares)
     _check_shares("memory_mib", p.memory_mib)
     if p.rank_shares and p.memory_mib:
@@ -127,12 +149,23 @@ def check_population(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setti
 
 
 def draw(shares: Shares, n: int, how: str, seed: int, stream: str) -> list[int]:
-    """One value per client 0..n-1 from ``shares`` ({value: share}).
+    """Draw one value per client 0..n-1 from shares.
 
-    ``stratified``: value v appears floor(share_v n) times plus one for the largest remainders (ties
-    to the smaller value), on a permutation of the clients drawn from the seed rule's stream
-    ``stream`` of (seed, 0, 0); ``independent``: each client draws on its own from that stream.
-    Raises ValueError for no shares or n < 1.
+    Args:
+        shares: {value: share}.
+        n: the clients.
+        how: ``stratified`` (value v appears floor(share_v n) times plus one for the largest
+            remainders, ties to the smaller value, on a permutation of the clients) or
+            ``independent`` (each client draws on its own).
+        seed: the seed (``data.seed``); the draws come from the seed rule's stream ``stream`` of
+            (seed, 0, 0).
+        stream: the stream's name.
+
+    Returns:
+        The values, client by client.
+
+    Raises:
+        ValueError: for no shares or n < 1.
     """
     if not shares or n < 1:
         raise ValueError("draw needs shares and at least one client")
@@ -158,13 +191,27 @@ def assign_ranks(
     seed: int,
     footprint: Callable[[int], int] | None = None,
 ) -> tuple[list[int], list[int] | None]:
-    """(rank r_k of every client, its memory budget in MiB or None).
+    """Assign every client its rank and, for memory budgets, its budget.
 
     From ``rank_shares`` (:func:`draw`, stream ``population/rank``), from ``memory_mib`` (budgets
-    drawn by stream ``population/memory``; rank = the largest choice whose ``footprint(r)`` bytes fit
-    the budget), else ``lora.ranks`` broadcast. Raises ValueError naming ``population.memory_mib``
-    when a budget fits no choice, and when budgets need a footprint and none is given (the model
-    is not loaded yet).
+    drawn by stream ``population/memory``; rank = the largest choice whose ``footprint(r)`` bytes
+    fit the budget), else ``lora.ranks`` broadcast.
+
+    Args:
+        p: the ``[population]`` section.
+        lora_ranks: ``lora.ranks``.
+        r_max_setting: ``lora.r_max`` as set (0 = unset).
+        num_clients: ``data.num_clients``.
+        seed: ``data.seed``.
+        footprint: bytes of a client's training footprint at rank r (nestfed.nn.footprint); None
+            before the model is loaded.
+
+    Returns:
+        (rank r_k of every client, every client's memory budget in MiB or None).
+
+    Raises:
+        ValueError: naming ``population.memory_mib`` when a budget fits no choice, or when budgets
+            need a footprint and none is given (the model is not loaded yet).
     """
     if p.rank_shares:
         return draw(p.rank_shares, num_clients, p.rank_draw, seed, "population/rank"), None

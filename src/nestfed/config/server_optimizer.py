@@ -32,11 +32,15 @@ _HINTS = {"avg": "sgd", "avgm": "sgdm", "adagrad": "adagrad", "adam": "adam", "y
 class ServerOptimizerConfig:
     """The server optimiser (Reddi et al. 2021, Algorithms 1 and 2).
 
-    name: one of :data:`NAMES`; lr: the server learning rate eta (> 0; 1 with ``sgd`` is the
-    strategy's aggregate unchanged; the adaptive optimisers need far smaller values, the paper
-    tunes eta over powers of 10); momentum: FedAvgM's mu in [0, 1); beta1, beta2: the decay
-    parameters of Algorithm 2 in [0, 1) (beta2 unused by ``adagrad``); tau: the adaptivity
-    epsilon (> 0; the paper's 1e-3 default), also fixing v_{-1} = tau^2.
+    Attributes:
+        name: one of :data:`NAMES`.
+        lr: the server learning rate eta (> 0; 1 with ``sgd`` is the strategy's aggregate
+            unchanged; the adaptive optimisers need far smaller values, the paper tunes eta over
+            powers of 10).
+        momentum: FedAvgM's mu in [0, 1).
+        beta1: the first decay parameter of Algorithm 2, in [0, 1).
+        beta2: the second decay parameter of Algorithm 2, in [0, 1) (unused by ``adagrad``).
+        tau: the adaptivity epsilon (> 0; the paper's 1e-3 default), also fixing v_{-1} = tau^2.
     """
 
     name: str = "sgd"
@@ -55,7 +59,11 @@ class ServerOptimizerConfig:
 def check_server_optimizer(o: ServerOptimizerConfig) -> None:
     """Check ``[server_optimizer]``'s values (the ranges of Reddi et al. 2021, Algorithm 2, line 1).
 
-    Raises ValueError("server_optimizer.<key>: <reason>") for the first value at fault.
+    Args:
+        o: the section.
+
+    Raises:
+        ValueError: "server_optimizer.<key>: <reason>", for the first value at fault.
     """
     if o.name not in NAMES:
         low = o.name.lower()

@@ -26,10 +26,15 @@ NIAH_TEMPLATES = ("passkey", "uuid_code", "name_date", "phrase_code", "counter_s
 class NiahOptions:
     """The needle-in-a-haystack generator (nestfed.data.niah), section ``[niah]``.
 
-    train_length: tokens of a training example; test_lengths: tokens of the test examples (one
-    group per length); depths: the gold needle's depth fractions in [0, 1]; haystack: the filler
-    corpus, ``wikipedia`` | ``austen`` | ``all``; templates: one per client (empty = the seven of
-    docs/methods.md in order).
+    Attributes:
+        train_length: tokens of a training example, >= 64.
+        test_lengths: tokens of the test examples (one group per length), >= 64 each.
+        depths: the gold needle's depth fractions in [0, 1].
+        haystack: the filler corpus, ``wikipedia`` | ``austen`` | ``all``.
+        templates: one per client (empty = the seven of docs/methods.md in order).
+
+    Raises:
+        ValueError: naming the option, for a value out of range.
     """
 
     train_length: int = 512
@@ -60,15 +65,22 @@ RECALL_KINDS = ("city", "colour", "animal", "fruit", "metal", "number")
 class RecallOptions:
     """The associative-recall generator (nestfed.data.recall), section ``[recall]``.
 
-    kinds: one kind of fact per client; held_out: a kind no client trains on, in every client's
-    test set ("" = none); facts: facts per row (2-8); lead: filler tokens before the facts;
-    train_distances / test_distances: tokens from the queried value to the answer (one group per
-    test distance; compare them with ``model.attention_window``); haystack: the filler corpus,
-    ``wikipedia`` | ``austen`` | ``all``. loss: what a training row is labelled with, ``answer``
-    (the answer token only) or ``past_window`` (every token from position
-    ``model.attention_window`` on: next-token prediction on the filler and the answer, the
-    signal a memory gets wherever the window has dropped something; test rows are always scored
-    on the answer).
+    Attributes:
+        kinds: one kind of fact per client.
+        held_out: a kind no client trains on, in every client's test set ("" = none).
+        facts: facts per row (2-8).
+        lead: filler tokens before the facts.
+        train_distances: tokens from the queried value to the answer in training rows (compare
+            them with ``model.attention_window``), >= 32.
+        test_distances: likewise in test rows, one group per test distance.
+        haystack: the filler corpus, ``wikipedia`` | ``austen`` | ``all``.
+        loss: what a training row is labelled with, ``answer`` (the answer token only) or
+            ``past_window`` (every token from position ``model.attention_window`` on: next-token
+            prediction on the filler and the answer, the signal a memory gets wherever the window
+            has dropped something); test rows are always scored on the answer.
+
+    Raises:
+        ValueError: naming the option, for a value out of range.
     """
 
     kinds: tuple[str, ...] = ("city", "colour", "animal", "fruit")
@@ -107,11 +119,17 @@ class RecallOptions:
 class MqarOptions:
     """Multi-query associative recall past the window (nestfed.data.mqar), section ``[mqar]``.
 
-    pairs: key-value pairs per row; queries: how many of them are asked again (distinct keys,
-    1..pairs); gap: filler tokens between the pairs and the queries (compare with
-    ``model.attention_window`` x the layers); vocab: keys and values in each client's vocabulary
-    (>= pairs); fillers: tokens of the shared filler vocabulary; held_out: test every client on a
-    vocabulary no client trains on too.
+    Attributes:
+        pairs: key-value pairs per row.
+        queries: how many of them are asked again (distinct keys, 1..pairs).
+        gap: filler tokens between the pairs and the queries (compare with
+            ``model.attention_window`` x the layers).
+        vocab: keys and values in each client's vocabulary (>= pairs).
+        fillers: tokens of the shared filler vocabulary.
+        held_out: test every client on a vocabulary no client trains on too.
+
+    Raises:
+        ValueError: naming the option, for a value out of range.
     """
 
     pairs: int = 4
@@ -140,13 +158,19 @@ BBC_TOPICS = ("business", "entertainment", "politics", "sport", "tech")
 class Source:
     """One data source as the registry holds it.
 
-    name: what ``data.source`` accepts; summary: one line; reader: ``"module:function"`` (module
-    docstring); tasks: the ``data.task`` values it serves; path: ``"optional"`` (a built-in copy is
-    read when ``data.path`` is empty) or ``"required"``; shared: whether its records are dealt to
-    clients by ``data.partition`` (False: generated per client); blocks: whether ``data.unit =
-    "block"`` may cut it into token blocks; sections: {section: options dataclass} it owns;
-    check(cfg): its own checks of the whole config (ExperimentConfig), raising
-    ValueError("<section.key>: <reason>").
+    Attributes:
+        name: what ``data.source`` accepts.
+        summary: one line.
+        reader: ``"module:function"`` (module docstring).
+        tasks: the ``data.task`` values it serves.
+        path: ``"optional"`` (a built-in copy is read when ``data.path`` is empty) or
+            ``"required"``.
+        shared: whether its records are dealt to clients by ``data.partition`` (False: generated
+            per client).
+        blocks: whether ``data.unit = "block"`` may cut it into token blocks.
+        sections: {section: options dataclass} it owns.
+        check: ``check(cfg)``, its own checks of the whole config (ExperimentConfig), raising
+            ValueError("<section.key>: <reason>"); None = none.
     """
 
     name: str
@@ -160,7 +184,14 @@ class Source:
     check: Callable[[Any], None] | None = None
 
     def read(self, *args: Any) -> Any:
-        """Call the reader (imported on first use) with ``args``."""
+        """Call the reader, imported on first use.
+
+        Args:
+            *args: the reader's arguments (module docstring).
+
+        Returns:
+            What the reader returns.
+        """
         module, _, function = self.reader.partition(":")
         return getattr(importlib.import_module(module), function)(*args)
 
@@ -282,7 +313,17 @@ REGISTRY: dict[str, Source] = {
 
 
 def get(name: str) -> Source:
-    """The source ``name``. Raises ValueError("data.source: ...") listing the known ones."""
+    """Look a source up in the registry.
+
+    Args:
+        name: ``data.source``.
+
+    Returns:
+        The source.
+
+    Raises:
+        ValueError: "data.source: ...", listing the known ones.
+    """
     try:
         return REGISTRY[name]
     except KeyError:
@@ -290,13 +331,23 @@ def get(name: str) -> Source:
 
 
 def sections() -> dict[str, type]:
-    """{section: options dataclass} of every registered source."""
+    """Collect the options sections of every registered source.
+
+    Returns:
+        ``{section: options dataclass}``.
+    """
     return {name: cls for s in REGISTRY.values() for name, cls in s.sections.items()}
 
 
 def check_source(cfg: Any) -> None:
-    """The data source's checks of a config (cfg: ExperimentConfig): its tasks, units and path, then
-    its own. Raises ValueError("<section.key>: ...")."""
+    """Run the data source's checks of a config: its tasks, units and path, then its own.
+
+    Args:
+        cfg: the ExperimentConfig.
+
+    Raises:
+        ValueError: "<section.key>: ...".
+    """
     d = cfg.data
     s = get(d.source)
     if d.task not in s.tasks:

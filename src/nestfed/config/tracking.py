@@ -14,11 +14,13 @@ from dataclasses import dataclass
 class TrackingConfig:
     """Where a run's per-round values go besides metrics.jsonl.
 
-    tensorboard: write TensorBoard event files into ``<run dir>/tensorboard/``. mlflow: log to an
-    MLflow tracking store, one MLflow run per nestfed run (its id kept in
-    ``<run dir>/mlflow_run_id``); mlflow_uri: the tracking URI ("" = a local SQLite store,
-    ``sqlite:///<output.dir>/mlflow.db``; any URI MLflow accepts, e.g. ``http://host:5000``);
-    mlflow_experiment: the MLflow experiment ("" = ``output.name``, else ``nestfed``).
+    Attributes:
+        tensorboard: write TensorBoard event files into ``<run dir>/tensorboard/``.
+        mlflow: log to an MLflow tracking store, one MLflow run per nestfed run (its id kept in
+            ``<run dir>/mlflow_run_id``).
+        mlflow_uri: the tracking URI ("" = a local SQLite store, ``sqlite:///<output.dir>/mlflow.db``;
+            any URI MLflow accepts, e.g. ``http://host:5000``).
+        mlflow_experiment: the MLflow experiment ("" = ``output.name``, else ``nestfed``).
     """
 
     tensorboard: bool = False
@@ -28,7 +30,14 @@ class TrackingConfig:
 
 
 def check_tracking(t: TrackingConfig) -> None:
-    """Check ``[tracking]``. Raises ValueError("tracking.<key>: <reason>") for a value at fault."""
+    """Check ``[tracking]``.
+
+    Args:
+        t: the section.
+
+    Raises:
+        ValueError: "tracking.<key>: <reason>", for a value at fault.
+    """
     if t.mlflow_uri and "://" not in t.mlflow_uri and not t.mlflow_uri.startswith("databricks"):
         raise ValueError(
             f"tracking.mlflow_uri: '{t.mlflow_uri}' is not a URI (e.g. sqlite:///runs/mlflow.db or "

@@ -23,15 +23,21 @@ DATA_ATTACKS = ("shuffle", "random_text")
 class ValidationConfig:
     """What a client reply must satisfy besides keys, shapes, dtype and finiteness.
 
-    num_examples: a reply's n_k above what the client declared when it joined is ``reject``ed or
-    ``cap``ped to the declared value. max_update_norm: a bound on the L2 norm of a client's update
-    (its reply minus what it was sent, over all arrays; 0 = no bound); on_norm: ``reject`` an update
-    above it, or ``clip`` it to the bound (norm bounding, Sun et al. 2019). An update whose squared
-    norm overflows float32 is always rejected. norm_ratio: the default screen
-    (nestfed.federation.relative_screen): an update whose norm in any rank block exceeds this many
-    times the lower median of its peers' norms in that block is rejected; 0 = off. stall_rounds: a
-    run in which no round has aggregated for this many rounds in a row stops with an error naming
-    the round (0 = never); a non-finite global evaluation always stops it.
+    An update whose squared norm overflows float32 is always rejected; a non-finite global
+    evaluation always stops the run.
+
+    Attributes:
+        num_examples: a reply's n_k above what the client declared when it joined is ``reject``ed
+            or ``cap``ped to the declared value.
+        max_update_norm: a bound on the L2 norm of a client's update (its reply minus what it was
+            sent, over all arrays); 0 = no bound.
+        on_norm: ``reject`` an update above ``max_update_norm``, or ``clip`` it to the bound (norm
+            bounding, Sun et al. 2019).
+        norm_ratio: the default screen (nestfed.federation.relative_screen): an update whose norm in
+            any rank block exceeds this many times the lower median of its peers' norms in that
+            block is rejected; 0 = off.
+        stall_rounds: a run in which no round has aggregated for this many rounds in a row stops
+            with an error naming the round (0 = never).
     """
 
     num_examples: str = "reject"
@@ -45,10 +51,14 @@ class ValidationConfig:
 class RobustConfig:
     """The server's aggregation rule in update space, applied per rank block (docs/trust.md).
 
-    rule: ``mean`` (the method's own aggregation), ``median`` (coordinate-wise), ``trimmed_mean``
-    (coordinate-wise, dropping the ``trim_fraction`` largest and smallest), ``krum`` / ``multi_krum``
-    (Blanchard et al. 2017: the update(s) closest to their m - f - 2 nearest neighbours, with f =
-    ``byzantine``; multi_krum averages the ``multi_krum_keep`` best, 0 = m - f).
+    Attributes:
+        rule: ``mean`` (the method's own aggregation), ``median`` (coordinate-wise),
+            ``trimmed_mean`` (coordinate-wise, dropping the ``trim_fraction`` largest and
+            smallest), ``krum`` / ``multi_krum`` (Blanchard et al. 2017: the update(s) closest to
+            their m - f - 2 nearest neighbours).
+        trim_fraction: the fraction ``trimmed_mean`` drops at each end, in [0, 0.5).
+        byzantine: f, the byzantine clients Krum tolerates (m >= 2f + 3).
+        multi_krum_keep: how many of the best updates multi_krum averages; 0 = m - f.
     """
 
     rule: str = "mean"
@@ -61,10 +71,14 @@ class RobustConfig:
 class PrivacyConfig:
     """Client-level differential privacy (DP-FedAvg, McMahan et al. 2018) on the update.
 
-    mode: ``off``, ``central`` (the server clips each update to ``clip_norm`` and adds Gaussian
-    noise of std ``noise_multiplier * clip_norm`` to each block's sum) or ``local`` (each client
-    clips and noises its own update before sending). delta: the target delta of the reported
-    epsilon; accountant: ``pld`` or ``rdp`` (Google's dp-accounting).
+    Attributes:
+        mode: ``off``, ``central`` (the server clips each update to ``clip_norm`` and adds Gaussian
+            noise of std ``noise_multiplier * clip_norm`` to each block's sum) or ``local`` (each
+            client clips and noises its own update before sending).
+        clip_norm: C, the L2 bound on an update (the sensitivity); > 0 when privacy is on.
+        noise_multiplier: the noise's std in units of ``clip_norm``, >= 0.
+        delta: the target delta of the reported epsilon, in (0, 1).
+        accountant: ``pld`` or ``rdp`` (Google's dp-accounting).
     """
 
     mode: str = "off"
@@ -78,11 +92,19 @@ class PrivacyConfig:
 class AttackConfig:
     """Byzantine clients for robustness experiments: ``clients`` run ``kind``.
 
-    kind: ``sign_flip`` (sends sent - update), ``scale`` (sent + scale * update), ``noise`` (sent +
-    N(0, noise_std^2) per entry), ``free_rider`` (trains nothing, returns what it received),
-    ``shuffle`` (trains on its text with each block's tokens permuted), ``random_text`` (trains on
-    uniformly random token ids: text foreign to every client); faults: ``constant`` (every entry
-    ``value``), ``nans``, ``float64`` (the reply in float64). Seeded by the seed rule.
+    Seeded by the seed rule.
+
+    Attributes:
+        kind: ``none``; the attacks ``sign_flip`` (sends sent - update), ``scale`` (sent + scale *
+            update), ``noise`` (sent + N(0, noise_std^2) per entry), ``free_rider`` (trains nothing,
+            returns what it received), ``shuffle`` (trains on its text with each block's tokens
+            permuted), ``random_text`` (trains on uniformly random token ids: text foreign to every
+            client); the faults ``constant`` (every entry ``value``), ``nans``, ``float64`` (the
+            reply in float64).
+        clients: the attacking clients' ids.
+        scale: the factor of ``scale``.
+        noise_std: the std of ``noise``, >= 0.
+        value: every entry of ``constant``.
     """
 
     kind: str = "none"
@@ -102,10 +124,21 @@ def check_trust(  # noqa: C901 (one branch per trust setting's check, in order)
     fraction: float,
     sampling: str,
 ) -> None:
-    """Check the trust sections. Raises ValueError("<section.key>: <reason>") for the first value at fault.
+    """Check the trust sections.
 
-    num_clients: K; sampled: clients per round (Krum's m must allow its f); fraction and sampling:
-    the federation's (DP with subsampling needs Poisson sampling for its accountant).
+    Args:
+        v: ``[validation]``.
+        r: ``[robust]``.
+        p: ``[privacy]``.
+        a: ``[attack]``.
+        num_clients: K.
+        sampled: clients per round (Krum's m must allow its f).
+        fraction: ``federation.fraction``.
+        sampling: ``federation.sampling`` (DP with subsampling needs Poisson sampling for its
+            accountant).
+
+    Raises:
+        ValueError: "<section.key>: <reason>", for the first value at fault.
     """
     if v.num_examples not in NUM_EXAMPLES_POLICIES:
         raise ValueError(f"validation.num_examples must be 'reject' or 'cap', got '{v.num_examples}'")
