@@ -49,6 +49,7 @@ def test_a_link_to_a_missing_anchor_fails_the_build(tmp_path):
     """mkdocs.yml's validation makes a link to an anchor no page has fail the strict build."""
     shutil.copytree(ROOT / "docs", tmp_path / "docs")
     shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    (tmp_path / "src").symlink_to(ROOT / "src")  # mkdocstrings' paths: [src], this checkout's, not the installed one
     with open(tmp_path / "docs" / "trust.md", "a") as f:
         f.write("\n[a section](results.md#no-such-section)\n")
     exe = shutil.which("mkdocs", path=str(Path(sys.executable).parent))
