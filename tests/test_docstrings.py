@@ -76,7 +76,7 @@ class Checker:
 
     def __init__(self, options: dict) -> None:
         self.options = options
-        self._parsed: dict[int, tuple[list, list[str]]] = {}
+        self._parsed: dict[int, tuple[object, list, list[str]]] = {}  # the object kept: its id stays its own
 
     def parse(self, obj) -> tuple[list, list[str]]:
         """(sections, griffe's warnings) of obj's docstring, parsed once."""
@@ -89,8 +89,8 @@ class Checker:
                 sections = griffe.parse_google(obj.docstring, **self.options) if obj.docstring else []
             finally:
                 log.removeHandler(records)
-            self._parsed[key] = (sections, records.messages)
-        return self._parsed[key]
+            self._parsed[key] = (obj, sections, records.messages)
+        return self._parsed[key][1:]
 
     def names(self, obj, kind) -> list[str] | None:
         """The names an obj's docstring section of this kind lists; None without such a section."""
