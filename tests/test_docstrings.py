@@ -15,8 +15,9 @@ and public method (names without a leading underscore, in public classes) of a c
 - dataclasses and NamedTuples list every public field under ``Attributes:``;
 - griffe's own warnings (a malformed section, an unknown parameter) fail too.
 
-A public method overriding a method of a base class that documents it (an ``Args:`` section, or
-no parameter but self) needs only its summary (the base documents parameters and return).
+A public method overriding a method that a base class documents (an ``Args:`` section, or no
+parameter but self) needs only its summary: the base documents parameters and return. A Protocol
+of nestfed counts as a base of every class that defines or inherits all its public methods.
 
 To cover a package or module, add its dotted name to COVERED.
 """
@@ -77,6 +78,20 @@ class Checker:
     def __init__(self, options: dict) -> None:
         self.options = options
         self._parsed: dict[int, tuple[object, list, list[str]]] = {}  # the object kept: its id stays its own
+        self.protocols: list = []  # the Protocol classes a class may implement without naming them
+
+    def add_protocols(self, module) -> None:
+        """Note every Protocol class of module and its submodules (their classes' nested ones too)."""
+        stack = [module]
+        while stack:
+            obj = stack.pop()
+            for member in obj.members.values():
+                if member.is_alias:
+                    continue
+                if member.is_class and any(str(b) in ("Protocol", "typing.Protocol") for b in member.bases):
+                    self.protocols.append(member)
+                if member.is_module or member.is_class:
+                    stack.append(member)
 
     def parse(self, obj) -> tuple[list, list[str]]:
         """(sections, griffe's warnings) of obj's docstring, parsed once."""
@@ -185,10 +200,10 @@ class Checker:
         return False
 
     def overrides_documented(self, cls, name: str) -> bool:
-        """Whether a base class of cls (transitively) documents a method `name`: its docstring has an
-        Args section, or it takes no parameter but self."""
+        """Whether a base class of cls (transitively), or a Protocol cls implements, documents a method
+        `name`: its docstring has an Args section, or it takes no parameter but self."""
         seen: set[str] = set()
-        stack = list(self.bases(cls))
+        stack = list(self.bases(cls)) + self.implemented(cls)
         while stack:
             base = stack.pop()
             if base.path in seen:
@@ -200,6 +215,20 @@ class Checker:
                     return True
             stack.extend(self.bases(base))
         return False
+
+    def implemented(self, cls) -> list:
+        """The Protocols cls satisfies structurally: it defines or inherits every public method of one."""
+        have, stack = set(), [cls]
+        while stack:
+            c = stack.pop()
+            have |= {n for n, m in c.members.items() if not m.is_alias and m.is_function}
+            stack.extend(self.bases(c))
+        out = []
+        for protocol in self.protocols:
+            wanted = {n for n, m in protocol.members.items() if m.is_function and not n.startswith("_")}
+            if protocol is not cls and wanted and wanted <= have:
+                out.append(protocol)
+        return out
 
     def bases(self, cls) -> list:
         try:
@@ -243,8 +272,10 @@ def package():
 
 
 @pytest.fixture(scope="module")
-def checker():
-    return Checker(parser_options())
+def checker(package):
+    checker = Checker(parser_options())
+    checker.add_protocols(package)
+    return checker
 
 
 def covered_modules(package, name: str) -> list:
@@ -268,6 +299,7 @@ def test_the_covered_docstrings_are_in_the_google_style(package, checker, name):
 BROKEN = '''
 """A module."""
 from dataclasses import dataclass
+from typing import Protocol
 
 
 def documented(x: int, y: int = 0) -> int:
@@ -348,6 +380,42 @@ class Base:
         return 1
 
 
+class Hook(Protocol):
+    """What a hook does."""
+
+    def handle(self, event: str) -> bool:
+        """Handle an event.
+
+        Args:
+            event: the event.
+
+        Returns:
+            Whether it was handled.
+        """
+
+    def close(self) -> None:
+        """Close."""
+
+
+class Implementation:
+    """A Hook without naming it."""
+
+    def handle(self, event: str) -> bool:
+        """Handle it this way."""
+        return True
+
+    def close(self) -> None:
+        """Close this way."""
+
+
+class HalfHook:
+    """Only one of Hook's methods: not a Hook."""
+
+    def handle(self, event: str) -> bool:
+        """Handle it this way."""
+        return True
+
+
 class Child(Base):
     """A child, built from a size.
 
@@ -372,14 +440,17 @@ class Child(Base):
 '''
 
 
-def test_the_checker_finds_each_kind_of_problem(tmp_path, checker):
+def test_the_checker_finds_each_kind_of_problem(tmp_path):
     (tmp_path / "broken.py").write_text(BROKEN)
     module = griffe.load("broken", search_paths=[str(tmp_path)], docstring_parser="google", allow_inspection=False)
+    checker = Checker(parser_options())
+    checker.add_protocols(module)
     problems = checker.module_problems(module)
     by_name: dict[str, list[str]] = {}
     for p in problems:
         by_name.setdefault(p.split(" ")[0], []).append(p)
-    for documented in ("broken.documented", "broken.Base", "broken.Child.hook", "broken.Child.count"):
+    exempt = ("broken.Child.hook", "broken.Child.count", "broken.Implementation.handle")  # documented on a base
+    for documented in ("broken.documented", "broken.Base", "broken.Hook", "broken.Implementation", *exempt):
         assert documented not in by_name, by_name[documented]
     assert len(by_name["broken.no_args"]) == 3  # summary, Args, Returns
     assert "add an `Args:` section naming x, y" in by_name["broken.no_args"][1]
@@ -397,3 +468,4 @@ def test_the_checker_finds_each_kind_of_problem(tmp_path, checker):
     assert any("add `Args:` entries for name" in p for p in child)
     assert any("`Args:` names other" in p for p in child)
     assert len(by_name["broken.Child.own"]) == 2  # Args (value), Returns
+    assert len(by_name["broken.HalfHook.handle"]) == 2  # Args (event), Returns: it implements no Protocol
