@@ -183,7 +183,14 @@ def test_a_rank_from_the_node_config_reaches_the_strategy(tmp_path, keep_threads
 
 @pytest.mark.parametrize(
     "name,ranks",
-    [("zeropad", "[2,4,8]"), ("hetlora", "[2,4,8]"), ("flora", "[2,4,8]"), ("ffa_lora", "[2,4,8]"), ("fedavg", "[4]")],
+    [
+        ("zeropad", "[2,4,8]"),
+        ("hetlora", "[2,4,8]"),
+        ("flora", "[2,4,8]"),
+        ("ffa_lora", "[2,4,8]"),
+        ("fedavg", "[4]"),
+        ("fed_plora", "[2,4,8]"),
+    ],
 )
 def test_every_strategy_runs_unchanged_and_matches_the_embedded_runner(tmp_path, keep_threads, name, ranks):
     over = OVERRIDES + (f"strategy.name={name}", f"lora.ranks={ranks}")

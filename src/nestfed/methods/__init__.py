@@ -16,6 +16,7 @@ from nestfed import config as C
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.config.capabilities import Capability, asked_by, refusal
 from nestfed.methods import (
+    fed_plora,
     fed_sb,
     fedala,
     fedavg,
@@ -64,6 +65,7 @@ REGISTRY: dict[str, Method] = {
         raflora.METHOD,
         fed_sb.METHOD,
         ravan.METHOD,
+        fed_plora.METHOD,
     )
 }
 

@@ -1,0 +1,256 @@
+"""fed_plora: the server strategy (the method is declared in nestfed.methods.fed_plora, whose
+docstring gives the paper's rule and every decision).
+
+The clients run the default client hooks: the payload already holds the fold (the trainable LoRA
+is the client's selected modules, the frozen residual the others), so a client trains plain LoRA
+of rank r_k on top of a residual and replies with its r_k modules.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from nestfed.config import ExperimentConfig
+from nestfed.federation.aggregation import weighted_mean
+from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
+from nestfed.federation.robust import Block, BlockRule
+from nestfed.federation.strategy import LoraSettings, LoraStrategy, copy_state, examples, lora_keys, reply_rank
+from nestfed.methods.fed_plora import FedPLoRAOptions
+from nestfed.methods.implementation import lora_implementation, lora_settings
+from nestfed.nn.keys import merged_key, module_of, peft_key, rank_dim
+from nestfed.seeds import stream_seed
+
+#: the instruction config key carrying the modules a client trains (sorted module indices)
+MODULES = "fed_plora_modules"
+#: the seed rule's stream the random selection draws from
+STREAM = "fed_plora_select"
+
+
+class ModuleGroup(NamedTuple):
+    """Modules trained by the same clients in one round. members: those clients (indices into the
+    round's sorted replies); modules: the module indices j (ascending); rows: for each member, the
+    positions of ``modules`` in its reply (its selection's order)."""
+
+    members: list[int]
+    modules: list[int]
+    rows: list[list[int]]
+
+
+def selection(seed: int, rnd: int, cid: int, r_max: int, rank: int, rule: str = "random") -> list[int]:
+    """The sorted indices K (``rank`` of range(r_max)) of the rank-1 modules client ``cid`` trains in
+    round ``rnd``. ``random`` (the paper's): a uniform draw without replacement from the seed rule's
+    stream ``fed_plora_select`` of (seed, rnd, cid), the first ``rank`` of a permutation;
+    ``prefix``: range(rank). ``rank == r_max`` gives every module under both rules. Raises
+    ValueError for a rank outside [1, r_max] or an unknown rule."""
+    if not 0 < rank <= r_max:
+        raise ValueError(f"rank {rank} is not in [1, {r_max}]")
+    if rule not in ("random", "prefix"):
+        raise ValueError(f"unknown selection rule '{rule}'")
+    if rule == "prefix" or rank == r_max:
+        return list(range(rank))
+    rng = np.random.default_rng(stream_seed(seed, rnd, cid, STREAM))
+    return sorted(int(j) for j in rng.permutation(r_max)[:rank])
+
+
+def _rows(t: torch.Tensor, dim: int, idx: Sequence[int]) -> torch.Tensor:
+    """``t``'s rows ``idx`` along ``dim``: a view when idx is range(len(idx)), else a copy."""
+    if list(idx) == list(range(len(idx))):
+        return t.narrow(dim, 0, len(idx))
+    return t.index_select(dim, torch.tensor(list(idx), dtype=torch.long))
+
+
+def fold_payload(arrays: Arrays, modules: Sequence[int], scale: float) -> Arrays:
+    """Select-N-Fold's payload from the global adapter ``arrays`` (A [R, in], B [out, R] per layer)
+    for a client training ``modules`` K (sorted, in [0, R)): its trainable LoRA A[K] [r, in],
+    B[:, K] [out, r], and, when r < R, the other modules as the layer's frozen residual
+    ``merged_A`` = A[not K] [R - r, in], ``merged_B`` = s B[:, not K] [out, R - r], so that
+    W^0 + merged_B merged_A + s B[:, K] A[K] is the global W^0 + s B A. Arrays without a rank
+    dimension pass through. Raises KeyError for a layer with A and no B."""
+    out: Arrays = {k: v for k, v in arrays.items() if rank_dim(k) is None}
+    for a_key in sorted(k for k in arrays if k.endswith("lora_A.weight")):
+        module = module_of(a_key)[0]
+        b_key = peft_key(module, "lora_B")
+        A, B = arrays[a_key], arrays[b_key]
+        kept = set(modules)
+        rest = [j for j in range(A.shape[0]) if j not in kept]
+        out[a_key], out[b_key] = _rows(A, 0, modules), _rows(B, 1, modules)
+        if rest:
+            out[merged_key(module, "A")] = _rows(A, 0, rest)
+            out[merged_key(module, "B")] = _rows(B, 1, rest) * scale
+    return out
+
+
+def module_groups(selections: Sequence[Sequence[int]], r_max: int) -> list[ModuleGroup]:
+    """Every module j < r_max some client trained, grouped by Q_j, the clients (indices into
+    ``selections``, each sorted) whose selection holds j, in order of each group's first module.
+    ``module_groups([[0, 2], [2]], 3)`` is [([0], [0], [[0]]), ([0, 1], [2], [[1], [0]])]: module 1
+    has no client, module 2 is row 1 of the first reply and row 0 of the second."""
+    holders: dict[int, list[int]] = {}
+    for k, sel in enumerate(selections):
+        for j in sel:
+            holders.setdefault(int(j), []).append(k)
+    grouped: dict[tuple[int, ...], list[int]] = {}
+    for j in range(r_max):
+        if j in holders:
+            grouped.setdefault(tuple(holders[j]), []).append(j)
+    out = []
+    for members, modules in grouped.items():
+        pos = [{j: i for i, j in enumerate(selections[k])} for k in members]
+        out.append(ModuleGroup(list(members), modules, [[p[j] for j in modules] for p in pos]))
+    return out
+
+
+class ModuleMean:
+    """Fed-PLoRA's aggregation for one round: module j (row j of A, column j of B) becomes
+    sum_{k in Q_j} w_k X_k[pos_k(j)] / sum_{k in Q_j} w_k, Q_j the clients whose selection holds j
+    and pos_k(j) its position in client k's sorted selection (reply k holds its modules in that
+    order); a module no client trained keeps the global value.
+
+    selections[k]: client k's sorted modules; weights[k]: w_k (> 0); r_max: R. Built once per round
+    (the selections serve every layer). With one group of clients holding every module they hold
+    (every client at r_max, or equal prefixes) each matrix is one :func:`weighted_mean` of the
+    replies, FedAvg's bit for bit; otherwise one mixing matrix M [R, sum_k r_k] (float64, row j the
+    normalised weights of module j's rows among the stacked replies) per round, and each matrix is
+    M times the stacked replies (one matmul however many clients)."""
+
+    def __init__(self, selections: Sequence[Sequence[int]], weights: Sequence[float], r_max: int):
+        self.groups = module_groups(selections, r_max)
+        self.weights = [float(w) for w in weights]
+        self.r_max = r_max
+        self.mixing: torch.Tensor | None = None
+        if len(self.groups) > 1:
+            offsets = np.cumsum([0] + [len(sel) for sel in selections]).tolist()
+            self.mixing = torch.zeros(r_max, int(offsets[-1]), dtype=torch.float64)
+            for g in self.groups:
+                total = sum(self.weights[k] for k in g.members)
+                for k, rows in zip(g.members, g.rows):
+                    for j, p in zip(g.modules, rows):
+                        self.mixing[j, offsets[k] + p] = self.weights[k] / total
+        self.held = torch.tensor(sorted(j for g in self.groups for j in g.modules), dtype=torch.long)
+
+    def __call__(self, global_t: torch.Tensor, replies: Sequence[torch.Tensor], dim: int) -> torch.Tensor:
+        """The new global matrix (global_t's shape and dtype) from global_t [R, in] (dim 0) or
+        [out, R] (dim 1) and replies[k] [r_k, in] or [out, r_k]; global_t is not modified."""
+        out = global_t.clone()
+        if self.mixing is None:
+            for g in self.groups:
+                parts = [_rows(replies[k], dim, rows) for k, rows in zip(g.members, g.rows)]
+                mean = weighted_mean(parts, [self.weights[k] for k in g.members])
+                out.index_copy_(dim, torch.tensor(g.modules, dtype=torch.long), mean)
+            return out
+        stacked = torch.cat(list(replies), dim).double()
+        mixed = self.mixing @ stacked if dim == 0 else stacked @ self.mixing.T
+        out.index_copy_(dim, self.held, mixed.index_select(dim, self.held).to(global_t.dtype))
+        return out
+
+
+class FedPLoRA(LoraStrategy):
+    """Global state: one LoRA adapter of rank R = r_max (A [R, in], B [out, R] per layer), read as R
+    rank-1 modules at the global scale s (module docstring of nestfed.methods.fed_plora)."""
+
+    name = "fed_plora"
+
+    def __init__(self, settings: LoraSettings, options: FedPLoRAOptions | None = None):
+        """options: ``[fed_plora]`` (None: the defaults)."""
+        self.o = options if options is not None else FedPLoRAOptions()
+        super().__init__(settings, self.o)
+
+    @property
+    def global_scale(self) -> float:
+        """s = scale(r_max), the scale every client runs its modules and its fold at."""
+        return self.s.scale(self.s.r_max)
+
+    def modules(self, rnd: int, cid: int, rank: int) -> list[int]:
+        """The modules client ``cid`` trains in round ``rnd`` at rank ``rank`` (:func:`selection`)."""
+        return selection(self.s.seed, rnd, cid, self.s.r_max, rank, self.o.selection)
+
+    def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
+        """The global scale s for every client, and ``fed_plora_modules``: the sorted indices it trains."""
+        return {"scaling": self.global_scale, MODULES: self.modules(rnd, client.cid, rank)}
+
+    def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        """The base instructions with each payload replaced by :func:`fold_payload` of the client's
+        modules (the expected reply shapes, [r_k, in] and [out, r_k], are the prefix's)."""
+        out = super().configure(rnd, state, clients)
+        for ins in out.values():
+            ins.arrays = fold_payload(state.arrays, ins.config[MODULES], self.global_scale)
+        return out
+
+    def weights(self, replies: dict[int, Reply]) -> dict[int, float]:
+        """The unnormalised client weights: n_k (``examples``) or 1 (``uniform``)."""
+        return {c: 1.0 for c in replies} if self.o.weighting == "uniform" else examples(replies)
+
+    def selections(self, rnd: int, cids: Sequence[int], replies: dict[int, Reply]) -> list[list[int]]:
+        """Each replying client's modules, recomputed from the seed and the rank it trained."""
+        return [self.modules(rnd, c, reply_rank(replies[c])) for c in cids]
+
+    def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """Every A and B: :class:`ModuleMean` of the replies with :meth:`weights`."""
+        new = copy_state(state)
+        cids = sorted(replies)
+        w = self.weights(replies)
+        mean = ModuleMean(self.selections(rnd, cids, replies), [w[c] for c in cids], self.s.r_max)
+        for key in lora_keys(state.arrays):
+            new.arrays[key] = mean(state.arrays[key], [replies[c].arrays[key] for c in cids], rank_dim(key))
+        return new
+
+    def expected_holders(self, state: GlobalState, module: int) -> float:
+        """How many clients of the federation hold module j in a round, in expectation (central DP's
+        fixed denominator, times the sampling rate): sum_k r_k / R under ``random`` (client k draws
+        j with probability r_k / R), the clients with r_k > j under ``prefix``."""
+        ranks = [int(r) for r in state.meta["ranks"].values()]
+        if self.o.selection == "prefix":
+            return float(sum(r > module for r in ranks))
+        return sum(ranks) / self.s.r_max
+
+    def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
+        """One block per group of modules held by the same replying clients (and, under
+        ``prefix``, the same expected holders): the members' updates of those modules against the
+        global ones, combined by ``rule`` and written back to the modules; a module no client
+        trained keeps its value. Under the mean rule with n_k weights this is :meth:`aggregate`."""
+        new = copy_state(state)
+        cids = sorted(replies)
+        sels = self.selections(rnd, cids, replies)
+        w = self.weights(replies)
+        keys = lora_keys(state.arrays)
+        for g in self._blocks(state, module_groups(sels, self.s.r_max)):
+            start = {k: _rows(state.arrays[k], rank_dim(k), g.modules) for k in keys}
+            deltas = {
+                cids[i]: {k: _rows(replies[cids[i]].arrays[k], rank_dim(k), rows) - start[k] for k in keys}
+                for i, rows in zip(g.members, g.rows)
+            }
+            name = "modules " + ",".join(map(str, g.modules))
+            holders = self.expected_holders(state, g.modules[0])
+            block = Block(name, deltas, {cids[i]: w[cids[i]] for i in g.members}, holders, start, start)
+            idx = torch.tensor(g.modules, dtype=torch.long)
+            for k, v in rule(block).items():
+                new.arrays[k].index_copy_(rank_dim(k), idx, v)
+        return new
+
+    def _blocks(self, state: GlobalState, groups: list[ModuleGroup]) -> list[ModuleGroup]:
+        """``groups`` split so that the modules of one have the same :meth:`expected_holders`."""
+        out = []
+        for g in groups:
+            by: dict[float, list[int]] = {}
+            for i, j in enumerate(g.modules):
+                by.setdefault(self.expected_holders(state, j), []).append(i)
+            out += [
+                ModuleGroup(g.members, [g.modules[i] for i in at], [[rows[i] for i in at] for rows in g.rows])
+                for at in by.values()
+            ]
+        return out
+
+    def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
+        """The whole global adapter at s for every client (its fold plus its modules is the global model)."""
+        return {k: v.clone() for k, v in state.arrays.items()}, self.global_scale
+
+
+def _strategy(cfg: ExperimentConfig, initial: Arrays) -> FedPLoRA:
+    return FedPLoRA(lora_settings(cfg), cfg.section("fed_plora"))
+
+
+IMPLEMENTATION = lora_implementation(_strategy)
