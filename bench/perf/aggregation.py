@@ -83,8 +83,21 @@ EQUAL = (
     "lora_fair",
     "fed_sb",
     "ravan",
+    "raflora",
+    "fed_plora",
 )
-HETEROGENEOUS = ("zeropad", "hetlora", "prelort", "flora", "flexlora", "fedex_lora", "fedsvd", "lora_fair")
+HETEROGENEOUS = (
+    "zeropad",
+    "hetlora",
+    "prelort",
+    "flora",
+    "flexlora",
+    "fedex_lora",
+    "fedsvd",
+    "lora_fair",
+    "raflora",
+    "fed_plora",
+)
 
 
 def main() -> None:

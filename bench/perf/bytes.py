@@ -70,6 +70,8 @@ METHODS = (
     "lora_fair",
     "fed_sb",
     "ravan",
+    "raflora",
+    "fed_plora",
 )
 OWN_RANKS = {"ravan": [4, 4, 4, 8, 16]}
 
