@@ -6,6 +6,10 @@ Bad input (unknown method, section or key, bad ranks, missing or malformed data,
 that cannot be resumed) prints one line naming the key or file and exits with code 2, before any
 run directory is created.
 
+A command parses its options, calls a recipe and prints what it reports: ``run`` and ``compare``
+go through nestfed.experiments.campaign (methods over seeds, resume discovery, the comparison
+files), whose checks before anything is written are nestfed.experiments.preflight's.
+
 What a command runs is imported when it runs: this module imports only the config loader and the
 registry's declarations (nestfed.methods.method), so ``--help``, ``nestfed methods`` and a config
 error answer without loading torch. The commands' imports are the top layer's own; import-linter
@@ -25,9 +29,7 @@ import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from nestfed import config as C
 from nestfed import methods
-from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
 
 app = typer.Typer(
@@ -44,27 +46,6 @@ out = Console(width=max(Console().width, 132), highlight=False)
 def say(text: str) -> None:
     """One plain line on stderr (no rich markup: text in square brackets is printed as it is)."""
     console.print(text, markup=False, soft_wrap=True)
-
-
-def prepared_line(prep) -> str:
-    """What preparation found: every client (rank, n_k, labels), or, beyond INLINE_CLIENTS clients,
-    the clients per rank and the spread of n_k."""
-    head = f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s"
-    if len(prep.clients) <= C.INLINE_CLIENTS:
-        return (
-            head
-            + ": "
-            + ", ".join(f"c{c.cid} rank {c.rank} n={c.num_examples} ({prep.label(c.cid)})" for c in prep.clients)
-        )
-    counts: dict[int, int] = {}
-    for c in prep.clients:
-        counts[c.rank] = counts.get(c.rank, 0) + 1
-    n = sorted(c.num_examples for c in prep.clients)
-    return (
-        f"{head} (a client's data are built when it is first sampled or evaluated): clients per rank "
-        + ", ".join(f"{r}: {k}" for r, k in sorted(counts.items()))
-        + f"; n_k min {n[0]}, median {n[len(n) // 2]}, max {n[-1]}"
-    )
 
 
 def _progress() -> Progress:
@@ -90,205 +71,69 @@ def _round_lines() -> Console | None:
     return out if not out.is_terminal else None
 
 
-def _print_line(target: Console, text: str) -> None:
-    """``text`` as one plain line on ``target``, flushed at once (a pipe's reader sees it now)."""
-    target.print(text, markup=False, soft_wrap=True)
-    target.file.flush()
+def show(thing) -> None:
+    """A rich table, or text printed as it is (no markup), on stdout."""
+    if isinstance(thing, str):
+        out.print(thing, markup=False)
+    else:
+        out.print(thing)
 
 
-def _run_methods(cfgs: dict[str, ExperimentConfig], run_dirs: dict[str, Path], resume: bool) -> None:
-    """Prepare once (from the first config), check every method against the model, then run each."""
-    from nestfed.experiments.prepare import prepare
-    from nestfed.experiments.run import check_method, run_method
-    from nestfed.federation.run_dir import RunDir
+def _run_campaign(campaign) -> None:
+    """Prepare once under a status line, then run every method of ``campaign``
+    (nestfed.experiments.campaign) under one progress bar each."""
+    from nestfed.experiments import campaign as recipe
 
-    first = next(iter(cfgs.values()))
     with console.status("preparing") as status:
-        prep = prepare(first, on_status=lambda s: status.update(s))
-    for cfg in cfgs.values():  # nothing is written before every method's settings fit the model
-        check_method(prep, cfg)
-    say(prepared_line(prep))
+        prep = recipe.prepare_runs(campaign, on_status=lambda s: status.update(s))
+    say(recipe.prepared_line(prep))
     lines = _round_lines()
     with _progress() as progress:
-        for name, cfg in cfgs.items():
-            k = C.sampled_per_round(cfg)
-            task = progress.add_task(name, total=cfg.federation.rounds * k)
-            if resume:
-                done = RunDir(run_dirs[name]).checkpoints()
-                progress.update(task, completed=(done[-1][0] if done else 0) * k)
 
-            def on_event(kind, info, task=task, name=name, rounds=cfg.federation.rounds):
-                if kind == "client_done":
-                    progress.update(task, advance=1, description=f"{name} round {info['round']} client {info['cid']}")
-                elif kind == "log":
-                    progress.console.print(info["text"], markup=False)
-                elif kind == "generated":  # the generated evaluation after the last round
-                    progress.update(task, description=f"{name} answers generated {info['done']}/{info['total']}")
-                elif kind == "round_done":
-                    ln = info["line"]
-                    ev = ln.get("eval") or {}
-                    mean = sum(v["ppl"] for v in ev.values()) / len(ev) if ev else float("nan")
-                    who = "" if len(ev) == len(prep.clients) else f" over {len(ev)} of {len(prep.clients)} clients"
-                    what = f"mean held-out ppl {mean:.2f}{who}" if ev else "not evaluated"
-                    progress.update(task, description=f"{name} round {info['round']}: {what}")
-                    if lines is not None:  # logs, CI, pipes: one plain line per round
-                        glob = f", global {ln['eval_global']['ppl']:.2f}" if "eval_global" in ln else ""
-                        _print_line(
-                            lines,
-                            f"{name} round {info['round']}/{rounds}: {what}{glob}, "
-                            f"{ln['time_s']:.0f} s, {len(ln['rejected'])} rejected",
-                        )
+        def start(key: str, total: int, done: int):
+            task = progress.add_task(key, total=total, completed=done)
 
-            run_method(prep, cfg, run_dirs[name], resume=resume, on_event=on_event)
+            def on_step(step: recipe.Step) -> None:
+                if step.log is not None:
+                    progress.console.print(step.log, markup=False)
+                if step.advance or step.description is not None:  # description None: unchanged
+                    progress.update(task, advance=step.advance, description=step.description)
+                if step.line is not None and lines is not None:  # logs, CI, pipes: one plain line per round
+                    lines.print(step.line, markup=False, soft_wrap=True)
+                    lines.file.flush()  # a pipe's reader sees it now
+
+            return on_step
+
+        recipe.run_all(campaign, prep, start)
 
 
-def _finished(parent: Path) -> list[Path]:
-    """The finished runs under a multi-method parent: ``<method>/`` or, over seeds, ``seed<N>/<method>/``."""
-    return sorted({p.parent for p in [*parent.glob("*/summary.json"), *parent.glob("*/*/summary.json")]})
+def _new_campaign(config: Path | None, overrides: list[str], methods_: str | None, seeds: int):
+    """The campaign of ``nestfed run CONFIG``: its methods over its seeds, the config and the
+    options checked before any model library loads; None once a comparison with compressed
+    clients (which runs its own recipe) has run and been printed."""
+    if config is None:
+        raise NestfedError("give a CONFIG.toml (or --resume RUN_DIR)")
+    cfg = methods.load_config(config, overrides)
+    names = [m.strip() for m in methods_.split(",")] if methods_ is not None else [cfg.strategy.name]
+    for m in names:
+        if m not in methods.REGISTRY:
+            raise NestfedError(f"--methods: unknown method '{m}' (known: {', '.join(methods.REGISTRY)})")
+        if names.count(m) > 1:
+            raise NestfedError(f"--methods: '{m}' is listed twice")
+    if seeds < 1:
+        raise NestfedError(f"--seeds must be >= 1, got {seeds}")
+    compressed = [m for m in names if methods.get(m).comparison == "compressed"]
+    if compressed and seeds > 1:
+        raise NestfedError(f"--seeds: the comparison with {compressed[0]} runs one seed")
+    per_method = {} if compressed else {m: methods.with_method(cfg, m) for m in names}  # e.g. fedavg, unequal ranks
+    from nestfed.experiments import campaign  # the model libraries load once the config is valid
 
-
-def _report(
-    run_dirs: list[Path],
-    parent: Path | None,
-    plot: Path | None = None,
-    reference: str | None = None,
-    table: Path | None = None,
-) -> None:
-    """Print the comparison; write comparison.md / .json / .png (and, where the runs measured them,
-    truncation.png and dimension_importance.png) into ``parent``, or only the plot at ``plot``. Runs
-    of one label over several seeds are reported with 95% intervals and paired differences against
-    ``reference`` (default: the first label; nestfed.experiments.seed_report). ``table``: also write
-    the Markdown tables there and the rows beside it as JSON (same stem)."""
-    from nestfed.experiments import comparison, generation_report, group_report, report, seed_report
-    from nestfed.io import atomic
-
-    rows = report.comparison_rows(run_dirs)
-    try:
-        groups = seed_report.by_label(rows)
-    except ValueError as exc:  # two runs of one label and seed: different experiments, or one run twice
-        raise NestfedError(
-            f"{exc}: these runs share a label, a seed and every config field (the same run twice?); "
-            "give each run once, or set output.label on them"
-        ) from None
-    over_seeds = any(len(g) > 1 for g in groups.values())
-    if reference is not None and reference not in groups:
-        raise NestfedError(f"--reference: '{reference}' is not among the compared runs ({', '.join(groups)})")
-    curves, importance = seed_report.truncation_stats(rows), seed_report.importance_stats(rows)
-    many = report.many_clients(rows)
-    if many and over_seeds:  # by rank group (nestfed.experiments.group_report)
-        out.print(
-            group_report.seeds_table(rows, group_report.seed_stats(rows, groups, reference or next(iter(groups))))
-        )
-        bars = group_report.plot(rows)
-    elif many:
-        out.print(group_report.table(rows))
-        bars = group_report.plot(rows)
-    elif over_seeds:
-        stats = seed_report.label_stats(rows, reference)
-        out.print(seed_report.seeds_table(rows, stats))
-        bars = seed_report.comparison_plot(rows, stats)
-    else:
-        out.print(report.comparison_table(rows))
-        bars = report.comparison_plot(rows)
-    markdown = comparison.markdown(rows, reference)
-    answers = generation_report.markdown(rows, reference)
-    if answers:  # the generated evaluation's scores (ROUGE-L, accuracy) with their intervals
-        out.print(answers, markup=False)
-    figures = {
-        "truncation.png": seed_report.truncation_plot(curves) if curves else None,
-        "dimension_importance.png": seed_report.importance_plot(importance) if importance else None,
-    }
-    if parent is not None:
-        atomic.write_text(parent / "comparison.md", markdown)
-        atomic.write_json(parent / "comparison.json", rows)
-        atomic.write_bytes(parent / "comparison.png", bars)
-        written = ["comparison.md", "comparison.json", "comparison.png"]
-        for name, data in figures.items():
-            if data is not None:
-                atomic.write_bytes(parent / name, data)
-                written.append(name)
-        out.print(f"wrote {', '.join(written)} into {parent}", markup=False)
-    if plot is not None:
-        written = [atomic.write_bytes(plot, bars)]
-        for name, data in figures.items():
-            if data is not None:
-                written.append(atomic.write_bytes(plot.with_name(f"{plot.stem}_{name}"), data))
-        out.print(f"wrote {', '.join(map(str, written))}", markup=False)
-    if table is not None:
-        atomic.write_text(table, markdown)
-        atomic.write_json(table.with_suffix(".json"), rows)
-        out.print(f"wrote {table} and {table.with_suffix('.json')}", markup=False)
-    if curves and parent is None:
-        out.print(seed_report.truncation_markdown(curves), markup=False)
-
-
-def _resumable(path: Path, overrides: list[str]) -> tuple[dict[str, Path], Path | None]:
-    """The method runs under ``path`` (a run directory, or a multi-method parent, over seeds or not)
-    to continue, keyed by their path below the parent (``prelort``, ``seed1/prelort``): the
-    unfinished ones, and finished ones whose ``--set federation.rounds`` asks for more rounds."""
-    from nestfed.federation.run_dir import RunDir
-
-    def wanted(p: Path) -> bool:  # unfinished, or asked for rounds past its latest checkpoint (a
-        rd = RunDir(p)  # continuation that crashed keeps the earlier summary.json and resumes so too)
-        if not rd.finished:
-            return True
-        found = rd.checkpoints()
-        asked = methods.load_run_config(p / "config.toml", overrides).federation.rounds
-        return bool(found) and asked > found[-1][0]
-
-    more = "; --set federation.rounds=N with N above its rounds continues it"
-    if (path / "config.toml").is_file():
-        if not wanted(path):
-            raise NestfedError(f"--resume: {path} has finished (summary.json exists){more}")
-        return {methods.load_run_config(path / "config.toml").strategy.name: path}, None
-    subs = sorted({p.parent for p in [*path.glob("*/config.toml"), *path.glob("*/*/config.toml")]})
-    if not subs:
-        raise NestfedError(f"--resume: {path} is not a nestfed run directory (no config.toml)")
-    todo = {str(p.relative_to(path)): p for p in subs if wanted(p)}
-    if not todo:
-        raise NestfedError(f"--resume: every run under {path} has finished{more}")
-    return todo, path if len(subs) > 1 else None
-
-
-def _resume_configs(todo: dict[str, Path], overrides: list[str]) -> dict[str, ExperimentConfig]:
-    """The config of every run to resume: the stored one. ``--set`` may restate it or raise
-    ``federation.rounds`` (config.toml is rewritten, the change printed); any other difference is
-    refused, naming the keys; so is a run without a readable checkpoint, or without the per-client
-    state its method needs."""
-    from nestfed.experiments.run import stored_config
-    from nestfed.federation.run_dir import RunDir
-
-    cfgs = {}
-    for name, d in todo.items():
-        rd = RunDir(d)
-        stored = stored_config(rd)  # the recorded config: an edit of config.toml shows as a difference
-        wanted = methods.load_run_config(rd.config_path, overrides)
-        rd.check_resume(methods.get(wanted.strategy.name).keeps_client_state(wanted))  # fails here, before any work
-        for change in rd.accept_config(stored, wanted, C.dumps_toml(wanted)):
-            say(f"resume {d}: config.toml now has {change}")
-        cfgs[name] = wanted
-    return cfgs
-
-
-def _run_compressed(cfg, names: list[str]) -> None:
-    """A comparison in which some clients run compressed models (a method declaring ``comparison =
-    "compressed"``): client and server perplexity, client memory and bytes per round for every
-    method (nestfed.experiments.compressed_comparison), one run directory per method under one parent."""
-    from nestfed.experiments.compressed_comparison import compare as compare_compressed
-
-    def on_event(kind, info):
-        if kind == "round_done" and "eval" in info["line"]:
-            ev = info["line"]["eval"]
-            say(
-                f"  round {info['round']}: mean client held-out ppl "
-                f"{sum(v['ppl'] for v in ev.values()) / len(ev):.2f}, {info['line']['time_s']:.0f} s"
-            )
-        elif kind == "log":
-            say(info["text"])
-
-    parent = compare_compressed(cfg, names, on_status=say, on_event=on_event)
-    out.print((parent / "comparison.md").read_text(), markup=False)
-    out.print(f"run directory: {parent}", markup=False)
+    if not compressed:
+        return campaign.Campaign.new(per_method, seeds)
+    parent = campaign.compressed(cfg, names, say)  # clients run compressed models: that comparison's figures
+    show((parent / "comparison.md").read_text())
+    show(f"run directory: {parent}")
+    return None
 
 
 @app.command()
@@ -323,51 +168,19 @@ def run(
                 "--resume runs the run directory's own config and methods; drop CONFIG and --methods "
                 "(--set may restate a value or raise federation.rounds)"
             )
-        todo, parent = _resumable(resume, set_ or [])
-        cfgs = _resume_configs(todo, set_ or [])
-        _run_methods(cfgs, todo, resume=True)
-        run_dirs = _finished(parent) if parent is not None else list(todo.values())
-    else:
-        if config is None:
-            raise NestfedError("give a CONFIG.toml (or --resume RUN_DIR)")
-        cfg = methods.load_config(config, set_ or [])
-        names = [m.strip() for m in methods_.split(",")] if methods_ is not None else [cfg.strategy.name]
-        for m in names:
-            if m not in methods.REGISTRY:
-                raise NestfedError(f"--methods: unknown method '{m}' (known: {', '.join(methods.REGISTRY)})")
-            if names.count(m) > 1:
-                raise NestfedError(f"--methods: '{m}' is listed twice")
-        if seeds < 1:
-            raise NestfedError(f"--seeds must be >= 1, got {seeds}")
-        compressed = [m for m in names if methods.get(m).comparison == "compressed"]
-        if compressed:  # clients run compressed models: every method gets the compressed comparison's figures
-            if seeds > 1:
-                raise NestfedError(f"--seeds: the comparison with {compressed[0]} runs one seed")
-            _run_compressed(cfg, names)
-            out.print(f"total wall time {time.perf_counter() - t0:.0f} s")
-            return
-        per_method = {m: methods.with_method(cfg, m) for m in names}  # validates e.g. fedavg with unequal ranks
-        from nestfed.experiments.run import new_run_dir  # the model libraries load once the config is valid
+        from nestfed.experiments.campaign import Campaign
 
-        parent = None
-        if len(names) > 1 or seeds > 1:
-            parent = new_run_dir(methods.replace_config(cfg, output={"name": cfg.output.name or "compare"}))
-        cfgs, dirs = {}, {}
-        for i in range(seeds):
-            for m, c in per_method.items():
-                if seeds == 1:
-                    cfgs[m], dirs[m] = c, new_run_dir(c, parent)
-                    continue
-                c = methods.replace_config(
-                    c, federation={"seed": c.federation.seed + i}, lora={"init_seed": c.lora.init_seed + i}
-                )
-                key = f"seed{c.federation.seed}/{m}"
-                cfgs[key], dirs[key] = c, parent / key
-        _run_methods(cfgs, dirs, resume=False)
-        run_dirs = list(dirs.values())
-    _report(run_dirs, parent)
-    for rd in run_dirs:
-        out.print(f"run directory: {rd}", markup=False)
+        campaign = Campaign.resumed(resume, set_ or [], say)
+    else:
+        campaign = _new_campaign(config, set_ or [], methods_, seeds)
+    if campaign is not None:
+        from nestfed.experiments.campaign import write_comparison
+
+        _run_campaign(campaign)
+        run_dirs = campaign.reported()
+        write_comparison(run_dirs, campaign.parent, show)
+        for rd in run_dirs:
+            show(f"run directory: {rd}")
     out.print(f"total wall time {time.perf_counter() - t0:.0f} s")
 
 
@@ -388,23 +201,13 @@ def compare(
     of one method over several seeds are reported with 95% intervals and paired differences. Runs
     of different experiments (their model or data sections differ) are compared with a warning: the
     first row is the first run's round 0."""
-    dirs: list[Path] = []
-    for d in run_dirs:
-        for p in _finished(d) if not (d / "summary.json").exists() else [d]:
-            if p.resolve() not in [x.resolve() for x in dirs]:
-                dirs.append(p)
-    if not dirs:
-        raise NestfedError(f"no finished run directory among {', '.join(map(str, run_dirs))}")
-    experiments = {
-        (str(C.to_dict(c)["model"]), str(C.to_dict(c)["data"]))
-        for c in (methods.load_run_config(d / "config.toml") for d in dirs)
-    }
-    if len(experiments) > 1:
-        say(
-            "warning: these runs differ in [model] or [data]: their perplexities are not on one test set, and the "
-            f"first row is {dirs[0]}'s round 0"
-        )
-    _report(dirs, None, plot, reference, table)
+    from nestfed.experiments import campaign
+
+    dirs = campaign.finished_runs(run_dirs)
+    warning = campaign.mixed_experiments(dirs)
+    if warning is not None:
+        say(warning)
+    campaign.write_comparison(dirs, None, show, plot, reference, table)
 
 
 @app.command("export")
@@ -433,12 +236,11 @@ def export(
 
     path, info = export_adapter(run_dir, rank, client, out_dir)
     who = f"client {info['client']}'s adapter" if info["client"] is not None else "the global adapter"
-    out.print(
+    show(
         f"{who} of {info['method']} after round {info['round']}: rank {info['rank']}, scale {info['scale']:g}, "
-        f"base model {info['base_model'] or '(none: a tiny random model)'}",
-        markup=False,
+        f"base model {info['base_model'] or '(none: a tiny random model)'}"
     )
-    out.print(f"PEFT adapter: {path}", markup=False)
+    show(f"PEFT adapter: {path}")
 
 
 @app.command("eval")
@@ -489,35 +291,12 @@ def eval_(
     (nestfed/evaluation/harness.py, nestfed/experiments/general_nlp.py)."""
     from nestfed.evaluation import harness
     from nestfed.experiments import general_nlp
-    from nestfed.io import atomic
 
-    base, entries = general_nlp.models(run_dirs, backbone)
-    protocol = harness.Protocol(
-        str(mmlu_root),
-        tuple(c.strip() for c in categories.split(",") if c.strip()),
-        fraction,
-        seed,
-        batch_size,
-        device,
-        dtype,
-        harness.quantization_name(quantization),
-    )
-    protocol.placement()  # a bad --device or --dtype is one line before anything runs
-    target = (
-        out_dir or (run_dirs[0].resolve().parent if (run_dirs[0] / "config.toml").is_file() else run_dirs[0]) / "eval"
-    )
-    target.mkdir(parents=True, exist_ok=True)
-
-    def progress(label: str, cached: bool) -> None:
-        say(f"{label}: {'scored before (same protocol and adapter)' if cached else 'scoring through lm-eval'}")
-
-    results = general_nlp.score(base, entries, protocol, target, progress)
-    table = general_nlp.rows(results)
-    text = general_nlp.markdown(table, leaderboard=base.name == "smollm2-135m-instruct")
-    out.print(text, markup=False)
-    atomic.write_text(target / "flowertune_general_nlp.md", text)
-    atomic.write_json(target / "flowertune_general_nlp.json", table)
-    out.print(f"wrote flowertune_general_nlp.md and .json into {target}", markup=False)
+    cats = tuple(c.strip() for c in categories.split(",") if c.strip())
+    protocol = harness.Protocol(str(mmlu_root), cats, fraction, seed, batch_size, device, dtype, quantization)
+    text, target = general_nlp.evaluate(run_dirs, protocol, backbone, out_dir, say)
+    show(text)
+    show(f"wrote flowertune_general_nlp.md and .json into {target}")
 
 
 @app.command("methods")
@@ -527,18 +306,8 @@ def list_methods(
     """The registered methods: name, the config sections they own, whether they run on Flower; with
     NAME, that method's options (section, key, default, meaning)."""
     if name is None:
-        rows = [
-            (
-                m.name,
-                ", ".join(f"[{s}]" for s in m.sections) or "-",
-                "flower" if m.on_flower else "embedded only",
-                m.summary,
-            )
-            for m in methods.REGISTRY.values()
-        ]
-        widths = [max(len(r[i]) for r in rows) for i in range(3)]
-        for r in rows:  # plain lines: one per method, whatever the terminal's width
-            print(" ".join(f"{v:{w}s}" for v, w in zip(r, widths)), r[3])
+        for line in methods.listing():  # plain lines: one per method, whatever the terminal's width
+            print(line)
         return
     if name not in methods.REGISTRY:
         raise NestfedError(f"methods: unknown method '{name}' (known: {', '.join(methods.REGISTRY)})")
@@ -547,11 +316,9 @@ def list_methods(
     from nestfed.config.option_docs import option_docs
 
     m = methods.REGISTRY[name]
-    out.print(f"{m.name}: {m.summary}", markup=False)
+    show(f"{m.name}: {m.summary}")
     if not m.sections:
-        out.print(
-            "no options of its own: the core sections apply ([lora], [train], ...: docs/reference.md)", markup=False
-        )
+        show("no options of its own: the core sections apply ([lora], [train], ...: docs/reference.md)")
         return
     table = Table("option", "default", "meaning", show_lines=False)
     for section, cls in m.sections.items():

@@ -1,13 +1,36 @@
-"""The Markdown of a comparison of finished runs (``nestfed compare``'s comparison.md): a function of
-the comparison rows (comparison.json) and the reference label alone, so every committed table can be
-regenerated from its results file (bench/tools/tables.py).
+"""A comparison of finished runs, four ways by its rows (by rank group with many clients, with 95%
+intervals over seeds, both, or neither): the table the command prints with its bar plot, and the
+Markdown of ``nestfed compare``'s comparison.md. Each is a function of the comparison rows
+(comparison.json) and the reference label alone, so every committed table can be regenerated from
+its results file (bench/tools/tables.py).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from rich.table import Table
+
 from nestfed.experiments import generation_report, group_report, report, seed_report
+
+
+def table_and_plot(rows: list[dict[str, Any]], reference: str | None = None) -> tuple[Table, bytes]:
+    """The comparison of ``rows`` (nestfed.experiments.report.comparison_rows) as a rich table and
+    its bar plot (PNG bytes): by rank group with many clients, with 95% intervals and paired
+    differences against ``reference`` (default: the first label) over seeds. Raises ValueError as
+    :func:`seed_report.by_label` does."""
+    groups = seed_report.by_label(rows)
+    over_seeds = any(len(g) > 1 for g in groups.values())
+    many = report.many_clients(rows)
+    if many and over_seeds:
+        stats = group_report.seed_stats(rows, groups, reference or next(iter(groups)))
+        return group_report.seeds_table(rows, stats), group_report.plot(rows)
+    if many:
+        return group_report.table(rows), group_report.plot(rows)
+    if over_seeds:
+        label_stats = seed_report.label_stats(rows, reference)
+        return seed_report.seeds_table(rows, label_stats), seed_report.comparison_plot(rows, label_stats)
+    return report.comparison_table(rows), report.comparison_plot(rows)
 
 
 def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:

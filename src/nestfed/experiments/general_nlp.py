@@ -15,7 +15,8 @@ import functools
 import hashlib
 import json
 import tomllib
-from dataclasses import asdict
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from pathlib import Path
 
 from scipy import stats
@@ -178,6 +179,39 @@ def score(
             progress(label, True)
         results[label] = cached
     return results
+
+
+def evaluate(
+    paths: list[Path],
+    protocol: harness.Protocol,
+    include_backbone: bool = True,
+    out_dir: Path | None = None,
+    on_line: Callable[[str], None] | None = None,
+) -> tuple[str, Path]:
+    """``nestfed eval``: the runs' final adapters under ``paths`` (:func:`models`; the bare backbone
+    too with ``include_backbone``) scored on ``protocol`` (:func:`score`; ``on_line``: a line as each
+    model is scored or found scored before) into
+    ``out_dir`` (default ``<first run's parent>/eval``), with flowertune_general_nlp.md / .json
+    (:func:`rows`, :func:`markdown`) written there; ``protocol.quantization`` may be any of
+    ``--quantization``'s values (harness.quantization_name). Returns that Markdown and the folder.
+    Raises NestfedError for a path without runs, ConfigError for a bad quantization, device or dtype
+    before anything runs, and as :func:`score`."""
+    base, entries = models(paths, include_backbone)
+    protocol = replace(protocol, quantization=harness.quantization_name(protocol.quantization))
+    protocol.placement()  # a bad --device or --dtype is one line before anything runs
+    target = out_dir or (paths[0].resolve().parent if (paths[0] / "config.toml").is_file() else paths[0]) / "eval"
+    target.mkdir(parents=True, exist_ok=True)
+
+    def progress(label: str, cached: bool) -> None:
+        if on_line is not None:
+            on_line(f"{label}: {'scored before (same protocol and adapter)' if cached else 'scoring through lm-eval'}")
+
+    results = score(base, entries, protocol, target, progress)
+    table = rows(results)
+    text = markdown(table, leaderboard=base.name == "smollm2-135m-instruct")
+    atomic.write_text(target / "flowertune_general_nlp.md", text)
+    atomic.write_json(target / "flowertune_general_nlp.json", table)
+    return text, target
 
 
 def _wilson(k: int, n: int) -> tuple[float, float]:

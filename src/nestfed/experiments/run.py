@@ -1,8 +1,8 @@
 """Run one method of a prepared experiment into its run directory, embedded (clients in process).
 
 Everything that can fail on bad input (config, data, model-dependent settings of the method) is
-checked before the run directory is created; the round loop (nestfed.federation.loop) and the run
-directory (nestfed.federation.run_dir) do the rest.
+checked before the run directory is created (nestfed.experiments.preflight); the round loop
+(nestfed.federation.loop) and the run directory (nestfed.federation.run_dir) do the rest.
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ from nestfed.config.capabilities import Capability
 from nestfed.data.clients import ClientData
 from nestfed.data.global_test import global_test_set
 from nestfed.evaluation.client import evaluate_client
+from nestfed.experiments import preflight
 from nestfed.experiments.federated_run import Federation, run_federation
 from nestfed.experiments.generated import generated_evaluation
+from nestfed.experiments.preflight import stored_config as stored_config  # a resume's reference, named here too
 from nestfed.experiments.prepare import install_stream_modules
 from nestfed.federation import tracking
 from nestfed.federation.client import ClientTrainer
@@ -29,7 +31,6 @@ from nestfed.federation.evaluation_plan import EvalPlan
 from nestfed.federation.in_process import InProcessTransport
 from nestfed.federation.loop import OnEvent
 from nestfed.federation.messages import GlobalState
-from nestfed.federation.population import Population
 from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import RunDir
 from nestfed.methods.implementation import MethodRun
@@ -49,11 +50,6 @@ def new_run_dir(cfg: ExperimentConfig, parent: Path | None = None) -> Path:
         path = Path(cfg.output.dir) / f"{name}-{stamp}-{i}"
         i += 1
     return path
-
-
-def check_method(prep: Prepared, cfg: ExperimentConfig) -> None:
-    """The method's checks that need the model (e.g. memory layers in range). Raises ConfigError."""
-    methods.get(cfg.strategy.name).check_model(prep, cfg)
 
 
 def global_test_data(prep: Prepared, cfg: ExperimentConfig) -> ClientData | None:
@@ -93,17 +89,6 @@ def server_evaluation(
     return evaluate
 
 
-def stored_config(rd: RunDir) -> ExperimentConfig:
-    """What a resume of ``rd`` is checked against: the resolved config its latest checkpoint
-    recorded (so a hand-edited config.toml is caught), else config.toml. Raises ConfigError /
-    DataError naming the file."""
-    recorded = rd.recorded_config()
-    if recorded is None:
-        return methods.load_run_config(rd.config_path)
-    data, path = recorded
-    return methods.config_from_dict(data, f"{path} (the config it recorded)", stored=True)
-
-
 def run_method(
     prep: Prepared,
     cfg: ExperimentConfig,
@@ -123,13 +108,12 @@ def run_method(
     """
     t0 = time.perf_counter()
     method = methods.get(cfg.strategy.name)
-    check_method(prep, cfg)
+    preflight.check_models(prep, [cfg])
     mr = method.build(prep, cfg)
     install_stream_modules(prep, cfg)
     glob = global_test_data(prep, cfg)
     fp = prep.footprint.bytes if prep.footprint is not None else None
-    population = Population.from_config(cfg, mr.clients, fp)  # an elastic trace is read before anything is written
-    tracking.check_store(cfg.tracking, cfg.output.dir)  # an unwritable store is refused before anything is written
+    population = preflight.embedded(cfg, mr.clients, fp)  # an elastic trace, the tracking store
     text = C.dumps_toml(cfg)
     trainer = mr.trainer if isinstance(mr.trainer, ClientTrainer) else None
 

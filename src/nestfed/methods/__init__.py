@@ -144,6 +144,17 @@ def declaring(capability: Capability) -> list[str]:
     return [m.name for m in REGISTRY.values() if m.can(capability)]
 
 
+def listing() -> list[str]:
+    """One plain line per registered method, in registry order, its columns aligned: the name, the
+    sections it owns, whether it runs on Flower ("flower" or "embedded only"), its summary."""
+    rows = [
+        (m.name, ", ".join(f"[{s}]" for s in m.sections) or "-", "flower" if m.on_flower else "embedded only")
+        for m in REGISTRY.values()
+    ]
+    widths = [max(len(r[i]) for r in rows) for i in range(3)]
+    return [" ".join(f"{v:{w}s}" for v, w in zip(r, widths)) + " " + m.summary for r, m in zip(rows, REGISTRY.values())]
+
+
 def schema() -> C.Schema:
     """What configs may hold beyond the core sections.
 
@@ -254,6 +265,7 @@ __all__ = [
     "declaring",
     "config_from_dict",
     "get",
+    "listing",
     "load_config",
     "replace_config",
     "schema",

@@ -1,0 +1,161 @@
+"""Every check a run must pass before anything is written, one home each, for both ways in: the
+command line (through nestfed.experiments.run and nestfed.experiments.campaign) and Flower's
+ServerApp (nestfed.flower.server_app). Each raises ConfigError / DataError / NestfedError, one line
+naming the setting or file at fault, and writes nothing.
+
+- the method against the model (its ``check_model``: memory layers in range, compression targets);
+- the population's elastic trace (read and checked against the clients' ranks);
+- the tracking store (an MLflow folder that cannot be written);
+- a resume's acceptance: the checkpoint it continues (readable, its clients' state where the
+  transport keeps it) and the config it continues with (only federation.rounds and [tracking] may
+  change; config.toml is then rewritten and the changes returned);
+- Flower's own: the method runs on Flower, the run directory is new or resumed, enough nodes
+  answered the QUERY round and none above lora.r_max, no setting only the embedded runner serves
+  (:data:`EMBEDDED_ONLY`), and secure aggregation only where the aggregation needs no individual
+  update and the round's SecAgg+ settings fit (:class:`SumSettings`).
+
+What the config alone decides (types, ranges, the method's capabilities against what the config
+asks, cross-section checks) is checked when it is loaded (nestfed.methods.load_config); what the
+round loop asks of the method and transport is refused when the loop is built
+(nestfed.experiments.federated_run.build_loop), before the run directory is opened.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from pathlib import Path
+from typing import Protocol
+
+from nestfed import config as C
+from nestfed import methods
+from nestfed.config import ExperimentConfig
+from nestfed.config.capabilities import Capability
+from nestfed.errors import ConfigError, NestfedError
+from nestfed.federation import tracking
+from nestfed.federation.messages import ClientInfo
+from nestfed.federation.population import Population
+from nestfed.federation.prepared import Prepared
+from nestfed.federation.run_dir import KEPT, ON_NODES, RunDir
+from nestfed.federation.safeguards import Safeguards
+
+EMBEDDED_ONLY = {  # setting: why Flower refuses it
+    "evaluation.global_test": "on Flower no server holds the clients' held-out records to draw a global held-out "
+    "set from (the embedded runner has one; docs/scale.md)",
+    "generation.rows": "the generated evaluation runs embedded (nestfed run), which writes the answers into the "
+    "run directory; on Flower the nodes would have to send their texts back",
+}
+
+
+class SumSettings(Protocol):
+    """The secure aggregation's settings as far as a preflight needs them (Flower's SecAgg+:
+    nestfed.flower.secure.SecAggSettings)."""
+
+    def check_clients(self, k: int) -> None:
+        """Raise ConfigError when a round of k sampled nodes cannot run with these settings."""
+
+
+# -- every engine --------------------------------------------------------------------------------
+def check_models(prep: Prepared, cfgs: Iterable[ExperimentConfig]) -> None:
+    """Each config's method against the prepared model (its ``check_model``, e.g. memory layers in
+    range), all before the first run directory. Raises ConfigError."""
+    for cfg in cfgs:
+        methods.get(cfg.strategy.name).check_model(prep, cfg)
+
+
+def embedded(
+    cfg: ExperimentConfig, clients: Sequence[ClientInfo], footprint: Callable[[int], int] | None = None
+) -> Population:
+    """An embedded run's federation: the population's per-round draws over ``clients``, its elastic
+    trace read and checked against their ranks (``footprint``: bytes(r) of the backbone, for a trace
+    of memory budgets), then the tracking store. Raises ConfigError."""
+    out = Population.from_config(cfg, clients, footprint)
+    tracking.check_store(cfg.tracking, cfg.output.dir)
+    return out
+
+
+def stored_config(rd: RunDir) -> ExperimentConfig:
+    """What a resume of ``rd`` is checked against: the resolved config its latest checkpoint
+    recorded (so a hand-edited config.toml is caught), else config.toml. Raises ConfigError /
+    DataError naming the file."""
+    recorded = rd.recorded_config()
+    if recorded is None:
+        return methods.load_run_config(rd.config_path)
+    data, path = recorded
+    return methods.config_from_dict(data, f"{path} (the config it recorded)", stored=True)
+
+
+def accept_resume(rd: RunDir, wanted: ExperimentConfig, home: str = KEPT) -> list[str]:
+    """Accept the resume of ``rd`` with ``wanted``: its latest checkpoint readable, with the
+    clients' kept state where the transport keeps it (``home``: KEPT embedded, ON_NODES on
+    Flower; RunDir.check_resume), and ``wanted`` equal to :func:`stored_config` but for
+    federation.rounds and [tracking] (RunDir.accept_config: config.toml is then rewritten).
+    Returns the changes (``section.key: old -> new``). Raises NestfedError / DataError."""
+    rd.check_resume(methods.get(wanted.strategy.name).keeps_client_state(wanted), home)
+    return rd.accept_config(stored_config(rd), wanted, C.dumps_toml(wanted))
+
+
+# -- Flower ------------------------------------------------------------------------------------
+def flower_config(path: Path, overrides: Sequence[str]) -> ExperimentConfig:
+    """The experiment at ``path`` with ``overrides``, validated, its method one that runs on Flower
+    (e.g. not one whose clients hold compressed models the ServerApp cannot set up). Raises ConfigError."""
+    cfg = methods.load_config(path, list(overrides))
+    line = methods.get(cfg.strategy.name).refusal({Capability.FLOWER: "strategy.name"})
+    if line is not None:
+        raise ConfigError(f"{path}: {line}")
+    return cfg
+
+
+def flower_run_dir(
+    cfg: ExperimentConfig, run_dir: Path, resume: bool, on_change: Callable[[str], None]
+) -> RunDir | None:
+    """The tracking store, then the run directory: with ``resume`` the existing one, its resume
+    accepted (:func:`accept_resume` with the clients' state on the nodes; each change of
+    config.toml to ``on_change``) and returned; else None once ``run_dir`` is absent or empty.
+    Raises ConfigError / DataError / NestfedError."""
+    tracking.check_store(cfg.tracking, cfg.output.dir)
+    if resume:
+        rd = RunDir.open(run_dir, C.dumps_toml(cfg))
+        for change in accept_resume(rd, cfg, ON_NODES):
+            on_change(change)
+        return rd
+    if run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
+        raise NestfedError(f"run config: run-dir {run_dir} exists and is not empty; set resume = true to continue it")
+    return None
+
+
+def flower_clients(
+    cfg: ExperimentConfig, clients: Sequence[ClientInfo], min_clients: int, nodes: int, want: int, node_says: str
+) -> None:
+    """What the QUERY round found: at least ``min_clients`` clients answered (else one line, naming
+    the ``nodes`` connected against data.num_clients = ``want`` when a node refused that count:
+    ``node_says``), and none above lora.r_max. Raises NestfedError / ConfigError."""
+    if len(clients) < min_clients:
+        raise NestfedError(
+            f"only {len(clients)} nodes answered the query; min-clients is {min_clients}"
+            + (f"; {nodes} nodes for data.num_clients = {want}, and a node says: {node_says}" if node_says else "")
+        )
+    for c in clients:
+        if c.rank > C.r_max(cfg):
+            raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
+
+
+def flower_federation(
+    cfg: ExperimentConfig, clients: Sequence[ClientInfo], secure: SumSettings | None = None
+) -> Population:
+    """The federation the nodes formed: no setting only the embedded runner serves
+    (:data:`EMBEDDED_ONLY`); under secure aggregation (``secure``: its settings) no robust rule or
+    central DP (they need individual updates) and a round's sampled nodes within ``secure``'s
+    bounds; then the population's per-round draws, its elastic trace read and checked. Raises
+    ConfigError."""
+    asked = {"evaluation.global_test": cfg.evaluation.global_test, "generation.rows": cfg.generation.rows}
+    for key, why in EMBEDDED_ONLY.items():
+        if asked[key]:
+            raise ConfigError(f"{key}: {why}")
+    if secure is not None:
+        if Safeguards.from_config(cfg).rule.active:
+            raise ConfigError(
+                "run config: secure-aggregation: a robust rule or central DP needs individual "
+                "updates, which secure aggregation hides; docs/secure_aggregation.md"
+            )
+        secure.check_clients(max(1, round(cfg.federation.fraction * len(clients))))
+    return Population.from_config(cfg, clients)
