@@ -39,6 +39,13 @@ ROOT = Path(__file__).resolve().parents[1]
 COVERED = [  # dotted names; a package covers its modules
     "nestfed.config",
     "nestfed.errors",
+    "nestfed.flower.client_app",
+    "nestfed.flower.exchange",
+    "nestfed.flower.framing",
+    "nestfed.flower.node_forwarder",
+    "nestfed.flower.node_state",
+    "nestfed.flower.records",
+    "nestfed.flower.worker",
     "nestfed.io",
     "nestfed.nn",
     "nestfed.ops",
