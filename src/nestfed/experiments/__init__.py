@@ -1,7 +1,7 @@
 """Recipes: prepare an experiment once, run methods on it into run directories, compare them.
 
-- :mod:`nestfed.experiments.prepare`: backbone, LoRA layers, client data (once per experiment).
-- :mod:`nestfed.experiments.run`: one method, embedded, into its run directory.
-- :mod:`nestfed.experiments.report`: finished runs side by side (tables and a plot).
-- :mod:`nestfed.experiments.compressed_comparison`: FedSLM against FedMKT, FedAvg and HetLoRA.
+- `nestfed.experiments.prepare`: backbone, LoRA layers, client data (once per experiment).
+- `nestfed.experiments.run`: one method, embedded, into its run directory.
+- `nestfed.experiments.report`: finished runs side by side (tables and a plot).
+- `nestfed.experiments.compressed_comparison`: FedSLM against FedMKT, FedAvg and HetLoRA.
 """

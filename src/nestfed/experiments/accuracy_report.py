@@ -2,9 +2,11 @@
 groups of rows (``accuracy@<group>``: own / held-out kinds or vocabularies, distances).
 
 Input per method: one ``{client: {group: accuracy}}`` per seed (the same clients and groups every
-seed). :func:`by_group`: the mean over clients per seed, then the mean over seeds with its 95% t
-interval; :func:`paired_points`: a method against a reference in accuracy points, paired over the
-(seed, client) pairs, with its 95% interval and p-value (nestfed.experiments.intervals).
+seed).
+
+- `by_group`: the mean over clients per seed, then the mean over seeds with its 95% t interval.
+- `paired_points`: a method against a reference in accuracy points, paired over the (seed, client)
+  pairs, with its 95% interval and p-value (nestfed.experiments.intervals).
 """
 
 from __future__ import annotations
@@ -19,8 +21,15 @@ Seeds = list[dict[str, dict[str, float]]]
 
 
 def final_groups(run_dir: str | Path, metric: str = "accuracy") -> dict[str, dict[str, float]]:
-    """{client: {group: metric}} of a finished run's last evaluation (its summary's ``final``):
-    ``accuracy`` (a fraction) or ``loss`` (the answer's mean NLL, nats)."""
+    """Each client's metric per test group in a finished run's last evaluation.
+
+    Args:
+        run_dir: the run directory (its ``summary.json``'s ``final``).
+        metric: ``accuracy`` (a fraction) or ``loss`` (the answer's mean NLL, nats).
+
+    Returns:
+        ``{client: {group: metric}}``.
+    """
     import json
 
     s = json.loads((Path(run_dir) / "summary.json").read_text())
@@ -28,14 +37,30 @@ def final_groups(run_dir: str | Path, metric: str = "accuracy") -> dict[str, dic
 
 
 def of_groups(evaluations: dict[str, dict[str, float]], metric: str = "accuracy") -> dict[str, dict[str, float]]:
-    """{client: {group: metric}} from {client: metrics with ``<metric>@<group>``}."""
+    """Each client's metric per test group, from its ``<metric>@<group>`` metrics.
+
+    Args:
+        evaluations: ``{client: {metric name: value}}``.
+        metric: the metric's name before ``@``.
+
+    Returns:
+        ``{client: {group: metric}}``.
+    """
     tag = f"{metric}@"
     return {c: {k[len(tag) :]: v for k, v in m.items() if k.startswith(tag)} for c, m in evaluations.items()}
 
 
 def by_group(per_seed: Seeds, order: Callable[[str], Any] = str) -> dict[str, dict[str, Any]]:
-    """{group: {"mean", "half" (95% half width over seeds), "seeds" (each seed's mean over
-    clients)}}, groups sorted by ``order``."""
+    """Each group's mean over clients per seed, then over seeds with its 95% t interval.
+
+    Args:
+        per_seed: one ``{client: {group: value}}`` per seed.
+        order: the sort key of the group names.
+
+    Returns:
+        ``{group: {"mean", "half" (95% half width over seeds), "seeds" (each seed's mean over
+        clients)}}``, groups sorted by ``order``.
+    """
     groups = sorted({g for s in per_seed for c in s.values() for g in c}, key=order)
     out = {}
     for g in groups:
@@ -48,9 +73,21 @@ def by_group(per_seed: Seeds, order: Callable[[str], Any] = str) -> dict[str, di
 def paired_points(
     method: Seeds, reference: Seeds, order: Callable[[str], Any] = str, scale: float = 100.0
 ) -> dict[str, dict[str, float]]:
-    """{group: {"mean_pts", "low", "high", "p"}}: method minus reference over the (seed, client)
-    pairs, times ``scale`` (100: accuracy points; 1: a loss's own units). Raises ValueError when
-    the two differ in seeds or clients."""
+    """A method minus a reference per group, paired over the (seed, client) pairs.
+
+    Args:
+        method: one ``{client: {group: value}}`` per seed.
+        reference: the same, for the reference (same seeds and clients).
+        order: the sort key of the group names.
+        scale: the factor on each difference (100: accuracy points; 1: a loss's own units).
+
+    Returns:
+        ``{group: {"mean_pts", "low", "high", "p"}}``: the mean difference, its 95% interval and
+        p-value (nestfed.experiments.intervals).
+
+    Raises:
+        ValueError: when the two differ in seeds or clients.
+    """
     if len(method) != len(reference) or any(m.keys() != r.keys() for m, r in zip(method, reference)):
         raise ValueError("paired_points: the two methods need the same seeds and clients")
     out = {}
@@ -62,12 +99,27 @@ def paired_points(
 
 
 def cell(x: dict[str, Any]) -> str:
-    """``57.3 ± 4.5`` (percent; no interval for a single seed)."""
+    """One `by_group` entry as a table cell.
+
+    Args:
+        x: ``{"mean", "half", "seeds"}`` (fractions).
+
+    Returns:
+        ``57.3 ± 4.5`` (percent; no interval for a single seed).
+    """
     return f"{100 * x['mean']:.1f}" + (f" ± {100 * x['half']:.1f}" if len(x["seeds"]) > 1 else "")
 
 
 def points(d: dict[str, float], digits: int = 1) -> str:
-    """``+6.2 [-1.7, +14.2]`` (``digits`` decimals), bold when the interval excludes 0."""
+    """One `paired_points` entry as a table cell.
+
+    Args:
+        d: ``{"mean_pts", "low", "high", ...}``.
+        digits: the decimals shown.
+
+    Returns:
+        ``+6.2 [-1.7, +14.2]``, bold when the interval excludes 0.
+    """
     f = f"+.{digits}f"
     s = f"{d['mean_pts']:{f}} [{d['low']:{f}}, {d['high']:{f}}]"
     return f"**{s}**" if d["low"] > 0 or d["high"] < 0 else s

@@ -31,7 +31,15 @@ COMPRESSED = ("fedslm", "fedmkt")
 
 
 def baseline_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
-    """The config of one method: FedAvg at rank lora.r_max for every client; others as given."""
+    """The config of one method of the comparison.
+
+    Args:
+        cfg: the experiment config.
+        method: one of `METHODS`.
+
+    Returns:
+        FedAvg at rank lora.r_max for every client; the others with ``cfg``'s settings.
+    """
     if method == "fedavg":
         return methods.replace_config(
             cfg, strategy={"name": method}, lora={"ranks": (r_max(cfg),), "r_max": r_max(cfg)}
@@ -40,7 +48,15 @@ def baseline_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
 
 
 def lora_client_memory(prep: Prepared, cfg: ExperimentConfig) -> dict[str, Any]:
-    """Client model bytes of a LoRA method: the full backbone plus an fp32 LoRA of rank r_k."""
+    """Client model bytes of a LoRA method: the full backbone plus an fp32 LoRA of rank r_k.
+
+    Args:
+        prep: the preparation (its backbone and LoRA layer shapes).
+        cfg: the experiment config (the clients' ranks).
+
+    Returns:
+        ``{"full_model_bytes", "clients" ({cid: ratio to the full model}), "mean_ratio_to_full"}``.
+    """
     full = model_bytes(prep.backbone.model)
     ranks = client_ranks(cfg)
     per = {
@@ -52,8 +68,19 @@ def lora_client_memory(prep: Prepared, cfg: ExperimentConfig) -> dict[str, Any]:
 def run_lora_baseline(
     prep: Prepared, cfg: ExperimentConfig, run_dir: Path, on_event: OnEvent | None = None
 ) -> dict[str, Any]:
-    """A LoRA method's run, with its global adapter on the full model (the server model) evaluated
-    on every client's test set and its clients' memory in summary.json."""
+    """A LoRA method's run, its server model evaluated and its clients' memory in summary.json.
+
+    The server model is the global adapter on the full model, evaluated on every client's test set.
+
+    Args:
+        prep: the preparation.
+        cfg: the method's config (`baseline_config`).
+        run_dir: the run directory to write.
+        on_event: called with every event of the run; None: none.
+
+    Returns:
+        The run's summary, with ``server_eval``, ``server_mean_ppl`` and ``client_memory``.
+    """
 
     def report(mr: MethodRun, state: GlobalState) -> dict[str, Any]:
         arrays, scale = mr.strategy.deploy(state, None)
@@ -64,8 +91,15 @@ def run_lora_baseline(
 
 
 def rows_of(summaries: dict[str, dict[str, Any]], backbone_ppl: float) -> list[dict[str, Any]]:
-    """One comparison row per method (and per elicitation variant of FedSLM). backbone_ppl: the
-    pretrained full model's mean held-out perplexity."""
+    """One comparison row per method (and per elicitation variant of FedSLM).
+
+    Args:
+        summaries: ``{method: its run's summary}``.
+        backbone_ppl: the pretrained full model's mean held-out perplexity.
+
+    Returns:
+        The rows: perplexities, memory ratio, KB per client per round, wall time.
+    """
     rows = []
     for method, s in summaries.items():
         base = {
@@ -94,7 +128,14 @@ def rows_of(summaries: dict[str, dict[str, Any]], backbone_ppl: float) -> list[d
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """The comparison as a Markdown table."""
+    """The comparison as a Markdown table.
+
+    Args:
+        rows: the rows of `rows_of`.
+
+    Returns:
+        The table, a backbone row first (when there are rows).
+    """
     head = [
         "method",
         "client ppl (round 0)",
@@ -125,8 +166,21 @@ def compare(
     on_status: Callable[[str], None] | None = None,
     on_event: OnEvent | None = None,
 ) -> Path:
-    """Prepare once, run every method into ``<output.dir>/<name>-<time>/<method>``, write the
-    comparison there; return that directory. Raises ConfigError for an unknown method."""
+    """Prepare once, run every method, write the comparison.
+
+    Args:
+        cfg: the experiment config.
+        names: the methods, from `METHODS`.
+        on_status: called with a status line at each step; None: silent.
+        on_event: called with every event of the runs; None: none.
+
+    Returns:
+        The directory ``<output.dir>/<name>-<time>``: one run directory per method,
+        ``comparison.md`` and ``comparison.json``.
+
+    Raises:
+        ConfigError: for an unknown method (before any work).
+    """
     for m in names:
         if m not in METHODS:
             raise ConfigError(f"--methods: unknown method '{m}' (known here: {', '.join(METHODS)})")

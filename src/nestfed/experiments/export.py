@@ -3,7 +3,7 @@ the adapter one client runs, as a PEFT adapter directory.
 
 The run directory's ``adapter/`` is the global adapter at r_max and its scale s. Truncating it by
 hand to a client's rank r and loading it with the exported ``lora_alpha`` gives PEFT's scale
-``lora_alpha / r``, r_max / r times nestfed's under ``fixed`` scaling. :func:`export_adapter`
+``lora_alpha / r``, r_max / r times nestfed's under ``fixed`` scaling. `export_adapter`
 writes instead:
 
 - ``rank=r``: the global adapter's prefix of rank r (A[:r], B[:, :r]) at the scale a client of rank
@@ -40,9 +40,16 @@ ADAPTER_FILES = {"adapter_config.json", "adapter_model.safetensors", "adapter_mo
 
 
 def check_target(target: Path, run_dir: Path) -> None:
-    """Refuse an export target that would destroy anything but an earlier adapter: the run
-    directory itself or a folder above it, an existing file, or a folder holding other files.
-    Raises NestfedError naming the path."""
+    """Refuse an export target that would destroy anything but an earlier adapter.
+
+    Args:
+        target: the adapter directory to write.
+        run_dir: the run directory exported from.
+
+    Raises:
+        NestfedError: naming the path, when the target is the run directory or a folder above it,
+            an existing file (or link), or a folder holding files other than `ADAPTER_FILES`.
+    """
     t, r = target.resolve(), run_dir.resolve()
     if t == r or t in r.parents:
         raise NestfedError(f"--out {target}: that is the run directory or a folder above it; give a new path")
@@ -67,7 +74,7 @@ def _base_model(rd: RunDir, cfg) -> str:
 
 def _client_adapter(run_dir, method, cfg, ck, strategy, ranks: dict[int, int], client: int, rank: int | None):
     """(arrays, scale, rank) of the adapter client ``client`` runs (its deployed arrays through its
-    hooks' evaluation view), for :func:`export_adapter`. Raises NestfedError as it documents."""
+    hooks' evaluation view), for `export_adapter`. Raises NestfedError as it documents."""
     if client not in ranks:
         raise NestfedError(f"--client {client}: {run_dir} has clients {', '.join(map(str, sorted(ranks)))}")
     hooks = method.client_hooks(cfg)
@@ -92,17 +99,28 @@ def _client_adapter(run_dir, method, cfg, ck, strategy, ranks: dict[int, int], c
 def export_adapter(
     run_dir: str | Path, rank: int | None = None, client: int | None = None, out: str | Path | None = None
 ) -> tuple[Path, dict]:
-    """Write the adapter of run ``run_dir``'s latest checkpoint at ``rank`` and/or as ``client``
-    runs it (see the module docstring) to ``out`` (default ``RUN_DIR/adapter_r<r>`` or
-    ``RUN_DIR/adapter_client<k>``), atomically; an existing target is replaced only when it is an
-    earlier adapter directory (:func:`check_target`). Returns (the directory, a description: round, rank,
-    scale, client, base model).
+    """Write the adapter of a run's latest checkpoint as a PEFT adapter directory, atomically.
 
-    With both, ``rank`` must be the client's own rank. Raises NestfedError, one line naming the
-    run, option or client at fault: not a run directory, no checkpoint, an unknown client, a
-    method whose global adapter has no nested prefixes (``--rank``), a method whose clients do not
-    run LoRA on the backbone or whose per-client state stayed on Flower's nodes (``--client``), a
-    rank out of range.
+    The adapter is the global one at ``rank`` and/or the one ``client`` runs (see the module
+    docstring). An existing target is replaced only when it is an earlier adapter directory
+    (`check_target`).
+
+    Args:
+        run_dir: the run directory.
+        rank: the rank of the global adapter's prefix; with ``client``, it must be the client's own
+            rank.
+        client: the client whose adapter to write.
+        out: the target directory; default ``RUN_DIR/adapter_r<r>`` or ``RUN_DIR/adapter_client<k>``.
+
+    Returns:
+        The directory and a description: round, rank, scale, client, base model, method.
+
+    Raises:
+        NestfedError: one line naming the run, option or client at fault: not a run directory,
+            neither rank nor client given, no checkpoint, an unknown client, a method whose global
+            adapter has no nested prefixes (``--rank``), a method whose clients do not run LoRA on
+            the backbone or whose per-client state stayed on Flower's nodes (``--client``), a rank
+            out of range, an unsafe target.
     """
     rd = RunDir(run_dir)
     if not rd.config_path.is_file():

@@ -1,6 +1,6 @@
 """The one run path around the round loop: the embedded runner (nestfed.experiments.run) and
 Flower's ServerApp (nestfed.flower.server_app) each describe their federation as one
-:class:`Federation` and call :func:`run_federation`, which builds the loop from the config and the
+`Federation` and call `run_federation`, which builds the loop from the config and the
 method's capabilities, runs it, and finishes the run directory with the same summary fields on
 both (the mechanism reports included: the clients evaluate the adapter's prefixes through the
 transport).
@@ -29,14 +29,26 @@ from nestfed.federation.tracking import Sink
 class Federation:
     """What one run of the round loop needs beyond its config.
 
-    engine: ``embedded`` | ``flower`` (the summary's ``engine``); strategy, transport, clients (the
-    federation that answered), shapes ({module: (out, in)}), keeps_client_state: the loop's;
-    exports(state): what the run directory writes (adapter, files); roster: {cid: {rank, label,
-    num_examples}}; population: the per-round draws; min_clients: None = federation.min_clients;
-    on_event, sinks, server_evaluate: the loop's (nestfed.federation.loop.RoundLoop);
-    on_global(arrays, s): metrics of an adapter on the global held-out set (the truncation curve's
-    ``truncation_global``), None without one; summary(state): the engine's further summary fields
-    (e.g. preparation time); log: the engine's own lines, kept as the summary's ``events``.
+    The loop's own parts are those of nestfed.federation.loop.RoundLoop.
+
+    Attributes:
+        engine: ``embedded`` or ``flower`` (the summary's ``engine``).
+        strategy: the loop's server strategy.
+        transport: the loop's transport.
+        clients: the federation that answered.
+        shapes: ``{module: (out, in)}`` of the LoRA-adapted layers.
+        keeps_client_state: whether the loop checkpoints the clients' kept state.
+        exports: ``exports(state)``: what the run directory writes (adapter, files).
+        roster: ``{cid: {rank, label, num_examples}}``.
+        population: the per-round draws.
+        min_clients: the loop's minimum of answering clients; None: ``federation.min_clients``.
+        on_event: the loop's event callback; None: none.
+        sinks: the loop's tracking sinks.
+        server_evaluate: the loop's server-side evaluation; None: none.
+        on_global: ``on_global(arrays, s)``: metrics of an adapter on the global held-out set (the
+            truncation curve's ``truncation_global``); None without one.
+        summary: ``summary(state)``: the engine's further summary fields (e.g. preparation time).
+        log: the engine's own lines, kept as the summary's ``events``.
     """
 
     engine: str
@@ -58,9 +70,20 @@ class Federation:
 
 
 def build_loop(cfg: ExperimentConfig, fed: Federation) -> RoundLoop:
-    """The round loop of ``fed`` under ``cfg``, its method's capabilities enforced (ConfigError
-    names the setting a method or transport asks beyond them). Its run directory is set by
-    :func:`run_federation`, so a refusal writes nothing."""
+    """The round loop of a federation, its method's capabilities enforced.
+
+    Its run directory is set by `run_federation`, so a refusal writes nothing.
+
+    Args:
+        cfg: the experiment config.
+        fed: the federation.
+
+    Returns:
+        The round loop, without a run directory.
+
+    Raises:
+        ConfigError: naming the setting a method or transport asks beyond the method's capabilities.
+    """
     m = methods.get(cfg.strategy.name)
     kw: dict[str, Any] = {
         "population": fed.population,
@@ -83,11 +106,26 @@ def run_federation(
     resume: bool = False,
     t0: float | None = None,
 ) -> dict[str, Any]:
-    """Build the loop (:func:`build_loop`), open the run directory (``open_run_dir``: created, or
-    opened to resume), run or resume the rounds, and finish the directory: exports, the mechanism
-    reports and the summary, whose common fields are ``engine``, ``wall_time_s`` (since ``t0``)
-    and ``rejections``. Returns the summary. A run that fails (RunFailed) gets a failed summary
-    and the error is raised again, naming the run directory."""
+    """Build the loop, open the run directory, run or resume the rounds, and finish the directory.
+
+    Finishing writes the exports, the mechanism reports and the summary.
+
+    Args:
+        cfg: the experiment config.
+        fed: the federation.
+        open_run_dir: creates the run directory, or opens it to resume.
+        resume: resume the rounds from the latest checkpoint.
+        t0: the ``time.perf_counter()`` the wall time counts from; None: now.
+
+    Returns:
+        The summary; its common fields are ``engine``, ``wall_time_s`` (since ``t0``) and
+        ``rejections``.
+
+    Raises:
+        ConfigError: when the method's capabilities refuse the config (`build_loop`).
+        RunFailed: naming the run directory, when the rounds fail (the directory gets a failed
+            summary first).
+    """
     t0 = time.perf_counter() if t0 is None else t0
     loop = build_loop(cfg, fed)
     rd = open_run_dir()

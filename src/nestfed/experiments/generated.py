@@ -43,9 +43,18 @@ METRICS = ("rouge_l", "exact_match", "accuracy", "ppl")
 
 
 def prompts_and_references(d: ClientData, rows: int, tokenizer) -> tuple[list[list[int]], list[str], list[int]]:
-    """The first ``rows`` held-out rows of ``d`` that have a labelled response: each one's prompt
-    (the ids before its first labelled token), its reference (the labelled tokens decoded without
-    special tokens, stripped) and its row index."""
+    """The first held-out rows of a client that have a labelled response, as prompts and references.
+
+    Args:
+        d: the client's data (``test_ids`` and ``test_labels``, [N, T]; -100 marks an unlabelled
+            token).
+        rows: how many rows at most.
+        tokenizer: the backbone's tokenizer (decodes the references).
+
+    Returns:
+        The prompts (the ids before each row's first labelled token), the references (the labelled
+        tokens decoded without special tokens, stripped) and the rows' indices.
+    """
     prompts, refs, idx = [], [], []
     for i in range(d.test_ids.shape[0]):
         marked = (d.test_labels[i] != -100).nonzero().flatten()
@@ -61,7 +70,14 @@ def prompts_and_references(d: ClientData, rows: int, tokenizer) -> tuple[list[li
 
 
 def stop_ids(tokenizer) -> list[int]:
-    """The tokens an answer ends at: EOS and the chat template's end of turn where it is one token."""
+    """The tokens an answer ends at.
+
+    Args:
+        tokenizer: the backbone's tokenizer.
+
+    Returns:
+        The ids, sorted: EOS and the chat template's end of turn where it is one token.
+    """
     out = {int(tokenizer.eos_token_id)} if tokenizer.eos_token_id is not None else set()
     for marker in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>"):
         ids = tokenizer.convert_tokens_to_ids(marker)
@@ -71,9 +87,17 @@ def stop_ids(tokenizer) -> list[int]:
 
 
 def client_trainer(trainer: Any, cid: int) -> ClientTrainer | None:
-    """The LoRA client trainer that runs client ``cid``: the run's own, or its model group's (a
-    trainer with ``trainer_for``, e.g. compressed clients'); None for clients that run no such
-    trainer (they cannot be asked to generate here)."""
+    """The LoRA client trainer that runs one client.
+
+    Args:
+        trainer: the run's client trainer, or a trainer of model groups (with ``trainer_for``, e.g.
+            compressed clients').
+        cid: the client id.
+
+    Returns:
+        The run's own trainer or the client's model group's; None for a client that runs no such
+        trainer (it cannot be asked to generate here).
+    """
     if isinstance(trainer, ClientTrainer):
         return trainer
     pick = getattr(trainer, "trainer_for", None)
@@ -82,12 +106,22 @@ def client_trainer(trainer: Any, cid: int) -> ClientTrainer | None:
 
 
 class Counter:
-    """Answers done so far, reported to ``progress(done, total)`` (None: not reported)."""
+    """Answers done so far, reported as they come.
+
+    Args:
+        progress: called as ``progress(done, total)`` after each addition; None: not reported.
+        total: the answers in all.
+    """
 
     def __init__(self, progress: Callable[[int, int], None] | None, total: int):
         self.progress, self.total, self.done = progress, total, 0
 
     def add(self, n: int) -> None:
+        """Count more answers done and report the count.
+
+        Args:
+            n: the answers just done.
+        """
         self.done += n
         if self.progress is not None:
             self.progress(self.done, self.total)
@@ -158,8 +192,16 @@ def _summaries(per_client: dict[str, dict[str, float]], ranks: dict[str, int | s
 
 
 def rank_groups(trainer: Any, ranks: dict[str, int]) -> dict[str, int | str]:
-    """{cid: the group its scores are summarised under}: its LoRA rank, or, for a client without
-    one (rank 0) run by a trainer of model groups (``group_of``: {cid: group}), ``"group <g>"``."""
+    """The group each client's scores are summarised under.
+
+    Args:
+        trainer: the run's client trainer; a trainer of model groups has ``group_of`` ({cid: group}).
+        ranks: ``{cid: its LoRA rank}`` (0: none).
+
+    Returns:
+        ``{cid: group}``: its LoRA rank, or, for a client without one run by a trainer of model
+        groups, ``"group <g>"``.
+    """
     group_of = getattr(trainer, "group_of", None) or {}
     return {c: (f"group {group_of[int(c)]}" if not r and int(c) in group_of else r) for c, r in ranks.items()}
 
@@ -175,11 +217,28 @@ def generated_evaluation(
     run_dir: Path,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    """Run the generated evaluation (module docstring) and return the summary's ``generation``.
-    progress(answers done, answers in all) after every batch of answers:
-    each client under ``strategy.deploy(state, cid)`` as its hooks run it; the global adapter
-    (``strategy.export``) truncated to each of ``generation.ranks`` at s(r) (LoraSettings.scale),
-    unless the export is not one nested adapter (``truncation_skipped`` says why)."""
+    """Run the generated evaluation (module docstring).
+
+    Each client answers under ``strategy.deploy(state, cid)`` as its hooks run it; the global adapter
+    (``strategy.export``) truncated to each of ``generation.ranks`` answers at s(r)
+    (LoraSettings.scale), unless the export is not one nested adapter (``truncation_skipped`` says
+    why).
+
+    Args:
+        cfg: the experiment config (its ``generation`` section).
+        trainer: the run's client trainer (`client_trainer`).
+        strategy: the run's server strategy.
+        state: the final global state.
+        clients: the client ids that answer.
+        ranks: ``{cid: its LoRA rank}`` (`rank_groups`).
+        tokenizer: the backbone's tokenizer.
+        run_dir: the run directory (``generations/*.jsonl`` are written there).
+        progress: called as ``progress(answers done, answers in all)`` after every batch of answers.
+
+    Returns:
+        The summary's ``generation``; ``{"skipped": reason}`` when a client runs no LoRA client
+        trainer.
+    """
     g = cfg.generation
     t0 = time.perf_counter()
     decoding = {"max_new_tokens": g.max_new_tokens, "temperature": g.temperature, "top_p": g.top_p, "seed": g.seed}

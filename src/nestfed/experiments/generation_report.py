@@ -21,7 +21,14 @@ COLUMNS = (
 
 
 def has_generation(rows: list[dict[str, Any]]) -> bool:
-    """Whether any compared run holds a generated evaluation."""
+    """Whether any compared run holds a generated evaluation.
+
+    Args:
+        rows: the compared runs' summaries.
+
+    Returns:
+        True when one has a ``generation`` with ``clients``.
+    """
     return any(r.get("generation") and r["generation"].get("clients") for r in rows)
 
 
@@ -39,7 +46,15 @@ def _cell(values: list[float], percent: bool) -> str:
 
 
 def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
-    """The Markdown tables (module docstring); "" when no run generated."""
+    """The Markdown tables (module docstring).
+
+    Args:
+        rows: the compared runs' summaries (with ``seed`` and ``labels``).
+        reference: the label the others are paired against; None or unknown: the first label.
+
+    Returns:
+        The tables; "" when no run generated.
+    """
     runs = [r for r in rows if r.get("generation") and r["generation"].get("clients")]
     if not runs:
         return ""

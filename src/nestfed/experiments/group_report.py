@@ -30,7 +30,14 @@ LOCAL = "local_only"
 
 
 def groups_of(rows: list[dict[str, Any]]) -> list[int]:
-    """The rank groups present, ascending."""
+    """The rank groups present, ascending.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (each with ``client_ranks``).
+
+    Returns:
+        The clients' distinct ranks, ascending.
+    """
     return sorted({int(r) for row in rows for r in row["client_ranks"].values()})
 
 
@@ -44,8 +51,17 @@ def _global_ppl(row: dict[str, Any]) -> float | None:
 
 
 def markdown(rows: list[dict[str, Any]]) -> str:
-    """One seed per label: the final held-out perplexity's distribution over clients and each rank
-    group's mean (n clients), the global held-out set's, bytes and time (Markdown)."""
+    """The one-seed-per-label comparison as a Markdown table.
+
+    Per label: the final held-out perplexity's distribution over clients, each rank group's mean
+    (n clients), the global held-out set's perplexity, bytes and time; the first run's round 0 first.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (each with ``client_ranks``).
+
+    Returns:
+        The table.
+    """
     ranks = groups_of(rows)
     head = ["method", "ranks", "clients", "mean ppl", "median", "p10", "p90", "worst"]
     head += [f"r={r} mean" for r in ranks] + ["global ppl", "KB/client/round", "time s"]
@@ -91,7 +107,14 @@ def _row(
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
-    """:func:`markdown`'s table for the terminal."""
+    """`markdown`'s table for the terminal.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (each with ``client_ranks``).
+
+    Returns:
+        The rich table.
+    """
     ranks = groups_of(rows)
     t = Table(
         title="final held-out perplexity over clients (lower is better): distribution and rank-group means; "
@@ -114,8 +137,16 @@ def table(rows: list[dict[str, Any]]) -> Table:
 
 
 def plot(rows: list[dict[str, Any]]) -> bytes:
-    """Box plots (PNG bytes): each client's final perplexity relative to its round 0 (%), one box per
-    method within each rank group."""
+    """Box plots of each client's final perplexity relative to its round 0 (%).
+
+    One box per method within each rank group.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (each with ``client_ranks``).
+
+    Returns:
+        The figure as PNG bytes.
+    """
     plt = pyplot()
     ranks = groups_of(rows)
     fig, ax = plt.subplots(figsize=(max(7, 2.2 * len(ranks)), 4.8))
@@ -148,11 +179,22 @@ def plot(rows: list[dict[str, Any]]) -> bytes:
 
 @dataclass
 class GroupStats:
-    """One label over its seeds, per rank group (str(rank), and "all"): the mean over seeds of the
-    group's mean perplexity, the paired difference (%) against the reference over the group's
-    (seed, client) pairs, the collaboration gain (%) against local-only; the global held-out set's
-    server-model perplexity over seeds and, per group, the panel clients' own models on it with its
-    collaboration gain."""
+    """One label over its seeds, per rank group.
+
+    The dicts are keyed by rank group: ``str(rank)``, and ``"all"``.
+
+    Attributes:
+        label: the compared label.
+        seeds: its runs' seeds.
+        mean: the mean over seeds of the group's mean perplexity.
+        versus: the paired difference (%) against the reference over the group's (seed, client)
+            pairs (none for the reference).
+        gain: the collaboration gain (%) against local-only (empty without local-only).
+        global_server: the server model's perplexity on the global held-out set over seeds; None
+            without one.
+        global_mean: the panel clients' own models' perplexity on the global held-out set.
+        global_gain: their collaboration gain (%) on it.
+    """
 
     label: str
     seeds: list[int]
@@ -182,7 +224,16 @@ def _paired(mine: dict, theirs: dict, fn) -> PairedDifference | None:
 def seed_stats(
     rows: list[dict[str, Any]], by_label: dict[str, list[dict[str, Any]]], reference: str
 ) -> list[GroupStats]:
-    """:class:`GroupStats` per label (``by_label``: nestfed.experiments.seed_report.by_label)."""
+    """`GroupStats` per label.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (each with ``client_ranks``).
+        by_label: the rows by label (nestfed.experiments.seed_report.by_label).
+        reference: the label the others are paired against.
+
+    Returns:
+        One `GroupStats` per label, in ``by_label``'s order.
+    """
     ranks = [str(r) for r in groups_of(rows)] + ["all"]
     ref, local = by_label[reference], by_label.get(LOCAL)
     out = []
@@ -246,10 +297,21 @@ def _diff_text(d: PairedDifference | None) -> str:
 
 
 def seeds_markdown(rows: list[dict[str, Any]], stats: list[GroupStats], reference: str) -> str:
-    """Three Markdown tables over seeds, by rank group: the mean perplexity (± 95% over seeds), the
-    paired difference against ``reference`` and the collaboration gain against local-only
-    (significant ones in bold); with the global held-out set, a fourth: the server model's and, per
-    group, the panel clients' own models' perplexity on it with their collaboration gain."""
+    """Markdown tables over seeds, by rank group.
+
+    The mean perplexity (± 95% over seeds), the paired difference against ``reference`` and the
+    collaboration gain against local-only (significant ones in bold); with the global held-out set,
+    the server model's and, per group, the panel clients' own models' perplexity on it with their
+    collaboration gain; then traffic and time.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (each with ``client_ranks``).
+        stats: `seed_stats` of the rows.
+        reference: the label the others are paired against.
+
+    Returns:
+        The tables.
+    """
     ranks = [str(r) for r in groups_of(rows)] + ["all"]
     names = [f"r = {k}" if k != "all" else "all clients" for k in ranks]
     counts = {k: len({c for r in rows for c, rk in r["client_ranks"].items() if str(rk) == k}) for k in ranks[:-1]}
@@ -325,7 +387,15 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[GroupStats], referenc
 
 
 def seeds_table(rows: list[dict[str, Any]], stats: list[GroupStats]) -> Table:
-    """The mean perplexity per rank group over seeds, and the collaboration gain, for the terminal."""
+    """The mean perplexity per rank group over seeds, and the collaboration gain, for the terminal.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (each with ``client_ranks``).
+        stats: `seed_stats` of the rows.
+
+    Returns:
+        The rich table.
+    """
     ranks = [str(r) for r in groups_of(rows)] + ["all"]
     t = Table(title="final held-out perplexity by rank group, mean ± 95% over seeds; gain vs local-only (%)")
     t.add_column("method")

@@ -22,8 +22,14 @@ from scipy import stats
 
 @dataclass(frozen=True)
 class Interval:
-    """A mean with its two-sided confidence interval: mean, half width (NaN for fewer than two
-    values), n values, confidence level."""
+    """A mean with its two-sided confidence interval.
+
+    Attributes:
+        mean: the mean.
+        half_width: the interval's half width (NaN for fewer than two values).
+        n: the number of values.
+        confidence: the confidence level, in (0, 1).
+    """
 
     mean: float
     half_width: float
@@ -41,15 +47,34 @@ class Interval:
         return self.mean + self.half_width
 
     def text(self, digits: int = 2) -> str:
-        """``mean ± half`` (``mean`` alone for one value)."""
+        """The interval as text.
+
+        Args:
+            digits: the decimals shown.
+
+        Returns:
+            ``mean ± half`` (``mean`` alone for one value).
+        """
         if math.isnan(self.half_width):
             return f"{self.mean:.{digits}f}"
         return f"{self.mean:.{digits}f} ± {self.half_width:.{digits}f}"
 
 
 def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval:
-    """The mean of ``values`` with its Student-t interval: half width t_{(1+c)/2, n-1} * sd / sqrt(n)
-    (sd with n - 1 degrees of freedom). Raises ValueError for no values or a confidence outside (0, 1)."""
+    """The mean of values with its Student-t interval.
+
+    Half width t_{(1+c)/2, n-1} * sd / sqrt(n), sd with n - 1 degrees of freedom.
+
+    Args:
+        values: the values.
+        confidence: the confidence level c, in (0, 1).
+
+    Returns:
+        The interval (half width NaN for one value).
+
+    Raises:
+        ValueError: for no values or a confidence outside (0, 1).
+    """
     x = np.asarray(list(values), dtype=np.float64)
     if x.size == 0:
         raise ValueError("no values to average")
@@ -64,8 +89,12 @@ def mean_interval(values: Sequence[float], confidence: float = 0.95) -> Interval
 
 @dataclass(frozen=True)
 class PairedDifference:
-    """A paired comparison: the interval of the differences, the t-test's p-value (NaN for fewer
-    than two pairs) and whether the interval excludes zero."""
+    """A paired comparison; `significant` says whether the interval excludes zero.
+
+    Attributes:
+        interval: the interval of the differences.
+        p_value: the t-test's p-value (NaN for fewer than two pairs).
+    """
 
     interval: Interval
     p_value: float
@@ -79,8 +108,19 @@ class PairedDifference:
 
 def paired_difference(differences: Sequence[float], confidence: float = 0.95) -> PairedDifference:
     """Interval and two-sided one-sample t-test (H0: mean difference 0) of paired differences.
-    A constant non-zero set of differences has p = 0; an all-zero one p = 1. Raises ValueError for
-    no differences."""
+
+    A constant non-zero set of differences has p = 0; an all-zero one p = 1.
+
+    Args:
+        differences: the paired differences.
+        confidence: the interval's confidence level, in (0, 1).
+
+    Returns:
+        The interval and the p-value (NaN for fewer than two differences).
+
+    Raises:
+        ValueError: for no differences or a confidence outside (0, 1).
+    """
     x = np.asarray(list(differences), dtype=np.float64)
     interval = mean_interval(x, confidence)
     if x.size < 2:
@@ -91,8 +131,18 @@ def paired_difference(differences: Sequence[float], confidence: float = 0.95) ->
 
 
 def relative_differences(method: dict[tuple[int, str], float], reference: dict[tuple[int, str], float]) -> list[float]:
-    """100 * (method / reference - 1) for every (seed, client) key both hold, in key order.
-    Raises ValueError when they share no key (nothing to pair)."""
+    """The paired relative differences (%) of a method against a reference.
+
+    Args:
+        method: ``{(seed, client): value}`` of the method.
+        reference: the same, of the reference.
+
+    Returns:
+        100 * (method / reference - 1) for every (seed, client) key both hold, in key order.
+
+    Raises:
+        ValueError: when they share no key (nothing to pair).
+    """
     keys = sorted(set(method) & set(reference))
     if not keys:
         raise ValueError("no (seed, client) pair in common: the runs cannot be paired")

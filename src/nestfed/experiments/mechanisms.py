@@ -34,17 +34,32 @@ from nestfed.nn.keys import module_of, peft_key, rank_dim
 
 
 def adapter_rank(arrays: Arrays) -> int | None:
-    """The common rank of every LoRA matrix in ``arrays`` (A: [r, in], B: [out, r]); None when
-    there is none or the ranks differ."""
+    """The common rank of every LoRA matrix of an adapter.
+
+    Args:
+        arrays: PEFT LoRA arrays (A: [r, in], B: [out, r]) and possibly others.
+
+    Returns:
+        The rank r; None when there is no LoRA matrix or the ranks differ.
+    """
     ranks = {v.shape[rank_dim(k)] for k, v in arrays.items() if rank_dim(k) is not None}
     return ranks.pop() if len(ranks) == 1 else None
 
 
 def dimension_importance(arrays: Arrays, scale: float) -> list[float]:
-    """imp_i = sqrt(sum_layers (s ||B[:, i]|| ||A[i, :]||)^2) for i < r (see the module docstring).
+    """The importance of each rank-1 component of an adapter (see the module docstring).
 
-    arrays: PEFT LoRA arrays of one rank r (A: [r, in], B: [out, r] per layer); scale: s.
-    Returns r floats. Raises ValueError when the layers' ranks differ or a layer lacks A or B.
+    imp_i = sqrt(sum_layers (s ||B[:, i]|| ||A[i, :]||)^2) for i < r.
+
+    Args:
+        arrays: PEFT LoRA arrays of one rank r (A: [r, in], B: [out, r] per layer).
+        scale: the adapter's scale s.
+
+    Returns:
+        r floats, imp_0 .. imp_{r-1}.
+
+    Raises:
+        ValueError: when the layers' ranks differ or a layer lacks B.
     """
     r = adapter_rank(arrays)
     if r is None:
@@ -63,9 +78,19 @@ def dimension_importance(arrays: Arrays, scale: float) -> list[float]:
 
 
 def skip_reason(cfg: ExperimentConfig, arrays: Arrays, files: dict[str, Arrays]) -> str:
-    """Why the mechanism reports (and ``nestfed export --rank``) do not apply to this run's export
-    ``arrays`` (with the method's further exported ``files``); "" when they do. A method that does
-    not declare ``EXPORT_AT_RANK`` (nestfed.config.capabilities) is refused with its reason."""
+    """Why the mechanism reports (and ``nestfed export --rank``) do not apply to a run's export.
+
+    A method that does not declare ``EXPORT_AT_RANK`` (nestfed.config.capabilities) is refused with
+    its reason; so is an export that is not one LoRA adapter of rank r_max.
+
+    Args:
+        cfg: the run's config.
+        arrays: the run's exported adapter (``strategy.export``).
+        files: the method's further exported files (``strategy.export_files``).
+
+    Returns:
+        The reason; "" when they apply.
+    """
     m = methods.get(cfg.strategy.name)
     if not m.can(Capability.EXPORT_AT_RANK):
         return f"{m.name} cannot {WHAT[Capability.EXPORT_AT_RANK][0]}: " + (
@@ -81,7 +106,7 @@ def skip_reason(cfg: ExperimentConfig, arrays: Arrays, files: dict[str, Arrays])
     return ""
 
 
-#: the fields of :func:`mechanisms` that hold one entry per client (they go where the run keeps its
+#: the fields of `mechanisms` that hold one entry per client (they go where the run keeps its
 #: per-client numbers: summary.json with few clients, clients.json with many)
 PER_CLIENT = ("truncation", "global_by_client")
 
@@ -99,17 +124,28 @@ def mechanisms(
     panel: Sequence[int] | None = None,
     on_global: Callable[[Arrays, float], dict[str, float]] | None = None,
 ) -> dict[str, Any]:
-    """The summary fields of a finished run: ``truncation`` {r: {cid: held-out metrics}},
-    ``dimension_importance`` [r_max floats], or ``mechanisms_skipped`` with the reason; with many
-    clients ``truncation_by_rank`` ({r: the curve's metrics by rank group}); with ``on_global``
-    (arrays, s -> metrics on the global held-out set) ``truncation_global`` ({r: its metrics}).
+    """The mechanism reports' summary fields of a finished run.
 
     The adapter truncated to r runs at scale s(r): lora_alpha / r_max at every r under ``fixed``
     scaling, lora_alpha / r under ``rank`` scaling (LoraSettings.scale), evaluated as it is (no
     client's kept state mixed in: this is the global adapter, not a client's personalised model)
-    on each client's held-out data through ``evaluate``, the same for every transport: the clients
-    of ``panel`` (the evaluation panel, nestfed.federation.evaluation_plan.EvalPlan; None = every
-    client). Ranks above the adapter's are left out.
+    on each panel client's held-out data through ``evaluate``, the same for every transport. Ranks
+    above the adapter's are left out.
+
+    Args:
+        cfg: the run's config (``output.truncations``).
+        strategy: the run's server strategy (its ``export``).
+        clients: the federation's clients (their ranks).
+        state: the final global state.
+        evaluate: evaluates deployments on the clients' held-out data, as sent (`Evaluate`).
+        panel: the clients evaluated (the evaluation panel,
+            nestfed.federation.evaluation_plan.EvalPlan); None: every client.
+        on_global: ``on_global(arrays, s)``: metrics on the global held-out set; None without one.
+
+    Returns:
+        ``truncation`` ({r: {cid: held-out metrics}}) and ``dimension_importance`` (r_max floats),
+        or ``mechanisms_skipped`` with the reason; with many clients ``truncation_by_rank`` ({r: the
+        curve's metrics by rank group}); with ``on_global``, ``truncation_global`` ({r: its metrics}).
     """
     if not methods.get(cfg.strategy.name).can(Capability.EXPORT_AT_RANK):
         return {"mechanisms_skipped": skip_reason(cfg, {}, {})}

@@ -23,8 +23,15 @@ from nestfed.data.mqar import Vocab, mqar_batch
 
 @dataclass(frozen=True)
 class MqarTask:
-    """The shape of a row: pairs, queries (<= pairs) and the gap of fillers between them; its
-    vocabulary and fillers (token ids)."""
+    """The shape of an MQAR row and its tokens.
+
+    Attributes:
+        vocab: the keys and values (token ids).
+        fillers: the filler token ids.
+        pairs: the key-value pairs per row.
+        queries: the queried keys per row (<= pairs).
+        gap: the fillers between the pairs and the queries.
+    """
 
     vocab: Vocab
     fillers: tuple[int, ...]
@@ -33,7 +40,16 @@ class MqarTask:
     gap: int = 16
 
     def batch(self, n: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor]:
-        """``n`` rows: input_ids and labels [n, 2 (pairs + queries) + gap]."""
+        """Draw fresh rows.
+
+        Args:
+            n: the number of rows.
+            rng: the random source.
+
+        Returns:
+            input_ids and labels, each [n, 2 (pairs + queries) + gap] (labels -100 but at the
+            queried values).
+        """
         return mqar_batch(self.vocab, self.fillers, n, self.pairs, self.queries, self.gap, rng)
 
 
@@ -46,10 +62,21 @@ def train_on_mqar(
     seed: int,
     on_step: Callable[[int, float], None] | None = None,
 ) -> float:
-    """``steps`` AdamW steps (the parameter ``groups``, each with its ``lr``; no weight decay unless
-    a group sets one) of ``batch`` fresh rows each, drawn from ``random.Random(seed)``; the
-    parameters must require grad. on_step(step, loss) after each step. Returns the last loss (nats
-    per queried value)."""
+    """Train a model on fresh MQAR rows with AdamW; the model is left in eval mode.
+
+    Args:
+        model: a causal LM (``model(input_ids=...).logits``).
+        groups: AdamW's parameter groups, each with its ``lr`` (no weight decay unless a group sets
+            one); the parameters must require grad.
+        task: the rows' shape.
+        steps: the optimiser steps.
+        batch: fresh rows per step.
+        seed: the seed of the rows' ``random.Random``.
+        on_step: called as ``on_step(step, loss)`` after each step; None: not called.
+
+    Returns:
+        The last step's loss (nats per queried value; 0.0 for no step).
+    """
     opt = torch.optim.AdamW(list(groups), weight_decay=0.0)
     rng = random.Random(seed)
     model.train()
@@ -69,8 +96,19 @@ def train_on_mqar(
 
 @torch.no_grad()
 def recall_accuracy(model: nn.Module, task: MqarTask, rows: int, seed: int, batch: int = 64) -> float:
-    """The fraction of queried values of ``rows`` fresh rows (``random.Random(seed)``) whose argmax
-    over the vocabulary's values is right (chance: 1 / len(values))."""
+    """The recall accuracy of a model on fresh MQAR rows.
+
+    Args:
+        model: a causal LM (``model(input_ids=...).logits``).
+        task: the rows' shape.
+        rows: the number of fresh rows.
+        seed: the seed of the rows' ``random.Random``.
+        batch: rows per forward pass.
+
+    Returns:
+        The fraction of queried values whose argmax over the vocabulary's values is right (chance:
+        1 / len(values)).
+    """
     rng = random.Random(seed)
     values = torch.tensor(task.vocab.values)
     right = total = 0

@@ -10,7 +10,7 @@ recalled), fillers from all of them; 4 pairs, 4 queries, a gap of 16 fillers; 3,
 1.6%). The recall it reaches with full attention is written beside it (``pretraining.json``).
 Zoology (Arora et al. 2024) trains its MQAR models the same way, on the task itself, from scratch.
 
-:func:`ensure_pretrained` builds a missing one before the backbone is loaded (nestfed.experiments.
+`ensure_pretrained` builds a missing one before the backbone is loaded (nestfed.experiments.
 prepare calls it); the folder appears atomically (nestfed.io.atomic.write_dir), so an interrupted
 pretraining leaves nothing half-written, and the same seed gives the same weights on one machine.
 """
@@ -34,15 +34,31 @@ STEPS, BATCH, LR = 3000, 32, 3e-3
 
 
 def mqar_layout(tokenizer) -> MqarTask:
-    """The pretraining's task: keys the even candidates, values the odd ones (the roles
-    nestfed.data.mqar.vocabularies gives them in every pool), fillers all of them; 4 pairs, 4
-    queries, a gap of 16."""
+    """The pretraining's task.
+
+    Keys are the even candidates, values the odd ones (the roles nestfed.data.mqar.vocabularies
+    gives them in every pool), fillers all of them; 4 pairs, 4 queries, a gap of 16.
+
+    Args:
+        tokenizer: the byte tokenizer (its single-token candidates).
+
+    Returns:
+        The task.
+    """
     cand = single_tokens(tokenizer)
     return MqarTask(Vocab(tuple(cand[0::2]), tuple(cand[1::2])), tuple(cand))
 
 
 def tiny_mqar_model(vocab_size: int, seed: int):
-    """The untrained ``tiny-llama-mqar`` architecture (module docstring), seeded."""
+    """The untrained ``tiny-llama-mqar`` architecture (module docstring), seeded.
+
+    Args:
+        vocab_size: the tokenizer's vocabulary size.
+        seed: the ``torch.manual_seed`` of its initial weights.
+
+    Returns:
+        A ``LlamaForCausalLM``.
+    """
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
@@ -60,8 +76,17 @@ def tiny_mqar_model(vocab_size: int, seed: int):
 
 
 def pretrain_mqar(seed: int, steps: int = STEPS, say: Callable[[str], None] | None = None):
-    """Train ``tiny-llama-mqar`` from its seeded start (module docstring). Returns (model, tokenizer,
-    facts: steps, rows, seconds, final loss, recall accuracy with full attention)."""
+    """Train ``tiny-llama-mqar`` from its seeded start (module docstring).
+
+    Args:
+        seed: the seed of the initial weights and the rows (the recall is measured at seed + 1).
+        steps: the AdamW steps.
+        say: called with a progress line every 500 steps; None: silent.
+
+    Returns:
+        The model, its tokenizer and facts: steps, rows, seconds, final loss, recall accuracy with
+        full attention, the task.
+    """
     tok = byte_tokenizer()
     model = tiny_mqar_model(len(tok), seed)
     task = mqar_layout(tok)
@@ -84,8 +109,16 @@ def pretrain_mqar(seed: int, steps: int = STEPS, say: Callable[[str], None] | No
 
 
 def ensure_pretrained(cfg: ModelConfig, say: Callable[[str], None] | None = None, steps: int = STEPS) -> Path | None:
-    """Pretrain the tiny backbone ``cfg.name`` (``steps`` steps) into its cache folder when it is
-    one of PRETRAINED_TINY and not there yet; return the folder (None for any other model)."""
+    """Pretrain a tiny backbone into its cache folder when it is one of PRETRAINED_TINY and not there.
+
+    Args:
+        cfg: the model config (``name``, ``seed``, the cache folder).
+        say: called with progress lines; None: silent.
+        steps: the AdamW steps.
+
+    Returns:
+        The folder (written atomically); None for any other model.
+    """
     if cfg.name not in PRETRAINED_TINY:
         return None
     path = pretrained_tiny_dir(cfg)

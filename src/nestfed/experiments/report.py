@@ -22,10 +22,17 @@ plt = pyplot()  # matplotlib.pyplot on Agg
 
 
 def run_label(cfg: dict[str, Any], method: str) -> str:
-    """``output.label`` when set; else the method's name plus every option of its own sections that
-    differs from the default and the server optimiser when it is not plain SGD at lr 1
-    (``prelort objective=sampled``, ``prelort server=adam lr=0.01``): what tells the variants of
-    one method apart in a comparison."""
+    """What tells the variants of one method apart in a comparison.
+
+    Args:
+        cfg: the run's config, as its config.toml's dict.
+        method: the method's name.
+
+    Returns:
+        ``output.label`` when set; else the method's name plus every option of its own sections that
+        differs from the default and the server optimiser when it is not plain SGD at lr 1
+        (``prelort objective=sampled``, ``prelort server=adam lr=0.01``).
+    """
     if cfg.get("output", {}).get("label"):
         return str(cfg["output"]["label"])
     m = methods.get(method)
@@ -43,7 +50,17 @@ def run_label(cfg: dict[str, Any], method: str) -> str:
 
 
 def load_summary(run_dir: Path) -> dict[str, Any]:
-    """summary.json of a finished run. Raises DataError when the run is unfinished or not a run."""
+    """The summary of a finished run.
+
+    Args:
+        run_dir: the run directory.
+
+    Returns:
+        Its summary.json.
+
+    Raises:
+        DataError: when the run is unfinished or not a run, or the file is malformed JSON.
+    """
     path = Path(run_dir) / "summary.json"
     if not path.is_file():
         raise DataError(f"{run_dir}: no summary.json (not a finished nestfed run)")
@@ -54,11 +71,22 @@ def load_summary(run_dir: Path) -> dict[str, Any]:
 
 
 def per_client(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
-    """A finished run's per-client numbers, wherever the run kept them: ``final`` / ``initial``
-    ({cid: metrics}), ``ranks`` ({cid: r_k}; {} when unknown), ``labels`` ({cid: label}),
-    ``truncation`` and ``global_by_client`` (or None). From clients.json when the run wrote one
-    (many clients), else summary.json (and clients.csv's ranks). Raises DataError for a malformed
-    clients.json."""
+    """A finished run's per-client numbers, wherever the run kept them.
+
+    From clients.json when the run wrote one (many clients), else summary.json (and clients.csv's
+    ranks).
+
+    Args:
+        run_dir: the run directory.
+        summary: its summary (`load_summary`).
+
+    Returns:
+        ``final`` / ``initial`` ({cid: metrics}), ``ranks`` ({cid: r_k}; {} when unknown),
+        ``labels`` ({cid: label}), ``truncation`` and ``global_by_client`` (or None).
+
+    Raises:
+        DataError: for a malformed clients.json.
+    """
     path = Path(run_dir) / "clients.json"
     rows, extra = None, summary
     if path.is_file():
@@ -97,10 +125,20 @@ def per_client(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
 
 
 def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
-    """One row per finished run: method, its label (nestfed.experiments.report.run_label), seed
-    (federation.seed), ranks, per-client and mean final perplexity, each client's rank r_k, bytes,
-    time, the truncation curve and dimension importance when the run measured them, and the global
-    held-out set's numbers when it had one."""
+    """One comparison row per finished run.
+
+    Args:
+        run_dirs: the run directories.
+
+    Returns:
+        Per run: method, its label (`run_label`, with `differing_fields`), seed (federation.seed),
+        ranks, per-client and mean final perplexity, each client's rank r_k, bytes, time, the
+        truncation curve and dimension importance when the run measured them, the global held-out
+        set's numbers when it had one, and the generated evaluation.
+
+    Raises:
+        DataError: for an unfinished run or a malformed summary or clients.json.
+    """
     rows, cfgs = [], []
     for rd in run_dirs:
         s = load_summary(rd)
@@ -151,11 +189,20 @@ SAME_EXPERIMENT = ("federation.seed", "lora.init_seed", "output.", "tracking.", 
 
 
 def differing_fields(cfgs: list[dict[str, Any]], labels: list[str]) -> list[list[str]]:
-    """For each run, ``key=value`` of every config field in which runs sharing its label (and no
-    ``output.label``) differ, beyond :data:`SAME_EXPERIMENT`: two PreLort runs differing only in
-    ``train.lr`` become ``prelort train.lr=0.001`` and ``prelort train.lr=0.0003``. ``[]`` for a
-    run whose label already tells it apart. Only fields every such run records count (a run made
-    before a section existed does not record it)."""
+    """The config fields that tell apart runs sharing a label.
+
+    Two PreLort runs differing only in ``train.lr`` become ``prelort train.lr=0.001`` and
+    ``prelort train.lr=0.0003``. Fields of `SAME_EXPERIMENT` do not count, nor do fields some such
+    run does not record (a run made before a section existed does not record it).
+
+    Args:
+        cfgs: the runs' configs, as config.toml's dicts.
+        labels: the runs' labels (`run_label`).
+
+    Returns:
+        For each run, ``key=value`` of every field in which the runs sharing its label (and no
+        ``output.label``) differ; ``[]`` for a run whose label already tells it apart.
+    """
     flat = [
         {f"{sec}.{k}": v for sec, table in c.items() if isinstance(table, dict) for k, v in table.items()} for c in cfgs
     ]
@@ -174,13 +221,27 @@ def differing_fields(cfgs: list[dict[str, Any]], labels: list[str]) -> list[list
 
 
 def many_clients(rows: list[dict[str, Any]]) -> bool:
-    """Whether a comparison summarises by rank group (more than INLINE_CLIENTS clients, each of
-    known rank) rather than showing a column per client."""
+    """Whether a comparison summarises by rank group rather than showing a column per client.
+
+    Args:
+        rows: the rows of `comparison_rows`.
+
+    Returns:
+        True when a run has more than INLINE_CLIENTS clients, each of known rank.
+    """
     return any(len(r["ppl"]) > INLINE_CLIENTS and r["client_ranks"] for r in rows)
 
 
 def comparison_table(rows: list[dict[str, Any]]):
-    """A rich Table: one column per client (final held-out perplexity), mean, bytes, time."""
+    """The comparison for the terminal; the best mean is starred.
+
+    Args:
+        rows: the rows of `comparison_rows`.
+
+    Returns:
+        A rich Table: one column per client (final held-out perplexity), mean, bytes, time; the
+        first run's round 0 first.
+    """
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     labels = rows[0]["labels"] if rows else {}
     table = Table(title="held-out perplexity per client (lower is better); the first run's round 0 in the first row")
@@ -211,7 +272,14 @@ def comparison_table(rows: list[dict[str, Any]]):
 
 
 def comparison_markdown(rows: list[dict[str, Any]]) -> str:
-    """The comparison as a Markdown table (for notes and READMEs)."""
+    """The comparison as a Markdown table (for notes and READMEs).
+
+    Args:
+        rows: the rows of `comparison_rows`.
+
+    Returns:
+        The table, the first run's round 0 first.
+    """
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     labels = rows[0]["labels"] if rows else {}
     head = (
@@ -237,8 +305,16 @@ def comparison_markdown(rows: list[dict[str, Any]]) -> str:
 
 
 def comparison_plot(rows: list[dict[str, Any]]) -> bytes:
-    """Grouped bars (PNG bytes): change of each client's held-out perplexity relative to the
-    backbone alone (percent; below zero is better), one bar per method, plus the mean over clients."""
+    """Grouped bars of each client's held-out perplexity relative to the backbone alone.
+
+    One bar per method per client, plus the mean over clients.
+
+    Args:
+        rows: the rows of `comparison_rows`.
+
+    Returns:
+        The figure as PNG bytes (percent change; below zero is better).
+    """
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     labels = rows[0]["labels"] if rows else {}
     groups = cids + ["mean"]

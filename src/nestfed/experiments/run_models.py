@@ -19,13 +19,22 @@ from nestfed.nn.memory import memory_knocked_out, memory_rules
 
 
 def client_evaluations(run_dir: str | Path, knocked_out: bool = False, prep: Any = None) -> dict[str, dict[str, float]]:
-    """{client: held-out metrics} of every client of run ``run_dir`` as it runs after the latest
-    checkpoint (the strategy's ``deploy`` for it, through its hooks' ``evaluation_arrays`` with
-    its kept state). knocked_out: with every memory's read removed. prep: a preparation of the
-    run's config to reuse (default: prepared here).
+    """Every client's held-out metrics as it runs after a run's latest checkpoint.
 
-    Raises NestfedError for a run whose clients do not run the LoRA client trainer, or, with
-    ``knocked_out``, a run without memory layers.
+    Each client runs the strategy's ``deploy`` for it, through its hooks' ``evaluation_arrays``
+    with its kept state.
+
+    Args:
+        run_dir: the run directory.
+        knocked_out: evaluate with every memory's read removed (alpha = 0).
+        prep: a preparation of the run's config to reuse; None: prepared here.
+
+    Returns:
+        ``{client: held-out metrics}``.
+
+    Raises:
+        NestfedError: for a run whose clients do not run the LoRA client trainer, or, with
+            ``knocked_out``, a run without memory layers.
     """
     rd = RunDir(run_dir)
     cfg = methods.load_run_config(rd.config_path)

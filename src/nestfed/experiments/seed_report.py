@@ -29,10 +29,21 @@ plt = pyplot()  # matplotlib.pyplot on Agg
 
 @dataclass
 class LabelStats:
-    """One method (or variant) over its seeds: per-client and overall mean perplexity with 95%
-    intervals over seeds, the paired relative difference (%) against the reference over every
-    (seed, client) pair, the interval over seeds of the per-seed mean difference, bytes per client
-    per round and seconds (means over seeds)."""
+    """One method (or variant) over its seeds.
+
+    Attributes:
+        label: the compared label.
+        ranks: its first run's ranks, as text.
+        seeds: its runs' seeds, ascending.
+        per_client: ``{cid: the client's final held-out perplexity, 95% interval over seeds}``.
+        mean: the mean perplexity over clients, 95% interval over seeds.
+        versus: the paired relative difference (%) against the reference over every (seed, client)
+            pair; None for the reference.
+        versus_seeds: the interval over seeds of the per-seed mean difference (%); None for the
+            reference or without a common seed.
+        bytes_per_client_round: bytes per client per round (both directions), mean over seeds.
+        wall_time_s: seconds per run, mean over seeds.
+    """
 
     label: str
     ranks: str
@@ -46,8 +57,17 @@ class LabelStats:
 
 
 def by_label(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """Rows grouped by ``label`` in order of first appearance, each group sorted by seed. Raises
-    ValueError when a label holds one seed twice (the same run listed twice)."""
+    """Rows grouped by label.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (with ``seed`` and ``label``).
+
+    Returns:
+        ``{label: rows}`` in order of first appearance, each group sorted by seed.
+
+    Raises:
+        ValueError: when a label holds one seed twice (the same run listed twice).
+    """
     out: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
         out.setdefault(r["label"], []).append(r)
@@ -64,8 +84,19 @@ def _ppl(group: list[dict[str, Any]]) -> dict[tuple[int, str], float]:
 
 
 def label_stats(rows: list[dict[str, Any]], reference: str | None = None) -> list[LabelStats]:
-    """One :class:`LabelStats` per label. ``reference``: the label the others are paired against
-    (default: the first label); its own ``versus`` is None. Raises ValueError for an unknown reference."""
+    """One `LabelStats` per label.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (with ``seed`` and ``label``).
+        reference: the label the others are paired against (its own ``versus`` is None); None: the
+            first label.
+
+    Returns:
+        The stats, in `by_label`'s order; [] for no rows.
+
+    Raises:
+        ValueError: for an unknown reference, or a label holding one seed twice.
+    """
     groups = by_label(rows)
     if not groups:
         return []
@@ -111,9 +142,19 @@ def _versus_text(s: LabelStats) -> str:
 
 
 def seeds_markdown(rows: list[dict[str, Any]], stats: list[LabelStats]) -> str:
-    """The comparison over seeds as Markdown: the backbone row, then per label each client's mean
-    held-out perplexity ± the 95% half width over seeds, the mean, and the paired difference
-    against the reference (mean [95% interval] over seed x client pairs, p-value, significance)."""
+    """The comparison over seeds as a Markdown table.
+
+    The backbone row, then per label each client's mean held-out perplexity ± the 95% half width
+    over seeds, the mean, and the paired difference against the reference (mean [95% interval]
+    over seed x client pairs, p-value, significance), bytes and time.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (with ``seed`` and ``label``).
+        stats: `label_stats` of the rows.
+
+    Returns:
+        The table.
+    """
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     labels = rows[0]["labels"] if rows else {}
     head = (
@@ -147,7 +188,15 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[LabelStats]) -> str:
 
 
 def seeds_table(rows: list[dict[str, Any]], stats: list[LabelStats]) -> Table:
-    """The same comparison as a rich Table for the terminal."""
+    """The same comparison as a rich Table for the terminal.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (with ``seed`` and ``label``).
+        stats: `label_stats` of the rows.
+
+    Returns:
+        The rich Table.
+    """
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     table = Table(
         title="held-out perplexity, mean ± 95% half width over seeds; difference vs the reference "
@@ -172,8 +221,15 @@ def seeds_table(rows: list[dict[str, Any]], stats: list[LabelStats]) -> Table:
 
 
 def truncation_stats(rows: list[dict[str, Any]]) -> dict[str, dict[int, Interval]]:
-    """{label: {r: interval over seeds of the mean over clients of the held-out perplexity of the
-    global adapter truncated to r}} for the labels whose runs measured a truncation curve."""
+    """The truncation curve over seeds, per label.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (with ``seed`` and ``label``).
+
+    Returns:
+        ``{label: {r: interval over seeds of the mean over clients of the held-out perplexity of
+        the global adapter truncated to r}}`` for the labels whose runs measured a truncation curve.
+    """
     out: dict[str, dict[int, Interval]] = {}
     for label, group in by_label(rows).items():
         curves = [r["truncation"] for r in group if r.get("truncation")]
@@ -190,8 +246,15 @@ def truncation_stats(rows: list[dict[str, Any]]) -> dict[str, dict[int, Interval
 
 
 def global_truncation_stats(rows: list[dict[str, Any]]) -> dict[str, dict[int, Interval]]:
-    """{label: {r: interval over seeds of the truncated global adapter's perplexity on the global
-    held-out set}} for the labels whose runs measured it (``truncation_global``)."""
+    """The truncation curve on the global held-out set over seeds, per label.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (with ``seed`` and ``label``).
+
+    Returns:
+        ``{label: {r: interval over seeds of the truncated global adapter's perplexity on the global
+        held-out set}}`` for the labels whose runs measured it (``truncation_global``).
+    """
     out: dict[str, dict[int, Interval]] = {}
     for label, group in by_label(rows).items():
         curves = [r["truncation_global"] for r in group if r.get("truncation_global")]
@@ -204,8 +267,15 @@ def global_truncation_stats(rows: list[dict[str, Any]]) -> dict[str, dict[int, I
 
 
 def truncation_markdown(curves: dict[str, dict[int, Interval]]) -> str:
-    """The truncation curve as Markdown: one row per label, one column per rank r (mean over
-    clients of the held-out perplexity at truncation r, ± the 95% half width over seeds)."""
+    """The truncation curve as a Markdown table.
+
+    Args:
+        curves: `truncation_stats` (or `global_truncation_stats`) of the rows.
+
+    Returns:
+        One row per label, one column per rank r: the perplexity at truncation r (mean over clients),
+        ± the 95% half width over seeds.
+    """
     ranks = sorted({r for c in curves.values() for r in c})
     out = ["| method | " + " | ".join(f"r = {r}" for r in ranks) + " |", "|" + "---|" * (len(ranks) + 1)]
     for label, c in curves.items():
@@ -219,10 +289,21 @@ def _half_widths(intervals: list[Interval]) -> list[float]:
 
 
 def truncation_differences(rows: list[dict[str, Any]], reference: str) -> dict[str, dict[int, PairedDifference]]:
-    """{label: {r: the paired relative difference (%) of the truncated adapter's held-out perplexity
-    against ``reference``'s at the same r, over every (seed, client) pair}} for the labels other than
-    the reference that measured a truncation curve (nestfed.experiments.intervals). Raises
-    ValueError when the reference measured none."""
+    """The truncation curves against a reference's, paired over (seed, client).
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (with ``seed`` and ``label``).
+        reference: the label the others are paired against.
+
+    Returns:
+        ``{label: {r: the paired relative difference (%) of the truncated adapter's held-out
+        perplexity against the reference's at the same r, over every (seed, client) pair}}`` for
+        the labels other than the reference that measured a truncation curve
+        (nestfed.experiments.intervals).
+
+    Raises:
+        ValueError: when the reference measured no truncation curve.
+    """
     groups = by_label(rows)
     ref = [r for r in groups.get(reference, []) if r.get("truncation")]
     if not ref:
@@ -250,8 +331,16 @@ def truncation_differences(rows: list[dict[str, Any]], reference: str) -> dict[s
 
 
 def truncation_differences_markdown(diffs: dict[str, dict[int, PairedDifference]], reference: str) -> str:
-    """The paired differences against ``reference`` at each truncation rank as Markdown: mean %
-    [95% interval], significant ones in bold (below zero: lower perplexity than the reference)."""
+    """The paired differences against a reference at each truncation rank as a Markdown table.
+
+    Args:
+        diffs: `truncation_differences` of the rows.
+        reference: the reference's label (the table's heading).
+
+    Returns:
+        Per label and rank: mean % [95% interval], significant ones in bold (below zero: lower
+        perplexity than the reference).
+    """
     ranks = sorted({r for d in diffs.values() for r in d})
     out = [f"| vs {reference} | " + " | ".join(f"r = {r}" for r in ranks) + " |", "|" + "---|" * (len(ranks) + 1)]
     for label, d in diffs.items():
@@ -268,7 +357,14 @@ def truncation_differences_markdown(diffs: dict[str, dict[int, PairedDifference]
 
 
 def truncation_plot(curves: dict[str, dict[int, Interval]]) -> bytes:
-    """Perplexity vs truncation rank r (log2 axis), one line per label with 95% error bars (PNG)."""
+    """Perplexity vs truncation rank r (log2 axis), one line per label with 95% error bars.
+
+    Args:
+        curves: `truncation_stats` (or `global_truncation_stats`) of the rows.
+
+    Returns:
+        The figure as PNG bytes.
+    """
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, c in curves.items():
         ranks = sorted(c)
@@ -290,8 +386,16 @@ def truncation_plot(curves: dict[str, dict[int, Interval]]) -> bytes:
 
 
 def importance_stats(rows: list[dict[str, Any]]) -> dict[str, list[Interval]]:
-    """{label: per index i, the interval over seeds of imp_i / sum_j imp_j} (the share of the
-    adapter's component norms in each rank index; nestfed.experiments.mechanisms)."""
+    """The dimension importance's shares over seeds, per label.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (with ``seed`` and ``label``).
+
+    Returns:
+        ``{label: per index i, the interval over seeds of imp_i / sum_j imp_j}`` (the share of the
+        adapter's component norms in each rank index; nestfed.experiments.mechanisms), for the
+        labels whose runs measured it.
+    """
     out = {}
     for label, group in by_label(rows).items():
         runs = [r["dimension_importance"] for r in group if r.get("dimension_importance")]
@@ -303,7 +407,14 @@ def importance_stats(rows: list[dict[str, Any]]) -> dict[str, list[Interval]]:
 
 
 def importance_plot(importance: dict[str, list[Interval]]) -> bytes:
-    """Share of the global adapter's component norm per rank index, one line per label (PNG)."""
+    """Share of the global adapter's component norm per rank index, one line per label.
+
+    Args:
+        importance: `importance_stats` of the rows.
+
+    Returns:
+        The figure as PNG bytes.
+    """
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, xs in importance.items():
         idx = list(range(len(xs)))
@@ -317,8 +428,17 @@ def importance_plot(importance: dict[str, list[Interval]]) -> bytes:
 
 
 def comparison_plot(rows: list[dict[str, Any]], stats: list[LabelStats]) -> bytes:
-    """Grouped bars with 95% error bars over seeds: each client's held-out perplexity relative to
-    the backbone (percent; below zero is better), one bar per label, plus the mean (PNG)."""
+    """Grouped bars with 95% error bars over seeds: each client's perplexity relative to the backbone.
+
+    One bar per label per client, plus the mean over clients.
+
+    Args:
+        rows: the rows of nestfed.experiments.report.comparison_rows (with ``seed`` and ``label``).
+        stats: `label_stats` of the rows.
+
+    Returns:
+        The figure as PNG bytes (percent change; below zero is better).
+    """
     cids = sorted({c for r in rows for c in r["ppl"]}, key=int)
     labels = rows[0]["labels"] if rows else {}
     initial = rows[0]["initial_ppl"] if rows else {}

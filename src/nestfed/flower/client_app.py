@@ -17,7 +17,7 @@ The node config (``flower-supernode --node-config``) names the node's partition:
 Every message carries the resolved experiment config (TOML text, ``experiment`` record), so
 server and nodes always agree on it; each node rebuilds its backbone and its own client data
 from it (base weights and data must already be on the node: only adapters travel). One process
-builds one :class:`NodeHost` per experiment: the backbone with the method's setup, its trainer and
+builds one `NodeHost` per experiment: the backbone with the method's setup, its trainer and
 a pool of the clients' data (nestfed.data.client_pool), shared by every partition the process
 serves: a Ray actor of the simulation engine serves many virtual SuperNodes with one backbone, its
 memory bounded by ``train.client_memory_mb``, not by the population. A client's data are built at
@@ -43,7 +43,7 @@ Messages:
 - EVALUATE (``arrays`` + ``config`` with ``scaling``) -> ``metrics`` (``ClientTrainer.evaluate``).
 - TRAIN carrying SecAgg+ configs (secure aggregation): Flower's ``secaggplus_mod`` answers the
   protocol's stages; in its collect stage the handler trains, validates and clips its own update and
-  replies with the encoded vectors (:func:`handle_secure_train`, nestfed.flower.secure).
+  replies with the encoded vectors (`handle_secure_train`, nestfed.flower.secure).
 """
 
 from __future__ import annotations
@@ -93,9 +93,17 @@ TRANSPORT_METRICS = (
 
 @dataclass
 class NodeHost:
-    """What one process builds for one experiment (config text, device, dtype): the prepared
-    backbone and client pool, the method's client side (its setup, trainer and hooks), shared by
-    every partition the process serves; prepare_s: seconds it took."""
+    """What one process builds for one experiment (config text, device, dtype).
+
+    Shared by every partition the process serves.
+
+    Attributes:
+        prep: the prepared backbone and client pool.
+        trainer: the method's client trainer (its setup and hooks installed).
+        initial_arrays: ``{name: tensor}`` the server's strategy starts from (FedNL's fresh memory
+            rules); empty for most methods.
+        prepare_s: seconds building it took.
+    """
 
     prep: Prepared
     trainer: ClientTrainer
@@ -105,7 +113,20 @@ class NodeHost:
 
 @dataclass
 class NodeClient:
-    """One partition as a node serves it: its host's trainer and what it reports in QUERY."""
+    """One partition as a node serves it: its host's trainer and what it reports in QUERY.
+
+    Attributes:
+        cfg: the experiment config, with this node's placement (`node_placement`).
+        cid: the nestfed client id (the node's ``partition-id``).
+        rank: the node's LoRA rank r_k (node config ``rank``, else the experiment's).
+        trainer: the host's shared client trainer.
+        shapes: ``{module: (out, in)}`` of the LoRA-adapted layers.
+        base_model: the backbone's source.
+        prepare_s: seconds the host took to build.
+        initial_arrays: the host's initial arrays (`NodeHost`).
+        built_s: seconds the latest `node_client` call spent building (0.0 when it was cached).
+        host: the host it belongs to.
+    """
 
     cfg: ExperimentConfig
     cid: int
@@ -131,7 +152,17 @@ MAX_HOSTS = 2
 
 
 def parse_experiment(text: str) -> ExperimentConfig:
-    """The experiment config from its resolved TOML text (as the server sends it). Raises ConfigError."""
+    """The experiment config from its resolved TOML text (as the server sends it).
+
+    Args:
+        text: the resolved experiment config, as TOML.
+
+    Returns:
+        The experiment config.
+
+    Raises:
+        ConfigError: when the text is invalid TOML or the config is refused.
+    """
     try:
         return methods.config_from_dict(tomllib.loads(text), "<experiment sent by the server>")
     except tomllib.TOMLDecodeError as exc:
@@ -139,7 +170,19 @@ def parse_experiment(text: str) -> ExperimentConfig:
 
 
 def node_settings(node_config: dict[str, Any], cfg: ExperimentConfig) -> tuple[int, int | None, int]:
-    """(partition id, rank override or None, threads) from a node config; raises ConfigError."""
+    """The node's partition settings from its node config.
+
+    Args:
+        node_config: the node config (``partition-id``, ``num-partitions``, ``rank``, ``threads``).
+        cfg: the experiment config they are checked against.
+
+    Returns:
+        (partition id, rank override or None, torch threads; 0: unset).
+
+    Raises:
+        ConfigError: when ``partition-id`` is missing or out of [0, num_clients), ``num-partitions``
+            differs from ``data.num_clients``, or ``rank`` is out of [1, r_max].
+    """
     if "partition-id" not in node_config:
         raise ConfigError("node config: 'partition-id' is missing (flower-supernode --node-config 'partition-id=0')")
     pid = node_config["partition-id"]
@@ -158,9 +201,19 @@ def node_settings(node_config: dict[str, Any], cfg: ExperimentConfig) -> tuple[i
 
 
 def node_placement(node_config: dict[str, Any], cfg: ExperimentConfig) -> ExperimentConfig:
-    """``cfg`` with this node's ``device`` / ``dtype`` node-config keys as ``model.device`` /
-    ``model.dtype`` (unchanged without them). Raises ConfigError naming the node-config key for a
-    value the experiment's own check refuses."""
+    """The experiment config with this node's device and dtype.
+
+    Args:
+        node_config: the node config; its ``device`` / ``dtype`` keys replace ``model.device`` /
+            ``model.dtype``.
+        cfg: the experiment config.
+
+    Returns:
+        ``cfg`` with the node's placement (``cfg`` itself without those keys).
+
+    Raises:
+        ConfigError: naming the node-config key, for a value the experiment's own check refuses.
+    """
     changes = {f: str(node_config[k]) for k, f in (("device", "device"), ("dtype", "dtype")) if k in node_config}
     if not changes:
         return cfg
@@ -173,9 +226,17 @@ def node_placement(node_config: dict[str, Any], cfg: ExperimentConfig) -> Experi
 
 
 def client_cache_dir(node_config: dict[str, Any]) -> Path | str:
-    """Where this node keeps its prepared client data between ClientApp processes
-    (nestfed.data.client_cache): node config ``client-cache`` (a directory; ``"off"`` = none),
-    default ``~/.cache/nestfed/clients`` (``$XDG_CACHE_HOME`` respected)."""
+    """Where this node keeps its prepared client data between ClientApp processes.
+
+    See nestfed.data.client_cache.
+
+    Args:
+        node_config: the node config; ``client-cache`` is a directory or ``"off"``.
+
+    Returns:
+        The directory (default ``~/.cache/nestfed/clients``, ``$XDG_CACHE_HOME`` respected), or
+        ``"off"`` for none.
+    """
     value = str(node_config.get("client-cache", "") or "")
     if value == "off":
         return "off"
@@ -183,8 +244,20 @@ def client_cache_dir(node_config: dict[str, Any]) -> Path | str:
 
 
 def node_client(cfg_text: str, node_config: dict[str, Any]) -> NodeClient:
-    """The (cached) NodeClient for this experiment and this node's partition: the prepared
-    partition, the method's client side (its setup, trainer and hooks). Raises ConfigError."""
+    """The (cached) NodeClient for this experiment and this node's partition.
+
+    A process keeps at most `MAX_HOSTS` experiments built; it sets torch's threads on every call.
+
+    Args:
+        cfg_text: the resolved experiment config, as TOML.
+        node_config: the node config (the module docstring).
+
+    Returns:
+        The prepared partition and the method's client side (its setup, trainer and hooks).
+
+    Raises:
+        ConfigError: when the config or node config is refused, or the method runs only embedded.
+    """
     cfg = parse_experiment(cfg_text)
     method = methods.get(cfg.strategy.name)
     if not method.on_flower:
@@ -227,7 +300,15 @@ def _experiment_text(msg: Message) -> str:
 
 
 def handle_query(msg: Message, context: Context) -> Message:
-    """QUERY: build (or reuse) this node's client; report its properties."""
+    """QUERY: build (or reuse) this node's client; report its properties.
+
+    Args:
+        msg: the QUERY message (its ``experiment`` record).
+        context: the ClientApp's Context (its node config).
+
+    Returns:
+        The reply: a ``node`` ConfigRecord and, when the method gives them, ``initial-arrays``.
+    """
     entered = process_age_s()
     nc = node_client(_experiment_text(msg), dict(context.node_config))
     info = ConfigRecord(
@@ -250,8 +331,15 @@ def handle_query(msg: Message, context: Context) -> Message:
 
 
 def client_state_store(node_config: dict[str, Any]) -> NodeStateStore:
-    """Where this node keeps its clients' state between rounds: node config ``client-state``
-    (a directory), default ``~/.cache/nestfed/client-state`` (``$XDG_CACHE_HOME`` respected)."""
+    """Where this node keeps its clients' state between rounds.
+
+    Args:
+        node_config: the node config; ``client-state`` is a directory.
+
+    Returns:
+        The store, under ``client-state`` (default ``~/.cache/nestfed/client-state``,
+        ``$XDG_CACHE_HOME`` respected).
+    """
     value = str(node_config.get("client-state", "") or "")
     return NodeStateStore(Path(value).expanduser() if value else default_cache_dir() / "client-state")
 
@@ -262,27 +350,55 @@ def _run_dir(msg: Message) -> str:
 
 
 def restore_client_state(context: Context, nc: NodeClient, run_dir: str, up_to: int) -> tuple[int, int]:
-    """Put the newest state this node's client kept in a round <= ``up_to`` (nestfed.flower.node_state)
-    into its trainer; an empty one when there is none (its first round). Returns (that round, -1
-    for none; how many arrays), logged per client and round as ``client_state_round`` and
+    """Put the newest state this node's client kept in a round <= ``up_to`` into its trainer.
+
+    An empty state when there is none (its first round); see nestfed.flower.node_state. The
+    returned pair is logged per client and round as ``client_state_round`` and
     ``client_state_arrays``: for FedALA or FedNL rules-only, none after the client's first round
-    means the node lost its state. Raises DataError for an unreadable state file."""
+    means the node lost its state.
+
+    Args:
+        context: the ClientApp's Context (its node config).
+        nc: the node's client.
+        run_dir: the server's run directory (the key of the kept state).
+        up_to: the last round whose state may be restored.
+
+    Returns:
+        (the round it was written in, -1 for none; how many arrays it holds).
+
+    Raises:
+        DataError: for an unreadable state file.
+    """
     rnd, state = client_state_store(dict(context.node_config)).load(run_dir, nc.cid, up_to)
     nc.trainer.client_state[nc.cid] = state.get(nc.cid, {})
     return (-1 if rnd is None else rnd), sum(len(g) for g in nc.trainer.client_state[nc.cid].values())
 
 
 def store_client_state(context: Context, nc: NodeClient, run_dir: str, rnd: int) -> None:
-    """Write this node's client state after its TRAIN of round ``rnd`` (atomically; nothing for a
-    client that keeps none)."""
+    """Write this node's client state after its TRAIN of a round (atomically).
+
+    Nothing is written for a client that keeps none.
+
+    Args:
+        context: the ClientApp's Context (its node config).
+        nc: the node's client.
+        run_dir: the server's run directory (the key of the kept state).
+        rnd: the round just trained.
+    """
     client_state_store(dict(context.node_config)).save(
         run_dir, nc.cid, rnd, {nc.cid: nc.trainer.client_state.get(nc.cid, {})}
     )
 
 
 def release_client_state(nc: NodeClient) -> None:
-    """Drop the client's state from the shared trainer once the message is answered: the node's
-    disk holds it, so a process serving many virtual nodes holds one client's state at a time."""
+    """Drop the client's state from the shared trainer once the message is answered.
+
+    The node's disk holds it, so a process serving many virtual nodes holds one client's state at a
+    time.
+
+    Args:
+        nc: the node's client.
+    """
     nc.trainer.client_state.pop(nc.cid, None)
 
 
@@ -293,10 +409,22 @@ def _check_cid(msg: Message, nc: NodeClient) -> None:
 
 
 def handle_secure_train(msg: Message, context: Context) -> Message:
-    """TRAIN inside SecAgg+'s collect stage (nestfed.flower.secure): train as :func:`handle_train`
-    does, then validate and clip the update here (the server will never see it) and reply with its
-    encoded vectors (nestfed.federation.secure_sum.encode) for ``secaggplus_mod`` to mask. A bad
-    update raises: this node then drops out of the round's sum."""
+    """TRAIN inside SecAgg+'s collect stage (nestfed.flower.secure).
+
+    Train as `handle_train` does, then validate and clip the update here (the server will never see
+    it) and reply with its encoded vectors (nestfed.federation.secure_sum.encode) for
+    ``secaggplus_mod`` to mask. A bad update raises: this node then drops out of the round's sum.
+
+    Args:
+        msg: the TRAIN message carrying SecAgg+ configs.
+        context: the ClientApp's Context.
+
+    Returns:
+        The reply with the encoded vectors and the metrics (timings and the encoding's facts).
+
+    Raises:
+        ConfigError: when the message is for another client than this node's partition.
+    """
     entered = process_age_s()
     fi = read_fit_instruction(msg.content)
     nc = node_client(fi.cfg_text, dict(context.node_config))
@@ -325,7 +453,19 @@ def handle_secure_train(msg: Message, context: Context) -> Message:
 
 def handle_train(msg: Message, context: Context) -> Message:
     """TRAIN: ``ClientTrainer.fit`` on this node's partition; the reply carries timings as metrics.
-    SecAgg+'s collect stage goes to :func:`handle_secure_train`."""
+
+    SecAgg+'s collect stage goes to `handle_secure_train`.
+
+    Args:
+        msg: the TRAIN message (``arrays`` + ``config``: one nestfed Instruction).
+        context: the ClientApp's Context.
+
+    Returns:
+        The reply: ``arrays`` and ``metrics`` (the fit's, plus `TRANSPORT_METRICS`).
+
+    Raises:
+        ConfigError: when the message is for another client than this node's partition.
+    """
     if is_secure(msg.content):
         return handle_secure_train(msg, context)
     entered = process_age_s()
@@ -359,8 +499,21 @@ def handle_train(msg: Message, context: Context) -> Message:
 
 
 def handle_evaluate(msg: Message, context: Context) -> Message:
-    """EVALUATE: held-out metrics of this node's partition under the sent adapter, as its client
-    runs it (kept state restored) or, with config ``as-sent``, exactly as sent."""
+    """EVALUATE: held-out metrics of this node's partition under the sent adapter.
+
+    Measured as its client runs it (kept state restored) or, with config ``as-sent``, exactly as
+    sent.
+
+    Args:
+        msg: the EVALUATE message (``arrays`` + ``config`` with ``scaling``).
+        context: the ClientApp's Context.
+
+    Returns:
+        The reply: ``metrics``.
+
+    Raises:
+        ConfigError: when the message is for another client than this node's partition.
+    """
     nc = node_client(_experiment_text(msg), dict(context.node_config))
     _check_cid(msg, nc)
     cfg = record_to_config(msg.content.config_records["config"])

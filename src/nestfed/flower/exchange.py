@@ -1,5 +1,5 @@
 """Messages to nodes and their replies on a Flower Grid: one batch pushed and its replies pulled
-(:func:`exchange`), and the wait for the nodes a run needs (:func:`wait_for_nodes`), which asks one
+(`exchange`), and the wait for the nodes a run needs (`wait_for_nodes`), which asks one
 node why when fewer connect than the experiment has clients."""
 
 from __future__ import annotations
@@ -19,7 +19,18 @@ SETTLE_S = 10.0
 
 @dataclass
 class Exchange:
-    """Replies of one batch of messages: {node_id: Message}, the unanswered node ids, timings."""
+    """Replies of one batch of messages and their timings.
+
+    Attributes:
+        replies: ``{node_id: Message}`` of the replies that arrived (a reply may carry an error).
+        missing: the node ids without a reply (unsent ones included), sorted.
+        push_s: seconds pushing the messages.
+        wait_s: seconds from the push's end to the last pull.
+        pull_s: seconds inside the pulls.
+        received_at: ``{node_id: wall-clock time}`` each reply was pulled (``time.time()``).
+        sent_at: the wall-clock time of the push (``time.time()``).
+        unsent: the node ids whose message the push refused (e.g. too large), sorted.
+    """
 
     replies: dict[int, Message]
     missing: list[int]
@@ -36,6 +47,15 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout_s: float, poll_s:
 
     Like ``Grid.send_and_receive`` but with a chosen poll interval (Flower's sleeps 3 s) and
     per-reply arrival times. A reply may carry an error (e.g. the node became unavailable).
+
+    Args:
+        grid: the Flower Grid.
+        messages: ``{node_id: Message}``, one message per node.
+        timeout_s: seconds to wait for the replies, from the push's end.
+        poll_s: seconds between pulls.
+
+    Returns:
+        The replies, the unanswered and unsent node ids, and the timings.
     """
     nodes = list(messages)
     t0 = time.perf_counter()
@@ -69,7 +89,16 @@ def exchange(grid: Grid, messages: dict[int, Message], timeout_s: float, poll_s:
 
 
 def experiment_record(cfg_text: str, cid: int | None = None, run_dir: str = "") -> ConfigRecord:
-    """The experiment a message carries: its config's TOML text, the run directory, the client."""
+    """The experiment a message carries.
+
+    Args:
+        cfg_text: the experiment config's TOML text.
+        cid: the client the message is for; None: no ``cid`` key.
+        run_dir: the run directory ("" when none).
+
+    Returns:
+        A ``ConfigRecord`` with ``toml``, ``run-dir`` and (given a cid) ``cid``.
+    """
     rec = ConfigRecord({"toml": cfg_text, "run-dir": run_dir})
     if cid is not None:
         rec["cid"] = cid
@@ -77,11 +106,26 @@ def experiment_record(cfg_text: str, cid: int | None = None, run_dir: str = "") 
 
 
 def wait_for_nodes(grid: Grid, want: int, cfg_text: str, timeout_s: float, poll_s: float) -> list[int]:
-    """The connected nodes, once ``want`` of them are (or at ``timeout_s``). When fewer have been
-    connected, and none joined, for :data:`SETTLE_S` (at most half the timeout), one of them is
-    asked its settings (a QUERY of ``cfg_text``; none when it is empty): a node refusing the
-    experiment's client count (a simulation engine started with another ``num-supernodes``) stops
-    the run at once with its line. Raises NestfedError then."""
+    """The connected nodes, once ``want`` of them are (or at ``timeout_s``).
+
+    When fewer have been connected, and none joined, for `SETTLE_S` (at most half the timeout), one
+    of them is asked its settings (a QUERY of ``cfg_text``): a node refusing the experiment's client
+    count (a simulation engine started with another ``num-supernodes``) stops the run at once with
+    its line.
+
+    Args:
+        grid: the Flower Grid.
+        want: the number of nodes the run needs (the experiment's client count).
+        cfg_text: the experiment config's TOML text the probe sends; "" sends no probe.
+        timeout_s: seconds to wait at most.
+        poll_s: seconds between looks at the connected nodes.
+
+    Returns:
+        The connected node ids, sorted (fewer than ``want`` at the timeout).
+
+    Raises:
+        NestfedError: when the probed node refuses the experiment's client count.
+    """
     start = time.perf_counter()
     deadline = start + timeout_s
     seen, changed, probed = 0, start, cfg_text == ""

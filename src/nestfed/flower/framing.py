@@ -13,7 +13,11 @@ HEADER = struct.Struct(">Q")  # a count or a length, as nestfed.flower.worker fr
 
 
 def process_age_s() -> float:
-    """Seconds since this process started (Linux /proc), or -1 where unknown."""
+    """Seconds since this process started, read from Linux /proc.
+
+    Returns:
+        The process's age in seconds, or -1.0 where unknown.
+    """
     try:
         start_ticks = int(open(f"/proc/{os.getpid()}/stat").read().rsplit(")", 1)[1].split()[19])
         uptime = float(open("/proc/uptime").read().split()[0])
@@ -23,12 +27,27 @@ def process_age_s() -> float:
 
 
 def send(conn: socket.socket, parts: list[bytes]) -> None:
-    """Send byte strings: their count, then each length-prefixed (8 bytes, big-endian)."""
+    """Send byte strings: their count, then each length-prefixed (8 bytes, big-endian).
+
+    Args:
+        conn: the connected socket.
+        parts: the byte strings, in order.
+    """
     conn.sendall(HEADER.pack(len(parts)) + b"".join(HEADER.pack(len(p)) + p for p in parts))
 
 
 def receive(conn: socket.socket) -> list[bytes]:
-    """Receive what :func:`send` sent. Raises ConnectionError when the peer closes early."""
+    """Receive what `send` sent.
+
+    Args:
+        conn: the connected socket.
+
+    Returns:
+        The byte strings, in the order sent.
+
+    Raises:
+        ConnectionError: when the peer closes the connection mid-message.
+    """
 
     def exactly(n: int) -> bytes:
         chunks, left = [], n

@@ -49,8 +49,18 @@ from nestfed.flower.framing import process_age_s, receive, send
 
 
 def worker_dir(node_config: dict[str, Any]) -> Path:
-    """The node's worker directory (node config ``worker-dir``), created 0700. Raises
-    PermissionError when it belongs to another user or others may enter it."""
+    """The node's worker directory, created 0700.
+
+    Args:
+        node_config: the node config; ``worker-dir`` (default: ``NESTFED_WORKER_DIR``, else
+            ``$TMPDIR/nestfed-workers-<uid>``).
+
+    Returns:
+        The directory's path.
+
+    Raises:
+        PermissionError: when it belongs to another user or others may enter it.
+    """
     value = str(node_config.get("worker-dir", "") or os.environ.get("NESTFED_WORKER_DIR", ""))
     path = Path(value) if value else Path(tempfile.gettempdir()) / f"nestfed-workers-{os.getuid()}"
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
@@ -74,9 +84,20 @@ def _connect(path: Path) -> socket.socket | None:
 
 
 def connect_worker(node_id: int, node_config: dict[str, Any]) -> socket.socket:
-    """A connection to this node's worker, starting one when none listens. Raises RuntimeError
-    (with the end of the worker's log) when a new worker exits or does not listen within
-    ``worker-start-s``."""
+    """A connection to this node's worker, starting one when none listens.
+
+    Args:
+        node_id: the SuperNode's id (the socket is ``<worker-dir>/n<node_id>.sock``).
+        node_config: the node config (``worker-dir``, ``worker-idle-s``, ``worker-start-s``).
+
+    Returns:
+        The connected Unix socket.
+
+    Raises:
+        RuntimeError: when the socket path exceeds 107 bytes, or a new worker exits (with the end of
+            its log) or does not listen within ``worker-start-s`` seconds.
+        PermissionError: when the worker directory is refused (`worker_dir`).
+    """
     folder = worker_dir(node_config)
     path = folder / f"n{node_id}.sock"
     if len(os.fsencode(path)) > 107:
@@ -114,16 +135,33 @@ def connect_worker(node_id: int, node_config: dict[str, Any]) -> socket.socket:
 
 
 def in_ray_actor() -> bool:
-    """Whether this process is one of Ray's workers (the simulation engine's actors): Ray is
-    imported and connected. A SuperNode's ClientApp process never imports Ray."""
+    """Whether this process is one of Ray's workers (the simulation engine's actors).
+
+    A SuperNode's ClientApp process never imports Ray.
+
+    Returns:
+        True when Ray is imported and connected.
+    """
     ray = sys.modules.get("ray")
     return ray is not None and bool(ray.is_initialized())
 
 
 def forward(msg: Message, context: Context) -> Message:
-    """Run ``msg`` through the node's worker (in a Ray actor: through the real ClientApp in this
-    process); put the returned state into ``context``. Raises RuntimeError with the worker's error
-    (its type, message and traceback) when the ClientApp raised there."""
+    """Run a message through the node's worker; put the returned state into ``context``.
+
+    In a Ray actor the message goes through the real ClientApp in this process instead.
+
+    Args:
+        msg: the message from the SuperNode.
+        context: the ClientApp's Context; its ``state`` is replaced by the worker's.
+
+    Returns:
+        The reply the real ClientApp made (a TRAIN reply's ``process_age_s``: this process's age).
+
+    Raises:
+        RuntimeError: with the worker's error (its type, message and traceback) when the ClientApp
+            raised there, or when the connection failed twice.
+    """
     if in_ray_actor():
         from nestfed.flower.client_app import app as client_app  # the actor lives across messages: load once
 

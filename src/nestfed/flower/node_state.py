@@ -38,21 +38,49 @@ _ROUND_FILE = re.compile(r"round-(\d+)\.safetensors")
 
 
 def run_key(run_dir: str) -> str:
-    """The 16-hex-digit key of a run directory (its path as the server resolved it)."""
+    """The 16-hex-digit key of a run directory.
+
+    Args:
+        run_dir: the run directory's path as the server resolved it.
+
+    Returns:
+        The first 16 hex digits of the path's SHA-256.
+    """
     return hashlib.sha256(run_dir.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
 class NodeStateStore:
-    """The kept client state of the runs a node serves, under ``root`` (see the module docstring)."""
+    """The kept client state of the runs a node serves (see the module docstring).
+
+    Attributes:
+        root: the folder holding one ``<run key>`` folder per run (node config ``client-state``).
+    """
 
     root: Path
 
     def folder(self, run_dir: str, cid: int) -> Path:
+        """The folder of one client's state files in one run.
+
+        Args:
+            run_dir: the server's run directory (resolved path).
+            cid: the client id.
+
+        Returns:
+            ``<root>/<run key>/client-<cid>``.
+        """
         return self.root / run_key(run_dir) / f"client-{cid}"
 
     def rounds(self, run_dir: str, cid: int) -> list[tuple[int, Path]]:
-        """[(round, file)] of this client's kept state, oldest first."""
+        """The files of this client's kept state.
+
+        Args:
+            run_dir: the server's run directory (resolved path).
+            cid: the client id.
+
+        Returns:
+            ``[(round, file)]``, oldest first; empty when the client keeps nothing.
+        """
         folder = self.folder(run_dir, cid)
         found = (
             [(int(m.group(1)), p) for p in folder.glob("round-*.safetensors") if (m := _ROUND_FILE.fullmatch(p.name))]
@@ -62,9 +90,20 @@ class NodeStateStore:
         return sorted(found)
 
     def load(self, run_dir: str, cid: int, up_to: int) -> tuple[int | None, ClientState]:
-        """(the round it was written in, ``{cid: {group: {key: t}}}``) of the newest state of a
-        round <= ``up_to``; (None, {}) when there is none (a client's first round). Raises
-        DataError naming the file when it is unreadable."""
+        """The newest kept state of a round <= ``up_to``.
+
+        Args:
+            run_dir: the server's run directory (resolved path).
+            cid: the client id.
+            up_to: the last round whose state may be restored.
+
+        Returns:
+            The round it was written in and the state ``{cid: {group: {key: tensor}}}``; (None, {})
+            when there is none (a client's first round).
+
+        Raises:
+            DataError: when the file is unreadable or holds another client's state (it names the file).
+        """
         older = [(r, p) for r, p in self.rounds(run_dir, cid) if r <= up_to]
         if not older:
             return None, {}
@@ -78,8 +117,17 @@ class NodeStateStore:
         return rnd, state
 
     def save(self, run_dir: str, cid: int, rnd: int, state: ClientState) -> Path | None:
-        """Write client ``cid``'s state after round ``rnd`` (nothing when it keeps none), then prune
-        (see the module docstring). Returns the file written, or None."""
+        """Write client ``cid``'s state after round ``rnd``, then prune (see the module docstring).
+
+        Args:
+            run_dir: the server's run directory (resolved path); the first save names it in ``run.txt``.
+            cid: the client id.
+            rnd: the round just trained.
+            state: the trainer's kept state ``{cid: {group: {key: tensor}}}``; only ``cid``'s is written.
+
+        Returns:
+            The file written, or None when the client keeps nothing.
+        """
         flat = flatten_client_state({cid: state.get(cid, {})})
         if not flat:
             return None

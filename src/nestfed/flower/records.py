@@ -30,7 +30,14 @@ _RAW_BACK = {v: k for k, v in _RAW_DTYPES.items()}
 
 
 def tensor_to_array(t: torch.Tensor) -> Array:
-    """One tensor as a Flower ``Array`` (detached, contiguous, on CPU)."""
+    """One tensor as a Flower ``Array`` (detached, contiguous, on CPU).
+
+    Args:
+        t: a tensor of any shape and dtype; bfloat16 travels as raw bytes (stype ``torch.raw``).
+
+    Returns:
+        The ``Array``.
+    """
     t = t.detach().contiguous().cpu()
     if t.dtype in _RAW_DTYPES:
         data = t.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()
@@ -39,7 +46,17 @@ def tensor_to_array(t: torch.Tensor) -> Array:
 
 
 def array_to_tensor(a: Array) -> torch.Tensor:
-    """Inverse of :func:`tensor_to_array` (a writable tensor that owns its memory)."""
+    """Inverse of `tensor_to_array`.
+
+    Args:
+        a: an ``Array``, NumPy-backed or raw (stype ``torch.raw``).
+
+    Returns:
+        A writable tensor that owns its memory, of the array's shape and dtype.
+
+    Raises:
+        ValueError: when a raw array's dtype is not one nestfed sends raw (bfloat16).
+    """
     if a.stype == RAW_STYPE:
         if a.dtype not in _RAW_BACK:
             raise ValueError(f"unsupported raw dtype {a.dtype!r}")
@@ -49,7 +66,14 @@ def array_to_tensor(a: Array) -> torch.Tensor:
 
 
 def arrays_to_record(arrays: Arrays) -> ArrayRecord:
-    """A nestfed payload as an ``ArrayRecord`` (keys and order kept)."""
+    """A nestfed payload as an ``ArrayRecord`` (keys and order kept).
+
+    Args:
+        arrays: the payload, ``{name: tensor}``.
+
+    Returns:
+        The ``ArrayRecord``, one ``Array`` per key.
+    """
     rec = ArrayRecord()
     for key, t in arrays.items():
         rec[key] = tensor_to_array(t)
@@ -57,7 +81,14 @@ def arrays_to_record(arrays: Arrays) -> ArrayRecord:
 
 
 def record_to_arrays(record: ArrayRecord) -> Arrays:
-    """Inverse of :func:`arrays_to_record`."""
+    """Inverse of `arrays_to_record`.
+
+    Args:
+        record: an ``ArrayRecord``.
+
+    Returns:
+        The payload, ``{name: tensor}``, keys and order kept.
+    """
     return {key: array_to_tensor(a) for key, a in record.items()}
 
 
@@ -76,7 +107,17 @@ def _native(value: Any) -> bool:
 
 
 def config_to_record(config: dict[str, Any]) -> ConfigRecord:
-    """A JSON-able config dict as a ``ConfigRecord`` (see the module docstring)."""
+    """A JSON-able config dict as a ``ConfigRecord`` (see the module docstring).
+
+    Args:
+        config: the config; values Flower cannot carry natively travel as JSON under ``__json__``.
+
+    Returns:
+        The ``ConfigRecord``.
+
+    Raises:
+        ValueError: when the config uses the reserved key ``__json__``.
+    """
     native, other = {}, {}
     for key, value in config.items():
         if key == JSON_KEY:
@@ -89,7 +130,14 @@ def config_to_record(config: dict[str, Any]) -> ConfigRecord:
 
 
 def record_to_config(record: ConfigRecord) -> dict[str, Any]:
-    """Inverse of :func:`config_to_record`."""
+    """Inverse of `config_to_record`.
+
+    Args:
+        record: a ``ConfigRecord``.
+
+    Returns:
+        The config dict; JSON-carried values come back as JSON values (tuples as lists).
+    """
     out = {k: (list(v) if isinstance(v, list) else v) for k, v in record.items() if k != JSON_KEY}
     if JSON_KEY in record:
         out.update(json.loads(str(record[JSON_KEY])))
@@ -97,7 +145,15 @@ def record_to_config(record: ConfigRecord) -> dict[str, Any]:
 
 
 def reply_to_content(reply: Reply) -> RecordDict:
-    """A client's reply as message content: ``arrays`` and ``metrics`` (with ``num_examples``)."""
+    """A client's reply as message content.
+
+    Args:
+        reply: the reply; its non-numeric (and bool) metrics are dropped.
+
+    Returns:
+        A ``RecordDict`` with ``arrays`` (ArrayRecord) and ``metrics`` (MetricRecord: ``num_examples``
+        and the float metrics).
+    """
     metrics: dict[str, Any] = {"num_examples": int(reply.num_examples)}
     for k, v in reply.metrics.items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
@@ -106,7 +162,17 @@ def reply_to_content(reply: Reply) -> RecordDict:
 
 
 def content_to_reply(content: RecordDict) -> Reply:
-    """Inverse of :func:`reply_to_content`. Raises KeyError when a record is missing."""
+    """Inverse of `reply_to_content`.
+
+    Args:
+        content: a ``RecordDict`` with ``arrays`` and ``metrics`` records.
+
+    Returns:
+        The reply.
+
+    Raises:
+        KeyError: when a record (or ``num_examples``) is missing.
+    """
     arrays = record_to_arrays(content.array_records["arrays"])
     metrics = dict(content.metric_records["metrics"])
     n = metrics.pop("num_examples")

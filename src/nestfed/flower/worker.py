@@ -40,7 +40,13 @@ from nestfed.flower.framing import receive, send
 
 
 def handle(conn: socket.socket) -> None:
-    """Serve one request: run the ClientApp on (message, context); answer the reply and the state."""
+    """Serve one request: run the ClientApp on (message, context); answer the reply and the state.
+
+    An exception of the ClientApp is answered as ``b"error"`` and its text, not raised.
+
+    Args:
+        conn: the accepted connection (the protocol: the module docstring).
+    """
     raw_message, raw_context = receive(conn)
     message = serde.message_from_proto(ProtoMessage.FromString(raw_message))
     context = serde.context_from_proto(ProtoContext.FromString(raw_context))
@@ -63,9 +69,17 @@ def handle(conn: socket.socket) -> None:
 
 
 def serve(path: Path, idle_s: float) -> None:
-    """Listen on the Unix socket ``path`` (replacing a stale one) and serve requests one at a time
-    until ``idle_s`` seconds pass without one; then remove the socket. Raises OSError when the
-    socket cannot be bound (another worker owns it)."""
+    """Listen on a Unix socket and serve requests one at a time until idle, then remove the socket.
+
+    Serving also stops when the socket file is replaced or removed (another worker took over).
+
+    Args:
+        path: the socket's path (a stale socket there is replaced); its folder is created 0700.
+        idle_s: seconds without a request after which it stops.
+
+    Raises:
+        OSError: when the socket cannot be bound (another worker owns it).
+    """
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
