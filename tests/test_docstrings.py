@@ -63,6 +63,7 @@ COVERED = [  # dotted names; a package covers its modules
     "nestfed.nn",
     "nestfed.ops",
     "nestfed.seeds",
+    "nestfed.testing",
 ]
 
 Kind = griffe.DocstringSectionKind
