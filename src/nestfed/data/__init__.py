@@ -1,2 +1,2 @@
-"""Data for nestfed: real corpora readers (:mod:`.sources`), client partitions as index lists
-(:mod:`.partition`) and tokenised training/evaluation sets (:mod:`.tasks`)."""
+"""Data for nestfed: real corpora readers (`.sources`), client partitions as index lists
+(`.partition`) and tokenised training/evaluation sets (`.tasks`)."""

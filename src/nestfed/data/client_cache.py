@@ -6,7 +6,7 @@ frozen prefix again (the frozen prefix is most of a SmolLM2 client's build).
 
 One safetensors file per (experiment inputs, client) holds the token ids and labels, the frozen
 prefix's outputs (train_hidden / test_hidden: [N, T, d]) and the test groups, with the rest as
-metadata. The file name is a SHA-256 over everything the prepared data depends on (:func:`key`):
+metadata. The file name is a SHA-256 over everything the prepared data depends on (`key`):
 
 - the model and data sections and the data source's own section ([niah], [recall]);
 - the LoRA layers and target modules (they fix the first adapted layer) and the prefix's batch size;
@@ -14,12 +14,12 @@ metadata. The file name is a SHA-256 over everything the prepared data depends o
 - the torch thread count (CPU kernels may round differently with another count);
 - the torch and transformers versions and the file format;
 - the size and modification time of a local data path;
-- a digest of nestfed's own code that prepares data (:func:`code_digest`: the data package and the
+- a digest of nestfed's own code that prepares data (`code_digest`: the data package and the
   modules the frozen prefix runs through), so an edit of tokenisation, packing or the prefix is a
   new file too.
 
 Files are written atomically with the user's umask; an unreadable one is ignored (and rebuilt).
-:class:`ClientCache` bounds a directory's size, evicting the files used longest ago.
+`ClientCache` bounds a directory's size, evicting the files used longest ago.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ PREPARING = (
 
 @functools.lru_cache(maxsize=1)
 def code_digest() -> str:
-    """SHA-256 (hex) over the source of the modules in :data:`PREPARING` (files sorted by path).
+    """SHA-256 (hex) over the source of the modules in `PREPARING` (files sorted by path).
 
     Returns:
         The hex digest (computed once per process).
@@ -203,7 +203,7 @@ def load(path: str | Path) -> ClientData | None:
 
 @dataclass
 class ClientCache:
-    """A directory of prepared client data (one file per :func:`key`) of at most ``max_bytes``.
+    """A directory of prepared client data (one file per `key`) of at most ``max_bytes``.
 
     After each write the files used longest ago (by modification time, which a read refreshes) are
     removed until the directory fits, never the file just written. Its size is read from the
@@ -223,7 +223,7 @@ class ClientCache:
         """The file of a key: ``<root>/<k>.safetensors``.
 
         Args:
-            k: the key (:func:`key`).
+            k: the key (`key`).
 
         Returns:
             The file's path.
@@ -240,7 +240,7 @@ class ClientCache:
         return out
 
     def get(self, k: str) -> ClientData | None:
-        """The data saved under a key, its use time refreshed (:func:`load`).
+        """The data saved under a key, its use time refreshed (`load`).
 
         Args:
             k: the key.
@@ -258,7 +258,7 @@ class ClientCache:
         return data
 
     def put(self, k: str, data: ClientData) -> Path:
-        """Save data under a key (:func:`save`), then bound the directory.
+        """Save data under a key (`save`), then bound the directory.
 
         Args:
             k: the key.

@@ -156,7 +156,7 @@ class ClientPool(Mapping):
         return self._registered[cid]
 
     def num_examples(self, cid: int) -> int:
-        """n_k of a client (:meth:`register`).
+        """n_k of a client (`register`).
 
         Args:
             cid: the client id.
@@ -167,7 +167,7 @@ class ClientPool(Mapping):
         return self.register(cid)[0]
 
     def label(self, cid: int) -> str:
-        """The labels of a client (:meth:`register`).
+        """The labels of a client (`register`).
 
         Args:
             cid: the client id.

@@ -1,9 +1,9 @@
 """Each client's tokenised partition: read the source, partition it, split train/test, tokenise.
 
-:func:`load_partitions` reads the configured source and assigns record indices to clients
-(natural label, Dirichlet over labels, or IID); a :class:`ClientSource` splits one client's records
+`load_partitions` reads the configured source and assigns record indices to clients
+(natural label, Dirichlet over labels, or IID); a `ClientSource` splits one client's records
 into train and test (seeded by ``data.seed + cid``) and tokenises them for the task when that
-client is asked for (:func:`build_client_data` does it for every client). With ``data.unit =
+client is asked for (`build_client_data` does it for every client). With ``data.unit =
 "block"`` the records are the corpus' blocks of ``block_size`` tokens (each label's documents
 packed in turn), so a corpus of a few thousand articles still gives thousands of clients data.
 Nothing here knows which federated method runs.
@@ -120,7 +120,7 @@ def _blocks(docs: list[Any], labels: list[str], d: DataConfig, tokenizer) -> tup
 
 def _records(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str]]:
     """Load the data source; return (records, one label per record): its documents, or with
-    ``data.unit = "block"`` the corpus' blocks (:func:`_blocks`)."""
+    ``data.unit = "block"`` the corpus' blocks (`_blocks`)."""
     if d.unit == "block":
         return _blocks(*_documents(d), d, tokenizer)
     return _documents(d)
@@ -242,14 +242,14 @@ def load_partitions(d: DataConfig, tokenizer=None) -> tuple[list[Any], list[str]
 class ClientSource:
     """Any one client's tokenised train and test data (no frozen prefix), built when asked for.
 
-    The source is read and partitioned on the first request (:func:`load_partitions`); then each
+    The source is read and partitioned on the first request (`load_partitions`); then each
     client is split (seeded by ``data.seed + cid``) and tokenised on its own. A generated source's
     clients (NIAH's), generated together by its reader, are built all at once on the first request.
 
     Args:
         cfg: the experiment.
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
-        loaded (tuple | None): a :func:`load_partitions` result to use; read on first use when None.
+        loaded (tuple | None): a `load_partitions` result to use; read on first use when None.
     """
 
     def __init__(self, cfg: ExperimentConfig, tokenizer, loaded=None):
@@ -336,12 +336,12 @@ class ClientSource:
 def build_client_data(cfg: ExperimentConfig, tokenizer, loaded=None) -> tuple[dict[int, ClientData], list[list[str]]]:
     """Tokenised train and test data for every client, from the config's source, partition and task.
 
-    Each client is built by a :class:`ClientSource`.
+    Each client is built by a `ClientSource`.
 
     Args:
         cfg: the experiment.
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
-        loaded (tuple | None): a :func:`load_partitions` result; read here when None.
+        loaded (tuple | None): a `load_partitions` result; read here when None.
 
     Returns:
         {cid: ClientData}, and each client's sorted labels.

@@ -1,6 +1,6 @@
 """Unlabeled server text held out from every client (FedSLM's D_server, FedMKT's public set).
 
-The clients' data come from :func:`nestfed.data.clients.build_client_data`: each client's records
+The clients' data come from `nestfed.data.clients.build_client_data`: each client's records
 are split into train and test; the test records are all used, and packing for language
 modelling consumes only the leading train records until ``max_train`` blocks are filled. The
 remaining train records of every client were never seen by anyone: they are the server's pool.
@@ -25,9 +25,9 @@ from nestfed.errors import ConfigError, DataError
 def consumed_texts(texts: Sequence[str], tokenizer, block_size: int, max_blocks: int) -> int:
     """How many leading texts packing uses to fill ``max_blocks`` blocks.
 
-    The packing is :func:`~nestfed.data.tasks.pack_causal_lm`'s; n is the smallest with sum_{i<n}
+    The packing is `nestfed.data.tasks.pack_causal_lm`'s; n is the smallest with sum_{i<n}
     (tokens_i + 1 eos) >= the stream tokens packing keeps (``block_size - 1`` per block after a BOS
-    token, :func:`~nestfed.data.tasks.bos_id`).
+    token, `nestfed.data.tasks.bos_id`).
 
     Args:
         texts: the documents in packing order.
@@ -60,7 +60,7 @@ def server_pools(
     """Per client, the indices of its records used by no client (neither train rows nor test).
 
     Mirrors build_client_data's split (seed + cid) and its use of the train records: packing for
-    ``task = "causal_lm"`` (:func:`consumed_texts`), the first ``max_train`` records for
+    ``task = "causal_lm"`` (`consumed_texts`), the first ``max_train`` records for
     ``"instruction"`` (one row each).
 
     Args:
@@ -102,7 +102,7 @@ def server_text(
 
     Args:
         records: the source's records.
-        pools: per client, the indices of its unused records (:func:`server_pools`).
+        pools: per client, the indices of its unused records (`server_pools`).
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
         block_size: tokens per block.
         blocks: the blocks to return.
@@ -134,13 +134,13 @@ def load_server_text(cfg, tokenizer, blocks: int, loaded=None) -> tasks.TokenDat
 
     For ``data.task = "causal_lm"`` the held-out documents are packed; for ``"instruction"`` the
     held-out records' whole exchanges in ``data.template``
-    (:func:`nestfed.data.templates.example_text`) are packed the same way.
+    (`nestfed.data.templates.example_text`) are packed the same way.
 
     Args:
         cfg (ExperimentConfig): the experiment.
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
         blocks: the blocks to return.
-        loaded (tuple | None): a :func:`nestfed.data.clients.load_partitions` result; read here when
+        loaded (tuple | None): a `nestfed.data.clients.load_partitions` result; read here when
             None.
 
     Returns:

@@ -11,14 +11,14 @@ layer sees W tokens reaches back layers x (W - 1) tokens at most); a memory can.
     [BOS] k_1 v_1 k_2 v_2 ... k_P v_P | f_1 ... f_gap | k_a v_a k_b v_b ...   (queries: distinct keys)
 
 Vocabularies (FedNL's claim in miniature: clients share the rule that writes and reads a memory,
-not what it holds): the candidate tokens (:func:`single_tokens`: single-token words, else single
+not what it holds): the candidate tokens (`single_tokens`: single-token words, else single
 characters) are cut into ``pools`` disjoint vocabularies of ``vocab`` keys and ``vocab`` values,
 one per client and the last held out, plus a shared filler vocabulary. Client i trains on its own
 vocabulary and is tested on it (group ``own``) and on the held-out one (``held_out``): recalling a
 held-out vocabulary is zero-shot. Accuracy is the argmax over every pool's values at each queried
 position (a guess of the right pool scores 1 / vocab).
 
-:func:`mqar_batch` draws rows as tensors for training loops outside the federation (the capability
+`mqar_batch` draws rows as tensors for training loops outside the federation (the capability
 tests, the pretraining of ``tiny-llama-mqar``).
 """
 
@@ -64,7 +64,7 @@ class Vocab:
 def single_tokens(tokenizer) -> list[int]:
     """Candidate token ids, each one token on its own, distinct and in a fixed order.
 
-    First the words of :data:`WORDS` with a leading space, then single printable characters, then
+    First the words of `WORDS` with a leading space, then single printable characters, then
     the other ASCII characters (a byte-level tokenizer's only one-token strings); special tokens are
     left out.
 
@@ -87,7 +87,7 @@ def single_tokens(tokenizer) -> list[int]:
 
 
 def vocabularies(tokenizer, pools: int, vocab: int, fillers: int) -> tuple[list[Vocab], tuple[int, ...]]:
-    """Disjoint vocabularies and filler tokens from :func:`single_tokens`, in order.
+    """Disjoint vocabularies and filler tokens from `single_tokens`, in order.
 
     Keys and values are interleaved, so that every pool draws alike from the list.
 

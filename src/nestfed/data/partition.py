@@ -3,24 +3,24 @@
 The partitioners are flwr-datasets' (Flower's maintained ones, run over an in-memory Hugging Face
 ``datasets.Dataset`` of the labels):
 
-- :func:`iid`: ``IidPartitioner``;
-- :func:`dirichlet`: ``DirichletPartitioner``;
-- :func:`pathological`: ``PathologicalPartitioner``;
-- :func:`natural_id`: ``NaturalIdPartitioner``.
+- `iid`: ``IidPartitioner``;
+- `dirichlet`: ``DirichletPartitioner``;
+- `pathological`: ``PathologicalPartitioner``;
+- `natural_id`: ``NaturalIdPartitioner``.
 
 Three are our own:
 
-- :func:`by_label`: each client is given a list of labels, and a label listed by several clients is
+- `by_label`: each client is given a list of labels, and a label listed by several clients is
   split evenly among them (no flwr-datasets partitioner takes a label list per client);
-- :func:`train_test_split`: each client's held-out part, at least one item on each side of the split
+- `train_test_split`: each client's held-out part, at least one item on each side of the split
   even for a client of two items (``datasets.Dataset.train_test_split`` refuses a split that leaves
   a side empty);
-- :func:`inner_dirichlet`: flwr-datasets' ``InnerDirichletPartitioner`` divides by zero once a
+- `inner_dirichlet`: flwr-datasets' ``InnerDirichletPartitioner`` divides by zero once a
   client's labels run out, which many clients at small alpha always reach.
 
 Common contract: deterministic for a given ``seed``, each client's list sorted ascending, clients
-disjoint, and their union covering every assigned item (:func:`by_label`, :func:`natural_id` and
-:func:`pathological` leave items of labels no client holds unassigned; the others assign all).
+disjoint, and their union covering every assigned item (`by_label`, `natural_id` and
+`pathological` leave items of labels no client holds unassigned; the others assign all).
 """
 
 from __future__ import annotations
@@ -178,11 +178,11 @@ def dirichlet(
 
 
 def dirichlet_remedies(labels: Sequence[Hashable], num_clients: int, alpha: float, seed: int, min_size: int) -> str:
-    """What would serve ``num_clients`` where :func:`dirichlet` at ``alpha`` cannot.
+    """What would serve ``num_clients`` where `dirichlet` at ``alpha`` cannot.
 
     Each option is checked on these labels: ``partition = 'inner_dirichlet'`` (equal shares; works
     for up to N clients) and the smallest alpha among ``alpha * 2**k`` (k = 1..10) at which
-    :func:`dirichlet` succeeds with this seed, when one does.
+    `dirichlet` succeeds with this seed, when one does.
 
     Args:
         labels: one label per item (length N).
@@ -216,7 +216,7 @@ def _dirichlet_partitioner(num_clients: int, alpha: float, min_size: int, seed: 
 def largest_dirichlet(
     labels: Sequence[Hashable], alpha: float, seed: int = 0, min_size: int = 1, upper: int | None = None
 ) -> int:
-    """The largest client count up to ``upper`` for which :func:`dirichlet` succeeds with this seed.
+    """The largest client count up to ``upper`` for which `dirichlet` succeeds with this seed.
 
     Found by bisection (a failure above a success is assumed, as the draws' retries make it in
     practice).
@@ -250,7 +250,7 @@ def _label_dataset(labels: Sequence[Hashable]):
 
 
 def dirichlet_serves(labels, num_clients: int, alpha: float, seed: int = 0, min_size: int = 1) -> bool:
-    """Whether :func:`dirichlet` succeeds for ``num_clients`` at this alpha, seed and min_size.
+    """Whether `dirichlet` succeeds for ``num_clients`` at this alpha, seed and min_size.
 
     Args:
         labels (Sequence | datasets.Dataset): a label sequence, or the ``datasets.Dataset`` of them
@@ -286,7 +286,7 @@ def inner_dirichlet(labels: Sequence[Hashable], num_clients: int, alpha: float, 
 
     Our own rather than the library's, which divides by zero when every label of a client's (near
     one-hot) mix has run out: such a client draws from the labels left in proportion to what is
-    left. Succeeds whenever K <= N, where :func:`dirichlet`'s minimum size cannot be met.
+    left. Succeeds whenever K <= N, where `dirichlet`'s minimum size cannot be met.
 
     Args:
         labels: one label per item (length N).

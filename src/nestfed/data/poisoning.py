@@ -53,7 +53,7 @@ def poison_client(data: ClientData, kind: str, vocab_size: int, seed: int) -> No
 
     Args:
         data: the client's data; its train_ids and train_labels are replaced.
-        kind: ``shuffle`` or ``random_text`` (:func:`poison_tokens`).
+        kind: ``shuffle`` or ``random_text`` (`poison_tokens`).
         vocab_size: the tokenizer's vocabulary size.
         seed: the seed rule's seed for this client.
     """

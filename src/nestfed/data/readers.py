@@ -95,8 +95,8 @@ def bbc_topics(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
 def bbc_tasks(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
     """Both BBC tasks on one corpus, labelled by topic.
 
-    Article i is a headline record (:func:`bbc_headlines`) when i is even and a topic record
-    (:func:`bbc_topics`) when odd, so every client holds both kinds (scored by ROUGE-L and by
+    Article i is a headline record (`bbc_headlines`) when i is even and a topic record
+    (`bbc_topics`) when odd, so every client holds both kinds (scored by ROUGE-L and by
     accuracy: nestfed.evaluation.text_scores).
 
     Args:

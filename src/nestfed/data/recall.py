@@ -150,7 +150,7 @@ def candidate_ids(tokenizer, kinds: Sequence[str] = tuple(KINDS)) -> list[int]:
         The token ids.
 
     Raises:
-        ValueError: as :func:`value_ids` raises it.
+        ValueError: as `value_ids` raises it.
     """
     return [i for ids in value_ids(tokenizer, kinds).values() for i in ids]
 
@@ -181,7 +181,7 @@ def make_row(
     the only labelled one).
 
     Args:
-        kind: the kind of the facts (:data:`KINDS`).
+        kind: the kind of the facts (`KINDS`).
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
         haystack: where the filler comes from.
         rng: the random stream.
@@ -231,7 +231,7 @@ def recall_dataset(
     Args:
         kind: the kind of the facts.
         n: rows per distance.
-        distances: the distances (:func:`make_row`).
+        distances: the distances (`make_row`).
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
         haystack: where the filler comes from.
         seed: the seed string of the rows.
@@ -312,7 +312,7 @@ def recall_client_data(cfg: ExperimentConfig, tokenizer) -> tuple[dict[int, Clie
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
 
     Returns:
-        {cid: ClientData} scored over :func:`candidate_ids`, with test groups per own / held-out
+        {cid: ClientData} scored over `candidate_ids`, with test groups per own / held-out
             kind and distance, and each client's labels.
 
     Raises:

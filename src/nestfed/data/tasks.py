@@ -1,18 +1,18 @@
 """Turn text records into tensors for causal-LM training and evaluation.
 
-All builders return a :class:`TokenDataset` whose ``labels`` follow the Hugging Face
+All builders return a `TokenDataset` whose ``labels`` follow the Hugging Face
 convention: aligned with ``input_ids`` (same shape), ``-100`` where no loss is taken, and the
 model shifts them itself (the loss at position t compares ``logits[t]`` with ``labels[t+1]``).
 Padded rows are right-padded with the tokenizer's pad id (its eos id when it has none), so a
 causal model needs no attention mask for the labelled positions. Every row and block starts with
-the tokenizer's BOS token where the tokenizer itself puts one before a text (:func:`bos_id`:
+the tokenizer's BOS token where the tokenizer itself puts one before a text (`bos_id`:
 Gemma's; SmolLM2's defines ``<|im_start|>`` as BOS but never adds it, so its rows are unchanged).
 
-- :func:`pack_causal_lm`: plain language modelling on concatenated documents.
+- `pack_causal_lm`: plain language modelling on concatenated documents.
 - instruction records: nestfed.data.templates (Alpaca, the tokenizer's chat template, FlowerTune),
   loss on the response only.
-- :func:`multiple_choice_examples`: MMLU-style prompts with one labelled answer-letter token,
-  scored by :func:`answer_positions` / :func:`choice_logits` with :func:`letter_token_ids`.
+- `multiple_choice_examples`: MMLU-style prompts with one labelled answer-letter token,
+  scored by `answer_positions` / `choice_logits` with `letter_token_ids`.
 """
 
 from __future__ import annotations
@@ -126,7 +126,7 @@ def bos_id(tokenizer) -> int | None:
 
 
 def _bos(tokenizer) -> list[int]:
-    """[BOS] where :func:`bos_id` gives one, else []."""
+    """[BOS] where `bos_id` gives one, else []."""
     bos = bos_id(tokenizer)
     return [] if bos is None else [bos]
 
@@ -194,7 +194,7 @@ def pack_causal_lm(
 
     Each text is tokenised without special tokens and followed by eos; the streams are concatenated
     in order and cut into blocks of ``block_size`` tokens (``block_size - 1`` stream tokens after
-    the BOS token where :func:`bos_id` gives one: every block starts with it, as the model saw text
+    the BOS token where `bos_id` gives one: every block starts with it, as the model saw text
     in training); the incomplete last block is dropped. labels = input_ids (every token carries
     loss; a BOS at position 0 is never predicted).
 
@@ -327,14 +327,14 @@ def letter_token_ids(tokenizer) -> list[int]:
 def multiple_choice_examples(items: Sequence, tokenizer, max_length: int) -> TokenDataset:
     """Tokenise four-option questions for training or scoring on the gold letter.
 
-    Each row is the BOS token (where :func:`bos_id` gives one) and :func:`mc_prompt` (plus the
-    shared space token for tokenizers that split it off, see :func:`letter_token_ids`) followed by
+    Each row is the BOS token (where `bos_id` gives one) and `mc_prompt` (plus the
+    shared space token for tokenizers that split it off, see `letter_token_ids`) followed by
     exactly one labelled token: the gold letter. Everything else is -100. A prompt longer than
     ``max_length - 1`` tokens (less the BOS) is cut from the left after the BOS (the question's
     start is lost, the choices and ``Answer:`` are kept).
 
     Args:
-        items: the questions (:class:`~nestfed.data.sources.MultipleChoice`).
+        items: the questions (`nestfed.data.sources.MultipleChoice`).
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
         max_length: the most tokens per row.
 
@@ -399,8 +399,8 @@ def choice_logits(logits: torch.Tensor, labels: torch.Tensor, letter_ids: Sequen
 
     Args:
         logits: [N, T, V] from a causal LM on the multiple-choice input_ids.
-        labels: [N, T] as :func:`multiple_choice_examples` makes them.
-        letter_ids: the 4 ids from :func:`letter_token_ids`.
+        labels: [N, T] as `multiple_choice_examples` makes them.
+        letter_ids: the 4 ids from `letter_token_ids`.
 
     Returns:
         [N, 4] in the dtype of logits; ``argmax(-1)`` is the predicted answer index 0-3.

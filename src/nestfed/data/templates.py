@@ -96,7 +96,7 @@ def prompt_ids(tokenizer, template: str, instruction: str, input: str = "") -> l
         The prompt's token ids.
 
     Raises:
-        ValueError: as :func:`check_template` raises it.
+        ValueError: as `check_template` raises it.
     """
     check_template(tokenizer, template)
     if template == "chat":
@@ -122,7 +122,7 @@ def example_text(tokenizer, template: str, instruction: str, input: str, output:
         The text.
 
     Raises:
-        ValueError: as :func:`check_template` raises it.
+        ValueError: as `check_template` raises it.
     """
     check_template(tokenizer, template)
     if template == "chat":
@@ -150,7 +150,7 @@ def example_row(
         The ids and the labels (IGNORE_INDEX on the prompt).
 
     Raises:
-        ValueError: as :func:`check_template` raises it, or when the chat template does not render
+        ValueError: as `check_template` raises it, or when the chat template does not render
             the prompt as the exchange's prefix.
     """
     check_template(tokenizer, template)
@@ -187,8 +187,8 @@ def _chat_row(tokenizer, user: str, output: str, max_length: int) -> tuple[list[
 def instruction_examples(items: Sequence, tokenizer, max_length: int, template: str = "alpaca") -> TokenDataset:
     """Tokenise instruction records in ``template`` for supervised fine-tuning.
 
-    The loss is on the response only. Rows are :func:`example_row`'s; one warning says how many
-    responses ``max_length`` cut (:func:`warn_truncated`).
+    The loss is on the response only. Rows are `example_row`'s; one warning says how many
+    responses ``max_length`` cut (`warn_truncated`).
 
     Args:
         items: nestfed.data.sources.InstructionExample records, or mappings with ``instruction``,
@@ -202,7 +202,7 @@ def instruction_examples(items: Sequence, tokenizer, max_length: int, template: 
 
     Raises:
         ValueError: for max_length < 2, a record lacking a field, a tokenizer without eos, or as
-            :func:`check_template` raises it.
+            `check_template` raises it.
     """
     if max_length < 2:
         raise ValueError(f"instruction_examples: max_length must be >= 2, got {max_length}")
@@ -237,7 +237,7 @@ def truncation_counts(
 
 
 def warn_truncated(rows, whole, max_length: int) -> None:
-    """Log one warning with :func:`truncation_counts` when ``max_length`` cut any response.
+    """Log one warning with `truncation_counts` when ``max_length`` cut any response.
 
     Args:
         rows (Sequence[tuple[list[int], list[int]]]): the (ids, labels) rows as cut.

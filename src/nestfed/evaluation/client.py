@@ -55,10 +55,10 @@ def pool_groups(results: list[tuple[str, dict[str, float]]], per_group: bool) ->
 def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict[str, float]:
     """Held-out metrics of a model as loaded on a client's test set.
 
-    One pass is :func:`~nestfed.evaluation.lm.evaluate_lm`. With ``test_groups``, each group of rows
+    One pass is `nestfed.evaluation.lm.evaluate_lm`. With ``test_groups``, each group of rows
     is run alone (so rows of one length are not padded to another's) and reported as
     ``loss@<group>`` and ``accuracy@<group>`` too. With ``train.eval_stream_chunk`` > 0 each row
-    streams through nestfed.evaluation.streaming at constant memory (:func:`evaluate_streamed`).
+    streams through nestfed.evaluation.streaming at constant memory (`evaluate_streamed`).
 
     Args:
         model: the backbone with the payload loaded.
@@ -69,7 +69,7 @@ def evaluate_client(model: nn.Module, d: ClientData, train: TrainConfig) -> dict
         The metrics (module docstring).
 
     Raises:
-        ValueError: as :func:`evaluate_streamed` raises it.
+        ValueError: as `evaluate_streamed` raises it.
     """
     if train.eval_stream_chunk > 0:
         return evaluate_streamed(model, d, train)

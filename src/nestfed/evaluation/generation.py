@@ -16,7 +16,7 @@ Two paths, one result:
   sees exactly what a one-pass forward over the same tokens sees: the window, the sinks and the
   memory state carried token by token. Prompts of one length are streamed together.
 
-Decoding (:class:`Decoding`): greedy at ``temperature = 0``; else softmax(logits / temperature)
+Decoding (`Decoding`): greedy at ``temperature = 0``; else softmax(logits / temperature)
 restricted to the smallest set of tokens whose probability reaches ``top_p`` (nucleus sampling,
 Holtzman et al. 2020), drawn with a generator per prompt seeded from (seed, the prompt's index),
 so a prompt's text does not depend on the batch it ran in. A row stops at any of ``stop_ids``

@@ -2,8 +2,8 @@
 
 FlowerTune's General-NLP track (Flower's ``benchmarks/flowertune-llm/evaluation/general-nlp``:
 ``benchmarks.py``, ``utils.py``) scores a model on the MMLU test split in three category groups
-(:data:`CATEGORIES`: STEM, social sciences, humanities; its fourth, "other", is not on the
-leaderboard). Each question is one zero-shot prompt (:func:`prompt`)::
+(`CATEGORIES`: STEM, social sciences, humanities; its fourth, "other", is not on the
+leaderboard). Each question is one zero-shot prompt (`prompt`)::
 
     <|im_start|>question
     Answer the following multiple choice question.
@@ -18,20 +18,20 @@ leaderboard). Each question is one zero-shot prompt (:func:`prompt`)::
     <|im_start|>answer
 
 the model generates greedily as many tokens as the gold letter has (one, for the tokenizers we
-ship), and :func:`extract_answer` turns the text into a letter (lower-cased, non-alphanumerics
+ship), and `extract_answer` turns the text into a letter (lower-cased, non-alphanumerics
 dropped, first character) or leaves it as it is; a category's accuracy is the fraction of its
 questions whose extraction equals the gold letter (micro average over its subjects).
 
 A small model may answer none of them: SmolLM2-135M-Instruct's first token after the "answer"
 turn is ``<|im_end|>`` on nearly every question, which the protocol scores as wrong. So each
-category is also scored by log-likelihood (:data:`SCORINGS`): the same prompt, the answer taken as
+category is also scored by log-likelihood (`SCORINGS`): the same prompt, the answer taken as
 the letter A-D with the highest log-probability as the next token (lm-eval's ``multiple_choice``,
 as its own MMLU tasks score), which separates models that generation scores alike.
 
-Here the protocol is an lm-eval ``generate_until`` task per category (:func:`tasks`) built
+Here the protocol is an lm-eval ``generate_until`` task per category (`tasks`) built
 from the local MMLU files (``<root>/test/<subject>_test.csv``, read by
-:func:`nestfed.data.sources.mmlu`; nothing is downloaded), and the model is lm-eval's Hugging Face
-model (``HFLM``) with a PEFT adapter on top (:func:`evaluate`). ``fraction`` < 1 takes a seeded
+`nestfed.data.sources.mmlu`; nothing is downloaded), and the model is lm-eval's Hugging Face
+model (``HFLM``) with a PEFT adapter on top (`evaluate`). ``fraction`` < 1 takes a seeded
 sample of that fraction of every subject (at least one question), which keeps the subjects' mix.
 """
 
@@ -206,7 +206,7 @@ def _docs(items: list[MultipleChoice]) -> list[dict]:
 
 
 def _extract_filter(resps, docs):
-    """lm-eval ``custom`` filter: :func:`extract_answer` on every generation of every document."""
+    """lm-eval ``custom`` filter: `extract_answer` on every generation of every document."""
     return [[extract_answer(r) for r in doc_resps] for doc_resps in resps]
 
 
@@ -216,7 +216,7 @@ class Protocol:
 
     Attributes:
         mmlu_root: the local MMLU root folder.
-        categories: the categories (:data:`CATEGORIES`); default all three.
+        categories: the categories (`CATEGORIES`); default all three.
         fraction: the share of each subject sampled, in (0, 1]; default 1.
         seed: the sample's seed.
         batch_size: lm-eval's batch size (prompts per forward); default 16.
@@ -259,7 +259,7 @@ def quantization_name(value: str) -> str:
     """``model.quantization``'s name for a ``--quantization`` value (4 -> nf4, 8 -> int8, none).
 
     Args:
-        value: the command line's value (:data:`QUANTIZATION_NAMES`).
+        value: the command line's value (`QUANTIZATION_NAMES`).
 
     Returns:
         ``nf4``, ``int8`` or ``none``.
@@ -303,7 +303,7 @@ def task_name(category: str, scoring: str) -> str:
 
     Args:
         category: the category.
-        scoring: ``generation`` or ``loglik`` (:data:`SCORINGS`).
+        scoring: ``generation`` or ``loglik`` (`SCORINGS`).
 
     Returns:
         ``flowertune_mmlu_<category>`` (generation) or ``flowertune_mmlu_<category>_loglik``.
@@ -314,7 +314,7 @@ def task_name(category: str, scoring: str) -> str:
 def tasks(items_by_category: dict[str, list[MultipleChoice]]) -> list:
     """Two lm-eval ``ConfigurableTask`` per category.
 
-    FlowerTune's (greedy generation of one token, :func:`extract_answer` as a custom filter, exact
+    FlowerTune's (greedy generation of one token, `extract_answer` as a custom filter, exact
     match against the gold letter) and the log-likelihood one (``multiple_choice`` over the letters
     A-D after the same prompt, accuracy).
 
@@ -386,11 +386,11 @@ def evaluate(
         backbone_dir: the Hugging Face model directory.
         adapter_dir: the PEFT adapter directory, or None for the backbone alone.
         protocol: what to score and where.
-        items_by_category: the questions; :func:`questions` of the protocol when None.
+        items_by_category: the questions; `questions` of the protocol when None.
 
     Returns:
-        Per scoring (:data:`SCORINGS`) and category, the per-question correctness (1 / 0) in the
-            order of :func:`questions`, so that two models can be compared question by question.
+        Per scoring (`SCORINGS`) and category, the per-question correctness (1 / 0) in the
+            order of `questions`, so that two models can be compared question by question.
 
     Raises:
         ConfigError: when lm-eval is not installed or a directory is not a model / adapter.

@@ -5,19 +5,19 @@ layer keeps a KV cache bounded by its sliding window, the delta-rule memory S ca
 older, so the state carried from chunk to chunk has a fixed size whatever the stream's length.
 
 Every attention layer needs a bounded attention installed to hold its stream state
-(:func:`nestfed.nn.bounded_attention.install_bounded_attention`; FedNL's memory layers have one); a
+(`nestfed.nn.bounded_attention.install_bounded_attention`; FedNL's memory layers have one); a
 layer without an enabled memory runs the backbone's attention over its window only
 (``mode = "window"``) or over everything seen (``mode = "full"``, unbounded: the plain-attention
 baseline). Every mode keeps each layer's own sliding window where the model has
 one (Qwen2's ``use_sliding_window``, Gemma-3's local layers), and each layer's rotary embedding and
 mask are built as the model builds them, under SDPA or eager attention alike
 (nestfed.nn.layer_inputs): ``mode = "full"`` computes ``model(ids).logits`` chunk by chunk
-(tested). :func:`stream_nll` returns the next-token negative log-likelihood of every token after
+(tested). `stream_nll` returns the next-token negative log-likelihood of every token after
 the first, which is the same whether the stream is cut into chunks or not (tested), and
-:func:`binned_ce` turns it into the streaming-CE probe's bins.
+`binned_ce` turns it into the streaming-CE probe's bins.
 
 A model without bounded attention streams through Hugging Face's own KV cache with
-:func:`stream_nll_hf` (the backbone's plain attention, its cache growing with the stream).
+`stream_nll_hf` (the backbone's plain attention, its cache growing with the stream).
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class StreamStats:
 def streaming(
     model: nn.Module, mode: str = "memory", window: int = 512, sink: int = 0, sink_positions: str = "cache"
 ) -> Iterator[dict[int, LayerStream]]:
-    """Attach a fresh :class:`LayerStream` to every attention layer for the duration of a stream.
+    """Attach a fresh `LayerStream` to every attention layer for the duration of a stream.
 
     The streams are detached on exit.
 
@@ -75,7 +75,7 @@ def streaming(
             nn/bounded_attention.py; 0 = none).
         sink_positions: ``cache``: before each chunk the sinks move to the positions just before the
             window (StreamingLLM's positions within the cache, Xiao et al., ICLR 2024, section 3.2;
-            :func:`shift_sinks`), so no query is ever further than ``sink + window + chunk`` tokens
+            `shift_sinks`), so no query is ever further than ``sink + window + chunk`` tokens
             from a key it sees, whatever the stream's length; ``absolute``: sink j stays at position
             j (past the backbone's trained context once the stream is long enough).
 
@@ -157,7 +157,7 @@ def shift_sinks(model: nn.Module, pos: int) -> None:
 def chunk_logits(model: nn.Module, ids: torch.Tensor, pos: int, last_only: bool = False) -> torch.Tensor:
     """Logits of one chunk whose first token sits at absolute position ``pos``.
 
-    The streams' sinks are shifted first (:func:`shift_sinks`). Each layer gets the rotary embedding
+    The streams' sinks are shifted first (`shift_sinks`). Each layer gets the rotary embedding
     of its type at the chunk's positions (nestfed.nn.layer_inputs.layer_rotary); its bounded
     attention builds the mask over its stream's cache (the layer's own sliding window, the stream's
     window and sinks) in its attention implementation's format
@@ -225,18 +225,18 @@ def stream_nll(
         model: the backbone, bounded attention installed.
         ids: [B, N] token ids.
         chunk: tokens per chunk.
-        mode: the stream mode (:func:`streaming`).
-        window: the stream's window in tokens (:func:`streaming`).
+        mode: the stream mode (`streaming`).
+        window: the stream's window in tokens (`streaming`).
         stats: filled with the state bytes after each chunk, when given.
-        sink: attention sinks (:func:`streaming`).
+        sink: attention sinks (`streaming`).
         on_chunk: called as ``on_chunk(chunk index, stats)`` after each chunk; None for none.
-        sink_positions: ``cache`` or ``absolute`` (:func:`streaming`).
+        sink_positions: ``cache`` or ``absolute`` (`streaming`).
 
     Returns:
         [B, N - 1] NLL in nats (fp32; fp64 for an fp64 model).
 
     Raises:
-        ValueError: as :func:`streaming` raises it, or for chunk < 1 or a non-2-D ids.
+        ValueError: as `streaming` raises it, or for chunk < 1 or a non-2-D ids.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 token, got {chunk}")
@@ -355,7 +355,7 @@ def stream_evaluate(
 
     Mode ``memory``: enabled memory layers run their memory, every softmax path sees ``window``
     tokens. For contexts whose one-pass forward does not fit (NIAH at 8K/16K on a CPU). The numbers
-    are those :func:`nestfed.evaluation.lm.evaluate_lm` gives when the one-pass forward uses the
+    are those `nestfed.evaluation.lm.evaluate_lm` gives when the one-pass forward uses the
     same window (tested; with sinks, for ``sink_positions="absolute"``, the one-pass forward's).
 
     Args:
@@ -365,8 +365,8 @@ def stream_evaluate(
         chunk: tokens per chunk.
         window: the stream's window in tokens.
         letter_ids: the candidate ids for accuracy; None for none.
-        sink: attention sinks (:func:`streaming`).
-        sink_positions: ``cache`` or ``absolute`` (:func:`streaming`).
+        sink: attention sinks (`streaming`).
+        sink_positions: ``cache`` or ``absolute`` (`streaming`).
 
     Returns:
         ``loss`` (nats per labelled token), ``ppl``, ``tokens`` and, with ``letter_ids``,
@@ -374,7 +374,7 @@ def stream_evaluate(
             is the label (one per row for multiple choice).
 
     Raises:
-        ValueError: as :func:`streaming` raises it, or for mismatched shapes.
+        ValueError: as `streaming` raises it, or for mismatched shapes.
     """
     if input_ids.shape != labels.shape or input_ids.dim() != 2:
         raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must both be [N, T]")

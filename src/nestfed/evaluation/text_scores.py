@@ -59,7 +59,7 @@ def rouge_l(answer: str, reference: str) -> float:
 
 
 def exact_match(answer: str, reference: str) -> float:
-    """Whether the answer equals the reference after :func:`normalise`.
+    """Whether the answer equals the reference after `normalise`.
 
     Args:
         answer: the generated answer.
@@ -110,7 +110,7 @@ def mean_scores(scores: Sequence[dict[str, float]]) -> dict[str, float]:
     """The mean of each score over the answers that have it.
 
     Args:
-        scores: one dict per answer (:func:`answer_scores`).
+        scores: one dict per answer (`answer_scores`).
 
     Returns:
         Each score's mean, ``answers`` (all of them) and, per score, ``answers:<score>`` (how many

@@ -1,12 +1,12 @@
 """The strategy interface: configure a round per client, aggregate the replies.
 
 A strategy is pure: it sees tensors and numbers, never data or models (docs/architecture.md).
-Each LoRA method is a small subclass of :class:`LoraStrategy` that overrides one or two hooks
+Each LoRA method is a small subclass of `LoraStrategy` that overrides one or two hooks
 (Flower's shape: ``configure`` and ``aggregate`` as separate methods; nestfed.federation.loop owns
 the only round loop).
 
 Instruction config keys every LoRA strategy sends: ``rank`` (r_k), ``scaling`` (s), ``round``,
-``seed`` (the federation's); a method adds its own in :meth:`LoraStrategy.client_config`, read by
+``seed`` (the federation's); a method adds its own in `LoraStrategy.client_config`, read by
 its client hooks (nestfed.federation.hooks).
 """
 
@@ -29,38 +29,119 @@ class Strategy(Protocol):
     name: str
 
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
-        """The round-0 global state for LoRA layers of shapes {module: (out, in)}."""
+        """Build the round-0 global state.
+
+        Args:
+            shapes: the LoRA layers' weight shapes, {module: (out, in)}.
+            clients: every client of the federation (its id, rank r_k and example count n_k).
+
+        Returns:
+            The global state before round 1.
+
+        Raises:
+            ValueError: when a client's rank exceeds r_max (`LoraStrategy`).
+        """
 
     def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
-        """One instruction per sampled client for round ``rnd`` (1-based)."""
+        """Instruct the sampled clients for one round.
+
+        Args:
+            rnd: the round, 1-based.
+            state: the global state before the round.
+            clients: the clients sampled this round.
+
+        Returns:
+            One instruction per sampled client, {cid: instruction}.
+        """
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """The new global state from the validated replies of round ``rnd``."""
+        """Aggregate the validated replies of a round into the new global state.
+
+        Args:
+            rnd: the round, 1-based.
+            state: the global state the round started from (never mutated).
+            replies: the replies that passed validation, {cid: reply}.
+
+        Returns:
+            The new global state.
+        """
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
-        """The new global state with each rank block combined by ``rule`` (a robust rule or central
-        DP, nestfed.federation.robust). Called only for a method that declares ROBUST_AGGREGATION
-        (nestfed.config.capabilities)."""
+        """Aggregate the replies with each rank block combined by a robust or private rule.
+
+        Called only for a method that declares ROBUST_AGGREGATION (nestfed.config.capabilities).
+
+        Args:
+            rnd: the round, 1-based.
+            state: the global state the round started from (never mutated).
+            replies: the replies that passed validation, {cid: reply}.
+            rule: combines one block of updates (a robust rule or central DP,
+                nestfed.federation.robust).
+
+        Returns:
+            The new global state.
+        """
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """The new global state rebuilt from secure sums alone (nestfed.federation.secure_sum).
-        Called only for a method that declares SECURE_AGGREGATION."""
+        """Rebuild the new global state from secure sums alone (nestfed.federation.secure_sum).
+
+        Called only for a method that declares SECURE_AGGREGATION.
+
+        Args:
+            rnd: the round, 1-based.
+            state: the global state the round started from (never mutated).
+            secure: the summed, zero-padded updates and counts of the replying clients.
+
+        Returns:
+            The new global state.
+
+        Raises:
+            NotImplementedError: when the method has no rebuild from sums (`LoraStrategy`'s default).
+        """
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
-        """The adapter client ``cid`` would run (its rank prefix; None = the full global), and its scale s."""
+        """Give the adapter a client would run.
+
+        Args:
+            state: the global state.
+            cid: the client; None for the full global adapter at r_max.
+
+        Returns:
+            The adapter's arrays (the client's rank prefix) and its LoRA scale s.
+        """
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
-        """The final global adapter as PEFT LoRA arrays (one rank for all layers) and its scale s."""
+        """Give the final global adapter as PEFT LoRA arrays (one rank for all layers).
+
+        Args:
+            state: the final global state.
+
+        Returns:
+            The adapter's arrays (copies) and its LoRA scale s.
+        """
 
     def export_files(self, state: GlobalState) -> dict[str, Arrays]:
-        """Further arrays the run directory keeps, {file name: arrays} (e.g. memory rules)."""
+        """Give further arrays the run directory keeps (e.g. memory rules).
+
+        Args:
+            state: the final global state.
+
+        Returns:
+            {file name: arrays}; empty when there are none.
+        """
 
 
 @dataclass(frozen=True)
 class LoraSettings:
     """The numbers a LoRA strategy needs: r_max, lora_alpha, the scaling convention, seeds.
 
-    scaling ``fixed``: s = lora_alpha / r_max at every rank; ``rank``: s = lora_alpha / r_k.
+    Attributes:
+        r_max: the global adapter's rank.
+        lora_alpha: LoRA's alpha.
+        scaling: ``fixed`` (default): s = lora_alpha / r_max at every rank; ``rank``:
+            s = lora_alpha / r_k.
+        init_seed: the seed of the global adapter's initialisation.
+        seed: the federation's seed (sent to every client).
     """
 
     r_max: int
@@ -70,7 +151,14 @@ class LoraSettings:
     seed: int = 0
 
     def scale(self, rank: int) -> float:
-        """The LoRA scale s used by a client of rank ``rank`` (and by the global model at r_max)."""
+        """Give the LoRA scale s used by a client of a rank (and by the global model at r_max).
+
+        Args:
+            rank: the client's rank r_k.
+
+        Returns:
+            The scale s.
+        """
         if self.scaling == "fixed":
             return self.lora_alpha / self.r_max
         return self.lora_alpha / rank
@@ -79,9 +167,12 @@ class LoraSettings:
 class LoraStrategy:
     """Shared behaviour of strategies whose global state is one LoRA adapter of rank r_max.
 
-    Subclasses implement :meth:`aggregate` and may override :meth:`client_config`. ``options``:
-    the method's options dataclass (nestfed.methods), or None. Global state meta holds ``ranks``:
-    {cid (str): current rank}.
+    Subclasses implement `aggregate` and may override `client_config`. Global state meta holds
+    ``ranks``: {cid (str): current rank}.
+
+    Args:
+        settings: r_max, lora_alpha, scaling and seeds.
+        options: the method's options dataclass (nestfed.methods), or None.
     """
 
     name = "lora"
@@ -92,6 +183,7 @@ class LoraStrategy:
 
     # -- state ---------------------------------------------------------------------------------
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
+        """Initialise the global adapter at r_max (seeded) and record each client's rank."""
         for c in clients:
             if c.rank > self.s.r_max:
                 raise ValueError(f"client {c.cid}: rank {c.rank} is above the global maximum r_max = {self.s.r_max}")
@@ -99,28 +191,72 @@ class LoraStrategy:
         return GlobalState(arrays, {"ranks": {str(c.cid): c.rank for c in clients}})
 
     def rank_of(self, state: GlobalState, cid: int) -> int:
-        """The client's current rank (HetLoRA may have pruned it)."""
+        """Give a client's current rank (HetLoRA may have pruned it).
+
+        Args:
+            state: the global state (its meta ``ranks``).
+            cid: the client.
+
+        Returns:
+            The rank r_k.
+        """
         return int(state.meta["ranks"][str(cid)])
 
     # -- configure -----------------------------------------------------------------------------
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
-        """Method-specific instruction config for one client (override to add keys)."""
+        """Give the method-specific instruction config for one client (override to add keys).
+
+        Args:
+            rnd: the round, 1-based.
+            state: the global state before the round.
+            client: the client.
+            rank: the rank it trains at this round.
+
+        Returns:
+            Further config keys (default: none).
+        """
         return {}
 
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
-        """The payload sent to a client of this rank (default: the rank prefix of the global adapter,
-        as views of the state: an instruction costs no copy until it is serialised)."""
+        """Give the payload sent to a client of a rank.
+
+        Default: the rank prefix of the global adapter, as views of the state (an instruction costs
+        no copy until it is serialised).
+
+        Args:
+            state: the global state before the round.
+            rank: the client's rank this round.
+
+        Returns:
+            The arrays to send.
+        """
         return rank_prefix(state.arrays, rank)
 
     def reply_keys(self, sent: Arrays) -> list[str]:
-        """Keys the client must send back (default: the LoRA matrices it trains, A and B)."""
+        """Give the keys a client must send back.
+
+        Args:
+            sent: the arrays sent to the client.
+
+        Returns:
+            The reply's keys (default: the LoRA matrices it trains, A and B).
+        """
         return [k for k in sent if rank_dim(k) is not None]
 
     def expected_shapes(self, sent: Arrays, rank: int) -> dict[str, tuple[int, ...]]:
-        """Shapes of the reply's arrays (default: those of the sent arrays with the reply keys)."""
+        """Give the shapes a client's reply must have (the validation's reference).
+
+        Args:
+            sent: the arrays sent to the client.
+            rank: the client's rank this round.
+
+        Returns:
+            {key: shape} (default: those of the sent arrays with the reply keys).
+        """
         return {k: tuple(sent[k].shape) for k in self.reply_keys(sent)}
 
     def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
+        """Send each client its rank prefix with rank, scaling, round, seed and the method's keys."""
         out = {}
         for c in clients:
             r = self.rank_of(state, c.cid)
@@ -136,16 +272,17 @@ class LoraStrategy:
 
     # -- aggregate -----------------------------------------------------------------------------
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
+        """Refuse: each method's subclass implements its own aggregation (raises NotImplementedError)."""
         raise NotImplementedError
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """Refused unless a subclass writes its rebuild from sums (and its method declares
-        SECURE_AGGREGATION). Raises NotImplementedError."""
+        """Refuse, unless a subclass writes its rebuild from sums (raises NotImplementedError)."""
         raise NotImplementedError(f"{self.name} does not rebuild its aggregate from secure sums")
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
-        """One block of zero-padded updates, every replying client a member (ZeroPad's and HetLoRA's
-        padding; at equal ranks plain FedAvg's update space).
+        """Combine one block of zero-padded updates, every replying client a member.
+
+        ZeroPad's and HetLoRA's padding; at equal ranks plain FedAvg's update space.
 
         A reply's update is its array minus the global array's prefix of the same rank, padded with
         zeros to r_max; ``base`` is the n_k-weighted mean of the padded prefixes the clients started
@@ -175,24 +312,43 @@ class LoraStrategy:
 
     # -- deploy / export -----------------------------------------------------------------------
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
+        """Truncate the global adapter to the client's rank (r_max for None)."""
         r = self.s.r_max if cid is None else self.rank_of(state, cid)
         return truncate_rank(state.arrays, r), self.s.scale(r)
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
+        """Copy the global adapter at r_max."""
         return {k: v.clone() for k, v in state.arrays.items()}, self.s.scale(self.s.r_max)
 
     def export_files(self, state: GlobalState) -> dict[str, Arrays]:
+        """Keep no further files."""
         return {}
 
 
 def lora_keys(arrays: Arrays) -> list[str]:
-    """The LoRA keys of a payload, sorted."""
+    """List the LoRA keys of a payload.
+
+    Args:
+        arrays: a payload.
+
+    Returns:
+        Its keys with a rank dimension, sorted.
+    """
     return sorted(k for k in arrays if rank_dim(k) is not None)
 
 
 def reply_rank(reply: Reply) -> int:
-    """The rank r of a reply's LoRA matrices (A: [r, in]; B: [out, r]; validated to agree), the rank
-    its client trained. Raises ValueError for a reply without LoRA matrices."""
+    """Give the rank its client trained: the rank r of a reply's LoRA matrices.
+
+    Args:
+        reply: a validated reply (A: [r, in], B: [out, r], their ranks agree).
+
+    Returns:
+        The rank r.
+
+    Raises:
+        ValueError: when the reply holds no LoRA matrix.
+    """
     for k, v in reply.arrays.items():
         d = rank_dim(k)
         if d is not None:
@@ -201,10 +357,24 @@ def reply_rank(reply: Reply) -> int:
 
 
 def examples(replies: dict[int, Reply]) -> dict[int, float]:
-    """n_k of each replying client, as floats (FedAvg weights)."""
+    """Give each replying client's example count n_k (FedAvg weights).
+
+    Args:
+        replies: {cid: reply}.
+
+    Returns:
+        {cid: n_k as a float}.
+    """
     return {cid: float(r.num_examples) for cid, r in replies.items()}
 
 
 def copy_state(state: GlobalState) -> GlobalState:
-    """A deep copy (aggregation never mutates the state it was given)."""
+    """Copy a global state deeply (aggregation never mutates the state it was given).
+
+    Args:
+        state: the state.
+
+    Returns:
+        Its deep copy (arrays cloned, meta deep-copied; the optimiser state is not carried).
+    """
     return GlobalState({k: v.clone() for k, v in state.arrays.items()}, copy.deepcopy(state.meta))

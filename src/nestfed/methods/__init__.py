@@ -1,8 +1,8 @@
 """The methods, one home each, and the registry that drives the CLI's list and config validation.
 
 Adding a method is one new home (a module or package here that defines ``METHOD``, a
-:class:`~nestfed.methods.method.Method`) plus one line in :data:`REGISTRY`. Every entry point
-loads configs through :func:`schema` (the registry's sections, names and checks), so a method's
+`nestfed.methods.method.Method`) plus one line in `REGISTRY`. Every entry point
+loads configs through `schema` (the registry's sections, names and checks), so a method's
 options are validated, with the file and key named, before anything is written.
 """
 
@@ -159,7 +159,7 @@ def schema() -> C.Schema:
     """What configs may hold beyond the core sections.
 
     Every registered home's sections, the names ``strategy.name`` accepts and the cross-section
-    checks, built from :data:`REGISTRY` on each call, so a home registered later is known at once.
+    checks, built from `REGISTRY` on each call, so a home registered later is known at once.
 
     Returns:
         The schema.
@@ -213,7 +213,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<config>", stored: 
     Args:
         data: the parsed document.
         source: what error messages call it.
-        stored: a resolved config a run recorded (migrated as :func:`load_run_config`'s).
+        stored: a resolved config a run recorded (migrated as `load_run_config`'s).
 
     Returns:
         The validated config.

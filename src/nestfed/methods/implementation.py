@@ -2,7 +2,7 @@
 set up on a prepared experiment.
 
 A method's declaration (nestfed.methods.method.Method, the registry line) names the module whose
-``IMPLEMENTATION`` is an :class:`Implementation`: how it sets up a run on a prepared experiment (a
+``IMPLEMENTATION`` is an `Implementation`: how it sets up a run on a prepared experiment (a
 strategy for the server, a trainer for the clients: nestfed.federation.client.ClientTrainer with
 the method's hooks, or its own), its two halves on Flower, its model-dependent checks and whether
 its clients keep state.
@@ -121,7 +121,7 @@ def lora_implementation(
             for nothing.
         report: ``report(prep, cfg)`` -> the method's own summary fields, measured by its setup
             (e.g. a warm-up's cost), in an embedded run's summary; None for none.
-        **kw: the other :class:`Implementation` fields (check_model).
+        **kw: the other `Implementation` fields (check_model).
 
     Returns:
         The implementation, with both halves on Flower.

@@ -1,7 +1,7 @@
 """What a method declares: one registry line (nestfed.methods.REGISTRY) that the command line and the
 config loader read without importing torch.
 
-A :class:`Method` holds what is known before any model exists: the method's name, a one-line
+A `Method` holds what is known before any model exists: the method's name, a one-line
 summary, its config sections (one options dataclass each: defaults written once, checked in
 ``__post_init__``), its cross-section checks, and what it can do: one typed set of capabilities
 (nestfed.config.capabilities), refused unless declared. What runs (its strategy, client hooks,
@@ -41,7 +41,7 @@ class Method:
         name: what ``strategy.name`` and ``--methods`` accept.
         summary: one line for listings.
         home: the module whose ``IMPLEMENTATION`` runs it (a module path), or the
-            :class:`Implementation` itself.
+            `Implementation` itself.
         sections: {config section: options dataclass} this home owns (a section may be shared by
             homes: the same dataclass).
         check_config: ``check_config(cfg)``: cross-section checks, raising
@@ -78,7 +78,7 @@ class Method:
             capability: the capability asked.
 
         Returns:
-            True when it is in :attr:`capabilities`.
+            True when it is in `capabilities`.
         """
         return capability in self.capabilities
 
@@ -151,7 +151,7 @@ class Method:
 
         Args:
             cfg: the experiment.
-            initial: the arrays the clients' setup gives (:class:`ClientSide`'s ``initial_arrays``).
+            initial: the arrays the clients' setup gives (`ClientSide`'s ``initial_arrays``).
 
         Returns:
             The server's strategy.
@@ -216,7 +216,7 @@ def lora_method(name: str, summary: str, home: Any, capabilities: frozenset[Capa
         summary: one line for listings.
         home: the module whose ``IMPLEMENTATION`` runs it.
         capabilities: everything else it can do.
-        **kw: the other :class:`Method` fields (sections, checks, refusals).
+        **kw: the other `Method` fields (sections, checks, refusals).
 
     Returns:
         The declaration.

@@ -10,10 +10,20 @@ FENCED = re.compile(r"^```(\w*)\n(.*?)^```$", flags=re.S | re.M)
 
 
 def section_blocks(page: Path, heading: str) -> dict[str, list[str]]:
-    """The fenced code blocks under the Markdown heading line ``heading`` (e.g. ``"## The Python
-    API"``), up to the next heading of the same or a higher level: ``{language: [code, ...]}`` in
-    page order, each code without its fences. Raises ValueError naming the page when the heading is
-    not one of its lines."""
+    """Collect the fenced code blocks of one section of a Markdown page.
+
+    The section runs from the heading line to the next heading of the same or a higher level.
+
+    Args:
+        page: the Markdown file.
+        heading: the heading line, exactly as the page writes it (e.g. ``"## The Python API"``).
+
+    Returns:
+        ``{language: [code, ...]}`` in page order, each code without its fences.
+
+    Raises:
+        ValueError: naming the page, when the heading is not one of its lines.
+    """
     lines = page.read_text().split("\n")
     if heading not in lines:
         raise ValueError(f"{page}: no heading line {heading!r}")

@@ -2,7 +2,7 @@
 
 Used by the tests (``tests/flower``) and ``bench/perf/flower_vs_embedded.py``; also a quick way to try
 the apps before going to real machines. Everything it starts is a child process started in its
-own session; :meth:`LocalDeployment.stop` (also on ``with`` exit, on error too) stops each one by
+own session; `LocalDeployment.stop` (also on ``with`` exit, on error too) stops each one by
 its PID: SIGTERM to the process, then SIGKILL to its process group (the ClientApp / ServerApp
 processes Flower started under it) after a grace period.
 
@@ -31,14 +31,26 @@ BIN = Path(sys.executable).parent
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    """Find a TCP port on 127.0.0.1.
+
+    Returns:
+        A port that was free a moment ago.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def flwr_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment for flwr processes: private FLWR_HOME, no telemetry, no update check, no installs."""
+    """Build the environment for flwr processes: private FLWR_HOME, no telemetry, update check or installs.
+
+    Args:
+        home: the FLWR_HOME folder.
+        extra: further variables, set last.
+
+    Returns:
+        This process's environment with those settings and this interpreter's folder first on PATH.
+    """
     env = dict(os.environ)
     env.update(
         {
@@ -55,12 +67,21 @@ def flwr_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
 
 
 def toml_value(v: Any) -> str:
-    """A run-config value as TOML (for ``flwr run --run-config``).
+    """Write a run-config value as TOML (for ``flwr run --run-config``).
 
     flwr reads a quoted value up to the next quote of its kind (no escapes), so a string holding
     double quotes (an override such as ``lora.target_modules=["q_proj","v_proj"]``) travels as a
-    TOML literal string in single quotes. Raises ValueError for a string holding both kinds of
-    quote, which that command line cannot carry.
+    TOML literal string in single quotes.
+
+    Args:
+        v: a bool, number or string (anything else is written as its str).
+
+    Returns:
+        The TOML text.
+
+    Raises:
+        ValueError: for a string holding both kinds of quote, or a double quote and a newline, which
+            that command line cannot carry.
     """
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -79,7 +100,13 @@ def toml_value(v: Any) -> str:
 
 @dataclass
 class Proc:
-    """A process this deployment started: its name, Popen handle and log file."""
+    """A process this deployment started.
+
+    Attributes:
+        name: its name (also its log's).
+        popen: its Popen handle.
+        log: its log file (stdout and stderr).
+    """
 
     name: str
     popen: subprocess.Popen
@@ -87,9 +114,18 @@ class Proc:
 
     @property
     def pid(self) -> int:
+        """The process id."""
         return self.popen.pid
 
     def tail(self, n: int = 30) -> str:
+        """Read the end of the log.
+
+        Args:
+            n: how many lines.
+
+        Returns:
+            Its last n lines; empty when the log cannot be read.
+        """
         try:
             return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
         except OSError:
@@ -98,7 +134,13 @@ class Proc:
 
 @dataclass
 class TLSFiles:
-    """PEM files: the CA certificate (SuperNodes and the CLI trust it) and the SuperLink's cert and key."""
+    """PEM files of a TLS deployment.
+
+    Attributes:
+        ca_cert: the CA certificate (SuperNodes and the CLI trust it).
+        server_cert: the SuperLink's certificate.
+        server_key: the SuperLink's private key.
+    """
 
     ca_cert: Path
     server_cert: Path
@@ -107,7 +149,20 @@ class TLSFiles:
 
 @dataclass
 class LocalDeployment:
-    """SuperLink + SuperNodes on 127.0.0.1 under ``root`` (FLWR_HOME is ``root/flwr_home``)."""
+    """SuperLink + SuperNodes on 127.0.0.1 under ``root`` (FLWR_HOME is ``root/flwr_home``).
+
+    Attributes:
+        root: the folder of its FLWR_HOME and logs.
+        tls: the TLS files; None (default): insecure connections.
+        supernode_auth: whether the SuperLink admits only registered SuperNodes (default False).
+        env_extra: further environment variables of every process.
+        procs: the processes it started, in order.
+        port: the SuperLink's port (0 before it starts).
+        name: the federation's name in the ``flwr`` CLI's config (default ``local``).
+        database: the SuperLink's state: "" (default) in memory (Flower's default), else an SQLite
+            file.
+        simulation: whether the SuperLink runs Flower's simulation engine (virtual SuperNodes on Ray).
+    """
 
     root: Path
     tls: TLSFiles | None = None
@@ -116,8 +171,8 @@ class LocalDeployment:
     procs: list[Proc] = field(default_factory=list)
     port: int = 0
     name: str = "local"
-    database: str = ""  # the SuperLink's state: "" = in memory (Flower's default), else an SQLite file
-    simulation: bool = False  # the SuperLink runs Flower's simulation engine (virtual SuperNodes on Ray)
+    database: str = ""
+    simulation: bool = False
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -151,9 +206,20 @@ class LocalDeployment:
     def start_superlink(self, timeout_s: float = 60.0, attempts: int = 3, same_port: bool = False) -> Proc:
         """Start the SuperLink (Fleet, Control and Runtime APIs on one port) and wait for /health.
 
-        Retried on another free port when it exits at once (another process took the port);
-        ``same_port``: on the port of the SuperLink started before (a restart the SuperNodes
-        reconnect to), retried on it.
+        Retried on another free port when it exits at once (another process took the port).
+
+        Args:
+            timeout_s: how long each attempt waits for /health, in seconds.
+            attempts: how many starts it tries.
+            same_port: start on the port of the SuperLink started before (a restart the SuperNodes
+                reconnect to), and retry on it.
+
+        Returns:
+            The SuperLink's process.
+
+        Raises:
+            RuntimeError: when the last attempt's SuperLink exits.
+            TimeoutError: when it is not healthy within timeout_s.
         """
         for attempt in range(attempts):
             try:
@@ -203,6 +269,16 @@ class LocalDeployment:
         return proc
 
     def wait_healthy(self, proc: Proc, timeout_s: float) -> None:
+        """Poll the SuperLink's /health until it answers 200.
+
+        Args:
+            proc: the SuperLink's process.
+            timeout_s: how long to wait, in seconds.
+
+        Raises:
+            RuntimeError: when the process exits (the message holds its log's tail).
+            TimeoutError: when it is not healthy within timeout_s.
+        """
         scheme = "http" if self.tls is None else "https"
         ctx = None
         if self.tls is not None:
@@ -221,7 +297,16 @@ class LocalDeployment:
         raise TimeoutError(f"the SuperLink was not healthy within {timeout_s} s:\n{proc.tail()}")
 
     def start_supernode(self, node_config: dict[str, Any], key: Path | None = None, name: str | None = None) -> Proc:
-        """Start a SuperNode with this node config (e.g. {'partition-id': 0}), optionally its auth key."""
+        """Start a SuperNode connected to this SuperLink.
+
+        Args:
+            node_config: its node config (e.g. {'partition-id': 0}).
+            key: its auth private key, or None.
+            name: its process name (default ``supernode-<partition-id>``).
+
+        Returns:
+            The SuperNode's process.
+        """
         cfg = " ".join(f"{k}={toml_value(v)}" for k, v in node_config.items())
         args = [
             str(BIN / "flower-supernode"),
@@ -238,7 +323,7 @@ class LocalDeployment:
         return self._start(name or f"supernode-{node_config.get('partition-id', len(self.procs))}", args)
 
     def write_cli_config(self) -> None:
-        """``$FLWR_HOME/config.toml``: the ``flwr`` CLI's connection to this SuperLink."""
+        """Write ``$FLWR_HOME/config.toml``: the ``flwr`` CLI's connection to this SuperLink."""
         lines = [
             "[superlink]",
             f'default = "{self.name}"',
@@ -254,7 +339,19 @@ class LocalDeployment:
 
     # -- the flwr CLI --------------------------------------------------------------------------
     def flwr(self, *args: str, timeout_s: float = 120.0, check: bool = True) -> subprocess.CompletedProcess:
-        """Run the ``flwr`` CLI against this deployment (its FLWR_HOME and connection)."""
+        """Run the ``flwr`` CLI against this deployment (its FLWR_HOME and connection).
+
+        Args:
+            *args: the CLI's arguments.
+            timeout_s: the command's time limit, in seconds.
+            check: raise when it fails.
+
+        Returns:
+            The finished command (stdout and stderr as text).
+
+        Raises:
+            RuntimeError: when check is set and it exits non-zero.
+        """
         res = subprocess.run(
             [str(BIN / "flwr"), *args],
             env=self.env,
@@ -269,6 +366,18 @@ class LocalDeployment:
         return res
 
     def flwr_json(self, *args: str, timeout_s: float = 120.0) -> dict[str, Any]:
+        """Run the ``flwr`` CLI with ``--format json`` and parse what it prints.
+
+        Args:
+            *args: the CLI's arguments.
+            timeout_s: the command's time limit, in seconds.
+
+        Returns:
+            The parsed JSON.
+
+        Raises:
+            RuntimeError: when it prints no JSON.
+        """
         res = self.flwr(*args, "--format", "json", timeout_s=timeout_s, check=False)
         try:
             return json.loads(res.stdout)
@@ -278,18 +387,40 @@ class LocalDeployment:
             ) from None
 
     def nodes(self) -> list[dict[str, Any]]:
-        """``flwr supernode list --format json``: the SuperNodes the SuperLink knows."""
+        """List the SuperNodes the SuperLink knows (``flwr supernode list --format json``).
+
+        Returns:
+            One record per SuperNode.
+        """
         out = self.flwr_json("supernode", "list", self.name)
         return list(out.get("nodes", []))
 
     def register(self, public_key: Path) -> dict[str, Any]:
-        """Register a SuperNode's public key with the SuperLink (``flwr supernode register``)."""
+        """Register a SuperNode's public key with the SuperLink (``flwr supernode register``).
+
+        Args:
+            public_key: the SuperNode's public key file.
+
+        Returns:
+            The CLI's JSON answer.
+        """
         return self.flwr_json("supernode", "register", str(public_key), self.name)
 
     def submit(self, app_dir: Path, run_config: dict[str, Any], federation_config: dict[str, Any] | None = None) -> int:
-        """``flwr run APP_DIR`` with run-config overrides and, on the simulation engine, its
-        ``--federation-config`` (``num-supernodes``, ``client-resources-num-cpus``,
-        ``client-resources-num-gpus``, ...); return the run id (the run goes on)."""
+        """Submit a run: ``flwr run APP_DIR`` with run-config overrides.
+
+        Args:
+            app_dir: the Flower app's folder.
+            run_config: the run-config overrides.
+            federation_config: on the simulation engine, its ``--federation-config``
+                (``num-supernodes``, ``client-resources-num-cpus``, ``client-resources-num-gpus``, ...).
+
+        Returns:
+            The run id (the run goes on).
+
+        Raises:
+            RuntimeError: when flwr reports no success.
+        """
         rc = " ".join(f"{k}={toml_value(v)}" for k, v in run_config.items())
         extra = []
         if federation_config:
@@ -300,7 +431,17 @@ class LocalDeployment:
         return int(out["run-id"])
 
     def run_status(self, run_id: int) -> dict[str, Any]:
-        """The run as ``flwr ls --run-id RID --format json`` reports it (``status``: e.g. finished:completed)."""
+        """Read a run's record as ``flwr ls --run-id RID --format json`` reports it.
+
+        Args:
+            run_id: the run.
+
+        Returns:
+            The record (``status``: e.g. finished:completed).
+
+        Raises:
+            RuntimeError: when the SuperLink does not know the run.
+        """
         out = self.flwr_json("ls", self.name, "--run-id", str(run_id))
         runs = out.get("runs") or []
         if not runs:
@@ -308,7 +449,19 @@ class LocalDeployment:
         return runs[0]
 
     def wait_run(self, run_id: int, timeout_s: float = 600.0, poll_s: float = 2.0) -> dict[str, Any]:
-        """Poll until the run finishes (``finished:*``); return its final ``flwr ls`` record."""
+        """Poll until the run finishes (``finished:*``).
+
+        Args:
+            run_id: the run.
+            timeout_s: how long to wait, in seconds.
+            poll_s: seconds between polls.
+
+        Returns:
+            Its final ``flwr ls`` record.
+
+        Raises:
+            TimeoutError: when it has not finished within timeout_s.
+        """
         deadline = time.monotonic() + timeout_s
         while True:
             status = self.run_status(run_id)
@@ -319,14 +472,26 @@ class LocalDeployment:
             time.sleep(poll_s)
 
     def logs(self, run_id: int) -> str:
-        """The run's logs as the SuperLink kept them (``flwr log``), for failure reports."""
+        """Read the run's logs as the SuperLink kept them (``flwr log``), for failure reports.
+
+        Args:
+            run_id: the run.
+
+        Returns:
+            The CLI's stdout and stderr.
+        """
         res = self.flwr("log", str(run_id), self.name, "--show", timeout_s=60, check=False)
         return res.stdout + res.stderr
 
     # -- teardown ------------------------------------------------------------------------------
     @staticmethod
     def stop_proc(proc: Proc, grace_s: float = 5.0) -> None:
-        """SIGTERM the process (by PID), wait, then SIGKILL its process group; reap it."""
+        """SIGTERM the process (by PID), wait, then SIGKILL its process group; reap it.
+
+        Args:
+            proc: the process.
+            grace_s: seconds to wait after SIGTERM, and again after SIGKILL.
+        """
         p = proc.popen
         if p.poll() is None:
             try:
@@ -347,9 +512,17 @@ class LocalDeployment:
             pass
 
     def processes(self, command: str = "") -> list[int]:
-        """PIDs of the live processes of this deployment (their environment holds its FLWR_HOME)
-        whose command line holds ``command``: e.g. ``flwr-serverapp``, which the SuperLink's
-        SuperExec starts in a session of its own. Read from /proc (Linux)."""
+        """List the live processes of this deployment (their environment holds its FLWR_HOME).
+
+        Read from /proc (Linux).
+
+        Args:
+            command: a part of the command line to match, e.g. ``flwr-serverapp`` (which the
+                SuperLink's SuperExec starts in a session of its own); "" matches every one.
+
+        Returns:
+            Their PIDs, sorted.
+        """
         mark = f"FLWR_HOME={self.home}".encode()
         out = []
         for d in Path("/proc").iterdir():
@@ -368,7 +541,11 @@ class LocalDeployment:
         return sorted(out)
 
     def kill(self, proc: Proc) -> None:
-        """SIGKILL a process and its group at once (a crash, for dropout tests)."""
+        """SIGKILL a process and its group at once (a crash, for dropout tests).
+
+        Args:
+            proc: the process.
+        """
         try:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
@@ -376,9 +553,12 @@ class LocalDeployment:
         proc.popen.wait(timeout=10)
 
     def stop(self) -> None:
-        """Stop every process this deployment started: SuperNodes first, then the SuperLink, then
-        the nodes' workers (their sockets removed, each exits within a second of finishing what it
-        is doing; their logs are kept in ``root/workers``)."""
+        """Stop every process this deployment started.
+
+        SuperNodes first, then the SuperLink, then the nodes' workers (their sockets removed, each
+        exits within a second of finishing what it is doing; their logs are kept in
+        ``root/workers``).
+        """
         for proc in reversed(self.procs):
             self.stop_proc(proc)
         deadline = time.monotonic() + 10.0

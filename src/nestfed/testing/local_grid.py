@@ -32,8 +32,12 @@ def _delivered(msg: Message) -> Message:
 class LocalGrid(Grid):
     """A Grid whose nodes are ClientApp calls in this process.
 
-    nodes: {node_id: node_config}. fail(node_id, message) -> None (answer normally), "error"
-    (answer with an error reply) or "silent" (never answer).
+    Args:
+        client_app: the ClientApp every node runs.
+        nodes: {node_id: node_config}.
+        fail: fail(node_id, message) gives None (answer normally), ``"error"`` (answer with an error
+            reply) or ``"silent"`` (never answer); None: every node answers normally.
+        run_config: the run config every node's Context holds (default: empty).
     """
 
     def __init__(
@@ -64,6 +68,11 @@ class LocalGrid(Grid):
                 setattr(TaskIdentity, attr, value)
 
     def set_run(self, run) -> None:  # noqa: ANN001 - flwr's Run
+        """Record the run the ServerApp drives.
+
+        Args:
+            run: flwr's Run.
+        """
         self._run = run
 
     @property
@@ -73,12 +82,40 @@ class LocalGrid(Grid):
     def create_message(
         self, content: RecordDict, message_type: str, dst_node_id: int, group_id: str, ttl: float | None = None
     ) -> Message:
+        """Build a message for one node.
+
+        Args:
+            content: the message's records.
+            message_type: e.g. ``train`` or ``evaluate``.
+            dst_node_id: the receiving node.
+            group_id: the message's group (the round).
+            ttl: its time to live in seconds; None for flwr's default.
+
+        Returns:
+            The message.
+        """
         return Message(content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl)
 
     def get_node_ids(self) -> Iterable[int]:
+        """List the nodes.
+
+        Returns:
+            The node ids.
+        """
         return list(self.nodes)
 
     def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Deliver each message to its node's ClientApp at once and keep the reply for a pull.
+
+        A node's exception becomes an error reply (``CLIENT_APP_RAISED_EXCEPTION``), as in a
+        deployed runtime; ``fail`` may turn a reply into an error or drop it.
+
+        Args:
+            messages: the messages, in the order they are delivered.
+
+        Returns:
+            The messages' ids.
+        """
         ids = []
         for msg in messages:
             msg.metadata.__dict__["_message_id"] = msg.object_id
@@ -100,7 +137,24 @@ class LocalGrid(Grid):
         return ids
 
     def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Take the replies that have arrived (each is given once).
+
+        Args:
+            message_ids: the ids of pushed messages.
+
+        Returns:
+            The replies to those of them that were answered.
+        """
         return [self._replies.pop(mid) for mid in list(message_ids) if mid in self._replies]
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> Iterable[Message]:
+        """Push the messages and pull their replies (a silent node's is missing).
+
+        Args:
+            messages: the messages.
+            timeout: unused: every reply arrives during the push.
+
+        Returns:
+            The replies.
+        """
         return self.pull_messages(list(self.push_messages(messages)))

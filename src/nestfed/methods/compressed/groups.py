@@ -1,7 +1,7 @@
 """Clients that run different models: route each client to the trainer of its model group.
 
 Compressed clients hold one model per compression ratio (a group); each group's trainer trains
-that group's model. The transport sees one trainer; :class:`GroupedTrainer` dispatches by client
+that group's model. The transport sees one trainer; `GroupedTrainer` dispatches by client
 id and merges the groups' kept client state.
 """
 

@@ -209,8 +209,8 @@ def cached_bases(
     """The SVD bases at the largest ratio, read from the cache when a real model was computed before.
 
     With ``compression.whitening = "activation"`` the input second moment of every compressed layer
-    is collected on the calibration text (:func:`nestfed.nn.whitening.second_moments`) and the bases
-    are SVD-LLM's whitened SVD. Cache: <model cache dir>/svd/<:func:`bases_cache_key`>.safetensors
+    is collected on the calibration text (`nestfed.nn.whitening.second_moments`) and the bases
+    are SVD-LLM's whitened SVD. Cache: <model cache dir>/svd/<`bases_cache_key`>.safetensors
     (only for models loaded from a directory; tiny random models are recomputed: milliseconds).
 
     Args:

@@ -82,13 +82,19 @@ WEIGHTINGS = ("examples", "uniform")
 
 @dataclass(frozen=True)
 class FedPLoRAOptions:
-    """selection: which r_k of the R rank-1 modules a client trains each round, ``random`` (the
-    paper's: drawn uniformly without replacement every round from the seed rule's stream
-    ``fed_plora_select`` of (federation.seed, round, client); the rest folded into its frozen
-    weights) or ``prefix`` (ours, an ablation: the first r_k every round); weighting: the weights of
-    each module's mean over the clients that trained it, ``examples`` (n_k, the default: FedAvg's)
-    or ``uniform`` (1/|Q_j|, the paper's bound's mean). Raises ValueError naming the field for any
-    other value."""
+    """Options of ``[fed_plora]``.
+
+    Attributes:
+        selection: which r_k of the R rank-1 modules a client trains each round, ``random`` (the
+            paper's: drawn uniformly without replacement every round from the seed rule's stream
+            ``fed_plora_select`` of (federation.seed, round, client); the rest folded into its
+            frozen weights) or ``prefix`` (ours, an ablation: the first r_k every round).
+        weighting: the weights of each module's mean over the clients that trained it, ``examples``
+            (n_k, the default: FedAvg's) or ``uniform`` (1/|Q_j|, the paper's bound's mean).
+
+    Raises:
+        ValueError: naming the field, for any other value.
+    """
 
     selection: str = "random"
     weighting: str = "examples"

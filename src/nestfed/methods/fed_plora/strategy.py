@@ -31,9 +31,13 @@ STREAM = "fed_plora_select"
 
 
 class ModuleGroup(NamedTuple):
-    """Modules trained by the same clients in one round. members: those clients (indices into the
-    round's sorted replies); modules: the module indices j (ascending); rows: for each member, the
-    positions of ``modules`` in its reply (its selection's order)."""
+    """Modules trained by the same clients in one round.
+
+    Attributes:
+        members: those clients (indices into the round's sorted replies).
+        modules: the module indices j (ascending).
+        rows: for each member, the positions of ``modules`` in its reply (its selection's order).
+    """
 
     members: list[int]
     modules: list[int]
@@ -41,11 +45,26 @@ class ModuleGroup(NamedTuple):
 
 
 def selection(seed: int, rnd: int, cid: int, r_max: int, rank: int, rule: str = "random") -> list[int]:
-    """The sorted indices K (``rank`` of range(r_max)) of the rank-1 modules client ``cid`` trains in
-    round ``rnd``. ``random`` (the paper's): a uniform draw without replacement from the seed rule's
-    stream ``fed_plora_select`` of (seed, rnd, cid), the first ``rank`` of a permutation;
-    ``prefix``: range(rank). ``rank == r_max`` gives every module under both rules. Raises
-    ValueError for a rank outside [1, r_max] or an unknown rule."""
+    """Select the rank-1 modules a client trains in a round.
+
+    ``rank == r_max`` gives every module under both rules.
+
+    Args:
+        seed: the federation's seed.
+        rnd: the round.
+        cid: the client.
+        r_max: R, the number of modules.
+        rank: r_k, how many it trains.
+        rule: ``random`` (the paper's): a uniform draw without replacement from the seed rule's
+            stream ``fed_plora_select`` of (seed, rnd, cid), the first ``rank`` of a permutation;
+            ``prefix``: range(rank).
+
+    Returns:
+        The sorted indices K (``rank`` of range(r_max)).
+
+    Raises:
+        ValueError: for a rank outside [1, r_max] or an unknown rule.
+    """
     if not 0 < rank <= r_max:
         raise ValueError(f"rank {rank} is not in [1, {r_max}]")
     if rule not in ("random", "prefix"):
@@ -64,12 +83,23 @@ def _rows(t: torch.Tensor, dim: int, idx: Sequence[int]) -> torch.Tensor:
 
 
 def fold_payload(arrays: Arrays, modules: Sequence[int], scale: float) -> Arrays:
-    """Select-N-Fold's payload from the global adapter ``arrays`` (A [R, in], B [out, R] per layer)
-    for a client training ``modules`` K (sorted, in [0, R)): its trainable LoRA A[K] [r, in],
-    B[:, K] [out, r], and, when r < R, the other modules as the layer's frozen residual
-    ``merged_A`` = A[not K] [R - r, in], ``merged_B`` = s B[:, not K] [out, R - r], so that
-    W^0 + merged_B merged_A + s B[:, K] A[K] is the global W^0 + s B A. Arrays without a rank
-    dimension pass through. Raises KeyError for a layer with A and no B."""
+    """Build Select-N-Fold's payload for a client from the global adapter.
+
+    W^0 + merged_B merged_A + s B[:, K] A[K] is then the global W^0 + s B A.
+
+    Args:
+        arrays: the global adapter (A [R, in], B [out, R] per layer).
+        modules: K, the client's modules (sorted, in [0, R)).
+        scale: the global scale s.
+
+    Returns:
+        The trainable LoRA A[K] [r, in], B[:, K] [out, r] and, when r < R, the other modules as
+        the layer's frozen residual ``merged_A`` = A[not K] [R - r, in], ``merged_B`` =
+        s B[:, not K] [out, R - r]. Arrays without a rank dimension pass through.
+
+    Raises:
+        KeyError: for a layer with A and no B.
+    """
     out: Arrays = {k: v for k, v in arrays.items() if rank_dim(k) is None}
     for a_key in sorted(k for k in arrays if k.endswith("lora_A.weight")):
         module = module_of(a_key)[0]
@@ -85,10 +115,18 @@ def fold_payload(arrays: Arrays, modules: Sequence[int], scale: float) -> Arrays
 
 
 def module_groups(selections: Sequence[Sequence[int]], r_max: int) -> list[ModuleGroup]:
-    """Every module j < r_max some client trained, grouped by Q_j, the clients (indices into
-    ``selections``, each sorted) whose selection holds j, in order of each group's first module.
+    """Group every module j < r_max some client trained by Q_j, the clients whose selection holds j.
+
     ``module_groups([[0, 2], [2]], 3)`` is [([0], [0], [[0]]), ([0, 1], [2], [[1], [0]])]: module 1
-    has no client, module 2 is row 1 of the first reply and row 0 of the second."""
+    has no client, module 2 is row 1 of the first reply and row 0 of the second.
+
+    Args:
+        selections: each client's sorted modules.
+        r_max: R, the number of modules.
+
+    Returns:
+        The groups (members index ``selections``), in order of each group's first module.
+    """
     holders: dict[int, list[int]] = {}
     for k, sel in enumerate(selections):
         for j in sel:
@@ -105,17 +143,22 @@ def module_groups(selections: Sequence[Sequence[int]], r_max: int) -> list[Modul
 
 
 class ModuleMean:
-    """Fed-PLoRA's aggregation for one round: module j (row j of A, column j of B) becomes
-    sum_{k in Q_j} w_k X_k[pos_k(j)] / sum_{k in Q_j} w_k, Q_j the clients whose selection holds j
-    and pos_k(j) its position in client k's sorted selection (reply k holds its modules in that
-    order); a module no client trained keeps the global value.
+    """Fed-PLoRA's aggregation for one round, built once (the selections serve every layer).
 
-    selections[k]: client k's sorted modules; weights[k]: w_k (> 0); r_max: R. Built once per round
-    (the selections serve every layer). With one group of clients holding every module they hold
-    (every client at r_max, or equal prefixes) each matrix is one :func:`weighted_mean` of the
-    replies, FedAvg's bit for bit; otherwise one mixing matrix M [R, sum_k r_k] (float64, row j the
-    normalised weights of module j's rows among the stacked replies) per round, and each matrix is
-    M times the stacked replies (one matmul however many clients)."""
+    Module j (row j of A, column j of B) becomes sum_{k in Q_j} w_k X_k[pos_k(j)] / sum_{k in Q_j}
+    w_k, Q_j the clients whose selection holds j and pos_k(j) its position in client k's sorted
+    selection (reply k holds its modules in that order); a module no client trained keeps the
+    global value. With one group of clients holding every module they hold (every client at r_max,
+    or equal prefixes) each matrix is one `weighted_mean` of the replies, FedAvg's bit for bit;
+    otherwise one mixing matrix M [R, sum_k r_k] (float64, row j the normalised weights of module
+    j's rows among the stacked replies) per round, and each matrix is M times the stacked replies
+    (one matmul however many clients).
+
+    Args:
+        selections: selections[k] is client k's sorted modules.
+        weights: weights[k] is w_k (> 0).
+        r_max: R, the number of modules.
+    """
 
     def __init__(self, selections: Sequence[Sequence[int]], weights: Sequence[float], r_max: int):
         self.groups = module_groups(selections, r_max)
@@ -149,13 +192,19 @@ class ModuleMean:
 
 
 class FedPLoRA(LoraStrategy):
-    """Global state: one LoRA adapter of rank R = r_max (A [R, in], B [out, R] per layer), read as R
-    rank-1 modules at the global scale s (module docstring of nestfed.methods.fed_plora)."""
+    """Fed-PLoRA's strategy: the global adapter read as R = r_max rank-1 modules at the global scale s.
+
+    Global state: one LoRA adapter of rank R (A [R, in], B [out, R] per layer); the rule is the
+    module docstring of nestfed.methods.fed_plora.
+
+    Args:
+        settings: r_max, lora_alpha, scaling and seeds.
+        options: ``[fed_plora]`` (None: the defaults).
+    """
 
     name = "fed_plora"
 
     def __init__(self, settings: LoraSettings, options: FedPLoRAOptions | None = None):
-        """options: ``[fed_plora]`` (None: the defaults)."""
         self.o = options if options is not None else FedPLoRAOptions()
         super().__init__(settings, self.o)
 
@@ -165,7 +214,16 @@ class FedPLoRA(LoraStrategy):
         return self.s.scale(self.s.r_max)
 
     def modules(self, rnd: int, cid: int, rank: int) -> list[int]:
-        """The modules client ``cid`` trains in round ``rnd`` at rank ``rank`` (:func:`selection`)."""
+        """Give the modules a client trains in a round (`selection` under the options' rule).
+
+        Args:
+            rnd: the round.
+            cid: the client.
+            rank: the rank it trains.
+
+        Returns:
+            The sorted module indices.
+        """
         return selection(self.s.seed, rnd, cid, self.s.r_max, rank, self.o.selection)
 
     def client_config(self, rnd: int, state: GlobalState, client: ClientInfo, rank: int) -> dict[str, Any]:
@@ -173,23 +231,41 @@ class FedPLoRA(LoraStrategy):
         return {"scaling": self.global_scale, MODULES: self.modules(rnd, client.cid, rank)}
 
     def configure(self, rnd: int, state: GlobalState, clients: list[ClientInfo]) -> dict[int, Instruction]:
-        """The base instructions with each payload replaced by :func:`fold_payload` of the client's
-        modules (the expected reply shapes, [r_k, in] and [out, r_k], are the prefix's)."""
+        """Replace each base instruction's payload by the `fold_payload` of the client's modules.
+
+        The expected reply shapes, [r_k, in] and [out, r_k], are the prefix's.
+        """
         out = super().configure(rnd, state, clients)
         for ins in out.values():
             ins.arrays = fold_payload(state.arrays, ins.config[MODULES], self.global_scale)
         return out
 
     def weights(self, replies: dict[int, Reply]) -> dict[int, float]:
-        """The unnormalised client weights: n_k (``examples``) or 1 (``uniform``)."""
+        """Give the unnormalised client weights.
+
+        Args:
+            replies: {cid: reply}.
+
+        Returns:
+            {cid: n_k} (``examples``) or {cid: 1} (``uniform``).
+        """
         return {c: 1.0 for c in replies} if self.o.weighting == "uniform" else examples(replies)
 
     def selections(self, rnd: int, cids: Sequence[int], replies: dict[int, Reply]) -> list[list[int]]:
-        """Each replying client's modules, recomputed from the seed and the rank it trained."""
+        """Recompute each replying client's modules from the seed and the rank it trained.
+
+        Args:
+            rnd: the round.
+            cids: the replying clients, in the order wanted.
+            replies: {cid: reply}.
+
+        Returns:
+            Each client's sorted modules, in the order of ``cids``.
+        """
         return [self.modules(rnd, c, reply_rank(replies[c])) for c in cids]
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """Every A and B: :class:`ModuleMean` of the replies with :meth:`weights`."""
+        """Average every A and B module-wise: `ModuleMean` of the replies with `weights`."""
         new = copy_state(state)
         cids = sorted(replies)
         w = self.weights(replies)
@@ -199,19 +275,31 @@ class FedPLoRA(LoraStrategy):
         return new
 
     def expected_holders(self, state: GlobalState, module: int) -> float:
-        """How many clients of the federation hold module j in a round, in expectation (central DP's
-        fixed denominator, times the sampling rate): sum_k r_k / R under ``random`` (client k draws
-        j with probability r_k / R), the clients with r_k > j under ``prefix``."""
+        """Count the clients of the federation that hold a module in a round, in expectation.
+
+        Central DP's fixed denominator, times the sampling rate.
+
+        Args:
+            state: the global state (its meta ``ranks``).
+            module: the module index j.
+
+        Returns:
+            sum_k r_k / R under ``random`` (client k draws j with probability r_k / R), the number
+            of clients with r_k > j under ``prefix``.
+        """
         ranks = [int(r) for r in state.meta["ranks"].values()]
         if self.o.selection == "prefix":
             return float(sum(r > module for r in ranks))
         return sum(ranks) / self.s.r_max
 
     def robust_aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply], rule: BlockRule) -> GlobalState:
-        """One block per group of modules held by the same replying clients (and, under
-        ``prefix``, the same expected holders): the members' updates of those modules against the
-        global ones, combined by ``rule`` and written back to the modules; a module no client
-        trained keeps its value. Under the mean rule with n_k weights this is :meth:`aggregate`."""
+        """Combine one block per group of modules held by the same replying clients.
+
+        Under ``prefix`` a block's modules also share their expected holders. A block holds the
+        members' updates of its modules against the global ones, combined by ``rule`` and written
+        back to the modules; a module no client trained keeps its value. Under the mean rule with
+        n_k weights this is `aggregate`.
+        """
         new = copy_state(state)
         cids = sorted(replies)
         sels = self.selections(rnd, cids, replies)
@@ -232,7 +320,7 @@ class FedPLoRA(LoraStrategy):
         return new
 
     def _blocks(self, state: GlobalState, groups: list[ModuleGroup]) -> list[ModuleGroup]:
-        """``groups`` split so that the modules of one have the same :meth:`expected_holders`."""
+        """``groups`` split so that the modules of one have the same `expected_holders`."""
         out = []
         for g in groups:
             by: dict[float, list[int]] = {}

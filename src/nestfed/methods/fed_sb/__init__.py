@@ -48,7 +48,7 @@ Here (nestfed.methods.fed_sb.strategy; the layer variant is nestfed.nn.lora_core
   dimension (row j feeds B's column j; nestfed.nn.keys.rank_dim), every client holds every row,
   and the new R is G + S / N from the sum S of the n_k-weighted updates (``aggregate_secure``),
   so replies also fold into running sums (``federation.hold_replies``).
-- Options (``[fed_sb]``, :class:`FedSBOptions`): ``lr``, the core's own learning rate.
+- Options (``[fed_sb]``, `FedSBOptions`): ``lr``, the core's own learning rate.
 - Export: one PEFT LoRA adapter of rank r, A' = A and B' = B R at scale s (B' A' = B R A exactly;
   nestfed.federation.aggregation.fold_cores). Its rank prefixes are no model a client runs (R mixes
   every direction), so it does not declare ``EXPORT_AT_RANK``.

@@ -1,11 +1,11 @@
 """The frozen factors A and B of Fed-SB and RAVAN: drawn once from the seed rule, never sent.
 
 The server and every client draw the same A [r, in] and B [out, r] for each layer from the run's
-LoRA seed (:func:`frozen_factors`), so a payload carries only the core (the paper's "the server
-distributes frozen adapters B and A", done once, by the seed): the client hooks (:class:`CoreHooks`)
+LoRA seed (`frozen_factors`), so a payload carries only the core (the paper's "the server
+distributes frozen adapters B and A", done once, by the seed): the client hooks (`CoreHooks`)
 rebuild A and B before loading. A client of rank r_k below r receives its core prefix [r_k, q] and
 the other heads [r - r_k, q] (``frozen_heads`` key), which it runs as its frozen residual
-s B[:, r_k:] blockdiag(heads) A[r_k:] (:func:`client_payload`), so it computes the global model.
+s B[:, r_k:] blockdiag(heads) A[r_k:] (`client_payload`), so it computes the global model.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ SEED, RANK, STREAM = "core_seed", "core_rank", "core_stream"
 def frozen_heads_key(module: str) -> str:
     """Instruction key of the heads a client runs frozen: ``base_model.model.<module>.frozen_heads``.
 
-    The array is [r - r_k, q]; it is never loaded as it is (:func:`client_payload` turns it into the
+    The array is [r - r_k, q]; it is never loaded as it is (`client_payload` turns it into the
     residual).
 
     Args:
@@ -93,7 +93,7 @@ def client_payload(arrays: Arrays, config: dict, shapes: dict[str, tuple[int, in
     """What a client loads from what it received.
 
     Per layer with a core (``lora_core`` / ``lora_heads`` [r_k, q]): the frozen A[:r_k] ([r_k, in])
-    and B[:, :r_k] ([out, r_k]) drawn from the config's seed (:func:`frozen_factors`), and, when
+    and B[:, :r_k] ([out, r_k]) drawn from the config's seed (`frozen_factors`), and, when
     ``frozen_heads`` [r - r_k, q] came too, the residual ``merged_A`` = A[r_k:] ([r - r_k, in]),
     ``merged_B`` = s B[:, r_k:] blockdiag(heads) ([out, r - r_k]) at the config's scale s. Other
     arrays pass as they are.
@@ -135,7 +135,7 @@ def client_payload(arrays: Arrays, config: dict, shapes: dict[str, tuple[int, in
 class CoreHooks(ClientHooks):
     """The clients of Fed-SB and RAVAN: rebuild the frozen factors before loading.
 
-    A lower rank's frozen heads are rebuilt too (:func:`client_payload`); the core variant the
+    A lower rank's frozen heads are rebuilt too (`client_payload`); the core variant the
     payload installs then trains only the core and replies with it (nestfed.nn.arrays).
 
     Args:
@@ -146,7 +146,7 @@ class CoreHooks(ClientHooks):
         self.lr = float(lr)
 
     def arrays_to_load(self, ctx: FitContext, arrays: Arrays) -> Arrays:
-        """The received cores with the frozen factors (and residual) drawn from the seed (:func:`client_payload`)."""
+        """The received cores with the frozen factors (and residual) drawn from the seed (`client_payload`)."""
         return client_payload(arrays, ctx.config, module_shapes(ctx.model))
 
     def param_groups(self, ctx: FitContext, params: list) -> list[dict]:

@@ -55,7 +55,7 @@ class CoreStrategy(LoraStrategy):
     """Frozen factors A, B and a trainable core between them, averaged exactly (Fed-SB's and RAVAN's server).
 
     Global state per layer: the frozen factors ``lora_A`` [r, in] and ``lora_B`` [out, r] and the
-    core (key kind :attr:`kind`) [r, q]: h = :meth:`heads` heads [q, q] stacked row-wise, h q = r =
+    core (key kind `kind`) [r, q]: h = `heads` heads [q, q] stacked row-wise, h q = r =
     r_max (nestfed.nn.lora_core).
 
     A client of rank r_k (a multiple of q) receives the core's first r_k rows and, below r, the
@@ -63,7 +63,7 @@ class CoreStrategy(LoraStrategy):
     (nestfed.methods.fed_sb.frozen_factors), so it runs the global model exactly, at the global
     scale s = scale(r_max); it trains its prefix of the core and sends back only that, [r_k, q].
 
-    The server sets the core to :func:`update_mean` (rows a client did not train count at the values
+    The server sets the core to `update_mean` (rows a client did not train count at the values
     it ran); A and B never change, so s B M A is exactly the n_k-weighted mean of the clients' s B
     M_k A (M linear in the core). At r_k = r (Fed-SB's only case) there is no residual.
     """
@@ -89,7 +89,7 @@ class CoreStrategy(LoraStrategy):
         return self.s.r_max // self.heads()
 
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
-        """Frozen orthonormal factors (:func:`frozen_factors`) and a zero core, so round 1 starts from the backbone.
+        """Frozen orthonormal factors (`frozen_factors`) and a zero core, so round 1 starts from the backbone.
 
         Raises:
             ValueError: for an r_max that h heads do not divide, or a client rank that is not a
@@ -146,7 +146,7 @@ class CoreStrategy(LoraStrategy):
         return self.core_keys(sent)
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """Each core: :func:`update_mean` of the replies with n_k weights; A and B unchanged."""
+        """Each core: `update_mean` of the replies with n_k weights; A and B unchanged."""
         new = copy_state(state)
         n = examples(replies)
         cids = sorted(replies)
@@ -159,7 +159,7 @@ class CoreStrategy(LoraStrategy):
         """One block of every reply's core update, zero-padded to r rows, added to the global core.
 
         Rows a client did not train count as no change; under the n_k-weighted mean rule this is
-        :meth:`aggregate` (docs/trust.md).
+        `aggregate` (docs/trust.md).
         """
         new = copy_state(state)
         keys = self.core_keys(state.arrays)
@@ -175,7 +175,7 @@ class CoreStrategy(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: each core gets G + S / N.
+        """`aggregate` from secure sums alone: each core gets G + S / N.
 
         S is the sum of the n_k-weighted updates zero-padded to r rows and N = C[0] the round's
         total n_k (nestfed.federation.secure_sum).

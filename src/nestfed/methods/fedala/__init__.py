@@ -9,7 +9,7 @@ layers holding LoRA are mixed (FedALA's p), ``steps`` = local batches spent lear
 (FedALA trains W to convergence in the first round it applies and one epoch after; a fixed step
 count fits CPU budgets), ``eta`` = W's learning rate (FedALA's default 1.0).
 
-Options: section ``[fedala]`` (:class:`FedALAOptions`).
+Options: section ``[fedala]`` (`FedALAOptions`).
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ ALA_W, ALA_LOCAL = "ala_weights", "ala_local"
 
 
 class FedALA(FedAvg):
-    """FedAvg on the server; the adaptive local aggregation is the clients' (:class:`ALAHooks`)."""
+    """FedAvg on the server; the adaptive local aggregation is the clients' (`ALAHooks`)."""
 
     name = "fedala"
 

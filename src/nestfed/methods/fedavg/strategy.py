@@ -26,7 +26,7 @@ class FedAvg(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: at one rank, G + S / N.
+        """`aggregate` from secure sums alone: at one rank, G + S / N.
 
         The rebuild is nestfed.federation.secure_sum's.
         """

@@ -7,7 +7,7 @@ Paper (one rank r, one scale s, its aggregation rule, section 3 "Method"): Abar 
 Bbar = (1/K) sum_k B_k and W0 <- W0 + (1/K) sum_k s B_k A_k - s Bbar Abar on the server and every
 client: the paper and its authors' code average the K clients with equal weights 1/K.
 
-Weights (``[fedex_lora] weighting``, :class:`FedExLoRAOptions`): p_k = n_k / N (``examples``, the
+Weights (``[fedex_lora] weighting``, `FedExLoRAOptions`): p_k = n_k / N (``examples``, the
 default) or p_k = 1 / K (``uniform``, the paper's). The formulas below hold for either. *Decision*
 (the default): n_k / N, the weighting of every other nestfed rule, so that a comparison weighs the
 clients alike and the states pinned before the option existed stay bit-identical (a run directory
@@ -28,15 +28,15 @@ FLoRA does):
 - *Decision* (heterogeneous ranks, beyond the paper): Abar and Bbar are zero-padded means to r_max
   (ZeroPad's); a client of rank r_k trains the prefix Abar[:r_k], Bbar[:, :r_k] at its scale s_k,
   and the rest of the global model is folded into the frozen residual it receives
-  (:func:`client_fold`): s Bbar Abar - s_k Bbar[:, :r_k] Abar[:r_k]. So every client starts each
+  (`client_fold`): s Bbar Abar - s_k Bbar[:, :r_k] Abar[:r_k]. So every client starts each
   round from exactly the global model, and the mean of the clients' models after training is
   G + sum_k p_k s_k (B_k A_k - Bbar[:, :r_k] Abar[:r_k]) with G the global delta; the round's
-  residual (:func:`round_residual`) therefore also carries sum_j d_j Bbar[:, j] Abar[j] with
+  residual (`round_residual`) therefore also carries sum_j d_j Bbar[:, j] Abar[j] with
   d_j = sum_k p_k (s - s_k [r_k > j]) (zero at equal ranks and one scale: the paper's rule).
 - *Decision* (bytes): as FLoRA, the downlink is the whole residual stack (a client that skipped
   rounds is still exact). It grows by about sum_k r_k + r_max rows a round; once it exceeds
   min(out, in) rows it is replaced by the dense residual written as an exact factorisation
-  (:func:`compact`: [W, I] or [I, W]), so it never holds more than min(out, in) rows (at that cap
+  (`compact`: [W, I] or [I, W]), so it never holds more than min(out, in) rows (at that cap
   the downlink carries the dense residual plus an identity factor).
 - Exactness: the factors are exact; float32 rounding of their entries (and of the dense residual
   after compaction) is the only error.

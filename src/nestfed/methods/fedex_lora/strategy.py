@@ -198,7 +198,7 @@ class FedExLoRA(LoraStrategy):
         return state
 
     def client_arrays(self, state: GlobalState, rank: int) -> Arrays:
-        """Abar[:r_k], Bbar[:, :r_k] and the frozen residual: the global stack, then :func:`client_fold`.
+        """Abar[:r_k], Bbar[:, :r_k] and the frozen residual: the global stack, then `client_fold`.
 
         So the client runs the global model exactly.
         """
@@ -216,8 +216,8 @@ class FedExLoRA(LoraStrategy):
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
         """Abar, Bbar: zero-padded means with weights p_k; the residual gains the round's factors, compacted.
 
-        The weights are :meth:`weights`; the factors :func:`round_residual`'s; the compaction
-        :func:`compact`.
+        The weights are `weights`; the factors `round_residual`'s; the compaction
+        `compact`.
         """
         new = copy_state(state)
         n = self.weights(replies)

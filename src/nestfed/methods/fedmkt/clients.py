@@ -101,7 +101,7 @@ class ServerDistiller:
             adapter: the server's LoRA arrays.
 
         Returns:
-            The knowledge (:func:`text_knowledge`).
+            The knowledge (`text_knowledge`).
         """
         apply_arrays(self.model, adapter, self.scaling)
         return text_knowledge(self.model, self.public, self.labels, self.topk)

@@ -15,7 +15,7 @@ exchange top-k logits on a shared public text (nestfed.methods.fedmkt.distillati
   over its own and every client's) on the public text, then computes its new knowledge.
 
 The strategy keeps the arithmetic-free bookkeeping; the server's model work is the injected
-``server`` (a :class:`ServerLearner`), so the strategy itself stays a function of arrays.
+``server`` (a `ServerLearner`), so the strategy itself stays a function of arrays.
 State arrays: the server's LoRA (PEFT keys, never sent) and its knowledge (``public.*``).
 """
 
@@ -59,7 +59,7 @@ class ServerLearner(Protocol):
 
 
 class FedMKT:
-    """FedMKT's rounds around an injected :class:`ServerLearner`.
+    """FedMKT's rounds around an injected `ServerLearner`.
 
     Args:
         server: the server's model work.

@@ -98,7 +98,7 @@ class FedNLHooks(ClientHooks):
 
         The schedule's step is the run's local step (round - 1) * local_steps + step
         (docs/methods.md: scheduled from 0.01 to 0.5 over the first steps); the window dropout's
-        heads come from :func:`dropped_heads`.
+        heads come from `dropped_heads`.
         """
         m = self.memory
         if m.gate == "constant":

@@ -79,7 +79,7 @@ def install(prep: Prepared, cfg: ExperimentConfig) -> Arrays:
         The starting rules.
 
     Raises:
-        ConfigError: as :func:`memory_layers` raises it.
+        ConfigError: as `memory_layers` raises it.
         DataError: when the warm-up's corpus is missing.
     """
     layers = memory_layers(prep, cfg)

@@ -39,14 +39,15 @@ from nestfed.nn.memory import alpha_schedule, is_constant_alpha_key, is_memory_k
 class FedNL(LoraStrategy):
     """FedAvg of theta (module docstring): LoRA when it travels, and the memory rules.
 
-    Raises ValueError at :meth:`initialize` without memory rules.
-
     Args:
         settings: the LoRA numbers.
         options: the [fednl] section (what travels; the constant gate's schedule).
         memory_init: the memory rules' starting arrays, payload-keyed (from
-            :func:`nestfed.nn.memory.fresh_rule_arrays`).
+            `nestfed.nn.memory.fresh_rule_arrays`).
         local_steps: train.local_steps (the schedule counts local steps).
+
+    Raises:
+        ValueError: at `initialize`, without memory rules.
     """
 
     name = "fednl"
@@ -125,7 +126,7 @@ class FedNL(LoraStrategy):
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
         """The LoRA part as a PEFT adapter (empty when only the rules travel: each client's LoRA is its own).
 
-        The rules go to memory_rules.safetensors (:meth:`export_files`).
+        The rules go to memory_rules.safetensors (`export_files`).
         """
         return ({k: v.clone() for k, v in state.arrays.items() if rank_dim(k) is not None}, self.s.scale(self.s.r_max))
 

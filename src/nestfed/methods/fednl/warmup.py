@@ -119,7 +119,7 @@ def warm_rules(prep: Prepared, cfg: ExperimentConfig, layers: list[int], fresh: 
     """The memory rules the federation starts from, fitted to full attention when ``[fednl] warmup_steps`` > 0.
 
     ``fresh`` fitted by ``warmup_steps`` steps of attention transfer, or ``fresh`` itself when that
-    is 0. Found in the cache when there; the facts go to ``prep.cache[REPORT]`` (:func:`report`).
+    is 0. Found in the cache when there; the facts go to ``prep.cache[REPORT]`` (`report`).
     Leaves the model with a zero LoRA and the warmed rules loaded.
 
     Args:

@@ -2,7 +2,7 @@
 Heterogeneous Networks", MLSys 2020): FedAvg's aggregation, with the proximal term
 mu/2 ||theta - theta_global||^2 added to every client's local loss (eq. 2).
 
-Options: section ``[fedprox]`` (:class:`FedProxOptions`).
+Options: section ``[fedprox]`` (`FedProxOptions`).
 """
 
 from __future__ import annotations

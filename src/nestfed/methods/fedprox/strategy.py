@@ -13,7 +13,7 @@ from nestfed.methods.implementation import lora_implementation, lora_settings
 
 
 class FedProx(FedAvg):
-    """FedAvg on the server; the proximal term is the clients' (:class:`ProxHooks`)."""
+    """FedAvg on the server; the proximal term is the clients' (`ProxHooks`)."""
 
     name = "fedprox"
 

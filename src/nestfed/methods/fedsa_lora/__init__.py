@@ -11,7 +11,7 @@ the clients, but only A (which the paper finds learns general knowledge) is sent
   checkpointed with every round). It evaluates the global A with its own B.
 - *Decision* (heterogeneous ranks; the paper uses one rank): row j of the global A is the
   n_k-weighted mean over the replying clients that hold row j (r_k > j); a row no replying client
-  holds keeps its value (:func:`holder_mean`). Zero-padding would multiply the rows only high-rank
+  holds keeps its value (`holder_mean`). Zero-padding would multiply the rows only high-rank
   clients hold by their data share every round, so a lone rank-r_max client's extra rows of A
   would decay towards zero while its B, kept locally, expects them. With equal ranks this is
   exactly FedAvg on A.

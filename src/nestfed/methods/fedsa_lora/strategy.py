@@ -88,7 +88,7 @@ def holder_mean(global_a: torch.Tensor, client_as: Sequence[torch.Tensor], weigh
 
 
 class FedSALoRA(LoraStrategy):
-    """Only A travels and is averaged (:func:`holder_mean`); there is no global B.
+    """Only A travels and is averaged (`holder_mean`); there is no global B.
 
     The state's ``lora_B`` stays the initial zeros [out, r_max].
     """
@@ -100,7 +100,7 @@ class FedSALoRA(LoraStrategy):
         return {k: state.arrays[k][:rank].clone() for k in a_keys(state.arrays)}
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """The holder mean of A with n_k weights (:func:`holder_mean`); B untouched."""
+        """The holder mean of A with n_k weights (`holder_mean`); B untouched."""
         new = copy_state(state)
         n = examples(replies)
         cids = sorted(replies)
@@ -135,7 +135,7 @@ class FedSALoRA(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: each row of A gets G[j] + S[j] / C[j].
+        """`aggregate` from secure sums alone: each row of A gets G[j] + S[j] / C[j].
 
         That is the n_k-weighted mean update of the clients holding it, the holder mean
         (nestfed.federation.secure_sum.segment_mean).

@@ -6,7 +6,7 @@ Sigma_gl [r_gl, r_gl]. Because all groups' bases are prefixes of the same bases 
 plain SVD; for the default whitened SVD U is orthonormal and V has a dual basis D with D^T V = I,
 nn/whitening.py), every reconstruction W_gl = U_g Sigma_gl V_g^T lies in span(U_l) x span(V_l), so the server represents
 the fused weak model W_g = U_l M_l V_l^T by its core M_l [R_l, R_l] and never forms an [out, in]
-matrix (:func:`nestfed.nn.svd.reconstruct` / :func:`~nestfed.nn.svd.project` are the
+matrix (`nestfed.nn.svd.reconstruct` / `nestfed.nn.svd.project` are the
 dense references the tests compare with).
 
 - Step 2, intra-group aggregation: Sigma_g = sum_{k in g} n_k Sigma_k / N_g (FedAvg).

@@ -4,7 +4,7 @@ personalised surrogate model from the global theta (eq. 5, mixing local and glob
 with lambda), takes its synaptic-intelligence parameter importance Omega along that path
 (eq. 6-7), then trains with CE + c * sum Omega (theta - theta_global)^2 (eq. 2).
 
-Options: section ``[fedssi]`` (:class:`FedSSIOptions`).
+Options: section ``[fedssi]`` (`FedSSIOptions`).
 """
 
 from __future__ import annotations

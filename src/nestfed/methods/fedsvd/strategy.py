@@ -44,7 +44,7 @@ def product_svd(B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.T
 def refactorise(B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """FedSVD's re-factorisation of B A at B's rank r: A' = V_r^T [r, in], B' = U_r S_r [out, r].
 
-    From :func:`product_svd`, so B' A' = B A (B A has rank <= r) and A' has orthonormal rows. When
+    From `product_svd`, so B' A' = B A (B A has rank <= r) and A' has orthonormal rows. When
     the SVD has fewer than r pairs (out < r) the missing rows of A' and columns of B' are zero.
 
     Args:
@@ -55,7 +55,7 @@ def refactorise(B: torch.Tensor, A: torch.Tensor) -> tuple[torch.Tensor, torch.T
         A' and B' in A's and B's dtypes, or None when B A = 0 (the caller keeps its factors).
 
     Raises:
-        ValueError: as :func:`product_svd` raises it.
+        ValueError: as `product_svd` raises it.
     """
     U, S, Vh = product_svd(B, A)
     if S.numel() == 0 or float(S[0]) == 0.0:
@@ -128,7 +128,7 @@ class FedSVD(LoraStrategy):
         return {c: 1.0 for c in replies} if self.o.weighting == "uniform" else examples(replies)
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """Per layer: Bbar = sum_k p_k (s_k / s) pad(B_k), then (every ``period``-th round) :func:`refactorise`.
+        """Per layer: Bbar = sum_k p_k (s_k / s) pad(B_k), then (every ``period``-th round) `refactorise`.
 
         The product re-factorised is Bbar A with the state's A; a zero product keeps (A, Bbar).
         """
@@ -153,7 +153,7 @@ class FedSVD(LoraStrategy):
         return new
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
-        """Client cid's prefix at its scale s_k (:meth:`client_arrays`); None: the global factors at s."""
+        """Client cid's prefix at its scale s_k (`client_arrays`); None: the global factors at s."""
         r = self.s.r_max if cid is None else self.rank_of(state, cid)
         return self.client_arrays(state, r), self.s.scale(r)
 

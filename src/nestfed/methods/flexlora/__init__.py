@@ -10,7 +10,7 @@ clients' ranks may differ (docs/methods.md, "Baselines reviewers ask for").
 
 What is exact and what is truncated:
 
-- W is formed exactly, factorised (no [out, in] matrix): :func:`product_svd` takes QR
+- W is formed exactly, factorised (no [out, in] matrix): `product_svd` takes QR
   decompositions of the stacked factors and the SVD of the small core, in float64.
 - The global state holds the rank-r_max truncation of W as one LoRA of rank r_max at the global
   scale s = scale(r_max) (``lora_A`` [r_max, in], ``lora_B`` [out, r_max]). W has rank at most

@@ -143,7 +143,7 @@ class FlexLoRA(LoraStrategy):
         """The terms (B_i, A_i, c_i) of one layer's aggregate W = sum_i c_i B_i A_i.
 
         FlexLoRA's are every replying client's factors (sorted by cid) with c_k = p_k s_k,
-        p_k = n_k / N over ``replies``, in the order :func:`product_svd` takes them.
+        p_k = n_k / N over ``replies``, in the order `product_svd` takes them.
 
         Args:
             state: the global state before the round.
@@ -164,8 +164,8 @@ class FlexLoRA(LoraStrategy):
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
         """W = sum_i c_i B_i A_i per layer, stored as its rank-r_max truncated SVD at the global scale.
 
-        The terms come from :meth:`layer_terms` (FlexLoRA's: sum_k p_k s_k B_k A_k), the SVD from
-        :func:`product_svd` and :func:`split_factors`.
+        The terms come from `layer_terms` (FlexLoRA's: sum_k p_k s_k B_k A_k), the SVD from
+        `product_svd` and `split_factors`.
         """
         new = copy_state(state)
         s_global = self.s.scale(self.s.r_max)
@@ -185,7 +185,7 @@ class FlexLoRA(LoraStrategy):
         return new
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
-        """Client cid's rank-r_k truncation at its scale s_k (:meth:`client_arrays`); None: the global factors."""
+        """Client cid's rank-r_k truncation at its scale s_k (`client_arrays`); None: the global factors."""
         r = self.s.r_max if cid is None else self.rank_of(state, cid)
         return self.client_arrays(state, r), self.s.scale(r)
 

@@ -10,7 +10,7 @@ Models", EMNLP 2024): zero-padding plus sparsity-weighted aggregation plus rank 
   uses n_k, which with equal ranks and no pruning is exactly FedAvg). Each client then receives
   the global adapter truncated to its current rank.
 
-Options: section ``[hetlora]`` (:class:`HetLoRAOptions`).
+Options: section ``[hetlora]`` (`HetLoRAOptions`).
 """
 
 from __future__ import annotations

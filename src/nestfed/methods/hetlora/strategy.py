@@ -35,7 +35,7 @@ def tail_size(rank: int, tail: float) -> int:
 
 
 def tail_norm(model: nn.Module, tail: float) -> torch.Tensor:
-    """sum over LoRA layers of ||s B[:, r-t:] A[r-t:]||_F with t = :func:`tail_size`.
+    """sum over LoRA layers of ||s B[:, r-t:] A[r-t:]||_F with t = `tail_size`.
 
     Args:
         model: the backbone with its LoRA layers.

@@ -88,7 +88,7 @@ class LoraFair(LoraStrategy):
         super().__init__(settings, self.o)
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """Per layer: Abar, Bbar the n_k-weighted zero-padded means, then B = Bbar + :func:`correction`.
+        """Per layer: Abar, Bbar the n_k-weighted zero-padded means, then B = Bbar + `correction`.
 
         The coefficients are p_k s_k / s (p_k = n_k / N over ``replies``).
         """

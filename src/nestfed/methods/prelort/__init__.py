@@ -4,9 +4,9 @@ Local objective (section 2.2): client k minimises the mean over its sub-ranks
 R_k = {r in R_fed : r <= r_k} of the causal-LM loss with the adapter truncated to r, where R_fed
 is the sorted set of distinct ranks in the federation. Aggregation (section 2.3): for each
 segment [r_{l-1}, r_l) the n_k-weighted mean update of the clients with r_k >= r_l is added to
-the global segment (:func:`segment_average`).
+the global segment (`segment_average`).
 
-Options: section ``[prelort]`` (:class:`PreLortOptions`): the local objective (``nested``, the
+Options: section ``[prelort]`` (`PreLortOptions`): the local objective (``nested``, the
 paper's; ``sampled``, one sub-rank drawn per step, an unbiased estimate of the nested loss at the
 cost of one pass; ``full_rank``, plain LoRA at r_k) and the aggregation (``segment``, the paper's;
 ``zeropad``). The paper's two ablations (section 4) are ``objective = "full_rank"`` ("nested
@@ -45,16 +45,16 @@ class PreLortOptions:
             "nested aggregation only").
         aggregation: ``segment`` (section 2.3) or ``zeropad`` (ZeroPad's padded mean: the ablation
             "nested objective, zero-padded aggregation").
-        dilution: the exponent of :func:`~nestfed.methods.prelort.strategy.segment_weight`, in [0,
+        dilution: the exponent of `nestfed.methods.prelort.strategy.segment_weight`, in [0,
             1] (0, the paper: every segment's mean update undiluted).
         min_holders: a segment [lo, hi) held by fewer clients of the federation (r_k >= hi) is left
             out of what any client deploys and of the exported adapter
-            (:func:`~nestfed.methods.prelort.strategy.deploy_cap`; 0 or 1, the paper: every
+            (`nestfed.methods.prelort.strategy.deploy_cap`; 0 or 1, the paper: every
             segment).
         deploy_rank: ``own`` (the paper: client k runs the prefix r_k) or ``validated`` (the prefix
             r in R_k with the lowest loss on ``validation_rows`` rows the client holds out of its
             training data, chosen on the global adapter it receives each round;
-            :class:`~nestfed.methods.prelort.strategy.PreLortHooks`).
+            `nestfed.methods.prelort.strategy.PreLortHooks`).
         validation_rows: the training rows a client holds out to choose its rank under ``deploy_rank
             = "validated"``, an integer >= 1 (unused otherwise).
 

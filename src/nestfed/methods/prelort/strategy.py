@@ -51,7 +51,7 @@ def segment_average(
     """Segment-wise aggregation in update space (arXiv 2606.15963, section 2.3), optionally diluted.
 
     For each segment [lo, hi) the update of the clients with r_k >= hi is averaged with weights n_k,
-    scaled by :func:`segment_weight` (1 at the paper's ``dilution = 0``) and added to the global
+    scaled by `segment_weight` (1 at the paper's ``dilution = 0``) and added to the global
     segment; a segment no participating client reaches is left unchanged.
 
     Args:
@@ -61,8 +61,8 @@ def segment_average(
         client_ranks: the rank each client trained.
         weights: the n_k.
         dim: the rank dimension (0 for A, 1 for B).
-        bounds: the segments (:func:`segments` of the federation's ranks).
-        dilution: the exponent of :func:`segment_weight`.
+        bounds: the segments (`segments` of the federation's ranks).
+        dilution: the exponent of `segment_weight`.
 
     Returns:
         The new global matrix, global_t's shape.
@@ -159,7 +159,7 @@ class PreLort(LoraStrategy):
         return self.options is not None and self.options.aggregation == "zeropad"
 
     def aggregate(self, rnd: int, state: GlobalState, replies: dict[int, Reply]) -> GlobalState:
-        """:func:`segment_average` of every LoRA matrix over R_fed's segments.
+        """`segment_average` of every LoRA matrix over R_fed's segments.
 
         ZeroPad's mean under ``aggregation = "zeropad"``.
         """
@@ -184,16 +184,16 @@ class PreLort(LoraStrategy):
 
     @property
     def dilution(self) -> float:
-        """``[prelort] dilution`` (:func:`segment_weight`); 0 without options."""
+        """``[prelort] dilution`` (`segment_weight`); 0 without options."""
         return 0.0 if self.options is None else float(self.options.dilution)
 
     @property
     def min_holders(self) -> int:
-        """``[prelort] min_holders`` (:func:`deploy_cap`); 0 without options."""
+        """``[prelort] min_holders`` (`deploy_cap`); 0 without options."""
         return 0 if self.options is None else int(self.options.min_holders)
 
     def deploy(self, state: GlobalState, cid: int | None = None) -> tuple[Arrays, float]:
-        """Client ``cid``'s prefix, at most :func:`deploy_cap`'s rank under ``min_holders``, at its scale.
+        """Client ``cid``'s prefix, at most `deploy_cap`'s rank under ``min_holders``, at its scale.
 
         None: the global adapter at that cap.
         """
@@ -204,10 +204,10 @@ class PreLort(LoraStrategy):
         return truncate_rank(state.arrays, r), self.s.scale(r)
 
     def export(self, state: GlobalState) -> tuple[Arrays, float]:
-        """The global adapter at r_max, the segments above :func:`deploy_cap`'s rank zeroed under ``min_holders``.
+        """The global adapter at r_max, the segments above `deploy_cap`'s rank zeroed under ``min_holders``.
 
         So every prefix a client exports (``nestfed export --rank``) leaves them out, its function
-        that of :meth:`deploy` for no client (under ``rank`` scaling the kept B columns carry s(cap)
+        that of `deploy` for no client (under ``rank`` scaling the kept B columns carry s(cap)
         / s(r_max)).
         """
         arrays, scale = super().export(state)
@@ -251,10 +251,10 @@ class PreLort(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: each rank row's n_k-weighted mean update over its holders.
+        """`aggregate` from secure sums alone: each rank row's n_k-weighted mean update over its holders.
 
         That is its segment's mean (nestfed.federation.secure_sum), diluted as
-        :func:`segment_weight` says.
+        `segment_weight` says.
         """
         if self.zero_padded:
             return ZeroPad(self.s).aggregate_secure(rnd, state, secure)
@@ -329,14 +329,14 @@ def sampled_subrank(subranks: Sequence[int], seed: int, rnd: int, cid: int, step
 class PreLortHooks(ClientHooks):
     """The local objective over the sub-ranks R_k the strategy sends (``subranks``).
 
-    Nested (every sub-rank, :func:`nested_loss`), sampled (one drawn sub-rank per step,
-    :func:`sampled_subrank`) or the plain loss at the client's rank (``full_rank``).
+    Nested (every sub-rank, `nested_loss`), sampled (one drawn sub-rank per step,
+    `sampled_subrank`) or the plain loss at the client's rank (``full_rank``).
 
     With ``validation_rows`` > 0 (``[prelort] deploy_rank = "validated"``) the client holds that
     many of its training rows out of training (the same rows every round: the seed rule's stream
     ``validation`` of (federation seed, client)), measures the received global adapter's loss on
     them at every r in R_k, keeps the best r (ties: the larger) in its state and runs the deployed
-    adapter cut to it (:meth:`evaluation_arrays`, so evaluation and ``nestfed export --client``
+    adapter cut to it (`evaluation_arrays`, so evaluation and ``nestfed export --client``
     follow it). The choice never leaves the client.
 
     Args:

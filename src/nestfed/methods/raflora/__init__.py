@@ -79,9 +79,15 @@ WEIGHTINGS = ("examples", "uniform")
 
 @dataclass(frozen=True)
 class RaFLoRAOptions:
-    """weighting: the client weights p_k that each rank partition renormalises over the clients
-    holding it, ``examples`` (n_k / N, the default) or ``uniform`` (1 / K). Raises ValueError naming
-    the field for any other value."""
+    """Options of ``[raflora]``.
+
+    Attributes:
+        weighting: the client weights p_k that each rank partition renormalises over the clients
+            holding it, ``examples`` (n_k / N, the default) or ``uniform`` (1 / K).
+
+    Raises:
+        ValueError: naming the field, for any other weighting.
+    """
 
     weighting: str = "examples"
 

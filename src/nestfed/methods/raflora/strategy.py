@@ -26,16 +26,29 @@ def partition_terms(
     global_A: torch.Tensor,
     global_scale: float,
 ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
-    """The terms (B_i, A_i, c_i) of raFLoRA's aggregate W = sum_i c_i B_i A_i for one layer
-    (module docstring of nestfed.methods.raflora), in the form flexlora's ``product_svd`` takes.
+    """List the terms (B_i, A_i, c_i) of raFLoRA's aggregate W = sum_i c_i B_i A_i for one layer.
 
-    Bs[k]: client k's trained B [out, r_k]; As[k]: its A [r_k, in]; weights[k]: its unnormalised
-    weight (n_k, or 1); scales[k]: its LoRA scale s_k; global_B [out, r_max], global_A [r_max, in]:
-    the state's factors at ``global_scale`` s. For each partition [lo, hi) of the bounds (the
-    distinct r_k and r_max): one term per client with r_k >= hi, B_k[:, lo:hi], A_k[lo:hi] and
+    The rule is the module docstring's (nestfed.methods.raflora); the terms are in the form
+    flexlora's ``product_svd`` takes. For each partition [lo, hi) of the bounds (the distinct r_k and
+    r_max): one term per client with r_k >= hi, B_k[:, lo:hi], A_k[lo:hi] and
     c = w_k / (sum of the holders' w) s_k, holders in the order given; no holder: the global
-    partition, c = s. Raises ValueError for lists of different lengths, no client, a weight <= 0,
-    or a rank above r_max or of B and A that differ.
+    partition, c = s.
+
+    Args:
+        Bs: Bs[k] is client k's trained B [out, r_k].
+        As: As[k] is its A [r_k, in].
+        weights: weights[k] is its unnormalised weight (n_k, or 1).
+        scales: scales[k] is its LoRA scale s_k.
+        global_B: the state's B [out, r_max], at the global scale.
+        global_A: the state's A [r_max, in], at the global scale.
+        global_scale: the global scale s.
+
+    Returns:
+        The terms' B factors, A factors and coefficients c, partition by partition.
+
+    Raises:
+        ValueError: for lists of different lengths, no client, a weight <= 0, or a rank above r_max
+            or of B and A that differ.
     """
     if not Bs or len(Bs) != len(As) or len(As) != len(weights) or len(weights) != len(scales):
         raise ValueError(
@@ -65,25 +78,47 @@ def partition_terms(
 
 
 class RaFLoRA(FlexLoRA):
-    """FlexLoRA's state and redistribution (the rank-r_max truncated SVD of W at the global scale,
-    each client its rank-r_k truncation) with raFLoRA's partition-wise W (:func:`partition_terms`)."""
+    """FlexLoRA's state and redistribution with raFLoRA's partition-wise W (`partition_terms`).
+
+    The state is the rank-r_max truncated SVD of W at the global scale; each client continues from
+    its rank-r_k truncation.
+
+    Args:
+        settings: r_max, lora_alpha, scaling and seeds.
+        options: ``[raflora]`` (None: the defaults).
+    """
 
     name = "raflora"
 
     def __init__(self, settings: LoraSettings, options: RaFLoRAOptions | None = None):
-        """options: ``[raflora]`` (None: the defaults)."""
         self.o = options if options is not None else RaFLoRAOptions()
         super().__init__(settings, self.o)
 
     def weights(self, replies: dict[int, Reply]) -> dict[int, float]:
-        """The unnormalised client weights: n_k (``examples``) or 1 (``uniform``)."""
+        """Give the unnormalised client weights.
+
+        Args:
+            replies: {cid: reply}.
+
+        Returns:
+            {cid: n_k} (``examples``) or {cid: 1} (``uniform``).
+        """
         return {c: 1.0 for c in replies} if self.o.weighting == "uniform" else examples(replies)
 
     def layer_terms(
         self, state: GlobalState, replies: dict[int, Reply], module: str
     ) -> tuple[list[torch.Tensor], list[torch.Tensor], list[float]]:
-        """:func:`partition_terms` over the replies (sorted by cid; each at the rank it trained and
-        that rank's scale) and the state's factors of ``module``."""
+        """List one layer's `partition_terms` over the replies and the state's factors.
+
+        Args:
+            state: the global state (its factors at r_max and the global scale).
+            replies: {cid: reply}, taken in cid order, each at the rank it trained and that rank's
+                scale.
+            module: the layer's module path.
+
+        Returns:
+            The terms' B factors, A factors and coefficients (`partition_terms`).
+        """
         a_key, b_key = peft_key(module, "lora_A"), peft_key(module, "lora_B")
         w = self.weights(replies)
         cids = sorted(replies)

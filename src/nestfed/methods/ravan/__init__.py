@@ -18,7 +18,7 @@ Here (nestfed.methods.ravan.strategy, on Fed-SB's core strategy; the layer varia
 nestfed.nn.lora_core.GatedHeads):
 
 - The LoRA rank r = r_max (``lora.ranks``) is the total rank h q; ``[ravan] heads`` is h
-  (:class:`RavanOptions`; it must divide r), ``[ravan] lr`` the heads' own learning rate. The
+  (`RavanOptions`; it must divide r), ``[ravan] lr`` the heads' own learning rate. The
   update is s sum_i g_i B_i H_i A_i with nestfed's LoRA scale s (``lora.scaling``) and the
   paper's s_i called gates g_i.
 - A = [A_1; ...; A_h] (shape [r, in]) and B = [B_1, ..., B_h] (shape [out, r]) are drawn from

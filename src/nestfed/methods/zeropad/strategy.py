@@ -28,7 +28,7 @@ class ZeroPad(LoraStrategy):
         return new
 
     def aggregate_secure(self, rnd: int, state: GlobalState, secure: SecureSum) -> GlobalState:
-        """:meth:`aggregate` from secure sums alone: (G C + S) / N per rank row.
+        """`aggregate` from secure sums alone: (G C + S) / N per rank row.
 
         The padded parameter mean (nestfed.federation.secure_sum).
         """
