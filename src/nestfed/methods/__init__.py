@@ -145,8 +145,12 @@ def declaring(capability: Capability) -> list[str]:
 
 
 def listing() -> list[str]:
-    """One plain line per registered method, in registry order, its columns aligned: the name, the
-    sections it owns, whether it runs on Flower ("flower" or "embedded only"), its summary."""
+    """One plain line per registered method, in registry order, its columns aligned.
+
+    Returns:
+        The lines: the name, the sections it owns, whether it runs on Flower ("flower" or
+        "embedded only"), its summary.
+    """
     rows = [
         (m.name, ", ".join(f"[{s}]" for s in m.sections) or "-", "flower" if m.on_flower else "embedded only")
         for m in REGISTRY.values()
