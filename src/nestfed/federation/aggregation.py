@@ -16,9 +16,17 @@ from nestfed.nn.lora_core import CORE_KINDS, core_matrix
 
 
 def truncate_rank(arrays: Arrays, r: int) -> Arrays:
-    """The prefix of rank r of every LoRA matrix (A[:r], B[:, :r]); other arrays unchanged.
+    """Truncate every LoRA matrix to its rank-r prefix (A[:r], B[:, :r]), as copies.
 
-    Raises ValueError when r exceeds a matrix's rank.
+    Args:
+        arrays: a payload {PEFT key: tensor}; arrays without a rank dimension pass unchanged.
+        r: the rank to keep.
+
+    Returns:
+        The truncated payload (same keys).
+
+    Raises:
+        ValueError: when r exceeds a matrix's rank.
     """
     out = {}
     for k, v in arrays.items():
@@ -33,8 +41,20 @@ def truncate_rank(arrays: Arrays, r: int) -> Arrays:
 
 
 def rank_prefix(arrays: Arrays, r: int) -> Arrays:
-    """:func:`truncate_rank` as views of ``arrays`` (no copy): for payloads that are only read and
-    serialised. Raises ValueError when r exceeds a matrix's rank."""
+    """Take `truncate_rank`'s rank-r prefix as views of ``arrays`` (no copy).
+
+    For payloads that are only read and serialised.
+
+    Args:
+        arrays: a payload {PEFT key: tensor}; arrays without a rank dimension pass unchanged.
+        r: the rank to keep.
+
+    Returns:
+        The payload of views (same keys).
+
+    Raises:
+        ValueError: when r exceeds a matrix's rank.
+    """
     out = {}
     for k, v in arrays.items():
         d = rank_dim(k)
@@ -45,9 +65,19 @@ def rank_prefix(arrays: Arrays, r: int) -> Arrays:
 
 
 def merge_prefix(kept: torch.Tensor | None, trained: torch.Tensor, dim: int) -> torch.Tensor:
-    """``kept`` with its first ``trained.shape[dim]`` entries along ``dim`` replaced by ``trained``:
-    what a client keeps after training only a prefix of its rank (an elastic rank); a copy of
-    ``trained`` when it covers all of ``kept`` (or more) or nothing is kept."""
+    """Replace the first ``trained.shape[dim]`` entries of ``kept`` along ``dim`` by ``trained``.
+
+    What a client keeps after training only a prefix of its rank (an elastic rank).
+
+    Args:
+        kept: the factor the client held before training, or None when nothing is kept.
+        trained: the trained prefix.
+        dim: the rank dimension.
+
+    Returns:
+        A copy of ``kept`` with its prefix replaced; a copy of ``trained`` when it covers all of
+        ``kept`` (or more) or ``kept`` is None.
+    """
     if kept is None or kept.shape[dim] <= trained.shape[dim]:
         return trained.detach().clone()
     out = kept.detach().clone()
@@ -56,7 +86,19 @@ def merge_prefix(kept: torch.Tensor | None, trained: torch.Tensor, dim: int) -> 
 
 
 def pad_rank(t: torch.Tensor, dim: int, r_max: int) -> torch.Tensor:
-    """Zero-pad tensor t along ``dim`` to size r_max (ZeroPad / HetLoRA). Raises ValueError if larger."""
+    """Zero-pad a tensor along ``dim`` to size r_max (ZeroPad / HetLoRA).
+
+    Args:
+        t: the tensor.
+        dim: the rank dimension.
+        r_max: the size to pad to.
+
+    Returns:
+        ``t`` itself when it already has size r_max, else a padded copy.
+
+    Raises:
+        ValueError: when t is larger than r_max along ``dim``.
+    """
     r = t.shape[dim]
     if r > r_max:
         raise ValueError(f"rank {r} exceeds r_max {r_max}")
@@ -68,10 +110,17 @@ def pad_rank(t: torch.Tensor, dim: int, r_max: int) -> torch.Tensor:
 
 
 def lowrank_norm(B: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
-    """||B @ A||_F for B: [out, r], A: [r, in] without forming the [out, in] product.
+    """Compute ||B @ A||_F without forming the [out, in] product.
 
     Uses ||BA||_F^2 = sum((B^T B) * (A A^T)), O(r^2 (in + out)) instead of O(r in out);
-    differentiable. Returns a 0-dim tensor.
+    differentiable (0 with a finite gradient where the product is 0).
+
+    Args:
+        B: [out, r] the up factor.
+        A: [r, in] the down factor.
+
+    Returns:
+        A 0-dim tensor, the Frobenius norm.
     """
     sq = ((B.T @ B) * (A @ A.T)).sum()
     # sqrt has an infinite slope at 0 (a zero-initialised B): give 0 there, and a finite gradient
@@ -79,9 +128,17 @@ def lowrank_norm(B: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
 
 
 def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
-    """sum_k w_k t_k / sum_k w_k over same-shaped tensors, computed as one matmul over the stack.
+    """Average same-shaped tensors, sum_k w_k t_k / sum_k w_k, as one matmul over the stack.
 
-    Raises ValueError on an empty list or a non-positive weight sum.
+    Args:
+        tensors: the K tensors, all of one shape.
+        weights: K weights (e.g. example counts).
+
+    Returns:
+        The weighted mean, of the tensors' shape and dtype.
+
+    Raises:
+        ValueError: on an empty list or a non-positive weight sum.
     """
     if not tensors:
         raise ValueError("nothing to average")
@@ -94,10 +151,20 @@ def weighted_mean(tensors: Sequence[torch.Tensor], weights: Sequence[float]) -> 
 
 
 def fold_cores(arrays: Arrays) -> Arrays:
-    """The payload with every layer's trainable core (``lora_core`` / ``lora_heads`` [r, q],
-    nestfed.nn.lora_core) folded into its B: B' = B blockdiag(heads) [out, r], A unchanged, so that
-    B' A = B M A exactly (the plain LoRA adapter PEFT loads). Other arrays are returned as they
-    are. Raises KeyError when a layer with a core lacks its B."""
+    """Fold every layer's trainable core into its B.
+
+    The core is ``lora_core`` / ``lora_heads`` [r, q] (nestfed.nn.lora_core): B' = B blockdiag(heads)
+    [out, r], A unchanged, so that B' A = B M A exactly (the plain LoRA adapter PEFT loads).
+
+    Args:
+        arrays: a payload {PEFT key: tensor}.
+
+    Returns:
+        The payload without its core keys and with folded B's; other arrays as they are.
+
+    Raises:
+        KeyError: when a layer with a core lacks its B.
+    """
     cores = {}
     for k in arrays:
         try:
@@ -114,16 +181,26 @@ def fold_cores(arrays: Arrays) -> Arrays:
 
 
 def one_adapter(arrays: Arrays, scale: float) -> tuple[Arrays, float]:
-    """A payload ({PEFT key: tensor}: lora_A [r, in], lora_B [out, r], and optionally merged_A
-    [R, in], merged_B [out, R] at scale 1) as one PEFT LoRA adapter of a single rank and its scale.
+    """Turn a payload into one PEFT LoRA adapter of a single rank, and its scale.
 
     Without merged factors and with one rank for every layer, the arrays and ``scale`` are
     returned as they are. Otherwise, per layer, A' = [merged_A; scale A] and B' = [merged_B, B] at
     scale 1, zero-padded to the largest rank over the layers: B' A' = merged_B merged_A + scale B A
     exactly (zero rows add nothing): FedEx-LoRA's export, and ``nestfed export --client`` for
-    FLoRA's and FedEx-LoRA's clients. A trainable core is folded into B first (:func:`fold_cores`:
-    Fed-SB, RAVAN). Raises ValueError for a key that is not a LoRA or merged factor
-    (e.g. memory rules or SVD cores, which PEFT's LoRA cannot hold), or a layer missing A or B.
+    FLoRA's and FedEx-LoRA's clients. A trainable core is folded into B first (`fold_cores`:
+    Fed-SB, RAVAN).
+
+    Args:
+        arrays: {PEFT key: tensor}: lora_A [r, in], lora_B [out, r], and optionally merged_A
+            [R, in], merged_B [out, R] at scale 1.
+        scale: the LoRA scale of lora_B lora_A.
+
+    Returns:
+        The adapter's arrays and its scale (1.0 when rebuilt).
+
+    Raises:
+        ValueError: for a key that is not a LoRA or merged factor (e.g. memory rules or SVD cores,
+            which PEFT's LoRA cannot hold), or a layer missing A or B.
     """
     for k in arrays:
         try:

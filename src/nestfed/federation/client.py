@@ -1,9 +1,11 @@
-"""The client trainer: loads an instruction's arrays into the shared model, runs the local steps,
-and returns the update.
+"""The client trainer.
+
+It loads an instruction's arrays into the shared model, runs the local steps, and returns the
+update.
 
 One trainer serves every client of an embedded run (clients run one after another on one model);
 a Flower ClientApp wraps the same trainer for one client. The trainer never knows which method
-made the instruction: what a method changes on the client is its :class:`ClientHooks`
+made the instruction: what a method changes on the client is its `ClientHooks`
 (nestfed.federation.hooks). Instruction config keys read here: ``scaling`` (s), ``round``,
 ``seed``; ``rank`` is the strategy's and the hooks'.
 """
@@ -35,9 +37,15 @@ from nestfed.seeds import stream_seed
 class ClientTrainer:
     """Runs local training and evaluation for the clients of one model.
 
-    model: the backbone with LoRA layers injected; data: {cid: ClientData}; train: local settings
-    (steps, batch size and micro-batch size, AdamW lr / weight decay, gradient clipping); hooks: the method's client
-    hooks; client_state: {cid: {group: arrays}} kept between rounds (saved with checkpoints).
+    Attributes:
+        model: the backbone with LoRA layers injected.
+        data: {cid: ClientData}.
+        train: local settings (steps, batch size and micro-batch size, AdamW lr / weight decay,
+            gradient clipping).
+        hooks: the method's client hooks; the plain `ClientHooks` by default.
+        client_state: {cid: {group: arrays}} kept between rounds (saved with checkpoints).
+        privacy: the ``[privacy]`` section (local DP noises each reply).
+        attack: the ``[attack]`` section (which clients attack their update, and how).
     """
 
     model: nn.Module
@@ -49,14 +57,24 @@ class ClientTrainer:
     attack: AttackConfig = field(default_factory=AttackConfig)
 
     def fit(self, cid: int, instruction: Instruction) -> Reply:
-        """Train client ``cid`` from the instruction's arrays; return trained arrays, n_k, metrics.
+        """Train a client from the instruction's arrays.
 
-        Metrics: ``train_loss`` (mean over steps, nats/token), ``train_tokens`` (labelled tokens
-        seen), ``rank``, ``train_time_s`` (seconds), the hooks' metrics and, with
-        ``train.eval_local``, ``local_*`` (the client's own model before aggregation).
         What before_steps and the steps draw from torch's global generator (LoRA dropout's masks) is
         seeded by the seed rule (federation seed, round, client, stream ``lora_dropout``), the
-        caller's state restored after. Raises KeyError for an unknown client.
+        caller's state restored after.
+
+        Args:
+            cid: the client's id.
+            instruction: the arrays and config (``scaling``, ``round``, ``seed``, ...) the server sent.
+
+        Returns:
+            The reply: the trained arrays, n_k (the client's example count) and metrics:
+            ``train_loss`` (mean over steps, nats/token), ``train_tokens`` (labelled tokens seen),
+            ``rank``, ``train_time_s`` (seconds), the hooks' metrics and, with
+            ``train.eval_local``, ``local_*`` (the client's own model before aggregation).
+
+        Raises:
+            KeyError: for an unknown client.
         """
         hooks = self.hooks
         ctx = FitContext(
@@ -120,19 +138,54 @@ class ClientTrainer:
         return Reply(out, ctx.data.num_examples, metrics)
 
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
-        """Held-out loss, perplexity (and accuracy for multiple choice) of client ``cid`` under
-        ``arrays`` at scale ``scaling`` (as the client runs them: its hooks' evaluation_arrays)."""
+        """Evaluate a client's model on its held-out data, as the client runs the arrays.
+
+        The client runs them through its hooks' evaluation_arrays (with its kept state).
+
+        Args:
+            cid: the client's id.
+            arrays: the arrays to evaluate.
+            scaling: the LoRA scale.
+
+        Returns:
+            Held-out loss, perplexity (and accuracy for multiple choice).
+
+        Raises:
+            KeyError: for an unknown client.
+        """
         return self.evaluate_on(cid, arrays, scaling, self.data[cid])
 
     def evaluate_as_sent(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
-        """:meth:`evaluate` of ``arrays`` exactly as given, without the client's kept state: a
-        global adapter (or a prefix of it) measured on client ``cid``'s held-out data."""
+        """Evaluate ``arrays`` exactly as given, without the client's kept state.
+
+        A global adapter (or a prefix of it) measured on the client's held-out data.
+
+        Args:
+            cid: the client's id.
+            arrays: the arrays to evaluate.
+            scaling: the LoRA scale.
+
+        Returns:
+            `evaluate`'s metrics.
+
+        Raises:
+            KeyError: for an unknown client.
+        """
         apply_arrays(self.model, arrays, scaling)
         return evaluate_client(self.model, self.data[cid], self.train)
 
     def evaluate_on(self, cid: int, arrays: Arrays, scaling: float, data: ClientData) -> dict[str, float]:
-        """:meth:`evaluate` on another held-out set ``data`` (e.g. the global held-out set): client
-        ``cid``'s model (its deployed arrays and kept state) on data's test rows."""
+        """Evaluate a client's model on another held-out set (e.g. the global held-out set).
+
+        Args:
+            cid: the client's id; its deployed arrays and kept state make the model.
+            arrays: the arrays to evaluate.
+            scaling: the LoRA scale.
+            data: the data whose test rows are evaluated.
+
+        Returns:
+            `evaluate`'s metrics.
+        """
         arrays = self.hooks.evaluation_arrays(self.client_state.get(cid, {}), arrays)
         apply_arrays(self.model, arrays, scaling)
         return evaluate_client(self.model, data, self.train)

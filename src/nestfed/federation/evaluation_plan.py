@@ -1,5 +1,7 @@
-"""Which clients a round evaluates (``[evaluation]``, nestfed.config.evaluation; docs/scale.md), and
-their deployments computed one client at a time."""
+"""Which clients a round evaluates, and their deployments computed one client at a time.
+
+The settings are ``[evaluation]`` (nestfed.config.evaluation; docs/scale.md).
+"""
 
 from __future__ import annotations
 
@@ -18,9 +20,10 @@ from nestfed.seeds import stream_seed
 class EvalPlan:
     """Which clients a round evaluates (``[evaluation]``, nestfed.config.evaluation).
 
-    panel: the client ids evaluated after rounds 1..R-1 (None = every client); final_all: rounds 0
-    and R evaluate every client (else the panel); every: evaluate after every ``every``-th round
-    (round R always).
+    Attributes:
+        panel: the client ids evaluated after rounds 1..R-1; None (the default) for every client.
+        final_all: whether rounds 0 and R evaluate every client (else the panel); default True.
+        every: evaluate after every ``every``-th round (round R always); default 1.
     """
 
     panel: tuple[int, ...] | None = None
@@ -29,8 +32,16 @@ class EvalPlan:
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> EvalPlan:
-        """``[evaluation]``'s plan: the panel of ``evaluation.clients`` ids drawn once from the seed
-        rule's stream ``eval_panel`` of (data.seed, 0, 0), sorted (every client when 0)."""
+        """Build ``[evaluation]``'s plan.
+
+        Args:
+            cfg: the experiment; its ``[evaluation]`` and ``data.num_clients``, ``data.seed``.
+
+        Returns:
+            The plan: its panel is ``evaluation.clients`` ids drawn once from the seed rule's stream
+            ``eval_panel`` of (data.seed, 0, 0), sorted (None, every client, when 0 or at least
+            the federation's size).
+        """
         e, k = cfg.evaluation, cfg.data.num_clients
         panel = None
         if e.clients and e.clients < k:
@@ -39,12 +50,28 @@ class EvalPlan:
         return cls(panel, e.final == "all", e.every)
 
     def evaluates(self, rnd: int, rounds: int) -> bool:
-        """Whether round ``rnd`` of ``rounds`` is evaluated (rounds 0 and R always)."""
+        """Tell whether a round is evaluated (rounds 0 and R always).
+
+        Args:
+            rnd: the round, 0..rounds.
+            rounds: the federation's round count R.
+
+        Returns:
+            Whether round ``rnd`` is evaluated.
+        """
         return rnd == 0 or rnd == rounds or rnd % self.every == 0
 
     def clients(self, rnd: int, rounds: int, everyone: Sequence[int]) -> list[int]:
-        """The ids evaluated after round ``rnd`` of ``rounds`` ([] = no evaluation this round), of
-        ``everyone`` (the federation's clients: on Flower, those a node serves)."""
+        """List the client ids evaluated after a round.
+
+        Args:
+            rnd: the round, 0..rounds.
+            rounds: the federation's round count R.
+            everyone: the federation's clients (on Flower, those a node serves).
+
+        Returns:
+            The ids of ``everyone`` evaluated after round ``rnd``; [] for no evaluation this round.
+        """
         last = rnd == 0 or rnd == rounds
         if not self.evaluates(rnd, rounds):
             return []
@@ -55,8 +82,15 @@ class EvalPlan:
 
 
 class Deployments(Mapping):
-    """{cid: (arrays, scale s)} of what each listed client runs, computed when read (the strategy's
-    ``deploy``), so a round never holds every client's adapter at once."""
+    """What each listed client runs, {cid: (arrays, scale s)}, computed when read.
+
+    Each value is the strategy's ``deploy``, so a round never holds every client's adapter at once.
+
+    Args:
+        strategy: the strategy that deploys.
+        state: the global state deployed.
+        cids: the listed clients (the mapping's keys, in this order).
+    """
 
     def __init__(self, strategy: Strategy, state: GlobalState, cids: Sequence[int]):
         self.strategy, self.state, self.cids = strategy, state, list(cids)

@@ -1,8 +1,10 @@
-"""A round's accepted replies, held up to a bound and then folded into running sums, so the server's
-memory for a mean-type rule does not grow with the number of replies (docs/scale.md).
+"""A round's accepted replies, held up to a bound and then folded into running sums.
+
+So the server's memory for a mean-type rule does not grow with the number of replies
+(docs/scale.md).
 
 Up to ``hold`` accepted replies are kept and handed to the strategy's own ``aggregate`` (or its
-robust / central-DP form): exactly what the round loop did before, bit for bit. When one more
+robust / central-DP form): exactly the rule over every reply, bit for bit. When one more
 arrives and the round can be rebuilt from sums (the method declares secure aggregation, so its
 ``aggregate_secure`` is its rule from sums, nestfed.config.capabilities; and no robust rule or
 central DP needs the individual updates), the held replies are folded into the float64 sums
@@ -34,7 +36,14 @@ from nestfed.nn.keys import rank_dim
 
 
 def reply_bytes(reply: Reply) -> int:
-    """Bytes of a reply's tensors (what holding it costs)."""
+    """Count the bytes of a reply's tensors (what holding it costs).
+
+    Args:
+        reply: the reply.
+
+    Returns:
+        The bytes of its arrays, numel x element size summed.
+    """
     return int(sum(t.numel() * t.element_size() for t in reply.arrays.values()))
 
 
@@ -42,16 +51,26 @@ def reply_bytes(reply: Reply) -> int:
 class ReplyFolder:
     """The accepted replies of one round (see the module docstring).
 
-    strategy, safeguards: the round's rule; rnd, state: the round and the global state its
-    instructions came from; instructions: {cid: Instruction} (their ``expect`` give the sums'
-    layout, their arrays the updates' origins); hold: replies kept before folding (>= 1); n_max:
-    the largest n_k a reply of this round may carry (the sampled clients' declared n_k: screening
-    caps or rejects a larger one), which scales the sums' encoding into (0, 1]; screen: the round's
-    default screen (nestfed.federation.relative_screen): held replies are screened against each other
-    when they are folded or aggregated, later arrivals against those accepted before them; the
-    replies it rejects are in ``rejected`` ({cid: reason}) and never reach the aggregate;
-    secure: whether the method declares secure aggregation (its ``aggregate_secure`` is its rule
-    rebuilt from sums, nestfed.config.capabilities), without which replies are never folded.
+    Attributes:
+        strategy: the round's rule.
+        safeguards: the round's safeguards (robust rule, central DP, server optimiser).
+        rnd: the round.
+        state: the global state the round's instructions came from.
+        instructions: {cid: Instruction}; their ``expect`` give the sums' layout, their arrays the
+            updates' origins.
+        hold: replies kept before folding (>= 1).
+        n_max: the largest n_k a reply of this round may carry (the sampled clients' declared n_k:
+            screening caps or rejects a larger one), which scales the sums' encoding into (0, 1].
+        held: {cid: reply} held in memory (empty once folded).
+        count: the replies accepted so far.
+        held_bytes: the bytes of the held replies' tensors.
+        screen: the round's default screen (nestfed.federation.relative_screen); None for none.
+            Held replies are screened against each other when they are folded or aggregated, later
+            arrivals against those accepted before them.
+        secure: whether the method declares secure aggregation (its ``aggregate_secure`` is its
+            rule rebuilt from sums, nestfed.config.capabilities), without which replies are never
+            folded; default False.
+        rejected: {cid: reason} of the replies the screen rejected; they never reach the aggregate.
     """
 
     strategy: Strategy
@@ -95,7 +114,7 @@ class ReplyFolder:
         return self._sums is not None
 
     def _columns(self) -> None:
-        """The flat sums' layout (:class:`~nestfed.federation.update.Gathered`'s): {key: (rank
+        """The flat sums' layout (`nestfed.federation.update.Gathered`'s): {key: (rank
         dimension, first column of the lora_A-like sum [r, E_a] or first row of the lora_B-like sum
         [E_b, r], entries per rank row)}, keys in the layout's order."""
         self._cols, at = {}, [0, 0]
@@ -111,7 +130,7 @@ class ReplyFolder:
 
     def _fold(self, cid: int, reply: Reply, gathered: Gathered | None = None) -> None:
         """Add w_k (X_k - P_k) to the flat sums' rank rows up to r_k in place and w_k to the counts of
-        rows < r_k, w_k = n_k * scale: what :func:`~nestfed.federation.secure_sum.encode` would add
+        rows < r_k, w_k = n_k * scale: what `nestfed.federation.secure_sum.encode` would add
         unclipped, without padding a copy of every update. ``gathered``: the update already measured
         in the layout's order (two kernels then), else it is taken array by array."""
         if self._sums is None:
@@ -141,7 +160,7 @@ class ReplyFolder:
         self._folded.append(cid)
 
     def _key_sums(self) -> list[torch.Tensor]:
-        """The flat sums as :func:`~nestfed.federation.secure_sum.decode` takes them: one tensor per
+        """The flat sums as `nestfed.federation.secure_sum.decode` takes them: one tensor per
         key in its layout shape, then the counts."""
         sum_a, sum_b, counts = self._sums
         out = []
@@ -154,11 +173,23 @@ class ReplyFolder:
 
     @property
     def screening(self) -> bool:
+        """Whether the round screens replies' block norms (a screen with a positive ratio)."""
         return self.screen is not None and self.screen.ratio > 0
 
     def block_norms(self, cid: int, reply: Reply) -> dict[str, float] | None:
-        """The reply's update norms per rank block when the round screens them, else None. Once the
-        round folds, the update measured here is kept for :meth:`add` (one pass over it, not two)."""
+        """Measure a reply's update norms per rank block, when the round screens them.
+
+        Once the round folds, the update measured here is kept for `add` (one pass over it, not
+        two).
+
+        Args:
+            cid: the replying client.
+            reply: its reply.
+
+        Returns:
+            {block: L2 norm} (`nestfed.federation.update.block_norms`); None when the round does
+            not screen.
+        """
         if not self.screening:
             return None
         order = tuple(self._layout) if self._sums is not None else None
@@ -167,8 +198,13 @@ class ReplyFolder:
         return norms
 
     def add(self, cid: int, reply: Reply, norms: dict[str, float] | None = None) -> None:
-        """One validated reply that passed Safeguards.screen; ``norms``: its :meth:`block_norms`
-        (measured here when not given)."""
+        """Take one validated reply that passed Safeguards.screen: hold it, fold it or reject it.
+
+        Args:
+            cid: the replying client.
+            reply: its reply.
+            norms: its `block_norms`; measured here when None.
+        """
         self.count += 1
         if self.screening and norms is None:
             norms = self.block_norms(cid, reply)
@@ -199,8 +235,13 @@ class ReplyFolder:
         self.count -= 1
 
     def settle(self) -> dict[int, str]:
-        """Screen the held replies against each other (each block against the lower median of the
-        held norms); drop the rejected ones; return every rejection of the round so far."""
+        """Screen the held replies against each other, and drop the rejected ones.
+
+        Each block is screened against the lower median of the held norms.
+
+        Returns:
+            Every rejection of the round so far, {cid: reason}.
+        """
         if not self.screening or not self._norms:
             return self.rejected
         among: dict[str, list[float]] = {}
@@ -218,14 +259,22 @@ class ReplyFolder:
         return self.rejected
 
     def facts(self) -> dict[str, Any]:
-        """For the metrics line: ``held_replies`` (replies in memory at the end), ``held_bytes`` and
-        ``folded_replies`` (replies folded into sums)."""
+        """Give the folder's facts for the metrics line.
+
+        Returns:
+            ``held_replies`` (replies in memory at the end), ``held_bytes`` and ``folded_replies``
+            (replies folded into sums).
+        """
         return {"held_replies": len(self.held), "held_bytes": self.held_bytes, "folded_replies": len(self._folded)}
 
     def aggregate(self) -> tuple[GlobalState, dict[str, Any]]:
-        """The round's aggregate and its trust facts: the strategy's rule over the held replies, or
-        its rebuild from the sums (Safeguards.aggregate / aggregate_secure, the server optimiser's
-        step included)."""
+        """Aggregate the round (the held replies settled first).
+
+        Returns:
+            The new global state and its trust facts: the strategy's rule over the held replies,
+            or its rebuild from the sums (Safeguards.aggregate / aggregate_secure, the server
+            optimiser's step included).
+        """
         self.settle()
         if self._sums is None:
             return self.safeguards.aggregate(self.strategy, self.rnd, self.state, self.held)

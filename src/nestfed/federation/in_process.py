@@ -19,21 +19,63 @@ from nestfed.federation.run_dir import KEPT, ClientState
 
 
 class Trainer(Protocol):
-    """The client side of an embedded run: nestfed.federation.client.ClientTrainer, or a method's
-    own (clients of several model groups, knowledge-distilling clients)."""
+    """The client side of an embedded run.
+
+    nestfed.federation.client.ClientTrainer, or a method's own (clients of several model groups,
+    knowledge-distilling clients).
+
+    Attributes:
+        client_state: {cid: {group: arrays}} the clients keep between rounds.
+    """
 
     client_state: ClientState
 
-    def fit(self, cid: int, instruction: Instruction) -> Reply: ...
+    def fit(self, cid: int, instruction: Instruction) -> Reply:
+        """Train a client from an instruction.
 
-    def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]: ...
+        Args:
+            cid: the client's id.
+            instruction: the arrays and config the server sent.
 
-    def evaluate_as_sent(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]: ...
+        Returns:
+            The client's reply (trained arrays, example count, metrics).
+        """
+
+    def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
+        """Evaluate a client's model on its held-out data, as the client runs the arrays.
+
+        Args:
+            cid: the client's id.
+            arrays: the arrays to evaluate (the client's kept state mixed in).
+            scaling: the LoRA scale.
+
+        Returns:
+            The held-out metrics.
+        """
+
+    def evaluate_as_sent(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
+        """Evaluate ``arrays`` exactly as given on a client's held-out data.
+
+        Args:
+            cid: the client's id.
+            arrays: the arrays to evaluate (without the client's kept state).
+            scaling: the LoRA scale.
+
+        Returns:
+            The held-out metrics.
+        """
 
 
 @dataclass
 class InProcessTransport:
-    """Deliver instructions to ``trainer`` in client-id order; evaluate every client in process."""
+    """Deliver instructions to a trainer in client-id order, and evaluate every client in process.
+
+    Attributes:
+        trainer: the clients' trainer.
+        client_state_home: where the clients' kept state lives: run_dir.KEPT, checkpointed with
+            the round.
+        asks: what the transport asks of the method: nothing beyond the config, in process.
+    """
 
     trainer: Trainer
     client_state_home: ClassVar[str] = KEPT  # the clients' kept state is checkpointed with the round
@@ -46,8 +88,17 @@ class InProcessTransport:
     def fit(
         self, rnd: int, instructions: dict[int, Instruction], on_reply: Callable[[int, Reply], None] | None = None
     ) -> FitResults:
-        """Each client trains on what crossed the (simulated) wire and replies through it; each reply
-        goes to ``on_reply`` as soon as it is back (else into FitResults.replies)."""
+        """Have each client train on what crossed the (simulated) wire and reply through it.
+
+        Args:
+            rnd: the round (unused in process).
+            instructions: {cid: instruction}, run in this order.
+            on_reply: called as ``on_reply(cid, reply)`` with each reply as soon as it is back;
+                None collects the replies instead.
+
+        Returns:
+            The results: the replies in FitResults.replies when ``on_reply`` is None, else none.
+        """
         out = FitResults()
         for cid, ins in instructions.items():
             sent = Instruction(decode(encode(ins.arrays)), dict(ins.config))
@@ -62,8 +113,16 @@ class InProcessTransport:
     def evaluate(
         self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]], as_sent: bool = False
     ) -> dict[str, dict[str, float]]:
-        """Each listed client's held-out metrics under its (arrays, scale s), in this process, one
-        deployment at a time (``as_sent``: without the client's kept state)."""
+        """Evaluate each listed client under its deployment, in this process, one at a time.
+
+        Args:
+            rnd: the round (unused in process).
+            deployments: {cid: (arrays, scale s)}, read one at a time.
+            as_sent: evaluate the arrays exactly as sent, without the client's kept state.
+
+        Returns:
+            {str(cid): held-out metrics}.
+        """
         run = self.trainer.evaluate_as_sent if as_sent else self.trainer.evaluate
         out = {}
         for cid in deployments:
@@ -76,5 +135,9 @@ class InProcessTransport:
         return self.trainer.client_state
 
     def restore_client_state(self, state: ClientState | None) -> None:
-        """Hand a resumed checkpoint's client state back to the trainer."""
+        """Hand a resumed checkpoint's client state back to the trainer.
+
+        Args:
+            state: the kept client state; None for none.
+        """
         self.trainer.client_state = state or {}

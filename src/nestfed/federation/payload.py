@@ -19,26 +19,49 @@ from nestfed.nn.keys import rank_dim
 
 
 def encode(arrays: Arrays) -> bytes:
-    """The safetensors bytes of a payload (tensors made contiguous, on CPU)."""
+    """Serialise a payload to safetensors bytes (tensors made contiguous, on CPU).
+
+    Args:
+        arrays: the payload.
+
+    Returns:
+        The safetensors bytes.
+    """
     return st_save({k: v.detach().contiguous().cpu() for k, v in arrays.items()})
 
 
 def decode(data: bytes) -> Arrays:
-    """Inverse of :func:`encode`."""
+    """Read a payload back from `encode`'s bytes.
+
+    Args:
+        data: safetensors bytes.
+
+    Returns:
+        The payload (CPU tensors).
+    """
     return st_load(data)
 
 
 @functools.lru_cache(maxsize=4096)
 def _serialised_bytes(signature: tuple[tuple[str, torch.dtype, tuple[int, ...]], ...]) -> int:
-    """The length of :func:`encode`'s bytes for payloads of this (key, dtype, shape) signature: the
+    """The length of `encode`'s bytes for payloads of this (key, dtype, shape) signature: the
     safetensors header and the raw data depend on nothing else (measured once per signature)."""
     return len(st_save({k: torch.zeros(shape, dtype=dtype) for k, dtype, shape in signature}))
 
 
 def payload_stats(arrays: Arrays) -> dict:
-    """Size of a payload: ``bytes`` (serialised, bytes: what :func:`encode` gives, counted once per
-    signature of keys, dtypes and shapes, so a round of 1,000 clients at 4 ranks serialises 4 times),
-    ``params`` (elements), ``dtypes`` (names)."""
+    """Measure the size of a payload.
+
+    The serialised size is counted once per signature of keys, dtypes and shapes, so a round of
+    1,000 clients at 4 ranks serialises 4 times.
+
+    Args:
+        arrays: the payload.
+
+    Returns:
+        ``bytes`` (the length of `encode`'s bytes), ``params`` (elements), ``dtypes`` (sorted
+        names, e.g. ``float32``).
+    """
     signature = tuple(sorted((k, v.dtype, tuple(v.shape)) for k, v in arrays.items()))
     return {
         "bytes": _serialised_bytes(signature),
@@ -48,12 +71,18 @@ def payload_stats(arrays: Arrays) -> dict:
 
 
 def validate_reply(instruction: Instruction, reply: Reply) -> None:  # noqa: C901 (one branch per way a reply can be malformed)
-    """Check a reply against what its instruction expects; raise UpdateRejected with the reason.
+    """Check a reply against what its instruction expects.
 
-    Rejected: missing or extra keys, a wrong shape, a rank above the instructed one (or any other
-    rank unless ``may_shrink_rank``), A and B of one layer with different ranks, NaN or Inf,
-    a dtype other than the sent array's (for an array that was not sent: other than
-    :func:`unsent_dtype`, or a bool / complex array), a non-positive number of examples.
+    Args:
+        instruction: the instruction sent; its ``expect``, ``may_shrink_rank`` and arrays.
+        reply: the client's reply.
+
+    Raises:
+        UpdateRejected: with the reason, for missing or extra keys, a wrong shape, a rank above the
+            instructed one (or any other rank unless ``may_shrink_rank``), A and B of one layer
+            with different ranks, NaN or Inf, a dtype other than the sent array's (for an array
+            that was not sent: other than `unsent_dtype`, or a bool / complex array), a
+            non-positive number of examples.
     """
     expect = instruction.expect
     got = set(reply.arrays)
@@ -113,15 +142,31 @@ def validate_reply(instruction: Instruction, reply: Reply) -> None:  # noqa: C90
 
 
 def unsent_dtype(sent: Arrays) -> torch.dtype:
-    """The dtype an array the server did not send must have: that of the sent floating-point
-    arrays when they agree on one, else float32 (nestfed's adapter dtype)."""
+    """Give the dtype an array the server did not send must have.
+
+    Args:
+        sent: the arrays the server sent.
+
+    Returns:
+        The dtype of the sent floating-point arrays when they agree on one, else float32
+        (nestfed's adapter dtype).
+    """
     found = {v.dtype for v in sent.values() if v.is_floating_point()}
     return found.pop() if len(found) == 1 else torch.float32
 
 
 def non_finite_keys(arrays: Arrays) -> list[str]:
-    """The keys whose floating-point tensors hold NaN or Inf, sorted. Small payloads are checked in
-    one pass over their concatenation first (a few kernels per reply, not per array)."""
+    """Find the keys whose floating-point tensors hold NaN or Inf.
+
+    Small payloads are checked in one pass over their concatenation first (a few kernels per
+    reply, not per array).
+
+    Args:
+        arrays: the payload.
+
+    Returns:
+        The keys, sorted; [] when every entry is finite.
+    """
     floats = [(k, t) for k, t in arrays.items() if t.is_floating_point()]
     if sum(t.numel() for _, t in floats) <= FLAT_NUMEL and (
         not floats or bool(torch.isfinite(torch.cat([t.reshape(-1) for _, t in floats])).all())

@@ -1,5 +1,8 @@
-"""A run's plots, rendered to PNG bytes (matplotlib, Agg): held-out perplexity per client per round,
-and the bytes sent each round. nestfed.federation.run_dir writes them atomically into plots/."""
+"""A run's plots, rendered to PNG bytes (matplotlib, Agg).
+
+Held-out perplexity per client per round, and the bytes sent each round.
+nestfed.federation.run_dir writes them atomically into plots/.
+"""
 
 from __future__ import annotations
 
@@ -12,8 +15,14 @@ from nestfed.config import INLINE_CLIENTS
 
 
 def pyplot():
-    """matplotlib.pyplot on the Agg backend, imported on first use: a Flower ClientApp process,
-    which imports the round loop but never plots, does not pay its second of import."""
+    """Import matplotlib.pyplot on the Agg backend, on first use.
+
+    A Flower ClientApp process, which imports the round loop but never plots, does not pay its
+    second of import.
+
+    Returns:
+        The matplotlib.pyplot module.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -23,7 +32,14 @@ def pyplot():
 
 
 def png(fig) -> bytes:
-    """The figure as PNG bytes (110 dpi); the figure is closed."""
+    """Render a figure as PNG bytes (110 dpi), and close it.
+
+    Args:
+        fig: a matplotlib figure.
+
+    Returns:
+        The PNG bytes.
+    """
     plt = pyplot()
     buf = io.BytesIO()
     fig.tight_layout()
@@ -33,11 +49,22 @@ def png(fig) -> bytes:
 
 
 def run_plots(lines: list[dict[str, Any]], title: str, ranks: dict[str, int] | None = None) -> dict[str, bytes]:
-    """{file name: PNG bytes}: ``eval_ppl.png`` (held-out perplexity per round: one line per client,
-    or, beyond :data:`nestfed.config.INLINE_CLIENTS` clients, the mean of each rank group with its
-    10th-90th percentile band), ``ppl_ecdf.png`` (many clients: the final perplexity's empirical
-    distribution per rank group; ranks: {cid: r_k}) and ``bytes.png`` (MB sent down and up per
-    round). The evaluation plots only when some rounds carry evaluations."""
+    """Render a run's plots.
+
+    Args:
+        lines: the run's metrics lines (``round``, ``bytes_down``, ``bytes_up``, and ``eval``
+            {cid: metrics} when the round evaluated).
+        title: the plots' title prefix.
+        ranks: {cid: r_k}; with more than `nestfed.config.INLINE_CLIENTS` clients the evaluation
+            is plotted by rank group.
+
+    Returns:
+        {file name: PNG bytes}: ``eval_ppl.png`` (held-out perplexity per round: one line per
+        client, or, beyond `nestfed.config.INLINE_CLIENTS` clients, the mean of each rank group
+        with its 10th-90th percentile band), ``ppl_ecdf.png`` (many clients: the final
+        perplexity's empirical distribution per rank group) and ``bytes.png`` (MB sent down and
+        up per round). The evaluation plots only when some rounds carry evaluations.
+    """
     plt = pyplot()
     out = {}
     evaluated = [ln for ln in lines if ln.get("eval")]
@@ -71,10 +98,18 @@ def run_plots(lines: list[dict[str, Any]], title: str, ranks: dict[str, int] | N
 
 
 def group_plots(evaluated: list[dict[str, Any]], title: str, ranks: dict[str, int]) -> dict[str, bytes]:
-    """The evaluation of many clients by rank group (see :func:`run_plots`): ``eval_ppl.png`` (over
-    the clients every evaluated round has: the panel, when rounds between the first and last
-    evaluate one) and ``ppl_ecdf.png`` (the last evaluated round's clients). evaluated: the lines
-    that carry ``eval`` ({cid: metrics})."""
+    """Plot the evaluation of many clients by rank group (see `run_plots`).
+
+    Args:
+        evaluated: the metrics lines that carry ``eval`` ({cid: metrics}), at least one.
+        title: the plots' title prefix.
+        ranks: {cid: r_k}.
+
+    Returns:
+        {file name: PNG bytes}: ``eval_ppl.png`` (over the clients every evaluated round has: the
+        panel, when rounds between the first and last evaluate one) and ``ppl_ecdf.png`` (the
+        last evaluated round's clients).
+    """
     plt = pyplot()
     common = set.intersection(*(set(ln["eval"]) for ln in evaluated))  # the curve follows the same clients
     groups = sorted({ranks[c] for c in common})

@@ -1,6 +1,7 @@
-"""What a round draws about its clients beyond the sample: who is online, who drops out after being
-sampled, and the rank a sampled client can train at this round (``[population]``,
-nestfed.config.population; docs/scale.md).
+"""What a round draws about its clients beyond the sample.
+
+Who is online, who drops out after being sampled, and the rank a sampled client can train at
+this round (``[population]``, nestfed.config.population; docs/scale.md).
 
 Every draw comes from the seed rule's streams of (federation.seed, round, 0): ``online``,
 ``dropout`` and ``elastic_rank``, one generator per round over the clients in id order, so a
@@ -25,9 +26,17 @@ from nestfed.seeds import stream_seed
 
 
 def trace_has_budgets(path: str | Path) -> bool:
-    """Whether an elastic trace gives memory budgets (a ``memory_mib`` column) rather than ranks
-    (then the backbone's footprint turns them into ranks). False for a missing or unreadable file
-    (:func:`read_trace` reports it)."""
+    """Tell whether an elastic trace gives memory budgets rather than ranks.
+
+    Budgets (a ``memory_mib`` column) become ranks through the backbone's footprint.
+
+    Args:
+        path: the trace's CSV file.
+
+    Returns:
+        Whether it has a ``memory_mib`` column; False for a missing or unreadable file
+        (`read_trace` reports it).
+    """
     try:
         with Path(path).open(newline="", encoding="utf-8") as f:
             return "memory_mib" in (csv.DictReader(f).fieldnames or [])
@@ -38,15 +47,26 @@ def trace_has_budgets(path: str | Path) -> bool:
 def read_trace(
     path: str | Path, ranks: dict[int, int], footprint: Callable[[int], int] | None = None
 ) -> dict[tuple[int, int], int]:
-    """{(round, client): rank} from a CSV file with columns ``round``, ``client`` and ``rank``, or
-    ``memory_mib`` (the client's memory budget that round: its rank is then the largest of the
-    federation's ranks up to its own whose ``footprint(r)`` bytes fit, nestfed.nn.footprint, and 0
-    when none fits: the client sits that round out). Rounds are 1-based. ranks: {cid: the client's
-    own rank r_k}. Raises ConfigError naming the file and line for a missing file or column, a value
-    that is not a positive integer, an unknown client, a rank above the client's own or not among
-    the federation's ranks (the segments of nested methods are cut at those: a rank inside a
-    segment would count in one rule and not in its sum form), a (round, client) given twice, or
-    budgets without a footprint."""
+    """Read an elastic trace: the rank each client trains at in each round.
+
+    Args:
+        path: a CSV file with columns ``round`` (1-based), ``client`` and ``rank``, or
+            ``memory_mib`` (the client's memory budget that round, in MiB: its rank is then the
+            largest of the federation's ranks up to its own whose ``footprint(r)`` bytes fit, and
+            0 when none fits: the client sits that round out).
+        ranks: {cid: the client's own rank r_k}.
+        footprint: bytes(r) of the backbone at rank r (nestfed.nn.footprint); needed for budgets.
+
+    Returns:
+        {(round, client): rank}.
+
+    Raises:
+        ConfigError: naming the file and line, for a missing file or column, a value that is not a
+            positive integer, an unknown client, a rank above the client's own or not among the
+            federation's ranks (the segments of nested methods are cut at those: a rank inside a
+            segment would count in one rule and not in its sum form), a (round, client) given
+            twice, or budgets without a footprint.
+    """
     federation = sorted(set(ranks.values()))
     p = Path(path)
     if not p.is_file():
@@ -95,10 +115,17 @@ def read_trace(
 
 @dataclass
 class Population:
-    """The per-round draws of one run. availability: P(a client is online in a round); dropout:
-    P(a sampled client drops out before replying); elastic: ``none`` | ``uniform`` | ``trace``;
-    ranks: the federation's distinct ranks R_fed (an elastic rank is drawn from those up to the
-    client's own); trace: {(round, client): rank}; seed: federation.seed."""
+    """The per-round draws of one run.
+
+    Attributes:
+        availability: P(a client is online in a round); default 1.
+        dropout: P(a sampled client drops out before replying); default 0.
+        elastic: ``none`` (the default) | ``uniform`` | ``trace``.
+        ranks: the federation's distinct ranks R_fed (an elastic rank is drawn from those up to
+            the client's own).
+        trace: {(round, client): rank} (`read_trace`).
+        seed: federation.seed.
+    """
 
     availability: float = 1.0
     dropout: float = 0.0
@@ -111,16 +138,35 @@ class Population:
     def from_config(
         cls, cfg: ExperimentConfig, clients: Sequence[ClientInfo], footprint: Callable[[int], int] | None = None
     ) -> Population:
-        """The population of ``cfg``'s ``[population]`` over ``clients`` (their ranks r_k); footprint:
-        bytes(r) of the backbone (nestfed.nn.footprint), for a trace of memory budgets. Raises
-        ConfigError for a bad elastic trace (:func:`read_trace`)."""
+        """Build the population of an experiment's ``[population]``.
+
+        Args:
+            cfg: the experiment.
+            clients: the federation's clients (their ranks r_k).
+            footprint: bytes(r) of the backbone (nestfed.nn.footprint), for a trace of memory
+                budgets.
+
+        Returns:
+            The population.
+
+        Raises:
+            ConfigError: for a bad elastic trace (`read_trace`).
+        """
         p: PopulationConfig = cfg.population
         own = {c.cid: c.rank for c in clients}
         trace = read_trace(p.elastic_trace, own, footprint) if p.elastic == "trace" else {}
         return cls(p.availability, p.dropout, p.elastic, sorted({c.rank for c in clients}), trace, cfg.federation.seed)
 
     def online(self, rnd: int, clients: Sequence[ClientInfo]) -> list[ClientInfo]:
-        """The clients online in round ``rnd``: each with probability ``availability`` (all at 1)."""
+        """Draw the clients online in a round: each with probability ``availability`` (all at 1).
+
+        Args:
+            rnd: the round.
+            clients: the federation's clients, in id order.
+
+        Returns:
+            The online clients, in the given order.
+        """
         if self.availability >= 1:
             return list(clients)
         rng = np.random.default_rng(stream_seed(self.seed, rnd, 0, "online"))
@@ -128,8 +174,18 @@ class Population:
         return [c for c, u in zip(clients, up) if u]
 
     def dropouts(self, rnd: int, sampled: Sequence[ClientInfo]) -> dict[int, str]:
-        """{cid: why} of the sampled clients that drop out of round ``rnd`` before replying: each with
-        probability ``dropout`` (none at 0), and those whose budget in the trace holds no rank."""
+        """Draw the sampled clients that drop out of a round before replying.
+
+        Each drops out with probability ``dropout`` (none at 0); so do those whose budget in the
+        trace holds no rank.
+
+        Args:
+            rnd: the round.
+            sampled: the round's sampled clients, in id order.
+
+        Returns:
+            {cid: why} of the dropouts.
+        """
         out = {
             c.cid: "its memory budget this round holds no rank (population.elastic_trace)"
             for c in sampled
@@ -148,9 +204,19 @@ class Population:
         return out
 
     def this_round(self, rnd: int, sampled: Sequence[ClientInfo]) -> list[ClientInfo]:
-        """The sampled clients with the rank each trains at in round ``rnd`` (``ClientInfo.round_rank``):
-        ``uniform`` draws from R_fed up to the client's own rank, ``trace`` reads it (its own when the
-        trace lists none); unchanged without elastic ranks."""
+        """Give the sampled clients the rank each trains at in a round (``ClientInfo.round_rank``).
+
+        ``uniform`` draws from R_fed up to the client's own rank, ``trace`` reads it (its own when
+        the trace lists none).
+
+        Args:
+            rnd: the round.
+            sampled: the round's sampled clients.
+
+        Returns:
+            The clients, with ``round_rank`` set where it is below their own rank; unchanged
+            without elastic ranks.
+        """
         if self.elastic == "none":
             return list(sampled)
         rng = np.random.default_rng(stream_seed(self.seed, rnd, 0, "elastic_rank"))

@@ -1,6 +1,9 @@
-"""What every method of one experiment shares once it is prepared: the backbone with LoRA layers
-(rank r_max), every client's data, the clients as the server sees them, and the LoRA layers' shapes.
-Built by nestfed.experiments.prepare; handed to a method's home to set up its run."""
+"""What every method of one experiment shares once it is prepared.
+
+The backbone with LoRA layers (rank r_max), every client's data, the clients as the server sees
+them, and the LoRA layers' shapes. Built by nestfed.experiments.prepare; handed to a method's home
+to set up its run.
+"""
 
 from __future__ import annotations
 
@@ -16,15 +19,25 @@ from nestfed.nn.backbone import Backbone
 
 @dataclass
 class Prepared:
-    """cfg: the config it was prepared from; backbone: the frozen model (LoRA injected) and its
-    tokenizer; data: {cid: ClientData}, built when a client is first read
-    (nestfed.data.client_pool.ClientPool; a plain dict in tests); clients: [ClientInfo] (rank r_k,
-    n_k; the registered ones); shapes: {LoRA module path: (out, in)}; prepare_time_s: seconds spent;
-    ranks: every client's rank r_k, registered or not; start: the decoder
-    layer the cached frozen prefix ends at (0 = none cached); budgets: {cid: memory budget in MiB}
-    when memory budgets drew the ranks (``population.memory_mib``), with ``footprint`` the memory
-    model that chose them (nestfed.nn.footprint); cache: what a method's setup derives once and
-    reuses across the methods of one comparison (e.g. compressed models), keyed by its own keys."""
+    """One prepared experiment.
+
+    Attributes:
+        cfg: the config it was prepared from.
+        backbone: the frozen model (LoRA injected) and its tokenizer.
+        data: {cid: ClientData}, built when a client is first read
+            (nestfed.data.client_pool.ClientPool; a plain dict in tests).
+        clients: [ClientInfo] (rank r_k, n_k) of the registered clients.
+        shapes: {LoRA module path: (out, in)}.
+        prepare_time_s: seconds spent preparing.
+        cache: what a method's setup derives once and reuses across the methods of one comparison
+            (e.g. compressed models), keyed by its own keys.
+        start: the decoder layer the cached frozen prefix ends at (0 = none cached); None to read
+            it from the data.
+        budgets: {cid: memory budget in MiB} when memory budgets drew the ranks
+            (``population.memory_mib``); else None.
+        footprint: the memory model that chose the ranks from ``budgets`` (nestfed.nn.footprint).
+        ranks: every client's rank r_k, registered or not.
+    """
 
     cfg: ExperimentConfig
     backbone: Backbone
@@ -46,12 +59,23 @@ class Prepared:
         return next(iter(self.data.values())).start if self.data else 0
 
     def label(self, cid: int) -> str:
-        """Client ``cid``'s labels, without building its data when the pool registered them."""
+        """Give a client's label, without building its data when the pool registered it.
+
+        Args:
+            cid: the client's id.
+
+        Returns:
+            The client's label.
+        """
         label = getattr(self.data, "label", None)
         return label(cid) if label is not None else self.data[cid].label
 
     def roster(self) -> dict[str, dict[str, Any]]:
-        """{cid: {rank, label, num_examples[, memory_mib]}} of every client (a run's per-client table)."""
+        """List every registered client (a run's per-client table).
+
+        Returns:
+            {str(cid): {rank, label, num_examples[, memory_mib]}}.
+        """
         out = {}
         for c in self.clients:
             row: dict[str, Any] = {"rank": c.rank, "label": self.label(c.cid), "num_examples": c.num_examples}

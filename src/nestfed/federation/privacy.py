@@ -18,14 +18,25 @@ from nestfed.federation.update import clip_update
 
 
 def epsilon(privacy: PrivacyConfig, rounds: int, q: float) -> float:
-    """The epsilon spent at ``privacy.delta`` after ``rounds`` rounds (math.inf without noise).
+    """Compute the epsilon spent at ``privacy.delta`` after some rounds.
 
-    central: each round is the Gaussian mechanism of noise multiplier z on sensitivity C, Poisson-
-    subsampled with rate q (federation.fraction; q = 1 is no subsampling), composed ``rounds``
-    times. local: each client's release is its clipped update plus N(0, (z C)^2); under replacing
-    the client's whole data the update moves by up to 2C, so it is the Gaussian mechanism of
-    multiplier z / 2, composed over the rounds the client took part in (at most ``rounds``; no
-    amplification: the server sees who sent what). Raises ValueError when privacy is off.
+    - ``central``: each round is the Gaussian mechanism of noise multiplier z on sensitivity C,
+      Poisson-subsampled with rate q, composed ``rounds`` times.
+    - ``local``: each client's release is its clipped update plus N(0, (z C)^2); under replacing
+      the client's whole data the update moves by up to 2C, so it is the Gaussian mechanism of
+      multiplier z / 2, composed over the rounds the client took part in (at most ``rounds``; no
+      amplification: the server sees who sent what).
+
+    Args:
+        privacy: the ``[privacy]`` section (mode, noise multiplier z, delta, accountant).
+        rounds: the rounds composed; 0 or fewer spends nothing.
+        q: the sampling rate (federation.fraction; q = 1 is no subsampling); central mode only.
+
+    Returns:
+        Epsilon; math.inf without noise, 0.0 for no rounds.
+
+    Raises:
+        ValueError: when privacy is off.
     """
     if privacy.mode == "off":
         raise ValueError("privacy.mode is off: no epsilon")
@@ -56,8 +67,17 @@ def epsilon(privacy: PrivacyConfig, rounds: int, q: float) -> float:
 
 
 def local_dp(sent: Arrays, reply: Arrays, privacy: PrivacyConfig, generator: torch.Generator) -> tuple[Arrays, float]:
-    """The local mechanism on a client: clip the update (reply - sent) to C and add N(0, (z C)^2)
-    to every entry. Returns the released arrays and the update's norm before clipping."""
+    """Run the local mechanism on a client: clip the update to C and add N(0, (z C)^2) to every entry.
+
+    Args:
+        sent: the arrays the server sent (the update is reply - sent).
+        reply: the trained arrays.
+        privacy: the ``[privacy]`` section (clip norm C, noise multiplier z).
+        generator: the noise's generator.
+
+    Returns:
+        The released arrays and the update's L2 norm before clipping.
+    """
     clipped, norm = clip_update(sent, reply, privacy.clip_norm)
     std = privacy.noise_multiplier * privacy.clip_norm
     out = {}

@@ -1,5 +1,6 @@
-"""Per-client numbers summarised by rank group: what a report of many clients shows instead of one
-column per client (docs/scale.md).
+"""Per-client numbers summarised by rank group.
+
+What a report of many clients shows instead of one column per client (docs/scale.md).
 
 A rank group is the clients of one LoRA rank r_k. For each group and for all clients together:
 the count, mean, median, 10th and 90th percentiles (numpy's linear interpolation), the worst and
@@ -18,7 +19,19 @@ HIGHER_IS_WORSE = ("ppl", "loss")
 
 
 def describe(values: list[float], higher_is_worse: bool = True) -> dict[str, float]:
-    """n, mean, median, p10, p90, worst and best of ``values``. Raises ValueError when empty."""
+    """Summarise a list of numbers.
+
+    Args:
+        values: the numbers.
+        higher_is_worse: whether the worst is the highest (perplexity, loss) or the lowest
+            (accuracy).
+
+    Returns:
+        n, mean, median, p10, p90 (numpy's linear interpolation), worst and best.
+
+    Raises:
+        ValueError: when ``values`` is empty.
+    """
     if not values:
         raise ValueError("no values to describe")
     x = np.asarray(values, dtype=np.float64)
@@ -37,9 +50,20 @@ def describe(values: list[float], higher_is_worse: bool = True) -> dict[str, flo
 def by_rank(
     values: Mapping[str, float], ranks: Mapping[str, int], higher_is_worse: bool = True
 ) -> dict[str, dict[str, float]]:
-    """{str(rank): :func:`describe` of its clients' values, ..., "all": of every client} over the
-    clients in ``values`` ({cid: value}; ``ranks``: {cid: r_k}, keyed alike), ranks ascending.
-    Raises KeyError naming a client without a rank."""
+    """Summarise per-client values by rank group (`describe`).
+
+    Args:
+        values: {cid: value} of the clients summarised.
+        ranks: {cid: r_k}, keyed like ``values``.
+        higher_is_worse: see `describe`.
+
+    Returns:
+        {str(rank): the summary of its clients' values, ..., "all": that of every client}, ranks
+        ascending ({} for no values).
+
+    Raises:
+        KeyError: naming a client without a rank.
+    """
     groups: dict[int, list[float]] = {}
     for cid, v in values.items():
         groups.setdefault(int(ranks[cid]), []).append(float(v))
@@ -50,9 +74,18 @@ def by_rank(
 
 
 def summarise_metrics(evaluation: Mapping[str, Mapping[str, float]], ranks: Mapping[str, int]) -> dict[str, Any]:
-    """{metric: :func:`by_rank`} for ``ppl``, ``loss`` and (when every client has it) ``accuracy``
-    of an evaluation {cid: metrics}: what a metrics line keeps when its per-client numbers go to
-    their own file."""
+    """Summarise an evaluation by rank group, metric by metric.
+
+    What a metrics line keeps when its per-client numbers go to their own file.
+
+    Args:
+        evaluation: {cid: metrics}.
+        ranks: {cid: r_k}.
+
+    Returns:
+        {metric: `by_rank`'s summary} for ``ppl``, ``loss`` and ``accuracy``, each when every
+        client has it.
+    """
     out: dict[str, Any] = {}
     for metric in ("ppl", "loss", "accuracy"):
         vals = {c: m[metric] for c, m in evaluation.items() if metric in m}

@@ -1,10 +1,10 @@
 """Robust and differentially private aggregation in update space, one rank block at a time.
 
 A strategy that supports it (``LoraStrategy.robust_aggregate``) cuts the replies into
-:class:`Block` s: regions of the adapter that every member of the block holds entirely (PreLort:
+`Block` s: regions of the adapter that every member of the block holds entirely (PreLort:
 one block per rank segment [r_{l-1}, r_l), members the clients with r_k >= r_l; ZeroPad, HetLoRA
 and equal-rank methods: one block of zero-padded updates, every client a member). A
-:class:`BlockRule` turns each block into its new values. docs/trust.md gives each rule's meaning at
+`BlockRule` turns each block into its new values. docs/trust.md gives each rule's meaning at
 heterogeneous ranks and the privacy derivation.
 
 Rules (config ``[robust]``): coordinate-wise median, coordinate-wise trimmed mean (Yin et al.
@@ -29,11 +29,16 @@ from nestfed.seeds import stream_seed
 class Block:
     """One unit of aggregation.
 
-    name: e.g. ``all`` or ``rank 2:4``; deltas: {cid: {key: update tensor}}, the members' updates
-    restricted to the block (the same shapes for every member); weights: {cid: n_k}; holders: how
-    many clients of the whole federation hold this block (DP's fixed denominator); base: what the
-    strategy adds the combined update to ({key: tensor}; ZeroPad's n_k-weighted mean of the padded
-    prefixes, else the global values); start: the global state's values of the block.
+    Attributes:
+        name: e.g. ``all`` or ``rank 2:4``.
+        deltas: {cid: {key: update tensor}}, the members' updates restricted to the block (the
+            same shapes for every member).
+        weights: {cid: n_k}.
+        holders: how many clients of the whole federation hold this block (DP's fixed
+            denominator).
+        base: {key: tensor} the strategy adds the combined update to (ZeroPad's n_k-weighted mean
+            of the padded prefixes, else the global values).
+        start: {key: tensor} the global state's values of the block.
     """
 
     name: str
@@ -50,13 +55,28 @@ class Block:
 
 
 def stacked(block: Block, key: str) -> torch.Tensor:
-    """The members' updates of ``key`` stacked: [m, *shape] (members in id order)."""
+    """Stack the members' updates of one key.
+
+    Args:
+        block: the block.
+        key: one of its keys.
+
+    Returns:
+        [m, *shape], members in id order.
+    """
     return torch.stack([block.deltas[c][key] for c in block.members])
 
 
 def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
-    """The coordinate-wise median over dim 0 of stack [m, ...]; for even m the mean of the two
-    middle values (numpy.median's convention)."""
+    """Take the coordinate-wise median over dim 0.
+
+    Args:
+        stack: [m, ...] the members' updates.
+
+    Returns:
+        [...] the median; for even m the mean of the two middle values (numpy.median's
+        convention).
+    """
     m = stack.shape[0]
     s = stack.sort(dim=0).values
     if m % 2:
@@ -65,16 +85,32 @@ def coordinate_median(stack: torch.Tensor) -> torch.Tensor:
 
 
 def trimmed_mean(stack: torch.Tensor, fraction: float) -> torch.Tensor:
-    """The coordinate-wise mean over dim 0 of stack [m, ...] after dropping the floor(fraction * m)
-    smallest and largest values of each coordinate (Yin et al. 2018, Definition 2)."""
+    """Take the coordinate-wise trimmed mean over dim 0 (Yin et al. 2018, Definition 2).
+
+    Args:
+        stack: [m, ...] the members' updates.
+        fraction: the share trimmed at each end: floor(fraction * m) smallest and largest values
+            of each coordinate are dropped.
+
+    Returns:
+        [...] the mean of the remaining values.
+    """
     m = stack.shape[0]
     k = int(fraction * m)
     return stack.sort(dim=0).values[k : m - k].mean(dim=0)
 
 
 def krum_scores(flat: torch.Tensor, f: int) -> torch.Tensor:
-    """Krum's score of each of m updates flat [m, D]: the sum of its squared distances to its
-    m - f - 2 nearest other updates (Blanchard et al. 2017, section 4). Returns [m] (float64)."""
+    """Score updates by Krum (Blanchard et al. 2017, section 4).
+
+    Args:
+        flat: [m, D] the m updates, flattened.
+        f: the number of Byzantine clients assumed.
+
+    Returns:
+        [m] float64: each update's sum of squared distances to its m - f - 2 (at least 1)
+        nearest other updates.
+    """
     x = flat.double()
     d = torch.cdist(x, x).pow(2)  # [m, m]
     m = x.shape[0]
@@ -84,8 +120,16 @@ def krum_scores(flat: torch.Tensor, f: int) -> torch.Tensor:
 
 
 def krum_select(block: Block, f: int, keep: int) -> list[int]:
-    """The ``keep`` members with the lowest Krum scores over the whole block (all its keys
-    concatenated), in score order (ties by id)."""
+    """Select the members with the lowest Krum scores over the whole block (all its keys concatenated).
+
+    Args:
+        block: the block.
+        f: the number of Byzantine clients assumed.
+        keep: how many members to select (1 for Krum).
+
+    Returns:
+        The selected member ids, in score order (ties by id).
+    """
     cids = block.members
     flat = torch.stack([torch.cat([block.deltas[c][k].reshape(-1) for k in sorted(block.deltas[c])]) for c in cids])
     scores = krum_scores(flat, f)
@@ -94,7 +138,15 @@ def krum_select(block: Block, f: int, keep: int) -> list[int]:
 
 
 def weighted_update(block: Block, members: list[int]) -> Arrays:
-    """The n_k-weighted mean update of ``members`` over every key of the block."""
+    """Average some members' updates, weighted by n_k, over every key of the block.
+
+    Args:
+        block: the block.
+        members: the member ids averaged.
+
+    Returns:
+        {key: mean update}, in the dtypes of ``block.start`` (computed in float64).
+    """
     w = torch.tensor([block.weights[c] for c in members], dtype=torch.float64)
     w = w / w.sum()
     out = {}
@@ -106,13 +158,21 @@ def weighted_update(block: Block, members: list[int]) -> Arrays:
 
 @dataclass
 class BlockRule:
-    """Turns a :class:`Block` into its new values under the configured rule (``[robust]``) or, in
-    central DP, the noisy mean (``[privacy]``).
+    """Turns a `Block` into its new values under the configured rule.
 
-    fraction: the client sampling rate q (DP's fixed denominator is q * holders); seed: the
-    federation's (the noise of round t derives from the seed rule's stream ``dp_noise:<block>``).
-    notes: per-block facts of the current round for the metrics line (selected clients, the
-    rule actually used, the noise std). Call :meth:`start_round` before a round's blocks.
+    The rule is ``[robust]``'s or, in central DP, the noisy mean (``[privacy]``). Calling the rule
+    on a block gives its new values {key: tensor} (shapes of ``block.start``); call `start_round`
+    before a round's blocks.
+
+    Attributes:
+        robust: the ``[robust]`` section.
+        privacy: the ``[privacy]`` section.
+        fraction: the client sampling rate q (DP's fixed denominator is q * holders); default 1.
+        seed: the federation's (the noise of round t derives from the seed rule's stream
+            ``dp_noise:<block>``).
+        rnd: the current round.
+        notes: per-block facts of the current round for the metrics line (selected clients, the
+            rule actually used, the noise std).
     """
 
     robust: RobustConfig
@@ -129,12 +189,15 @@ class BlockRule:
 
     @property
     def active(self) -> bool:
-        """Whether aggregation goes through blocks (a robust rule or central DP), rather than the
-        strategy's own mean."""
+        """Whether aggregation goes through blocks (a robust rule or central DP), not the strategy's mean."""
         return self.robust.rule != "mean" or self.central_dp
 
     def start_round(self, rnd: int) -> None:
-        """Begin round ``rnd``: clear the notes."""
+        """Begin a round: clear the notes.
+
+        Args:
+            rnd: the round.
+        """
         self.rnd, self.notes = rnd, {}
 
     def __call__(self, block: Block) -> Arrays:

@@ -1,6 +1,7 @@
-"""What the server does so that a bad or hostile client cannot move the global model: screen each
-reply (beyond nestfed.federation.payload's shapes and finiteness), aggregate robustly or with
-central DP, and count the privacy spent. The round loop (nestfed.federation.loop) calls it for
+"""What the server does so that a bad or hostile client cannot move the global model.
+
+It screens each reply (beyond nestfed.federation.payload's shapes and finiteness), aggregates
+robustly or with central DP, and counts the privacy spent. The round loop (nestfed.federation.loop) calls it for
 every transport; docs/trust.md describes the rules. Every aggregate (the strategy's own, robust,
 DP or rebuilt from secure sums) then goes through the server optimiser
 (nestfed.federation.server_optimizer; identity by default).
@@ -29,9 +30,12 @@ MAX_REPRESENTABLE_NORM = math.sqrt(FLOAT32_MAX)
 class Safeguards:
     """The server's checks and aggregation rule for one run.
 
-    validation: n_k policy and the optional norm bound; privacy: DP (central clipping and the
-    accountant); rule: the block rule (robust or central DP) applied when active; optimizer: the
-    server optimiser applied to every aggregate (nestfed.federation.server_optimizer).
+    Attributes:
+        validation: the n_k policy and the optional norm bound.
+        privacy: DP (central clipping and the accountant).
+        rule: the block rule (robust or central DP) applied when active.
+        optimizer: the server optimiser applied to every aggregate
+            (nestfed.federation.server_optimizer).
     """
 
     validation: ValidationConfig = field(default_factory=ValidationConfig)
@@ -41,8 +45,15 @@ class Safeguards:
 
     @classmethod
     def from_config(cls, cfg: ExperimentConfig) -> Safeguards:
-        """The safeguards of an experiment's ``[validation]``, ``[robust]``, ``[privacy]``,
-        ``[server_optimizer]`` and federation (sampling rate, seed)."""
+        """Build the safeguards of an experiment.
+
+        Args:
+            cfg: the experiment: its ``[validation]``, ``[robust]``, ``[privacy]``,
+                ``[server_optimizer]`` and federation (sampling rate, seed).
+
+        Returns:
+            The safeguards.
+        """
         f = cfg.federation
         return cls(
             cfg.validation, cfg.privacy, BlockRule(cfg.robust, cfg.privacy, f.fraction, f.seed), cfg.server_optimizer
@@ -51,14 +62,25 @@ class Safeguards:
     def screen(
         self, instruction: Instruction, reply: Reply, declared: int, block_norms: dict[str, float] | None = None
     ) -> tuple[Reply, dict[str, Any]]:
-        """Check one (already shape-validated) reply; return it, possibly capped or clipped, and the
-        facts for the metrics line (``update_norm``; ``clipped_to``, ``num_examples_capped_from``).
+        """Check one (already shape-validated) reply; cap its n_k or clip its update where asked.
 
-        Raises UpdateRejected: n_k above the client's declared ``declared`` under the ``reject``
-        policy; an update whose norm overflows float32; a norm above validation.max_update_norm
-        under ``on_norm = "reject"``. Central DP clips every update to privacy.clip_norm.
-        ``block_norms``: the update's norms per rank block (nestfed.federation.relative_screen), when
-        measured, give its norm without another pass over it.
+        Central DP clips every update to privacy.clip_norm.
+
+        Args:
+            instruction: the instruction the reply answers (its arrays: the update's origin).
+            reply: the reply.
+            declared: the n_k the client declared when it joined.
+            block_norms: the update's norms per rank block (nestfed.federation.relative_screen);
+                when measured, they give its norm without another pass over it.
+
+        Returns:
+            The reply (possibly capped or clipped) and the facts for the metrics line:
+            ``update_norm``, and ``clipped_to``, ``num_examples_capped_from`` when they apply.
+
+        Raises:
+            UpdateRejected: for n_k above ``declared`` under the ``reject`` policy, an update whose
+                norm overflows float32, or a norm above validation.max_update_norm under
+                ``on_norm = "reject"``.
         """
         facts: dict[str, Any] = {}
         n = reply.num_examples
@@ -94,10 +116,24 @@ class Safeguards:
     def aggregate(
         self, strategy: Strategy, rnd: int, state: GlobalState, replies: dict[int, Reply]
     ) -> tuple[GlobalState, dict[str, Any]]:
-        """The strategy's aggregate, or its block form under a robust rule or central DP, then the
-        server optimiser's step (nestfed.federation.server_optimizer.server_step, whose ValueError
-        propagates); returns the new state and, for the metrics line, ``robust`` (per block:
-        members, rule, selection) and ``server_optimizer`` (absent when it is the identity)."""
+        """Aggregate a round's replies, then take the server optimiser's step.
+
+        The strategy's aggregate, or its block form under a robust rule or central DP, then
+        nestfed.federation.server_optimizer.server_step.
+
+        Args:
+            strategy: the method's strategy.
+            rnd: the round.
+            state: the global state the round started from.
+            replies: {cid: accepted reply}.
+
+        Returns:
+            The new state and, for the metrics line, ``robust`` (per block: members, rule,
+            selection) and ``server_optimizer`` (absent when it is the identity).
+
+        Raises:
+            ValueError: from the server optimiser's step.
+        """
         if not self.rule.active:
             return server_step(self.optimizer, state, strategy.aggregate(rnd, state, replies))
         self.rule.start_round(rnd)
@@ -107,16 +143,38 @@ class Safeguards:
     def aggregate_secure(
         self, strategy: Strategy, rnd: int, state: GlobalState, secure: SecureSum
     ) -> tuple[GlobalState, dict[str, Any]]:
-        """The strategy's rebuild from secure sums alone (``aggregate_secure``,
-        nestfed.federation.secure_sum), then the server optimiser's step: it needs only the
-        aggregate, never a single client's update, so it composes with secure aggregation. Returns
-        as :meth:`aggregate` (no ``robust``: secure aggregation refuses block rules)."""
+        """Rebuild a round from secure sums alone, then take the server optimiser's step.
+
+        The strategy's ``aggregate_secure`` (nestfed.federation.secure_sum); the optimiser needs
+        only the aggregate, never a single client's update, so it composes with secure
+        aggregation.
+
+        Args:
+            strategy: the method's strategy.
+            rnd: the round.
+            state: the global state the round started from.
+            secure: what secure aggregation revealed.
+
+        Returns:
+            As `aggregate` (no ``robust``: secure aggregation refuses block rules).
+
+        Raises:
+            ValueError: from the server optimiser's step.
+        """
         new = strategy.aggregate_secure(rnd, state, secure)
         return server_step(self.optimizer, state, new)
 
     def privacy_spent(self, rnd: int, fraction: float) -> dict[str, Any]:
-        """``privacy``: {mode, epsilon (None = infinite), delta, rounds} after round ``rnd``; {}
-        when privacy is off."""
+        """Report the privacy spent after a round.
+
+        Args:
+            rnd: the round (the rounds composed).
+            fraction: the client sampling rate q.
+
+        Returns:
+            {"privacy": {mode, epsilon (None = infinite), delta, rounds, noise_multiplier,
+            clip_norm, accountant}}; {} when privacy is off.
+        """
         if self.privacy.mode == "off":
             return {}
         eps = epsilon(self.privacy, rnd, fraction)

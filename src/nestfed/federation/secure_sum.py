@@ -1,6 +1,8 @@
-"""Secure aggregation's arithmetic: what a client adds to the secure sum, and what a strategy can
-rebuild from sums alone (docs/secure_aggregation.md). Pure tensors; the protocol that computes the
-sum without showing the server any single vector is Flower's SecAgg+ (nestfed.flower.secure).
+"""Secure aggregation's arithmetic: what a client adds to the secure sum, and what a strategy rebuilds.
+
+A strategy rebuilds its rule from sums alone (docs/secure_aggregation.md). Pure tensors; the
+protocol that computes the sum without showing the server any single vector is Flower's SecAgg+
+(nestfed.flower.secure).
 
 Notation. Client k has rank r_k, n_k training examples, was sent the global prefix P_k (rank r_k
 along each LoRA matrix's rank dimension, nestfed.nn.keys.rank_dim: dim 0 of ``lora_A`` [r, in],
@@ -16,24 +18,24 @@ over the clients whose vectors entered the sum. C[0] = N = sum_k n_k (every clie
 What the strategies rebuild, row j of the rank dimension of global matrix G (rank r_max; rows at or
 above r have C[j] = 0):
 
-- :func:`segment_mean` (segment-wise aggregation in update space): G[j] + S[j] / C[j] where
+- `segment_mean` (segment-wise aggregation in update space): G[j] + S[j] / C[j] where
   C[j] > 0, else G[j] unchanged. Row j is held exactly by the clients with r_k > j. When the
   distinct ranks of the federation are r_1 < r_2 < ..., the row j of segment [r_{l-1}, r_l) is held
   exactly by the clients with r_k >= r_l (no rank lies strictly inside a segment), so this is the
   segment's n_k-weighted mean update over its members.
-- :func:`padded_mean` (the zero-padded parameter mean): sum_k n_k pad(X_k) / N. With
+- `padded_mean` (the zero-padded parameter mean): sum_k n_k pad(X_k) / N. With
   pad(X_k) = pad(P_k) + pad(D_k) and pad(P_k)[j] = G[j] 1(j < r_k): (G[j] C[j] + S[j]) / N. Rows no
   client holds become 0, as zero-padding gives. With one rank everywhere this is the plain
   n_k-weighted mean of the replies.
 
-Encoding (:func:`encode`): the client sends w_k pad(clip(D_k)) and the count vector w_k 1(j < r_k)
+Encoding (`encode`): the client sends w_k pad(clip(D_k)) and the count vector w_k 1(j < r_k)
 with w_k = n_k * scale, scale = 1 / n_max (the largest n_k of the federation), so every value lies
-in [-c, c] for a clipping range c >= 1; :func:`decode` divides the (quantised) sum by scale.
+in [-c, c] for a clipping range c >= 1; `decode` divides the (quantised) sum by scale.
 
 Quantisation: Flower's SecAgg+ maps each value x in [-c, c] to an integer (x + c) Q / (2c) with
 stochastic rounding (error below one step 2c/Q) and sums K clients' integers modulo 2^32 (so
 K Q < 2^32). The sum of K vectors is off by less than K 2c / Q per entry, so after decoding
-|S' - S| and |C' - C| are below eps = :func:`sum_error` = K 2c n_max / Q. Then, with m = S/C:
+|S' - S| and |C' - C| are below eps = `sum_error` = K 2c n_max / Q. Then, with m = S/C:
 |segment_mean' - segment_mean| <= eps (1 + |m|) / (C[j] - eps) and |padded_mean' - padded_mean|
 <= eps (1 + |G| + |new|) / (N - eps).
 """
@@ -51,9 +53,18 @@ Layout = dict[str, tuple[int, ...]]
 
 
 def layout(expects: Iterable[Mapping[str, tuple[int, ...]]]) -> Layout:
-    """The common padded shape of every reply key over a round's instructions (their ``expect``):
-    the largest size of each dimension, keys sorted. Raises ValueError for a key without a rank
-    dimension (only LoRA matrices can be padded and counted per rank row) or keys that differ."""
+    """Find the common padded shape of every reply key over a round's instructions.
+
+    Args:
+        expects: the instructions' ``expect`` ({key: shape} each).
+
+    Returns:
+        {key: the largest size of each dimension}, keys sorted.
+
+    Raises:
+        ValueError: for a key without a rank dimension (only LoRA matrices can be padded and
+            counted per rank row), or instructions whose keys differ.
+    """
     out: Layout = {}
     keys: set[str] | None = None
     for expect in expects:
@@ -69,7 +80,17 @@ def layout(expects: Iterable[Mapping[str, tuple[int, ...]]]) -> Layout:
 
 
 def common_rank(lay: Layout) -> int:
-    """The rank r of a layout (every key's rank dimension). Raises ValueError when keys disagree."""
+    """Give the rank r of a layout (every key's rank dimension).
+
+    Args:
+        lay: the layout (`layout`).
+
+    Returns:
+        The rank r.
+
+    Raises:
+        ValueError: when the keys disagree on the rank.
+    """
     ranks = {shape[rank_dim(k)] for k, shape in lay.items()}
     if len(ranks) != 1:
         raise ValueError(f"secure aggregation needs one rank in the layout, got {sorted(ranks)}")
@@ -87,12 +108,27 @@ def _pad(t: torch.Tensor, dim: int, r: int) -> torch.Tensor:
 def encode(
     sent: Arrays, reply: Arrays, num_examples: int, lay: Layout, scale: float, clip: float
 ) -> tuple[list[torch.Tensor], dict[str, float]]:
-    """What one client adds to the secure sum: float64 tensors in ``lay``'s key order, then the
-    count vector [r] (module docstring). The client validates its own update first (the server
-    never sees it): every key of ``lay`` present with the shape of what it was sent, one rank r_k
-    for all keys, finite values, n_k > 0 and n_k * scale <= 1; raises ValueError naming the fault.
-    Entries of the update beyond [-clip, clip] are clipped; returns (vectors, {"secure_clipped":
-    how many entries were clipped, "secure_weight": n_k * scale}).
+    """Encode what one client adds to the secure sum (module docstring).
+
+    The client validates its own update first (the server never sees it): every key of ``lay``
+    present with the shape of what it was sent, one rank r_k for all keys, finite values, n_k > 0
+    and n_k * scale <= 1.
+
+    Args:
+        sent: the arrays the client was sent (P_k).
+        reply: its trained arrays (X_k).
+        num_examples: n_k.
+        lay: the round's layout (`layout`).
+        scale: 1 / n_max; the client's weight is w_k = n_k * scale.
+        clip: the clipping range c: entries of the update beyond [-clip, clip] are clipped.
+
+    Returns:
+        The vectors (float64 tensors w_k pad(clip(D_k)) in ``lay``'s key order, then the count
+        vector [r]) and {"secure_clipped": how many entries were clipped, "secure_weight":
+        n_k * scale}.
+
+    Raises:
+        ValueError: naming the fault, when the update fails its validation.
     """
     if not isinstance(num_examples, int) or num_examples <= 0:
         raise ValueError(f"num_examples must be a positive integer, got {num_examples!r}")
@@ -128,8 +164,20 @@ def encode(
 
 
 def decode(total: list[torch.Tensor], lay: Layout, scale: float, clients: list[int]) -> SecureSum:
-    """The :class:`SecureSum` from the sum of :func:`encode`'s vectors (same order) over ``clients``:
-    every vector divided by ``scale``."""
+    """Decode the sum of `encode`'s vectors: every vector divided by ``scale``.
+
+    Args:
+        total: the summed vectors, in `encode`'s order (one per key of ``lay``, then the counts).
+        lay: the round's layout.
+        scale: the encoding's scale (1 / n_max).
+        clients: the ids whose vectors are in the sum.
+
+    Returns:
+        The `SecureSum` (float64; clients sorted).
+
+    Raises:
+        ValueError: when the number of vectors or a summed shape disagrees with the layout.
+    """
     if len(total) != len(lay) + 1:
         raise ValueError(f"the secure sum has {len(total)} vectors, the layout needs {len(lay) + 1}")
     sums = {}
@@ -143,8 +191,22 @@ def decode(total: list[torch.Tensor], lay: Layout, scale: float, clients: list[i
 def plain_sum(
     sent: Mapping[int, Arrays], replies: Mapping[int, Arrays], num_examples: Mapping[int, int], lay: Layout
 ) -> SecureSum:
-    """The exact (unquantised, unclipped) sums of the clients in ``replies``: what a perfect secure
-    aggregation reveals. For tests and references."""
+    """Sum the clients' updates exactly (unquantised, unclipped): what a perfect secure aggregation reveals.
+
+    For tests and references.
+
+    Args:
+        sent: {cid: the arrays it was sent}.
+        replies: {cid: its trained arrays}; the clients summed.
+        num_examples: {cid: n_k}.
+        lay: the round's layout.
+
+    Returns:
+        The `SecureSum` of the clients in ``replies``.
+
+    Raises:
+        ValueError: for no replies, or a reply that fails `encode`'s validation.
+    """
     total: list[torch.Tensor] | None = None
     for c in sorted(replies):
         vec, _ = encode(sent[c], replies[c], num_examples[c], lay, 1.0 / max(num_examples.values()), float("inf"))
@@ -173,8 +235,22 @@ def _padded_sum(s: torch.Tensor, g: torch.Tensor, dim: int) -> torch.Tensor:
 
 
 def segment_mean(g: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, dim: int) -> torch.Tensor:
-    """G[j] + S[j] / C[j] along ``dim`` where C[j] > 0, else G[j] (module docstring). g: the global
-    matrix (rank r_max); s: the summed padded updates (rank <= r_max); counts: C [rank of s]."""
+    """Rebuild the segment-wise mean: G[j] + S[j] / C[j] along ``dim`` where C[j] > 0, else G[j].
+
+    See the module docstring.
+
+    Args:
+        g: the global matrix G (rank r_max).
+        s: the summed padded updates S (rank <= r_max).
+        counts: C [rank of s].
+        dim: the rank dimension.
+
+    Returns:
+        The new matrix, of g's shape and dtype.
+
+    Raises:
+        ValueError: when the sum's rank exceeds the global matrix's.
+    """
     c = _rows(counts, g, dim)
     s64 = _padded_sum(s, g, dim)
     held = c > 0
@@ -183,8 +259,22 @@ def segment_mean(g: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, dim: in
 
 
 def padded_mean(g: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, dim: int) -> torch.Tensor:
-    """(G[j] C[j] + S[j]) / N along ``dim``, N = C[0]: the n_k-weighted mean of the zero-padded
-    replies (module docstring). Raises ValueError when N <= 0."""
+    """Rebuild the zero-padded mean: (G[j] C[j] + S[j]) / N along ``dim``, N = C[0].
+
+    The n_k-weighted mean of the zero-padded replies (module docstring).
+
+    Args:
+        g: the global matrix G (rank r_max).
+        s: the summed padded updates S (rank <= r_max).
+        counts: C [rank of s].
+        dim: the rank dimension.
+
+    Returns:
+        The new matrix, of g's shape and dtype.
+
+    Raises:
+        ValueError: when N <= 0, or the sum's rank exceeds the global matrix's.
+    """
     n = float(counts[0]) if counts.numel() else 0.0
     if n <= 0:
         raise ValueError("the secure sum holds no examples")
@@ -193,6 +283,15 @@ def padded_mean(g: torch.Tensor, s: torch.Tensor, counts: torch.Tensor, dim: int
 
 
 def sum_error(num_clients: int, clip: float, quantization_range: int, n_max: float) -> float:
-    """eps: the bound on each decoded entry's error in S and C after SecAgg+'s quantisation,
-    K 2c n_max / Q (module docstring)."""
+    """Bound each decoded entry's error in S and C after SecAgg+'s quantisation (module docstring).
+
+    Args:
+        num_clients: K, the clients summed.
+        clip: the clipping range c.
+        quantization_range: Q, SecAgg+'s quantisation range.
+        n_max: the largest n_k (the encoding's 1 / scale).
+
+    Returns:
+        eps = K 2c n_max / Q.
+    """
     return num_clients * 2.0 * clip * n_max / quantization_range

@@ -29,7 +29,7 @@ mean pulls them toward 0) gives them a non-zero Delta_t, which is stepped like a
 **Exactness.** The new value is computed as aggregate + (step - Delta_t): where the step equals
 Delta_t (``sgd`` at eta = 1, ``sgdm`` with mu = 0 and eta = 1) the strategy's aggregate is returned
 bit for bit, and a frozen entry keeps its bits. The optimiser state lives in
-:attr:`GlobalState.optimizer` (float64, keys ``m/<key>``, ``v/<key>``), never in the arrays a
+`GlobalState.optimizer` (float64, keys ``m/<key>``, ``v/<key>``), never in the arrays a
 client receives or the adapter a run exports, and is checkpointed with them (a resume is exact).
 """
 
@@ -48,10 +48,17 @@ M, V = "m/", "v/"
 
 
 def momentum_step(o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """FedAvgM's server step (Hsu et al. 2019; Reddi et al. 2021, section 5's baseline):
-    m_t = mu m_{t-1} + Delta_t, step = eta m_t.
+    """Take FedAvgM's server step: m_t = mu m_{t-1} + Delta_t, step = eta m_t.
 
-    delta, m: float64 tensors of one array's shape. Returns (step, m_t), float64, same shape.
+    Hsu et al. 2019; Reddi et al. 2021, section 5's baseline.
+
+    Args:
+        o: the ``[server_optimizer]`` section (lr eta, momentum mu).
+        delta: Delta_t, float64, of one array's shape.
+        m: m_{t-1}, float64, of the same shape.
+
+    Returns:
+        (step, m_t), float64, same shape.
     """
     m_new = o.momentum * m + delta
     return o.lr * m_new, m_new
@@ -60,11 +67,19 @@ def momentum_step(o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor
 def adaptive_step(
     o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor, v: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One step of FedAdagrad, FedYogi or FedAdam (Reddi et al. 2021, Algorithm 2, lines 11-15).
+    """Take one step of FedAdagrad, FedYogi or FedAdam (Reddi et al. 2021, Algorithm 2, lines 11-15).
 
-    delta: Delta_t, m: m_{t-1}, v: v_{t-1} (float64 tensors of one array's shape). Returns (step =
-    eta m_t / (sqrt(v_t) + tau), m_t, v_t), float64, same shape. Raises ValueError for a name that
-    is not adaptive.
+    Args:
+        o: the ``[server_optimizer]`` section (name, lr eta, beta1, beta2, tau).
+        delta: Delta_t, float64, of one array's shape.
+        m: m_{t-1}, float64, of the same shape.
+        v: v_{t-1}, float64, of the same shape.
+
+    Returns:
+        (step = eta m_t / (sqrt(v_t) + tau), m_t, v_t), float64, same shape.
+
+    Raises:
+        ValueError: for a name that is not adaptive.
     """
     m_new = o.beta1 * m + (1 - o.beta1) * delta  # line 11
     d2 = delta * delta
@@ -82,11 +97,21 @@ def adaptive_step(
 def optimiser_step(
     o: ServerOptimizerConfig, delta: torch.Tensor, m: torch.Tensor | None, v: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """The step of ``o`` for one array, before the frozen-entries rule.
+    """Take the optimiser's step for one array, before the frozen-entries rule.
 
-    delta: Delta_t; m, v: the moments before this round (None: m_{-1} = 0, v_{-1} = tau^2), float64
-    tensors of delta's shape. Returns (step, m_t, v_t); a moment the optimiser does not keep is
-    None (``sgd`` keeps none, ``sgdm`` only m).
+    Args:
+        o: the ``[server_optimizer]`` section.
+        delta: Delta_t, float64.
+        m: the first moment before this round, float64 of delta's shape; None for m_{-1} = 0.
+        v: the second moment before this round, float64 of delta's shape; None for
+            v_{-1} = tau^2.
+
+    Returns:
+        (step, m_t, v_t); a moment the optimiser does not keep is None (``sgd`` keeps none,
+        ``sgdm`` only m).
+
+    Raises:
+        ValueError: for an unknown optimiser name (`adaptive_step`).
     """
     m = torch.zeros_like(delta) if m is None else m
     if o.name == "sgd":
@@ -116,15 +141,24 @@ def _finite(x: float) -> float | None:
 def server_step(o: ServerOptimizerConfig, old: GlobalState, new: GlobalState) -> tuple[GlobalState, dict[str, Any]]:
     """Apply the server optimiser to a round's aggregate (module docstring).
 
-    old: the global state x_t (with its optimiser state); new: the strategy's aggregate. Every
-    floating array of ``new`` is stepped entrywise with the frozen-entries rule; other arrays and
-    the meta are ``new``'s. Returns (the state x_{t+1} with the new optimiser state, the metrics
-    line's ``server_optimizer``: name, lr, ``step_norm`` = ||x_{t+1} - x_t|| and
-    ``pseudo_gradient_norm`` = ||Delta_t|| over all stepped arrays (L2, float64), ``frozen_entries``).
-    With the identity optimiser (``sgd`` at lr 1) ``new`` itself and {}.
+    Every floating array of ``new`` is stepped entrywise with the frozen-entries rule; other
+    arrays and the meta are ``new``'s.
 
-    Raises ValueError when a floating array of the aggregate is absent from x_t or changed its
-    shape (no pseudo-gradient exists; nestfed.methods refuses such methods at config time).
+    Args:
+        o: the ``[server_optimizer]`` section.
+        old: the global state x_t (with its optimiser state).
+        new: the strategy's aggregate.
+
+    Returns:
+        The state x_{t+1} with the new optimiser state, and {"server_optimizer": facts} for the
+        metrics line: name, lr, ``step_norm`` = ||x_{t+1} - x_t|| and ``pseudo_gradient_norm`` =
+        ||Delta_t|| over all stepped arrays (L2, float64; None when not finite),
+        ``frozen_entries``. With the identity optimiser (``sgd`` at lr 1): ``new`` itself and {}.
+
+    Raises:
+        ValueError: when a floating array of the aggregate is absent from x_t or changed its shape
+            (no pseudo-gradient exists; nestfed.methods refuses such methods at config time), or
+            a stored moment has a wrong shape.
     """
     if o.identity:
         return new, {}

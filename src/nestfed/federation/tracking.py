@@ -5,16 +5,16 @@ committed line to each sink right after the commit (``log``), and at its start h
 already committed (``open``): a sink catches up on what it missed (a crash between the commit and
 the sink, a sink added to an existing run on resume) and never repeats a round.
 
-- :class:`TensorBoardSink` writes scalar events into ``<run dir>/tensorboard/`` through
+- `TensorBoardSink` writes scalar events into ``<run dir>/tensorboard/`` through
   ``torch.utils.tensorboard.SummaryWriter``. On resume it starts with ``purge_step`` at the first
   committed round: TensorBoard's readers then drop what earlier sessions wrote from that step on,
   and the committed lines are written again, so the event files hold exactly metrics.jsonl.
-- :class:`MlflowSink` logs to one MLflow run per nestfed run (its id kept in
+- `MlflowSink` logs to one MLflow run per nestfed run (its id kept in
   ``<run dir>/mlflow_run_id``; the resolved config logged as its params), each line in one
-  ``log_batch`` call, at step = round. On resume it
-  reads which rounds the run holds (the ``round`` metric's history) and logs the others.
+  ``log_batch`` call, at step = round. On resume it reads which rounds the run holds (the
+  ``round`` metric's history) and logs the others.
 
-The values are :func:`scalars` of each line: every finite number in it, keyed by its path
+The values are `scalars` of each line: every finite number in it, keyed by its path
 (``eval/0/ppl``, ``clients/1/metrics/train_loss``, ``bytes_up``), plus ``eval/mean/<metric>``.
 """
 
@@ -34,24 +34,47 @@ from nestfed.io import atomic
 
 
 class Sink(Protocol):
-    """A tracking sink: ``open(committed lines)`` once, ``log(line)`` per committed round,
-    ``close(finished)`` at the end."""
+    """A tracking sink: ``open(committed lines)`` once, ``log(line)`` per committed round, ``close`` at the end.
+
+    Attributes:
+        name: the sink's name (``tensorboard``, ``mlflow``).
+    """
 
     name: str
 
     def open(self, lines: list[dict[str, Any]]) -> None:
-        """Catch up on the lines already committed (a fresh run: round 0's, or none)."""
+        """Catch up on the lines already committed.
+
+        Args:
+            lines: the committed metrics lines (a fresh run: round 0's, or none).
+        """
 
     def log(self, line: dict[str, Any]) -> None:
-        """One committed round's line."""
+        """Log one committed round's line.
+
+        Args:
+            line: the metrics line.
+        """
 
     def close(self, finished: bool) -> None:
-        """Flush; ``finished``: every round of the run has been committed."""
+        """Flush and close.
+
+        Args:
+            finished: whether every round of the run has been committed.
+        """
 
 
 def leaves(tree: dict[str, Any], sep: str) -> dict[str, Any]:
-    """The non-dict values of nested dicts keyed by their path joined with ``sep``
-    (``{"eval": {"0": {"ppl": 4.0}}}`` -> ``{"eval/0/ppl": 4.0}`` with sep "/")."""
+    """Flatten nested dicts: their non-dict values keyed by their path.
+
+    Args:
+        tree: the nested dicts.
+        sep: the path separator.
+
+    Returns:
+        {path: value}, e.g. ``{"eval": {"0": {"ppl": 4.0}}}`` -> ``{"eval/0/ppl": 4.0}`` with
+        sep "/".
+    """
     out: dict[str, Any] = {}
     for k, v in tree.items():
         if isinstance(v, dict):
@@ -62,8 +85,15 @@ def leaves(tree: dict[str, Any], sep: str) -> dict[str, Any]:
 
 
 def scalars(line: dict[str, Any]) -> dict[str, float]:
-    """Every finite number of a metrics line (bools and lists left out) keyed by its path joined
-    with "/", plus ``eval/mean/<metric>``: the mean over clients of each held-out metric."""
+    """Pick every finite number of a metrics line (bools and lists left out), keyed by its path.
+
+    Args:
+        line: the metrics line.
+
+    Returns:
+        {path joined with "/": value}, plus ``eval/mean/<metric>``: the mean over clients of each
+        held-out metric.
+    """
     out = {
         k: float(v)
         for k, v in leaves(line, "/").items()
@@ -78,9 +108,14 @@ def scalars(line: dict[str, Any]) -> dict[str, float]:
 
 
 class TensorBoardSink:
-    """Scalar events in ``log_dir`` (``torch.utils.tensorboard``; the ``tensorboard`` package).
+    """Scalar events in a folder (``torch.utils.tensorboard``; the ``tensorboard`` package).
 
-    Raises ConfigError when the package is missing."""
+    Args:
+        log_dir: the events' folder.
+
+    Raises:
+        ConfigError: when the package is missing.
+    """
 
     name = "tensorboard"
 
@@ -96,6 +131,7 @@ class TensorBoardSink:
         self.writer = None
 
     def open(self, lines: list[dict[str, Any]]) -> None:
+        """Start a writer that purges from the first committed round, and write the lines again."""
         # every session starts with SessionLog.START at its first step (a fresh run at 0 too), so that
         # every loader (TensorBoard's Rust and Python ones, EventAccumulator) purges a crashed
         # session's steps when the resumed one writes them again
@@ -105,20 +141,30 @@ class TensorBoardSink:
             self.log(line)
 
     def log(self, line: dict[str, Any]) -> None:
+        """Write the line's scalars at step = round, and flush."""
         for key, value in scalars(line).items():
             self.writer.add_scalar(key, value, global_step=int(line["round"]))
         self.writer.flush()
 
     def close(self, finished: bool) -> None:
+        """Close the writer."""
         if self.writer is not None:
             self.writer.close()
 
 
 class MlflowSink:
-    """One MLflow run per nestfed run in the store at ``uri`` (the ``mlflow`` or ``mlflow-skinny``
-    package). Its run id is kept in ``id_file``, written atomically.
+    """One MLflow run per nestfed run (the ``mlflow`` or ``mlflow-skinny`` package).
 
-    Raises ConfigError when the package is missing or the store cannot be opened (naming the URI).
+    Args:
+        uri: the tracking store's URI.
+        experiment: the MLflow experiment's name (created when absent).
+        run_name: the MLflow run's name.
+        id_file: where the run id is kept, written atomically.
+        params: the run's params {name: text}, logged when the run is created.
+
+    Raises:
+        ConfigError: when the package is missing, or (on `open`) the store cannot be opened
+            (naming the URI).
     """
 
     name = "mlflow"
@@ -150,6 +196,7 @@ class MlflowSink:
         return run_id
 
     def open(self, lines: list[dict[str, Any]]) -> None:
+        """Create or reopen the MLflow run, and log the lines it does not hold."""
         try:
             self.run_id = self._run()
             logged = {m.step for m in self.client.get_metric_history(self.run_id, "round")}
@@ -160,6 +207,7 @@ class MlflowSink:
                 self.log(line)
 
     def log(self, line: dict[str, Any]) -> None:
+        """Log the line's scalars at step = round, in batches of at most 1000."""
         ts, step = int(time.time() * 1000), int(line["round"])
         values = scalars(line)
         metrics = [self._metric(k, v, ts, step) for k, v in values.items()]
@@ -167,19 +215,37 @@ class MlflowSink:
             self.client.log_batch(self.run_id, metrics=metrics[i : i + 1000])
 
     def close(self, finished: bool) -> None:
+        """Mark the run FINISHED, or KILLED when the run did not finish."""
         if self.run_id:
             self.client.set_terminated(self.run_id, "FINISHED" if finished else "KILLED")
 
 
 def mlflow_uri(t: TrackingConfig, output_dir: str) -> str:
-    """The tracking URI: ``tracking.mlflow_uri``, else a local SQLite store in ``output_dir``."""
+    """Give the MLflow tracking URI.
+
+    Args:
+        t: the ``[tracking]`` section.
+        output_dir: the output folder.
+
+    Returns:
+        ``tracking.mlflow_uri``, else a local SQLite store ``mlflow.db`` in ``output_dir``.
+    """
     return t.mlflow_uri or f"sqlite:///{Path(output_dir).resolve() / 'mlflow.db'}"
 
 
 def check_store(t: TrackingConfig, output_dir: str) -> None:
-    """Refuse, before a run directory is written, an MLflow store that cannot be written: a local
-    (``sqlite:///`` or ``file:`` / plain path) URI whose folder cannot be created or written. Raises
-    ConfigError naming tracking.mlflow_uri. A server URI (http, https, databricks) is left to MLflow."""
+    """Refuse an MLflow store that cannot be written, before a run directory is written.
+
+    A server URI (http, https, databricks) is left to MLflow.
+
+    Args:
+        t: the ``[tracking]`` section; nothing is checked without ``tracking.mlflow``.
+        output_dir: the output folder.
+
+    Raises:
+        ConfigError: naming tracking.mlflow_uri, for a local (``sqlite:///`` or ``file:`` / plain
+            path) URI whose folder cannot be created or written.
+    """
     if not t.mlflow:
         return
     uri = mlflow_uri(t, output_dir)
@@ -201,10 +267,22 @@ def check_store(t: TrackingConfig, output_dir: str) -> None:
 
 
 def sinks(t: TrackingConfig, run_dir: Path, output_dir: str, output_name: str) -> list[Sink]:
-    """The sinks ``[tracking]`` asks for, for the run directory ``run_dir``: its MLflow run is named
-    after the directory (``<parent>/<name>`` inside a multi-method or seeds parent), in the
-    experiment ``tracking.mlflow_experiment``, else ``output_name``, else ``nestfed``. Raises
-    ConfigError when a sink's package is missing."""
+    """Build the sinks ``[tracking]`` asks for, for one run directory.
+
+    Args:
+        t: the ``[tracking]`` section.
+        run_dir: the run directory; its MLflow run is named after it (``<parent>/<name>`` inside
+            a multi-method or seeds parent).
+        output_dir: the output folder (the default MLflow store's home).
+        output_name: the MLflow experiment's name when ``tracking.mlflow_experiment`` is empty
+            (else ``nestfed``).
+
+    Returns:
+        The sinks, TensorBoard's first.
+
+    Raises:
+        ConfigError: when a sink's package is missing.
+    """
     run_dir = Path(run_dir)
     out: list[Sink] = []
     if t.tensorboard:
@@ -223,8 +301,15 @@ def sinks(t: TrackingConfig, run_dir: Path, output_dir: str, output_name: str) -
 
 
 def config_params(run_dir: Path) -> dict[str, str]:
-    """The run's resolved config (``config.toml``) as MLflow params, ``section.key`` -> value as
-    text ({} when the file is not there yet), so runs can be told apart and filtered in MLflow."""
+    """Read the run's resolved config as MLflow params, so runs can be told apart and filtered.
+
+    Args:
+        run_dir: the run directory (its ``config.toml``).
+
+    Returns:
+        {``section.key``: value as text (lists and bools as JSON)}; {} when the file is not there
+        yet.
+    """
     path = Path(run_dir) / "config.toml"
     if not path.is_file():
         return {}

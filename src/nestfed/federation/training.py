@@ -1,7 +1,7 @@
 """Local training primitives every method shares: a batch, seeded batch orders, AdamW steps.
 
-A :class:`Batch` holds labels and either token ids or the frozen prefix's cached outputs
-(nestfed.nn.frozen_prefix); its :meth:`Batch.loss` is the causal-LM cross-entropy with the LM
+A `Batch` holds labels and either token ids or the frozen prefix's cached outputs
+(nestfed.nn.frozen_prefix); its `Batch.loss` is the causal-LM cross-entropy with the LM
 head run only where a next token is labelled.
 """
 
@@ -21,9 +21,16 @@ from nestfed.nn.frozen_prefix import labelled_logits
 
 @dataclass
 class Batch:
-    """A training batch: labels [B, T] (-100 = no loss); input_ids [B, T] or hidden [B, T, d]
-    entering decoder layer ``start``. share: this batch's fraction of its step's labelled tokens
-    (1 for a whole batch; a micro-batch's share, :meth:`micro_batches`)."""
+    """A training batch: labels and either token ids or the hidden states entering a decoder layer.
+
+    Attributes:
+        labels: [B, T] token ids; -100 = no loss.
+        input_ids: [B, T] token ids, or None with ``hidden``.
+        hidden: [B, T, d] the frozen prefix's outputs entering decoder layer ``start``, or None.
+        start: the decoder layer ``hidden`` enters; 0 with ``input_ids``.
+        share: this batch's fraction of its step's labelled tokens (1 for a whole batch; a
+            micro-batch's share, `micro_batches`).
+    """
 
     labels: torch.Tensor
     input_ids: torch.Tensor | None = None
@@ -32,19 +39,34 @@ class Batch:
     share: float = 1.0
 
     def loss(self, model: nn.Module) -> torch.Tensor:
-        """Mean next-token cross-entropy (nats per labelled token) of the model on this batch (the LM
-        head runs on the labelled positions only: nestfed.nn.frozen_prefix.labelled_logits), times
-        ``share``: the micro-batches' losses of one step sum to the whole batch's, and so do their
-        gradients."""
+        """Compute the model's mean next-token cross-entropy on this batch, times ``share``.
+
+        The LM head runs on the labelled positions only (nestfed.nn.frozen_prefix.labelled_logits).
+        With ``share``, the micro-batches' losses of one step sum to the whole batch's, and so do
+        their gradients.
+
+        Args:
+            model: the backbone with its adapters.
+
+        Returns:
+            A 0-dim tensor: nats per labelled token, times ``share``.
+        """
         logits, targets = labelled_logits(model, self.labels, self.input_ids, self.hidden, self.start)
         loss = F.cross_entropy(logits.float(), targets)
         return loss if self.share == 1.0 else loss * self.share
 
     def micro_batches(self, size: int) -> list[Batch]:
-        """This batch cut into micro-batches of ``size`` rows (0, or size >= B: the batch itself),
-        each with its share of the labelled tokens, for gradient accumulation: backpropagating every
-        micro-batch's :meth:`loss` gives the whole batch's gradient (up to float rounding) with one
-        micro-batch's activations alive at a time."""
+        """Cut this batch into micro-batches for gradient accumulation.
+
+        Backpropagating every micro-batch's `loss` gives the whole batch's gradient (up to float
+        rounding) with one micro-batch's activations alive at a time.
+
+        Args:
+            size: rows per micro-batch; 0, or size >= B, keeps the batch whole.
+
+        Returns:
+            The micro-batches, each with its share of the labelled tokens; [self] when whole.
+        """
         B = self.labels.shape[0]
         if size <= 0 or size >= B:
             return [self]
@@ -66,8 +88,20 @@ class Batch:
 
 
 def block_batches(n: int, steps: int, batch_size: int, seed: int) -> Iterator[torch.Tensor]:
-    """Seeded batches of row indices [min(batch_size, n)]: a permutation of 0..n-1 consumed in
-    order and redrawn when exhausted (every row once per epoch). Yields ``steps`` LongTensors."""
+    """Draw seeded batches of row indices.
+
+    A permutation of 0..n-1 is consumed in order and redrawn when exhausted (every row once per
+    epoch).
+
+    Args:
+        n: the number of rows.
+        steps: the number of batches.
+        batch_size: rows per batch (at most n are drawn).
+        seed: the permutations' seed.
+
+    Yields:
+        ``steps`` LongTensors [min(batch_size, n)].
+    """
     g = torch.Generator().manual_seed(seed)
     order, pos = torch.randperm(n, generator=g), 0
     for _ in range(steps):
@@ -81,25 +115,50 @@ def block_batches(n: int, steps: int, batch_size: int, seed: int) -> Iterator[to
 
 
 def rows_batch(d: ClientData, idx: torch.Tensor) -> Batch:
-    """The training rows ``idx`` [n] of client data ``d`` as one batch (from the cached
-    frozen-prefix outputs when ``d`` holds them, else from token ids)."""
+    """Make one batch of some training rows of a client's data.
+
+    Args:
+        d: the client's data.
+        idx: [n] the row indices.
+
+    Returns:
+        The batch, from the cached frozen-prefix outputs when ``d`` holds them, else from token
+        ids.
+    """
     if d.train_hidden is not None:
         return Batch(d.train_labels[idx], hidden=d.train_hidden[idx], start=d.start)
     return Batch(d.train_labels[idx], input_ids=d.train_ids[idx])
 
 
 def client_batches(d: ClientData, steps: int, batch_size: int, seed: int) -> Iterator[Batch]:
-    """``steps`` training batches of client data ``d`` in the seeded order of :func:`block_batches`
-    (:func:`rows_batch`)."""
+    """Draw a client's training batches in the seeded order of `block_batches`.
+
+    Args:
+        d: the client's data.
+        steps: the number of batches.
+        batch_size: rows per batch.
+        seed: the order's seed.
+
+    Yields:
+        ``steps`` batches (`rows_batch`).
+    """
     for idx in block_batches(d.num_examples, steps, batch_size, seed):
         yield rows_batch(d, idx)
 
 
 @contextmanager
 def seeded_steps(seed: int, device: torch.device) -> Iterator[None]:
-    """Inside: torch's global generator (the CPU's and ``device``'s when it is a CUDA device) seeded
-    with ``seed``, for what training draws from it (LoRA dropout's masks); after: the caller's
-    state restored, so the draws depend on the seed alone."""
+    """Seed torch's global generator inside the block, and restore the caller's state after.
+
+    For what training draws from it (LoRA dropout's masks), so the draws depend on the seed alone.
+
+    Args:
+        seed: the seed.
+        device: the training device; a CUDA device's generator is seeded (and restored) too.
+
+    Yields:
+        Nothing: the block runs with the seeded generators.
+    """
     devices = [device.index or 0] if device.type == "cuda" else []
     with torch.random.fork_rng(devices=devices):
         torch.manual_seed(seed)
@@ -116,10 +175,24 @@ def train_on_blocks(
     seed: int,
     max_grad_norm: float = 1.0,
 ) -> list[float]:
-    """``steps`` AdamW steps (no weight decay) of ``loss_of(idx) -> scalar loss`` over seeded batches of
-    the n rows (:func:`block_batches`), with gradient-norm clipping. ``params`` train only here
-    (requires_grad is switched on, then off); the global generator is seeded by ``seed`` meanwhile
-    (:func:`seeded_steps`). Returns the loss of every step (nats)."""
+    """Train parameters by AdamW steps (no weight decay) over seeded batches of rows.
+
+    ``params`` train only here (requires_grad is switched on, then off); the global generator is
+    seeded by ``seed`` meanwhile (`seeded_steps`).
+
+    Args:
+        params: the parameters trained.
+        loss_of: ``loss_of(idx) -> scalar loss`` of a batch of row indices.
+        n: the number of rows.
+        steps: the number of steps.
+        batch_size: rows per batch (`block_batches`).
+        lr: AdamW's learning rate.
+        seed: the batches' and the global generator's seed.
+        max_grad_norm: the gradient-norm clipping bound; 0 for none.
+
+    Returns:
+        The loss of every step (nats).
+    """
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)

@@ -23,9 +23,20 @@ FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 
 
 def origin(sent: Arrays, key: str, like: torch.Tensor) -> torch.Tensor:
-    """What the reply's array ``key`` (``like``) started from: sent[key], narrowed to like's rank
-    along the rank dimension when the client shrank it; zeros when nothing was sent under ``key``.
-    Raises ValueError when the shapes cannot be matched."""
+    """Give what one of the reply's arrays started from.
+
+    Args:
+        sent: the arrays the server sent.
+        key: the array's key.
+        like: the reply's array.
+
+    Returns:
+        sent[key], narrowed to like's rank along the rank dimension when the client shrank it, in
+        like's dtype; zeros when nothing was sent under ``key``.
+
+    Raises:
+        ValueError: when the shapes cannot be matched.
+    """
     s = sent.get(key)
     if s is None:
         return torch.zeros_like(like)
@@ -42,30 +53,62 @@ def origin(sent: Arrays, key: str, like: torch.Tensor) -> torch.Tensor:
 FLAT_NUMEL = 1 << 20
 
 
-#: the block of an update's arrays that have no rank dimension (:func:`block_norms`)
+#: the block of an update's arrays that have no rank dimension (`block_norms`)
 WHOLE = "other"
 
 
 def update_norm(sent: Arrays, reply: Arrays) -> float:
-    """The L2 norm of the whole update (all arrays concatenated), computed in float64 (so that an
-    overflowing update gets its true size, not inf): :func:`block_norms` with one block."""
+    """Compute the L2 norm of the whole update (all arrays concatenated): `block_norms` with one block.
+
+    Computed in float64, so that an overflowing update gets its true size, not inf.
+
+    Args:
+        sent: the arrays the server sent.
+        reply: the reply's arrays.
+
+    Returns:
+        The norm; 0.0 for an update with no floating-point array.
+
+    Raises:
+        ValueError: as `origin` does.
+    """
     return block_norms(sent, reply, ()).get(WHOLE, 0.0)
 
 
 def block_norms(sent: Arrays, reply: Arrays, ends: tuple[int, ...]) -> dict[str, float]:
-    """{block label ``lo:hi`` or ``other``: L2 norm of the update's entries in it}, float64; a block
-    the reply does not reach is absent. Blocks: [0, ends[0]), [ends[0], ends[1]), ... along the
-    rank dimension (rows of lora_A [r, in], columns of lora_B [out, r]) and ``other`` for the arrays
-    without one (all of them when ``ends`` is empty). Raises ValueError as :func:`origin` does."""
+    """Compute the L2 norm of the update in each rank block.
+
+    Blocks: [0, ends[0]), [ends[0], ends[1]), ... along the rank dimension (rows of lora_A
+    [r, in], columns of lora_B [out, r]) and ``other`` for the arrays without one (all of them
+    when ``ends`` is empty).
+
+    Args:
+        sent: the arrays the server sent.
+        reply: the reply's arrays.
+        ends: the blocks' upper ends, ascending.
+
+    Returns:
+        {block label ``lo:hi`` or ``other``: L2 norm of the update's entries in it}, float64; a
+        block the reply does not reach is absent.
+
+    Raises:
+        ValueError: as `origin` does.
+    """
     return measure(sent, reply, ends)[0]
 
 
 @dataclass(frozen=True)
 class Gathered:
-    """A small LoRA reply's update as two float64 matrices: ``a`` [r, E_a], the lora_A-like arrays
-    ([r, in], rank dimension 0) side by side in ``keys_a`` order, and ``b`` [E_b, r], the lora_B-like
-    arrays ([out, r], rank dimension 1) stacked in ``keys_b`` order. Row i of ``a`` and column i of
-    ``b`` are rank dimension i of every array."""
+    """A small LoRA reply's update as two float64 matrices.
+
+    Row i of ``a`` and column i of ``b`` are rank dimension i of every array.
+
+    Attributes:
+        keys_a: the lora_A-like keys, in ``a``'s order.
+        a: [r, E_a] the lora_A-like arrays ([r, in], rank dimension 0) side by side.
+        keys_b: the lora_B-like keys, in ``b``'s order.
+        b: [E_b, r] the lora_B-like arrays ([out, r], rank dimension 1) stacked.
+    """
 
     keys_a: tuple[str, ...]
     a: torch.Tensor
@@ -79,10 +122,18 @@ class Gathered:
 
 
 def gather(sent: Arrays, reply: Arrays, order: Iterable[str] | None = None) -> Gathered | None:
-    """The reply's update gathered (:class:`Gathered`) when it is small (at most FLAT_NUMEL entries)
-    and every array is a floating-point 2-D LoRA matrix sent at the reply's shape and dtype, with
-    one rank r for all; else None (:func:`measure` then goes array by array). ``order``: the
-    arrays' order (the reply's when None)."""
+    """Gather a small reply's update into a `Gathered`.
+
+    Args:
+        sent: the arrays the server sent.
+        reply: the reply's arrays.
+        order: the arrays' order; the reply's when None.
+
+    Returns:
+        The gathered update when it is small (at most FLAT_NUMEL entries) and every array is a
+        floating-point 2-D LoRA matrix sent at the reply's shape and dtype, with one rank r for
+        all; else None (`measure` then goes array by array).
+    """
     xa, oa, ka, xb, ob, kb = [], [], [], [], [], []
     numel, rank = 0, None
     for k in reply if order is None else order:
@@ -115,11 +166,24 @@ def _block_labels(per_row: list[float], ends: tuple[int, ...], reach: int) -> di
 def measure(
     sent: Arrays, reply: Arrays, ends: tuple[int, ...], order: Iterable[str] | None = None
 ) -> tuple[dict[str, float], Gathered | None]:
-    """:func:`block_norms`, and the update gathered (:func:`gather`) when it can be and its rank is
-    at most max(ends), else None. The gathered form costs a few kernels per reply, not a few per
-    array (a 1,000-client round of small adapters); a large reply goes one array at a time (no
-    copy of all of it). ``order``: the gathered arrays' order. Raises ValueError as :func:`origin`
-    does (a reply whose shapes cannot be matched to what was sent)."""
+    """Compute `block_norms`, and gather the update when it can be.
+
+    The gathered form costs a few kernels per reply, not a few per array (a 1,000-client round of
+    small adapters); a large reply goes one array at a time (no copy of all of it).
+
+    Args:
+        sent: the arrays the server sent.
+        reply: the reply's arrays.
+        ends: the blocks' upper ends, ascending.
+        order: the gathered arrays' order; the reply's when None.
+
+    Returns:
+        The block norms, and the update gathered (`gather`) when it can be and its rank is at most
+        max(ends), else None.
+
+    Raises:
+        ValueError: as `origin` does (a reply whose shapes cannot be matched to what was sent).
+    """
     g = gather(sent, reply, order) if ends else None
     if g is not None and g.rank <= max(ends):
         per_row = (g.a.square().sum(1) + g.b.square().sum(0)).tolist()
@@ -161,7 +225,20 @@ def measure(
 
 
 def scale_update(sent: Arrays, reply: Arrays, factor: float) -> Arrays:
-    """The reply whose update is multiplied by ``factor``: origin + factor * (reply - origin)."""
+    """Multiply a reply's update by a factor: origin + factor * (reply - origin).
+
+    Args:
+        sent: the arrays the server sent.
+        reply: the reply's arrays.
+        factor: the factor.
+
+    Returns:
+        The scaled reply (computed in float64, in the reply's dtypes; non-floating arrays as
+        they are).
+
+    Raises:
+        ValueError: as `origin` does.
+    """
     out = {}
     for k, v in reply.items():
         if not v.is_floating_point():
@@ -173,8 +250,20 @@ def scale_update(sent: Arrays, reply: Arrays, factor: float) -> Arrays:
 
 
 def clip_update(sent: Arrays, reply: Arrays, bound: float) -> tuple[Arrays, float]:
-    """The reply with its update clipped to L2 norm ``bound`` (scaled by min(1, bound / norm)),
-    and the update's norm before clipping."""
+    """Clip a reply's update to an L2 norm (scaled by min(1, bound / norm)).
+
+    Args:
+        sent: the arrays the server sent.
+        reply: the reply's arrays.
+        bound: the largest norm.
+
+    Returns:
+        The reply with its update clipped (``reply`` itself when within the bound), and the
+        update's norm before clipping.
+
+    Raises:
+        ValueError: as `origin` does.
+    """
     norm = update_norm(sent, reply)
     if norm <= bound:
         return reply, norm
