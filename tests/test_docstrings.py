@@ -36,7 +36,7 @@ yaml = pytest.importorskip("yaml", reason="the docs extra (mkdocs)")
 
 ROOT = Path(__file__).resolve().parents[1]
 
-COVERED = [
+COVERED = [  # dotted names; a package covers its modules
     # nestfed.data module by module: data.niah (make_item) is not converted yet
     "nestfed.config",
     "nestfed.data.client_cache",
