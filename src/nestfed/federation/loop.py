@@ -325,15 +325,21 @@ class RoundLoop:
         state, aggregated, trust = self._aggregate(rnd, state, folder, res.secure)
         record.mark("aggregate")
         evaluations = self._evaluate(rnd, state, record)
-        extra: dict[str, Any] = {}
-        if self.population.availability < 1:
-            extra["online"] = len(online)
-        if folder.count > self.hold_replies or folder.folded:
-            extra["replies"] = folder.facts()
-        extra.update(res.round_info)
-        line = record.line(aggregated, evaluations, trust, extra)
+        line = record.line(aggregated, evaluations, trust, self._round_fields(online, folder, res))
         self._commit(rnd, state, line, aggregated)
         return state
+
+    def _round_fields(self, online: list[ClientInfo], folder: ReplyFolder, res: FitResults) -> dict[str, Any]:
+        """The round's own fields of its line: ``online`` (how many, when not every client is),
+        ``replies`` (ReplyFolder.facts, when replies were folded or more were held than
+        ``hold_replies``), then the transport's (FitResults.round_info)."""
+        out: dict[str, Any] = {}
+        if self.population.availability < 1:
+            out["online"] = len(online)
+        if folder.count > self.hold_replies or folder.folded:
+            out["replies"] = folder.facts()
+        out.update(res.round_info)
+        return out
 
     def _sample(self, rnd: int) -> tuple[list[ClientInfo], list[ClientInfo]]:
         """(the clients online in round ``rnd``, those sampled among them, as this round runs them:
