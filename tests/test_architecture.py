@@ -1,5 +1,6 @@
 """The architecture holds: the layer contract (import-linter), no import cycles, a core that names no
-method, no function-local import of nestfed, and a registry that is the one place methods are listed."""
+method, no function-local import of nestfed, small modules and short functions, and a registry that
+is the one place methods are listed."""
 
 import ast
 import re
@@ -87,6 +88,31 @@ def test_no_function_imports_nestfed_locally():
 def test_modules_stay_small():
     sizes = {str(f.relative_to(SRC)): len(f.read_text().splitlines()) for f in modules()}
     assert max(sizes.values()) <= 600, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+def function_lengths(tree: ast.AST) -> dict[str, int]:
+    """{name at its line: lines from its first decorator (or its def) to its last line} of every
+    function and method in ``tree``."""
+    return {
+        f"{fn.name}:{fn.lineno}": fn.end_lineno - min([fn.lineno] + [d.lineno for d in fn.decorator_list]) + 1
+        for fn in ast.walk(tree)
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }
+
+
+def test_function_lengths_count_from_the_decorator_to_the_last_line():
+    tree = ast.parse("@a\n@b\ndef f():\n    x = 1\n\n    return x\n\n\nclass C:\n    def g(self):\n        pass\n")
+    assert function_lengths(tree) == {"f:3": 6, "g:10": 2}
+
+
+def test_functions_stay_short():
+    long = {
+        f"{f.relative_to(SRC)}::{name}": n
+        for f in modules()
+        for name, n in function_lengths(ast.parse(f.read_text())).items()
+        if n >= 80
+    }
+    assert not long, sorted(long.items(), key=lambda kv: -kv[1])
 
 
 def test_every_method_is_listed_once_and_the_cli_and_schema_follow_the_registry():

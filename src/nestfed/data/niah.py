@@ -37,7 +37,7 @@ Decisions where the sources are silent:
 from __future__ import annotations
 
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -250,99 +250,76 @@ def _facts(
     )  # type: ignore[arg-type]
 
 
-def make_item(template: str, rng: random.Random, depth: float = 0.5) -> NiahItem:
-    """One seeded :class:`NiahItem` of ``template`` with its gold event at ``depth`` (a fraction
-    of the haystack; single-fact templates use it exactly, the others take the nearest event).
+@dataclass(frozen=True)
+class FactTemplate:
+    """A single-fact template: ``draw(rng)`` gives the four (subjects, values) in the order the
+    seeded draws are made, the gold pair first; ``sentence`` and ``question`` format them
+    (``{s}``, ``{v}``)."""
 
-    Raises ValueError for an unknown template or a depth outside [0, 1].
-    """
-    if template not in TEMPLATES:
-        raise ValueError(f"unknown NIAH template '{template}' (known: {', '.join(TEMPLATES)})")
-    if not 0.0 <= depth <= 1.0:
-        raise ValueError(f"NIAH depth must be a fraction in [0, 1], got {depth}")
-    if template == "passkey":
-        return _facts(
-            rng,
-            depth,
-            rng.sample(SURNAMES, 4),
-            _distinct(rng, lambda: str(rng.randint(10**6, 10**7 - 1)), 4),
-            "Officer {s}'s passkey is {v}.",
-            "What is Officer {s}'s passkey?",
-            template,
-        )
-    if template == "uuid_code":
-        hexes = "0123456789ABCDEF"
-        devices = _distinct(rng, lambda: f"{rng.choice('BCDKMRTX')}{rng.choice('BCDKMRTX')}-{rng.randint(10, 99)}", 4)
-        codes = _distinct(rng, lambda: "-".join("".join(rng.choice(hexes) for _ in range(4)) for _ in range(3)), 4)
-        return _facts(
-            rng,
-            depth,
-            devices,
-            codes,
-            "The access code of device {s} is {v}.",
-            "What is the access code of device {s}?",
-            template,
-        )
-    if template == "name_date":
-        dates = _distinct(rng, lambda: f"{rng.choice(MONTHS)} {rng.randint(1, 28)}, {rng.randint(1950, 2020)}", 4)
-        return _facts(
-            rng,
-            depth,
-            rng.sample(SURNAMES, 4),
-            dates,
-            "Officer {s} filed the report on {v}.",
-            "On what date did Officer {s} file the report?",
-            template,
-        )
-    if template == "phrase_code":
-        phrases = _distinct(rng, lambda: f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}", 4)
-        return _facts(
-            rng,
-            depth,
-            rng.sample(MISSIONS, 4),
-            phrases,
-            "The codeword for mission {s} is {v}.",
-            "What is the codeword for mission {s}?",
-            template,
-        )
-    if template == "counter_state":
-        base = rng.randint(0, 20)
-        deltas = [rng.choice([-1, 1]) * rng.randint(1, 9) for _ in range(3)]
-        needles = [f"The counter starts at {base}."]
-        needles += [f"The counter is {'increased' if d > 0 else 'decreased'} by {abs(d)}." for d in deltas]
-        states = [base, base + deltas[0], base + deltas[0] + deltas[1], base + sum(deltas)]
-        gold = states[-1] % 8
-        values = [gold]
-        for s in states[:-1]:
-            if s % 8 not in values:
-                values.append(s % 8)
-        values += [r for r in rng.sample(range(8), 8) if r not in values][: 4 - len(values)]
-        order = list(range(4))
-        rng.shuffle(order)
-        return NiahItem(
-            template,
-            tuple(needles),
-            EVENT_DEPTHS,
-            "After all the changes, what is the counter's value modulo 8?",
-            tuple(str(values[i]) for i in order),
-            order.index(0),
-            EVENT_DEPTHS[-1],
-        )  # type: ignore[arg-type]
-    gold_slot, others = _slots(depth)
-    if template == "mk_niah":
-        keys = rng.sample(KEYWORDS, 4)
-        nums = _distinct(rng, lambda: str(rng.randint(1000, 9999)), 4)
-        needles = tuple(f"The secret number for key {keys[i]} is {nums[i]}." for i in range(4))
-        question = f"What is the secret number for key {keys[gold_slot]}?"
-        values = nums
-    else:  # mv_niah
-        words = _distinct(rng, lambda: rng.choice(NOUNS + KEYWORDS), 4)
-        numbers = [1, 2, 3, 4]
-        rng.shuffle(numbers)
-        needles = tuple(f"Codeword #{numbers[i]} is {words[i]}." for i in range(4))
-        question = f"What is codeword #{numbers[gold_slot]}?"
-        values = words
-    order = [gold_slot] + others
+    sentence: str
+    question: str
+    draw: Callable[[random.Random], tuple[list[str], list[str]]]
+
+    def item(self, template: str, rng: random.Random, depth: float) -> NiahItem:
+        subjects, values = self.draw(rng)
+        return _facts(rng, depth, subjects, values, self.sentence, self.question, template)
+
+
+def _passkeys(rng: random.Random) -> tuple[list[str], list[str]]:
+    officers = rng.sample(SURNAMES, 4)
+    return officers, _distinct(rng, lambda: str(rng.randint(10**6, 10**7 - 1)), 4)
+
+
+def _access_codes(rng: random.Random) -> tuple[list[str], list[str]]:
+    hexes = "0123456789ABCDEF"
+    devices = _distinct(rng, lambda: f"{rng.choice('BCDKMRTX')}{rng.choice('BCDKMRTX')}-{rng.randint(10, 99)}", 4)
+    codes = _distinct(rng, lambda: "-".join("".join(rng.choice(hexes) for _ in range(4)) for _ in range(3)), 4)
+    return devices, codes
+
+
+def _report_dates(rng: random.Random) -> tuple[list[str], list[str]]:
+    dates = _distinct(rng, lambda: f"{rng.choice(MONTHS)} {rng.randint(1, 28)}, {rng.randint(1950, 2020)}", 4)
+    return rng.sample(SURNAMES, 4), dates
+
+
+def _codewords(rng: random.Random) -> tuple[list[str], list[str]]:
+    phrases = _distinct(rng, lambda: f"{rng.choice(ADJECTIVES)} {rng.choice(NOUNS)}", 4)
+    return rng.sample(MISSIONS, 4), phrases
+
+
+def _counter_state(template: str, rng: random.Random, depth: float) -> NiahItem:
+    """Four events (a base, three signed steps) at every event depth; the gold is the final value
+    mod 8, the negatives the intermediate states mod 8 padded with other residues."""
+    base = rng.randint(0, 20)
+    deltas = [rng.choice([-1, 1]) * rng.randint(1, 9) for _ in range(3)]
+    needles = [f"The counter starts at {base}."]
+    needles += [f"The counter is {'increased' if d > 0 else 'decreased'} by {abs(d)}." for d in deltas]
+    states = [base, base + deltas[0], base + deltas[0] + deltas[1], base + sum(deltas)]
+    gold = states[-1] % 8
+    values = [gold]
+    for s in states[:-1]:
+        if s % 8 not in values:
+            values.append(s % 8)
+    values += [r for r in rng.sample(range(8), 8) if r not in values][: 4 - len(values)]
+    order = list(range(4))
+    rng.shuffle(order)
+    return NiahItem(
+        template,
+        tuple(needles),
+        EVENT_DEPTHS,
+        "After all the changes, what is the counter's value modulo 8?",
+        tuple(str(values[i]) for i in order),
+        order.index(0),
+        EVENT_DEPTHS[-1],
+    )  # type: ignore[arg-type]
+
+
+def _queried_event(
+    template: str, rng: random.Random, gold_slot: int, needles: tuple[str, ...], question: str, values: list[str]
+) -> NiahItem:
+    """An item of four events at the event depths, the one at ``gold_slot`` queried; options = the
+    four events' values, shuffled."""
+    order = [gold_slot] + [i for i in range(4) if i != gold_slot]
     rng.shuffle(order)
     return NiahItem(
         template,
@@ -353,6 +330,59 @@ def make_item(template: str, rng: random.Random, depth: float = 0.5) -> NiahItem
         order.index(gold_slot),
         EVENT_DEPTHS[gold_slot],
     )
+
+
+def _secret_numbers(template: str, rng: random.Random, depth: float) -> NiahItem:
+    """MK-NIAH: four keys with a secret number each; the key of the event nearest ``depth`` is queried."""
+    gold_slot, _ = _slots(depth)
+    keys = rng.sample(KEYWORDS, 4)
+    nums = _distinct(rng, lambda: str(rng.randint(1000, 9999)), 4)
+    needles = tuple(f"The secret number for key {keys[i]} is {nums[i]}." for i in range(4))
+    return _queried_event(
+        template, rng, gold_slot, needles, f"What is the secret number for key {keys[gold_slot]}?", nums
+    )
+
+
+def _numbered_codewords(template: str, rng: random.Random, depth: float) -> NiahItem:
+    """MV-NIAH: four codewords numbered 1-4 in random order; the number of the event nearest
+    ``depth`` is queried."""
+    gold_slot, _ = _slots(depth)
+    words = _distinct(rng, lambda: rng.choice(NOUNS + KEYWORDS), 4)
+    numbers = [1, 2, 3, 4]
+    rng.shuffle(numbers)
+    needles = tuple(f"Codeword #{numbers[i]} is {words[i]}." for i in range(4))
+    return _queried_event(template, rng, gold_slot, needles, f"What is codeword #{numbers[gold_slot]}?", words)
+
+
+# {template: builder(template, rng, depth)}, one per template of TEMPLATES
+BUILDERS: dict[str, Callable[[str, random.Random, float], NiahItem]] = {
+    "passkey": FactTemplate("Officer {s}'s passkey is {v}.", "What is Officer {s}'s passkey?", _passkeys).item,
+    "uuid_code": FactTemplate(
+        "The access code of device {s} is {v}.", "What is the access code of device {s}?", _access_codes
+    ).item,
+    "name_date": FactTemplate(
+        "Officer {s} filed the report on {v}.", "On what date did Officer {s} file the report?", _report_dates
+    ).item,
+    "phrase_code": FactTemplate(
+        "The codeword for mission {s} is {v}.", "What is the codeword for mission {s}?", _codewords
+    ).item,
+    "counter_state": _counter_state,
+    "mk_niah": _secret_numbers,
+    "mv_niah": _numbered_codewords,
+}
+
+
+def make_item(template: str, rng: random.Random, depth: float = 0.5) -> NiahItem:
+    """One seeded :class:`NiahItem` of ``template`` with its gold event at ``depth`` (a fraction
+    of the haystack; single-fact templates use it exactly, the others take the nearest event).
+
+    Raises ValueError for an unknown template or a depth outside [0, 1].
+    """
+    if template not in TEMPLATES:
+        raise ValueError(f"unknown NIAH template '{template}' (known: {', '.join(TEMPLATES)})")
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"NIAH depth must be a fraction in [0, 1], got {depth}")
+    return BUILDERS[template](template, rng, depth)
 
 
 # ----------------------------------------------------------------------------- haystacks

@@ -22,7 +22,7 @@ from nestfed.experiments.pretrained_tiny import ensure_pretrained
 from nestfed.federation.messages import ClientInfo
 from nestfed.federation.population import trace_has_budgets
 from nestfed.federation.prepared import Prepared
-from nestfed.nn.backbone import default_cache_dir, load_backbone
+from nestfed.nn.backbone import Backbone, default_cache_dir, load_backbone
 from nestfed.nn.bounded_attention import install_bounded_attention
 from nestfed.nn.checkpointing import enable_activation_checkpointing
 from nestfed.nn.footprint import Footprint
@@ -68,35 +68,10 @@ def prepare(
     ensure_pretrained(cfg.model, say)
     say("loading the backbone")
     backbone = load_backbone(cfg.model)
-    try:
-        names = target_module_names(backbone.model, cfg.lora.target_modules, cfg.lora.layers)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None  # names lora.layers or lora.target_modules
-    smallest = min(min(m.in_features, m.out_features) for m in map(backbone.model.get_submodule, names))
-    if r_max(cfg) > smallest:  # checked before any [r, in] matrix is allocated
-        raise ConfigError(
-            f"lora.ranks: rank {r_max(cfg)} exceeds {smallest}, the smallest adapted layer's min(out, in) "
-            "(a LoRA update of a [out, in] layer has rank at most min(out, in))"
-        )
-    inject_lora(
-        backbone.model,
-        cfg.lora.target_modules,
-        r_max(cfg),
-        cfg.lora.lora_alpha / r_max(cfg),
-        cfg.lora.layers,
-        cfg.lora.lora_dropout,
-    )
-    if cfg.train.gradient_checkpointing:
-        enable_activation_checkpointing(backbone.model)
+    _adapt(backbone.model, cfg)
     shapes = module_shapes(backbone.model)
     start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
-    p = cfg.population
-    budgets_trace = p.elastic == "trace" and trace_has_budgets(p.elastic_trace)
-    footprint = (
-        Footprint.measure(backbone.model, cfg.train, cfg.data.block_size, start)
-        if p.memory_mib or budgets_trace
-        else None
-    )
+    footprint = _footprint(backbone.model, cfg, start)
     try:
         ranks, budgets = assign_ranks(
             cfg.population,
@@ -108,23 +83,7 @@ def prepare(
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    attackers = set(cfg.attack.clients) if cfg.attack.kind in DATA_ATTACKS else set()
-    vocab = backbone.model.config.vocab_size
-    bs = cfg.train.eval_batch_size
-
-    def finish(cid: int, d: ClientData) -> None:
-        if cid in attackers:  # an attacking client trains on its poisoned text (docs/trust.md)
-            poison_client(d, cfg.attack.kind, vocab, stream_seed(cfg.federation.seed, 0, cid, "poison"))
-        d.cache_prefix(backbone.model, start, bs)
-
-    pool = ClientPool(
-        ClientSource(cfg, backbone.tokenizer),
-        range(cfg.data.num_clients),
-        finish,
-        lambda cid: client_cache_io.key(cfg, cid),
-        client_cache_of(cfg, client_cache),
-        cfg.train.client_memory_mb * 2**20,
-    )
+    pool = _client_pool(cfg, backbone, start, client_cache)
     cids = list(range(cfg.data.num_clients)) if only_clients is None else list(only_clients)
     say(f"registering {len(cids)} clients")
     clients = [ClientInfo(cid, ranks[cid], pool.num_examples(cid)) for cid in cids]
@@ -139,6 +98,66 @@ def prepare(
         ranks=ranks,
         budgets=None if budgets is None else {cid: budgets[cid] for cid in cids},
         footprint=footprint,
+    )
+
+
+def _adapt(model: torch.nn.Module, cfg: ExperimentConfig) -> None:
+    """Inject LoRA at rank r_max (scale lora_alpha / r_max) into the adapted layers, and activation
+    checkpointing when ``train.gradient_checkpointing``. Raises ConfigError for bad
+    ``lora.layers`` / ``lora.target_modules`` or a rank above the smallest adapted layer's
+    min(out, in), checked before any [r, in] matrix is allocated."""
+    try:
+        names = target_module_names(model, cfg.lora.target_modules, cfg.lora.layers)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None  # names lora.layers or lora.target_modules
+    smallest = min(min(m.in_features, m.out_features) for m in map(model.get_submodule, names))
+    if r_max(cfg) > smallest:
+        raise ConfigError(
+            f"lora.ranks: rank {r_max(cfg)} exceeds {smallest}, the smallest adapted layer's min(out, in) "
+            "(a LoRA update of a [out, in] layer has rank at most min(out, in))"
+        )
+    inject_lora(
+        model,
+        cfg.lora.target_modules,
+        r_max(cfg),
+        cfg.lora.lora_alpha / r_max(cfg),
+        cfg.lora.layers,
+        cfg.lora.lora_dropout,
+    )
+    if cfg.train.gradient_checkpointing:
+        enable_activation_checkpointing(model)
+
+
+def _footprint(model: torch.nn.Module, cfg: ExperimentConfig, start: int) -> Footprint | None:
+    """The training footprint per rank (nestfed.nn.footprint), measured only when memory budgets
+    draw the ranks (``population.memory_mib``, or an elastic trace with budgets); else None."""
+    p = cfg.population
+    budgets_trace = p.elastic == "trace" and trace_has_budgets(p.elastic_trace)
+    if not (p.memory_mib or budgets_trace):
+        return None
+    return Footprint.measure(model, cfg.train, cfg.data.block_size, start)
+
+
+def _client_pool(cfg: ExperimentConfig, backbone: Backbone, start: int, client_cache: str | Path | None) -> ClientPool:
+    """The pool that builds a client's data when first read: an attacking client's text poisoned
+    (``attack.kind`` a data attack, docs/trust.md), its frozen prefix cached from layer ``start``;
+    kept in the client cache (:func:`client_cache_of`)."""
+    attackers = set(cfg.attack.clients) if cfg.attack.kind in DATA_ATTACKS else set()
+    vocab = backbone.model.config.vocab_size
+    bs = cfg.train.eval_batch_size
+
+    def finish(cid: int, d: ClientData) -> None:
+        if cid in attackers:  # an attacking client trains on its poisoned text (docs/trust.md)
+            poison_client(d, cfg.attack.kind, vocab, stream_seed(cfg.federation.seed, 0, cid, "poison"))
+        d.cache_prefix(backbone.model, start, bs)
+
+    return ClientPool(
+        ClientSource(cfg, backbone.tokenizer),
+        range(cfg.data.num_clients),
+        finish,
+        lambda cid: client_cache_io.key(cfg, cid),
+        client_cache_of(cfg, client_cache),
+        cfg.train.client_memory_mb * 2**20,
     )
 
 

@@ -6,7 +6,8 @@ rank, dtype, NaN/Inf, n_k against the declared, the update's norm; a bad update 
 its reason and never reaches the global model) -> ``strategy.aggregate`` (or its robust / DP form)
 when at least ``min_clients`` updates were accepted, then the server optimiser's step
 (nestfed.federation.server_optimizer; the identity by default); a non-finite result is refused -> held-out
-evaluation of what each client now runs -> commit: the metrics line, then the checkpoint with the
+evaluation of what each client now runs -> commit: the metrics line (each client's status, bytes
+and checks, the phases' timings: nestfed.federation.round_record), then the checkpoint with the
 clients' kept state (nestfed.federation.run_dir). Like Flower's ``Strategy.start(grid)``, the loop
 talks to a :class:`Transport` and never to a client directly. Under secure aggregation (Flower's
 SecAgg+, nestfed.flower.secure) the transport brings back only sums (``FitResults.secure``): no
@@ -34,10 +35,10 @@ from nestfed.errors import RunFailed, UpdateRejected
 from nestfed.federation.evaluation_plan import Deployments, EvalPlan
 from nestfed.federation.folding import ReplyFolder
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply, SecureSum
-from nestfed.federation.payload import non_finite_keys, payload_stats, validate_reply
+from nestfed.federation.payload import non_finite_keys, validate_reply
 from nestfed.federation.population import Population
-from nestfed.federation.rank_groups import summarise_metrics
 from nestfed.federation.relative_screen import RelativeScreen, round_blocks
+from nestfed.federation.round_record import RoundRecord, summarise_clients
 from nestfed.federation.run_dir import ClientState, RunDir
 from nestfed.federation.safeguards import Safeguards
 from nestfed.federation.strategy import Strategy
@@ -310,168 +311,201 @@ class RoundLoop:
             state = self.run_round(rnd, state)
         return state
 
-    def run_round(self, rnd: int, state: GlobalState) -> GlobalState:  # noqa: C901, PLR0915 (the round's phases; split into steps is issue 36's)
+    def run_round(self, rnd: int, state: GlobalState) -> GlobalState:
         """One round: sample, configure, exchange, validate and fold, aggregate, evaluate, commit."""
-        t0 = time.perf_counter()
-        online = self.population.online(rnd, self.clients)
-        sampled = self.population.this_round(
-            rnd, sample_clients(online, self.fraction, self.seed, rnd, self.sampling, len(self.clients))
-        )
+        record = RoundRecord(rnd)
+        online, sampled = self._sample(rnd)
+        instructions = self._configure(rnd, state, sampled)
+        gone = self.population.dropouts(rnd, sampled)  # {cid: why}
+        record.configured(sampled, gone)
         declared = {c.cid: c.num_examples for c in sampled}
+        folder = self._folder(rnd, state, instructions, max(declared.values(), default=1))
+        res = self._exchange(rnd, instructions, gone, declared, folder, record)
+        self._close_clients(rnd, record, instructions, gone, res)
+        state, aggregated, trust = self._aggregate(rnd, state, folder, res.secure)
+        record.mark("aggregate")
+        evaluations = self._evaluate(rnd, state, record)
+        line = record.line(aggregated, evaluations, trust, self._round_fields(online, folder, res))
+        self._commit(rnd, state, line, aggregated)
+        return state
+
+    def _round_fields(self, online: list[ClientInfo], folder: ReplyFolder, res: FitResults) -> dict[str, Any]:
+        """The round's own fields of its line: ``online`` (how many, when not every client is),
+        ``replies`` (ReplyFolder.facts, when replies were folded or more were held than
+        ``hold_replies``), then the transport's (FitResults.round_info)."""
+        out: dict[str, Any] = {}
+        if self.population.availability < 1:
+            out["online"] = len(online)
+        if folder.count > self.hold_replies or folder.folded:
+            out["replies"] = folder.facts()
+        out.update(res.round_info)
+        return out
+
+    def _sample(self, rnd: int) -> tuple[list[ClientInfo], list[ClientInfo]]:
+        """(the clients online in round ``rnd``, those sampled among them, as this round runs them:
+        the elastic ranks applied)."""
+        online = self.population.online(rnd, self.clients)
+        sample = sample_clients(online, self.fraction, self.seed, rnd, self.sampling, len(self.clients))
+        return online, self.population.this_round(rnd, sample)
+
+    def _configure(self, rnd: int, state: GlobalState, sampled: list[ClientInfo]) -> dict[int, Instruction]:
+        """The strategy's instructions {cid: Instruction}, each told the federation's length
+        (``rounds``: a schedule over the federation's steps needs it)."""
         instructions = self.strategy.configure(rnd, state, sampled)
-        for ins in instructions.values():  # a schedule over the federation's steps needs its length
+        for ins in instructions.values():
             ins.config.setdefault("rounds", self.rounds)
-        why_gone = self.population.dropouts(rnd, sampled)
-        gone = set(why_gone)
-        t_conf = time.perf_counter()
+        return instructions
+
+    def _folder(self, rnd: int, state: GlobalState, instructions: dict[int, Instruction], n_max: int) -> ReplyFolder:
+        """The round's ReplyFolder: the default screen when ``validation.norm_ratio`` > 0, folding
+        past ``hold_replies``; n_max: the largest n_k declared."""
         ratio = self.safeguards.validation.norm_ratio
-        folder = ReplyFolder(
+        return ReplyFolder(
             self.strategy,
             self.safeguards,
             rnd,
             state,
             instructions,
             self.hold_replies,
-            max(declared.values(), default=1),
+            n_max,
             screen=RelativeScreen(ratio, round_blocks(instructions)) if ratio > 0 else None,
             secure=Capability.SECURE_AGGREGATION in self.capabilities,
         )
-        per_client: dict[str, dict[str, Any]] = {}
-        rejected: dict[str, str] = {}
-        dropped: dict[str, str] = {str(c): why_gone[c] for c in sorted(gone)}
-        timing = {"validate_s": 0.0}
 
-        def on_reply(cid: int, reply: Reply) -> None:  # validated, screened and folded as it arrives
-            t = time.perf_counter()
-            ins = instructions[cid]
-            up = payload_stats(reply.arrays)
-            info = per_client.setdefault(str(cid), {})
-            info.update(
-                {
-                    "bytes_up": up["bytes"],
-                    "params_up": up["params"],
-                    "dtypes_up": up["dtypes"],
-                    "num_examples": reply.num_examples,
-                }
-            )
-            try:
-                validate_reply(ins, reply)
-                norms = folder.block_norms(cid, reply)
-                screened, checks = self.safeguards.screen(ins, reply, declared[cid], norms)
-                info.update(checks)
-                if norms is not None and "clipped_to" in checks:  # scaled as a whole: every block alike
-                    norms = {b: x * checks["clipped_to"] / checks["update_norm"] for b, x in norms.items()}
-                folder.add(cid, screened, norms)
-                info["status"] = "accepted"
-            except UpdateRejected as exc:
-                rejected[str(cid)] = str(exc)
-                info["status"] = "rejected"
-                self._say(f"round {rnd}: client {cid} update rejected: {exc}")
-            # the client's own metrics, in their own namespace: they never touch the server's fields
-            info["metrics"] = {k: v for k, v in reply.metrics.items() if isinstance(v, (int, float))}
-            timing["validate_s"] += time.perf_counter() - t
-            self._emit("client_done", round=rnd, cid=cid)
+    def _exchange(
+        self,
+        rnd: int,
+        instructions: dict[int, Instruction],
+        gone: Mapping[int, str],
+        declared: dict[int, int],
+        folder: ReplyFolder,
+        record: RoundRecord,
+    ) -> FitResults:
+        """Deliver the instructions of the clients still there; screen and fold each reply as it
+        arrives (:meth:`_take_reply`; in id order from a transport that collected them), then the
+        default screen over the round's replies (ReplyFolder.settle), whose rejections are recorded."""
+
+        def take(cid: int, reply: Reply) -> None:
+            self._take_reply(rnd, cid, reply, instructions[cid], declared[cid], folder, record)
 
         delivered = {c: ins for c, ins in instructions.items() if c not in gone}
-        res = self.transport.fit(rnd, delivered, on_reply) if delivered else FitResults()
+        res = self.transport.fit(rnd, delivered, take) if delivered else FitResults()
         for cid in sorted(res.replies):  # a transport that collected its replies instead
-            on_reply(cid, res.replies[cid])
-        for cid, why in folder.settle().items():  # the default screen, over the round's replies
-            per_client[str(cid)]["status"] = "rejected"
-            rejected[str(cid)] = why
+            take(cid, res.replies[cid])
+        for cid, why in folder.settle().items():
+            record.reject(cid, why)
             self._say(f"round {rnd}: client {cid} update rejected: {why}")
-        t_fit = time.perf_counter()
-        for cid, ins in instructions.items():
-            down = payload_stats(ins.arrays)
-            info = {
-                "bytes_down": down["bytes"],
-                "params_down": down["params"],
-                "dtypes_down": down["dtypes"],
-                "rank_sent": ins.config.get("rank"),
-            }
-            info.update(res.info.get(cid, {}))
-            info.update(per_client.get(str(cid), {}))
-            if cid in gone:
-                info.update({"status": "dropped", "bytes_up": 0, "bytes_down": 0})
-            elif res.secure is not None and cid in res.secure.clients:  # in the secure sum: nothing to validate
-                info.setdefault("bytes_up", 0)
-                info["status"] = "secure"
-            elif "status" not in info:
-                reason = res.dropped.get(cid, "no reply")
-                dropped[str(cid)] = reason
-                info.update({"status": "dropped", "bytes_up": 0})
-                self._say(f"round {rnd}: client {cid} dropped: {reason}")
-            per_client[str(cid)] = info
-        per_client = {str(c): per_client[str(c)] for c in sorted(instructions)}
-        if sampled and len(dropped) * 2 > len(sampled):
+        record.exchanged()
+        return res
+
+    def _take_reply(
+        self,
+        rnd: int,
+        cid: int,
+        reply: Reply,
+        ins: Instruction,
+        declared: int,
+        folder: ReplyFolder,
+        record: RoundRecord,
+    ) -> None:
+        """One reply as it arrives: validated against its instruction, screened (Safeguards.screen:
+        n_k against the ``declared``, the norm bound, clipping) and folded; or rejected, with its
+        reason recorded and said."""
+        t = time.perf_counter()
+        record.received(cid, reply)
+        try:
+            validate_reply(ins, reply)
+            norms = folder.block_norms(cid, reply)
+            screened, checks = self.safeguards.screen(ins, reply, declared, norms)
+            record.checked(cid, checks)
+            if norms is not None and "clipped_to" in checks:  # scaled as a whole: every block alike
+                norms = {b: x * checks["clipped_to"] / checks["update_norm"] for b, x in norms.items()}
+            folder.add(cid, screened, norms)
+            record.accept(cid)
+        except UpdateRejected as exc:
+            record.reject(cid, str(exc))
+            self._say(f"round {rnd}: client {cid} update rejected: {exc}")
+        record.replied(cid, reply, time.perf_counter() - t)
+        self._emit("client_done", round=rnd, cid=cid)
+
+    def _close_clients(
+        self,
+        rnd: int,
+        record: RoundRecord,
+        instructions: dict[int, Instruction],
+        gone: Mapping[int, str],
+        res: FitResults,
+    ) -> None:
+        """Every instructed client's fields and status (RoundRecord.close); say each client that
+        gave no reply, and warn when most of the sample dropped out."""
+        in_sum = res.secure.clients if res.secure is not None else ()
+        for cid, reason in record.close(instructions, gone, res.info, res.dropped, in_sum).items():
+            self._say(f"round {rnd}: client {cid} dropped: {reason}")
+        n, lost = len(record.sampled), len(record.dropped)
+        if n and lost * 2 > n:
             self._say(
-                f"round {rnd}: WARNING {len(dropped)} of the {len(sampled)} sampled clients dropped out; the round "
+                f"round {rnd}: WARNING {lost} of the {n} sampled clients dropped out; the round "
                 "aggregates the others only"
             )
-        count = len(res.secure.clients) if res.secure is not None else folder.count
-        aggregated = count >= self.min_clients
+
+    def _aggregate(
+        self, rnd: int, state: GlobalState, folder: ReplyFolder, secure: SecureSum | None
+    ) -> tuple[GlobalState, bool, dict[str, Any]]:
+        """(the global state after the round, whether it aggregated, the trust facts). With at least
+        ``min_clients`` accepted updates, the strategy's rule (or its rebuild from the secure sums)
+        and the server optimiser's step; a non-finite result is refused (:meth:`_refuse_non_finite`).
+        Otherwise the state is kept. The trust facts end with the privacy spent so far."""
+        count = len(secure.clients) if secure is not None else folder.count
         trust: dict[str, Any] = {}
-        if aggregated and res.secure is not None:  # the strategy rebuilds its rule from the sums alone
-            new_state, trust = self.safeguards.aggregate_secure(self.strategy, rnd, state, res.secure)
-        elif aggregated:
-            new_state, trust = folder.aggregate()
-        if aggregated:  # the arrays and the server optimiser's state, which is kept or refused with them
-            bad = non_finite_keys(new_state.arrays) + non_finite_keys(new_state.optimizer)
-            if bad:  # never accepted as the global state: the round keeps the old one
-                aggregated = False
-                trust["aggregate_rejected"] = f"non-finite values in {bad[:3]}{' ...' if len(bad) > 3 else ''}"
-                self._say(
-                    f"round {rnd}: the aggregate has non-finite values in {len(bad)} arrays "
-                    f"({bad[0]}, ...); global state kept"
-                )
-            else:
-                state = new_state
-        else:
+        aggregated = count >= self.min_clients
+        if not aggregated:
             self._say(f"round {rnd}: {count} accepted updates < min_clients {self.min_clients}; global state kept")
+        elif secure is not None:  # the strategy rebuilds its rule from the sums alone
+            new_state, trust = self.safeguards.aggregate_secure(self.strategy, rnd, state, secure)
+            state, aggregated = self._refuse_non_finite(rnd, state, new_state, trust)
+        else:
+            new_state, trust = folder.aggregate()
+            state, aggregated = self._refuse_non_finite(rnd, state, new_state, trust)
         trust.update(self.safeguards.privacy_spent(rnd, self.fraction))
-        t_agg = time.perf_counter()
+        return state, aggregated, trust
+
+    def _refuse_non_finite(
+        self, rnd: int, state: GlobalState, new_state: GlobalState, trust: dict[str, Any]
+    ) -> tuple[GlobalState, bool]:
+        """(``new_state``, True) when its arrays and the server optimiser's state (kept or refused
+        with them) are finite; else (``state``, False), with ``aggregate_rejected`` in ``trust``:
+        a non-finite aggregate is never accepted as the global state."""
+        bad = non_finite_keys(new_state.arrays) + non_finite_keys(new_state.optimizer)
+        if not bad:
+            return new_state, True
+        trust["aggregate_rejected"] = f"non-finite values in {bad[:3]}{' ...' if len(bad) > 3 else ''}"
+        self._say(
+            f"round {rnd}: the aggregate has non-finite values in {len(bad)} arrays ({bad[0]}, ...); global state kept"
+        )
+        return state, False
+
+    def _evaluate(self, rnd: int, state: GlobalState, record: RoundRecord) -> dict[str, Any]:
+        """The round's evaluations: ``eval`` (held out, of the clients the plan evaluates this round,
+        as each runs ``state``) and, where the server measures itself this round, ``eval_global``."""
+        out: dict[str, Any] = {}
         cids = self.evaluation.clients(rnd, self.rounds, [c.cid for c in self.clients])
         evaluation = self.transport.evaluate(rnd, Deployments(self.strategy, state, cids)) if cids else None
-        t_eval = time.perf_counter()
-        line: dict[str, Any] = {
-            "round": rnd,
-            "sampled": [c.cid for c in sampled],
-            "aggregated": aggregated,
-            "clients": per_client,
-            "rejected": rejected,
-            "dropped": dropped,
-        }
+        record.mark("evaluate")
         if evaluation is not None:
-            line["eval"] = evaluation
+            out["eval"] = evaluation
         if self.server_evaluate is not None and self.evaluation.evaluates(rnd, self.rounds):
-            line["eval_global"] = self.server_evaluate(rnd, state)
-        line.update(trust)
-        line.update(
-            {
-                "bytes_down": sum(c["bytes_down"] for c in per_client.values()),
-                "bytes_up": sum(c["bytes_up"] for c in per_client.values()),
-            }
-        )
-        if self.population.availability < 1:
-            line["online"] = len(online)
-        if folder.count > self.hold_replies or folder.folded:
-            line["replies"] = folder.facts()
-        line.update(res.round_info)
-        line["timing"] = {
-            "configure_s": t_conf - t0,
-            "exchange_s": t_fit - t_conf - timing["validate_s"],
-            "validate_s": timing["validate_s"],
-            "aggregate_s": t_agg - t_fit,
-            "evaluate_s": t_eval - t_agg,
-        }
-        line["time_s"] = time.perf_counter() - t0
+            out["eval_global"] = self.server_evaluate(rnd, state)
+        return out
+
+    def _commit(self, rnd: int, state: GlobalState, line: dict[str, Any], aggregated: bool) -> None:
+        """Commit the round (its line, then its checkpoint with the clients' kept state), hand the
+        line to the sinks, then check the outcome (RunFailed once the line is on disk)."""
         self._summarise(line)
         t_commit = time.perf_counter()
         self._track(self.run_dir.commit(rnd, state, self.transport.client_state(), line, self.keep_checkpoints))
         self._emit("round_done", round=rnd, line=line, commit_s=time.perf_counter() - t_commit)
         self._stalled = 0 if aggregated else self._stalled + 1
         self._check_outcome(line)
-        return state
 
     def _check_outcome(self, line: dict[str, Any]) -> None:
         """Raise RunFailed (after the round's line is committed, so it is on disk) when the round's
@@ -498,15 +532,6 @@ class RoundLoop:
 
     def _summarise(self, line: dict[str, Any]) -> None:
         """With the per-client numbers in their own file (RunDir.inline False), what the metrics
-        line keeps of them: the evaluation by rank group (nestfed.federation.rank_groups), the
-        number sampled and the statuses' counts."""
-        if self.run_dir.inline:
-            return
-        if "eval" in line:
-            line["eval_summary"] = summarise_metrics(line["eval"], self._ranks)
-        if "sampled" in line:
-            line["num_sampled"] = len(line["sampled"])
-            statuses: dict[str, int] = {}
-            for info in line["clients"].values():
-                statuses[info["status"]] = statuses.get(info["status"], 0) + 1
-            line["statuses"] = statuses
+        line keeps of them (nestfed.federation.round_record.summarise_clients)."""
+        if not self.run_dir.inline:
+            summarise_clients(line, self._ranks)

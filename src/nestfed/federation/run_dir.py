@@ -47,7 +47,13 @@ from nestfed.config import ExperimentConfig, differences
 from nestfed.errors import DataError, NestfedError
 from nestfed.federation.messages import Arrays, GlobalState
 from nestfed.federation.plots import run_plots
-from nestfed.federation.summary import client_table, rank_summary, summarise
+from nestfed.federation.summary import (
+    completed_summary,
+    failed_summary,
+    roster_ranks,
+    roster_table,
+    summarise,
+)
 from nestfed.io import atomic
 from nestfed.nn.peft_export import export_peft_adapter
 from nestfed.nn.quantization import bnb_config
@@ -496,19 +502,9 @@ class RunDir:
 
     def fail(self, cfg: ExperimentConfig, failure: str, failed_round: int, extra: dict[str, Any]) -> dict[str, Any]:
         """Finalise a run that stopped (nestfed.errors.RunFailed): summary.json with the committed
-        rounds' summary, ``outcome = "failed"``, ``failure`` (the one line) and ``failed_round``; no
-        adapter, plots or per-client table. Returns the summary."""
-        summary = summarise(self.read_rounds(), cfg)
-        summary.update(extra)
-        summary.update(
-            {
-                "adapter": None,
-                "outcome": "failed",
-                "failure": failure,
-                "failed_round": failed_round,
-                "run_dir": str(self.path),
-            }
-        )
+        rounds' summary (nestfed.federation.summary.failed_summary); no adapter, plots or per-client
+        table. Returns the summary."""
+        summary = failed_summary(self.read_rounds(), cfg, failure, failed_round, extra, str(self.path))
         self.write_json("summary.json", summary)
         return summary
 
@@ -522,56 +518,46 @@ class RunDir:
     ) -> dict[str, Any]:
         """Finalise a run whose rounds are all committed: the adapter (only when some round
         aggregated: a run that never aggregated has no adapter PEFT could load), the method's
-        files, the plots (``output.plots``), the per-client table, then summary.json (last): the
-        run's summary (nestfed.federation.summary), then ``extra`` (the entry point's fields), then
-        the method's own fields (``exports.summary``). Returns the summary.
+        files, the plots (``output.plots``), the per-client table, then summary.json (last, built
+        by nestfed.federation.summary.completed_summary). Returns the summary.
 
         roster: {cid: {rank, label, num_examples[, memory_mib]}} of every client (the per-client
         table and the rank groups); per_client: further per-client maps ({name: {cid: ...}}, e.g.
         the truncation curve), kept in summary.json while the per-client numbers stay in the metrics
-        lines, else in clients.json (summary.json then keeps the summaries by rank group in
-        ``by_rank`` and no per-client ``final`` / ``initial``).
+        lines, else in clients.json.
         """
         lines = self.read_rounds()
         summary = summarise(lines, cfg)
+        adapter = self._export(cfg, exports, summary["aggregated_rounds"] > 0)
+        ranks = roster_ranks(roster or {})
+        if cfg.output.plots:
+            self.write_plots(lines, ranks or None)
+        if roster:
+            self.write_clients(roster_table(lines, roster), per_client)
+        completed_summary(
+            summary,
+            cfg,
+            adapter=adapter,
+            extra=extra,
+            roster=roster or {},
+            per_client=per_client or {},
+            inline=self.inline,
+            method_fields=exports.summary,
+            run_dir=str(self.path),
+        )
+        self.write_json("summary.json", summary)
+        return summary
+
+    def _export(self, cfg: ExperimentConfig, exports: Exports, aggregated: bool) -> str | None:
+        """Write the final adapter (when some round ``aggregated``; a warning when one was given but
+        none did) and the method's files; return the adapter's directory name, or None."""
         arrays, scale = exports.adapter or ({}, 1.0)
-        summary["adapter"] = None
-        if arrays and summary["aggregated_rounds"] > 0:
+        adapter = None
+        if arrays and aggregated:
             self.write_adapter(arrays, scale, exports.base_model, cfg.lora.lora_dropout, bnb_config(cfg.model))
-            summary["adapter"] = "adapter"
+            adapter = "adapter"
         elif arrays:
             log.warning("%s: no round aggregated, so no adapter is exported", self.path)
         for name, tensors in exports.files.items():
             self.write_tensors(name, tensors)
-        ranks = {c: int(r["rank"]) for c, r in (roster or {}).items()}
-        if cfg.output.plots:
-            self.write_plots(lines, ranks or None)
-        if roster:
-            budgets = {c: r["memory_mib"] for c, r in roster.items() if r.get("memory_mib") is not None} or None
-            rows = client_table(
-                lines,
-                ranks,
-                {c: r.get("label", "") for c, r in roster.items()},
-                {c: r.get("num_examples", 0) for c, r in roster.items()},
-                budgets,
-            )
-            self.write_clients(rows, per_client)
-            counts: dict[str, int] = {}
-            for r in ranks.values():
-                counts[str(r)] = counts.get(str(r), 0) + 1
-            summary["rank_counts"] = dict(sorted(counts.items(), key=lambda kv: int(kv[0])))
-            summary["by_rank"] = rank_summary(summary, ranks)
-            if cfg.population.draws_ranks:
-                summary["ranks"] = sorted({int(r) for r in ranks.values()})
-        summary.update(extra)
-        if self.inline:
-            summary.update(per_client or {})
-        else:  # the per-client numbers are in clients.json
-            for key in ("final", "initial", "local_accuracy", "federated_accuracy", "aggregation_drop"):
-                summary.pop(key, None)
-            summary["per_client"] = "clients.json"
-        summary.update(exports.summary)
-        summary["outcome"] = "completed"
-        summary["run_dir"] = str(self.path)
-        self.write_json("summary.json", summary)
-        return summary
+        return adapter

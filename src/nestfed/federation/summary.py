@@ -1,6 +1,8 @@
 """One run's summary from its metrics lines: final and initial held-out metrics per client, their
 means, bytes per client per round, rejected updates, the aggregation drop, NIAH's accuracy by
-length and depth. Pure functions of the lines (dicts), written by nestfed.federation.run_dir."""
+length and depth; and summary.json's whole content, for a completed run (:func:`completed_summary`:
+the rank groups, the entry point's and the method's fields, the outcome) or a failed one
+(:func:`failed_summary`). Pure functions of the lines (dicts), written by nestfed.federation.run_dir."""
 
 from __future__ import annotations
 
@@ -58,6 +60,105 @@ def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, A
         out["mean_accuracy"] = sum(v["accuracy"] for v in last.values()) / len(last)
     out.update(aggregation_drop(lines))
     out.update(group_accuracy(last))
+    return out
+
+
+def failed_summary(
+    lines: list[dict[str, Any]],
+    cfg: ExperimentConfig,
+    failure: str,
+    failed_round: int,
+    extra: Mapping[str, Any],
+    run_dir: str,
+) -> dict[str, Any]:
+    """summary.json of a run that stopped (nestfed.errors.RunFailed): the committed rounds'
+    summary (:func:`summarise`), then ``extra`` (the entry point's fields), then ``adapter`` None,
+    ``outcome = "failed"``, ``failure`` (the one line), ``failed_round`` and ``run_dir``."""
+    summary = summarise(lines, cfg)
+    summary.update(extra)
+    summary.update(
+        {
+            "adapter": None,
+            "outcome": "failed",
+            "failure": failure,
+            "failed_round": failed_round,
+            "run_dir": run_dir,
+        }
+    )
+    return summary
+
+
+# the per-client fields a summary drops when the per-client numbers are in clients.json
+PER_CLIENT_FIELDS = ("final", "initial", "local_accuracy", "federated_accuracy", "aggregation_drop")
+
+
+def completed_summary(
+    summary: dict[str, Any],
+    cfg: ExperimentConfig,
+    *,
+    adapter: str | None,
+    extra: Mapping[str, Any],
+    roster: Mapping[str, Mapping[str, Any]],
+    per_client: Mapping[str, Any],
+    inline: bool,
+    method_fields: Mapping[str, Any],
+    run_dir: str,
+) -> dict[str, Any]:
+    """summary.json of a run whose rounds are all committed, completed in place from its
+    :func:`summarise` and returned: ``adapter`` (its directory, or None when none was exported),
+    the rank groups when the ``roster`` ({cid: {rank, ...}}) is known (:func:`rank_fields`), then
+    ``extra`` (the entry point's fields), then ``per_client`` (further per-client maps, {name:
+    {cid: ...}}) when the per-client numbers stay ``inline`` in the metrics lines, else
+    ``per_client = "clients.json"`` in place of the summary's per-client fields
+    (:data:`PER_CLIENT_FIELDS`), then ``method_fields`` (the method's own), ``outcome =
+    "completed"`` and ``run_dir``."""
+    summary["adapter"] = adapter
+    if roster:
+        summary.update(rank_fields(summary, roster_ranks(roster), cfg.population.draws_ranks))
+    summary.update(extra)
+    if inline:
+        summary.update(per_client)
+    else:
+        for key in PER_CLIENT_FIELDS:
+            summary.pop(key, None)
+        summary["per_client"] = "clients.json"
+    summary.update(method_fields)
+    summary["outcome"] = "completed"
+    summary["run_dir"] = run_dir
+    return summary
+
+
+def roster_ranks(roster: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
+    """{cid: r_k} of a roster ({cid: {rank, label, num_examples[, memory_mib]}})."""
+    return {c: int(r["rank"]) for c, r in roster.items()}
+
+
+def roster_table(lines: list[dict[str, Any]], roster: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """:func:`client_table` of the clients of ``roster`` ({cid: {rank, label, num_examples[,
+    memory_mib]}}; memory_mib where budgets drew the ranks)."""
+    budgets = {c: r["memory_mib"] for c, r in roster.items() if r.get("memory_mib") is not None} or None
+    return client_table(
+        lines,
+        roster_ranks(roster),
+        {c: r.get("label", "") for c, r in roster.items()},
+        {c: r.get("num_examples", 0) for c, r in roster.items()},
+        budgets,
+    )
+
+
+def rank_fields(summary: Mapping[str, Any], ranks: Mapping[str, int], draws_ranks: bool) -> dict[str, Any]:
+    """The summary's rank groups: ``rank_counts`` ({rank: clients}, ranks ascending), ``by_rank``
+    (:func:`rank_summary`) and, when the population drew the ranks (``draws_ranks``), ``ranks``:
+    the distinct ranks drawn, sorted."""
+    counts: dict[str, int] = {}
+    for r in ranks.values():
+        counts[str(r)] = counts.get(str(r), 0) + 1
+    out: dict[str, Any] = {
+        "rank_counts": dict(sorted(counts.items(), key=lambda kv: int(kv[0]))),
+        "by_rank": rank_summary(summary, ranks),
+    }
+    if draws_ranks:
+        out["ranks"] = sorted({int(r) for r in ranks.values()})
     return out
 
 

@@ -317,9 +317,6 @@ def secure_fit(
         fitins.append((GridClientProxy(node_of[c], grid, 0), fi))
         out.info[c] = {"node_id": node_of[c], "wire_bytes_down": sum(len(t) for t in fi.parameters.tensors)}
     shim = SumOnly(fitins)
-    ctx = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}), strategy=shim)
-    ctx.state.config_records["config"] = ConfigRecord({"current_round": rnd})
-    ctx.state.array_records["parameters"] = ArrayRecord()
     shares, threshold = sa.shares(k), sa.threshold_for(k)
     workflow = SurvivingSecAggPlus(
         shares / k,
@@ -331,15 +328,13 @@ def secure_fit(
         timeout=timeout_s,
     )
     stages = StageGrid(grid, exchange, timeout_s, poll_s)
-    workflow(stages, ctx)
+    workflow(stages, _legacy_context(rnd, shim))
     contributors = sorted(cid_of[p.node_id] for p, _ in shim.results) if shim.mean is not None else []
     for c in cids:
-        n = node_of[c]
-        if c in contributors:
-            continue
-        out.dropped[c] = stages.lost.get(n) or (
-            f"node {n}: secure aggregation halted (fewer than {threshold} live neighbours for some node)"
-        )
+        if c not in contributors:
+            out.dropped[c] = stages.lost.get(node_of[c]) or (
+                f"node {node_of[c]}: secure aggregation halted (fewer than {threshold} live neighbours for some node)"
+            )
     info = {
         "clients": k,
         "shares": shares,
@@ -353,22 +348,36 @@ def secure_fit(
         total = [torch.from_numpy(np.asarray(a, dtype=np.float64) * len(contributors)) for a in shim.mean]
         out.secure = decode(total, lay, scale, contributors)
         info["sum_error_bound"] = sum_error(len(contributors), sa.clipping_range, sa.quantization_range, n_max)
-        for proxy, res in shim.results:
-            c = cid_of[proxy.node_id]
-            out.info[c].update(
-                {
-                    "bytes_up": stages.masked_bytes.get(proxy.node_id, 0),
-                    "metrics": {
-                        m: float(v)
-                        for m, v in res.metrics.items()
-                        if isinstance(v, (int, float)) and not isinstance(v, bool)
-                    },
-                }
-            )
+        _contributor_info(out, shim, stages, cid_of)
     else:
         say(f"round {rnd}: secure aggregation produced no sum")
     out.round_info = {"secure_aggregation": info, "flower": {"exchange_s": time.perf_counter() - t0}}
     return out
+
+
+def _legacy_context(rnd: int, shim: SumOnly) -> LegacyContext:
+    """The legacy context Flower's workflow runs in: round ``rnd``, the strategy ``shim``, no
+    global parameters (each node's instruction carries its own)."""
+    ctx = LegacyContext(Context(run_id=0, node_id=0, node_config={}, state=RecordDict(), run_config={}), strategy=shim)
+    ctx.state.config_records["config"] = ConfigRecord({"current_round": rnd})
+    ctx.state.array_records["parameters"] = ArrayRecord()
+    return ctx
+
+
+def _contributor_info(out: FitResults, shim: SumOnly, stages: StageGrid, cid_of: dict[int, int]) -> None:
+    """Per client in the sum: the bytes of its masked vector (``bytes_up``) and its numeric
+    metrics (booleans left out), into ``out.info``."""
+    for proxy, res in shim.results:
+        out.info[cid_of[proxy.node_id]].update(
+            {
+                "bytes_up": stages.masked_bytes.get(proxy.node_id, 0),
+                "metrics": {
+                    m: float(v)
+                    for m, v in res.metrics.items()
+                    if isinstance(v, (int, float)) and not isinstance(v, bool)
+                },
+            }
+        )
 
 
 def secure_mod(msg: Message, ctx: Context, call_next: Callable[[Message, Context], Message]) -> Message:

@@ -252,42 +252,17 @@ def bounded_attention_forward(
     stream = bounds.stream
     enabled = path is not None and path.enabled
     use_path = enabled and (stream is None or stream.memory)
-    window = stream.window if stream is not None else (bounds.window if enabled or bounds.fixed else 0)
-    sink = stream.sink if stream is not None else bounds.sink
-    if bounds.fixed and stream is not None:  # no stream sees past a deployment's bound, and keeps its sinks
-        window, sink = narrower(window, bounds.window), max(sink, bounds.sink)
-
-    mask = attention_mask
+    window, sink = _bounds_of(bounds, stream, enabled)
     keys, values = k_rot, v_t
     if past_key_values is not None:
-        if stream is not None:
-            raise ValueError(f"layer {self.layer_idx}: give a Hugging Face cache or a nestfed stream, not both")
-        keys, values = past_key_values.update(k_rot, v_t, self.layer_idx)
-        if keys.shape[2] > T and use_path:
-            raise ValueError(
-                f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the linear path's "
-                "state across calls; stream with nestfed.evaluation.streaming instead"
-            )
-    cache_keys = keys  # what a stream carries on: the sinks at their own positions
+        keys, values = _hf_cache(self, past_key_values, stream, k_rot, v_t, use_path)
     own = layer_window(self.config, self.layer_idx)  # the layer's own sliding window (0 = none)
-    k_pos = None
     if stream is not None:
-        if stream.k is not None:
-            cache_keys = torch.cat([stream.k, k_rot], dim=2)
-            keys = _shift_sinks(stream, cache_keys)
-            values = torch.cat([stream.v, v_t], dim=2)
-        q_pos = torch.arange(stream.pos, stream.pos + T, device=q.device)
-        recent = keys.shape[2] - (0 if stream.k is None else stream.n_sink)
-        k_pos = torch.arange(stream.pos + T - recent, stream.pos + T, device=q.device)
-        if stream.k is not None and stream.n_sink:
-            k_pos = torch.cat([torch.arange(stream.n_sink, device=q.device), k_pos])
-        mask = _combine(positional_mask(self.config, q_pos, k_pos, q_rot.dtype, window, sink, own), attention_mask)
-    elif window > 0 and T > window:
-        pos = torch.arange(T, device=q.device)
-        valid = bounds.padding if bounds.padding is not None and bounds.padding.shape == (B, T) else None
-        if sink and valid is not None and not bool(valid.all()):  # the sinks: each row's first real tokens
-            pos = valid.long().cumsum(1) - 1  # [B, T]: real-token positions (pads are masked anyway)
-        mask = _combine(positional_mask(self.config, pos, pos, q_rot.dtype, window, sink, own), attention_mask)
+        context = _stream_context(self, stream, k_rot, v_t, q_rot.dtype, (window, sink, own), attention_mask)
+        cache_keys, keys, values, k_pos, mask = context
+    else:
+        cache_keys, k_pos = keys, None  # what a stream would carry on: the sinks at their own positions
+        mask = _window_mask(self, bounds.padding, B, T, q_rot, (window, sink, own), attention_mask)
     soft, _ = _attention_interface(self)(
         self,
         q_rot,
@@ -305,6 +280,91 @@ def bounded_attention_forward(
     if stream is not None:
         _keep_stream(stream, cache_keys, values, k_pos, window, own, sink, T)
     return self.o_proj(out.reshape(B, T, -1).contiguous()), None
+
+
+def _bounds_of(bounds: Bounds, stream: LayerStream | None, enabled: bool) -> tuple[int, int]:
+    """(window, sink) in tokens of one call: the stream's; else the layer's bounds when a linear
+    path is ``enabled`` or the bounds are a deployment's (``fixed``; the window only: 0 otherwise).
+    Under fixed bounds no stream sees past the deployment's window, and keeps its sinks."""
+    window = stream.window if stream is not None else (bounds.window if enabled or bounds.fixed else 0)
+    sink = stream.sink if stream is not None else bounds.sink
+    if bounds.fixed and stream is not None:
+        window, sink = narrower(window, bounds.window), max(sink, bounds.sink)
+    return window, sink
+
+
+def _hf_cache(
+    self: nn.Module,
+    past_key_values: Any,
+    stream: LayerStream | None,
+    k_rot: torch.Tensor,
+    v_t: torch.Tensor,
+    use_path: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(keys, values) [B, H_kv, c, D]: the Hugging Face cache updated with this call's (as the
+    backbone does). Raises ValueError with a stream as well, or when the cache already held keys
+    and the linear path runs (a cache cannot carry its state)."""
+    if stream is not None:
+        raise ValueError(f"layer {self.layer_idx}: give a Hugging Face cache or a nestfed stream, not both")
+    keys, values = past_key_values.update(k_rot, v_t, self.layer_idx)
+    if keys.shape[2] > k_rot.shape[2] and use_path:
+        raise ValueError(
+            f"layer {self.layer_idx}: a Hugging Face KV cache does not carry the linear path's "
+            "state across calls; stream with nestfed.evaluation.streaming instead"
+        )
+    return keys, values
+
+
+def _stream_context(
+    self: nn.Module,
+    stream: LayerStream,
+    k_rot: torch.Tensor,
+    v_t: torch.Tensor,
+    dtype: torch.dtype,
+    spans: tuple[int, int, int],
+    attention_mask: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A stream's chunk: (cache_keys: the cached keys then the chunk's, the sinks at their own
+    positions; keys: the same with the cached sinks shifted (:func:`_shift_sinks`); values; k_pos:
+    the keys' absolute positions, the sinks first; mask [.., T, c] of ``dtype``'s kind: ``spans``
+    = (window, sink, own window) over absolute positions, combined with ``attention_mask``)."""
+    T = k_rot.shape[2]
+    cache_keys, keys, values = k_rot, k_rot, v_t
+    if stream.k is not None:
+        cache_keys = torch.cat([stream.k, k_rot], dim=2)
+        keys = _shift_sinks(stream, cache_keys)
+        values = torch.cat([stream.v, v_t], dim=2)
+    device = k_rot.device
+    q_pos = torch.arange(stream.pos, stream.pos + T, device=device)
+    recent = keys.shape[2] - (0 if stream.k is None else stream.n_sink)
+    k_pos = torch.arange(stream.pos + T - recent, stream.pos + T, device=device)
+    if stream.k is not None and stream.n_sink:
+        k_pos = torch.cat([torch.arange(stream.n_sink, device=device), k_pos])
+    mask = _combine(positional_mask(self.config, q_pos, k_pos, dtype, *spans), attention_mask)
+    return cache_keys, keys, values, k_pos, mask
+
+
+def _window_mask(
+    self: nn.Module,
+    padding: torch.Tensor | None,
+    B: int,
+    T: int,
+    q_rot: torch.Tensor,
+    spans: tuple[int, int, int],
+    attention_mask: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """The mask of a call without a stream: ``attention_mask`` as given unless the window (of
+    ``spans`` = (window, sink, own window)) is narrower than the call's T tokens; then the window's
+    and the sinks' positional mask combined with it, the sinks each row's first real tokens under
+    left ``padding`` [B, T]."""
+    window, sink, _ = spans
+    if not (window > 0 and T > window):
+        return attention_mask
+    pos = torch.arange(T, device=q_rot.device)
+    valid = padding if padding is not None and padding.shape == (B, T) else None
+    if sink and valid is not None and not bool(valid.all()):  # the sinks: each row's first real tokens
+        pos = valid.long().cumsum(1) - 1  # [B, T]: real-token positions (pads are masked anyway)
+    return _combine(positional_mask(self.config, pos, pos, q_rot.dtype, *spans), attention_mask)
 
 
 # ----------------------------------------------------------------------------- install / query

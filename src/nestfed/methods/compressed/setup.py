@@ -304,16 +304,7 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
     say("loading the server text (held out from every client)")
     server = load_server_text(cfg, prep.backbone.tokenizer, cfg.section("compression").server_blocks)
     bases = cached_bases(model, cfg, prep.backbone.source, say, server.input_ids)
-    num_layers = model.config.num_hidden_layers
-    try:
-        trained = select_layers(sorted(bases), cfg.section("compression").train_layers, num_layers)
-    except ValueError as exc:
-        raise ConfigError(str(exc)) from None  # names compression.train_layers
-    if not trained:
-        raise ConfigError(
-            f"compression.train_layers {list(cfg.section('compression').train_layers)}: no compressed layer "
-            "lies there (check compression.target)"
-        )
+    trained = _trained_layers(cfg, sorted(bases), model.config.num_hidden_layers)
     say("deriving the compressed client models")
     models = {g: derive_compressed(model, bases, rho) for g, rho in enumerate(ratios)}
     prep_start = prep.frozen_prefix_layers
@@ -329,28 +320,9 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
             public[g] = public["strong"] if shared else CachedText(server.input_ids)
         else:
             public[g] = CachedText(server.input_ids, prefix_features(m, server.input_ids, start, bs), start)
-        data[g] = {}
-        for cid, d in prep.data.items():
-            if client_group[cid] != g:
-                continue
-            if shared:
-                nd = ClientData(
-                    d.train_ids,
-                    d.train_labels,
-                    d.test_ids,
-                    d.test_labels,
-                    d.train_hidden,
-                    d.test_hidden,
-                    d.start,
-                    d.letter_ids,
-                    d.label,
-                )
-            else:
-                nd = ClientData(
-                    d.train_ids, d.train_labels, d.test_ids, d.test_labels, letter_ids=d.letter_ids, label=d.label
-                )
-                nd.cache_prefix(m, start, bs)
-            data[g][cid] = nd
+        data[g] = {
+            cid: _group_client(d, m, shared, start, bs) for cid, d in prep.data.items() if client_group[cid] == g
+        }
     initial = {g: {core_key(n): m.get_submodule(n).sigma.detach().clone() for n in trained} for g, m in models.items()}
     sizes: dict[str | int, int] = {"full": model_bytes(model)}
     sizes.update({g: model_bytes(m) for g, m in models.items()})
@@ -371,3 +343,39 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
     )
     memo[key] = setup
     return setup
+
+
+def _trained_layers(cfg: ExperimentConfig, compressed: list[str], num_layers: int) -> list[str]:
+    """The compressed modules whose cores train (``compression.train_layers`` among ``compressed``).
+    Raises ConfigError for bad train_layers or when no compressed layer lies there."""
+    try:
+        trained = select_layers(compressed, cfg.section("compression").train_layers, num_layers)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None  # names compression.train_layers
+    if not trained:
+        raise ConfigError(
+            f"compression.train_layers {list(cfg.section('compression').train_layers)}: no compressed layer "
+            "lies there (check compression.target)"
+        )
+    return trained
+
+
+def _group_client(d: ClientData, model: nn.Module, shared: bool, start: int, bs: int) -> ClientData:
+    """A client's data as its group's compressed ``model`` sees it: the backbone's cached prefix
+    when the prefix is ``shared``, else the prefix cached again from layer ``start`` through
+    ``model`` (batches of ``bs``)."""
+    if shared:
+        return ClientData(
+            d.train_ids,
+            d.train_labels,
+            d.test_ids,
+            d.test_labels,
+            d.train_hidden,
+            d.test_hidden,
+            d.start,
+            d.letter_ids,
+            d.label,
+        )
+    nd = ClientData(d.train_ids, d.train_labels, d.test_ids, d.test_labels, letter_ids=d.letter_ids, label=d.label)
+    nd.cache_prefix(model, start, bs)
+    return nd
