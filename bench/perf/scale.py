@@ -81,6 +81,7 @@ def rss_mb() -> float:
 def one(setting: dict) -> dict:
     """Run one setting in this process; return its figures."""
     from nestfed import methods
+    from nestfed.config import clients_per_round
     from nestfed.experiments.prepare import prepare
     from nestfed.experiments.run import run_method
 
@@ -101,7 +102,7 @@ def one(setting: dict) -> dict:
     prep = prepare(cfg)
     out = {
         **setting,
-        "sampled_per_round": max(1, round(fraction * k)),
+        "sampled_per_round": clients_per_round(fraction, k),
         "prepare_s": time.perf_counter() - t0,
         "rss_after_prepare_mb": rss_mb(),
         "runs": {},

@@ -335,6 +335,19 @@ def r_max(cfg: ExperimentConfig) -> int:
     return cfg.lora.r_max or max(cfg.population.support(cfg.lora.r_max) or cfg.lora.ranks)
 
 
+def clients_per_round(fraction: float, population: int) -> int:
+    """Count the clients a ``fixed`` sampling draws each round (the one rule every caller uses).
+
+    Args:
+        fraction: ``federation.fraction``, the share of the population sampled.
+        population: the federation's size K (clients).
+
+    Returns:
+        max(1, round(fraction * K)) (Python's round: halves go to the even integer).
+    """
+    return max(1, round(fraction * population))
+
+
 def sampled_per_round(cfg: ExperimentConfig) -> int:
     """Count the clients sampled each round.
 
@@ -342,9 +355,9 @@ def sampled_per_round(cfg: ExperimentConfig) -> int:
         cfg: the experiment.
 
     Returns:
-        max(1, round(federation.fraction * data.num_clients)).
+        :func:`clients_per_round` of federation.fraction and data.num_clients.
     """
-    return max(1, round(cfg.federation.fraction * cfg.data.num_clients))
+    return clients_per_round(cfg.federation.fraction, cfg.data.num_clients)
 
 
 def check_schedule(t: TrainConfig, lora: LoraConfig, rounds: int) -> None:

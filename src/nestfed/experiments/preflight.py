@@ -157,5 +157,5 @@ def flower_federation(
                 "run config: secure-aggregation: a robust rule or central DP needs individual "
                 "updates, which secure aggregation hides; docs/secure_aggregation.md"
             )
-        secure.check_clients(max(1, round(cfg.federation.fraction * len(clients))))
+        secure.check_clients(C.clients_per_round(cfg.federation.fraction, len(clients)))
     return Population.from_config(cfg, clients)

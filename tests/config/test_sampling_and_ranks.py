@@ -1,0 +1,28 @@
+"""The shared rules of nestfed.config.schema every layer uses: clients per round and the rank range."""
+
+import pytest
+
+from nestfed.config import clients_per_round, sampled_per_round
+from tests.tiny_federation import tiny_config
+
+
+@pytest.mark.parametrize(
+    ("fraction", "population", "expected"),
+    [
+        (0.1, 10, 1),  # 1.0
+        (0.3, 10, 3),
+        (0.25, 10, 2),  # 2.5 rounds to the even 2
+        (0.35, 10, 4),  # 3.5 rounds to the even 4
+        (0.01, 10, 1),  # 0.1 rounds to 0; at least one client
+        (0.0, 10, 1),
+        (1.0, 7, 7),
+        (0.5, 1, 1),  # 0.5 rounds to 0; at least one client
+    ],
+)
+def test_clients_per_round_is_max_1_round_fraction_times_k(fraction, population, expected):
+    assert clients_per_round(fraction, population) == expected
+
+
+def test_sampled_per_round_is_clients_per_round_of_the_config():
+    cfg = tiny_config("data.num_clients=10", "lora.ranks=[4]", "federation.fraction=0.25")
+    assert sampled_per_round(cfg) == 2
