@@ -1,8 +1,9 @@
 """The shared rules of nestfed.config.schema every layer uses: clients per round and the rank range."""
 
+import numpy as np
 import pytest
 
-from nestfed.config import clients_per_round, sampled_per_round
+from nestfed.config import ConfigError, check_rank, clients_per_round, sampled_per_round
 from tests.tiny_federation import tiny_config
 
 
@@ -26,3 +27,21 @@ def test_clients_per_round_is_max_1_round_fraction_times_k(fraction, population,
 def test_sampled_per_round_is_clients_per_round_of_the_config():
     cfg = tiny_config("data.num_clients=10", "lora.ranks=[4]", "federation.fraction=0.25")
     assert sampled_per_round(cfg) == 2
+
+
+@pytest.mark.parametrize("rank", [1, 4, 8, np.int64(5)])
+def test_a_rank_in_1_to_r_max_passes(rank):
+    assert check_rank(rank, 8) is None
+
+
+@pytest.mark.parametrize("rank", [0, -1, 9, 4.0, "4", True, None])
+def test_a_rank_outside_1_to_r_max_or_not_an_integer_is_refused(rank):
+    with pytest.raises(ValueError) as info:
+        check_rank(rank, 8)
+    assert str(info.value) == f"rank {rank!r} is not an integer in [1, r_max = 8]"
+
+
+def test_the_rank_error_names_where_and_takes_the_callers_class():
+    with pytest.raises(ConfigError) as info:
+        check_rank(9, 8, "node config", ConfigError)
+    assert str(info.value) == "node config: rank 9 is not an integer in [1, r_max = 8]"

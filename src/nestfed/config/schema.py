@@ -20,6 +20,7 @@ file.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -333,6 +334,22 @@ def r_max(cfg: ExperimentConfig) -> int:
         ``lora.r_max`` or, when 0, the largest rank a client may have.
     """
     return cfg.lora.r_max or max(cfg.population.support(cfg.lora.r_max) or cfg.lora.ranks)
+
+
+def check_rank(rank: object, r_max: int, where: str = "", error: type[Exception] = ValueError) -> None:
+    """Check a LoRA rank against the global adapter's: an integer r with 1 <= r <= r_max.
+
+    Args:
+        rank: the rank (a bool, or a value that is not an integer, is refused too).
+        r_max: the global adapter's rank.
+        where: what holds the rank, prefixed to the message ("node config", "client 3", "--rank").
+        error: the exception class raised.
+
+    Raises:
+        error: "[<where>: ]rank <rank!r> is not an integer in [1, r_max = <r_max>]".
+    """
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 1 <= rank <= r_max:
+        raise error(f"{where + ': ' if where else ''}rank {rank!r} is not an integer in [1, r_max = {r_max}]")
 
 
 def clients_per_round(fraction: float, population: int) -> int:

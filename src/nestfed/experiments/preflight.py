@@ -135,8 +135,7 @@ def flower_clients(
             + (f"; {nodes} nodes for data.num_clients = {want}, and a node says: {node_says}" if node_says else "")
         )
     for c in clients:
-        if c.rank > C.r_max(cfg):
-            raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
+        C.check_rank(c.rank, C.r_max(cfg), f"node of client {c.cid}", ConfigError)
 
 
 def flower_federation(
