@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from nestfed.io.markdown import markdown_table
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 APP_DIR = ROOT / "flower_app"
@@ -263,10 +265,15 @@ def table(result: dict) -> str:
     and per client (the mean over clients and rounds)."""
     e, d = result["embedded"], result["deployment"]
     pc = d["per_client_mean_s"]
-    head = (
-        "| ClientApp | embedded round | Flower round | per client: process start (interpreter, imports, "
-        "bundle, message) | rebuild | fit (embedded) | to the node + back to the server |"
-    )
+    head = [
+        "ClientApp",
+        "embedded round",
+        "Flower round",
+        "per client: process start (interpreter, imports, bundle, message)",
+        "rebuild",
+        "fit (embedded)",
+        "to the node + back to the server",
+    ]
     row = [
         setting(result),
         f"{e['mean_round_s']:.1f} s",
@@ -276,7 +283,7 @@ def table(result: dict) -> str:
         f"{pc['fit_s']:.1f} s ({e['fit_s_per_client']:.1f} s)",
         f"{pc['to_node_s'] + pc['to_server_s']:.1f} s",
     ]
-    return "\n".join([head, "|" + "---|" * 7, "| " + " | ".join(row) + " |"]) + "\n"
+    return "\n".join(markdown_table(head, [row])) + "\n"
 
 
 def main() -> None:
