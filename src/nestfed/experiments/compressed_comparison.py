@@ -24,8 +24,9 @@ from nestfed.federation.prepared import Prepared
 from nestfed.io import atomic
 from nestfed.io.markdown import markdown_table
 from nestfed.methods.compressed.evaluation import evaluate_server, mean_ppl
-from nestfed.methods.compressed.setup import model_bytes, prepare_compressed
+from nestfed.methods.compressed.setup import prepare_compressed
 from nestfed.methods.implementation import MethodRun
+from nestfed.nn.footprint import weight_bytes
 
 METHODS = ("fedslm", "fedmkt", "fedavg", "hetlora")
 COMPRESSED = ("fedslm", "fedmkt")
@@ -42,7 +43,7 @@ def baseline_config(cfg: ExperimentConfig, method: str) -> ExperimentConfig:
 
 def lora_client_memory(prep: Prepared, cfg: ExperimentConfig) -> dict[str, Any]:
     """Client model bytes of a LoRA method: the full backbone plus an fp32 LoRA of rank r_k."""
-    full = model_bytes(prep.backbone.model)
+    full = weight_bytes(prep.backbone.model)
     ranks = client_ranks(cfg)
     per = {
         str(c): (full + 4 * ranks[c] * sum(o + i for o, i in prep.shapes.values())) / full for c in range(len(ranks))
