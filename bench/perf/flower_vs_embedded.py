@@ -93,8 +93,7 @@ def mean(xs):
 
 
 def embedded(out: Path) -> dict:
-    from nestfed import config as C
-    from nestfed import methods
+    from nestfed import config, methods
     from nestfed.experiments.prepare import prepare
     from nestfed.federation.loop import RoundLoop
     from nestfed.federation.run_dir import RunDir
@@ -110,7 +109,7 @@ def embedded(out: Path) -> dict:
         no_eval_transport(mr.trainer),
         mr.clients,
         cfg.federation.rounds,
-        RunDir.create(out, C.dumps_toml(cfg)),
+        RunDir.create(out, config.dumps_toml(cfg)),
         seed=cfg.federation.seed,
         capabilities=method.capabilities,
         method=method.name,
