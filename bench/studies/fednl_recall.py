@@ -158,9 +158,9 @@ def probe(run_dir: Path | None, cfg, rows: int = 16, distance: int = 160) -> dic
     with the memory minus with it knocked out (mean over rows), and ``accuracy`` / ``accuracy_
     knocked_out`` on these rows. ``run_dir``: a finished FedNL run; None: the backbone with a fresh
     memory on every layer."""
+    from nestfed.data.corpora import long_texts
     from nestfed.data.niah import Haystack
     from nestfed.data.recall import candidate_ids, make_row
-    from nestfed.data.sources import long_texts
     from nestfed.nn.bounded_attention import attention_modules, projections
     from nestfed.nn.memory import memory_knocked_out, memory_rules
     from nestfed.ops.delta_rule import delta_rule

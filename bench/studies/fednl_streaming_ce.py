@@ -43,9 +43,9 @@ def load_run(run_dir: Path):
 
 
 def probe_text(tokenizer, n: int) -> tuple[torch.Tensor, str]:
-    from nestfed.data import sources
+    from nestfed.data import corpora
 
-    novels = sources.austen_novels()
+    novels = corpora.austen_novels()
     longest = max(novels, key=lambda d: len(d.text))
     ids = tokenizer(longest.text, add_special_tokens=False)["input_ids"]
     if len(ids) < n:

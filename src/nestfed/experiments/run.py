@@ -17,7 +17,7 @@ from nestfed import config, methods
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.config.capabilities import Capability
 from nestfed.data.clients import ClientData
-from nestfed.data.global_test import global_test_set
+from nestfed.data.global_eval_set import global_test_set
 from nestfed.evaluation.client import evaluate_client
 from nestfed.experiments import preflight
 from nestfed.experiments.federated_run import Federation, run_federation
@@ -52,7 +52,7 @@ def new_run_dir(cfg: ExperimentConfig, parent: Path | None = None) -> Path:
 
 
 def global_test_data(prep: Prepared, cfg: ExperimentConfig) -> ClientData | None:
-    """The global held-out set of ``evaluation.global_test`` rows (nestfed.data.global_test), its
+    """The global held-out set of ``evaluation.global_test`` rows (nestfed.data.global_eval_set), its
     frozen prefix cached; built once per preparation; None when the config asks for none."""
     rows = cfg.evaluation.global_test
     if not rows:
