@@ -14,7 +14,7 @@ import torch
 from torch.nn import functional as F
 
 from nestfed.config import ModelConfig
-from nestfed.data.sources import bbc_news
+from nestfed.data.corpora import bbc_news
 from nestfed.data.tasks import bos_id, pack_causal_lm
 from nestfed.evaluation.streaming import stream_nll
 from nestfed.nn.backbone import BUILTINS, GEMMA3, load_backbone

@@ -7,9 +7,9 @@ import importlib.util
 import pytest
 
 from nestfed.config import ModelConfig
+from nestfed.data.corpora import long_texts
 from nestfed.data.niah import Haystack
 from nestfed.data.recall import candidate_ids, recall_dataset
-from nestfed.data.sources import long_texts
 from nestfed.data.tasks import concat_rows
 from nestfed.evaluation.lm import evaluate_lm
 from nestfed.nn.backbone import load_backbone

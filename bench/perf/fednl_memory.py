@@ -67,13 +67,13 @@ def text_ids(tokenizer, n: int):
     """The first n tokens of real long text: Austen's novels (janeaustenr), else Wikipedia."""
     import torch
 
-    from nestfed.data import sources
+    from nestfed.data import corpora
     from nestfed.errors import DataError
 
     try:
-        docs = sources.austen_novels()
+        docs = corpora.austen_novels()
     except DataError:
-        docs = sources.wikipedia_articles(min_chars=50_000)
+        docs = corpora.wikipedia_articles(min_chars=50_000)
     ids: list[int] = []
     for d in docs:
         ids += tokenizer(d.text, add_special_tokens=False)["input_ids"]

@@ -53,6 +53,8 @@ import threading
 import time
 from pathlib import Path
 
+from nestfed.io.markdown import markdown_table
+
 LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 TOP4 = r"(.*\.)?layers\.(26|27|28|29)\.(self_attn\.(q|k|v|o)_proj|mlp\.(gate|up|down)_proj)"
 
@@ -353,11 +355,15 @@ def table(result: dict) -> str:
         pair(lambda r: r["rss"]["train_step_peak_bytes"]),
         f"{svd['vs_full']['train_peak_est_bytes']:.2f} / {svd['vs_full']['rss_train_step_peak']:.2f}",
     ]
-    head = (
-        "| levers (both sides) | params + buffers | saved for backward | estimate (lower bound) | sampled RSS peak "
-        "| ratio: estimate / RSS |"
-    )
-    return "\n".join([head, "|" + "---|" * 6, "| " + " | ".join(row) + " |"]) + "\n"
+    head = [
+        "levers (both sides)",
+        "params + buffers",
+        "saved for backward",
+        "estimate (lower bound)",
+        "sampled RSS peak",
+        "ratio: estimate / RSS",
+    ]
+    return "\n".join(markdown_table(head, [row])) + "\n"
 
 
 def main() -> None:  # noqa: PLR0915 (the command line, then one subprocess per setting)

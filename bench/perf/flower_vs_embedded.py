@@ -51,6 +51,8 @@ from pathlib import Path
 
 import torch
 
+from nestfed.io.markdown import markdown_table
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 APP_DIR = ROOT / "flower_app"
@@ -91,8 +93,7 @@ def mean(xs):
 
 
 def embedded(out: Path) -> dict:
-    from nestfed import config as C
-    from nestfed import methods
+    from nestfed import config, methods
     from nestfed.experiments.prepare import prepare
     from nestfed.federation.loop import RoundLoop
     from nestfed.federation.run_dir import RunDir
@@ -108,7 +109,7 @@ def embedded(out: Path) -> dict:
         no_eval_transport(mr.trainer),
         mr.clients,
         cfg.federation.rounds,
-        RunDir.create(out, C.dumps_toml(cfg)),
+        RunDir.create(out, config.dumps_toml(cfg)),
         seed=cfg.federation.seed,
         capabilities=method.capabilities,
         method=method.name,
@@ -263,10 +264,15 @@ def table(result: dict) -> str:
     and per client (the mean over clients and rounds)."""
     e, d = result["embedded"], result["deployment"]
     pc = d["per_client_mean_s"]
-    head = (
-        "| ClientApp | embedded round | Flower round | per client: process start (interpreter, imports, "
-        "bundle, message) | rebuild | fit (embedded) | to the node + back to the server |"
-    )
+    head = [
+        "ClientApp",
+        "embedded round",
+        "Flower round",
+        "per client: process start (interpreter, imports, bundle, message)",
+        "rebuild",
+        "fit (embedded)",
+        "to the node + back to the server",
+    ]
     row = [
         setting(result),
         f"{e['mean_round_s']:.1f} s",
@@ -276,7 +282,7 @@ def table(result: dict) -> str:
         f"{pc['fit_s']:.1f} s ({e['fit_s_per_client']:.1f} s)",
         f"{pc['to_node_s'] + pc['to_server_s']:.1f} s",
     ]
-    return "\n".join([head, "|" + "---|" * 7, "| " + " | ".join(row) + " |"]) + "\n"
+    return "\n".join(markdown_table(head, [row])) + "\n"
 
 
 def main() -> None:

@@ -23,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nestfed.io.markdown import markdown_table
+
 
 def setup(prompts: int):
     """The model with a seeded random LoRA adapter (r 16, q/k/v/o of the top 4 layers), the
@@ -163,17 +165,19 @@ def main() -> None:
 
 def table(res: dict) -> str:
     """Markdown: one row per side."""
-    lines = [
-        "| side | s per run | generated tokens | tokens/s | peak RSS MiB |",
-        "|---|---|---|---|---|",
-    ]
     names = {"ours": "nestfed (batched, KV cache)", "hf": "transformers generate + PEFT"}
-    for name, s in res["sides"].items():
-        lines.append(
-            f"| {names[name]} | {' / '.join(f'{x:.1f}' for x in s['seconds'])} | {s['generated_tokens']} | "
-            f"{s['tokens_per_s']:.1f} | {s['peak_rss_mib']:.0f} |"
-        )
-    return "\n".join(lines) + "\n"
+    rows = [
+        [
+            names[name],
+            " / ".join(f"{x:.1f}" for x in s["seconds"]),
+            s["generated_tokens"],
+            f"{s['tokens_per_s']:.1f}",
+            f"{s['peak_rss_mib']:.0f}",
+        ]
+        for name, s in res["sides"].items()
+    ]
+    head = ["side", "s per run", "generated tokens", "tokens/s", "peak RSS MiB"]
+    return "\n".join(markdown_table(head, rows)) + "\n"
 
 
 if __name__ == "__main__":

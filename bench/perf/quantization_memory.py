@@ -33,6 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from fedslm_memory import PeakSampler, rss  # noqa: E402
 
+from nestfed.io.markdown import markdown_table  # noqa: E402
+
 PRECISIONS = ("none", "int8", "nf4")
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj")
 
@@ -99,20 +101,24 @@ def child(model_name: str, precision: str, rank: int, batch: int, tokens: int, s
 
 def table(res: dict) -> str:
     """Markdown: one row per (model, precision), MiB and seconds (bench/tools/tables.py renders it)."""
-    lines = [
-        "| model | precision | weights W (MiB) | footprint (MiB) | RSS built (MiB) | RSS step peak (MiB) "
-        "| footprint / peak | step (s) |",
-        "|---|---|---|---|---|---|---|---|",
+    head = [
+        "model",
+        "precision",
+        "weights W (MiB)",
+        "footprint (MiB)",
+        "RSS built (MiB)",
+        "RSS step peak (MiB)",
+        "footprint / peak",
+        "step (s)",
     ]
     mib = 2**20
-    for r in res["rows"]:
-        lines.append(
-            f"| {r['model']} | {r['precision']} | {r['footprint_weights_bytes'] / mib:.0f} | "
-            f"{r['footprint_bytes'] / mib:.0f} | {r['rss_built_bytes'] / mib:.0f} | "
-            f"{r['rss_step_peak_bytes'] / mib:.0f} | "
-            f"{r['footprint_bytes'] / r['rss_step_peak_bytes']:.2f} | {r['step_s']:.2f} |"
-        )
-    return "\n".join(lines) + "\n"
+    keys = ("footprint_weights_bytes", "footprint_bytes", "rss_built_bytes", "rss_step_peak_bytes")
+    rows = [
+        [r["model"], r["precision"], *(f"{r[k] / mib:.0f}" for k in keys)]
+        + [f"{r['footprint_bytes'] / r['rss_step_peak_bytes']:.2f}", f"{r['step_s']:.2f}"]
+        for r in res["rows"]
+    ]
+    return "\n".join(markdown_table(head, rows)) + "\n"
 
 
 def main() -> None:

@@ -37,6 +37,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nestfed.io.markdown import markdown_row, markdown_table
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 BASE = [
@@ -81,6 +83,7 @@ def rss_mb() -> float:
 def one(setting: dict) -> dict:
     """Run one setting in this process; return its figures."""
     from nestfed import methods
+    from nestfed.config import clients_per_round
     from nestfed.experiments.prepare import prepare
     from nestfed.experiments.run import run_method
 
@@ -101,7 +104,7 @@ def one(setting: dict) -> dict:
     prep = prepare(cfg)
     out = {
         **setting,
-        "sampled_per_round": max(1, round(fraction * k)),
+        "sampled_per_round": clients_per_round(fraction, k),
         "prepare_s": time.perf_counter() - t0,
         "rss_after_prepare_mb": rss_mb(),
         "runs": {},
@@ -193,27 +196,26 @@ def plot(result: dict, path: Path) -> None:
 
 def table(result: dict) -> str:
     """The markdown table of a result (docs/results.md) (one row per setting)."""
-    rows = [
-        "| model | clients | fraction | sampled / round | prepare s | peak RSS MB | clients built | PreLort s / round "
-        "| server share | ZeroPad s / round | server share | MB / round |",
-        "|" + "---|" * 12,
-    ]
+    head = ["model", "clients", "fraction", "sampled / round", "prepare s", "peak RSS MB", "clients built"]
+    head += ["PreLort s / round", "server share", "ZeroPad s / round", "server share", "MB / round"]
+    rows = markdown_table(head)
     for r in result["settings"]:
         p, z = r["runs"]["prelort"], r["runs"]["zeropad"]
-        rows.append(
-            f"| {r['model']} | {r['clients']:,} | {r['fraction']:g} | {r['sampled_per_round']:,} | "
-            f"{r['prepare_s']:.1f} | {r['peak_rss_mb']:,.0f} | {r['pool']['built']:,} | {p['round_s']:.3g} | "
-            f"{100 * p['server_share']:.1f}% | {z['round_s']:.3g} | {100 * z['server_share']:.1f}% | "
-            f"{p['bytes_per_round'] / 1e6:.2f} |"
-        )
+        setting = [f"{r['model']}", f"{r['clients']:,}", f"{r['fraction']:g}", f"{r['sampled_per_round']:,}"]
+        cost = [f"{r['prepare_s']:.1f}", f"{r['peak_rss_mb']:,.0f}", f"{r['pool']['built']:,}"]
+        rounds = [f"{p['round_s']:.3g}", f"{100 * p['server_share']:.1f}%", f"{z['round_s']:.3g}"]
+        rounds += [f"{100 * z['server_share']:.1f}%", f"{p['bytes_per_round'] / 1e6:.2f}"]
+        rows.append(markdown_row(setting + cost + rounds))
     extra = [
         (r, name, v) for r in result["settings"] for name, v in r["runs"].items() if name not in ("prelort", "zeropad")
     ]
     if extra:
-        rows += ["", "| rule (setting) | s / round | server share | aggregation s | held MB |", "|---|---|---|---|---|"]
+        rows += ["", *markdown_table(["rule (setting)", "s / round", "server share", "aggregation s", "held MB"])]
         rows += [
-            f"| {name} ({r['model']}, {r['clients']:,} x {r['fraction']:g}) | {v['round_s']:.3g} | "
-            f"{100 * v['server_share']:.1f}% | {v['aggregate_s']:.4f} | {v['held_bytes'] / 1e6:.2f} |"
+            markdown_row(
+                [f"{name} ({r['model']}, {r['clients']:,} x {r['fraction']:g})", f"{v['round_s']:.3g}"]
+                + [f"{100 * v['server_share']:.1f}%", f"{v['aggregate_s']:.4f}", f"{v['held_bytes'] / 1e6:.2f}"]
+            )
             for r, name, v in extra
         ]
     return "\n".join(rows) + "\n"

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nestfed.io.markdown import markdown_table
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 BASE = [
@@ -143,15 +145,11 @@ def main() -> None:
 def table(result: dict) -> str:
     """The markdown table of docs/trust.md: one row per method, one column per fault."""
     faults = list(result["faults"])
-    head = "| method | backbone ppl | clean ppl | " + " | ".join(faults) + " |"
-    rows = [head, "|" + "---|" * (len(faults) + 3)]
-    for r in result["rows"]:
-        rows.append(
-            f"| {r['method']} | {r['backbone_ppl']:.2f} | {r['clean_ppl']:.2f} | "
-            + " | ".join(r[f] for f in faults)
-            + " |"
-        )
-    return "\n".join(rows) + "\n"
+    rows = [
+        [r["method"], f"{r['backbone_ppl']:.2f}", f"{r['clean_ppl']:.2f}", *(r[f] for f in faults)]
+        for r in result["rows"]
+    ]
+    return "\n".join(markdown_table(["method", "backbone ppl", "clean ppl", *faults], rows)) + "\n"
 
 
 if __name__ == "__main__":

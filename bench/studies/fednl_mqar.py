@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from nestfed.io.markdown import markdown_row, markdown_table
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "fednl" / "mqar.toml"
 VARIANTS = {  # label: (nestfed run --methods, extra --set)
@@ -198,10 +200,8 @@ def table(res: dict) -> str:
     under the window (points, paired over seeds and clients; bold = significant)."""
     from nestfed.experiments.accuracy_report import cell, points
 
-    lines = [
-        "| method | own vocabulary | held-out vocabulary | KB up/client/round | gate alpha | train tokens / seed |",
-        "|---|---|---|---|---|---|",
-    ]
+    head = ["method", "own vocabulary", "held-out vocabulary", "KB up/client/round", "gate alpha"]
+    lines = markdown_table([*head, "train tokens / seed"])
     ko = ", memory knocked out"
     labels = [x for lab in res["methods"] if not lab.endswith(ko) for x in (lab, lab + ko) if x in res["methods"]]
     for label in labels:
@@ -211,21 +211,17 @@ def table(res: dict) -> str:
         alphas = [a for seed in m.get("gates", []) for a in seed]
         alpha = f"{min(alphas):.2f}-{max(alphas):.2f}" if alphas else "-"
         tokens = f"{m['train_tokens']:,.0f}" if m.get("train_tokens") else "-"
-        lines.append(
-            f"| {label} | {cell(g['own'])} | {cell(g['held_out'])} | {'-' if kb is None else f'{kb / 1000:.1f}'} "
-            f"| {alpha} | {tokens} |"
-        )
+        kb_text = "-" if kb is None else f"{kb / 1000:.1f}"
+        lines.append(markdown_row([label, cell(g["own"]), cell(g["held_out"]), kb_text, alpha, tokens]))
     out = "\n".join(lines) + "\n"
     if res.get("versus_fedavg_window"):
-        rows = ["| vs fedavg, window (points) | own vocabulary | held-out vocabulary |", "|---|---|---|"]
-        for label, v in res["versus_fedavg_window"].items():
-            rows.append(f"| {label} | {points(v['own'])} | {points(v['held_out'])} |")
-        out += "\n" + "\n".join(rows) + "\n"
+        rows = [[label, points(v["own"]), points(v["held_out"])] for label, v in res["versus_fedavg_window"].items()]
+        head = ["vs fedavg, window (points)", "own vocabulary", "held-out vocabulary"]
+        out += "\n" + "\n".join(markdown_table(head, rows)) + "\n"
     if res.get("versus_local_only"):
-        rows = ["| vs fednl local-only (points) | own vocabulary | held-out vocabulary |", "|---|---|---|"]
-        for label, v in res["versus_local_only"].items():
-            rows.append(f"| {label} | {points(v['own'])} | {points(v['held_out'])} |")
-        out += "\n" + "\n".join(rows) + "\n"
+        rows = [[label, points(v["own"]), points(v["held_out"])] for label, v in res["versus_local_only"].items()]
+        head = ["vs fednl local-only (points)", "own vocabulary", "held-out vocabulary"]
+        out += "\n" + "\n".join(markdown_table(head, rows)) + "\n"
     return out
 
 

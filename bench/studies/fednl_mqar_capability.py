@@ -27,6 +27,8 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
+from nestfed.io.markdown import markdown_row, markdown_table
+
 OLD = dict(gate_scope="layer", alpha_init=0.05, beta_source="keys", conv_size=0, norm_weight=False)
 SCRATCH = {  # label: (memory settings or None for none, the rules' lr or None for the backbone's)
     "window only": (None, None),
@@ -194,10 +196,8 @@ def summarise(runs: list[dict]) -> dict:
 
 def table(res: dict) -> str:
     """Markdown: recall per variant (mean ± 95% over seeds, each seed), knocked out, gates, seconds."""
-    lines = [
-        "| setting | variant | recall % (mean ± 95%) | per seed | memory knocked out | gate alpha after | s per run |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    head = ["setting", "variant", "recall % (mean ± 95%)", "per seed", "memory knocked out", "gate alpha after"]
+    lines = markdown_table([*head, "s per run"])
     for setting in ("scratch", "frozen"):
         for label, r in res["results"].get(setting, {}).items():
             ko = "-" if "knocked_out" not in r else " / ".join(f"{100 * x:.1f}" for x in r["knocked_out"])
@@ -205,10 +205,8 @@ def table(res: dict) -> str:
             seeds = " / ".join(f"{100 * x:.1f}" for x in r["seeds"])
             s = sum(r["s"]) / len(r["s"])
             name = "from scratch" if setting == "scratch" else "frozen backbone"
-            lines.append(
-                f"| {name} | {label} | {100 * r['recall']:.1f} ± {100 * r['half']:.1f} | {seeds} | {ko} | {alpha} | "
-                f"{s:.0f} |"
-            )
+            recall = f"{100 * r['recall']:.1f} ± {100 * r['half']:.1f}"
+            lines.append(markdown_row([name, label, recall, seeds, ko, alpha, f"{s:.0f}"]))
     return "\n".join(lines) + "\n"
 
 

@@ -42,6 +42,8 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
+from nestfed.io.markdown import markdown_row, markdown_table
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "fednl" / "recall.toml"
 VARIANTS = {  # label: (nestfed run --methods, extra --set)
@@ -156,9 +158,9 @@ def probe(run_dir: Path | None, cfg, rows: int = 16, distance: int = 160) -> dic
     with the memory minus with it knocked out (mean over rows), and ``accuracy`` / ``accuracy_
     knocked_out`` on these rows. ``run_dir``: a finished FedNL run; None: the backbone with a fresh
     memory on every layer."""
+    from nestfed.data.corpora import long_texts
     from nestfed.data.niah import Haystack
     from nestfed.data.recall import candidate_ids, make_row
-    from nestfed.data.sources import long_texts
     from nestfed.nn.bounded_attention import attention_modules, projections
     from nestfed.nn.memory import memory_knocked_out, memory_rules
     from nestfed.ops.delta_rule import delta_rule
@@ -354,29 +356,23 @@ def table(res: dict) -> str:
 
     methods = res["methods"]
     groups = list(next(iter(methods.values()))["groups"])
-    head = "| method | " + " | ".join(heading(g, res["window"]) for g in groups)
-    lines = [head + " | KB up/client/round | gate alpha | train tokens / client | wall s / seed |"]
-    lines.append("|---|" + "---|" * (len(groups) + 4))
+    heads = [heading(g, res["window"]) for g in groups]
+    lines = markdown_table(
+        ["method", *heads, "KB up/client/round", "gate alpha", "train tokens / client", "wall s / seed"]
+    )
     for label, m in methods.items():
         kb = m.get("bytes_up_per_client_round")
         alphas = [a for g in m.get("gates", []) for heads in g.values() for a in _as_list(heads)]
         alpha = f"{min(alphas):.4f}-{max(alphas):.4f}" if alphas else "-"
-        cells = " | ".join(cell(m["groups"][g]) for g in groups)
+        cells = [cell(m["groups"][g]) for g in groups]
         tokens = f"{m['train_tokens_per_client']:,.0f}" if m.get("train_tokens_per_client") else "-"
         walls = [w for w in m.get("wall_time_s") or [] if w]
         wall = " / ".join(f"{w:.0f}" for w in walls) if walls else "-"
-        lines.append(
-            f"| {label} | {cells} | {'-' if kb is None else f'{kb / 1000:.1f}'} | {alpha} | {tokens} | {wall} |"
-        )
+        lines.append(markdown_row([label, *cells, "-" if kb is None else f"{kb / 1000:.1f}", alpha, tokens, wall]))
     out = "\n".join(lines) + "\n"
     if res.get("versus_fedavg"):
-        lines = [
-            "| vs fedavg (points) | " + " | ".join(heading(g, res["window"]) for g in groups) + " |",
-            "|---|" + "---|" * len(groups),
-        ]
-        for label, v in res["versus_fedavg"].items():
-            lines.append(f"| {label} | " + " | ".join(points(v[g]) for g in groups) + " |")
-        out += "\n" + "\n".join(lines) + "\n"
+        rows = [[label, *(points(v[g]) for g in groups)] for label, v in res["versus_fedavg"].items()]
+        out += "\n" + "\n".join(markdown_table(["vs fedavg (points)", *heads], rows)) + "\n"
     return out
 
 
@@ -388,20 +384,18 @@ def loss_table(res: dict) -> str:
 
     methods = {k: m for k, m in res["methods"].items() if m.get("loss_groups")}
     groups = list(next(iter(methods.values()))["loss_groups"])
-    heads = " | ".join(heading(g, res["window"]) for g in groups)
-    lines = [f"| answer NLL (nats) | {heads} |", "|---|" + "---|" * len(groups)]
+    heads = [heading(g, res["window"]) for g in groups]
+    lines = markdown_table(["answer NLL (nats)", *heads])
     for label, m in methods.items():
         cells = []
         for g in groups:
             x = m["loss_groups"][g]
             cells.append(f"{x['mean']:.2f}" + (f" ± {x['half']:.2f}" if len(x["seeds"]) > 1 else ""))
-        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+        lines.append(markdown_row([label, *cells]))
     out = "\n".join(lines) + "\n"
     if res.get("loss_versus_fedavg"):
-        lines = [f"| vs fedavg (nats) | {heads} |", "|---|" + "---|" * len(groups)]
-        for label, v in res["loss_versus_fedavg"].items():
-            lines.append(f"| {label} | " + " | ".join(points(v[g], 2) for g in groups) + " |")
-        out += "\n" + "\n".join(lines) + "\n"
+        rows = [[label, *(points(v[g], 2) for g in groups)] for label, v in res["loss_versus_fedavg"].items()]
+        out += "\n" + "\n".join(markdown_table(["vs fedavg (nats)", *heads], rows)) + "\n"
     return out
 
 
@@ -419,38 +413,31 @@ def heading(group: str, window: int) -> str:
 def probe_table(res: dict) -> str:
     """Markdown: the memory probe per layer (trained and fresh rules): per-head values as
     ``mean (best head)``."""
-    lines = [
-        "| model | layer | alpha per head | beta at values / elsewhere | retention cos(S^T k, v) "
-        "| read top-1 (chance 25%) |",
-        "|---|---|---|---|---|---|",
-    ]
+    head = ["model", "layer", "alpha per head", "beta at values / elsewhere", "retention cos(S^T k, v)"]
+    lines = markdown_table([*head, "read top-1 (chance 25%)"])
     for label, p in res["probe"].items():
         layers = p.get("layers", p)  # issue 24's results hold the layers at the top
         for i, x in layers.items():
             a = "-" if x["alpha"] is None else " / ".join(f"{v:.2f}" for v in _as_list(x["alpha"]))
             ret, read = _as_list(x["retention"]), _as_list(x["read_top1"])
-            lines.append(
-                f"| {label} | {i} | {a} | {x['beta_values']:.3f} / {x['beta_other']:.3f} | "
-                f"{sum(ret) / len(ret):.3f} ({max(ret):.3f}) | "
-                f"{100 * sum(read) / len(read):.0f}% ({100 * max(read):.0f}%) |"
-            )
+            beta = f"{x['beta_values']:.3f} / {x['beta_other']:.3f}"
+            retention = f"{sum(ret) / len(ret):.3f} ({max(ret):.3f})"
+            top1 = f"{100 * sum(read) / len(read):.0f}% ({100 * max(read):.0f}%)"
+            lines.append(markdown_row([label, i, a, beta, retention, top1]))
     return "\n".join(lines) + "\n"
 
 
 def contribution_table(res: dict) -> str:
     """Markdown: per probed model, the gold value's logit gain from the memory (with minus knocked
     out) and the accuracy on the probe's rows with and without it."""
-    lines = [
-        "| model | rows at distance | gold logit gain from the memory | accuracy | knocked out |",
-        "|---|---|---|---|---|",
+    head = ["model", "rows at distance", "gold logit gain from the memory", "accuracy", "knocked out"]
+    rows = [
+        [label, f"{p['rows']} at {p['distance']}", f"{p['logit_gain']:+.3f}", f"{100 * p['accuracy']:.0f}%"]
+        + [f"{100 * p['accuracy_knocked_out']:.0f}%"]
+        for label, p in res["probe"].items()
+        if "logit_gain" in p
     ]
-    for label, p in res["probe"].items():
-        if "logit_gain" in p:
-            lines.append(
-                f"| {label} | {p['rows']} at {p['distance']} | {p['logit_gain']:+.3f} | {100 * p['accuracy']:.0f}% | "
-                f"{100 * p['accuracy_knocked_out']:.0f}% |"
-            )
-    return "\n".join(lines) + "\n"
+    return "\n".join(markdown_table(head, rows)) + "\n"
 
 
 LAYER_SETS = {  # label: the decoder layers given full attention (every other layer keeps the window)

@@ -30,6 +30,8 @@ from pathlib import Path
 
 import torch
 
+from nestfed.io.markdown import markdown_row, markdown_table
+
 
 def load_run(run_dir: Path):
     """(config, final global arrays) of a finished or interrupted run directory."""
@@ -41,9 +43,9 @@ def load_run(run_dir: Path):
 
 
 def probe_text(tokenizer, n: int) -> tuple[torch.Tensor, str]:
-    from nestfed.data import sources
+    from nestfed.data import corpora
 
-    novels = sources.austen_novels()
+    novels = corpora.austen_novels()
     longest = max(novels, key=lambda d: len(d.text))
     ids = tokenizer(longest.text, add_special_tokens=False)["input_ids"]
     if len(ids) < n:
@@ -66,18 +68,16 @@ def table(result: dict) -> str:
     )
     label = f" ({result['label']})" if result.get("label") else ""
     names = {"fednl": "FedNL" + label, "fedavg_window": "FedAvg, window" + label}
-    out = [
-        "| sinks | stream | bins 1-12 (relative) | bins 13-16 (relative) | last / first | mean CE (nats) |",
-        "|---|---|---|---|---|---|",
-    ]
+    out = markdown_table(
+        ["sinks", "stream", "bins 1-12 (relative)", "bins 13-16 (relative)", "last / first", "mean CE (nats)"]
+    )
     for name, v in result["streams"].items():
         ce = v["ce"]
         rel = [c / ce[0] for c in ce]
-        out.append(
-            f"| {where} | {names.get(name, name)} | {min(rel[:12]):.2f} - {max(rel[:12]):.2f} | "
-            + " / ".join(f"{r:.2f}" for r in rel[12:16])
-            + f" | {100 * (ce[-1] / ce[0] - 1):+.1f}% | {sum(ce) / len(ce):.3f} |"
-        )
+        first = f"{min(rel[:12]):.2f} - {max(rel[:12]):.2f}"
+        last = " / ".join(f"{r:.2f}" for r in rel[12:16])
+        change = f"{100 * (ce[-1] / ce[0] - 1):+.1f}%"
+        out.append(markdown_row([where, names.get(name, name), first, last, change, f"{sum(ce) / len(ce):.3f}"]))
     return "\n".join(out) + "\n"
 
 

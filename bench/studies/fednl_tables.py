@@ -12,6 +12,8 @@ import json
 import tomllib
 from pathlib import Path
 
+from nestfed.io.markdown import markdown_row, markdown_table
+
 
 def run_dirs(paths: list[Path]) -> list[Path]:
     out = []
@@ -66,16 +68,8 @@ def single_run(t: dict) -> str:
         f"{pct(t['accuracy_final'][c])} / {pct(t['local_accuracy'][c])} / {pct(t['aggregation_drop'][c])}" for c in cids
     ]
     drop = sum(t["aggregation_drop"][c] for c in cids) / len(cids)
-    return (
-        "\n".join(
-            [
-                "| method | " + " | ".join(f"c{c} {labels.get(c, '')}" for c in cids) + " | mean | mean drop |",
-                "|---|" + "---|" * (len(cids) + 2),
-                f"| {name} | " + " | ".join(cells) + f" | {pct(t['mean_accuracy'])} | {pct(drop)} |",
-            ]
-        )
-        + "\n"
-    )
+    head = ["method", *(f"c{c} {labels.get(c, '')}" for c in cids), "mean", "mean drop"]
+    return "\n".join(markdown_table(head, [[name, *cells, pct(t["mean_accuracy"]), pct(drop)]])) + "\n"
 
 
 def markdown(t: dict) -> str:
@@ -86,52 +80,33 @@ def markdown(t: dict) -> str:
     labels = rows[0]["labels"]
     pct = lambda x: "-" if x is None else f"{100 * x:.1f}"  # noqa: E731
     out = ["accuracy (%) per client: federated / local before aggregation / drop (local - federated)", ""]
-    out.append("| method | " + " | ".join(f"c{c} {labels.get(c, '')}" for c in cids) + " | mean | mean drop |")
-    out.append("|---|" + "---|" * (len(cids) + 2))
+    out += markdown_table(["method", *(f"c{c} {labels.get(c, '')}" for c in cids), "mean", "mean drop"])
+    backbone = [pct(rows[0]["backbone"][c]) for c in cids]
     out.append(
-        "| backbone | "
-        + " | ".join(pct(rows[0]["backbone"][c]) for c in cids)
-        + " | "
-        + pct(sum(rows[0]["backbone"][c] or 0 for c in cids) / len(cids))
-        + " | - |"
+        markdown_row(["backbone", *backbone, pct(sum(rows[0]["backbone"][c] or 0 for c in cids) / len(cids)), "-"])
     )
     for r in rows:
         cells = []
         for c in cids:
             f, lo, dr = r["federated"].get(c), r["local"].get(c), r["drop"].get(c)
             cells.append(f"{pct(f)} / {pct(lo)} / {pct(dr)}" if lo is not None else pct(f))
-        out.append(
-            f"| {r['method']} | " + " | ".join(cells) + f" | {pct(r['mean_accuracy'])} | {pct(r['mean_drop'])} |"
-        )
+        out.append(markdown_row([r["method"], *cells, pct(r["mean_accuracy"]), pct(r["mean_drop"])]))
     if any(r["by_length"] for r in rows):
         lengths = sorted({k for r in rows for k in r["by_length"]}, key=int)
         depths = sorted({k for r in rows for k in r["by_depth"]}, key=float)
         out += ["", "NIAH accuracy (%) by context length and by gold depth (mean over clients)", ""]
-        out.append(
-            "| method | "
-            + " | ".join(f"{L} tok" for L in lengths)
-            + " | "
-            + " | ".join(f"depth {d}" for d in depths)
-            + " |"
-        )
-        out.append("|---|" + "---|" * (len(lengths) + len(depths)))
+        out += markdown_table(["method", *(f"{L} tok" for L in lengths), *(f"depth {d}" for d in depths)])
         for r in rows:
+            by_length = [pct(r["by_length"].get(L, {}).get("mean")) for L in lengths]
             out.append(
-                f"| {r['method']} | "
-                + " | ".join(pct(r["by_length"].get(L, {}).get("mean")) for L in lengths)
-                + " | "
-                + " | ".join(pct(r["by_depth"].get(d, {}).get("mean")) for d in depths)
-                + " |"
+                markdown_row([r["method"], *by_length, *(pct(r["by_depth"].get(d, {}).get("mean")) for d in depths)])
             )
-    out += [
-        "",
-        "| method | bytes down / client / round | bytes up / client / round | train s | wall s |",
-        "|---|---|---|---|---|",
-    ]
+    head = ["method", "bytes down / client / round", "bytes up / client / round", "train s", "wall s"]
+    out += ["", *markdown_table(head)]
     for r in rows:
+        traffic = [f"{r['bytes_down_per_client_round']:.0f}", f"{r['bytes_up_per_client_round']:.0f}"]
         out.append(
-            f"| {r['method']} | {r['bytes_down_per_client_round']:.0f} | {r['bytes_up_per_client_round']:.0f} | "
-            f"{r['train_time_s'] or 0:.0f} | {r['wall_time_s'] or 0:.0f} |"
+            markdown_row([r["method"], *traffic, f"{r['train_time_s'] or 0:.0f}", f"{r['wall_time_s'] or 0:.0f}"])
         )
     return "\n".join(out) + "\n"
 

@@ -25,6 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from nestfed.io.markdown import markdown_row, markdown_table
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "configs" / "fedslm_bbc_news.toml"
 
@@ -82,12 +84,11 @@ def table(result: dict) -> str:
     last = max(len(r["ppl_by_round"]) for r in rows) - 1
     marks = [m for m in (0, 1, 2, 5, last) if m <= last]
     marks = sorted(set(marks))
-    head = "| run | " + " | ".join(f"round {m}" for m in marks) + " | wall s |"
-    out = [head, "|" + "---|" * (len(marks) + 2)]
+    out = markdown_table(["run", *(f"round {m}" for m in marks), "wall s"])
     for r in rows:
         name = "FedAvg+LoRA, full model" if r["method"] == "fedavg" else f"FedSLM, rho = {r['rho']}"
         cells = [f"{r['ppl_by_round'][m]:.2f}" if m < len(r["ppl_by_round"]) else "-" for m in marks]
-        out.append(f"| {name} | " + " | ".join(cells) + f" | {r['wall_s']:.0f} |")
+        out.append(markdown_row([name, *cells, f"{r['wall_s']:.0f}"]))
     return "\n".join(out) + "\n"
 
 
@@ -101,12 +102,8 @@ def seeds_table(results: list[dict]) -> str:
     last = min(len(r["ppl_by_round"]) for res in results for r in res["runs"]) - 1
     marks = sorted({m for m in (0, 1, 2, 5, last) if m <= last})
     backbone = [next(r for r in res["runs"] if r["method"] == "fedavg")["ppl_by_round"][0] for res in results]
-    head = (
-        f"| run ({len(results)} seeds) | "
-        + " | ".join(f"round {m}" for m in marks)
-        + " | best round (mean) | best vs backbone, % [95%] |"
-    )
-    out = [head, "|" + "---|" * (len(marks) + 3)]
+    head = [f"run ({len(results)} seeds)", *(f"round {m}" for m in marks)]
+    out = markdown_table([*head, "best round (mean)", "best vs backbone, % [95%]"])
     for method, rho in keys:
         curves = [
             next(r for r in res["runs"] if (r["method"], r["rho"]) == (method, rho))["ppl_by_round"] for res in results
@@ -118,9 +115,7 @@ def seeds_table(results: list[dict]) -> str:
         diff = f"{i.mean:+.1f}" if i.n < 2 else f"{i.mean:+.1f} [{i.low:+.1f}, {i.high:+.1f}]"
         name = "FedAvg+LoRA, full model" if method == "fedavg" else f"FedSLM, rho = {rho}"
         out.append(
-            f"| {name} | "
-            + " | ".join(means[m].text() for m in marks)
-            + f" | {best} | {'**' + diff + '**' if d.significant else diff} |"
+            markdown_row([name, *(means[m].text() for m in marks), best, f"**{diff}**" if d.significant else diff])
         )
     return "\n".join(out) + "\n"
 
@@ -139,11 +134,11 @@ def alpha_table(data: dict) -> str:
     results = data["seeds"]
     rhos = [r["rho"] for r in results[0]["runs"] if r["method"] == "fedslm"]
     alphas = ["none", "alpha=0", "alpha=0.25", "alpha=0.5", "alpha=0.75"]
-    out = [f"| weak model ({len(results)} seeds) | " + " | ".join(alphas) + " |", "|" + "---|" * (len(alphas) + 1)]
+    out = markdown_table([f"weak model ({len(results)} seeds)", *alphas])
     for rho in rhos:
         runs = [next(r for r in res["runs"] if r["rho"] == rho) for res in results]
         cells = [mean_interval([r["elicitation"][a]["mean_ppl"] for r in runs]).text() for a in alphas]
-        out.append(f"| FedSLM rho = {rho}, round {len(runs[0]['ppl_by_round']) - 1} | " + " | ".join(cells) + " |")
+        out.append(markdown_row([f"FedSLM rho = {rho}, round {len(runs[0]['ppl_by_round']) - 1}", *cells]))
     return "\n".join(out) + "\n"
 
 

@@ -30,6 +30,7 @@ import json
 from pathlib import Path
 
 from nestfed.experiments.intervals import mean_interval, paired_difference, relative_differences
+from nestfed.io.markdown import markdown_row, markdown_table
 
 ROOT = Path(__file__).resolve().parents[2]
 STORED = ROOT / "bench" / "results" / "main_job_seeds" / "comparison.json"
@@ -116,25 +117,16 @@ def table(res: dict) -> str:
         star = "**" if d["significant"] else ""
         return f"{star}{d['mean_pct']:+.2f}% [{d['low_pct']:+.2f}, {d['high_pct']:+.2f}] p={d['p']:.2g}{star}"
 
-    head = (
-        "| method | "
-        + " | ".join(f"c{c} {v['label']}" for c, v in res["methods"]["prelort"]["clients"].items())
-        + " | mean ppl | truncation r = 1 / 2 / 4 / 8 / 16 |"
-    )
-    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    clients = [f"c{c} {v['label']}" for c, v in res["methods"]["prelort"]["clients"].items()]
+    lines = markdown_table(["method", *clients, "mean ppl", "truncation r = 1 / 2 / 4 / 8 / 16"])
     for m, s in res["methods"].items():
-        cl = " | ".join(f"{v['mean']:.2f} ± {v['half']:.2f}" for v in s["clients"].values())
+        cl = [f"{v['mean']:.2f} ± {v['half']:.2f}" for v in s["clients"].values()]
         tr = " / ".join(f"{s['truncation'][r]['mean']:.2f}" for r in RANKS)
-        lines.append(f"| {m} | {cl} | {s['mean']['mean']:.2f} ± {s['mean']['half']:.2f} | {tr} |")
-    lines += [
-        "",
-        "| variant against | deployed (15 pairs) | " + " | ".join(f"r = {r}" for r in RANKS) + " |",
-        "|---|---|" + "---|" * len(RANKS),
-    ]
+        lines.append(markdown_row([m, *cl, f"{s['mean']['mean']:.2f} ± {s['mean']['half']:.2f}", tr]))
+    lines += ["", *markdown_table(["variant against", "deployed (15 pairs)", *(f"r = {r}" for r in RANKS)])]
     for name, refs in res["versus"].items():
         for ref, v in refs.items():
-            cells = " | ".join(cell(v[f"r{r}"]) for r in RANKS)
-            lines.append(f"| {name} vs {ref} | {cell(v['deployed'])} | {cells} |")
+            lines.append(markdown_row([f"{name} vs {ref}", cell(v["deployed"]), *(cell(v[f"r{r}"]) for r in RANKS)]))
     return "\n".join(lines)
 
 

@@ -27,6 +27,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from nestfed import methods  # noqa: E402
 from nestfed.experiments.prepare import prepare  # noqa: E402
 from nestfed.experiments.run import run_method  # noqa: E402
+from nestfed.io.markdown import markdown_table  # noqa: E402
 
 ATTACKS = {
     "none": {"kind": "none"},
@@ -171,16 +172,15 @@ def table(report: dict) -> str:
     privacy curve (bench/tools/tables.py regenerates the docs' copy from robustness.json)."""
     res = report["results"]
     rules = list(next(iter(res.values())))
-    rows = [
-        "| attack (clients " + ", ".join(map(str, report["attackers"])) + ") | " + " | ".join(rules) + " |",
-        "|---" * (len(rules) + 1) + "|",
+    rows = markdown_table(
+        [f"attack (clients {', '.join(map(str, report['attackers']))})", *rules],
+        [[attack, *(cell(row[r]) for r in rules)] for attack, row in res.items()],
+    )
+    privacy = [
+        [p["noise_multiplier"], "inf" if p["epsilon"] is None else f"{p['epsilon']:.1f}", ppl(p["mean_ppl"])]
+        for p in report["privacy"]
     ]
-    for attack, row in res.items():
-        rows.append(f"| {attack} | " + " | ".join(cell(row[r]) for r in rules) + " |")
-    rows += ["", "| noise multiplier z | epsilon (delta 1e-5) | mean ppl |", "|---|---|---|"]
-    for p in report["privacy"]:
-        eps = "inf" if p["epsilon"] is None else f"{p['epsilon']:.1f}"
-        rows.append(f"| {p['noise_multiplier']} | {eps} | {ppl(p['mean_ppl'])} |")
+    rows += ["", *markdown_table(["noise multiplier z", "epsilon (delta 1e-5)", "mean ppl"], privacy)]
     return "\n".join(rows) + "\n"
 
 

@@ -4,13 +4,11 @@ Markdown from the JSON its script wrote; bench/tools/tables.py calls them by a m
 
 from __future__ import annotations
 
-
-def _row(cells) -> str:
-    return "| " + " | ".join(str(c) for c in cells) + " |"
+from nestfed.io.markdown import markdown_table
 
 
 def _table(head: list[str], rows: list[list]) -> str:
-    return "\n".join([_row(head), "|" + "---|" * len(head), *(_row(r) for r in rows)]) + "\n"
+    return "\n".join(markdown_table(head, rows)) + "\n"
 
 
 def aggregation(d: dict) -> str:

@@ -4,8 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from nestfed import config as C
-from nestfed import methods
+from nestfed import config, methods
 from nestfed.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -35,11 +34,13 @@ def test_load_applies_overrides_and_roundtrips(tmp_path):
     assert cfg.federation.rounds == 5 and cfg.lora.lora_alpha == 8.0
     assert cfg.lora.ranks == (2, 4) and cfg.lora.target_modules == ("q_proj",)
     assert cfg.strategy.name == "hetlora" and cfg.section("hetlora").reg == 0.5
-    again = methods.load_config(write(tmp_path, C.dumps_toml(cfg), "again.toml"))
+    again = methods.load_config(write(tmp_path, config.dumps_toml(cfg), "again.toml"))
     assert again == cfg
-    assert C.r_max(cfg) == 4 and C.client_ranks(cfg) == [2, 4]
-    assert C.differences(cfg, again) == []
-    assert C.differences(cfg, methods.replace_config(cfg, federation={"rounds": 6})) == ["federation.rounds: 5 -> 6"]
+    assert config.r_max(cfg) == 4 and config.client_ranks(cfg) == [2, 4]
+    assert config.differences(cfg, again) == []
+    assert config.differences(cfg, methods.replace_config(cfg, federation={"rounds": 6})) == [
+        "federation.rounds: 5 -> 6"
+    ]
 
 
 def test_every_methods_section_has_its_defaults_once():
@@ -54,7 +55,7 @@ def test_every_methods_section_has_its_defaults_once():
 
 def test_scalar_rank_is_broadcast():
     cfg = methods.config_from_dict({"lora": {"ranks": 8}, "data": {"num_clients": 3}})
-    assert C.client_ranks(cfg) == [8, 8, 8]
+    assert config.client_ranks(cfg) == [8, 8, 8]
 
 
 @pytest.mark.parametrize(
@@ -178,7 +179,7 @@ def test_a_run_directory_from_before_the_reference_memory_runs_the_memory_it_tra
     new = methods.load_config(path).section("fednl")  # a user's config: today's defaults
     assert (new.conv_size, new.beta_source, new.gate_scope, new.rule_lr) == (4, "hidden", "head", 1e-2)
     resolved = tmp_path / "resolved.toml"
-    resolved.write_text(C.dumps_toml(methods.load_config(path)))  # what a run writes now: every key
+    resolved.write_text(config.dumps_toml(methods.load_config(path)))  # what a run writes now: every key
     assert methods.load_run_config(resolved).section("fednl") == new
 
 

@@ -3,8 +3,7 @@ syntax and its round trip, memory budgets through a footprint, and one line nami
 
 import pytest
 
-from nestfed import config as C
-from nestfed import methods
+from nestfed import config, methods
 from nestfed.config.population import PopulationConfig, assign_ranks, draw
 from nestfed.errors import ConfigError
 
@@ -27,13 +26,13 @@ def test_stratified_counts_are_the_largest_remainders_of_the_shares():
 def test_shares_are_an_inline_table_that_round_trips_and_replace_lora_ranks(tmp_path):
     cfg = methods.load_config(None, ["data.num_clients=20", "population.rank_shares={2=0.5,16=0.5}", "lora.ranks=[8]"])
     assert cfg.population.rank_shares == ((2, 0.5), (16, 0.5))
-    text = C.dumps_toml(cfg)
+    text = config.dumps_toml(cfg)
     assert "rank_shares = {2 = 0.5, 16 = 0.5}" in text
     (tmp_path / "c.toml").write_text(text)
     again = methods.load_config(tmp_path / "c.toml")
     assert again == cfg
-    ranks = C.client_ranks(cfg)
-    assert sorted(ranks) == [2] * 10 + [16] * 10 and C.r_max(cfg) == 16
+    ranks = config.client_ranks(cfg)
+    assert sorted(ranks) == [2] * 10 + [16] * 10 and config.r_max(cfg) == 16
 
 
 @pytest.mark.parametrize(

@@ -11,7 +11,7 @@ from nestfed.config import ConfigError
 from nestfed.config import sources as S
 from nestfed.config.schema import SOURCES
 from nestfed.data.clients import load_partitions
-from nestfed.data.sources import Document
+from nestfed.data.corpora import Document
 
 
 @pytest.mark.parametrize("name", list(S.REGISTRY))

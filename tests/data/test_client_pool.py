@@ -13,7 +13,7 @@ import torch
 from nestfed import methods
 from nestfed.data.client_cache import ClientCache
 from nestfed.data.clients import ClientData
-from nestfed.data.global_test import global_test_set
+from nestfed.data.global_eval_set import global_test_set
 from nestfed.experiments.prepare import prepare
 
 TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.toml"

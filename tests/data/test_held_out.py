@@ -7,8 +7,8 @@ import pytest
 from nestfed import methods
 from nestfed.data import partition
 from nestfed.data.clients import build_client_data, load_partitions
+from nestfed.data.corpora import Document
 from nestfed.data.held_out import consumed_texts, load_server_text, server_pools, server_text
-from nestfed.data.sources import Document
 from nestfed.data.templates import example_text
 from nestfed.errors import ConfigError, DataError
 from nestfed.nn.backbone import byte_tokenizer, load_backbone

@@ -8,7 +8,7 @@ import re
 import pytest
 import torch
 
-from nestfed.data import sources
+from nestfed.data import corpora
 from nestfed.data.niah import EVENT_DEPTHS, TEMPLATES, Haystack, group_rows, make_item, niah_dataset, render
 from nestfed.nn.backbone import byte_tokenizer
 
@@ -112,15 +112,15 @@ def test_haystack_halves_are_disjoint():
 
 @pytest.mark.slow
 @pytest.mark.skipif(
-    not (sources.AUSTEN_DIR / "Rdata.rdb").is_file() or importlib.util.find_spec("rdata") is None,
+    not (corpora.AUSTEN_DIR / "Rdata.rdb").is_file() or importlib.util.find_spec("rdata") is None,
     reason="r-cran-janeaustenr or rdata not installed",
 )
 def test_real_haystacks_from_austen_and_wikipedia():
-    novels = sources.austen_novels()
-    assert [n.title for n in novels] == list(sources.AUSTEN_NOVELS)
+    novels = corpora.austen_novels()
+    assert [n.title for n in novels] == list(corpora.AUSTEN_NOVELS)
     pp = novels[4].text
     assert pp.startswith("PRIDE AND PREJUDICE") and "It is a truth universally acknowledged" in pp
     assert 600_000 < len(pp) < 800_000
-    wiki = sources.wikipedia_articles(min_chars=50_000)
+    wiki = corpora.wikipedia_articles(min_chars=50_000)
     assert len(wiki) >= 15 and all("[[" not in w.text[:2000] for w in wiki)
     assert wiki[0].title == "Anarchism" and "political philosophy" in wiki[0].text[:300]

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from nestfed.data.sources import InstructionExample, MultipleChoice
+from nestfed.data.corpora import InstructionExample, MultipleChoice
 from nestfed.data.tasks import (
     IGNORE_INDEX,
     TokenDataset,

@@ -55,7 +55,7 @@ def test_categories_are_flowertunes_three_groups_of_real_subjects():
 
 
 def _items(n_per_subject: dict[str, int]):
-    from nestfed.data.sources import MultipleChoice
+    from nestfed.data.corpora import MultipleChoice
 
     return [
         MultipleChoice(f"{s} q{i}", ("w", "x", "y", "z"), i % 4, s) for s, n in n_per_subject.items() for i in range(n)

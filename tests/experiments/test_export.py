@@ -116,7 +116,7 @@ def test_one_adapter_stacks_merged_factors_exactly():
 
 def test_export_refusals_name_the_option(prelort_run, tmp_path):
     d, cfg, state, mr = prelort_run
-    with pytest.raises(NestfedError, match="--rank 9: must be between 1 and r_max = 8"):
+    with pytest.raises(NestfedError, match=r"--rank: rank 9 is not an integer in \[1, r_max = 8\]"):
         export_adapter(d, rank=9)
     with pytest.raises(NestfedError, match="--client 7: .* has clients 0, 1, 2"):
         export_adapter(d, client=7)

@@ -236,7 +236,7 @@ def test_resume_refuses_a_config_edited_since_the_checkpoint(tmp_path):
 
 
 def test_malformed_inputs_give_one_line_and_write_nothing(tmp_path):
-    from nestfed.data.sources import bbc_news
+    from nestfed.data.corpora import bbc_news
     from nestfed.errors import ConfigError, DataError
     from nestfed.experiments.run import run_method
 

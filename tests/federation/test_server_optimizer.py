@@ -12,8 +12,7 @@ import torch
 from safetensors import safe_open
 from tiny_federation import crash_and_resume, lines, same_arrays, tiny_config, tiny_run, with_build
 
-from nestfed import config as C
-from nestfed import methods
+from nestfed import config, methods
 from nestfed.config import PrivacyConfig, RobustConfig, ServerOptimizerConfig
 from nestfed.errors import ConfigError
 from nestfed.federation.messages import ClientInfo, GlobalState, Reply
@@ -331,9 +330,9 @@ def test_bad_values_exit_2_with_one_line_and_no_run_dir(tmp_path, cli, args, nee
 def test_the_section_round_trips_and_the_refusals_follow_the_registry():
     cfg = methods.load_config(None, ["server_optimizer.name=yogi", "server_optimizer.lr=0.03"])
     assert cfg.server_optimizer == ServerOptimizerConfig(name="yogi", lr=0.03)
-    assert '[server_optimizer]\nname = "yogi"\nlr = 0.03\n' in C.dumps_toml(cfg)
-    assert methods.config_from_dict(C.to_dict(cfg)) == cfg
-    assert C.differences(methods.load_config(None), cfg) == [
+    assert '[server_optimizer]\nname = "yogi"\nlr = 0.03\n' in config.dumps_toml(cfg)
+    assert methods.config_from_dict(config.to_dict(cfg)) == cfg
+    assert config.differences(methods.load_config(None), cfg) == [
         "server_optimizer.lr: 1.0 -> 0.03",
         "server_optimizer.name: 'sgd' -> 'yogi'",
     ]

@@ -155,6 +155,9 @@ def test_node_config_and_run_config_are_checked():
     ):
         with pytest.raises(ConfigError):
             CA.node_settings(bad, cfg)
+    for rank in (0, 9, 4.0, True):
+        with pytest.raises(ConfigError, match=rf"^node config: rank {rank!r} is not an integer in \[1, r_max = 8\]$"):
+            CA.node_settings({"partition-id": 0, "rank": rank}, cfg)
     assert CA.node_placement({"partition-id": 0}, cfg) is cfg
     placed = CA.node_placement({"partition-id": 0, "device": "cuda:1", "dtype": "bfloat16"}, cfg)
     assert (placed.model.device, placed.model.dtype) == ("cuda:1", "bfloat16") and placed.lora == cfg.lora

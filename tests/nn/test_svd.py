@@ -4,6 +4,7 @@ import pytest
 import torch
 from torch import nn
 
+from nestfed.nn.footprint import weight_bytes
 from nestfed.nn.frozen_prefix import lm_logits
 from nestfed.nn.lora import inject_lora
 from nestfed.nn.svd import (
@@ -155,8 +156,11 @@ def test_bytes_scale_with_the_ratio(tiny_llama):
     model = tiny_llama.model
     bases = compute_bases(model, [0.3, 0.7])
     full = parameter_bytes(model)["total"]
-    small, large = (parameter_bytes(derive_compressed(model, bases, rho))["total"] for rho in (0.3, 0.7))
+    compressed = [derive_compressed(model, bases, rho) for rho in (0.3, 0.7)]
+    small, large = (parameter_bytes(m)["total"] for m in compressed)
     assert small < large
+    # W (nestfed.nn.footprint.weight_bytes), the compressed methods' model sizes, is the same count
+    assert [weight_bytes(m) for m in (model, *compressed)] == [full, small, large]
     linear = sum(model.get_submodule(n).weight.numel() * 4 for n in bases)
     # U, V hold about rho * |W| (floor), Sigma adds r^2 per layer
     core = sum(r * r * 4 for r in layer_ranks(bases, 0.3).values())

@@ -80,6 +80,18 @@ WHAT: dict[Capability, tuple[str, str]] = {
 }
 
 
+# the capability sets several methods share; each home builds its set from them and single ones
+#: clients of any rank r_k <= r_max, each training a LoRA prefix of the global adapter (a shorter
+#: one in a round when elastic)
+RANK_PREFIX_CLIENTS = frozenset({Capability.HETEROGENEOUS_RANKS, Capability.ELASTIC_RANKS})
+#: a server whose aggregate is the mean of the clients' updates block by block, so a robust rule or
+#: central DP can replace the mean and a server optimiser can step its pseudo-gradient
+MEAN_AGGREGATOR = frozenset({Capability.ROBUST_AGGREGATION, Capability.SERVER_OPTIMIZER})
+#: one global LoRA adapter of rank r_max that every client runs a rank prefix of: the server
+#: evaluates it and exports it at any rank
+GLOBAL_ADAPTER = frozenset({Capability.GLOBAL_MODEL, Capability.EXPORT_AT_RANK})
+
+
 def asked_by(cfg: Any) -> dict[Capability, str]:
     """Find the capabilities an experiment config asks for.
 

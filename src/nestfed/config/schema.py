@@ -20,6 +20,7 @@ file.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -335,6 +336,35 @@ def r_max(cfg: ExperimentConfig) -> int:
     return cfg.lora.r_max or max(cfg.population.support(cfg.lora.r_max) or cfg.lora.ranks)
 
 
+def check_rank(rank: object, r_max: int, where: str = "", error: type[Exception] = ValueError) -> None:
+    """Check a LoRA rank against the global adapter's: an integer r with 1 <= r <= r_max.
+
+    Args:
+        rank: the rank (a bool, or a value that is not an integer, is refused too).
+        r_max: the global adapter's rank.
+        where: what holds the rank, prefixed to the message ("node config", "client 3", "--rank").
+        error: the exception class raised.
+
+    Raises:
+        error: "[<where>: ]rank <rank!r> is not an integer in [1, r_max = <r_max>]".
+    """
+    if isinstance(rank, bool) or not isinstance(rank, numbers.Integral) or not 1 <= rank <= r_max:
+        raise error(f"{where + ': ' if where else ''}rank {rank!r} is not an integer in [1, r_max = {r_max}]")
+
+
+def clients_per_round(fraction: float, population: int) -> int:
+    """Count the clients a ``fixed`` sampling draws each round (the one rule every caller uses).
+
+    Args:
+        fraction: ``federation.fraction``, the share of the population sampled.
+        population: the federation's size K (clients).
+
+    Returns:
+        max(1, round(fraction * K)) (Python's round: halves go to the even integer).
+    """
+    return max(1, round(fraction * population))
+
+
 def sampled_per_round(cfg: ExperimentConfig) -> int:
     """Count the clients sampled each round.
 
@@ -342,9 +372,9 @@ def sampled_per_round(cfg: ExperimentConfig) -> int:
         cfg: the experiment.
 
     Returns:
-        max(1, round(federation.fraction * data.num_clients)).
+        :func:`clients_per_round` of federation.fraction and data.num_clients.
     """
-    return max(1, round(cfg.federation.fraction * cfg.data.num_clients))
+    return clients_per_round(cfg.federation.fraction, cfg.data.num_clients)
 
 
 def check_schedule(t: TrainConfig, lora: LoraConfig, rounds: int) -> None:

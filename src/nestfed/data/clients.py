@@ -20,7 +20,7 @@ from torch import nn
 
 from nestfed.config import ConfigError, DataConfig, ExperimentConfig
 from nestfed.config.sources import get as source_of
-from nestfed.data import partition, sources, tasks, templates
+from nestfed.data import corpora, partition, tasks, templates
 from nestfed.errors import DataError
 from nestfed.nn.frozen_prefix import labelled_length, prefix_features
 
@@ -196,9 +196,9 @@ def tokenise(records: list[Any], idx: list[int], d: DataConfig, tokenizer, cap: 
 
 
 def _as_text(x: Any) -> str:
-    if isinstance(x, sources.InstructionExample):
+    if isinstance(x, corpora.InstructionExample):
         return tasks.alpaca_prompt(x.instruction, x.input) + x.output
-    if isinstance(x, sources.MultipleChoice):
+    if isinstance(x, corpora.MultipleChoice):
         return tasks.mc_prompt(x.question, x.choices)
     return str(x)
 

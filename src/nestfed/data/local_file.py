@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from nestfed.data.sources import Document
+from nestfed.data.corpora import Document
 from nestfed.errors import ConfigError, DataError
 
 #: file suffix -> the ``datasets.Dataset`` reader

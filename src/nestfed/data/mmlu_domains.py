@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 
-from nestfed.data.sources import MultipleChoice, mmlu
+from nestfed.data.corpora import MultipleChoice, mmlu
 
 DOMAINS: dict[str, tuple[str, ...]] = {
     "law_ethics": (
@@ -128,7 +128,7 @@ def domain_items(root: str | Path, split: str = "test", seed: int = 0) -> tuple[
 
     Raises:
         DataError: when the folder or a domain's subject file is missing or malformed (from
-            `nestfed.data.sources.mmlu`).
+            `nestfed.data.corpora.mmlu`).
     """
     subjects = [s for subs in DOMAINS.values() for s in subs]
     items = mmlu(root, split, subjects)

@@ -45,7 +45,7 @@ import torch
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.config.sources import NIAH_TEMPLATES, NiahOptions
 from nestfed.data.clients import ClientData, generated_client_data
-from nestfed.data.sources import long_texts
+from nestfed.data.corpora import long_texts
 from nestfed.data.tasks import (
     IGNORE_INDEX,
     TokenDataset,

@@ -1,6 +1,7 @@
 """Each shared-records data source's reader as the source registry names it
 (nestfed.config.sources): ``(DataConfig) -> (records, one label per record)``, in a deterministic
-order. Raises DataError for missing or malformed data (one line naming the file)."""
+order, over the corpus files' readers (nestfed.data.corpora). Raises DataError for missing or
+malformed data (one line naming the file)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from nestfed.config import DataConfig
-from nestfed.data import sources
+from nestfed.data import corpora
 from nestfed.data.local_file import local_file as read_local_file
 from nestfed.data.mmlu_domains import domain_items
 from nestfed.errors import DataError
@@ -31,7 +32,7 @@ def bbc_news(d: DataConfig) -> Records:
     Returns:
         The records and one label per record, in a deterministic order.
     """
-    docs = sources.bbc_news(d.path or None)
+    docs = corpora.bbc_news(d.path or None)
     return docs, [x.label for x in docs]
 
 
@@ -41,7 +42,7 @@ TOPIC_INSTRUCTION = (
 )
 
 
-def _article(doc: sources.Document, words: int) -> tuple[str, str]:
+def _article(doc: corpora.Document, words: int) -> tuple[str, str]:
     """(headline, the body's first ``words`` words) of a BBC article (its first line is the headline)."""
     head, _, body = doc.text.strip().partition("\n")
     return head.strip(), " ".join(body.split()[:words])
@@ -65,11 +66,11 @@ def bbc_headlines(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
     Returns:
         The records and one label per record, in a deterministic order.
     """
-    docs = sources.bbc_news(d.path or None)
+    docs = corpora.bbc_news(d.path or None)
     items = []
     for doc in docs:
         head, body = _article(doc, words)
-        items.append(sources.InstructionExample(HEADLINE_INSTRUCTION, body, head, doc.label))
+        items.append(corpora.InstructionExample(HEADLINE_INSTRUCTION, body, head, doc.label))
     return items, [x.label for x in docs]
 
 
@@ -85,9 +86,9 @@ def bbc_topics(d: DataConfig, words: int = ARTICLE_WORDS) -> Records:
     Returns:
         The records and one label per record, in a deterministic order.
     """
-    docs = sources.bbc_news(d.path or None)
+    docs = corpora.bbc_news(d.path or None)
     items = [
-        sources.InstructionExample(TOPIC_INSTRUCTION, _article(doc, words)[1], doc.label, doc.label) for doc in docs
+        corpora.InstructionExample(TOPIC_INSTRUCTION, _article(doc, words)[1], doc.label, doc.label) for doc in docs
     ]
     return items, [x.label for x in docs]
 
@@ -120,7 +121,7 @@ def newsgroups(d: DataConfig) -> Records:
     Returns:
         The records and one label per record, in a deterministic order.
     """
-    docs = sources.newsgroups(d.path or None)
+    docs = corpora.newsgroups(d.path or None)
     return docs, [x.label for x in docs]
 
 
@@ -146,7 +147,7 @@ def long_texts(d: DataConfig) -> Records:
     Returns:
         The records and one label per record, in a deterministic order.
     """
-    docs = sources.long_texts("all")
+    docs = corpora.long_texts("all")
     return docs, [x.source for x in docs]
 
 
@@ -162,7 +163,7 @@ def mmlu(d: DataConfig) -> Records:
     Raises:
         DataError: when ``data.path`` does not exist.
     """
-    items = sources.mmlu(_existing(d), "test")
+    items = corpora.mmlu(_existing(d), "test")
     return items, [x.subject for x in items]
 
 
@@ -193,5 +194,5 @@ def instructions(d: DataConfig) -> Records:
     Raises:
         DataError: when ``data.path`` does not exist.
     """
-    items = sources.instructions(_existing(d))
+    items = corpora.instructions(_existing(d))
     return items, [x.category or "all" for x in items]

@@ -334,7 +334,7 @@ def multiple_choice_examples(items: Sequence, tokenizer, max_length: int) -> Tok
     start is lost, the choices and ``Answer:`` are kept).
 
     Args:
-        items: the questions (`nestfed.data.sources.MultipleChoice`).
+        items: the questions (`nestfed.data.corpora.MultipleChoice`).
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
         max_length: the most tokens per row.
 

@@ -191,7 +191,7 @@ def instruction_examples(items: Sequence, tokenizer, max_length: int, template: 
     responses ``max_length`` cut (`warn_truncated`).
 
     Args:
-        items: nestfed.data.sources.InstructionExample records, or mappings with ``instruction``,
+        items: nestfed.data.corpora.InstructionExample records, or mappings with ``instruction``,
             ``input``, ``output``.
         tokenizer (PreTrainedTokenizerBase): the backbone's tokenizer.
         max_length: the most tokens per row.

@@ -30,7 +30,7 @@ as its own MMLU tasks score), which separates models that generation scores alik
 
 Here the protocol is an lm-eval ``generate_until`` task per category (`tasks`) built
 from the local MMLU files (``<root>/test/<subject>_test.csv``, read by
-`nestfed.data.sources.mmlu`; nothing is downloaded), and the model is lm-eval's Hugging Face
+`nestfed.data.corpora.mmlu`; nothing is downloaded), and the model is lm-eval's Hugging Face
 model (``HFLM``) with a PEFT adapter on top (`evaluate`). ``fraction`` < 1 takes a seeded
 sample of that fraction of every subject (at least one question), which keeps the subjects' mix.
 """
@@ -49,7 +49,7 @@ from unittest import mock
 import numpy as np
 
 from nestfed.config import ModelConfig
-from nestfed.data.sources import MultipleChoice, mmlu
+from nestfed.data.corpora import MultipleChoice, mmlu
 from nestfed.errors import ConfigError
 from nestfed.nn.placement import resolve_device, resolve_dtype
 from nestfed.nn.quantization import bnb_config

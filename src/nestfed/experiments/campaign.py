@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from nestfed import config as C
-from nestfed import methods
+from nestfed import config, methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
 from nestfed.experiments import comparison, generation_report, preflight, report, seed_report
@@ -110,10 +109,10 @@ class Campaign:
 
 
 def prepared_line(prep: Prepared) -> str:
-    """What preparation found: every client (rank, n_k, labels), or, beyond C.INLINE_CLIENTS
+    """What preparation found: every client (rank, n_k, labels), or, beyond config.INLINE_CLIENTS
     clients, the clients per rank and the spread of n_k."""
     head = f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s"
-    if len(prep.clients) <= C.INLINE_CLIENTS:
+    if len(prep.clients) <= config.INLINE_CLIENTS:
         return (
             head
             + ": "
@@ -142,7 +141,7 @@ def run_all(c: Campaign, prep: Prepared, start: Start) -> None:
     """Run (or continue) every method of ``c`` on ``prep``, one after another; ``start(key, total,
     done)`` is called as each begins and returns where its :class:`Step` s go."""
     for key, cfg in c.configs.items():
-        k = C.sampled_per_round(cfg)
+        k = config.sampled_per_round(cfg)
         found = RunDir(c.dirs[key]).checkpoints() if c.resume else []
         show = start(key, cfg.federation.rounds * k, (found[-1][0] if found else 0) * k)
         on_event = steps(key, cfg.federation.rounds, len(prep.clients), show)
@@ -228,7 +227,7 @@ def mixed_experiments(dirs: Sequence[Path]) -> str | None:
     """A warning when the runs differ in [model] or [data] (their perplexities are not on one test
     set), else None."""
     experiments = {
-        (str(C.to_dict(c)["model"]), str(C.to_dict(c)["data"]))
+        (str(config.to_dict(c)["model"]), str(config.to_dict(c)["data"]))
         for c in (methods.load_run_config(d / "config.toml") for d in dirs)
     }
     if len(experiments) == 1:

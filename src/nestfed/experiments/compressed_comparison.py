@@ -22,9 +22,11 @@ from nestfed.federation.loop import OnEvent
 from nestfed.federation.messages import GlobalState
 from nestfed.federation.prepared import Prepared
 from nestfed.io import atomic
+from nestfed.io.markdown import markdown_table
 from nestfed.methods.compressed.evaluation import evaluate_server, mean_ppl
-from nestfed.methods.compressed.setup import model_bytes, prepare_compressed
+from nestfed.methods.compressed.setup import prepare_compressed
 from nestfed.methods.implementation import MethodRun
+from nestfed.nn.footprint import weight_bytes
 
 METHODS = ("fedslm", "fedmkt", "fedavg", "hetlora")
 COMPRESSED = ("fedslm", "fedmkt")
@@ -57,7 +59,7 @@ def lora_client_memory(prep: Prepared, cfg: ExperimentConfig) -> dict[str, Any]:
     Returns:
         ``{"full_model_bytes", "clients" ({cid: ratio to the full model}), "mean_ratio_to_full"}``.
     """
-    full = model_bytes(prep.backbone.model)
+    full = weight_bytes(prep.backbone.model)
     ranks = client_ranks(cfg)
     per = {
         str(c): (full + 4 * ranks[c] * sum(o + i for o, i in prep.shapes.values())) / full for c in range(len(ranks))
@@ -146,18 +148,16 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         "KB/client/round",
         "time s",
     ]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     if rows:
-        b = rows[0]["backbone_mean_ppl"]
-        out.append(f"| backbone (no training) | {b:.2f} | {b:.2f} | {b:.2f} | - | 1.000 | - | - |")
+        b = f"{rows[0]['backbone_mean_ppl']:.2f}"
+        body.append(["backbone (no training)", b, b, b, "-", "1.000", "-", "-"])
     for r in rows:
         weak = f"{r['weak_mean_ppl']:.2f}" if r.get("weak_mean_ppl") is not None else "-"
-        out.append(
-            f"| {r['method']} | {r['client_round0_mean_ppl']:.2f} | {r['client_mean_ppl']:.2f} | "
-            f"{r['server_mean_ppl']:.2f} | {weak} | "
-            f"{r['client_memory_ratio']:.3f} | {r['kb_per_client_round']:.1f} | {r['wall_time_s']:.0f} |"
-        )
-    return "\n".join(out) + "\n"
+        ppl = [f"{r[k]:.2f}" for k in ("client_round0_mean_ppl", "client_mean_ppl", "server_mean_ppl")]
+        cost = [f"{r['client_memory_ratio']:.3f}", f"{r['kb_per_client_round']:.1f}", f"{r['wall_time_s']:.0f}"]
+        body.append([r["method"], *ppl, weak, *cost])
+    return "\n".join(markdown_table(head, body)) + "\n"
 
 
 def compare(

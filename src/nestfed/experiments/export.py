@@ -26,6 +26,7 @@ import json
 from pathlib import Path
 
 from nestfed import methods
+from nestfed.config import check_rank
 from nestfed.errors import NestfedError
 from nestfed.experiments.mechanisms import adapter_rank, skip_reason
 from nestfed.federation.aggregation import one_adapter, truncate_rank
@@ -145,8 +146,7 @@ def export_adapter(
         reason = skip_reason(cfg, arrays, strategy.export_files(ck.state))
         if reason:
             raise NestfedError(f"--rank: {run_dir}: {reason}; export a client's adapter with --client K")
-        if not 1 <= rank <= settings.r_max:
-            raise NestfedError(f"--rank {rank}: must be between 1 and r_max = {settings.r_max}")
+        check_rank(rank, settings.r_max, "--rank", NestfedError)
         arrays, scale, r = truncate_rank(arrays, rank), settings.scale(rank), rank
     try:
         arrays, scale = one_adapter(arrays, scale)

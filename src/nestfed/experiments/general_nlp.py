@@ -26,6 +26,7 @@ from nestfed.evaluation import harness
 from nestfed.experiments.intervals import paired_difference
 from nestfed.experiments.report import run_label
 from nestfed.io import atomic
+from nestfed.io.markdown import BLANK, markdown_row, markdown_table
 from nestfed.nn.backbone import BUILTINS, TINY, convert_builtin, default_cache_dir, tiny_dir
 
 BACKBONE = "backbone"
@@ -264,12 +265,8 @@ def markdown(table: list[dict], leaderboard: bool) -> str:
         cats = list(sub[0]["categories"])
         how = "FlowerTune: greedy, one token" if scoring == "generation" else "log-likelihood of A-D"
         text.append(f"**{scoring}** ({how})\n")
-        text.append(
-            "| model | "
-            + " | ".join(f"{c} (n={sub[0]['categories'][c]['n']})" for c in cats)
-            + " | average | vs backbone (pp, 95%) |"
-        )
-        text.append("|---" * (len(cats) + 3) + "|")
+        head = ["model", *(f"{c} (n={sub[0]['categories'][c]['n']})" for c in cats), "average", "vs backbone (pp, 95%)"]
+        text += markdown_table(head)
         for r in sub:
             cells = [
                 f"{r['categories'][c]['accuracy']:.2f} [{r['categories'][c]['interval'][0]:.1f}, "
@@ -285,11 +282,9 @@ def markdown(table: list[dict], leaderboard: bool) -> str:
                     + (" significant" if vs["significant"] else "")
                 )
             )
-            text.append(f"| {r['model']} | " + " | ".join(cells) + f" | {r['average']:.2f} | {vs_text} |")
+            text.append(markdown_row([r["model"], *cells, f"{r['average']:.2f}", vs_text]))
         if scoring == "generation" and leaderboard and cats == list(harness.CATEGORIES):
             for name, *acc in LEADERBOARD:
-                text.append(
-                    f"| leaderboard {name} | " + " | ".join(f"{a:.2f}" for a in acc[:3]) + f" | {acc[3]:.2f} | |"
-                )
+                text.append(markdown_row([f"leaderboard {name}", *(f"{a:.2f}" for a in acc[:4]), BLANK]))
         text.append("")
     return "\n".join(text)

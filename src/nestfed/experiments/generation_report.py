@@ -10,6 +10,7 @@ from typing import Any
 
 from nestfed.experiments import seed_report
 from nestfed.experiments.intervals import mean_interval, paired_difference
+from nestfed.io.markdown import markdown_row, markdown_table
 
 #: (summary key, column heading, shown in percent)
 COLUMNS = (
@@ -64,12 +65,11 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
     out = [
         "\nGenerated answers (the mean over clients; over seeds, mean ± 95%; ROUGE-L, exact match and "
         "accuracy in %):\n",
-        "| method | seeds | " + " | ".join(c[1] for c in cols) + " |",
-        "|---|---|" + "---|" * len(cols),
+        *markdown_table(["method", "seeds", *(c[1] for c in cols)]),
     ]
     for label, group in groups.items():
         cells = [_cell([_mean(r, key) for r in group], pct) for key, _, pct in cols]
-        out.append(f"| {label} | {len(group)} | " + " | ".join(cells) + " |")
+        out.append(markdown_row([label, len(group), *cells]))
     text = "\n".join(out) + "\n"
     if any(len(g) > 1 for g in groups.values()) and len(groups) > 1:
         text += _versus(groups, ref, [c for c in cols if c[2]])
@@ -87,15 +87,14 @@ def _by_client(groups: dict[str, list[dict[str, Any]]], labels: dict[str, str], 
         return ""
     out = [
         f"\n{heading} (%) per client (over seeds, mean ± 95%):\n",
-        "| method | " + " | ".join(f"c{c} {labels.get(c, '')}".strip() for c in cids) + " |",
-        "|---|" + "---|" * len(cids),
+        *markdown_table(["method", *(f"c{c} {labels.get(c, '')}".strip() for c in cids)]),
     ]
     for label, group in groups.items():
         cells = []
         for c in cids:
             vals = [r["generation"]["clients"][c][key] for r in group if key in r["generation"]["clients"].get(c, {})]
             cells.append(_cell(vals, True) if vals else "-")
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append(markdown_row([label, *cells]))
     return "\n".join(out) + "\n"
 
 
@@ -106,8 +105,7 @@ def _pairs(group: list[dict[str, Any]], key: str) -> dict[tuple[int, str], float
 def _versus(groups: dict[str, list[dict[str, Any]]], ref: str, cols: list[tuple[str, str, bool]]) -> str:
     out = [
         f"\nAgainst {ref} (points, paired over seed x client; bold: the 95% interval excludes 0):\n",
-        f"| vs {ref} | " + " | ".join(c[1] for c in cols) + " |",
-        "|---|" + "---|" * len(cols),
+        *markdown_table([f"vs {ref}", *(c[1] for c in cols)]),
     ]
     for label, group in groups.items():
         if label == ref:
@@ -122,7 +120,7 @@ def _versus(groups: dict[str, list[dict[str, Any]]], ref: str, cols: list[tuple[
             d = paired_difference(diffs)
             s = f"{d.interval.mean:+.1f} [{d.interval.low:+.1f}, {d.interval.high:+.1f}]"
             cells.append(f"**{s}**" if d.interval.low > 0 or d.interval.high < 0 else s)
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append(markdown_row([label, *cells]))
     return "\n".join(out) + "\n"
 
 
@@ -133,8 +131,7 @@ def _truncation(groups: dict[str, list[dict[str, Any]]]) -> str:
     out = [
         "\nROUGE-L (%) of the global adapter truncated to rank r, every client's prompts (mean over clients; "
         "over seeds, mean ± 95%):\n",
-        "| method | " + " | ".join(f"r = {r}" for r in ranks) + " |",
-        "|---|" + "---|" * len(ranks),
+        *markdown_table(["method", *(f"r = {r}" for r in ranks)]),
     ]
     for label, group in groups.items():
         cells = []
@@ -146,5 +143,5 @@ def _truncation(groups: dict[str, list[dict[str, Any]]]) -> str:
             ]
             cells.append(_cell(vals, True) if vals else "-")
         if any(c != "-" for c in cells):
-            out.append(f"| {label} | " + " | ".join(cells) + " |")
+            out.append(markdown_row([label, *cells]))
     return "\n".join(out) + "\n"

@@ -24,6 +24,7 @@ from rich.table import Table
 from nestfed.experiments.intervals import Interval, PairedDifference, mean_interval, paired_difference
 from nestfed.federation.plots import png, pyplot
 from nestfed.federation.rank_groups import describe
+from nestfed.io.markdown import markdown_row, markdown_table
 
 #: the label whose runs are the local-only baseline of the collaboration gain
 LOCAL = "local_only"
@@ -65,7 +66,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     ranks = groups_of(rows)
     head = ["method", "ranks", "clients", "mean ppl", "median", "p10", "p90", "worst"]
     head += [f"r={r} mean" for r in ranks] + ["global ppl", "KB/client/round", "time s"]
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out = markdown_table(head)
     if rows:
         out.append(_row(rows[0]["round0"], "-", rows[0]["initial_ppl"], rows[0], ranks, "initial_ppl", None, "-", "-"))
     for r in rows:
@@ -103,7 +104,7 @@ def _row(
         m = _members(row, rank, key)
         cells.append(f"{np.mean(list(m.values())):.2f} ({len(m)})" if m else "-")
     cells += ["-" if glob is None else f"{glob:.2f}", kb, secs]
-    return "| " + " | ".join(cells) + " |"
+    return markdown_row(cells)
 
 
 def table(rows: list[dict[str, Any]]) -> Table:
@@ -319,8 +320,7 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[GroupStats], referenc
     out = [
         "Final held-out perplexity per rank group (clients in brackets): mean over clients, then mean ± 95% "
         "interval over seeds\n",
-        "| method | seeds | " + " | ".join(names) + " |",
-        "|" + "---|" * (len(ranks) + 2),
+        *markdown_table(["method", "seeds", *names]),
     ]
     if rows:
         r0 = rows[0]
@@ -328,61 +328,52 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[GroupStats], referenc
         for k in ranks:
             v = [x for c, x in r0["initial_ppl"].items() if k == "all" or str(r0["client_ranks"].get(c)) == k]
             cells.append(f"{np.mean(v):.2f}" if v else "-")
-        out.append(f"| {r0['round0']} | - | " + " | ".join(cells) + " |")
+        out.append(markdown_row([r0["round0"], "-", *cells]))
     for s in stats:
         out.append(
-            f"| {s.label} | {','.join(map(str, s.seeds))} | "
-            + " | ".join(s.mean[k].text() if k in s.mean else "-" for k in ranks)
-            + " |"
+            markdown_row(
+                [s.label, ",".join(map(str, s.seeds)), *(s.mean[k].text() if k in s.mean else "-" for k in ranks)]
+            )
         )
     out += [
         "",
         f"Paired difference against {reference} (% perplexity over the group's seed x client pairs, 95% "
         "interval; bold: significant; below zero: lower perplexity)\n",
-        "| method | " + " | ".join(names) + " |",
-        "|" + "---|" * (len(ranks) + 1),
+        *markdown_table(["method", *names]),
     ]
     for s in stats:
         if s.label != reference:
-            out.append(f"| {s.label} | " + " | ".join(_diff_text(s.versus.get(k)) for k in ranks) + " |")
+            out.append(markdown_row([s.label, *(_diff_text(s.versus.get(k)) for k in ranks)]))
     if any(s.gain for s in stats):
         out += [
             "",
             "Collaboration gain against local-only training: 100 (1 - ppl_federated / ppl_local) over the "
             "group's seed x client pairs (95% interval; bold: significant; positive: the federation helps)\n",
-            "| method | " + " | ".join(names) + " |",
-            "|" + "---|" * (len(ranks) + 1),
+            *markdown_table(["method", *names]),
         ]
         for s in stats:
             if s.gain:
-                out.append(f"| {s.label} | " + " | ".join(_diff_text(s.gain.get(k)) for k in ranks) + " |")
+                out.append(markdown_row([s.label, *(_diff_text(s.gain.get(k)) for k in ranks)]))
     if any(s.global_mean or s.global_server for s in stats):
         out += [
             "",
             "Global held-out set: the server model (the global adapter at r_max) and, per rank group, what "
             "each panel client runs (mean ± 95% over seeds); then the collaboration gain on it\n",
-            "| method | server model | " + " | ".join(names) + " | " + " | ".join(f"gain {n}" for n in names) + " |",
-            "|" + "---|" * (2 + 2 * len(ranks)),
+            *markdown_table(["method", "server model", *names, *(f"gain {n}" for n in names)]),
         ]
         for s in stats:
             server = "-" if s.global_server is None else s.global_server.text()
-            out.append(
-                f"| {s.label} | {server} | "
-                + " | ".join(s.global_mean[k].text() if k in s.global_mean else "-" for k in ranks)
-                + " | "
-                + " | ".join(_diff_text(s.global_gain.get(k)) for k in ranks)
-                + " |"
-            )
+            means = [s.global_mean[k].text() if k in s.global_mean else "-" for k in ranks]
+            out.append(markdown_row([s.label, server, *means, *(_diff_text(s.global_gain.get(k)) for k in ranks)]))
     out += [
         "",
         "Traffic and time: KB per client per round (both directions) and wall time of one seed, mean over seeds\n",
-        "| method | KB/client/round | time s |",
-        "|---|---|---|",
+        *markdown_table(["method", "KB/client/round", "time s"]),
     ]
     for s in stats:
         group = [r for r in rows if r["label"] == s.label]
         kb = np.mean([r["bytes_per_client_round"] for r in group]) / 1024
-        out.append(f"| {s.label} | {kb:,.0f} | {np.mean([r['wall_time_s'] for r in group]):,.0f} |")
+        out.append(markdown_row([s.label, f"{kb:,.0f}", f"{np.mean([r['wall_time_s'] for r in group]):,.0f}"]))
     return "\n".join(out) + "\n"
 
 

@@ -26,8 +26,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from nestfed import config as C
-from nestfed import methods
+from nestfed import config, methods
 from nestfed.config import ExperimentConfig
 from nestfed.config.capabilities import Capability
 from nestfed.errors import ConfigError, NestfedError
@@ -91,7 +90,7 @@ def accept_resume(rd: RunDir, wanted: ExperimentConfig, home: str = KEPT) -> lis
     federation.rounds and [tracking] (RunDir.accept_config: config.toml is then rewritten).
     Returns the changes (``section.key: old -> new``). Raises NestfedError / DataError."""
     rd.check_resume(methods.get(wanted.strategy.name).keeps_client_state(wanted), home)
-    return rd.accept_config(stored_config(rd), wanted, C.dumps_toml(wanted))
+    return rd.accept_config(stored_config(rd), wanted, config.dumps_toml(wanted))
 
 
 # -- Flower ------------------------------------------------------------------------------------
@@ -114,7 +113,7 @@ def flower_run_dir(
     Raises ConfigError / DataError / NestfedError."""
     tracking.check_store(cfg.tracking, cfg.output.dir)
     if resume:
-        rd = RunDir.open(run_dir, C.dumps_toml(cfg))
+        rd = RunDir.open(run_dir, config.dumps_toml(cfg))
         for change in accept_resume(rd, cfg, ON_NODES):
             on_change(change)
         return rd
@@ -135,8 +134,7 @@ def flower_clients(
             + (f"; {nodes} nodes for data.num_clients = {want}, and a node says: {node_says}" if node_says else "")
         )
     for c in clients:
-        if c.rank > C.r_max(cfg):
-            raise ConfigError(f"node of client {c.cid}: rank {c.rank} is above lora.r_max = {C.r_max(cfg)}")
+        config.check_rank(c.rank, config.r_max(cfg), f"node of client {c.cid}", ConfigError)
 
 
 def flower_federation(
@@ -157,5 +155,5 @@ def flower_federation(
                 "run config: secure-aggregation: a robust rule or central DP needs individual "
                 "updates, which secure aggregation hides; docs/secure_aggregation.md"
             )
-        secure.check_clients(max(1, round(cfg.federation.fraction * len(clients))))
+        secure.check_clients(config.clients_per_round(cfg.federation.fraction, len(clients)))
     return Population.from_config(cfg, clients)

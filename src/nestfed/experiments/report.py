@@ -17,6 +17,7 @@ from nestfed import methods
 from nestfed.config import INLINE_CLIENTS
 from nestfed.errors import DataError
 from nestfed.federation.plots import png, pyplot
+from nestfed.io.markdown import markdown_table
 
 plt = pyplot()  # matplotlib.pyplot on Agg
 
@@ -287,21 +288,15 @@ def comparison_markdown(rows: list[dict[str, Any]]) -> str:
         + [f"c{c} {labels.get(c, '')}".strip() for c in cids]
         + ["mean ppl", "KB/client/round", "time s"]
     )
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    body = []
     if rows:
         r0 = rows[0]
-        out.append(
-            f"| {r0['round0']} | - | "
-            + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
-            + f" | {r0['initial_mean_ppl']:.2f} | - | - |"
-        )
+        initial = [f"{r0['initial_ppl'][c]:.2f}" for c in cids]
+        body.append([r0["round0"], "-", *initial, f"{r0['initial_mean_ppl']:.2f}", "-", "-"])
     for r in rows:
-        out.append(
-            f"| {r['label']} | {r['ranks']} | "
-            + " | ".join(f"{r['ppl'][c]:.2f}" for c in cids)
-            + f" | {r['mean_ppl']:.2f} | {r['bytes_per_client_round'] / 1024:.1f} | {r['wall_time_s']:.0f} |"
-        )
-    return "\n".join(out) + "\n"
+        kb, secs = f"{r['bytes_per_client_round'] / 1024:.1f}", f"{r['wall_time_s']:.0f}"
+        body.append([r["label"], r["ranks"], *(f"{r['ppl'][c]:.2f}" for c in cids), f"{r['mean_ppl']:.2f}", kb, secs])
+    return "\n".join(markdown_table(head, body)) + "\n"
 
 
 def comparison_plot(rows: list[dict[str, Any]]) -> bytes:

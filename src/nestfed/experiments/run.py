@@ -13,12 +13,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from nestfed import config as C
-from nestfed import methods
+from nestfed import config, methods
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.config.capabilities import Capability
 from nestfed.data.clients import ClientData
-from nestfed.data.global_test import global_test_set
+from nestfed.data.global_eval_set import global_test_set
 from nestfed.evaluation.client import evaluate_client
 from nestfed.experiments import preflight
 from nestfed.experiments.federated_run import Federation, run_federation
@@ -53,7 +52,7 @@ def new_run_dir(cfg: ExperimentConfig, parent: Path | None = None) -> Path:
 
 
 def global_test_data(prep: Prepared, cfg: ExperimentConfig) -> ClientData | None:
-    """The global held-out set of ``evaluation.global_test`` rows (nestfed.data.global_test), its
+    """The global held-out set of ``evaluation.global_test`` rows (nestfed.data.global_eval_set), its
     frozen prefix cached; built once per preparation; None when the config asks for none."""
     rows = cfg.evaluation.global_test
     if not rows:
@@ -114,7 +113,7 @@ def run_method(
     glob = global_test_data(prep, cfg)
     fp = prep.footprint.bytes if prep.footprint is not None else None
     population = preflight.embedded(cfg, mr.clients, fp)  # an elastic trace, the tracking store
-    text = C.dumps_toml(cfg)
+    text = config.dumps_toml(cfg)
     trainer = mr.trainer if isinstance(mr.trainer, ClientTrainer) else None
 
     def summary(state: GlobalState) -> dict[str, Any]:
@@ -122,7 +121,7 @@ def run_method(
         pool = getattr(prep.data, "stats", None)
         if pool is not None:
             out["client_pool"] = dataclasses.asdict(pool)
-        if C.per_client_inline(cfg):
+        if config.per_client_inline(cfg):
             out["client_labels"] = {str(c.cid): prep.label(c.cid) for c in prep.clients}
         if glob is not None and trainer is not None:  # what each client runs, on the global set
             out["global_by_client"] = {}
@@ -157,7 +156,7 @@ def run_method(
     )
 
     def open_run_dir() -> RunDir:
-        return RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, C.per_client_inline(cfg))
+        return RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, config.per_client_inline(cfg))
 
     return run_federation(cfg, fed, open_run_dir, resume, t0)
 

@@ -23,6 +23,7 @@ from nestfed.experiments.intervals import (
     relative_differences,
 )
 from nestfed.federation.plots import png, pyplot
+from nestfed.io.markdown import markdown_row, markdown_table
 
 plt = pyplot()  # matplotlib.pyplot on Agg
 
@@ -162,13 +163,12 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[LabelStats]) -> str:
         + [f"c{c} {labels.get(c, '')}".strip() for c in cids]
         + ["mean ppl", "vs reference (% ppl, pairs)", "vs reference (% mean, seeds)", "KB/client/round", "time s"]
     )
-    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    out = markdown_table(head)
     if rows:
         r0 = rows[0]
+        initial = [f"{r0['initial_ppl'][c]:.2f}" for c in cids]
         out.append(
-            f"| {r0['round0']} | - | - | "
-            + " | ".join(f"{r0['initial_ppl'][c]:.2f}" for c in cids)
-            + f" | {r0['initial_mean_ppl']:.2f} | - | - | - | - |"
+            markdown_row([r0["round0"], "-", "-", *initial, f"{r0['initial_mean_ppl']:.2f}", "-", "-", "-", "-"])
         )
     for s in stats:
         seeds = ",".join(map(str, s.seeds))
@@ -178,12 +178,9 @@ def seeds_markdown(rows: list[dict[str, Any]], stats: list[LabelStats]) -> str:
             if v is None
             else (f"{v.mean:+.2f}%" if math.isnan(v.half_width) else f"{v.mean:+.2f} ± {v.half_width:.2f}%")
         )
-        out.append(
-            f"| {s.label} | {s.ranks} | {seeds} | "
-            + " | ".join(s.per_client[c].text() if c in s.per_client else "-" for c in cids)
-            + f" | {s.mean.text()} | {_versus_text(s)} | {vs} | {s.bytes_per_client_round / 1024:.1f} "
-            f"| {s.wall_time_s:.0f} |"
-        )
+        per_client = [s.per_client[c].text() if c in s.per_client else "-" for c in cids]
+        kb, secs = f"{s.bytes_per_client_round / 1024:.1f}", f"{s.wall_time_s:.0f}"
+        out.append(markdown_row([s.label, s.ranks, seeds, *per_client, s.mean.text(), _versus_text(s), vs, kb, secs]))
     return "\n".join(out) + "\n"
 
 
@@ -277,10 +274,8 @@ def truncation_markdown(curves: dict[str, dict[int, Interval]]) -> str:
         ± the 95% half width over seeds.
     """
     ranks = sorted({r for c in curves.values() for r in c})
-    out = ["| method | " + " | ".join(f"r = {r}" for r in ranks) + " |", "|" + "---|" * (len(ranks) + 1)]
-    for label, c in curves.items():
-        out.append(f"| {label} | " + " | ".join(c[r].text() if r in c else "-" for r in ranks) + " |")
-    return "\n".join(out) + "\n"
+    body = [[label, *(c[r].text() if r in c else "-" for r in ranks)] for label, c in curves.items()]
+    return "\n".join(markdown_table(["method", *(f"r = {r}" for r in ranks)], body)) + "\n"
 
 
 def _half_widths(intervals: list[Interval]) -> list[float]:
@@ -342,7 +337,7 @@ def truncation_differences_markdown(diffs: dict[str, dict[int, PairedDifference]
         perplexity than the reference).
     """
     ranks = sorted({r for d in diffs.values() for r in d})
-    out = [f"| vs {reference} | " + " | ".join(f"r = {r}" for r in ranks) + " |", "|" + "---|" * (len(ranks) + 1)]
+    out = markdown_table([f"vs {reference}", *(f"r = {r}" for r in ranks)])
     for label, d in diffs.items():
         cells = []
         for r in ranks:
@@ -352,7 +347,7 @@ def truncation_differences_markdown(diffs: dict[str, dict[int, PairedDifference]
             i = d[r].interval
             text = f"{i.mean:+.2f}% [{i.low:+.2f}, {i.high:+.2f}]"
             cells.append(f"**{text}**" if d[r].significant else text)
-        out.append(f"| {label} | " + " | ".join(cells) + " |")
+        out.append(markdown_row([label, *cells]))
     return "\n".join(out) + "\n"
 
 

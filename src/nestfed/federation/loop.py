@@ -29,7 +29,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from nestfed.config import ConfigError, ExperimentConfig
+from nestfed.config import ConfigError, ExperimentConfig, clients_per_round
 from nestfed.config.capabilities import Capability, refusal
 from nestfed.errors import RunFailed, UpdateRejected
 from nestfed.federation.evaluation_plan import Deployments, EvalPlan
@@ -123,7 +123,7 @@ def sample_clients(
             return list(clients)
         draws = rng.random(len(clients))
         return [c for c, u in zip(clients, draws) if u < fraction]
-    k = max(1, round(fraction * (len(clients) if population is None else population)))
+    k = clients_per_round(fraction, len(clients) if population is None else population)
     if k >= len(clients):
         return list(clients)
     chosen = sorted(rng.choice(len(clients), size=k, replace=False).tolist())

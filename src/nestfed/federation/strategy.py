@@ -16,6 +16,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nestfed.config import check_rank
 from nestfed.federation.aggregation import pad_rank, rank_prefix, truncate_rank, weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply, SecureSum
 from nestfed.federation.robust import Block, BlockRule
@@ -185,8 +186,7 @@ class LoraStrategy:
     def initialize(self, shapes: dict[str, tuple[int, int]], clients: list[ClientInfo]) -> GlobalState:
         """Initialise the global adapter at r_max (seeded) and record each client's rank."""
         for c in clients:
-            if c.rank > self.s.r_max:
-                raise ValueError(f"client {c.cid}: rank {c.rank} is above the global maximum r_max = {self.s.r_max}")
+            check_rank(c.rank, self.s.r_max, f"client {c.cid}")
         arrays = init_adapter_state(shapes, self.s.r_max, self.s.init_seed)
         return GlobalState(arrays, {"ranks": {str(c.cid): c.rank for c in clients}})
 

@@ -62,7 +62,7 @@ from flwr.app import ConfigRecord, Context, Message, MetricRecord, RecordDict
 from flwr.clientapp import ClientApp
 
 from nestfed import methods
-from nestfed.config import ExperimentConfig, r_max
+from nestfed.config import ExperimentConfig, check_rank, r_max
 from nestfed.config.schema import check_core
 from nestfed.errors import ConfigError
 from nestfed.experiments.prepare import install_stream_modules, prepare
@@ -194,8 +194,8 @@ def node_settings(node_config: dict[str, Any], cfg: ExperimentConfig) -> tuple[i
             f"node config: num-partitions = {n!r} but the experiment has data.num_clients = {cfg.data.num_clients}"
         )
     rank = node_config.get("rank")
-    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or not 1 <= rank <= r_max(cfg)):
-        raise ConfigError(f"node config: rank = {rank!r}, expected an integer in [1, {r_max(cfg)}]")
+    if rank is not None:
+        check_rank(rank, r_max(cfg), "node config", ConfigError)
     threads = int(node_config.get("threads", 0) or 0)
     return pid, rank, threads
 

@@ -32,8 +32,7 @@ from flwr.app import Context
 from flwr.common.logger import log
 from flwr.serverapp import Grid, ServerApp
 
-from nestfed import config as C
-from nestfed import methods
+from nestfed import config, methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import RunFailed
 from nestfed.experiments import preflight
@@ -89,7 +88,7 @@ class FlowerRun:
         """The federation the QUERY round found, as the one run path takes it (the exports carry the
         nodes' base model; the summary lists the clients, their ranks and labels)."""
         transport = FlowerTransport(
-            self.grid, self.settings, q.node_of, C.dumps_toml(cfg), q, self.say, str(run_dir.resolve())
+            self.grid, self.settings, q.node_of, config.dumps_toml(cfg), q, self.say, str(run_dir.resolve())
         )
         labels = {str(c.cid): q.info[str(c.cid)].get("label", "") for c in q.clients}
         roster = {
@@ -97,7 +96,7 @@ class FlowerRun:
         }
 
         def summary(state) -> dict[str, Any]:
-            if not C.per_client_inline(cfg):
+            if not config.per_client_inline(cfg):
                 return {}
             return {
                 "clients": [c.cid for c in q.clients],
@@ -127,7 +126,7 @@ class FlowerRun:
         t_start = time.perf_counter()
         s = self.settings
         cfg = self.load_config()
-        cfg_text = C.dumps_toml(cfg)
+        cfg_text = config.dumps_toml(cfg)
         run_dir = Path(s.run_dir).expanduser() if s.run_dir else new_run_dir(cfg)
         rd = preflight.flower_run_dir(cfg, run_dir, s.resume, lambda c: self.say(f"resume: config.toml now has {c}"))
         min_clients = s.min_clients or cfg.federation.min_clients
@@ -140,7 +139,7 @@ class FlowerRun:
             if rd is not None:
                 self.say(f"resuming {run_dir}")
                 return rd
-            return RunDir.create(run_dir, cfg_text, C.per_client_inline(cfg))
+            return RunDir.create(run_dir, cfg_text, config.per_client_inline(cfg))
 
         try:
             summary = run_federation(cfg, fed, open_run_dir, s.resume, t_start)

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from nestfed import config as C
+from nestfed import config
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.config.capabilities import Capability, asked_by, refusal
 from nestfed.methods import (
@@ -159,7 +159,7 @@ def listing() -> list[str]:
     return [" ".join(f"{v:{w}s}" for v, w in zip(r, widths)) + " " + m.summary for r, m in zip(rows, REGISTRY.values())]
 
 
-def schema() -> C.Schema:
+def schema() -> config.Schema:
     """What configs may hold beyond the core sections.
 
     Every registered home's sections, the names ``strategy.name`` accepts and the cross-section
@@ -173,7 +173,7 @@ def schema() -> C.Schema:
     for m in REGISTRY.values():
         for section, keys in m.former.items():
             former.setdefault(section, {}).update(keys)
-    return C.Schema(sections=_sections(), methods=tuple(REGISTRY), check=_check, moved=moved, former=former)
+    return config.Schema(sections=_sections(), methods=tuple(REGISTRY), check=_check, moved=moved, former=former)
 
 
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
@@ -189,7 +189,7 @@ def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     Raises:
         ConfigError: naming the file and key at fault.
     """
-    return C.load(path, overrides, schema())
+    return config.load(path, overrides, schema())
 
 
 def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> ExperimentConfig:
@@ -208,7 +208,7 @@ def load_run_config(path: str | Path, overrides: list[str] | tuple[str, ...] = (
     Raises:
         ConfigError: naming the file and key at fault.
     """
-    return C.load(path, overrides, schema(), stored=True)
+    return config.load(path, overrides, schema(), stored=True)
 
 
 def config_from_dict(data: Mapping[str, Any], source: str = "<config>", stored: bool = False) -> ExperimentConfig:
@@ -226,7 +226,7 @@ def config_from_dict(data: Mapping[str, Any], source: str = "<config>", stored: 
         ConfigError: naming the source and key at fault.
     """
     s = schema()
-    return C.from_dict(C.migrate(data, s) if stored else data, source, s)
+    return config.from_dict(config.migrate(data, s) if stored else data, source, s)
 
 
 def with_method(cfg: ExperimentConfig, name: str) -> ExperimentConfig:
@@ -243,7 +243,7 @@ def with_method(cfg: ExperimentConfig, name: str) -> ExperimentConfig:
         ConfigError: for an unknown method or a setting it refuses.
     """
     get(name)
-    return C.replace(cfg, schema(), strategy={"name": name})
+    return config.replace(cfg, schema(), strategy={"name": name})
 
 
 def replace_config(cfg: ExperimentConfig, **sections: dict[str, Any]) -> ExperimentConfig:
@@ -259,7 +259,7 @@ def replace_config(cfg: ExperimentConfig, **sections: dict[str, Any]) -> Experim
     Raises:
         ConfigError: for a value the schema refuses.
     """
-    return C.replace(cfg, schema(), **sections)
+    return config.replace(cfg, schema(), **sections)
 
 
 __all__ = [

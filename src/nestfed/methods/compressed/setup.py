@@ -31,6 +31,7 @@ from nestfed.data.tasks import TokenDataset
 from nestfed.federation.messages import Arrays
 from nestfed.federation.prepared import Prepared
 from nestfed.nn.backbone import default_cache_dir
+from nestfed.nn.footprint import weight_bytes
 from nestfed.nn.frozen_prefix import CachedText, prefix_features
 from nestfed.nn.keys import layer_of
 from nestfed.nn.placement import resolve_device, resolve_dtype
@@ -108,26 +109,6 @@ class CompressedSetup:
         for g, d in self.data.items():
             out[g] += float(sum(x.num_examples for x in d.values()))
         return out
-
-
-def model_bytes(model: nn.Module) -> int:
-    """Bytes of a model's parameters and buffers, LoRA matrices excluded, each storage counted once.
-
-    Args:
-        model: the model.
-
-    Returns:
-        The bytes.
-    """
-    seen, total = set(), 0
-    for name, t in list(model.named_parameters()) + list(model.named_buffers()):
-        if ".lora_" in name:
-            continue
-        key = t.untyped_storage().data_ptr()
-        if key not in seen:
-            seen.add(key)
-            total += t.untyped_storage().nbytes()
-    return total
 
 
 def client_ratios(cfg: ExperimentConfig) -> list[float]:
@@ -324,8 +305,8 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
             cid: _group_client(d, m, shared, start, bs) for cid, d in prep.data.items() if client_group[cid] == g
         }
     initial = {g: {core_key(n): m.get_submodule(n).sigma.detach().clone() for n in trained} for g, m in models.items()}
-    sizes: dict[str | int, int] = {"full": model_bytes(model)}
-    sizes.update({g: model_bytes(m) for g, m in models.items()})
+    sizes: dict[str | int, int] = {"full": weight_bytes(model)}
+    sizes.update({g: weight_bytes(m) for g, m in models.items()})
     setup = CompressedSetup(
         ratios,
         client_group,

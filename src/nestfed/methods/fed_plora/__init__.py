@@ -73,6 +73,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, MEAN_AGGREGATOR, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -113,17 +114,7 @@ METHOD = lora_method(
     "(Zhang et al., ICLR 2026)",
     "nestfed.methods.fed_plora.strategy",
     sections={"fed_plora": FedPLoRAOptions},
-    capabilities=frozenset(
-        {
-            C.HETEROGENEOUS_RANKS,
-            C.ELASTIC_RANKS,
-            C.ROBUST_AGGREGATION,
-            C.SERVER_OPTIMIZER,
-            C.RESUME,
-            C.GLOBAL_MODEL,
-            C.EXPORT_AT_RANK,
-        }
-    ),
+    capabilities=RANK_PREFIX_CLIENTS | MEAN_AGGREGATOR | GLOBAL_ADAPTER | {C.RESUME},
     refusals={
         C.SECURE_AGGREGATION: "a client's reply holds the modules it drew, not a rank prefix, and secure sums "
         "count rows by prefix; a rebuild of each module's mean over its own clients from sums is not written",

@@ -14,7 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import torch
 
-from nestfed.config import ExperimentConfig
+from nestfed.config import ExperimentConfig, check_rank
 from nestfed.federation.aggregation import weighted_mean
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState, Instruction, Reply
 from nestfed.federation.robust import Block, BlockRule
@@ -65,8 +65,7 @@ def selection(seed: int, rnd: int, cid: int, r_max: int, rank: int, rule: str = 
     Raises:
         ValueError: for a rank outside [1, r_max] or an unknown rule.
     """
-    if not 0 < rank <= r_max:
-        raise ValueError(f"rank {rank} is not in [1, {r_max}]")
+    check_rank(rank, r_max)
     if rule not in ("random", "prefix"):
         raise ValueError(f"unknown selection rule '{rule}'")
     if rule == "prefix" or rank == r_max:

@@ -58,6 +58,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import MEAN_AGGREGATOR
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -83,9 +84,7 @@ class FedSBOptions:
 
 
 #: what the core methods (Fed-SB, RAVAN) can do, and why they refuse the rest
-CORE_CAPABILITIES = frozenset(
-    {C.ROBUST_AGGREGATION, C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL}
-)
+CORE_CAPABILITIES = MEAN_AGGREGATOR | {C.SECURE_AGGREGATION, C.RESUME, C.GLOBAL_MODEL}
 CORE_REFUSALS = {
     C.EXPORT_AT_RANK: "the exported adapter (A, B M) is exact at rank r only: the core M mixes every "
     "direction, so no rank prefix is a model a client runs",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, MEAN_AGGREGATOR
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -50,7 +51,5 @@ METHOD = lora_method(
     "element-wise weights it learns (Zhang et al. 2023)",
     "nestfed.methods.fedala.strategy",
     sections={"fedala": FedALAOptions},
-    capabilities=frozenset(
-        {C.ROBUST_AGGREGATION, C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}
-    ),
+    capabilities=MEAN_AGGREGATOR | GLOBAL_ADAPTER | {C.SECURE_AGGREGATION, C.RESUME},
 )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, MEAN_AGGREGATOR
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -9,7 +10,5 @@ METHOD = lora_method(
     "fedavg",
     "homogeneous LoRA averaged with n_k weights (McMahan et al. 2017)",
     "nestfed.methods.fedavg.strategy",
-    capabilities=frozenset(
-        {C.ROBUST_AGGREGATION, C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}
-    ),
+    capabilities=MEAN_AGGREGATOR | GLOBAL_ADAPTER | {C.SECURE_AGGREGATION, C.RESUME},
 )

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -85,7 +86,7 @@ METHOD = lora_method(
     "folded into the frozen weights (Singhal et al., ACL 2025)",
     "nestfed.methods.fedex_lora.strategy",
     sections={"fedex_lora": FedExLoRAOptions},
-    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME}),
+    capabilities=RANK_PREFIX_CLIENTS | {C.RESUME},
     refusals={
         C.ROBUST_AGGREGATION: "FedEx-LoRA folds every client's exact product s_k B_k A_k into the frozen "
         "residual, which a rule over the A and B blocks would not guard (a norm bound, "

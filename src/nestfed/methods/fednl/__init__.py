@@ -9,6 +9,7 @@ path of: nestfed.nn.bounded_attention) and the delta rule an operator (nestfed.o
 from __future__ import annotations
 
 from nestfed.config import ExperimentConfig
+from nestfed.config.capabilities import MEAN_AGGREGATOR
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.fednl.options import FedNLOptions
 from nestfed.methods.method import lora_method
@@ -59,7 +60,7 @@ METHOD = lora_method(
     moved={"memory": "fednl"},
     former=FORMER,
     check_config=_check,
-    capabilities=frozenset({C.ROBUST_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL}),
+    capabilities=MEAN_AGGREGATOR | {C.RESUME, C.GLOBAL_MODEL},
     refusals={
         C.SECURE_AGGREGATION: "it averages memory rules beside the LoRA matrices, and secure sums hold "
         "LoRA matrices only",

@@ -31,8 +31,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file
 
 from nestfed.config import ExperimentConfig
+from nestfed.data.corpora import long_texts
 from nestfed.data.niah import Haystack
-from nestfed.data.sources import long_texts
 from nestfed.data.tasks import _bos
 from nestfed.federation.messages import Arrays
 from nestfed.federation.prepared import Prepared

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, MEAN_AGGREGATOR
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -36,7 +37,5 @@ METHOD = lora_method(
     "FedAvg with the proximal term mu/2 ||theta - theta_global||^2 on every client (Li et al. 2020)",
     "nestfed.methods.fedprox.strategy",
     sections={"fedprox": FedProxOptions},
-    capabilities=frozenset(
-        {C.ROBUST_AGGREGATION, C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}
-    ),
+    capabilities=MEAN_AGGREGATOR | GLOBAL_ADAPTER | {C.SECURE_AGGREGATION, C.RESUME},
 )

@@ -31,6 +31,7 @@ continues each client from its own B.
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import MEAN_AGGREGATOR, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -39,16 +40,7 @@ METHOD = lora_method(
     "only A is shared and averaged (per held row at heterogeneous ranks); each "
     "client keeps its own B (Guo et al. 2025)",
     "nestfed.methods.fedsa_lora.strategy",
-    capabilities=frozenset(
-        {
-            C.HETEROGENEOUS_RANKS,
-            C.ELASTIC_RANKS,
-            C.ROBUST_AGGREGATION,
-            C.SECURE_AGGREGATION,
-            C.SERVER_OPTIMIZER,
-            C.RESUME,
-        }
-    ),
+    capabilities=RANK_PREFIX_CLIENTS | MEAN_AGGREGATOR | {C.SECURE_AGGREGATION, C.RESUME},
     refusals={
         C.GLOBAL_MODEL: "each client keeps its own B",
         C.EXPORT_AT_RANK: "each client keeps its own B",

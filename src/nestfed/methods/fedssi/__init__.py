@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, MEAN_AGGREGATOR
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -51,7 +52,5 @@ METHOD = lora_method(
     "personalised surrogate (Li et al. 2025)",
     "nestfed.methods.fedssi.strategy",
     sections={"fedssi": FedSSIOptions},
-    capabilities=frozenset(
-        {C.ROBUST_AGGREGATION, C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}
-    ),
+    capabilities=MEAN_AGGREGATOR | GLOBAL_ADAPTER | {C.SECURE_AGGREGATION, C.RESUME},
 )

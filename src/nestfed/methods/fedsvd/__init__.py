@@ -53,6 +53,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -89,7 +90,7 @@ METHOD = lora_method(
     "A = its top right singular vectors (Lee et al., NeurIPS 2025)",
     "nestfed.methods.fedsvd.strategy",
     sections={"fedsvd": FedSVDOptions},
-    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}),
+    capabilities=RANK_PREFIX_CLIENTS | GLOBAL_ADAPTER | {C.RESUME},
     refusals={
         C.ROBUST_AGGREGATION: "FedSVD re-factorises the mean product mean(B) A by SVD, which does not cut "
         "into rank blocks of A and B, so a robust rule or central DP over the blocks would not be its rule "

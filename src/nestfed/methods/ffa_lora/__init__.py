@@ -6,6 +6,7 @@ zero-padding B (the rows of A beyond a client's rank are simply unused by it).
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, MEAN_AGGREGATOR, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -13,17 +14,7 @@ METHOD = lora_method(
     "ffa_lora",
     "A frozen at its random init, only B trained and averaged (Sun et al. 2024)",
     "nestfed.methods.ffa_lora.strategy",
-    capabilities=frozenset(
-        {
-            C.HETEROGENEOUS_RANKS,
-            C.ELASTIC_RANKS,
-            C.ROBUST_AGGREGATION,
-            C.SERVER_OPTIMIZER,
-            C.RESUME,
-            C.GLOBAL_MODEL,
-            C.EXPORT_AT_RANK,
-        }
-    ),
+    capabilities=RANK_PREFIX_CLIENTS | MEAN_AGGREGATOR | GLOBAL_ADAPTER | {C.RESUME},
     refusals={
         C.SECURE_AGGREGATION: "its rebuild from sums (B only, A frozen) is not written",
     },

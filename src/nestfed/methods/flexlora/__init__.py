@@ -40,6 +40,7 @@ SVD factorisations is not an update of the factors.
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -47,7 +48,7 @@ METHOD = lora_method(
     "flexlora",
     "n_k-weighted mean of the full products s_k B_k A_k, each client gets its rank-r_k truncated SVD (Bai et al. 2024)",
     "nestfed.methods.flexlora.strategy",
-    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}),
+    capabilities=RANK_PREFIX_CLIENTS | GLOBAL_ADAPTER | {C.RESUME},
     refusals={
         C.ROBUST_AGGREGATION: "FlexLoRA averages full products s_k B_k A_k and re-factorises them by SVD: "
         "that space does not cut into rank blocks of A and B, so a coordinate-wise or distance rule "

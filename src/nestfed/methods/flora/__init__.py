@@ -14,6 +14,7 @@ clients); it grows by sum_k r_k rows per round, which the byte accounting shows.
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -22,7 +23,7 @@ METHOD = lora_method(
     "stack the clients' p_k s_k B_k A_k exactly, merge into the base every round, "
     "fresh LoRA per round (Wang et al. 2024)",
     "nestfed.methods.flora.strategy",
-    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME, C.GLOBAL_MODEL}),
+    capabilities=RANK_PREFIX_CLIENTS | {C.RESUME, C.GLOBAL_MODEL},
     refusals={
         C.ROBUST_AGGREGATION: "FLoRA stacks every client's exact product B_k A_k, each in its own "
         "subspace: a coordinate-wise or distance rule over them means nothing (a norm bound, "

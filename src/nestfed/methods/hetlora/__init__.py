@@ -18,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nestfed.config import ExperimentConfig
+from nestfed.config.capabilities import GLOBAL_ADAPTER, MEAN_AGGREGATOR, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -75,17 +76,7 @@ METHOD = lora_method(
     "nestfed.methods.hetlora.strategy",
     sections={"hetlora": HetLoRAOptions},
     check_config=_check,
-    capabilities=frozenset(
-        {
-            C.HETEROGENEOUS_RANKS,
-            C.ELASTIC_RANKS,
-            C.ROBUST_AGGREGATION,
-            C.SERVER_OPTIMIZER,
-            C.RESUME,
-            C.GLOBAL_MODEL,
-            C.EXPORT_AT_RANK,
-        }
-    ),
+    capabilities=RANK_PREFIX_CLIENTS | MEAN_AGGREGATOR | GLOBAL_ADAPTER | {C.RESUME},
     refusals={
         C.SECURE_AGGREGATION: "its weights are each update's Frobenius norm, which no sum of updates gives",
     },

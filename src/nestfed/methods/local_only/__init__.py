@@ -14,6 +14,7 @@ what a federated method with the same payload would send, not traffic local trai
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -22,9 +23,7 @@ METHOD = lora_method(
     "each client trains its own adapter alone, never aggregated (the baseline "
     "every federated comparison should include)",
     "nestfed.methods.local_only.strategy",
-    capabilities=frozenset(
-        {C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME}
-    ),
+    capabilities=RANK_PREFIX_CLIENTS | {C.SECURE_AGGREGATION, C.SERVER_OPTIMIZER, C.RESUME},
     refusals={
         C.ROBUST_AGGREGATION: "local-only training aggregates nothing",
         C.GLOBAL_MODEL: "each client keeps its own adapter",

@@ -49,6 +49,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -79,7 +80,7 @@ METHOD = lora_method(
     "to mean(B_k A_k); clients start from the corrected pair (Bian et al., ICCV 2025)",
     "nestfed.methods.lora_fair.strategy",
     sections={"lora_fair": LoraFairOptions},
-    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}),
+    capabilities=RANK_PREFIX_CLIENTS | GLOBAL_ADAPTER | {C.RESUME},
     refusals={
         C.ROBUST_AGGREGATION: "LoRA-FAIR fits its correction dB to every client's exact product B_k A_k, "
         "which a rule over the A and B blocks would not guard (a norm bound, validation.max_update_norm, "

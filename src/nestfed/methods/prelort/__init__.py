@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, MEAN_AGGREGATOR, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -93,16 +94,5 @@ METHOD = lora_method(
     "segment over the clients that hold it (arXiv 2606.15963)",
     "nestfed.methods.prelort.strategy",
     sections={"prelort": PreLortOptions},
-    capabilities=frozenset(
-        {
-            C.HETEROGENEOUS_RANKS,
-            C.ELASTIC_RANKS,
-            C.ROBUST_AGGREGATION,
-            C.SECURE_AGGREGATION,
-            C.SERVER_OPTIMIZER,
-            C.RESUME,
-            C.GLOBAL_MODEL,
-            C.EXPORT_AT_RANK,
-        }
-    ),
+    capabilities=RANK_PREFIX_CLIENTS | MEAN_AGGREGATOR | GLOBAL_ADAPTER | {C.SECURE_AGGREGATION, C.RESUME},
 )

@@ -71,6 +71,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -102,7 +103,7 @@ METHOD = lora_method(
     "clients whose rank covers it (Wu et al. 2026, arXiv 2602.13486)",
     "nestfed.methods.raflora.strategy",
     sections={"raflora": RaFLoRAOptions},
-    capabilities=frozenset({C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS, C.RESUME, C.GLOBAL_MODEL, C.EXPORT_AT_RANK}),
+    capabilities=RANK_PREFIX_CLIENTS | GLOBAL_ADAPTER | {C.RESUME},
     refusals={
         C.ROBUST_AGGREGATION: "raFLoRA averages the partition products s_k B_k[:, P] A_k[P, :] and "
         "re-factorises their sum by SVD: no rank block of A and B carries them, so a robust rule or "

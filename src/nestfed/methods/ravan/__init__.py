@@ -61,7 +61,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from nestfed.config import ExperimentConfig, r_max
-from nestfed.config.capabilities import Capability as C
+from nestfed.config.capabilities import RANK_PREFIX_CLIENTS
 from nestfed.methods.fed_sb import CORE_CAPABILITIES, CORE_REFUSALS
 from nestfed.methods.method import lora_method
 
@@ -112,6 +112,6 @@ METHOD = lora_method(
     "nestfed.methods.ravan.strategy",
     sections={"ravan": RavanOptions},
     check_config=_check,
-    capabilities=CORE_CAPABILITIES | {C.HETEROGENEOUS_RANKS, C.ELASTIC_RANKS},
+    capabilities=CORE_CAPABILITIES | RANK_PREFIX_CLIENTS,
     refusals=CORE_REFUSALS,
 )

@@ -6,6 +6,7 @@ A/B are padded with zeros to r_max and averaged in parameter space, which dilute
 
 from __future__ import annotations
 
+from nestfed.config.capabilities import GLOBAL_ADAPTER, MEAN_AGGREGATOR, RANK_PREFIX_CLIENTS
 from nestfed.config.capabilities import Capability as C
 from nestfed.methods.method import lora_method
 
@@ -13,16 +14,5 @@ METHOD = lora_method(
     "zeropad",
     "zero-pad every client adapter to r_max, average with n_k weights",
     "nestfed.methods.zeropad.strategy",
-    capabilities=frozenset(
-        {
-            C.HETEROGENEOUS_RANKS,
-            C.ELASTIC_RANKS,
-            C.ROBUST_AGGREGATION,
-            C.SECURE_AGGREGATION,
-            C.SERVER_OPTIMIZER,
-            C.RESUME,
-            C.GLOBAL_MODEL,
-            C.EXPORT_AT_RANK,
-        }
-    ),
+    capabilities=RANK_PREFIX_CLIENTS | MEAN_AGGREGATOR | GLOBAL_ADAPTER | {C.SECURE_AGGREGATION, C.RESUME},
 )

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nestfed.data.sources import Document, InstructionExample, MultipleChoice, bbc_news, instructions, mmlu, newsgroups
+from nestfed.data.corpora import Document, InstructionExample, MultipleChoice, bbc_news, instructions, mmlu, newsgroups
 from nestfed.errors import DataError
 
 REAL_MMLU = Path(__file__).resolve().parents[3] / "shared" / "data" / "mmlu"
