@@ -16,7 +16,8 @@ from tiny_federation import lines, state_digest, tiny_config, tiny_prepared, wit
 from nestfed.errors import DataError, NestfedError
 from nestfed.experiments.run import run_method
 from nestfed.federation.messages import GlobalState, Reply
-from nestfed.federation.run_dir import RunDir, flatten_client_state
+from nestfed.federation.run_dir import RunDir
+from nestfed.federation.run_files import flatten_client_state
 from nestfed.io import atomic
 from nestfed.nn.peft_export import export_peft_adapter
 

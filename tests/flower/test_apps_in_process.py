@@ -238,7 +238,7 @@ def test_client_state_survives_fresh_processes_on_the_nodes_disk(tmp_path, keep_
 
     from safetensors.torch import load_file
 
-    from nestfed.federation.run_dir import flatten_client_state
+    from nestfed.federation.run_files import flatten_client_state
     from nestfed.flower.node_state import NodeStateStore
 
     over = OVERRIDES + (f"strategy.name={name}", "lora.ranks=[4]", 'lora.target_modules=["q_proj","v_proj"]') + extra

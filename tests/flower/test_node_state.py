@@ -50,7 +50,7 @@ def test_a_broken_or_foreign_state_file_is_one_line_naming_it(tmp_path):
         store.load("/runs/a", 2, 1)
     from safetensors.torch import save_file
 
-    from nestfed.federation.run_dir import flatten_client_state
+    from nestfed.federation.run_files import flatten_client_state
 
     save_file(flatten_client_state(state(5, 1) | state(2, 2)), str(path.with_name("round-000002.safetensors")))
     with pytest.raises(DataError, match="holds the state of clients"):

@@ -88,17 +88,7 @@ class InProcessTransport:
     def fit(
         self, rnd: int, instructions: dict[int, Instruction], on_reply: Callable[[int, Reply], None] | None = None
     ) -> FitResults:
-        """Have each client train on what crossed the (simulated) wire and reply through it.
-
-        Args:
-            rnd: the round (unused in process).
-            instructions: {cid: instruction}, run in this order.
-            on_reply: called as ``on_reply(cid, reply)`` with each reply as soon as it is back;
-                None collects the replies instead.
-
-        Returns:
-            The results: the replies in FitResults.replies when ``on_reply`` is None, else none.
-        """
+        """Train each client in turn on what crossed the (simulated) wire; each reply crosses it back."""
         out = FitResults()
         for cid, ins in instructions.items():
             sent = Instruction(decode(encode(ins.arrays)), dict(ins.config))
@@ -113,16 +103,7 @@ class InProcessTransport:
     def evaluate(
         self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]], as_sent: bool = False
     ) -> dict[str, dict[str, float]]:
-        """Evaluate each listed client under its deployment, in this process, one at a time.
-
-        Args:
-            rnd: the round (unused in process).
-            deployments: {cid: (arrays, scale s)}, read one at a time.
-            as_sent: evaluate the arrays exactly as sent, without the client's kept state.
-
-        Returns:
-            {str(cid): held-out metrics}.
-        """
+        """Evaluate each listed client under its deployment, in this process, one at a time."""
         run = self.trainer.evaluate_as_sent if as_sent else self.trainer.evaluate
         out = {}
         for cid in deployments:
@@ -135,9 +116,5 @@ class InProcessTransport:
         return self.trainer.client_state
 
     def restore_client_state(self, state: ClientState | None) -> None:
-        """Hand a resumed checkpoint's client state back to the trainer.
-
-        Args:
-            state: the kept client state; None for none.
-        """
+        """Hand a resumed checkpoint's client state back to the trainer."""
         self.trainer.client_state = state or {}

@@ -1,18 +1,24 @@
 """The round loop: the only one. The embedded runner and Flower's ServerApp are two transports of it.
 
-Per round: sample clients (fraction; seeded by round) -> ``strategy.configure`` -> the transport
-delivers each instruction and brings the replies back -> every reply is validated (keys, shapes,
-rank, dtype, NaN/Inf, n_k against the declared, the update's norm; a bad update is rejected with
-its reason and never reaches the global model) -> ``strategy.aggregate`` (or its robust / DP form)
-when at least ``min_clients`` updates were accepted, then the server optimiser's step
-(nestfed.federation.server_optimizer; the identity by default); a non-finite result is refused -> held-out
-evaluation of what each client now runs -> commit: the metrics line (each client's status, bytes
-and checks, the phases' timings: nestfed.federation.round_record), then the checkpoint with the
-clients' kept state (nestfed.federation.run_dir). Like Flower's ``Strategy.start(grid)``, the loop
-talks to a :class:`Transport` and never to a client directly. Under secure aggregation (Flower's
-SecAgg+, nestfed.flower.secure) the transport brings back only sums (``FitResults.secure``): no
-reply can be validated (each client validates and clips its own), and the strategy's
-``aggregate_secure`` rebuilds its rule from the sums (nestfed.federation.secure_sum).
+Per round:
+
+1. sample clients (``fraction``; seeded by round), then ``strategy.configure``;
+2. the transport delivers each instruction and brings the replies back;
+3. every reply is validated (keys, shapes, rank, dtype, NaN/Inf, n_k against the declared, the
+   update's norm): a bad update is rejected with its reason and never reaches the global model;
+4. ``strategy.aggregate`` (or its robust / DP form) when at least ``min_clients`` updates were
+   accepted, then the server optimiser's step (nestfed.federation.server_optimizer; the identity
+   by default); a non-finite result is refused;
+5. held-out evaluation of what each client now runs;
+6. commit: the metrics line (each client's status, bytes and checks, the phases' timings:
+   nestfed.federation.round_record), then the checkpoint with the clients' kept state
+   (nestfed.federation.run_dir).
+
+Like Flower's ``Strategy.start(grid)``, the loop talks to a ``Transport`` and never to a client
+directly. Under secure aggregation (Flower's SecAgg+, nestfed.flower.secure) the transport brings
+back only sums (``FitResults.secure``): no reply can be validated (each client validates and clips
+its own), and the strategy's ``aggregate_secure`` rebuilds its rule from the sums
+(nestfed.federation.secure_sum).
 
 Every random choice derives from (seed, round, client, stream) (nestfed.seeds), so a run resumed
 from the checkpoint of round t reaches the same final state as an uninterrupted run (exactly, on
@@ -52,54 +58,89 @@ OnEvent = Callable[[str, dict[str, Any]], None]
 class FitResults:
     """What a transport brings back from one round's instructions.
 
-    replies: {cid: Reply} as received (decoded) and not yet handed to ``on_reply`` (a transport
-    given an ``on_reply`` hands each reply over as it arrives and keeps none); dropped: {cid:
-    reason} for clients that gave no usable reply; info: {cid: transport fields for the metrics line
-    (bytes on the wire, node id, timings)}; round_info: transport fields for the round's line.
+    Attributes:
+        replies: {cid: Reply} as received (decoded) and not yet handed to ``on_reply``; a transport
+            given an ``on_reply`` hands each reply over as it arrives and keeps none.
+        dropped: {cid: reason} for the clients that gave no usable reply.
+        info: {cid: transport fields for the metrics line (bytes on the wire, node id, timings)}.
+        round_info: the transport's fields for the round's line.
+        secure: under secure aggregation, the sums that came back instead of replies; else None.
     """
 
     replies: dict[int, Reply] = field(default_factory=dict)
     dropped: dict[int, str] = field(default_factory=dict)
     info: dict[int, dict[str, Any]] = field(default_factory=dict)
     round_info: dict[str, Any] = field(default_factory=dict)
-    secure: SecureSum | None = None  # secure aggregation: only the sums came back, no reply
+    secure: SecureSum | None = None
 
 
 class Transport(Protocol):
     """How instructions reach clients and replies come back (in process, or Flower messages).
 
-    client_state_home: where the clients' kept state lives (run_dir.KEPT: in the checkpoints, as
-    :meth:`client_state` gives it; run_dir.ON_NODES: on the nodes, which keep it themselves).
-    asks: what the transport asks of the method, {capability: the setting that asks}
-    (nestfed.config.capabilities: e.g. Flower and its secure aggregation), refused by the loop
-    unless the method declares it.
+    Attributes:
+        client_state_home: where the clients' kept state lives: run_dir.KEPT in the checkpoints,
+            as ``client_state`` gives it; run_dir.ON_NODES on the nodes, which keep it themselves.
+        asks: what the transport asks of the method, {capability: the setting that asks}
+            (nestfed.config.capabilities: e.g. Flower and its secure aggregation), refused by the
+            loop unless the method declares it.
     """
 
     client_state_home: str
     asks: Mapping[Capability, str]
 
     def open(self) -> dict[str, Any]:
-        """Fields for the round-0 metrics line (e.g. the nodes that answered)."""
+        """Open the transport for round 0.
+
+        Returns:
+            Fields for the round-0 metrics line (e.g. the nodes that answered); {} for none.
+        """
 
     def fit(
         self, rnd: int, instructions: dict[int, Instruction], on_reply: Callable[[int, Reply], None] | None = None
     ) -> FitResults:
-        """Deliver one instruction per client; hand each reply to ``on_reply(cid, reply)`` as it
-        arrives (then keep it no longer), or collect them in FitResults.replies without one."""
+        """Deliver one instruction per client and bring the replies back.
+
+        Args:
+            rnd: the round, from 1.
+            instructions: {cid: instruction} of the clients to train this round.
+            on_reply: called as ``on_reply(cid, reply)`` with each reply as it arrives (the
+                transport then keeps it no longer); None collects the replies instead.
+
+        Returns:
+            The round's results: the replies in ``FitResults.replies`` when ``on_reply`` is None,
+            the clients dropped with their reasons, the transport's fields for the metrics line.
+        """
 
     def evaluate(
         self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]], as_sent: bool = False
     ) -> dict[str, dict[str, float]] | None:
-        """Held-out metrics {cid: metrics} of each client under its (arrays, scale s), computed as
-        each is read (:class:`Deployments`), as the client runs them (its kept state mixed in by
-        its hooks) or, with ``as_sent``, exactly as sent (a global adapter measured on the
-        client's data: the mechanism reports); None when this transport does not evaluate."""
+        """Measure each listed client's held-out metrics under its deployment.
+
+        Args:
+            rnd: the round (0: the initial state).
+            deployments: {cid: (arrays, scale s)} of the clients to evaluate, each computed as it
+                is read (``Deployments``).
+            as_sent: evaluate the arrays exactly as sent (a global adapter measured on the
+                client's data: the mechanism reports); False evaluates them as the client runs
+                them, its kept state mixed in by its hooks.
+
+        Returns:
+            {str(cid): held-out metrics}; None when this transport does not evaluate.
+        """
 
     def client_state(self) -> ClientState | None:
-        """The clients' kept state to checkpoint; None when the clients keep it themselves."""
+        """The clients' kept state to checkpoint.
+
+        Returns:
+            {cid: {group: arrays}}; None when the clients keep it themselves.
+        """
 
     def restore_client_state(self, state: ClientState | None) -> None:
-        """Give the clients the kept state of a resumed checkpoint."""
+        """Give the clients the kept state of a resumed checkpoint.
+
+        Args:
+            state: the checkpoint's kept client state; None when it has none.
+        """
 
 
 def sample_clients(
@@ -112,10 +153,18 @@ def sample_clients(
 ) -> list[ClientInfo]:
     """Seeded client sampling (the seed rule's stream ``sampling`` of round ``rnd``), sorted by id.
 
-    clients: those that can be sampled (the online ones); population: the federation's size K
-    (default len(clients)). ``fixed``: max(1, round(fraction * K)) of ``clients`` without
-    replacement (all of them when fewer are online); ``poisson``: each client independently with
-    probability ``fraction`` (possibly none).
+    Args:
+        clients: those that can be sampled (the online ones).
+        fraction: the share of the federation to sample, in (0, 1].
+        seed: the run's seed (nestfed.seeds.stream_seed).
+        rnd: the round.
+        sampling: ``fixed``: max(1, round(fraction * K)) of ``clients`` without replacement (all
+            of them when fewer are online); ``poisson``: each client independently with
+            probability ``fraction`` (possibly none).
+        population: the federation's size K; None for len(clients).
+
+    Returns:
+        The sampled clients, in the order of ``clients``.
     """
     rng = np.random.default_rng(stream_seed(seed, rnd, 0, "sampling"))
     if sampling == "poisson":
@@ -134,22 +183,44 @@ def sample_clients(
 class RoundLoop:
     """Drive ``strategy`` through ``transport`` for ``rounds`` rounds, committing into ``run_dir``.
 
-    min_clients: the fewest accepted updates a round needs to aggregate (else the global state is
-    kept). capabilities: what the method ``method`` declares (nestfed.methods.method.Method), with
-    its ``refusals``: the loop refuses at construction, with ConfigError naming the setting, what it
-    or its transport asks beyond them (:meth:`asked`), so no transport runs a method past what it
-    can do. keeps_client_state: the method's clients keep state between rounds (a resume then needs
-    it in the checkpoint). safeguards: what an update must satisfy beyond its shapes (n_k, norm
-    bound, DP clipping), the aggregation rule (robust or DP) and the privacy accountant
-    (nestfed.federation.safeguards). on_event(kind, info): progress (``client_done``,
-    ``round_done``). log: what happened that a user should read (rejections, drops, repairs).
-    sinks: experiment-tracking sinks (nestfed.federation.tracking) handed every committed line,
-    caught up from metrics.jsonl when the run resumes. population: the per-round draws of who is
-    online, who drops out and the elastic ranks (nestfed.federation.population). evaluation: which
-    clients each round evaluates (:class:`EvalPlan`). hold_replies: accepted replies kept before a
-    mean-type rule folds them into sums (nestfed.federation.folding). server_evaluate(rnd, state):
-    metrics the server measures itself after the round (the global held-out set), put in the line
-    as ``eval_global``.
+    The loop refuses at construction, with ConfigError naming the setting, what it or its
+    transport asks (``asked``) beyond the method's ``capabilities`` and ``refusals``, so no
+    transport runs a method past what it can do.
+
+    Attributes:
+        strategy: the method's server side (configure, aggregate).
+        transport: how instructions reach the clients and replies come back.
+        clients: every client of the federation.
+        rounds: the number of rounds T.
+        run_dir: where rounds are committed; None until set, before ``run``
+            (nestfed.experiments.federated_run sets it after the capability check).
+        fraction: the share of clients sampled per round; default 1.0.
+        min_clients: the fewest accepted updates a round needs to aggregate (else the global state
+            is kept); default 1.
+        seed: the run's seed, from which every random choice derives; default 0.
+        keeps_client_state: the method's clients keep state between rounds (a resume then needs it
+            in the checkpoint); default False.
+        keep_checkpoints: keep every round's checkpoint (False: the latest only); default True.
+        safeguards: what an update must satisfy beyond its shapes (n_k, norm bound, DP clipping),
+            the aggregation rule (robust or DP) and the privacy accountant
+            (nestfed.federation.safeguards).
+        sampling: ``fixed`` or ``poisson`` (``sample_clients``); default ``fixed``.
+        on_event: called as ``on_event(kind, info)`` with progress (``client_done``,
+            ``round_done``, ``log``); None for none.
+        log: what happened that a user should read (rejections, drops, repairs).
+        sinks: experiment-tracking sinks (nestfed.federation.tracking) handed every committed line,
+            caught up from metrics.jsonl when the run resumes.
+        population: the per-round draws of who is online, who drops out and the elastic ranks
+            (nestfed.federation.population).
+        evaluation: which clients each round evaluates (``EvalPlan``).
+        hold_replies: accepted replies kept before a mean-type rule folds them into sums
+            (nestfed.federation.folding); default 32.
+        server_evaluate: called as ``server_evaluate(rnd, state)`` after the round for the metrics
+            the server measures itself (the global held-out set), put in the line as
+            ``eval_global``; None for none.
+        capabilities: what the method declares (nestfed.methods.method.Method).
+        method: the method's name, for the refusal's message (default: the strategy's name).
+        refusals: {capability: why the method refuses it}, for the refusal's message.
     """
 
     strategy: Strategy
@@ -181,9 +252,12 @@ class RoundLoop:
             raise ConfigError(line)
 
     def asked(self) -> dict[Capability, str]:
-        """What this loop asks of the method, {capability: the setting that asks}: its clients'
-        ranks, elastic ranks, a robust rule or central DP, a server optimiser, and what the
-        transport asks (nestfed.config.capabilities)."""
+        """What this loop asks of the method (nestfed.config.capabilities).
+
+        Returns:
+            {capability: the setting that asks}: its clients' ranks, elastic ranks, a robust rule or
+            central DP, a server optimiser, and what the transport asks.
+        """
         out: dict[Capability, str] = {}
         if len({c.rank for c in self.clients}) > 1:
             out[Capability.HETEROGENEOUS_RANKS] = "lora.ranks"
@@ -209,10 +283,28 @@ class RoundLoop:
         keeps_client_state: bool,
         **kw: Any,
     ) -> RoundLoop:
-        """The loop of an experiment: its rounds, sampling, min_clients, seed, safeguards, population,
-        evaluation plan and reply bound from ``cfg``; ``kw`` sets the other fields (on_event, sinks,
-        server_evaluate) or replaces one (min_clients on Flower). Raises ConfigError for a bad
-        elastic trace (nestfed.federation.population.read_trace)."""
+        """The loop of an experiment.
+
+        Its rounds, sampling, min_clients, seed, safeguards, population, evaluation plan and reply
+        bound come from ``cfg``.
+
+        Args:
+            cfg: the experiment's config.
+            strategy: the method's server side.
+            transport: how instructions reach the clients.
+            clients: every client of the federation.
+            run_dir: where rounds are committed; None to set it later.
+            keeps_client_state: the method's clients keep state between rounds.
+            **kw: the other fields (on_event, sinks, server_evaluate, capabilities ...), or one of
+                the config's replaced (min_clients on Flower).
+
+        Returns:
+            The loop.
+
+        Raises:
+            ConfigError: for a bad elastic trace (nestfed.federation.population.read_trace), or
+                when the loop asks what the method refuses.
+        """
         f = cfg.federation
         settings: dict[str, Any] = {
             "fraction": f.fraction,
@@ -262,11 +354,21 @@ class RoundLoop:
                 self._say(f"tracking sink {sink.name} did not close ({type(exc).__name__}: {exc})")
 
     def run(self, shapes: dict[str, tuple[int, int]], resume: bool = False) -> GlobalState:
-        """Run (or resume) the federation; return the final global state.
+        """Run (or resume) the federation.
 
-        Without ``resume``: round 0 (the initial state, evaluated) is committed first. With it:
-        continue after the latest checkpoint (RunDir.resume; its errors propagate), or from round 0
-        when the run crashed before committing it.
+        Args:
+            shapes: the LoRA layers' weight shapes, {module: (out, in)}, for the initial state.
+            resume: False commits round 0 (the initial state, evaluated) first; True continues
+                after the latest checkpoint (``RunDir.resume``; its errors propagate), or from
+                round 0 when the run crashed before committing it.
+
+        Returns:
+            The final global state.
+
+        Raises:
+            RuntimeError: when no run directory was set.
+            RunFailed: when a round's global evaluation is non-finite or validation.stall_rounds
+                rounds in a row aggregated nothing (after the round's line is committed).
         """
         if self.run_dir is None:
             raise RuntimeError("RoundLoop.run: no run directory was set")
@@ -312,7 +414,19 @@ class RoundLoop:
         return state
 
     def run_round(self, rnd: int, state: GlobalState) -> GlobalState:
-        """One round: sample, configure, exchange, validate and fold, aggregate, evaluate, commit."""
+        """One round: sample, configure, exchange, validate and fold, aggregate, evaluate, commit.
+
+        Args:
+            rnd: the round, from 1.
+            state: the global state before the round.
+
+        Returns:
+            The global state after the round (``state`` itself when it did not aggregate).
+
+        Raises:
+            RunFailed: when the round's global evaluation is non-finite or too many rounds in a row
+                aggregated nothing (after the round's line is committed).
+        """
         record = RoundRecord(rnd)
         online, sampled = self._sample(rnd)
         instructions = self._configure(rnd, state, sampled)
@@ -382,7 +496,7 @@ class RoundLoop:
         record: RoundRecord,
     ) -> FitResults:
         """Deliver the instructions of the clients still there; screen and fold each reply as it
-        arrives (:meth:`_take_reply`; in id order from a transport that collected them), then the
+        arrives (``_take_reply``; in id order from a transport that collected them), then the
         default screen over the round's replies (ReplyFolder.settle), whose rejections are recorded."""
 
         def take(cid: int, reply: Reply) -> None:
@@ -453,7 +567,7 @@ class RoundLoop:
     ) -> tuple[GlobalState, bool, dict[str, Any]]:
         """(the global state after the round, whether it aggregated, the trust facts). With at least
         ``min_clients`` accepted updates, the strategy's rule (or its rebuild from the secure sums)
-        and the server optimiser's step; a non-finite result is refused (:meth:`_refuse_non_finite`).
+        and the server optimiser's step; a non-finite result is refused (``_refuse_non_finite``).
         Otherwise the state is kept. The trust facts end with the privacy spent so far."""
         count = len(secure.clients) if secure is not None else folder.count
         trust: dict[str, Any] = {}

@@ -22,10 +22,13 @@ from nestfed.federation.rank_groups import summarise_metrics
 
 
 class RoundRecord:
-    """One round's record, filled phase by phase; :meth:`line` builds its metrics line.
+    """One round's record, filled phase by phase; ``line`` builds its metrics line.
 
-    The clock starts at construction; :meth:`configured`, :meth:`exchanged` and :meth:`mark` take
-    the phases' ends (``configure``, ``exchange``, ``aggregate``, ``evaluate``, in that order).
+    The clock starts at construction; ``configured``, ``exchanged`` and ``mark`` take the phases'
+    ends (``configure``, ``exchange``, ``aggregate``, ``evaluate``, in that order).
+
+    Args:
+        rnd: the round.
     """
 
     def __init__(self, rnd: int) -> None:
@@ -39,19 +42,32 @@ class RoundRecord:
         self.validate_s = 0.0
 
     def mark(self, phase: str) -> None:
-        """The end of ``phase`` (now)."""
+        """Take the end of a phase (now).
+
+        Args:
+            phase: ``configure``, ``exchange``, ``aggregate`` or ``evaluate``.
+        """
         self.marks[phase] = time.perf_counter()
 
     def configured(self, sampled: Sequence[ClientInfo], gone: Mapping[int, str]) -> None:
-        """The round's sample and the clients that dropped out after sampling ({cid: why}): the
-        end of the configure phase."""
+        """Record the round's sample: the end of the configure phase.
+
+        Args:
+            sampled: the clients sampled.
+            gone: {cid: why} of the clients that dropped out after sampling.
+        """
         self.mark("configure")
         self.sampled = [c.cid for c in sampled]
         self.dropped = {str(c): gone[c] for c in sorted(gone)}
 
     # -- replies, as they arrive ---------------------------------------------------------------
     def received(self, cid: int, reply: Reply) -> None:
-        """What came up from client ``cid``: its payload's size and the n_k it replied."""
+        """Record what came up from a client: its payload's size and the n_k it replied.
+
+        Args:
+            cid: the client's id.
+            reply: its reply.
+        """
         up = payload_stats(reply.arrays)
         self.clients.setdefault(str(cid), {}).update(
             {
@@ -63,21 +79,42 @@ class RoundRecord:
         )
 
     def checked(self, cid: int, checks: Mapping[str, Any]) -> None:
-        """The screen's checks of client ``cid``'s update (Safeguards.screen)."""
+        """Record the screen's checks of a client's update (Safeguards.screen).
+
+        Args:
+            cid: the client's id.
+            checks: {check: value}, e.g. the update's norm, a clip.
+        """
         self.clients[str(cid)].update(checks)
 
     def accept(self, cid: int) -> None:
+        """Mark a client's update accepted.
+
+        Args:
+            cid: the client's id.
+        """
         self.clients[str(cid)]["status"] = "accepted"
 
     def reject(self, cid: int, why: str) -> None:
-        """Client ``cid``'s update is rejected, for ``why`` (also when it was first accepted, by a
-        screen over the round's replies)."""
+        """Mark a client's update rejected (also when it was first accepted, by a screen over the round's replies).
+
+        Args:
+            cid: the client's id.
+            why: the reason, for the line's ``rejected``.
+        """
         self.rejected[str(cid)] = why
         self.clients[str(cid)]["status"] = "rejected"
 
     def replied(self, cid: int, reply: Reply, seconds: float) -> None:
-        """Client ``cid``'s reply is screened, in ``seconds``: its own numeric metrics are kept
-        under ``metrics`` (they never touch the server's fields)."""
+        """Record that a client's reply is screened.
+
+        Its own numeric metrics are kept under ``metrics`` (they never touch the server's fields).
+
+        Args:
+            cid: the client's id.
+            reply: its reply.
+            seconds: the screening's wall-clock time, added to the round's ``validate_s``.
+        """
         self.clients[str(cid)]["metrics"] = {k: v for k, v in reply.metrics.items() if isinstance(v, (int, float))}
         self.validate_s += seconds
 
@@ -94,11 +131,23 @@ class RoundRecord:
         no_reply: Mapping[int, str],
         in_sum: Collection[int] = (),
     ) -> dict[int, str]:
-        """Give every instructed client its full fields, in id order: what was sent, the
-        transport's fields (``transport_info``, FitResults.info), what came up, and a status for
-        those without one: ``dropped`` (gone after sampling: nothing sent; or no reply, for the
-        reason in ``no_reply`` else "no reply") or ``secure`` (in the secure sum ``in_sum``).
-        Returns {cid: why} of the clients that dropped for want of a reply."""
+        """Give every instructed client its full fields, in id order.
+
+        The fields: what was sent, the transport's fields, what came up, and a status for those
+        without one: ``dropped`` (gone after sampling: nothing sent; or no reply) or ``secure``
+        (in the secure sum).
+
+        Args:
+            instructions: {cid: instruction} of every instructed client.
+            gone: the clients that dropped out after sampling.
+            transport_info: {cid: the transport's fields} (FitResults.info).
+            no_reply: {cid: why} of the clients the transport got no reply from; a client missing
+                here and without a status drops for "no reply".
+            in_sum: the clients in the secure sum.
+
+        Returns:
+            {cid: why} of the clients that dropped for want of a reply.
+        """
         lost: dict[int, str] = {}
         for cid, ins in instructions.items():
             down = payload_stats(ins.arrays)
@@ -125,7 +174,11 @@ class RoundRecord:
 
     # -- the line ------------------------------------------------------------------------------
     def timing(self) -> dict[str, float]:
-        """The phases' seconds: configure, exchange (less validation), validate, aggregate, evaluate."""
+        """The phases' wall-clock seconds.
+
+        Returns:
+            {configure_s, exchange_s (less validation), validate_s, aggregate_s, evaluate_s}.
+        """
         m = self.marks
         return {
             "configure_s": m["configure"] - self.t0,
@@ -142,10 +195,19 @@ class RoundRecord:
         trust: Mapping[str, Any],
         extra: Mapping[str, Any],
     ) -> dict[str, Any]:
-        """The round's metrics line: round, sampled, aggregated, clients, rejected, dropped, then
-        ``evaluations`` (``eval``, ``eval_global`` where measured), the trust facts (robust rule,
-        privacy spent, a refused aggregate), the bytes down and up summed over the clients,
-        ``extra`` (the loop's and the transport's round fields), ``timing`` and ``time_s``."""
+        """Build the round's metrics line.
+
+        Args:
+            aggregated: whether the round aggregated.
+            evaluations: ``eval``, ``eval_global`` where measured.
+            trust: the trust facts (robust rule, privacy spent, a refused aggregate).
+            extra: the loop's and the transport's round fields.
+
+        Returns:
+            The line: round, sampled, aggregated, clients, rejected, dropped, then the
+            evaluations, the trust facts, the bytes down and up summed over the clients, the
+            extra fields, ``timing`` and ``time_s`` (the whole round, in seconds).
+        """
         line: dict[str, Any] = {
             "round": self.rnd,
             "sampled": self.sampled,
@@ -169,10 +231,16 @@ class RoundRecord:
 
 
 def summarise_clients(line: dict[str, Any], ranks: Mapping[str, int]) -> None:
-    """Add to a metrics line what it keeps of its per-client numbers when they have their own file
-    (RunDir.inline False): the evaluation by rank group (``eval_summary``,
-    nestfed.federation.rank_groups; ranks: {cid: r_k}), the number sampled (``num_sampled``) and
-    the statuses' counts (``statuses``, {status: clients})."""
+    """Add to a metrics line what it keeps of its per-client numbers when they have their own file.
+
+    With RunDir.inline False: the evaluation by rank group (``eval_summary``,
+    nestfed.federation.rank_groups), the number sampled (``num_sampled``) and the statuses' counts
+    (``statuses``, {status: clients}).
+
+    Args:
+        line: the metrics line, changed in place.
+        ranks: {str(cid): r_k} of every client.
+    """
     if "eval" in line:
         line["eval_summary"] = summarise_metrics(line["eval"], ranks)
     if "sampled" in line:

@@ -19,34 +19,28 @@
 
 Commit order of a round: its per-client line (when they have their own file), then its metrics
 line are appended (fsynced), then its checkpoint is written atomically. A crash between them leaves
-lines without a checkpoint; :meth:`RunDir.resume` drops lines after the latest checkpoint (the round
+lines without a checkpoint; ``RunDir.resume`` drops lines after the latest checkpoint (the round
 is redone and writes its lines again), and a torn last line (a crash mid-append) is dropped with a
-warning. So every finished round keeps exactly one
-line, and a resumed run reaches the same state as an uninterrupted one (the seed rule,
-nestfed.seeds). Every file is written atomically with the user's umask (nestfed.io.atomic).
+warning. So every finished round keeps exactly one line, and a resumed run reaches the same state
+as an uninterrupted one (the seed rule, nestfed.seeds). Every file is written atomically with the
+user's umask (nestfed.io.atomic).
 """
 
 from __future__ import annotations
 
 import csv
-import hashlib
 import io
 import json
 import logging
-import re
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import load_file
 
 from nestfed.config import ExperimentConfig, differences
 from nestfed.errors import DataError, NestfedError
 from nestfed.federation.messages import Arrays, GlobalState
 from nestfed.federation.plots import run_plots
+from nestfed.federation.run_files import KEPT, ON_NODES, Checkpoint, ClientState, RunFiles
 from nestfed.federation.summary import (
     completed_summary,
     failed_summary,
@@ -60,13 +54,8 @@ from nestfed.nn.quantization import bnb_config
 
 log = logging.getLogger("nestfed")
 
-FORMAT = "nestfed-checkpoint/2"
-KEPT, ON_NODES = "kept", "on-nodes"
-_ROUND_FILE = re.compile(r"round_(\d+)\.safetensors")
 #: the keys of a metrics line that hold one entry per client, moved to clients.jsonl with many clients
 DETAIL_KEYS = ("sampled", "clients", "eval")
-
-ClientState = dict[int, dict[str, Arrays]]
 
 
 def _stray(p: Path) -> bool:
@@ -77,49 +66,20 @@ def _stray(p: Path) -> bool:
 
 def _leftover(p: Path) -> bool:
     """What a run that died before its config.toml leaves: a stray temporary file, or the empty
-    ``clients.jsonl`` written first (:meth:`RunDir.create`)."""
+    ``clients.jsonl`` written first (``RunDir.create``)."""
     return _stray(p) or (p.name == "clients.jsonl" and p.is_file() and p.stat().st_size == 0)
-
-
-def flatten_client_state(state: ClientState) -> dict[str, torch.Tensor]:
-    """{cid: {group: {key: t}}} -> {"<cid>/<group>/<key>": t} (for one safetensors file or record)."""
-    return {
-        f"{cid}/{g}/{k}": t.contiguous()
-        for cid, groups in state.items()
-        for g, arrays in groups.items()
-        for k, t in arrays.items()
-    }
-
-
-def unflatten_client_state(flat: dict[str, torch.Tensor]) -> ClientState:
-    """Inverse of :func:`flatten_client_state`. Raises ValueError for a malformed key."""
-    out: ClientState = {}
-    for name, t in flat.items():
-        parts = name.split("/", 2)
-        if len(parts) != 3 or not parts[0].isdigit() or not parts[1]:
-            raise ValueError(f"client state key '{name}' is not <cid>/<group>/<payload key>")
-        out.setdefault(int(parts[0]), {}).setdefault(parts[1], {})[parts[2]] = t
-    return out
-
-
-@dataclass
-class Checkpoint:
-    """A round's committed state: round (0 = before training), the global state, the clients'
-    kept state (None when the clients keep it themselves, as Flower nodes do) and where that state
-    lives (:data:`KEPT`: in this checkpoint; :data:`ON_NODES`: on the nodes)."""
-
-    round: int
-    state: GlobalState
-    client_state: ClientState | None
-    path: Path
-    client_state_home: str = KEPT
 
 
 @dataclass
 class Exports:
-    """What a finished run exports besides its metrics: ``adapter`` (PEFT arrays and their scale s;
-    None or empty for none), ``base_model`` (the adapter's base_model_name_or_path), ``files``
-    ({file name: arrays} written as safetensors) and ``summary`` (the method's extra summary fields)."""
+    """What a finished run exports besides its metrics.
+
+    Attributes:
+        adapter: the PEFT arrays and their scale s; None or empty for none.
+        base_model: the adapter's base_model_name_or_path; default "".
+        files: {file name: arrays} written as safetensors.
+        summary: the method's extra summary fields.
+    """
 
     adapter: tuple[Arrays, float] | None = None
     base_model: str = ""
@@ -127,20 +87,34 @@ class Exports:
     summary: dict[str, Any] = field(default_factory=dict)
 
 
-class RunDir:
-    """A run directory (see the module docstring). Create it with :meth:`create` (refuses a
-    non-empty folder) or reopen one with :meth:`open`."""
+class RunDir(RunFiles):
+    """A run directory (see the module docstring).
 
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
-        self.config_text: str | None = None  # the resolved config its checkpoints record
+    Create it with ``create`` (refuses a non-empty folder) or reopen one with ``open``; its files,
+    one by one (paths, metrics lines, checkpoints), are those of
+    nestfed.federation.run_files.RunFiles.
+
+    Args:
+        path: the directory.
+    """
 
     # -- lifecycle -----------------------------------------------------------------------------
     @classmethod
     def create(cls, path: str | Path, config_text: str, inline: bool = True) -> RunDir:
-        """A new run directory holding ``config.toml`` (and, with ``inline`` False, an empty
-        ``clients.jsonl``: the per-client numbers get their own file). Raises NestfedError when
-        ``path`` exists and is not empty (a run is never overwritten)."""
+        """Create a new run directory holding ``config.toml``.
+
+        Args:
+            path: the directory; created with its parents.
+            config_text: the resolved config (TOML).
+            inline: keep the per-client numbers in the metrics lines; False writes an empty
+                ``clients.jsonl`` first (they get their own file).
+
+        Returns:
+            The run directory.
+
+        Raises:
+            NestfedError: when ``path`` exists and is not empty (a run is never overwritten).
+        """
         path = Path(path)
         if path.exists() and (not path.is_dir() or any(not _leftover(p) for p in path.iterdir())):
             raise NestfedError(f"{path}: the run directory exists and is not empty; resume it or choose another")
@@ -154,170 +128,24 @@ class RunDir:
 
     @classmethod
     def open(cls, path: str | Path, config_text: str | None = None) -> RunDir:
-        """An existing run directory; ``config_text``: the resolved config the run continues with
-        (recorded in its later checkpoints). Raises NestfedError when it holds no config.toml."""
+        """Reopen an existing run directory.
+
+        Args:
+            path: the directory.
+            config_text: the resolved config the run continues with (recorded in its later
+                checkpoints); None for none.
+
+        Returns:
+            The run directory.
+
+        Raises:
+            NestfedError: when it holds no config.toml.
+        """
         rd = cls(path)
         if not rd.config_path.is_file():
             raise NestfedError(f"{rd.path}: not a nestfed run directory (no config.toml)")
         rd.config_text = config_text
         return rd
-
-    def recorded_config(self) -> tuple[dict[str, Any], Path] | None:
-        """The resolved config the latest checkpoint recorded (parsed TOML) and that checkpoint, or
-        None (no checkpoint, or one written before checkpoints recorded it). Raises DataError for an
-        unreadable checkpoint."""
-        found = self.checkpoints()
-        if not found:
-            return None
-        path = found[-1][1]
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                text = (f.metadata() or {}).get("config")
-            return (tomllib.loads(text), path) if text is not None else None
-        except (SafetensorError, OSError, tomllib.TOMLDecodeError) as exc:
-            raise DataError(f"{path}: not a readable nestfed checkpoint ({type(exc).__name__}: {exc})") from None
-
-    @property
-    def config_path(self) -> Path:
-        """The resolved config: ``config.toml``."""
-        return self.path / "config.toml"
-
-    @property
-    def metrics_path(self) -> Path:
-        """One JSON line per committed round: ``metrics.jsonl``."""
-        return self.path / "metrics.jsonl"
-
-    @property
-    def clients_path(self) -> Path:
-        """Each round's per-client numbers, with many clients: ``clients.jsonl``."""
-        return self.path / "clients.jsonl"
-
-    @property
-    def inline(self) -> bool:
-        """Whether the per-client numbers stay in the metrics lines (no ``clients.jsonl``)."""
-        return not self.clients_path.is_file()
-
-    @property
-    def finished(self) -> bool:
-        """Whether the run finished (summary.json exists)."""
-        return (self.path / "summary.json").is_file()
-
-    # -- metrics -------------------------------------------------------------------------------
-    def read_metrics(self) -> list[dict[str, Any]]:
-        """The metrics lines in file order. A torn last line (no newline, not JSON: a crash
-        mid-append) is skipped with a warning. Raises DataError for a missing file or a malformed
-        line elsewhere."""
-        lines, torn = self._read_lines()
-        if torn:
-            log.warning("%s: skipped a torn last line: an append was interrupted", self.metrics_path)
-        return lines
-
-    def read_rounds(self) -> list[dict[str, Any]]:
-        """The metrics lines with each round's per-client numbers put back from clients.jsonl (the
-        lines as the round loop made them, whatever the layout). Raises DataError as
-        :meth:`read_metrics`, and for a committed round whose per-client line is missing."""
-        lines = self.read_metrics()
-        if self.inline:
-            return lines
-        detail, _ = self._read_lines(self.clients_path)
-        by_round = {int(d["round"]): d for d in detail}
-        out = []
-        for ln in lines:
-            d = by_round.get(int(ln["round"]))
-            if d is None:
-                raise DataError(f"{self.clients_path}: no line for round {ln['round']} of {self.metrics_path}")
-            out.append({**ln, **{k: v for k, v in d.items() if k != "round"}})
-        return out
-
-    def _read_lines(self, path: Path | None = None) -> tuple[list[dict[str, Any]], bool]:
-        path = path or self.metrics_path
-        if not path.is_file():
-            raise DataError(f"{path}: not found (is {self.path} a nestfed run directory?)")
-        text = path.read_text(encoding="utf-8")
-        raw = text.split("\n")
-        out, torn = [], False
-        for i, line in enumerate(raw, 1):
-            if not line.strip():
-                continue
-            try:
-                out.append(json.loads(line))
-            except json.JSONDecodeError as exc:
-                if i == len(raw) and not text.endswith("\n"):
-                    torn = True  # an append was interrupted
-                    continue
-                raise DataError(f"{path}:{i}: malformed JSON line: {exc}") from None
-        return out, torn
-
-    def append_metrics(self, line: dict[str, Any]) -> None:
-        """Append one metrics line, durably (fsync)."""
-        atomic.append_line(self.metrics_path, json.dumps(line))
-
-    # -- checkpoints ---------------------------------------------------------------------------
-    def checkpoint_path(self, rnd: int) -> Path:
-        """``checkpoints/round_NNN.safetensors`` of round ``rnd`` (at least three digits)."""
-        return self.path / "checkpoints" / f"round_{rnd:03d}.safetensors"
-
-    def checkpoints(self) -> list[tuple[int, Path]]:
-        """Every checkpoint as (round, path), sorted by round number (not by name)."""
-        folder = self.path / "checkpoints"
-        found = (
-            [(int(m.group(1)), p) for p in folder.glob("round_*.safetensors") if (m := _ROUND_FILE.fullmatch(p.name))]
-            if folder.is_dir()
-            else []
-        )
-        return sorted(found)
-
-    def save_checkpoint(self, rnd: int, state: GlobalState, client_state: ClientState | None) -> Path:
-        """Write round ``rnd``'s global state and the clients' kept state (None: kept on the
-        clients) as one safetensors file, atomically: ``global/<key>`` (the arrays),
-        ``optimizer/<key>`` (the server optimiser's state, GlobalState.optimizer; none under the
-        default optimiser, so those checkpoints are unchanged) and ``client/<cid>/<group>/<key>``."""
-        tensors = {f"global/{k}": v for k, v in state.arrays.items()}
-        tensors.update({f"optimizer/{k}": v.contiguous() for k, v in state.optimizer.items()})
-        if client_state:
-            tensors.update({f"client/{k}": v for k, v in flatten_client_state(client_state).items()})
-        meta = {
-            "format": FORMAT,
-            "round": str(rnd),
-            "meta": json.dumps(state.meta),
-            "client_state": KEPT if client_state is not None else ON_NODES,
-            "order": json.dumps(list(tensors)),  # safetensors sorts its keys; a resume gets the run's order back
-        }
-        if self.config_text is not None:  # what a resume checks config.toml against (tamper-evident)
-            meta["config"] = self.config_text
-            meta["config_sha256"] = hashlib.sha256(self.config_text.encode()).hexdigest()
-        return atomic.write_tensors(self.checkpoint_path(rnd), tensors, meta)
-
-    def load_checkpoint(self, path: Path) -> Checkpoint:
-        """Read a checkpoint (this format or the earlier one: round_NNN plus clients_NNN files).
-        Raises DataError naming the file when it is unreadable or corrupted."""
-        try:
-            with safe_open(str(path), framework="pt") as f:
-                md = dict(f.metadata() or {})
-            raw = load_file(str(path))
-            rnd, meta = int(md["round"]), json.loads(md["meta"])
-            if "order" in md:  # the arrays in the order the run held them (sums over them are then the same)
-                raw = {k: raw[k] for k in json.loads(md["order"])}
-        except (SafetensorError, OSError, KeyError, ValueError) as exc:
-            raise DataError(f"{path}: not a readable nestfed checkpoint ({type(exc).__name__}: {exc})") from None
-        if md.get("format") != FORMAT:  # before nestfed-checkpoint/2: client state in a file beside it
-            side = path.with_name(path.name.replace("round_", "clients_", 1))
-            try:
-                clients = unflatten_client_state(load_file(str(side))) if side.is_file() else None
-            except (SafetensorError, OSError, ValueError) as exc:
-                raise DataError(f"{side}: not a readable client-state file ({exc})") from None
-            return Checkpoint(rnd, GlobalState(raw, meta), clients, path, KEPT if clients is not None else ON_NODES)
-        arrays = {k[len("global/") :]: v for k, v in raw.items() if k.startswith("global/")}
-        optimizer = {k[len("optimizer/") :]: v for k, v in raw.items() if k.startswith("optimizer/")}
-        clients = None
-        if md.get("client_state") == KEPT:
-            try:
-                clients = unflatten_client_state(
-                    {k[len("client/") :]: v for k, v in raw.items() if k.startswith("client/")}
-                )
-            except ValueError as exc:
-                raise DataError(f"{path}: {exc}") from None
-        return Checkpoint(rnd, GlobalState(arrays, meta, optimizer), clients, path, md.get("client_state", KEPT))
 
     def commit(
         self,
@@ -327,10 +155,19 @@ class RunDir:
         line: dict[str, Any],
         keep_checkpoints: bool = True,
     ) -> dict[str, Any]:
-        """Commit round ``rnd``: its per-client line (the :data:`DETAIL_KEYS` of ``line``, when they
-        have their own file), its metrics line, then its checkpoint (see the module docstring).
-        Without ``keep_checkpoints`` the earlier checkpoints are removed afterwards. Returns the
-        metrics line as written."""
+        """Commit a round: its per-client line, its metrics line, then its checkpoint (the module docstring).
+
+        Args:
+            rnd: the round.
+            state: the global state after it.
+            client_state: the clients' kept state; None when kept on the clients.
+            line: the round's metrics line; its ``DETAIL_KEYS`` go to clients.jsonl when the
+                per-client numbers have their own file.
+            keep_checkpoints: False removes the earlier checkpoints afterwards.
+
+        Returns:
+            The metrics line as written.
+        """
         written = dict(line)
         if not self.inline:
             detail = {"round": rnd, **{k: written.pop(k) for k in DETAIL_KEYS if k in written}}
@@ -344,13 +181,21 @@ class RunDir:
         return written
 
     def latest_checkpoint(self, keeps_client_state: bool = False, home: str = KEPT) -> Checkpoint:
-        """The checkpoint of the highest round, read and checked for a resume by a transport whose
-        clients' kept state lives at ``home`` (:data:`KEPT`: in the checkpoint, the embedded runner;
-        :data:`ON_NODES`: on the nodes, Flower).
+        """Read the checkpoint of the highest round and check it for a resume.
 
-        Raises NestfedError (no checkpoint; the method keeps per-client state and the checkpoint
-        keeps it elsewhere: one written on Flower resumed embedded, or the reverse) or DataError (a
-        corrupted checkpoint), each one line naming the file.
+        Args:
+            keeps_client_state: the method's clients keep state between rounds.
+            home: where the resuming transport's clients' kept state lives: ``KEPT`` (in the
+                checkpoint, the embedded runner) or ``ON_NODES`` (on the nodes, Flower).
+
+        Returns:
+            The checkpoint.
+
+        Raises:
+            NestfedError: no checkpoint, or the method keeps per-client state and the checkpoint
+                keeps it elsewhere (one written on Flower resumed embedded, or the reverse); one
+                line naming the file.
+            DataError: a corrupted checkpoint, naming the file.
         """
         found = self.checkpoints()
         if not found:
@@ -392,8 +237,8 @@ class RunDir:
         self, keeps_client_state: bool, home: str = KEPT
     ) -> tuple[Checkpoint | None, dict[Path, tuple[list[dict[str, Any]], bool]], list[str]]:
         """(checkpoint or None, {file: (the lines to keep, whether to rewrite it)} for metrics.jsonl
-        and clients.jsonl, notes): what :meth:`resume` does, computed without writing. Raises as
-        :meth:`resume`."""
+        and clients.jsonl, notes): what ``resume`` does, computed without writing. Raises as
+        ``resume``."""
         files = [self.metrics_path] + ([] if self.inline else [self.clients_path])
         lines, _ = self._read_lines() if self.metrics_path.is_file() else ([], False)
         ck = None
@@ -414,19 +259,37 @@ class RunDir:
         return ck, plan, notes
 
     def check_resume(self, keeps_client_state: bool, home: str = KEPT) -> None:
-        """What :meth:`resume` checks, without writing anything: call it before any work.
-        Raises as :meth:`resume` does."""
+        """Check what ``resume`` checks, without writing anything: call it before any work.
+
+        Args:
+            keeps_client_state: as ``resume``.
+            home: as ``resume``.
+
+        Raises:
+            NestfedError: as ``resume``.
+            DataError: as ``resume``.
+        """
         self._resume_plan(keeps_client_state, home)
 
     def resume(self, keeps_client_state: bool, home: str = KEPT) -> tuple[Checkpoint | None, list[str]]:
-        """Where a resumed run continues: the latest checkpoint (:meth:`latest_checkpoint`), with
-        metrics.jsonl (and clients.jsonl) made to hold exactly rounds 0..its round (a torn last line
-        and the lines of later rounds dropped, rewritten atomically), and notes of what was repaired.
+        """Find where a resumed run continues, and repair its metrics to match.
 
-        A run that crashed before its round-0 checkpoint (only config.toml and at most the round-0
-        line exist) has no checkpoint: (None, notes) with the metrics emptied, and it starts from
-        round 0 again (the initial state is deterministic). Raises as :meth:`latest_checkpoint`
-        otherwise, and DataError for a metrics file that lacks a committed round.
+        metrics.jsonl (and clients.jsonl) are made to hold exactly rounds 0..the checkpoint's round
+        (a torn last line and the lines of later rounds dropped, rewritten atomically). A run that
+        crashed before its round-0 checkpoint (only config.toml and at most the round-0 line exist)
+        has no checkpoint: its metrics are emptied and it starts from round 0 again (the initial
+        state is deterministic).
+
+        Args:
+            keeps_client_state: the method's clients keep state between rounds.
+            home: where the resuming transport's clients' kept state lives (``latest_checkpoint``).
+
+        Returns:
+            (the latest checkpoint, or None from round 0; notes of what was repaired).
+
+        Raises:
+            NestfedError: as ``latest_checkpoint``.
+            DataError: as ``latest_checkpoint``, and for a metrics file that lacks a committed round.
         """
         ck, plan, notes = self._resume_plan(keeps_client_state, home)
         for path, (keep, rewrite) in plan.items():
@@ -435,12 +298,23 @@ class RunDir:
         return ck, notes
 
     def accept_config(self, stored: ExperimentConfig, wanted: ExperimentConfig, config_text: str) -> list[str]:
-        """Check a resume's config against the one the run directory holds. Only
-        ``federation.rounds`` (to extend a run, never below its latest checkpoint) and the
+        """Check a resume's config against the one the run directory holds.
+
+        Only ``federation.rounds`` (to extend a run, never below its latest checkpoint) and the
         ``[tracking]`` sinks (a sink added later is caught up from metrics.jsonl) may change;
-        config.toml is then rewritten so the directory describes what runs, and the changes are
-        returned (``section.key: old -> new``) for the run's log. Raises NestfedError naming any
-        other key that differs."""
+        config.toml is then rewritten so the directory describes what runs.
+
+        Args:
+            stored: the config the run directory holds.
+            wanted: the config of the resume.
+            config_text: ``wanted`` as resolved TOML, written when they differ.
+
+        Returns:
+            The changes (``section.key: old -> new``), for the run's log.
+
+        Raises:
+            NestfedError: naming any other key that differs, or rounds below those committed.
+        """
         diff = differences(stored, wanted)
         other = [d for d in diff if not d.startswith(("federation.rounds:", "tracking."))]
         if wanted.federation.rounds != stored.federation.rounds and stored.train.schedule_spans_rounds():
@@ -467,29 +341,70 @@ class RunDir:
     def write_adapter(
         self, arrays: Arrays, scaling: float, base_model: str = "", lora_dropout: float = 0.0, quantization=None
     ) -> Path:
-        """The PEFT adapter directory ``adapter/`` (nestfed.nn.peft_export), atomically."""
+        """Write the PEFT adapter directory ``adapter/`` (nestfed.nn.peft_export), atomically.
+
+        Args:
+            arrays: the adapter's LoRA arrays.
+            scaling: its scale s.
+            base_model: its base_model_name_or_path.
+            lora_dropout: the dropout its config records.
+            quantization: the base model's bitsandbytes config (nestfed.nn.quantization); None for none.
+
+        Returns:
+            The adapter's directory.
+        """
         return export_peft_adapter(arrays, scaling, self.path / "adapter", base_model, lora_dropout, quantization)
 
     def write_tensors(self, name: str, arrays: Arrays) -> Path:
-        """``<name>`` (a safetensors file in the run directory), atomically."""
+        """Write arrays as a safetensors file in the run directory, atomically.
+
+        Args:
+            name: the file's name.
+            arrays: {key: tensor}.
+
+        Returns:
+            The file's path.
+        """
         return atomic.write_tensors(self.path / name, arrays)
 
     def write_json(self, name: str, obj: Any) -> Path:
-        """``<name>`` as indented JSON, atomically."""
+        """Write an object as indented JSON in the run directory, atomically.
+
+        Args:
+            name: the file's name.
+            obj: the object, JSON-serialisable.
+
+        Returns:
+            The file's path.
+        """
         return atomic.write_json(self.path / name, obj)
 
     def write_plots(self, lines: list[dict[str, Any]], ranks: dict[str, int] | None = None) -> list[Path]:
-        """plots/ (nestfed.federation.plots: per client, or by rank group with many clients),
-        atomically."""
+        """Write plots/ (nestfed.federation.plots), atomically.
+
+        Args:
+            lines: the metrics lines, per-client numbers included (``read_rounds``).
+            ranks: {cid: r_k}, to plot by rank group with many clients; None plots per client.
+
+        Returns:
+            The PNGs' paths.
+        """
         return [
             atomic.write_bytes(self.path / "plots" / name, data)
             for name, data in run_plots(lines, self.path.name, ranks).items()
         ]
 
     def write_clients(self, rows: list[dict[str, Any]], per_client: dict[str, Any] | None = None) -> list[Path]:
-        """``clients.csv`` (one row per client, :func:`nestfed.federation.summary.client_table`) and,
-        when the per-client numbers have their own file, ``clients.json`` (the rows plus
-        ``per_client``: further per-client maps such as the truncation curve), atomically."""
+        """Write the per-client table, atomically.
+
+        Args:
+            rows: one row per client (``nestfed.federation.summary.roster_table``), as clients.csv.
+            per_client: further per-client maps such as the truncation curve, written with the rows
+                to clients.json when the per-client numbers have their own file; None for none.
+
+        Returns:
+            The files' paths.
+        """
         buf = io.StringIO()
         cols = list(dict.fromkeys(k for row in rows for k in row))
         writer = csv.DictWriter(buf, fieldnames=cols, lineterminator="\n")
@@ -501,9 +416,17 @@ class RunDir:
         return out
 
     def fail(self, cfg: ExperimentConfig, failure: str, failed_round: int, extra: dict[str, Any]) -> dict[str, Any]:
-        """Finalise a run that stopped (nestfed.errors.RunFailed): summary.json with the committed
-        rounds' summary (nestfed.federation.summary.failed_summary); no adapter, plots or per-client
-        table. Returns the summary."""
+        """Finalise a run that stopped (nestfed.errors.RunFailed): summary.json, no adapter, plots or table.
+
+        Args:
+            cfg: the run's config.
+            failure: why it stopped.
+            failed_round: the round it stopped in.
+            extra: further summary fields.
+
+        Returns:
+            The committed rounds' summary (nestfed.federation.summary.failed_summary).
+        """
         summary = failed_summary(self.read_rounds(), cfg, failure, failed_round, extra, str(self.path))
         self.write_json("summary.json", summary)
         return summary
@@ -516,15 +439,24 @@ class RunDir:
         roster: dict[str, dict[str, Any]] | None = None,
         per_client: dict[str, Any] | None = None,
     ) -> dict[str, Any]:
-        """Finalise a run whose rounds are all committed: the adapter (only when some round
-        aggregated: a run that never aggregated has no adapter PEFT could load), the method's
-        files, the plots (``output.plots``), the per-client table, then summary.json (last, built
-        by nestfed.federation.summary.completed_summary). Returns the summary.
+        """Finalise a run whose rounds are all committed.
 
-        roster: {cid: {rank, label, num_examples[, memory_mib]}} of every client (the per-client
-        table and the rank groups); per_client: further per-client maps ({name: {cid: ...}}, e.g.
-        the truncation curve), kept in summary.json while the per-client numbers stay in the metrics
-        lines, else in clients.json.
+        Writes the adapter (only when some round aggregated: a run that never aggregated has no
+        adapter PEFT could load), the method's files, the plots (``output.plots``), the per-client
+        table, then summary.json (last, built by nestfed.federation.summary.completed_summary).
+
+        Args:
+            cfg: the run's config.
+            exports: the adapter and files the method exports.
+            extra: further summary fields.
+            roster: {cid: {rank, label, num_examples[, memory_mib]}} of every client (the
+                per-client table and the rank groups); None for none.
+            per_client: further per-client maps ({name: {cid: ...}}, e.g. the truncation curve),
+                kept in summary.json while the per-client numbers stay in the metrics lines, else in
+                clients.json; None for none.
+
+        Returns:
+            The summary.
         """
         lines = self.read_rounds()
         summary = summarise(lines, cfg)

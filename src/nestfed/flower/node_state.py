@@ -31,7 +31,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file
 
 from nestfed.errors import DataError
-from nestfed.federation.run_dir import ClientState, flatten_client_state, unflatten_client_state
+from nestfed.federation.run_files import ClientState, flatten_client_state, unflatten_client_state
 from nestfed.io import atomic
 
 _ROUND_FILE = re.compile(r"round-(\d+)\.safetensors")
