@@ -97,6 +97,7 @@ COVERED = [  # dotted names; a package covers its modules
     "nestfed.federation.server_optimizer",
     "nestfed.federation.strategy",
     "nestfed.federation.tracking",
+    "nestfed.federation.transport",
     "nestfed.federation.training",
     "nestfed.federation.update",
     "nestfed.flower.client_app",

@@ -17,12 +17,13 @@ from nestfed import methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import RunFailed
 from nestfed.experiments.mechanisms import PER_CLIENT, mechanisms
-from nestfed.federation.loop import OnEvent, RoundLoop, Transport
+from nestfed.federation.loop import OnEvent, RoundLoop
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState
 from nestfed.federation.population import Population
 from nestfed.federation.run_dir import Exports, RunDir
 from nestfed.federation.strategy import Strategy
 from nestfed.federation.tracking import Sink
+from nestfed.federation.transport import Transport
 
 
 @dataclass

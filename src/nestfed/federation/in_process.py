@@ -12,10 +12,10 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
 from nestfed.config.capabilities import Capability
-from nestfed.federation.loop import FitResults
 from nestfed.federation.messages import Arrays, Instruction, Reply
 from nestfed.federation.payload import decode, encode
 from nestfed.federation.run_dir import KEPT, ClientState
+from nestfed.federation.transport import FitResults
 
 
 class Trainer(Protocol):

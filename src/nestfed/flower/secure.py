@@ -56,9 +56,9 @@ from flwr.server.strategy import Strategy as LegacyStrategy
 from flwr.server.workflow import SecAggPlusWorkflow
 
 from nestfed.errors import ConfigError
-from nestfed.federation.loop import FitResults
 from nestfed.federation.messages import Arrays, Instruction
 from nestfed.federation.secure_sum import Layout, decode, layout, sum_error
+from nestfed.federation.transport import FitResults
 
 MODULUS = 2**32  # Flower's default modulus: the sums wrap above it
 FITINS_CONFIG, FITINS_PARAMETERS = "fitins.config", "fitins.parameters"

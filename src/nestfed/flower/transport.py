@@ -21,9 +21,9 @@ from flwr.serverapp import Grid
 
 from nestfed.config import ExperimentConfig
 from nestfed.config.capabilities import Capability
-from nestfed.federation.loop import FitResults
 from nestfed.federation.messages import Arrays, ClientInfo, Instruction, Reply
 from nestfed.federation.run_dir import ON_NODES, ClientState
+from nestfed.federation.transport import FitResults
 from nestfed.flower.client_app import EXPERIMENT, INITIAL_ARRAYS, TRANSPORT_METRICS
 from nestfed.flower.exchange import exchange
 from nestfed.flower.exchange import experiment_record as _experiment_record
