@@ -96,6 +96,7 @@ COVERED = [  # dotted names; a package covers its modules
     "nestfed.federation.secure_sum",
     "nestfed.federation.server_optimizer",
     "nestfed.federation.strategy",
+    "nestfed.federation.summary",
     "nestfed.federation.tracking",
     "nestfed.federation.transport",
     "nestfed.federation.training",

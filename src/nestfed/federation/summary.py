@@ -1,8 +1,11 @@
-"""One run's summary from its metrics lines: final and initial held-out metrics per client, their
-means, bytes per client per round, rejected updates, the aggregation drop, NIAH's accuracy by
-length and depth; and summary.json's whole content, for a completed run (:func:`completed_summary`:
-the rank groups, the entry point's and the method's fields, the outcome) or a failed one
-(:func:`failed_summary`). Pure functions of the lines (dicts), written by nestfed.federation.run_dir."""
+"""One run's summary from its metrics lines, and summary.json's whole content.
+
+The summary (``summarise``): final and initial held-out metrics per client, their means, bytes per
+client per round, rejected updates, the aggregation drop, NIAH's accuracy by length and depth.
+summary.json completes it for a completed run (``completed_summary``: the rank groups, the entry
+point's and the method's fields, the outcome) or a failed one (``failed_summary``). Pure functions
+of the lines (dicts); nestfed.federation.run_dir writes what they return.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +17,21 @@ from nestfed.federation.rank_groups import by_rank, summarise_metrics
 
 
 def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, Any]:
-    """Summary fields of a run from its metrics lines (round 0 first).
+    """Summary fields of a run from its metrics lines.
 
     ``mean_ppl`` is the mean over clients of exp(loss); bytes are serialised payload bytes. Lines
     without held-out metrics (a Flower run without evaluation) give the bytes and counts only.
+
+    Args:
+        lines: the metrics lines, round 0 first, per-client numbers included (RunDir.read_rounds).
+        cfg: the run's config (the method's name, the ranks).
+
+    Returns:
+        {field: value}: method, rounds, ranks, aggregated_rounds, the bytes, rejected and dropped
+        updates, train_time_s, aggregates_refused, rounds_mostly_dropped, privacy and global_eval
+        where recorded; with evaluations from round 0 to the last round, also final, initial,
+        mean_ppl, mean_loss, initial_mean_ppl, mean_accuracy, the aggregation drop and NIAH's
+        accuracy by length and depth.
     """
     rounds = [ln for ln in lines if ln["round"] > 0]
     # the clients an instruction went to (a client that dropped out after sampling was sent nothing)
@@ -71,9 +85,20 @@ def failed_summary(
     extra: Mapping[str, Any],
     run_dir: str,
 ) -> dict[str, Any]:
-    """summary.json of a run that stopped (nestfed.errors.RunFailed): the committed rounds'
-    summary (:func:`summarise`), then ``extra`` (the entry point's fields), then ``adapter`` None,
-    ``outcome = "failed"``, ``failure`` (the one line), ``failed_round`` and ``run_dir``."""
+    """summary.json of a run that stopped (nestfed.errors.RunFailed).
+
+    Args:
+        lines: the committed rounds' metrics lines.
+        cfg: the run's config.
+        failure: the one line saying why it stopped.
+        failed_round: the round it stopped in.
+        extra: the entry point's fields.
+        run_dir: the run directory, as recorded.
+
+    Returns:
+        The committed rounds' summary (``summarise``), then ``extra``, then ``adapter`` None,
+        ``outcome = "failed"``, ``failure``, ``failed_round`` and ``run_dir``.
+    """
     summary = summarise(lines, cfg)
     summary.update(extra)
     summary.update(
@@ -104,14 +129,25 @@ def completed_summary(
     method_fields: Mapping[str, Any],
     run_dir: str,
 ) -> dict[str, Any]:
-    """summary.json of a run whose rounds are all committed, completed in place from its
-    :func:`summarise` and returned: ``adapter`` (its directory, or None when none was exported),
-    the rank groups when the ``roster`` ({cid: {rank, ...}}) is known (:func:`rank_fields`), then
-    ``extra`` (the entry point's fields), then ``per_client`` (further per-client maps, {name:
-    {cid: ...}}) when the per-client numbers stay ``inline`` in the metrics lines, else
-    ``per_client = "clients.json"`` in place of the summary's per-client fields
-    (:data:`PER_CLIENT_FIELDS`), then ``method_fields`` (the method's own), ``outcome =
-    "completed"`` and ``run_dir``."""
+    """summary.json of a run whose rounds are all committed, completed in place.
+
+    Args:
+        summary: the run's ``summarise``, completed in place.
+        cfg: the run's config.
+        adapter: the exported adapter's directory; None when none was exported.
+        extra: the entry point's fields.
+        roster: {cid: {rank, ...}} of every client; the rank groups (``rank_fields``) when known.
+        per_client: further per-client maps, {name: {cid: ...}}.
+        inline: the per-client numbers stay in the metrics lines: ``per_client`` joins the
+            summary; False puts ``per_client = "clients.json"`` in place of the summary's
+            per-client fields (``PER_CLIENT_FIELDS``).
+        method_fields: the method's own fields.
+        run_dir: the run directory, as recorded.
+
+    Returns:
+        ``summary``: adapter, the rank groups, ``extra``, the per-client maps, ``method_fields``,
+        ``outcome = "completed"`` and ``run_dir``, in that order.
+    """
     summary["adapter"] = adapter
     if roster:
         summary.update(rank_fields(summary, roster_ranks(roster), cfg.population.draws_ranks))
@@ -129,13 +165,28 @@ def completed_summary(
 
 
 def roster_ranks(roster: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
-    """{cid: r_k} of a roster ({cid: {rank, label, num_examples[, memory_mib]}})."""
+    """The ranks of a roster.
+
+    Args:
+        roster: {cid: {rank, label, num_examples[, memory_mib]}}.
+
+    Returns:
+        {cid: r_k}.
+    """
     return {c: int(r["rank"]) for c, r in roster.items()}
 
 
 def roster_table(lines: list[dict[str, Any]], roster: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """:func:`client_table` of the clients of ``roster`` ({cid: {rank, label, num_examples[,
-    memory_mib]}}; memory_mib where budgets drew the ranks)."""
+    """``client_table`` of the clients of a roster.
+
+    Args:
+        lines: the metrics lines, per-client numbers included.
+        roster: {cid: {rank, label, num_examples[, memory_mib]}}; memory_mib where budgets drew
+            the ranks.
+
+    Returns:
+        One row per client (``client_table``).
+    """
     budgets = {c: r["memory_mib"] for c, r in roster.items() if r.get("memory_mib") is not None} or None
     return client_table(
         lines,
@@ -147,9 +198,17 @@ def roster_table(lines: list[dict[str, Any]], roster: Mapping[str, Mapping[str, 
 
 
 def rank_fields(summary: Mapping[str, Any], ranks: Mapping[str, int], draws_ranks: bool) -> dict[str, Any]:
-    """The summary's rank groups: ``rank_counts`` ({rank: clients}, ranks ascending), ``by_rank``
-    (:func:`rank_summary`) and, when the population drew the ranks (``draws_ranks``), ``ranks``:
-    the distinct ranks drawn, sorted."""
+    """The summary's rank groups.
+
+    Args:
+        summary: the run's summary.
+        ranks: {cid: r_k}.
+        draws_ranks: the population drew the ranks.
+
+    Returns:
+        ``rank_counts`` ({rank: clients}, ranks ascending), ``by_rank`` (``rank_summary``) and,
+        with ``draws_ranks``, ``ranks``: the distinct ranks drawn, sorted.
+    """
     counts: dict[str, int] = {}
     for r in ranks.values():
         counts[str(r)] = counts.get(str(r), 0) + 1
@@ -169,10 +228,21 @@ def client_table(
     num_examples: Mapping[str, int],
     budgets: Mapping[str, int] | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per client (ids ascending): cid, rank r_k, label, n_k, memory_mib (when budgets
-    drew the ranks), rounds_sampled, rounds_accepted, and its first and last held-out metrics
-    (``initial_<metric>``, ``final_<metric>``: of rounds 0 and R; absent for a client neither
-    evaluated). Pure function of the (joined) metrics lines."""
+    """The per-client table of a run (clients.csv), a pure function of its joined metrics lines.
+
+    Args:
+        lines: the metrics lines, per-client numbers included.
+        ranks: {cid: r_k} of every client.
+        labels: {cid: label}.
+        num_examples: {cid: n_k}.
+        budgets: {cid: memory budget in MiB} when budgets drew the ranks; None leaves the column out.
+
+    Returns:
+        One row per client (ids ascending): cid, rank, label, num_examples, memory_mib (with
+        ``budgets``), rounds_sampled, rounds_accepted, and its first and last held-out metrics
+        (``initial_<metric>``, ``final_<metric>``: of rounds 0 and R; absent for a client neither
+        evaluated).
+    """
     rounds = [ln for ln in lines if ln["round"] > 0]
     evaluated = [ln for ln in lines if ln.get("eval")]
     first = evaluated[0]["eval"] if evaluated and evaluated[0]["round"] == 0 else {}
@@ -203,9 +273,16 @@ def client_table(
 
 
 def rank_summary(summary: Mapping[str, Any], ranks: Mapping[str, int]) -> dict[str, Any]:
-    """The summary's per-client evaluations by rank group (nestfed.federation.rank_groups):
-    ``final`` and ``initial`` ({metric: {rank: stats}}) and ``change_pct`` (the relative change of
-    each client's perplexity, 100 (final / initial - 1), by rank). Empty without evaluations."""
+    """The summary's per-client evaluations by rank group (nestfed.federation.rank_groups).
+
+    Args:
+        summary: the run's summary (its ``final`` and ``initial``).
+        ranks: {cid: r_k}.
+
+    Returns:
+        ``final`` and ``initial`` ({metric: {rank: stats}}) and ``change_pct`` (the relative change
+        of each client's perplexity, 100 (final / initial - 1), by rank); {} without evaluations.
+    """
     if "final" not in summary:
         return {}
     final, initial = summary["final"], summary["initial"]
@@ -218,10 +295,19 @@ def rank_summary(summary: Mapping[str, Any], ranks: Mapping[str, int]) -> dict[s
 
 
 def aggregation_drop(lines: list[dict[str, Any]]) -> dict[str, Any]:
-    """FedNL's "aggregation drop" (arXiv 2605.16350, section 5.1): per client, the accuracy of
-    its own model right after local training in the last round (``local_accuracy``, from
-    ``train.eval_local``) minus the accuracy of the model it runs after aggregation (the final
-    evaluation). Empty when the run did not evaluate locally or has no accuracy."""
+    """FedNL's "aggregation drop" (arXiv 2605.16350, section 5.1).
+
+    Per client: the accuracy of its own model right after local training in the last round
+    (``local_accuracy``, from ``train.eval_local``) minus the accuracy of the model it runs after
+    aggregation (the final evaluation).
+
+    Args:
+        lines: the metrics lines, per-client numbers included.
+
+    Returns:
+        ``local_accuracy``, ``federated_accuracy``, ``aggregation_drop`` ({cid: value}) and
+        ``mean_aggregation_drop``; {} when the run did not evaluate locally or has no accuracy.
+    """
     rounds = [ln for ln in lines if ln["round"] > 0]
     if not rounds:
         return {}
@@ -244,10 +330,19 @@ def aggregation_drop(lines: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def group_accuracy(evaluation: dict[str, dict[str, float]]) -> dict[str, Any]:
-    """NIAH's accuracy per context length and per needle depth, from evaluation metrics named
-    ``accuracy@<length>@<depth>`` (ClientData.test_groups): for each client and over all
-    clients, the unweighted mean over the groups sharing a length or a depth (the generator
-    gives every group the same number of rows). Empty when there are no such metrics."""
+    """NIAH's accuracy per context length and per needle depth.
+
+    For each client and over all clients: the unweighted mean over the groups sharing a length or
+    a depth (the generator gives every group the same number of rows).
+
+    Args:
+        evaluation: {cid: metrics}, the metrics named ``accuracy@<length>@<depth>``
+            (ClientData.test_groups).
+
+    Returns:
+        ``accuracy_by_length`` and ``accuracy_by_depth``, each {group: {clients: {cid: mean},
+        mean}}; {} when there are no such metrics.
+    """
     by_len: dict[str, dict[str, list[float]]] = {}
     by_depth: dict[str, dict[str, list[float]]] = {}
     for cid, metrics in evaluation.items():
