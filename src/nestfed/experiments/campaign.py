@@ -1,15 +1,19 @@
 """An experiment campaign: the method runs one ``nestfed run`` makes and the comparison it writes.
 
-A :class:`Campaign` is every method over every seed on the same clients (``Campaign.new``), or the
-runs under a run directory left to continue (``Campaign.resumed``: resume discovery). It is
-prepared once (:func:`prepare_runs`: every method checked against the model before the first run
-directory), run method by method (:func:`run_all`), and its finished runs compared
-(:func:`write_comparison`: comparison.md / .json / .png and the mechanism figures). A comparison
-whose clients run compressed models has its own recipe (:func:`compressed`,
+A ``Campaign`` is every method over every seed on the same clients (``Campaign.new``), or the
+runs under a run directory left to continue (``Campaign.resumed``: resume discovery). It is:
+
+- prepared once (``prepare_runs``: every method checked against the model before the first run
+  directory);
+- run method by method (``run_all``);
+- and its finished runs compared (``write_comparison``: comparison.md / .json / .png and the
+  mechanism figures).
+
+A comparison whose clients run compressed models has its own recipe (``compressed``,
 nestfed.experiments.compressed_comparison).
 
 Everything is reported through callbacks (one plain line, a table or text to show, a run's
-progress as :class:`Step`), so the command line prints it and nothing here prints.
+progress as ``Step`` events), so the command line prints it and nothing here prints.
 """
 
 from __future__ import annotations
@@ -37,9 +41,14 @@ Show = Callable[[Any], None]  # a rich table, or text to print as it is
 
 @dataclass(frozen=True)
 class Step:
-    """What one event of a method's run shows: ``advance`` sampled clients done, the progress
-    bar's new ``description`` (None: unchanged), a ``log`` line to print above it, and, after a
-    round, that round's one plain ``line`` (for logs, CI and pipes)."""
+    """What one event of a method's run shows.
+
+    Attributes:
+        advance: sampled clients done; default 0.
+        description: the progress bar's new description; None leaves it unchanged.
+        log: a line to print above the progress bar; None for none.
+        line: after a round, that round's one plain line (for logs, CI and pipes); None otherwise.
+    """
 
     advance: int = 0
     description: str | None = None
@@ -53,10 +62,15 @@ Start = Callable[[str, int, int], Callable[[Step], None]]
 
 @dataclass
 class Campaign:
-    """The method runs of one ``nestfed run``: ``configs`` and ``dirs`` keyed alike, by the method's
-    name or, over seeds, ``seed<N>/<method>``; ``parent``: their common directory, which receives
-    the comparison (None for a single run); ``resume``: the runs continue after their latest
-    checkpoints."""
+    """The method runs of one ``nestfed run``.
+
+    Attributes:
+        configs: {key: the run's validated config}, keyed by the method's name or, over seeds,
+            ``seed<N>/<method>``.
+        dirs: {key: the run's directory}, keyed as ``configs``.
+        parent: their common directory, which receives the comparison; None for a single run.
+        resume: the runs continue after their latest checkpoints; default False.
+    """
 
     configs: dict[str, ExperimentConfig]
     dirs: dict[str, Path]
@@ -65,9 +79,18 @@ class Campaign:
 
     @classmethod
     def new(cls, per_method: dict[str, ExperimentConfig], seeds: int = 1) -> Campaign:
-        """Every method of ``per_method`` ({name: its validated config}) over ``seeds`` seeds
-        (federation.seed and lora.init_seed + 0..seeds-1), in new run directories: ``<parent>/<method>``
-        or ``<parent>/seed<N>/<method>`` under one new parent when there are several runs."""
+        """Every method over every seed, in new run directories.
+
+        The directories: ``<parent>/<method>`` or ``<parent>/seed<N>/<method>`` under one new
+        parent when there are several runs.
+
+        Args:
+            per_method: {name: its validated config}.
+            seeds: how many seeds: federation.seed and lora.init_seed + 0..seeds-1.
+
+        Returns:
+            The campaign.
+        """
         first = next(iter(per_method.values()))
         parent = None
         if len(per_method) > 1 or seeds > 1:
@@ -87,11 +110,23 @@ class Campaign:
 
     @classmethod
     def resumed(cls, path: Path, overrides: list[str], on_line: Line) -> Campaign:
-        """The runs under ``path`` to continue (:func:`resumable`), each with its stored config:
-        ``overrides`` may restate it or raise ``federation.rounds`` (config.toml is rewritten, each
-        change to ``on_line``); any other difference is refused, naming the keys; so is a run
-        without a readable checkpoint, or without the per-client state its method needs
-        (nestfed.experiments.preflight.accept_resume)."""
+        """The runs under a directory to continue (``resumable``), each with its stored config.
+
+        Args:
+            path: a run directory, or a multi-method parent.
+            overrides: ``--set`` overrides; they may restate the stored config or raise
+                ``federation.rounds`` (config.toml is then rewritten).
+            on_line: called with each change made to a config.toml.
+
+        Returns:
+            The campaign, with ``resume`` set.
+
+        Raises:
+            NestfedError: when there is nothing to continue, for any other config difference
+                (naming the keys), or a run without a readable checkpoint or without the
+                per-client state its method needs (nestfed.experiments.preflight.accept_resume).
+            DataError: for a corrupted checkpoint or metrics file.
+        """
         todo, parent = resumable(path, overrides)
         cfgs = {}
         for name, d in todo.items():
@@ -103,14 +138,25 @@ class Campaign:
         return cls(cfgs, todo, parent, resume=True)
 
     def reported(self) -> list[Path]:
-        """The runs the comparison reports once these have run: every finished run under the
-        parent of a resume (those finished before it too), else these runs in order."""
+        """The runs the comparison reports once these have run.
+
+        Returns:
+            Every finished run under the parent of a resume (those finished before it too), else
+            these runs in order.
+        """
         return finished_under(self.parent) if self.resume and self.parent is not None else list(self.dirs.values())
 
 
 def prepared_line(prep: Prepared) -> str:
-    """What preparation found: every client (rank, n_k, labels), or, beyond config.INLINE_CLIENTS
-    clients, the clients per rank and the spread of n_k."""
+    """Say what preparation found, in one line.
+
+    Args:
+        prep: the prepared model and clients.
+
+    Returns:
+        Every client (rank, n_k, labels), or, beyond config.INLINE_CLIENTS clients, the clients per
+        rank and the spread of n_k.
+    """
     head = f"prepared {len(prep.clients)} clients in {prep.prepare_time_s:.1f} s"
     if len(prep.clients) <= config.INLINE_CLIENTS:
         return (
@@ -130,16 +176,34 @@ def prepared_line(prep: Prepared) -> str:
 
 
 def prepare_runs(c: Campaign, on_status: Line) -> Prepared:
-    """Prepare once (from the first config; ``on_status``: what it is doing), then check every
-    method against the model: nothing is written before every method's settings fit it."""
+    """Prepare once (from the first config), then check every method against the model.
+
+    Nothing is written before every method's settings fit the model.
+
+    Args:
+        c: the campaign.
+        on_status: called with what preparation is doing.
+
+    Returns:
+        The prepared model and clients.
+
+    Raises:
+        ConfigError: when a method's settings do not fit the model.
+    """
     prep = prepare(next(iter(c.configs.values())), on_status=on_status)
     preflight.check_models(prep, c.configs.values())
     return prep
 
 
 def run_all(c: Campaign, prep: Prepared, start: Start) -> None:
-    """Run (or continue) every method of ``c`` on ``prep``, one after another; ``start(key, total,
-    done)`` is called as each begins and returns where its :class:`Step` s go."""
+    """Run (or continue) every method of a campaign, one after another.
+
+    Args:
+        c: the campaign.
+        prep: the prepared model and clients.
+        start: called as ``start(key, total, done)`` (in sampled clients) as each run begins;
+            returns where that run's ``Step`` events go.
+    """
     for key, cfg in c.configs.items():
         k = config.sampled_per_round(cfg)
         found = RunDir(c.dirs[key]).checkpoints() if c.resume else []
@@ -149,9 +213,18 @@ def run_all(c: Campaign, prep: Prepared, start: Start) -> None:
 
 
 def steps(name: str, rounds: int, clients: int, show: Callable[[Step], None]) -> OnEvent:
-    """The round loop's events (nestfed.federation.loop) of run ``name`` as :class:`Step` s: a
-    client done, a log line, the generated evaluation's answers, a round's mean held-out
-    perplexity over the ``clients`` (and the global held-out set's), time and rejections."""
+    """Turn the round loop's events (nestfed.federation.loop) into ``Step`` events.
+
+    Args:
+        name: the run's key, shown on each step.
+        rounds: the run's rounds.
+        clients: the number of clients (a round evaluated over fewer says so).
+        show: called with each step.
+
+    Returns:
+        The loop's ``on_event``: a client done, a log line, the generated evaluation's answers, a
+        round's mean held-out perplexity (and the global held-out set's), time and rejections.
+    """
 
     def on_event(kind: str, info: dict[str, Any]) -> None:
         if kind == "client_done":
@@ -177,11 +250,21 @@ def steps(name: str, rounds: int, clients: int, show: Callable[[Step], None]) ->
 
 
 def resumable(path: Path, overrides: list[str]) -> tuple[dict[str, Path], Path | None]:
-    """The method runs under ``path`` (a run directory, or a multi-method parent, over seeds or not)
-    to continue, keyed by their path below the parent (``prelort``, ``seed1/prelort``): the
-    unfinished ones, and finished ones whose ``federation.rounds`` override asks for more rounds;
-    and the parent whose comparison is rewritten (None for a single run). Raises NestfedError when
-    there is none."""
+    """Find the method runs under a directory to continue.
+
+    Args:
+        path: a run directory, or a multi-method parent, over seeds or not.
+        overrides: ``--set`` overrides; a ``federation.rounds`` above a finished run's rounds
+            continues it.
+
+    Returns:
+        ({key: run directory}, the parent whose comparison is rewritten or None for a single run):
+        the unfinished runs, and finished ones asked for more rounds, keyed by their path below
+        the parent (``prelort``, ``seed1/prelort``).
+
+    Raises:
+        NestfedError: when there is none.
+    """
 
     def wanted(p: Path) -> bool:  # unfinished, or asked for rounds past its latest checkpoint (a
         rd = RunDir(p)  # continuation that crashed keeps the earlier summary.json and resumes so too)
@@ -206,13 +289,29 @@ def resumable(path: Path, overrides: list[str]) -> tuple[dict[str, Path], Path |
 
 
 def finished_under(parent: Path) -> list[Path]:
-    """The finished runs under a multi-method parent: ``<method>/`` or, over seeds, ``seed<N>/<method>/``."""
+    """List the finished runs under a multi-method parent.
+
+    Args:
+        parent: the parent directory.
+
+    Returns:
+        Its ``<method>/`` or, over seeds, ``seed<N>/<method>/`` directories holding a summary.json, sorted.
+    """
     return sorted({p.parent for p in [*parent.glob("*/summary.json"), *parent.glob("*/*/summary.json")]})
 
 
 def finished_runs(paths: Sequence[Path]) -> list[Path]:
-    """The finished run directories among ``paths`` (each a run directory or a multi-method parent),
-    each once, in order. Raises NestfedError when there is none."""
+    """List the finished run directories among some paths, each once, in order.
+
+    Args:
+        paths: run directories or multi-method parents.
+
+    Returns:
+        The finished run directories.
+
+    Raises:
+        NestfedError: when there is none.
+    """
     dirs: list[Path] = []
     for d in paths:
         for p in finished_under(d) if not (d / "summary.json").exists() else [d]:
@@ -224,8 +323,14 @@ def finished_runs(paths: Sequence[Path]) -> list[Path]:
 
 
 def mixed_experiments(dirs: Sequence[Path]) -> str | None:
-    """A warning when the runs differ in [model] or [data] (their perplexities are not on one test
-    set), else None."""
+    """Warn when runs differ in [model] or [data]: their perplexities are not on one test set.
+
+    Args:
+        dirs: the run directories.
+
+    Returns:
+        The warning; None when they agree.
+    """
     experiments = {
         (str(config.to_dict(c)["model"]), str(config.to_dict(c)["data"]))
         for c in (methods.load_run_config(d / "config.toml") for d in dirs)
@@ -246,12 +351,24 @@ def write_comparison(
     reference: str | None = None,
     table: Path | None = None,
 ) -> None:
-    """Show the comparison of ``run_dirs``; write comparison.md / .json / .png (and, where the runs
-    measured them, truncation.png and dimension_importance.png) into ``parent``, or only the plots
-    at ``plot``. Runs of one label over several seeds are reported with 95% intervals and paired
-    differences against ``reference`` (default: the first label; nestfed.experiments.seed_report).
-    ``table``: also write the Markdown tables there and the rows beside it as JSON (same stem).
-    Raises NestfedError for a run given twice or an unknown ``reference``."""
+    """Show the comparison of finished runs and write its files.
+
+    Runs of one label over several seeds are reported with 95% intervals and paired differences
+    against the reference (nestfed.experiments.seed_report).
+
+    Args:
+        run_dirs: the finished run directories.
+        parent: where comparison.md / .json / .png (and, where the runs measured them,
+            truncation.png and dimension_importance.png) go; None writes none of them.
+        show: called with each table or text to show.
+        plot: where the plots alone go (the bar chart there, the figures beside it); None for none.
+        reference: the label compared against; None for the first label.
+        table: also write the Markdown tables there and the rows beside it as JSON (same stem);
+            None for none.
+
+    Raises:
+        NestfedError: for a run given twice or an unknown ``reference``.
+    """
     rows = report.comparison_rows(run_dirs)
     try:
         groups = seed_report.by_label(rows)
@@ -302,10 +419,20 @@ def _write(path: Path, data: str | bytes | list[dict[str, Any]]) -> Path:
 
 
 def compressed(cfg: ExperimentConfig, names: list[str], on_line: Line) -> Path:
-    """The comparison in which some clients run compressed models (a method declaring ``comparison
-    = "compressed"``): client and server perplexity, client memory and bytes per round for every
-    method (nestfed.experiments.compressed_comparison), one run directory per method under one
-    parent, which is returned; its rounds and log lines go to ``on_line``."""
+    """Run the comparison in which some clients run compressed models.
+
+    For a method declaring ``comparison = "compressed"``: client and server perplexity, client
+    memory and bytes per round for every method (nestfed.experiments.compressed_comparison), one
+    run directory per method under one parent.
+
+    Args:
+        cfg: the experiment's config.
+        names: the methods compared.
+        on_line: called with each round's line and each log line.
+
+    Returns:
+        The parent directory.
+    """
 
     def on_event(kind: str, info: dict[str, Any]) -> None:
         if kind == "round_done" and "eval" in info["line"]:

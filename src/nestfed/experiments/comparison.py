@@ -15,10 +15,21 @@ from nestfed.experiments import generation_report, group_report, report, seed_re
 
 
 def table_and_plot(rows: list[dict[str, Any]], reference: str | None = None) -> tuple[Table, bytes]:
-    """The comparison of ``rows`` (nestfed.experiments.report.comparison_rows) as a rich table and
-    its bar plot (PNG bytes): by rank group with many clients, with 95% intervals and paired
-    differences against ``reference`` (default: the first label) over seeds. Raises ValueError as
-    :func:`seed_report.by_label` does."""
+    """The comparison as a rich table and its bar plot.
+
+    By rank group with many clients, with 95% intervals and paired differences against the
+    reference over seeds.
+
+    Args:
+        rows: the comparison rows (nestfed.experiments.report.comparison_rows).
+        reference: the label compared against; None for the first label.
+
+    Returns:
+        (the table, the bar plot's PNG bytes).
+
+    Raises:
+        ValueError: as ``seed_report.by_label`` does (two runs of one label and seed).
+    """
     groups = seed_report.by_label(rows)
     over_seeds = any(len(g) > 1 for g in groups.values())
     many = report.many_clients(rows)
@@ -34,11 +45,22 @@ def table_and_plot(rows: list[dict[str, Any]], reference: str | None = None) -> 
 
 
 def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
-    """comparison.md of ``rows`` (nestfed.experiments.report.comparison_rows): by rank group with
-    many clients, with 95% intervals and paired differences against ``reference`` (default: the
-    first label) over seeds, then the truncation curve, its paired differences and the global
-    held-out set's curve where the runs measured them. Raises ValueError as
-    :func:`seed_report.by_label` does."""
+    """comparison.md of the comparison rows.
+
+    By rank group with many clients, with 95% intervals and paired differences against the
+    reference over seeds, then the truncation curve, its paired differences and the global
+    held-out set's curve where the runs measured them.
+
+    Args:
+        rows: the comparison rows (nestfed.experiments.report.comparison_rows).
+        reference: the label compared against; None for the first label.
+
+    Returns:
+        The Markdown.
+
+    Raises:
+        ValueError: as ``seed_report.by_label`` does (two runs of one label and seed).
+    """
     groups = seed_report.by_label(rows)
     over_seeds = any(len(g) > 1 for g in groups.values())
     ref = reference or next(iter(groups))

@@ -2,8 +2,8 @@
 (nestfed.evaluation.harness, through lm-eval), with intervals and paired differences.
 
 Each model's per-question correctness is kept in ``<out>/<label>.json`` beside the protocol and a
-key (the protocol with its MMLU files' contents, the backbone's files and the adapter's weights, hashed), so a second
-``nestfed eval`` over the same runs scores nothing again. A category's accuracy carries its 95%
+key (the protocol with its MMLU files' contents, the backbone's files and the adapter's weights,
+hashed), so a second ``nestfed eval`` over the same runs scores nothing again. A category's accuracy carries its 95%
 Wilson interval (scipy.stats.binomtest); an adapter is set against the backbone on the same
 questions: the paired difference of correctness over every question of the three categories,
 with its t interval (nestfed.experiments.intervals), significant when it excludes zero.
@@ -55,13 +55,23 @@ def _runs(paths: list[Path]) -> list[Path]:
 
 
 def models(paths: list[Path], include_backbone: bool = True) -> tuple[Path, list[tuple[str, Path | None]]]:
-    """The backbone directory and the (label, adapter directory) pairs to score: the backbone
-    itself (adapter None) first when ``include_backbone``, then each run's final ``adapter/``.
+    """The backbone directory and the models to score.
 
-    Raises NestfedError naming the run: no PEFT adapter (an unfinished run, or a method whose
-    clients do not run LoRA on the backbone), runs on different backbones, or a backbone that is
-    not a Hugging Face directory. A built-in tiny random model is written out as one
+    A built-in tiny random model is written out as a Hugging Face directory
     (nestfed.nn.backbone.tiny_dir).
+
+    Args:
+        paths: run directories, or multi-method parents (``*/`` or ``seed*/*/``).
+        include_backbone: score the bare backbone first.
+
+    Returns:
+        (the backbone directory, the (label, adapter directory) pairs): the backbone itself
+        (adapter None) first when ``include_backbone``, then each run's final ``adapter/``.
+
+    Raises:
+        NestfedError: naming the run: no PEFT adapter (an unfinished run, or a method whose
+            clients do not run LoRA on the backbone), runs on different backbones, or a backbone
+            that is not a Hugging Face directory.
     """
     backbone: Path | None = None
     out: list[tuple[str, Path | None]] = []
@@ -115,8 +125,15 @@ def _file_digest(path: str, size: int, mtime_ns: int) -> str:
 
 
 def tree_digest(root: Path, recursive: bool = True) -> str:
-    """sha256 over every file below ``root`` (only those directly in it unless ``recursive``;
-    relative names and contents, sorted): what a score read, whatever path it was reached by."""
+    """Hash what a score read, whatever path it was reached by.
+
+    Args:
+        root: a directory.
+        recursive: every file below it; False: only those directly in it.
+
+    Returns:
+        The sha256 (hex) over the files' relative names and contents, sorted.
+    """
     h = hashlib.sha256()
     root = Path(root)
     for f in sorted(p for p in (root.rglob("*") if recursive else root.iterdir()) if p.is_file()):
@@ -151,11 +168,25 @@ def _key(backbone: Path, adapter: Path | None, protocol: harness.Protocol) -> st
 def score(
     backbone: Path, entries: list[tuple[str, Path | None]], protocol: harness.Protocol, out_dir: Path, progress=None
 ) -> dict[str, dict]:
-    """Score every (label, adapter) on ``protocol``, reusing ``out_dir/<label>.json`` when its key
-    matches; returns {label: {"correct": {scoring: {category: [0/1, ...]}}, ...}}. ``progress(label,
-    cached)`` is called before each model. Each model's file is written atomically once it is scored,
-    so an interrupted evaluation keeps every model finished before it. Raises ConfigError / DataError
-    as :func:`nestfed.evaluation.harness.evaluate` and :func:`~nestfed.evaluation.harness.questions`."""
+    """Score every (label, adapter) on a protocol, reusing what was scored before.
+
+    Each model's file is written atomically once it is scored, so an interrupted evaluation keeps
+    every model finished before it.
+
+    Args:
+        backbone: the backbone directory.
+        entries: the (label, adapter directory or None) pairs.
+        protocol: the evaluation protocol.
+        out_dir: where ``<label>.json`` is kept, and reused when its key matches.
+        progress: called as ``progress(label, cached)`` before each model; None for none.
+
+    Returns:
+        {label: {"correct": {scoring: {category: [0/1, ...]}}, ...}}.
+
+    Raises:
+        ConfigError: as ``nestfed.evaluation.harness.evaluate`` and ``harness.questions``.
+        DataError: as ``nestfed.evaluation.harness.evaluate`` and ``harness.questions``.
+    """
     items = harness.questions(protocol)
     results = {}
     for label, adapter in entries:
@@ -189,14 +220,26 @@ def evaluate(
     out_dir: Path | None = None,
     on_line: Callable[[str], None] | None = None,
 ) -> tuple[str, Path]:
-    """``nestfed eval``: the runs' final adapters under ``paths`` (:func:`models`; the bare backbone
-    too with ``include_backbone``) scored on ``protocol`` (:func:`score`; ``on_line``: a line as each
-    model is scored or found scored before) into
-    ``out_dir`` (default ``<first run's parent>/eval``), with flowertune_general_nlp.md / .json
-    (:func:`rows`, :func:`markdown`) written there; ``protocol.quantization`` may be any of
-    ``--quantization``'s values (harness.quantization_name). Returns that Markdown and the folder.
-    Raises NestfedError for a path without runs, ConfigError for a bad quantization, device or dtype
-    before anything runs, and as :func:`score`."""
+    """``nestfed eval``: score the runs' final adapters and write the tables.
+
+    flowertune_general_nlp.md / .json (``rows``, ``markdown``) are written into the output folder.
+
+    Args:
+        paths: run directories or multi-method parents (``models``).
+        protocol: the evaluation protocol; its ``quantization`` may be any of ``--quantization``'s
+            values (harness.quantization_name).
+        include_backbone: score the bare backbone too.
+        out_dir: the output folder; None for ``<first run's parent>/eval``.
+        on_line: called with a line as each model is scored or found scored before; None for none.
+
+    Returns:
+        (the Markdown, the output folder).
+
+    Raises:
+        NestfedError: for a path without runs, or as ``models``.
+        ConfigError: for a bad quantization, device or dtype before anything runs, and as ``score``.
+        DataError: as ``score``.
+    """
     base, entries = models(paths, include_backbone)
     protocol = replace(protocol, quantization=harness.quantization_name(protocol.quantization))
     protocol.placement()  # a bad --device or --dtype is one line before anything runs
@@ -222,9 +265,16 @@ def _wilson(k: int, n: int) -> tuple[float, float]:
 
 
 def rows(results: dict[str, dict]) -> list[dict]:
-    """One row per (model, scoring): accuracy per category (% with its Wilson interval), their
-    mean (FlowerTune's "Average"), and against the backbone (when scored) the paired difference
-    in accuracy over all questions (percentage points, 95% interval, significant)."""
+    """Tabulate the scores.
+
+    Args:
+        results: ``score``'s {label: result}.
+
+    Returns:
+        One row per (model, scoring): accuracy per category (% with its Wilson interval), their
+        mean (FlowerTune's "Average"), and against the backbone (when scored) the paired
+        difference in accuracy over all questions (percentage points, 95% interval, significant).
+    """
     out = []
     base = results.get(BACKBONE)
     for label, res in results.items():
@@ -255,8 +305,16 @@ def rows(results: dict[str, dict]) -> list[dict]:
 
 
 def markdown(table: list[dict], leaderboard: bool) -> str:
-    """The rows as Markdown, one table per scoring; FlowerTune's leaderboard rows under the
-    generation table when ``leaderboard`` (the backbone is SmolLM2-135M-Instruct)."""
+    """The rows as Markdown, one table per scoring.
+
+    Args:
+        table: ``rows``.
+        leaderboard: add FlowerTune's leaderboard rows under the generation table (the backbone
+            is SmolLM2-135M-Instruct).
+
+    Returns:
+        The Markdown.
+    """
     text = []
     for scoring in harness.SCORINGS:
         sub = [r for r in table if r["scoring"] == scoring]

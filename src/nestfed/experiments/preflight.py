@@ -11,8 +11,8 @@ naming the setting or file at fault, and writes nothing.
   change; config.toml is then rewritten and the changes returned);
 - Flower's own: the method runs on Flower, the run directory is new or resumed, enough nodes
   answered the QUERY round and none above lora.r_max, no setting only the embedded runner serves
-  (:data:`EMBEDDED_ONLY`), and secure aggregation only where the aggregation needs no individual
-  update and the round's SecAgg+ settings fit (:class:`SumSettings`).
+  (``EMBEDDED_ONLY``), and secure aggregation only where the aggregation needs no individual
+  update and the round's SecAgg+ settings fit (``SumSettings``).
 
 What the config alone decides (types, ranges, the method's capabilities against what the config
 asks, cross-section checks) is checked when it is loaded (nestfed.methods.load_config); what the
@@ -46,17 +46,33 @@ EMBEDDED_ONLY = {  # setting: why Flower refuses it
 
 
 class SumSettings(Protocol):
-    """The secure aggregation's settings as far as a preflight needs them (Flower's SecAgg+:
-    nestfed.flower.secure.SecAggSettings)."""
+    """The secure aggregation's settings as far as a preflight needs them.
+
+    Flower's SecAgg+: nestfed.flower.secure.SecAggSettings.
+    """
 
     def check_clients(self, k: int) -> None:
-        """Raise ConfigError when a round of k sampled nodes cannot run with these settings."""
+        """Check that a round of k sampled nodes can run with these settings.
+
+        Args:
+            k: the nodes sampled per round.
+
+        Raises:
+            ConfigError: when it cannot.
+        """
 
 
 # -- every engine --------------------------------------------------------------------------------
 def check_models(prep: Prepared, cfgs: Iterable[ExperimentConfig]) -> None:
-    """Each config's method against the prepared model (its ``check_model``, e.g. memory layers in
-    range), all before the first run directory. Raises ConfigError."""
+    """Check each config's method against the prepared model, all before the first run directory.
+
+    Args:
+        prep: the prepared model and clients.
+        cfgs: the configs; each method's ``check_model`` runs (e.g. memory layers in range).
+
+    Raises:
+        ConfigError: naming the setting that does not fit the model.
+    """
     for cfg in cfgs:
         methods.get(cfg.strategy.name).check_model(prep, cfg)
 
@@ -64,18 +80,40 @@ def check_models(prep: Prepared, cfgs: Iterable[ExperimentConfig]) -> None:
 def embedded(
     cfg: ExperimentConfig, clients: Sequence[ClientInfo], footprint: Callable[[int], int] | None = None
 ) -> Population:
-    """An embedded run's federation: the population's per-round draws over ``clients``, its elastic
-    trace read and checked against their ranks (``footprint``: bytes(r) of the backbone, for a trace
-    of memory budgets), then the tracking store. Raises ConfigError."""
+    """Check an embedded run's federation: its population, then the tracking store.
+
+    Args:
+        cfg: the experiment's config.
+        clients: the clients.
+        footprint: bytes(r) of the backbone at rank r, for an elastic trace of memory budgets;
+            None for none.
+
+    Returns:
+        The population's per-round draws over ``clients``, its elastic trace read and checked
+        against their ranks.
+
+    Raises:
+        ConfigError: for a bad elastic trace or a tracking store that cannot be written.
+    """
     out = Population.from_config(cfg, clients, footprint)
     tracking.check_store(cfg.tracking, cfg.output.dir)
     return out
 
 
 def stored_config(rd: RunDir) -> ExperimentConfig:
-    """What a resume of ``rd`` is checked against: the resolved config its latest checkpoint
-    recorded (so a hand-edited config.toml is caught), else config.toml. Raises ConfigError /
-    DataError naming the file."""
+    """The config a resume is checked against.
+
+    Args:
+        rd: the run directory.
+
+    Returns:
+        The resolved config its latest checkpoint recorded (so a hand-edited config.toml is
+        caught), else config.toml's.
+
+    Raises:
+        ConfigError: naming the file, for a config that does not load.
+        DataError: naming the file, for an unreadable checkpoint.
+    """
     recorded = rd.recorded_config()
     if recorded is None:
         return methods.load_run_config(rd.config_path)
@@ -84,19 +122,43 @@ def stored_config(rd: RunDir) -> ExperimentConfig:
 
 
 def accept_resume(rd: RunDir, wanted: ExperimentConfig, home: str = KEPT) -> list[str]:
-    """Accept the resume of ``rd`` with ``wanted``: its latest checkpoint readable, with the
-    clients' kept state where the transport keeps it (``home``: KEPT embedded, ON_NODES on
-    Flower; RunDir.check_resume), and ``wanted`` equal to :func:`stored_config` but for
-    federation.rounds and [tracking] (RunDir.accept_config: config.toml is then rewritten).
-    Returns the changes (``section.key: old -> new``). Raises NestfedError / DataError."""
+    """Accept the resume of a run directory with a config.
+
+    Its latest checkpoint must be readable, with the clients' kept state where the transport keeps
+    it (RunDir.check_resume), and ``wanted`` equal to ``stored_config`` but for federation.rounds
+    and [tracking] (RunDir.accept_config: config.toml is then rewritten).
+
+    Args:
+        rd: the run directory.
+        wanted: the config the run continues with.
+        home: where the transport keeps the clients' state: KEPT embedded, ON_NODES on Flower.
+
+    Returns:
+        The changes (``section.key: old -> new``).
+
+    Raises:
+        NestfedError: for a checkpoint that cannot be resumed here or a config that differs.
+        DataError: for a corrupted checkpoint or metrics file.
+    """
     rd.check_resume(methods.get(wanted.strategy.name).keeps_client_state(wanted), home)
     return rd.accept_config(stored_config(rd), wanted, config.dumps_toml(wanted))
 
 
 # -- Flower ------------------------------------------------------------------------------------
 def flower_config(path: Path, overrides: Sequence[str]) -> ExperimentConfig:
-    """The experiment at ``path`` with ``overrides``, validated, its method one that runs on Flower
-    (e.g. not one whose clients hold compressed models the ServerApp cannot set up). Raises ConfigError."""
+    """Load a Flower run's experiment, validated.
+
+    Args:
+        path: the experiment's TOML.
+        overrides: ``key=value`` overrides.
+
+    Returns:
+        The config.
+
+    Raises:
+        ConfigError: for an invalid config, or a method that does not run on Flower (e.g. one
+            whose clients hold compressed models the ServerApp cannot set up).
+    """
     cfg = methods.load_config(path, list(overrides))
     line = methods.get(cfg.strategy.name).refusal({Capability.FLOWER: "strategy.name"})
     if line is not None:
@@ -107,10 +169,24 @@ def flower_config(path: Path, overrides: Sequence[str]) -> ExperimentConfig:
 def flower_run_dir(
     cfg: ExperimentConfig, run_dir: Path, resume: bool, on_change: Callable[[str], None]
 ) -> RunDir | None:
-    """The tracking store, then the run directory: with ``resume`` the existing one, its resume
-    accepted (:func:`accept_resume` with the clients' state on the nodes; each change of
-    config.toml to ``on_change``) and returned; else None once ``run_dir`` is absent or empty.
-    Raises ConfigError / DataError / NestfedError."""
+    """Check a Flower run's tracking store, then its run directory.
+
+    Args:
+        cfg: the experiment's config.
+        run_dir: the run directory.
+        resume: continue the existing run directory (``accept_resume``, with the clients' state
+            on the nodes).
+        on_change: called with each change made to config.toml.
+
+    Returns:
+        With ``resume``, the run directory, its resume accepted; else None once ``run_dir`` is
+        absent or empty.
+
+    Raises:
+        ConfigError: for a tracking store that cannot be written.
+        DataError: for a corrupted checkpoint or metrics file.
+        NestfedError: for a run directory that exists and is not empty, or a resume refused.
+    """
     tracking.check_store(cfg.tracking, cfg.output.dir)
     if resume:
         rd = RunDir.open(run_dir, config.dumps_toml(cfg))
@@ -125,9 +201,21 @@ def flower_run_dir(
 def flower_clients(
     cfg: ExperimentConfig, clients: Sequence[ClientInfo], min_clients: int, nodes: int, want: int, node_says: str
 ) -> None:
-    """What the QUERY round found: at least ``min_clients`` clients answered (else one line, naming
-    the ``nodes`` connected against data.num_clients = ``want`` when a node refused that count:
-    ``node_says``), and none above lora.r_max. Raises NestfedError / ConfigError."""
+    """Check what the QUERY round found.
+
+    Args:
+        cfg: the experiment's config.
+        clients: the clients that answered.
+        min_clients: the fewest clients needed.
+        nodes: the nodes connected.
+        want: data.num_clients.
+        node_says: a node's refusal of that count; "" for none.
+
+    Raises:
+        NestfedError: when fewer than ``min_clients`` answered (one line naming ``nodes`` against
+            ``want`` when a node refused that count).
+        ConfigError: for a client whose rank is above lora.r_max.
+    """
     if len(clients) < min_clients:
         raise NestfedError(
             f"only {len(clients)} nodes answered the query; min-clients is {min_clients}"
@@ -140,11 +228,23 @@ def flower_clients(
 def flower_federation(
     cfg: ExperimentConfig, clients: Sequence[ClientInfo], secure: SumSettings | None = None
 ) -> Population:
-    """The federation the nodes formed: no setting only the embedded runner serves
-    (:data:`EMBEDDED_ONLY`); under secure aggregation (``secure``: its settings) no robust rule or
-    central DP (they need individual updates) and a round's sampled nodes within ``secure``'s
-    bounds; then the population's per-round draws, its elastic trace read and checked. Raises
-    ConfigError."""
+    """Check the federation the nodes formed.
+
+    No setting only the embedded runner serves (``EMBEDDED_ONLY``); under secure aggregation no
+    robust rule or central DP (they need individual updates), and a round's sampled nodes within
+    its bounds.
+
+    Args:
+        cfg: the experiment's config.
+        clients: the clients that answered.
+        secure: the secure aggregation's settings; None without it.
+
+    Returns:
+        The population's per-round draws, its elastic trace read and checked.
+
+    Raises:
+        ConfigError: naming the setting at fault.
+    """
     asked = {"evaluation.global_test": cfg.evaluation.global_test, "generation.rows": cfg.generation.rows}
     for key, why in EMBEDDED_ONLY.items():
         if asked[key]:

@@ -32,8 +32,17 @@ from nestfed.seeds import stream_seed
 
 
 def client_cache_of(cfg: ExperimentConfig, override: str | Path | None = None) -> client_cache_io.ClientCache | None:
-    """The on-disk client cache of ``cfg`` (``train.client_cache``: "" = <model cache dir>/clients,
-    "off" = none), or at ``override`` (a Flower node's ``client-cache``)."""
+    """The on-disk client cache of an experiment.
+
+    Args:
+        cfg: the experiment's config (``train.client_cache``: "" = <model cache dir>/clients,
+            "off" = none; ``train.client_cache_mb``: its bound).
+        override: a directory in its place (a Flower node's ``client-cache``; "off" = none); None
+            keeps the config's.
+
+    Returns:
+        The cache; None when it is off.
+    """
     where = str(override) if override is not None else cfg.train.client_cache
     if where == "off":
         return None
@@ -48,18 +57,29 @@ def prepare(
     only_clients: list[int] | None = None,
     client_cache: str | Path | None = None,
 ) -> Prepared:
-    """Load the backbone, inject LoRA (rank r_max), register the clients; their data are built when
-    first read from ``Prepared.data`` (a :class:`~nestfed.data.client_pool.ClientPool`).
+    """Load the backbone, inject LoRA (rank r_max), register the clients.
 
-    only_clients: register these client ids only (``Prepared.clients``), e.g. the one partition a
-    Flower SuperNode serves; the pool still serves any client, registering it when first asked for;
-    None = every client. client_cache: a directory replacing
-    ``train.client_cache`` ("off" = none), where built clients are kept and found again (a Flower
-    node's next process then skips partitioning, tokenising and the frozen prefix).
+    Their data are built when first read from ``Prepared.data`` (a
+    ``nestfed.data.client_pool.ClientPool``). It creates no files except the model cache and the
+    client cache's.
 
-    Raises ConfigError / DataError on bad input (a rank above an adapted layer's min(out, in), a
-    client without data, a memory budget that holds no rank, among them); creates no files except
-    the model cache and the client cache's.
+    Args:
+        cfg: the experiment's config.
+        on_status: called with what it is doing; None for silence.
+        only_clients: register these client ids only (``Prepared.clients``), e.g. the one partition
+            a Flower SuperNode serves; the pool still serves any client, registering it when first
+            asked for; None = every client.
+        client_cache: a directory replacing ``train.client_cache`` ("off" = none), where built
+            clients are kept and found again (a Flower node's next process then skips
+            partitioning, tokenising and the frozen prefix); None keeps the config's.
+
+    Returns:
+        The preparation.
+
+    Raises:
+        ConfigError: on a bad setting (a rank above an adapted layer's min(out, in), a memory
+            budget that holds no rank, among them).
+        DataError: on bad data (a client without data, among them).
     """
     t0 = time.perf_counter()
     say = on_status or (lambda s: None)
@@ -141,7 +161,7 @@ def _footprint(model: torch.nn.Module, cfg: ExperimentConfig, start: int) -> Foo
 def _client_pool(cfg: ExperimentConfig, backbone: Backbone, start: int, client_cache: str | Path | None) -> ClientPool:
     """The pool that builds a client's data when first read: an attacking client's text poisoned
     (``attack.kind`` a data attack, docs/trust.md), its frozen prefix cached from layer ``start``;
-    kept in the client cache (:func:`client_cache_of`)."""
+    kept in the client cache (``client_cache_of``)."""
     attackers = set(cfg.attack.clients) if cfg.attack.kind in DATA_ATTACKS else set()
     vocab = backbone.model.config.vocab_size
     bs = cfg.train.eval_batch_size
@@ -162,11 +182,18 @@ def _client_pool(cfg: ExperimentConfig, backbone: Backbone, start: int, client_c
 
 
 def install_stream_modules(prep: Prepared, cfg: ExperimentConfig) -> None:
-    """For a streamed evaluation (``train.eval_stream_chunk > 0``) every attention layer needs
-    bounded attention to carry its stream state (nestfed.nn.bounded_attention: with no stream it
-    computes exactly the backbone's attention): add it, with ``train.eval_stream_window`` and
-    ``train.eval_stream_sinks``, where a method's setup bounded none. Called after the method's
-    setup, on the server's model and on every Flower node alike."""
+    """Give every attention layer bounded attention for a streamed evaluation.
+
+    With ``train.eval_stream_chunk > 0`` every attention layer needs bounded attention to carry its
+    stream state (nestfed.nn.bounded_attention: with no stream it computes exactly the backbone's
+    attention): add it, with ``train.eval_stream_window`` and ``train.eval_stream_sinks``, where a
+    method's setup bounded none. Called after the method's setup, on the server's model and on
+    every Flower node alike.
+
+    Args:
+        prep: the preparation (its backbone's model is changed in place).
+        cfg: the run's config.
+    """
     t = cfg.train
     if t.eval_stream_chunk > 0:
         install_bounded_attention(prep.backbone.model, None, t.eval_stream_window, t.eval_stream_sinks)

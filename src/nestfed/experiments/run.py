@@ -37,8 +37,16 @@ from nestfed.nn.arrays import apply_arrays
 
 
 def new_run_dir(cfg: ExperimentConfig, parent: Path | None = None) -> Path:
-    """A fresh, not yet existing directory ``<output.dir>/<name>-<UTC time>``, or ``parent/<method>``
-    for one method of a multi-method run."""
+    """Name a fresh run directory (not created).
+
+    Args:
+        cfg: the run's config (output.dir, output.name, the method).
+        parent: the parent of a multi-method run; None for a single run.
+
+    Returns:
+        ``parent/<method>``, else a not yet existing ``<output.dir>/<name>-<UTC time>`` (``-<i>``
+        appended on a clash).
+    """
     if parent is not None:
         return parent / cfg.strategy.name
     name = cfg.output.name or cfg.strategy.name
@@ -52,8 +60,18 @@ def new_run_dir(cfg: ExperimentConfig, parent: Path | None = None) -> Path:
 
 
 def global_test_data(prep: Prepared, cfg: ExperimentConfig) -> ClientData | None:
-    """The global held-out set of ``evaluation.global_test`` rows (nestfed.data.global_eval_set), its
-    frozen prefix cached; built once per preparation; None when the config asks for none."""
+    """The global held-out set (nestfed.data.global_eval_set), built once per preparation.
+
+    Args:
+        prep: the preparation; the set is cached in it.
+        cfg: the run's config (``evaluation.global_test``: its rows).
+
+    Returns:
+        The set, its frozen prefix cached; None when the config asks for none.
+
+    Raises:
+        ConfigError: when the preparation has no client source to draw from.
+    """
     rows = cfg.evaluation.global_test
     if not rows:
         return None
@@ -71,9 +89,19 @@ def global_test_data(prep: Prepared, cfg: ExperimentConfig) -> ClientData | None
 def server_evaluation(
     mr: MethodRun, cfg: ExperimentConfig, data: ClientData | None
 ) -> Callable[[int, GlobalState], dict[str, float]] | None:
-    """The round's ``eval_global``: the global adapter (the strategy's ``deploy`` for no client, what
-    ``nestfed export`` writes) on the global held-out set; None without the set, for a method without
-    one global adapter (local-only's clients keep their own) or whose clients run other models."""
+    """The round's ``eval_global``: the global adapter on the global held-out set.
+
+    The global adapter is the strategy's ``deploy`` for no client, what ``nestfed export`` writes.
+
+    Args:
+        mr: the method's run.
+        cfg: the run's config.
+        data: the global held-out set; None for none.
+
+    Returns:
+        The loop's ``server_evaluate(rnd, state)``; None without the set, for a method without one
+        global adapter (local-only's clients keep their own) or whose clients run other models.
+    """
     if data is None or not methods.get(cfg.strategy.name).can(Capability.GLOBAL_MODEL):
         return None
     if not isinstance(mr.trainer, ClientTrainer):
@@ -96,14 +124,31 @@ def run_method(
     on_event: OnEvent | None = None,
     report: Callable[[MethodRun, GlobalState], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Run ``cfg.strategy.name`` over the prepared clients into ``run_dir``; return the summary.
+    """Run ``cfg.strategy.name`` over the prepared clients into a run directory.
 
-    ``cfg`` may differ from ``prep.cfg`` only in the sections no preparation reads (strategy,
-    federation, train's optimisation settings, output, the methods' sections). With ``resume`` the
-    run continues after its latest checkpoint (the caller checked that ``cfg`` is the one the run
-    directory holds). ``report(method_run, final_state)``: further summary fields (e.g. the global
-    adapter evaluated as a server model); the truncation curve and dimension importance
-    (nestfed.experiments.mechanisms) are always added. Raises ConfigError / DataError / NestfedError, each one line.
+    The truncation curve and dimension importance (nestfed.experiments.mechanisms) are always
+    added to the summary.
+
+    Args:
+        prep: the preparation.
+        cfg: the run's config; it may differ from ``prep.cfg`` only in the sections no preparation
+            reads (strategy, federation, train's optimisation settings, output, the methods'
+            sections).
+        run_dir: the run directory.
+        resume: continue after its latest checkpoint (the caller checked that ``cfg`` is the one
+            the run directory holds).
+        on_event: the round loop's ``on_event``; None for none.
+        report: called as ``report(method_run, final_state)`` for further summary fields (e.g. the
+            global adapter evaluated as a server model); None for none.
+
+    Returns:
+        The run's summary (summary.json).
+
+    Raises:
+        ConfigError: for a setting at fault, one line.
+        DataError: for data or a file at fault, one line.
+        NestfedError: for a run directory at fault, one line.
+        RunFailed: naming the run directory, when the rounds fail.
     """
     t0 = time.perf_counter()
     method = methods.get(cfg.strategy.name)
@@ -164,8 +209,19 @@ def run_method(
 def generated(
     prep: Prepared, cfg: ExperimentConfig, mr: MethodRun, state: GlobalState, run_dir: Path, on_event: OnEvent | None
 ) -> dict[str, Any]:
-    """The summary's ``generation``: the panel's (else every client's) answers after the last round,
-    reported to ``on_event("generated", {done, total})`` as they come (nestfed.experiments.generated)."""
+    """The summary's ``generation``: answers generated after the last round (nestfed.experiments.generated).
+
+    Args:
+        prep: the preparation (its tokenizer).
+        cfg: the run's config.
+        mr: the method's run.
+        state: the final global state.
+        run_dir: the run directory, which receives the answers.
+        on_event: called as ``on_event("generated", {done, total})`` as answers come; None for none.
+
+    Returns:
+        The generated evaluation of the panel's clients (else every client's).
+    """
     ranks = {str(c.cid): c.rank for c in mr.clients}
     progress = None if on_event is None else lambda n, k: on_event("generated", {"done": n, "total": k})
     tokenizer = prep.backbone.tokenizer
@@ -175,7 +231,14 @@ def generated(
 
 
 def loop_panel(cfg: ExperimentConfig, mr: MethodRun) -> list[int]:
-    """The clients whose models ``global_by_client`` measures on the global held-out set: the
-    evaluation panel (EvalPlan, as the mechanism reports use it), else every client."""
+    """The clients whose models ``global_by_client`` measures on the global held-out set.
+
+    Args:
+        cfg: the run's config.
+        mr: the method's run.
+
+    Returns:
+        The evaluation panel's ids (EvalPlan, as the mechanism reports use it), else every client's.
+    """
     panel = EvalPlan.from_config(cfg).panel
     return [c.cid for c in mr.clients] if panel is None else list(panel)
