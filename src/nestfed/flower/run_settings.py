@@ -1,10 +1,10 @@
 """The ServerApp's run config (``[tool.flwr.app.config]`` of ``flower_app/pyproject.toml``,
-overridable with ``flwr run --run-config``), read into :class:`RunSettings`; types are checked (a
+overridable with ``flwr run --run-config``), read into ``RunSettings``; types are checked (a
 boolean must be ``true`` or ``false``, not a string):
 
 - ``experiment``: the experiment TOML on the SuperLink host: absolute, or relative to the
   installed app bundle (where ``flower_app/experiment.toml`` lands) or to the working directory
-  (:func:`resolve_experiment`);
+  (``resolve_experiment``);
 - ``overrides``: ``section.key=value`` overrides separated by ``;``;
 - ``run-dir``: the run directory ("" = a new ``<output.dir>/<name>-<time>``); it must not exist
   or be empty unless ``resume`` is true, which continues it from its latest checkpoint;
@@ -73,7 +73,23 @@ def _typed(key: str, value: Any, kind: type) -> Any:
 
 @dataclass(frozen=True)
 class RunSettings:
-    """The ServerApp's run config, typed (see the module docstring)."""
+    """The ServerApp's run config, typed; each field is the key of the same name with ``-`` for ``_``.
+
+    Attributes:
+        experiment: the experiment TOML (``resolve_experiment``); default ``experiment.toml``.
+        overrides: ``section.key=value`` overrides, split at ``;``.
+        run_dir: the run directory; "" = a new ``<output.dir>/<name>-<time>``.
+        resume: continue ``run_dir`` from its latest checkpoint; default False.
+        num_supernodes: the nodes to wait for before the QUERY round; 0 = data.num_clients.
+        connect_timeout_s: how long to wait for the nodes and their QUERY replies, in seconds; > 0,
+            default 300.
+        round_timeout_s: how long a round waits for replies, in seconds; > 0, default 600.
+        min_clients: the fewest accepted updates a round needs; 0 = federation.min_clients.
+        poll_interval_s: how often replies are pulled from the SuperLink, in seconds; > 0, default 0.5.
+        evaluate: also send EVALUATE messages (round 0 and after every round); default False.
+        secure_aggregation: run every TRAIN round through Flower's SecAgg+; default False.
+        secagg: the SecAgg+ settings, from the ``secagg-*`` keys.
+    """
 
     experiment: str = DEFAULTS["experiment"]
     overrides: tuple[str, ...] = ()
@@ -90,7 +106,17 @@ class RunSettings:
 
     @classmethod
     def from_run_config(cls, run_config: dict[str, Any]) -> RunSettings:
-        """Read Flower's run config; unknown keys are ignored, wrong types and ranges raise ConfigError."""
+        """Read Flower's run config; unknown keys are ignored.
+
+        Args:
+            run_config: the run config, {key: value}, keys as in the module docstring.
+
+        Returns:
+            The settings, the defaults where a key is absent.
+
+        Raises:
+            ConfigError: naming the key, for a wrong type or range.
+        """
         rc = {**DEFAULTS, **{k: v for k, v in run_config.items() if k in DEFAULTS}}
         kinds = {k: type(v) for k, v in DEFAULTS.items()}
         v = {k: _typed(k, rc[k], kinds[k]) for k in DEFAULTS}
@@ -123,7 +149,18 @@ class RunSettings:
 
 
 def resolve_experiment(path: str, app_dir: Path | None) -> Path:
-    """The experiment file: absolute, else relative to the installed app bundle, else to the cwd."""
+    """Find the experiment file: absolute, else relative to the installed app bundle, else to the cwd.
+
+    Args:
+        path: the run config's ``experiment``.
+        app_dir: the installed app bundle; None when unknown.
+
+    Returns:
+        The file (an absolute ``path`` as it is, whether it exists or not).
+
+    Raises:
+        ConfigError: when a relative ``path`` is found in neither place.
+    """
     p = Path(path).expanduser()
     if p.is_absolute():
         return p
@@ -137,7 +174,14 @@ def resolve_experiment(path: str, app_dir: Path | None) -> Path:
 
 
 def app_dir_of(grid: Grid) -> Path | None:
-    """Where the SuperLink installed this run's app bundle (None when unknown)."""
+    """Where the SuperLink installed this run's app bundle.
+
+    Args:
+        grid: the Flower grid of the run.
+
+    Returns:
+        The bundle's directory; None when unknown (an in-process grid has none).
+    """
     try:
         run = grid.run
         return get_project_dir(run.fab_id, run.fab_version, run.fab_hash)

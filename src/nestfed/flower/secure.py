@@ -6,7 +6,7 @@ keys, collect masked vectors, unmask: four TRAIN messages per node) and
 server learns the sum of the nodes' vectors and who contributed, never one node's vector. A node
 lost at any stage is survived while every node keeps at least ``threshold`` live neighbours: one
 that shared its keys has its pairwise masks rebuilt from the survivors' shares; one lost before
-(at setup or share keys) is in no survivor's masks, and :class:`SurvivingSecAggPlus` corrects
+(at setup or share keys) is in no survivor's masks, and ``SurvivingSecAggPlus`` corrects
 flwr 1.42's workflow, which would ask for its shares all the same.
 
 What is summed (nestfed.federation.secure_sum): per LoRA key the zero-padded update
@@ -14,18 +14,18 @@ n_k / n_max * pad(reply - sent) and one count vector [r] with n_k / n_max at ran
 
 How it is wired:
 
-- Server (:func:`secure_fit`, called by the ServerApp's FlowerTransport for a TRAIN round): a
-  legacy shim strategy (:class:`SumOnly`) hands the workflow one ``FitIns`` per node (the
+- Server (``secure_fit``, called by the ServerApp's FlowerTransport for a TRAIN round): a
+  legacy shim strategy (``SumOnly``) hands the workflow one ``FitIns`` per node (the
   instruction's arrays as legacy Parameters, its config and the layout in the FitIns config) and
   receives the unmasked result in ``aggregate_fit``. Every client reports ``num_examples = 1`` to
   the mod and the workflow runs with ``max_weight = 1``, so Flower's weighted average is the plain
   mean over the K contributors, exactly (every weight quantises to Q); K times it is the sum.
-  Stage messages go through the ServerApp's own polling exchange (:class:`StageGrid`), which also
+  Stage messages go through the ServerApp's own polling exchange (``StageGrid``), which also
   records why and at which stage a node dropped out.
-- Node (:func:`secure_mod` on the ClientApp's TRAIN handler): applies ``secaggplus_mod`` only to
+- Node (``secure_mod`` on the ClientApp's TRAIN handler): applies ``secaggplus_mod`` only to
   messages carrying SecAgg+ configs, so plain TRAIN messages are untouched. In the collect stage the
   mod calls the ClientApp's handler, which trains, validates and clips its own update and replies
-  with the encoded vectors as a legacy FitRes (:func:`read_fit_instruction`, :func:`fit_reply`).
+  with the encoded vectors as a legacy FitRes (``read_fit_instruction``, ``fit_reply``).
 
 Quantisation: values in [-c, c] (c = ``clipping_range`` >= 1, since counts reach 1) on Q levels
 (``quantization_range``) with stochastic rounding, summed modulo 2^32, so K Q < 2^32 is required.
@@ -67,10 +67,17 @@ _PREFIX = "nestfed-"
 
 @dataclass(frozen=True)
 class SecAggSettings:
-    """SecAgg+ parameters. num_shares: each node's key is shared with this many nodes (itself
-    included; 0 = every sampled node); threshold: shares needed to rebuild a key (0 = a majority of
-    the shares, num_shares // 2 + 1); clipping_range c and quantization_range Q: see the module
-    docstring."""
+    """SecAgg+ parameters (the run config's ``secagg-*`` keys).
+
+    Attributes:
+        num_shares: each node's key is shared with this many nodes, itself included; 0 = every
+            sampled node, else >= 3.
+        threshold: the shares needed to rebuild a key; 0 = a majority of the shares
+            (num_shares // 2 + 1), else >= 2 and at most num_shares.
+        clipping_range: c, the values' range [-c, c] (the module docstring); >= 1, default 1.0.
+        quantization_range: Q, the quantisation levels (the module docstring); in [2, 2^31),
+            default 2^24.
+    """
 
     num_shares: int = 0
     threshold: int = 0
@@ -78,7 +85,11 @@ class SecAggSettings:
     quantization_range: int = 2**24
 
     def check(self) -> None:
-        """Raise ConfigError naming the run-config key for a value SecAgg+ cannot take."""
+        """Check the settings alone.
+
+        Raises:
+            ConfigError: naming the run-config key, for a value SecAgg+ cannot take.
+        """
         if self.num_shares != 0 and self.num_shares < 3:
             raise ConfigError(
                 f"run config: secagg-num-shares = {self.num_shares}, expected 0 (every sampled node) or >= 3"
@@ -104,11 +115,25 @@ class SecAggSettings:
             )
 
     def shares(self, k: int) -> int:
-        """Shares per key among k sampled nodes."""
+        """Shares per key among the sampled nodes.
+
+        Args:
+            k: the nodes sampled.
+
+        Returns:
+            min(num_shares, k), or k when num_shares is 0.
+        """
         return min(self.num_shares, k) if self.num_shares else k
 
     def threshold_for(self, k: int) -> int:
-        """The reconstruction threshold among k sampled nodes."""
+        """The reconstruction threshold among the sampled nodes.
+
+        Args:
+            k: the nodes sampled.
+
+        Returns:
+            ``threshold``, or a majority of ``shares(k)`` when it is 0.
+        """
         return self.threshold or self.shares(k) // 2 + 1
 
     def check_clients(self, k: int) -> None:
@@ -129,9 +154,14 @@ class SecAggSettings:
 
 # -- the server --------------------------------------------------------------------------------
 class SumOnly(LegacyStrategy):
-    """The legacy strategy the SecAgg+ workflow drives: it hands out the round's FitIns and keeps
-    what ``aggregate_fit`` receives (the unmasked mean and the contributors' FitRes, whose
-    parameters the workflow replaced by that mean). It aggregates nothing itself."""
+    """The legacy strategy the SecAgg+ workflow drives; it aggregates nothing itself.
+
+    It hands out the round's FitIns and keeps what ``aggregate_fit`` receives: the unmasked mean
+    and the contributors' FitRes, whose parameters the workflow replaced by that mean.
+
+    Args:
+        fitins: the round's (client proxy, FitIns), one per node.
+    """
 
     def __init__(self, fitins: list[tuple[ClientProxy, FitIns]]):
         self.fitins = fitins
@@ -139,32 +169,94 @@ class SumOnly(LegacyStrategy):
         self.results: list[tuple[ClientProxy, FitRes]] = []
 
     def initialize_parameters(self, client_manager: Any) -> Parameters | None:
+        """No global parameters: each node's FitIns carries its own.
+
+        Args:
+            client_manager: Flower's client manager (unused).
+
+        Returns:
+            None.
+        """
         return None
 
     def configure_fit(self, server_round: int, parameters: Parameters, client_manager: Any) -> list:
+        """Hand out the round's FitIns.
+
+        Args:
+            server_round: the round (unused).
+            parameters: the workflow's global parameters (unused).
+            client_manager: Flower's client manager (unused).
+
+        Returns:
+            The (client proxy, FitIns) pairs given at construction.
+        """
         return list(self.fitins)
 
     def aggregate_fit(self, server_round: int, results: list, failures: list) -> tuple[None, dict]:
+        """Keep the contributors' FitRes and the unmasked mean the workflow put in their parameters.
+
+        Args:
+            server_round: the round (unused).
+            results: the contributors' (client proxy, FitRes).
+            failures: the failures (unused: the stage grid records who dropped).
+
+        Returns:
+            (None, {}): nothing is aggregated here.
+        """
         self.results = list(results)
         if results:
             self.mean = parameters_to_ndarrays(results[0][1].parameters)
         return None, {}
 
     def configure_evaluate(self, server_round: int, parameters: Parameters, client_manager: Any) -> list:
+        """No evaluation in the workflow (the transport sends its own EVALUATE messages).
+
+        Args:
+            server_round: the round (unused).
+            parameters: the global parameters (unused).
+            client_manager: Flower's client manager (unused).
+
+        Returns:
+            [].
+        """
         return []
 
     def aggregate_evaluate(self, server_round: int, results: list, failures: list) -> tuple[None, dict]:
+        """Nothing to aggregate.
+
+        Args:
+            server_round: the round (unused).
+            results: the evaluation results (none).
+            failures: the failures (none).
+
+        Returns:
+            (None, {}).
+        """
         return None, {}
 
     def evaluate(self, server_round: int, parameters: Parameters) -> None:
+        """No server-side evaluation.
+
+        Args:
+            server_round: the round (unused).
+            parameters: the global parameters (unused).
+        """
         return None
 
 
 @dataclass
 class StageGrid:
-    """What the workflow calls ``grid``: its ``send_and_receive`` goes through ``exchange`` (the
-    ServerApp's polling push/pull with a timeout) and records, per node, the first stage it failed
-    (``lost``), the seconds per stage and the bytes of each masked vector."""
+    """What the workflow calls ``grid``: its ``send_and_receive`` goes through the ServerApp's exchange.
+
+    Attributes:
+        grid: the Flower grid.
+        exchange: the ServerApp's polling push/pull with a timeout (nestfed.flower.exchange.exchange).
+        timeout_s: how long a stage waits for replies, in seconds.
+        poll_s: how often replies are pulled, in seconds.
+        lost: {node id: why}: the first stage each node failed.
+        stage_s: {stage: seconds}.
+        masked_bytes: {node id: bytes of its masked vector}.
+    """
 
     grid: Any
     exchange: Callable[..., Any]
@@ -175,6 +267,15 @@ class StageGrid:
     masked_bytes: dict[int, int] = field(default_factory=dict)
 
     def send_and_receive(self, messages: Iterable[Message], *, timeout: float | None = None) -> list[Message]:
+        """Send one stage's messages and pull the replies, recording losses, time and masked bytes.
+
+        Args:
+            messages: the stage's messages, one per node.
+            timeout: the workflow's timeout (unused: ``timeout_s`` applies).
+
+        Returns:
+            The replies that came back, errors included.
+        """
         msgs = list(messages)
         if not msgs:
             return []
@@ -205,9 +306,20 @@ def _numpy(t: torch.Tensor) -> np.ndarray:
 def fit_instruction(
     ins: Instruction, cid: int, cfg_text: str, lay: Layout, scale: float, clip: float, run_dir: str = ""
 ) -> FitIns:
-    """One node's instruction as a legacy FitIns: its arrays as Parameters (in key order), the
-    instruction config, the experiment, the server's run directory (the key of the node's kept
-    client state), the layout and the encoding's scale and clip in the config."""
+    """One node's instruction as a legacy FitIns.
+
+    Args:
+        ins: the instruction; its arrays become Parameters (in key order).
+        cid: the client's id.
+        cfg_text: the resolved experiment.
+        lay: the layout of the summed vectors (nestfed.federation.secure_sum.layout).
+        scale: the encoding's scale, 1 / n_max.
+        clip: the encoding's clipping range c.
+        run_dir: the server's run directory (the key of the node's kept client state).
+
+    Returns:
+        The FitIns, everything but the arrays in its config.
+    """
     keys = list(ins.arrays)
     config = {
         f"{_PREFIX}experiment": cfg_text,
@@ -224,7 +336,17 @@ def fit_instruction(
 
 @dataclass
 class FitInstruction:
-    """What a node reads from a secure TRAIN message (:func:`read_fit_instruction`)."""
+    """What a node reads from a secure TRAIN message (``read_fit_instruction``).
+
+    Attributes:
+        cfg_text: the resolved experiment.
+        cid: the client's id.
+        instruction: the arrays and config the server sent.
+        layout: the layout of the summed vectors.
+        scale: the encoding's scale, 1 / n_max.
+        clip: the encoding's clipping range c.
+        run_dir: the server's run directory; "" when not sent.
+    """
 
     cfg_text: str
     cid: int
@@ -236,12 +358,30 @@ class FitInstruction:
 
 
 def is_secure(content: RecordDict) -> bool:
-    """Whether a TRAIN message is SecAgg+'s collect stage carrying a nestfed instruction."""
+    """Whether a TRAIN message is SecAgg+'s collect stage carrying a nestfed instruction.
+
+    Args:
+        content: the message's content.
+
+    Returns:
+        True when it carries a legacy FitIns config.
+    """
     return FITINS_CONFIG in content.config_records
 
 
 def read_fit_instruction(content: RecordDict) -> FitInstruction:
-    """Inverse of :func:`fit_instruction` on the node. Raises KeyError / ValueError when malformed."""
+    """Inverse of ``fit_instruction`` on the node.
+
+    Args:
+        content: the collect stage's message content.
+
+    Returns:
+        The instruction and its encoding.
+
+    Raises:
+        KeyError: when a field is missing.
+        ValueError: when malformed (the arrays do not match the keys).
+    """
     cfg = content.config_records[FITINS_CONFIG]
     params = compat.arrayrecord_to_parameters(content.array_records[FITINS_PARAMETERS], keep_input=True)
     keys = json.loads(str(cfg[f"{_PREFIX}keys"]))
@@ -262,7 +402,15 @@ def read_fit_instruction(content: RecordDict) -> FitInstruction:
 
 
 def fit_reply(vectors: list[torch.Tensor], metrics: dict[str, float]) -> RecordDict:
-    """The node's encoded vectors as the legacy FitRes ``secaggplus_mod`` masks (float64; weight 1)."""
+    """The node's encoded vectors as the legacy FitRes ``secaggplus_mod`` masks.
+
+    Args:
+        vectors: the encoded vectors.
+        metrics: the client's metrics.
+
+    Returns:
+        The FitRes as a RecordDict: the vectors as float64, num_examples 1 (weight 1).
+    """
     params = ndarrays_to_parameters([v.detach().to(torch.float64).numpy() for v in vectors])
     return compat.fitres_to_recorddict(FitRes(Status(Code.OK, "ok"), params, 1, dict(metrics)), keep_input=False)
 
@@ -280,6 +428,16 @@ class SurvivingSecAggPlus(SecAggPlusWorkflow):
     """
 
     def share_keys_stage(self, grid: Any, context: LegacyContext, state: Any) -> bool:
+        """Run flwr's share-keys stage, then narrow the round to the nodes that shared their keys.
+
+        Args:
+            grid: the workflow's grid.
+            context: the legacy context.
+            state: the workflow's state, narrowed in place.
+
+        Returns:
+            Whether every node still has at least the threshold's live neighbours.
+        """
         super().share_keys_stage(grid, context, state)
         shared = set(state.active_node_ids)
         state.sampled_node_ids = shared
@@ -301,9 +459,27 @@ def secure_fit(
     say: Callable[[str], None],
     run_dir: str = "",
 ) -> FitResults:
-    """One TRAIN round through Flower's SecAgg+ workflow; the FitResults carry only the
-    :class:`~nestfed.federation.messages.SecureSum` (``secure``), per-node transport info and the
-    reasons of the nodes that dropped out (halted: every node dropped with the reason)."""
+    """One TRAIN round through Flower's SecAgg+ workflow.
+
+    Args:
+        grid: the Flower grid.
+        exchange: the ServerApp's polling push/pull (nestfed.flower.exchange.exchange).
+        rnd: the round.
+        instructions: {cid: instruction} of the sampled clients.
+        node_of: {cid: node id}.
+        cfg_text: the resolved experiment.
+        sa: the SecAgg+ settings.
+        n_max: the largest n_k of the federation (the encoding's scale is 1 / n_max).
+        timeout_s: how long a stage waits for replies, in seconds.
+        poll_s: how often replies are pulled, in seconds.
+        say: called with each line to log.
+        run_dir: the server's run directory (the key of the nodes' kept client state).
+
+    Returns:
+        Only the ``nestfed.federation.messages.SecureSum`` (``secure``; None when no sum came
+        out), per-node transport info and the reasons of the nodes that dropped out (halted: every
+        node dropped with the reason).
+    """
     t0 = time.perf_counter()
     out = FitResults()
     cids = sorted(instructions)
@@ -381,8 +557,16 @@ def _contributor_info(out: FitResults, shim: SumOnly, stages: StageGrid, cid_of:
 
 
 def secure_mod(msg: Message, ctx: Context, call_next: Callable[[Message, Context], Message]) -> Message:
-    """Flower's ``secaggplus_mod`` for the TRAIN messages that carry SecAgg+ configs; every other
-    message goes straight to the handler."""
+    """Apply Flower's ``secaggplus_mod`` to the TRAIN messages that carry SecAgg+ configs.
+
+    Args:
+        msg: the message.
+        ctx: the node's context.
+        call_next: the ClientApp's handler.
+
+    Returns:
+        The reply: through the mod for a SecAgg+ TRAIN message, else the handler's own.
+    """
     if msg.metadata.message_type == MessageType.TRAIN and RECORD_KEY_CONFIGS in msg.content.config_records:
         return secaggplus_mod(msg, ctx, call_next)
     return call_next(msg, ctx)

@@ -49,7 +49,15 @@ from nestfed.flower.transport import FlowerTransport, QueryResult, query
 
 @dataclass
 class FlowerRun:
-    """One nestfed experiment on a Flower grid (see the module docstring)."""
+    """One nestfed experiment on a Flower grid (see the module docstring).
+
+    Attributes:
+        grid: the Flower grid.
+        settings: the run settings.
+        app_dir: the installed app bundle, where a relative experiment path is looked for first;
+            None when unknown.
+        log: every line said, in order.
+    """
 
     grid: Grid
     settings: RunSettings
@@ -57,17 +65,43 @@ class FlowerRun:
     log: list[str] = field(default_factory=list)
 
     def say(self, text: str) -> None:
+        """Log a line through Flower's logger and keep it in ``log``.
+
+        Args:
+            text: the line.
+        """
         log(logging.INFO, "[nestfed] %s", text)
         self.log.append(text)
 
     def load_config(self) -> ExperimentConfig:
-        """The experiment, validated, and its method checked for Flower. Raises ConfigError."""
+        """Load the experiment, validated, and its method checked for Flower.
+
+        Returns:
+            The config.
+
+        Raises:
+            ConfigError: for an experiment not found, an invalid config or a method not on Flower.
+        """
         path = resolve_experiment(self.settings.experiment, self.app_dir)
         return preflight.flower_config(path, self.settings.overrides)
 
     def gather_clients(self, cfg: ExperimentConfig, cfg_text: str, min_clients: int) -> QueryResult:
-        """Wait for the nodes, QUERY them (nestfed.flower.transport.query), and check what they
-        report (nestfed.experiments.preflight.flower_clients). Raises NestfedError / ConfigError."""
+        """Wait for the nodes, QUERY them, and check what they report.
+
+        Args:
+            cfg: the experiment's config.
+            cfg_text: the resolved experiment, sent to every node.
+            min_clients: the fewest clients the run needs.
+
+        Returns:
+            What the QUERY round found (nestfed.flower.transport.query).
+
+        Raises:
+            NestfedError: as nestfed.experiments.preflight.flower_clients (too few clients), or
+                when the probed node refuses the experiment's client count
+                (nestfed.flower.exchange.wait_for_nodes).
+            ConfigError: as nestfed.experiments.preflight.flower_clients (a rank above r_max).
+        """
         s = self.settings
         want = s.num_supernodes or cfg.data.num_clients
         nodes = wait_for_nodes(self.grid, want, cfg_text, s.connect_timeout_s, s.poll_interval_s)
@@ -85,8 +119,20 @@ class FlowerRun:
         run_dir: Path,
         min_clients: int,
     ) -> Federation:
-        """The federation the QUERY round found, as the one run path takes it (the exports carry the
-        nodes' base model; the summary lists the clients, their ranks and labels)."""
+        """The federation the QUERY round found, as the one run path takes it.
+
+        Args:
+            cfg: the experiment's config.
+            q: what the QUERY round found.
+            strategy: the method's server side.
+            population: the population's per-round draws.
+            run_dir: the run directory (its resolved path keys the nodes' kept state).
+            min_clients: the fewest accepted updates a round needs.
+
+        Returns:
+            The federation: its exports carry the nodes' base model; its summary lists the
+            clients, their ranks and labels.
+        """
         transport = FlowerTransport(
             self.grid, self.settings, q.node_of, config.dumps_toml(cfg), q, self.say, str(run_dir.resolve())
         )
@@ -122,7 +168,17 @@ class FlowerRun:
         )
 
     def run(self) -> dict[str, Any]:
-        """Validate, query the nodes, run the rounds through the loop, finish the run directory."""
+        """Validate, query the nodes, run the rounds through the loop, finish the run directory.
+
+        Returns:
+            The run's summary (summary.json).
+
+        Raises:
+            ConfigError: for a setting at fault, before anything is written.
+            DataError: for a corrupted checkpoint or metrics file of a resume.
+            NestfedError: for a run directory at fault, or too few clients.
+            RunFailed: naming the run directory, when the rounds fail.
+        """
         t_start = time.perf_counter()
         s = self.settings
         cfg = self.load_config()
@@ -153,7 +209,15 @@ class FlowerRun:
 
 
 def run_on_grid(grid: Grid, run_config: dict[str, Any]) -> dict[str, Any]:
-    """Run the experiment named by ``run_config`` on ``grid``; return its summary."""
+    """Run the experiment a run config names on a grid.
+
+    Args:
+        grid: the Flower grid.
+        run_config: Flower's run config (nestfed.flower.run_settings).
+
+    Returns:
+        The run's summary.
+    """
     settings = RunSettings.from_run_config(run_config)
     return FlowerRun(grid, settings, app_dir_of(grid)).run()
 
@@ -163,5 +227,10 @@ app = ServerApp()
 
 @app.main()
 def main(grid: Grid, context: Context) -> None:
-    """The ServerApp entry point: read the run config and run the experiment."""
+    """The ServerApp entry point: read the run config and run the experiment.
+
+    Args:
+        grid: the Flower grid.
+        context: the run's context (its ``run_config``).
+    """
     run_on_grid(grid, dict(context.run_config))

@@ -1,7 +1,7 @@
-"""The ServerApp's side of the wire: the QUERY round that learns the federation (:func:`query`) and
-the round loop's exchange as Flower messages (:class:`FlowerTransport`, a Transport of
-nestfed.federation.loop): one TRAIN / EVALUATE message per node, or Flower's SecAgg+ for a TRAIN
-round under ``secure-aggregation`` (nestfed.flower.secure).
+"""The ServerApp's side of the wire: the QUERY round that learns the federation (``query``) and
+the round loop's exchange as Flower messages (``FlowerTransport``, a Transport of
+nestfed.federation.transport): one TRAIN / EVALUATE message per node, or Flower's SecAgg+ for a
+TRAIN round under ``secure-aggregation`` (nestfed.flower.secure).
 
 QUERY asks every node for its partition, rank, n_k, LoRA shapes and base model and, for a method
 that needs them, the initial arrays only a model gives (e.g. FedNL's fresh memory rules). Clients'
@@ -41,9 +41,18 @@ def _error_text(msg: Message) -> str:
 
 @dataclass
 class QueryResult:
-    """What the QUERY round found: clients (rank r_k, n_k), {cid: node id}, the LoRA shapes, the base
-    model, per-node info for the round-0 line, the initial arrays a node reported, its duration (s)
-    and a node's refusal of the experiment's client count."""
+    """What the QUERY round found.
+
+    Attributes:
+        clients: the clients that answered (rank r_k, n_k), by id.
+        node_of: {cid: node id}.
+        shapes: the LoRA layers' weight shapes, {module: (out, in)}.
+        base_model: the nodes' base model.
+        info: {cid: the node's fields for the round-0 line}.
+        initial_arrays: the initial arrays a node reported (those only a model gives); {} for none.
+        seconds: the round's duration, in seconds.
+        refusal: a node's line refusing the experiment's client count; "" when none did.
+    """
 
     clients: list[ClientInfo]
     node_of: dict[int, int]
@@ -52,17 +61,23 @@ class QueryResult:
     info: dict[str, dict[str, Any]]
     initial_arrays: Arrays
     seconds: float
-    refusal: str = ""  # a node's line refusing the experiment's client count ("" when none did)
+    refusal: str = ""
 
 
 @dataclass
 class FlowerTransport:
     """The round loop's exchange as Flower messages: one TRAIN / EVALUATE message per node.
 
-    grid: the Flower grid; settings: the run settings; node_of: {cid: node id}; cfg_text: the
-    resolved experiment (sent with every message, so server and nodes agree on it); query: the
-    QUERY round's result (its node info goes into the round-0 line); say: logging; run_dir: the
-    run directory's resolved path (the key under which the nodes keep their clients' state).
+    Attributes:
+        grid: the Flower grid.
+        settings: the run settings.
+        node_of: {cid: node id}.
+        cfg_text: the resolved experiment, sent with every message so server and nodes agree on it.
+        query: the QUERY round's result (its node info goes into the round-0 line).
+        say: called with each line to log.
+        run_dir: the run directory's resolved path (the key under which the nodes keep their
+            clients' state); default "".
+        client_state_home: run_dir.ON_NODES: the nodes keep their clients' state.
     """
 
     grid: Grid
@@ -73,7 +88,7 @@ class FlowerTransport:
     say: Callable[[str], None]
     run_dir: str = ""
     _as_sent_calls: int = 0
-    client_state_home: ClassVar[str] = ON_NODES  # the nodes keep their clients' state
+    client_state_home: ClassVar[str] = ON_NODES
 
     @property
     def asks(self) -> dict[Capability, str]:
@@ -101,8 +116,10 @@ class FlowerTransport:
     def fit(
         self, rnd: int, instructions: dict[int, Instruction], on_reply: Callable[[int, Reply], None] | None = None
     ) -> FitResults:
-        """TRAIN messages with each node's own ArrayRecord (its rank's shapes) and ConfigRecord; under
-        ``secure-aggregation``, Flower's SecAgg+ workflow instead (nestfed.flower.secure)."""
+        """Send TRAIN messages, each node's own ArrayRecord (its rank's shapes) and ConfigRecord.
+
+        Under ``secure-aggregation``, Flower's SecAgg+ workflow instead (nestfed.flower.secure).
+        """
         if self.settings.secure_aggregation:
             return secure_fit(
                 self.grid,
@@ -171,9 +188,11 @@ class FlowerTransport:
     def evaluate(
         self, rnd: int, deployments: Mapping[int, tuple[Arrays, float]], as_sent: bool = False
     ) -> dict[str, dict[str, float]] | None:
-        """EVALUATE messages (only with the run config's ``evaluate``), :data:`EVALUATE_BATCH` nodes at a
-        time, so the server never holds every evaluated client's adapter at once; ``as_sent``: the
-        node evaluates the arrays without its client's kept state (config ``as-sent``)."""
+        """Send EVALUATE messages, ``EVALUATE_BATCH`` nodes at a time (only with the run config's ``evaluate``).
+
+        The server never holds every evaluated client's adapter at once; ``as_sent`` has the node
+        evaluate the arrays without its client's kept state (config ``as-sent``).
+        """
         if not self.settings.evaluate:
             return None
         if as_sent:  # one group per call: the mechanism reports send one per truncation rank
@@ -204,7 +223,7 @@ class FlowerTransport:
         return None
 
     def restore_client_state(self, state: ClientState | None) -> None:
-        """Nothing to restore on the server (see :meth:`client_state`)."""
+        """Nothing to restore on the server (see ``client_state``)."""
         return None
 
 
@@ -216,8 +235,21 @@ def query(
     settings: RunSettings,
     say: Callable[[str], None],
 ) -> QueryResult:
-    """QUERY every node of ``nodes`` (waiting ``settings.connect_timeout_s`` for the replies); nodes
-    that fail, repeat a partition or disagree on shapes are left out, each with a line to ``say``."""
+    """QUERY every node for its partition, rank, n_k, LoRA shapes and base model.
+
+    Nodes that fail, repeat a partition or disagree on shapes are left out, each with a line.
+
+    Args:
+        grid: the Flower grid.
+        nodes: the node ids to ask.
+        cfg: the experiment's config (its client count).
+        cfg_text: the resolved experiment, sent to every node.
+        settings: the run settings (``connect_timeout_s``: how long to wait for the replies).
+        say: called with each line to log.
+
+    Returns:
+        What the round found.
+    """
     t0 = time.perf_counter()
     msgs = {
         n: Message(
