@@ -20,6 +20,11 @@ A public method overriding a method that a base class documents (an ``Args:`` se
 parameter but self) needs only its summary: the base documents parameters and return. A Protocol
 of nestfed counts as a base of every class that defines or inherits all its public methods.
 
+A command of the command line (a function decorated ``@<app>.command(...)``: Typer, Click) needs
+only its summary too: its docstring is its ``--help`` text, printed as it is, and each parameter is
+a CLI option or argument whose ``help=`` that ``--help`` already prints; an ``Args:`` section would
+print the options twice, or copy them behind Click's ``\\f``, a second text to keep in step.
+
 To cover a package or module, add its dotted name to COVERED.
 """
 
@@ -186,6 +191,8 @@ class Checker:
         is_property = any("property" in label for label in func.labels)
         if is_property:
             return problems
+        if is_command(func):  # typer's help= documents its parameters, in its --help
+            return problems
         if cls is not None and self.overrides_documented(cls, func.name):  # the base documents it
             if self.names(func, Kind.parameters) is not None:
                 problems += self.args_problems(func, params)
@@ -297,6 +304,11 @@ class Checker:
         return problems
 
 
+def is_command(func) -> bool:
+    """Whether a function is a command of a CLI app (decorated ``@<app>.command`` or ``@<app>.command(...)``)."""
+    return any(str(d.value).split("(", 1)[0].endswith(".command") for d in func.decorators)
+
+
 def is_classvar(annotation: ast.expr) -> bool:
     """Whether an annotation is ClassVar, bare or subscripted, named plainly, through typing, or quoted."""
     if isinstance(annotation, ast.Constant) and isinstance(annotation.value, str):
@@ -346,6 +358,8 @@ BROKEN = '''
 import typing
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
+
+import typer
 
 
 def documented(x: int, y: int = 0) -> int:
@@ -466,6 +480,20 @@ class HalfHook:
         return True
 
 
+app = typer.Typer()
+
+
+@app.command("go")
+def command(path: str = typer.Argument(..., help="where")) -> None:
+    """Go somewhere (typer's help= documents the argument)."""
+
+
+@app.command()
+def bad_command(path: str) -> None:
+    """Go somewhere,
+    with a summary that runs on."""
+
+
 class Child(Base):
     """A child, built from a size.
 
@@ -500,8 +528,10 @@ def test_the_checker_finds_each_kind_of_problem(tmp_path):
     for p in problems:
         by_name.setdefault(p.split(" ")[0], []).append(p)
     exempt = ("broken.Child.hook", "broken.Child.count", "broken.Implementation.handle")  # documented on a base
+    exempt += ("broken.command",)  # a CLI command: its options' help= documents them
     for documented in ("broken.documented", "broken.Base", "broken.Hook", "broken.Implementation", *exempt):
         assert documented not in by_name, by_name[documented]
+    assert len(by_name["broken.bad_command"]) == 1 and "one-line summary" in by_name["broken.bad_command"][0]
     assert len(by_name["broken.no_args"]) == 3  # summary, Args, Returns
     assert "add an `Args:` section naming x, y" in by_name["broken.no_args"][1]
     assert "add a `Returns:`" in by_name["broken.no_args"][2]

@@ -44,13 +44,17 @@ out = Console(width=max(Console().width, 132), highlight=False)
 
 
 def say(text: str) -> None:
-    """One plain line on stderr (no rich markup: text in square brackets is printed as it is)."""
+    """Print one plain line on stderr (no rich markup: text in square brackets is printed as it is).
+
+    Args:
+        text: the line.
+    """
     console.print(text, markup=False, soft_wrap=True)
 
 
 def _progress() -> Progress:
     """The live bar on stderr. While it runs on a terminal it takes over stdout too, unless stdout
-    is a pipe or file: what is written there must reach it (:func:`_round_lines`)."""
+    is a pipe or file: what is written there must reach it (``_round_lines``)."""
     return Progress(
         TextColumn("{task.description}"),
         BarColumn(),
@@ -72,7 +76,11 @@ def _round_lines() -> Console | None:
 
 
 def show(thing) -> None:
-    """A rich table, or text printed as it is (no markup), on stdout."""
+    """Print on stdout.
+
+    Args:
+        thing: a rich table, or text printed as it is (no markup).
+    """
     if isinstance(thing, str):
         out.print(thing, markup=False)
     else:
@@ -159,8 +167,10 @@ def run(
         ),
     ] = 1,
 ) -> None:
-    """Run an experiment: federated rounds, checkpoints, PEFT adapter, plots, a comparison table
-    (over seeds: means with 95% intervals and paired differences against the first method)."""
+    """Run an experiment: federated rounds, checkpoints, PEFT adapter, plots, a comparison table.
+
+    Over seeds: means with 95% intervals and paired differences against the first method.
+    """
     t0 = time.perf_counter()
     if resume is not None:
         if config is not None or methods_:
@@ -196,11 +206,13 @@ def compare(
         Optional[Path], typer.Option(help="also write the Markdown tables here (and the rows as JSON beside it)")
     ] = None,
 ) -> None:
-    """Print a side-by-side table of finished runs and write the comparison plot (default
-    ./comparison.png; the truncation curve and dimension importance beside it when measured). Runs
-    of one method over several seeds are reported with 95% intervals and paired differences. Runs
-    of different experiments (their model or data sections differ) are compared with a warning: the
-    first row is the first run's round 0."""
+    """Print a side-by-side table of finished runs and write the comparison plot.
+
+    The plot goes to ./comparison.png by default, the truncation curve and dimension importance
+    beside it when measured. Runs of one method over several seeds are reported with 95% intervals
+    and paired differences. Runs of different experiments (their model or data sections differ)
+    are compared with a warning: the first row is the first run's round 0.
+    """
     from nestfed.experiments import campaign
 
     dirs = campaign.finished_runs(run_dirs)
@@ -229,9 +241,11 @@ def export(
         ),
     ] = None,
 ) -> None:
-    """Write a PEFT adapter that PEFT runs exactly as nestfed does: the global adapter truncated to
-    rank r (lora_alpha set so that PEFT's lora_alpha / r is the client's scale), or client k's own
-    adapter (src/nestfed/experiments/export.py)."""
+    """Write a PEFT adapter that PEFT runs exactly as nestfed does.
+
+    The global adapter truncated to rank r (lora_alpha set so that PEFT's lora_alpha / r is the
+    client's scale), or client k's own adapter (src/nestfed/experiments/export.py).
+    """
     from nestfed.experiments.export import export_adapter
 
     path, info = export_adapter(run_dir, rank, client, out_dir)
@@ -285,10 +299,12 @@ def eval_(
         typer.Option("--out", help="where the per-model results and the table go (default <first run's parent>/eval)"),
     ] = None,
 ) -> None:
-    """Score the backbone and each run's final adapter on FlowerTune's General-NLP protocol (MMLU
-    STEM / social sciences / humanities, its prompt, greedy one-token answers) and by the letters'
-    log-likelihood, through EleutherAI's lm-evaluation-harness with the local MMLU files
-    (nestfed/evaluation/harness.py, nestfed/experiments/general_nlp.py)."""
+    """Score the backbone and each run's final adapter on FlowerTune's General-NLP protocol.
+
+    MMLU STEM / social sciences / humanities, its prompt, greedy one-token answers, and by the
+    letters' log-likelihood, through EleutherAI's lm-evaluation-harness with the local MMLU files
+    (nestfed/evaluation/harness.py, nestfed/experiments/general_nlp.py).
+    """
     from nestfed.evaluation import harness
     from nestfed.experiments import general_nlp
 
@@ -303,8 +319,10 @@ def eval_(
 def list_methods(
     name: Annotated[Optional[str], typer.Argument(help="a method: show its options, defaults and meaning")] = None,
 ) -> None:
-    """The registered methods: name, the config sections they own, whether they run on Flower; with
-    NAME, that method's options (section, key, default, meaning)."""
+    """List the registered methods: name, the config sections they own, whether they run on Flower.
+
+    With NAME, that method's options (section, key, default, meaning).
+    """
     if name is None:
         for line in methods.listing():  # plain lines: one per method, whatever the terminal's width
             print(line)
