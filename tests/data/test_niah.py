@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from nestfed.data import corpora
-from nestfed.data.niah import EVENT_DEPTHS, TEMPLATES, Haystack, group_rows, make_item, niah_dataset, render
+from nestfed.data.niah import Haystack, group_rows, niah_dataset, render
+from nestfed.data.niah_templates import EVENT_DEPTHS, TEMPLATES, make_item
 from nestfed.nn.backbone import byte_tokenizer
 
 SENTENCES = [f"Sentence number {i} talks about the river and the hills near town {i % 7}." for i in range(400)]

@@ -18,7 +18,7 @@ from typing import Any
 
 #: what ``data.task`` may be for a source of plain texts or instruction records
 TEXT_TASKS = ("causal_lm", "instruction")
-#: the NIAH generator's templates (nestfed.data.niah), in their default order: one per client
+#: the NIAH generator's templates (nestfed.data.niah_templates), in their default order: one per client
 NIAH_TEMPLATES = ("passkey", "uuid_code", "name_date", "phrase_code", "counter_state", "mk_niah", "mv_niah")
 
 

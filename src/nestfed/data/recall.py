@@ -42,7 +42,8 @@ import torch
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.data.clients import ClientData, generated_client_data
 from nestfed.data.corpora import long_texts
-from nestfed.data.niah import KEYWORDS, MISSIONS, SURNAMES, Haystack
+from nestfed.data.niah import Haystack
+from nestfed.data.niah_templates import KEYWORDS, MISSIONS, SURNAMES
 from nestfed.data.tasks import IGNORE_INDEX, TokenDataset, _bos, _encode, _pad, _pad_id, concat_rows
 
 
