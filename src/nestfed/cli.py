@@ -1,19 +1,12 @@
-"""The ``nestfed`` command line: ``run`` an experiment (one or several methods; a method whose
-clients run compressed models, FedSLM's or FedMKT's, makes it the compressed comparison),
-``compare`` runs, ``export``, ``eval``, ``methods`` (the registry).
+"""The ``nestfed`` command line: ``run`` (one or several methods over seeds; FedSLM's or FedMKT's
+compressed clients make it the compressed comparison), ``compare``, ``export``, ``eval``, ``methods``.
 
-Bad input (unknown method, section or key, bad ranks, missing or malformed data, a run directory
-that cannot be resumed) prints one line naming the key or file and exits with code 2, before any
-run directory is created.
+A command parses its options, calls a recipe (nestfed.experiments.campaign, whose checks before
+anything is written are nestfed.experiments.preflight's) and prints what it reports. Bad input prints
+one line naming the key or file and exits with code 2, before any run directory is created.
 
-A command parses its options, calls a recipe and prints what it reports: ``run`` and ``compare``
-go through nestfed.experiments.campaign (methods over seeds, resume discovery, the comparison
-files), whose checks before anything is written are nestfed.experiments.preflight's.
-
-What a command runs is imported when it runs: this module imports only the config loader and the
-registry's declarations (nestfed.methods.method), so ``--help``, ``nestfed methods`` and a config
-error answer without loading torch. The commands' imports are the top layer's own; import-linter
-checks them like any other (tests/test_architecture.py).
+What a command runs is imported when it runs, so ``--help``, ``nestfed methods`` and a config error
+answer without loading torch; import-linter checks these imports like any other.
 """
 
 from __future__ import annotations
@@ -55,15 +48,8 @@ def say(text: str) -> None:
 def _progress() -> Progress:
     """The live bar on stderr. While it runs on a terminal it takes over stdout too, unless stdout
     is a pipe or file: what is written there must reach it (``_round_lines``)."""
-    return Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=console,
-        transient=False,
-        redirect_stdout=out.is_terminal,
-    )
+    columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())
+    return Progress(*columns, console=console, transient=False, redirect_stdout=out.is_terminal)
 
 
 def _round_lines() -> Console | None:
@@ -122,12 +108,7 @@ def _new_campaign(config: Path | None, overrides: list[str], methods_: str | Non
     if config is None:
         raise NestfedError("give a CONFIG.toml (or --resume RUN_DIR)")
     cfg = methods.load_config(config, overrides)
-    names = [m.strip() for m in methods_.split(",")] if methods_ is not None else [cfg.strategy.name]
-    for m in names:
-        if m not in methods.REGISTRY:
-            raise NestfedError(f"--methods: unknown method '{m}' (known: {', '.join(methods.REGISTRY)})")
-        if names.count(m) > 1:
-            raise NestfedError(f"--methods: '{m}' is listed twice")
+    names = methods.named(methods_, cfg.strategy.name)
     if seeds < 1:
         raise NestfedError(f"--seeds must be >= 1, got {seeds}")
     compressed = [m for m in names if methods.get(m).comparison == "compressed"]

@@ -15,6 +15,7 @@ from typing import Any
 from nestfed import config
 from nestfed.config import ConfigError, ExperimentConfig
 from nestfed.config.capabilities import Capability, asked_by, refusal
+from nestfed.errors import NestfedError
 from nestfed.methods import (
     fed_plora,
     fed_sb,
@@ -142,6 +143,28 @@ def declaring(capability: Capability) -> list[str]:
         Their names.
     """
     return [m.name for m in REGISTRY.values() if m.can(capability)]
+
+
+def named(text: str | None, default: str) -> list[str]:
+    """The methods a comma-separated ``--methods`` value names, checked against the registry.
+
+    Args:
+        text: the value, e.g. ``"prelort,zeropad"``; None: ``default`` alone.
+        default: the config's ``strategy.name``.
+
+    Returns:
+        The names, in the order given.
+
+    Raises:
+        NestfedError: for an unknown name or a name listed twice (the message names ``--methods``).
+    """
+    names = [m.strip() for m in text.split(",")] if text is not None else [default]
+    for m in names:
+        if m not in REGISTRY:
+            raise NestfedError(f"--methods: unknown method '{m}' (known: {', '.join(REGISTRY)})")
+        if names.count(m) > 1:
+            raise NestfedError(f"--methods: '{m}' is listed twice")
+    return names
 
 
 def listing() -> list[str]:
