@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ast
 import logging
+import re
 import textwrap
 from pathlib import Path
 
@@ -519,3 +520,15 @@ def test_the_checker_finds_each_kind_of_problem(tmp_path):
     assert any("`Args:` names other" in p for p in child)
     assert len(by_name["broken.Child.own"]) == 2  # Args (value), Returns
     assert len(by_name["broken.HalfHook.handle"]) == 2  # Args (event), Returns: it implements no Protocol
+
+
+def test_no_sphinx_roles_in_the_sources():
+    """mkdocstrings' Google parser leaves ``:func:`x``` as literal text: name objects in backticks."""
+    role = re.compile(r":(?:func|class|meth|data|attr|mod|exc|obj):`")
+    found = [
+        f"{p.relative_to(ROOT)}:{i}"
+        for p in sorted((ROOT / "src" / "nestfed").rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if role.search(line)
+    ]
+    assert not found, "write `name` instead of a Sphinx role at: " + ", ".join(found)

@@ -1,6 +1,6 @@
-"""Experiment configs: the core sections (:mod:`nestfed.config.schema`) and the loader
-(:mod:`nestfed.config.loader`). Method homes declare their own sections through a
-:class:`~nestfed.config.loader.Schema`; nestfed.methods builds the one every entry point uses."""
+"""Experiment configs: the core sections (`nestfed.config.schema`) and the loader
+(`nestfed.config.loader`). Method homes declare their own sections through a
+`nestfed.config.loader.Schema`; nestfed.methods builds the one every entry point uses."""
 
 from nestfed.config.evaluation import EvaluationConfig
 from nestfed.config.generation import GenerationConfig

@@ -2,7 +2,7 @@
 (nestfed.methods.method.Method.capabilities), refused by default, enforced when a config is
 loaded and again by the round loop for every transport (nestfed.federation.loop).
 
-A capability is asked for by a setting (:func:`asked_by`: the config; a transport adds its own,
+A capability is asked for by a setting (`asked_by`: the config; a transport adds its own,
 e.g. Flower and its secure aggregation). A method that does not declare a capability it is asked
 for is refused with one line, ``<field>: <method> cannot <what>: <reason>``, the reason being the
 method's own (``Method.refusals``) or the capability's default. The invariant tests

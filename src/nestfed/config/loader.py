@@ -2,9 +2,9 @@
 
 An experiment is a TOML file whose tables map onto the core sections (nestfed.config.schema), the
 sections data sources declare (nestfed.config.sources: ``[niah]``) and the sections method homes
-declare (a :class:`Schema`, built by the registry in nestfed.methods).
+declare (a `Schema`, built by the registry in nestfed.methods).
 Command-line overrides use dotted keys, ``--set lora.ranks=[2,4,8]``. An unknown section or key,
-a value of the wrong type and a value out of range raise :class:`ConfigError` naming the file and
+a value of the wrong type and a value out of range raise `ConfigError` naming the file and
 the dotted key at fault; nothing is read from or written to a run directory here.
 """
 
@@ -39,7 +39,7 @@ class Schema:
             ValueError("<section.key>: <reason>"); None = none.
         moved: {former section: the section that now holds its keys}, for a one-line pointer.
         former: {section: {key: what a run written before the key existed ran with}} (a value, or a
-            function of the whole stored document), which :func:`migrate` fills into a stored
+            function of the whole stored document), which `migrate` fills into a stored
             config lacking the key, so that an earlier run directory resumes, exports and compares
             as it ran when a default has changed since.
     """
@@ -324,14 +324,14 @@ def load(
 ) -> ExperimentConfig:
     """Read a TOML experiment file (following ``extends``) and apply ``section.key=value`` overrides.
 
-    Path fields are made absolute (:func:`resolve_paths`); the values as written are kept in
+    Path fields are made absolute (`resolve_paths`); the values as written are kept in
     ``given``.
 
     Args:
         path: the file; None = the defaults.
         overrides: ``section.key=value`` overrides.
         schema: the sections and methods beyond the core.
-        stored: the file is a run directory's resolved config (:func:`migrate` first).
+        stored: the file is a run directory's resolved config (`migrate` first).
 
     Returns:
         The validated config.
@@ -356,7 +356,7 @@ def load(
 
 
 def given_comments(text: str) -> dict[str, str]:
-    """Read the ``# given as "..."`` comments :func:`dumps_toml` writes beside resolved paths.
+    """Read the ``# given as "..."`` comments `dumps_toml` writes beside resolved paths.
 
     A stored config keeps them when it is written again.
 
@@ -431,7 +431,7 @@ def to_dict(cfg: ExperimentConfig) -> dict[str, dict[str, Any]]:
 
 
 def dumps_toml(cfg: ExperimentConfig) -> str:
-    """Serialise the resolved config to TOML text, reloadable by :func:`load`.
+    """Serialise the resolved config to TOML text, reloadable by `load`.
 
     A {value: share} table is written as an inline table, ``{2 = 0.4, 4 = 0.6}``; a resolved path
     carries its value as written in a ``# given as "..."`` comment.

@@ -75,7 +75,7 @@ def _attributes(doc: str) -> str:
 
 
 def _plain(text: str) -> str:
-    """Sphinx roles and literals as a terminal shows them: ``:func:`~a.b.c``` -> ``c``."""
+    """Sphinx roles and literals as a terminal shows them: ```a.b.c``` -> ``c``."""
     text = re.sub(r":(?:func|class|meth|mod|attr):`~?(?:[\w]+\.)*([\w]+)`", r"\1", text)
     return text.replace("``", "`")
 

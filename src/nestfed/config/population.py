@@ -193,7 +193,7 @@ def assign_ranks(
 ) -> tuple[list[int], list[int] | None]:
     """Assign every client its rank and, for memory budgets, its budget.
 
-    From ``rank_shares`` (:func:`draw`, stream ``population/rank``), from ``memory_mib`` (budgets
+    From ``rank_shares`` (`draw`, stream ``population/rank``), from ``memory_mib`` (budgets
     drawn by stream ``population/memory``; rank = the largest choice whose ``footprint(r)`` bytes
     fit the budget), else ``lora.ranks`` broadcast.
 

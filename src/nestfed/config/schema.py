@@ -1,6 +1,6 @@
 """The core sections of an experiment config: frozen dataclasses, one per TOML table.
 
-- ``[model]`` -> :class:`ModelConfig` (nestfed.config.model), ``[lora]``, ``[data]``, ``[train]``
+- ``[model]`` -> `ModelConfig` (nestfed.config.model), ``[lora]``, ``[data]``, ``[train]``
   (nestfed.config.train), ``[strategy]`` (only the method's name), ``[federation]``, ``[output]``;
 - the trust sections ``[validation]``, ``[robust]``, ``[privacy]``, ``[attack]``
   (nestfed.config.trust);
@@ -13,7 +13,7 @@
 
 A method's own options live in sections its home declares (``[hetlora]``, ``[compression]``,
 FedNL's ``[fednl]`` with its memory layer, ...; nestfed.methods), held in
-:attr:`ExperimentConfig.sections`. Values that types cannot check are checked by :func:`check_core`,
+`ExperimentConfig.sections`. Values that types cannot check are checked by `check_core`,
 which raises ValueError("<section.key>: <reason>"); the loader (nestfed.config.loader) prefixes the
 file.
 """
@@ -182,7 +182,7 @@ class OutputConfig:
             above r_max are left out; empty = none).
         client_detail: where each round's per-client numbers go: ``inline`` (in the metrics line),
             ``file`` (``clients.jsonl``, the metrics line keeping summaries by rank group) or
-            ``auto`` (a file beyond :data:`INLINE_CLIENTS` clients).
+            ``auto`` (a file beyond `INLINE_CLIENTS` clients).
     """
 
     dir: str = "runs"
@@ -299,7 +299,7 @@ def per_client_inline(cfg: ExperimentConfig) -> bool:
         cfg: the experiment.
 
     Returns:
-        True for ``inline``, or ``auto`` with at most :data:`INLINE_CLIENTS` clients.
+        True for ``inline``, or ``auto`` with at most `INLINE_CLIENTS` clients.
     """
     detail = cfg.output.client_detail
     return detail == "inline" or (detail == "auto" and cfg.data.num_clients <= INLINE_CLIENTS)
@@ -372,7 +372,7 @@ def sampled_per_round(cfg: ExperimentConfig) -> int:
         cfg: the experiment.
 
     Returns:
-        :func:`clients_per_round` of federation.fraction and data.num_clients.
+        `clients_per_round` of federation.fraction and data.num_clients.
     """
     return clients_per_round(cfg.federation.fraction, cfg.data.num_clients)
 

@@ -33,7 +33,7 @@ class ServerOptimizerConfig:
     """The server optimiser (Reddi et al. 2021, Algorithms 1 and 2).
 
     Attributes:
-        name: one of :data:`NAMES`.
+        name: one of `NAMES`.
         lr: the server learning rate eta (> 0; 1 with ``sgd`` is the strategy's aggregate
             unchanged; the adaptive optimisers need far smaller values, the paper tunes eta over
             powers of 10).

@@ -1,7 +1,7 @@
 """The data sources ``data.source`` may name: one registry line each, as methods have theirs
 (nestfed.methods.REGISTRY), read without importing torch or a data library.
 
-A :class:`Source` says what is known before any data is read: its reader (``"module:function"``,
+A `Source` says what is known before any data is read: its reader (``"module:function"``,
 imported the first time a run reads data: ``(DataConfig) -> (records, one label per record)``, or
 for a generated source ``(ExperimentConfig, tokenizer) -> clients``), the tasks it serves, whether
 it needs ``data.path``, whether its records are shared out by a partition (a generated source

@@ -1,2 +1,2 @@
-"""Files that never tear: atomic writes with the user's umask (:mod:`nestfed.io.atomic`); and the
-one Markdown table writer of every report and bench table (:mod:`nestfed.io.markdown`)."""
+"""Files that never tear: atomic writes with the user's umask (`nestfed.io.atomic`); and the
+one Markdown table writer of every report and bench table (`nestfed.io.markdown`)."""

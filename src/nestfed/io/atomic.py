@@ -2,12 +2,12 @@
 
 Every file nestfed leaves behind is written here: to a temporary file in the target's folder,
 flushed and fsynced, given the mode a plain ``open(path, "w")`` would have given it (0666 minus
-the umask; :func:`tempfile.mkstemp` alone leaves 0600), renamed over the target, and the folder
+the umask; `tempfile.mkstemp` alone leaves 0600), renamed over the target, and the folder
 fsynced so the rename survives a power cut. A failure at any point removes the temporary file and
 leaves an existing target as it was. Directories (a PEFT adapter) are built beside their target
 and renamed into place the same way (mode 0777 minus the umask).
 
-Appends (:func:`append_line`) are the one non-atomic write: a crash mid-append can leave a torn
+Appends (`append_line`) are the one non-atomic write: a crash mid-append can leave a torn
 last line, which readers of such files drop (``federation.run_dir``).
 """
 
@@ -80,7 +80,7 @@ def write_bytes(path: str | Path, data: bytes) -> Path:
 
 
 def write_text(path: str | Path, text: str) -> Path:
-    """Write text, encoded as UTF-8, atomically (:func:`write_bytes`).
+    """Write text, encoded as UTF-8, atomically (`write_bytes`).
 
     Args:
         path: the target file.
@@ -96,7 +96,7 @@ def write_text(path: str | Path, text: str) -> Path:
 
 
 def write_json(path: str | Path, obj: Any) -> Path:
-    """Write an object as indented JSON atomically (:func:`write_text`).
+    """Write an object as indented JSON atomically (`write_text`).
 
     Args:
         path: the target file.
@@ -113,7 +113,7 @@ def write_json(path: str | Path, obj: Any) -> Path:
 
 
 def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Path:
-    """Write tensors as a safetensors file, atomically (:func:`write_bytes`).
+    """Write tensors as a safetensors file, atomically (`write_bytes`).
 
     Args:
         path: the target file.

@@ -2,7 +2,7 @@
 
 A table is a head row, a rule of one ``---|`` per head cell, then the rows, each cell written as
 ``str(cell)`` between ``| `` and `` |`` (no escaping, no padding: the cells are the caller's text);
-:data:`BLANK` is written ``| |``, where an empty string gives ``|  |``.
+`BLANK` is written ``| |``, where an empty string gives ``|  |``.
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from collections.abc import Iterable, Sequence
 
 
 class Blank:
-    """The class of :data:`BLANK`, a cell written with one space, ``| |``."""
+    """The class of `BLANK`, a cell written with one space, ``| |``."""
 
     def __repr__(self) -> str:
         return "BLANK"
@@ -25,7 +25,7 @@ def markdown_row(cells: Iterable[object]) -> str:
     """Write one table row.
 
     Args:
-        cells: the row's cells, each written as ``str(cell)``; :data:`BLANK` as one space.
+        cells: the row's cells, each written as ``str(cell)``; `BLANK` as one space.
 
     Returns:
         ``"| a | b |"`` (no newline); ``"|"`` for no cells.
@@ -38,8 +38,8 @@ def markdown_table(head: Sequence[object], rows: Iterable[Iterable[object]] = ()
 
     Args:
         head: the head row's cells (their count sets the rule's).
-        rows: the body's rows (:func:`markdown_row`); none gives the head and rule alone, for a
-            caller that appends its rows with :func:`markdown_row`.
+        rows: the body's rows (`markdown_row`); none gives the head and rule alone, for a
+            caller that appends its rows with `markdown_row`.
 
     Returns:
         The lines without newlines: the head row, ``"|---|---|"`` (one ``---|`` per head cell),

@@ -101,13 +101,13 @@ def record_layers(model: nn.Module, layers: list[int], input_ids: torch.Tensor, 
     """Record the attention input and output of some decoder layers under full attention.
 
     Args:
-        model: the backbone (run under :func:`full_attention`).
+        model: the backbone (run under `full_attention`).
         layers: the decoder layers to record.
         input_ids: [N, T] the transfer rows.
         batch: rows per forward.
 
     Returns:
-        ``{layer: record}`` (:class:`LayerRecord`).
+        ``{layer: record}`` (`LayerRecord`).
 
     Raises:
         ValueError: for a layer without attention.
@@ -168,7 +168,7 @@ def relative_errors(model: nn.Module, records: dict[int, LayerRecord], batch: in
 
     Args:
         model: the backbone.
-        records: ``{layer: record}`` from :func:`record_layers`.
+        records: ``{layer: record}`` from `record_layers`.
         batch: rows per forward.
 
     Returns:
@@ -197,7 +197,7 @@ def transfer_memory(
 
     Args:
         model: the backbone with its memories.
-        records: ``{layer: record}`` from :func:`record_layers`.
+        records: ``{layer: record}`` from `record_layers`.
         steps: optimiser steps.
         lr: AdamW's learning rate.
         batch: rows per step, drawn in a seeded order.

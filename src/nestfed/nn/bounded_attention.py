@@ -1,11 +1,11 @@
 """The backbone's softmax attention with a bounded context: an optional sliding window with attention
 sinks, a stream's KV cache carried from chunk to chunk, and an optional linear path mixed in.
 
-:func:`install_bounded_attention` replaces the ``forward`` of chosen decoder layers' attention
+`install_bounded_attention` replaces the ``forward`` of chosen decoder layers' attention
 modules (the module and its q/k/v/o projections keep their paths, so LoRA keys stay PEFT's
-``...self_attn.q_proj.lora_A.weight``) and gives each a :class:`Bounds` at ``self_attn.bounds``.
+``...self_attn.q_proj.lora_A.weight``) and gives each a `Bounds` at ``self_attn.bounds``.
 With no stream and no enabled linear path the layer computes exactly the backbone's attention
-(tested bit for bit). A linear path (:class:`LinearPath`, e.g. FedNL's delta-rule memory,
+(tested bit for bit). A linear path (`LinearPath`, e.g. FedNL's delta-rule memory,
 nestfed.nn.memory) is a submodule at ``self_attn.memory``: while it is enabled the softmax path
 uses its window and sinks and the layer's output is the path's mix of both.
 
@@ -13,7 +13,7 @@ uses its window and sinks and the layer's output is the path's mix of both.
   visible to every windowed query (StreamingLLM, Xiao et al., ICLR 2024: a model trained with full
   attention parks attention mass on the first tokens); under left padding they are each row's
   first real tokens. The KV cache of a stream then holds ``sink + window - 1`` tokens, constant.
-- Streams (nestfed.evaluation.streaming): a :class:`LayerStream` at ``bounds.stream`` carries the
+- Streams (nestfed.evaluation.streaming): a `LayerStream` at ``bounds.stream`` carries the
   RoPE'd KV cache, trimmed to the narrower of the stream's window and the layer's own, and the
   linear path's own state (``stream.state``).
 """
@@ -87,7 +87,7 @@ class Bounds:
         window: the softmax window (tokens) while the layer's linear path is enabled, and a
             stream's default (nestfed.evaluation.streaming); 0 = none.
         sink: the attention sinks (tokens) kept beside the window.
-        stream: the :class:`LayerStream` while a stream is processed, else None.
+        stream: the `LayerStream` while a stream is processed, else None.
         padding: [B, T] bool, True = a real token, set per model call (the decoder layers see only
             the 4-D softmax mask).
         fixed: window and sink bound the softmax path always, with or without a linear path, and no
@@ -139,7 +139,7 @@ class LinearPath(Protocol):
 
 def _combine(mask: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
     """Both masks at once: ``mask`` [1, 1, Tq, Tk] (boolean, True = attend, or additive float, as
-    :func:`nestfed.nn.layer_inputs.positional_mask` builds it for the attention implementation)
+    `nestfed.nn.layer_inputs.positional_mask` builds it for the attention implementation)
     and the caller's ``attention_mask`` (None, or the same kind [B, 1, Tq, Tk]: padding, the
     model's own causal or sliding mask). Returns a mask of ``mask``'s kind."""
     if attention_mask is None:
@@ -218,7 +218,7 @@ def bounded_attention_forward(
     past_key_values: Any = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """Run an attention module wrapped by :func:`install_bounded_attention` (its forward).
+    """Run an attention module wrapped by `install_bounded_attention` (its forward).
 
     The softmax path is the backbone's own (projections, q/k norms, RoPE and attention kernel). A
     Hugging Face KV cache is updated as the backbone does, but it cannot carry a linear path's
@@ -325,7 +325,7 @@ def _stream_context(
     attention_mask: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """A stream's chunk: (cache_keys: the cached keys then the chunk's, the sinks at their own
-    positions; keys: the same with the cached sinks shifted (:func:`_shift_sinks`); values; k_pos:
+    positions; keys: the same with the cached sinks shifted (`_shift_sinks`); values; k_pos:
     the keys' absolute positions, the sinks first; mask [.., T, c] of ``dtype``'s kind: ``spans``
     = (window, sink, own window) over absolute positions, combined with ``attention_mask``)."""
     T = k_rot.shape[2]
@@ -409,7 +409,7 @@ def install_bounded_attention(
     sink: int = 0,
     fixed: bool = False,
 ) -> list[int]:
-    """Wrap the attention of some decoder layers with :func:`bounded_attention_forward` and a :class:`Bounds`.
+    """Wrap the attention of some decoder layers with `bounded_attention_forward` and a `Bounds`.
 
     Idempotent per layer: a layer already wrapped keeps its bounds. The model gets forward hooks
     that hand each call's 2-D attention mask to every wrapped layer (``bounds.padding``).
@@ -417,9 +417,9 @@ def install_bounded_attention(
     Args:
         model: the backbone, changed in place.
         layers: the decoder layers; None = every layer.
-        window: :attr:`Bounds.window`, tokens.
-        sink: :attr:`Bounds.sink`, tokens.
-        fixed: :attr:`Bounds.fixed`.
+        window: `Bounds.window`, tokens.
+        sink: `Bounds.sink`, tokens.
+        fixed: `Bounds.fixed`.
 
     Returns:
         The layer indices.

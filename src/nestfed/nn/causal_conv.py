@@ -8,7 +8,7 @@ current and the K - 1 previous tokens,
     y[b, t, c] = sum_{j < K} weight[c, j] * x[b, t - K + 1 + j, c]      (x before the first token = 0)
 
 A stream carries the last K - 1 inputs (the ``tail``) from one chunk to the next, so that a chunked
-pass equals one pass over the whole sequence (tested). :func:`identity_taps` gives the kernel that
+pass equals one pass over the whole sequence (tested). `identity_taps` gives the kernel that
 passes x through unchanged (the last tap 1, the others 0): a freshly built convolution changes
 nothing.
 """

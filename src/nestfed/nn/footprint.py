@@ -143,7 +143,7 @@ class Footprint:
             start: the first adapted decoder layer when the frozen prefix is cached, else 0.
 
         Returns:
-            The footprint (:func:`saved_bytes` at ranks 1 and r_max).
+            The footprint (`saved_bytes` at ranks 1 and r_max).
 
         Raises:
             ValueError: for a model without LoRA layers.

@@ -1,8 +1,8 @@
 """Split a decoder-only LM at its first adapted layer and reuse the frozen prefix's outputs.
 
 When adapters sit only on the top decoder layers, the layers below them are frozen and their
-outputs for a fixed dataset never change: :func:`prefix_features` computes them once, and
-:func:`lm_logits` runs only the remaining layers, the final norm and the LM head. Backward stops
+outputs for a fixed dataset never change: `prefix_features` computes them once, and
+`lm_logits` runs only the remaining layers, the final norm and the LM head. Backward stops
 at the first adapted layer. The logits equal the full model's (tested); this is a CPU speed-up
 to be reported as what it is (docs/methods.md section 4, "the frozen prefix"), not an approximation.
 
@@ -88,7 +88,7 @@ def prefix_features(
         input_ids: [N, T] token ids.
         start: the decoder layer entered; 0 gives the token embeddings.
         batch_size: sequences per forward.
-        lengths: [N] tokens (e.g. :func:`labelled_length`): only the first ``lengths[i]`` positions
+        lengths: [N] tokens (e.g. `labelled_length`): only the first ``lengths[i]`` positions
             of row i are needed; None = all of them.
 
     Returns:
@@ -174,20 +174,20 @@ def labelled_logits(
     The same values as ``lm_logits`` at those positions; on multiple-choice or response-only batches
     (one or a few labelled tokens per row) it skips the [B, T, vocab] head, most of a step's cost on
     SmolLM2 (49,152-word vocabulary), and the layers run only up to the batch's last labelled
-    position (:func:`labelled_length`: right padding after it costs nothing).
+    position (`labelled_length`: right padding after it costs nothing).
 
     Args:
         model: the backbone.
         labels: [B, T] (HF convention: logits[t] predict labels[t + 1], -100 ignored).
-        input_ids: as in :func:`lm_logits`.
-        hidden: as in :func:`lm_logits`.
-        start: as in :func:`lm_logits`.
+        input_ids: as in `lm_logits`.
+        hidden: as in `lm_logits`.
+        start: as in `lm_logits`.
 
     Returns:
         (logits [N, vocab], targets [N]) for the N labelled next tokens in row-major order.
 
     Raises:
-        ValueError: as :func:`final_hidden`.
+        ValueError: as `final_hidden`.
     """
     t = max(int(labelled_length(labels).max()), 1) if labels.numel() else labels.shape[1]
     if t < labels.shape[1]:

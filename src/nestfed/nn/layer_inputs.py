@@ -12,11 +12,11 @@ refused, naming it, rather than computed wrongly.
 
 Paths that run the layers on a chunk beside a key/value cache of their own (a stream, or FedNL's
 windowed softmax path, nestfed.nn.memory) build the mask of queries at absolute positions over
-cached keys at absolute positions with :func:`positional_mask`, through transformers' own mask
+cached keys at absolute positions with `positional_mask`, through transformers' own mask
 interface (``ALL_MASK_ATTENTION_FUNCTIONS``: boolean for SDPA, additive for eager attention), and
-the rotary embedding of each layer's type with :func:`layer_rotary` / :func:`rotary`.
+the rotary embedding of each layer's type with `layer_rotary` / `rotary`.
 
-:func:`check_architecture` refuses, with one line naming what is missing, a model whose forward
+`check_architecture` refuses, with one line naming what is missing, a model whose forward
 these paths do not reproduce: only the families whose logits are tested equal to the model's own
 (``FAMILIES``), without a config switch nestfed does not apply (``UNAPPLIED``).
 """
@@ -54,7 +54,7 @@ def check_architecture(model: nn.Module) -> None:
 
     Args:
         model: accepted when a ``*ForCausalLM`` of one of ``FAMILIES`` that has every part of
-            ``PARTS``, sets none of ``UNAPPLIED`` and whose layer types :func:`layer_types` knows.
+            ``PARTS``, sets none of ``UNAPPLIED`` and whose layer types `layer_types` knows.
 
     Raises:
         ConfigError: one line naming the model's class and what is missing.
@@ -118,7 +118,7 @@ def decoder_inputs(model: nn.Module, hidden: torch.Tensor, position_ids: torch.T
         ``None``: SDPA's causal path).
 
     Raises:
-        ConfigError: as :func:`layer_types` does.
+        ConfigError: as `layer_types` does.
     """
     inner = model.model
     types = layer_types(model)
@@ -168,7 +168,7 @@ def layer_rotary(model: nn.Module, hidden: torch.Tensor, position_ids: torch.Ten
         type, else one shared by all.
 
     Raises:
-        ConfigError: as :func:`layer_types` does.
+        ConfigError: as `layer_types` does.
     """
     types = layer_types(model)
     if not _per_type(model.model.rotary_emb):

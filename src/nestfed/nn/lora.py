@@ -1,6 +1,6 @@
 """LoRA Linear layers evaluable at any prefix sub-rank, injected by name pattern.
 
-A :class:`LoraLinear` wraps a frozen ``base_layer`` and adds ``s * B[:, :r] A[:r] x``
+A `LoraLinear` wraps a frozen ``base_layer`` and adds ``s * B[:, :r] A[:r] x``
 (Hu et al., 2021), where ``lora_A.weight`` is A: [rank, in] and ``lora_B.weight`` is
 B: [out, rank], named as in PEFT, so a module path ``model.layers.0.self_attn.q_proj`` carries
 the state keys ``...q_proj.lora_A.weight`` and ``...q_proj.lora_B.weight``.
@@ -65,7 +65,7 @@ class LoraLinear(nn.Module):
         lora_A: A, its weight [rank, in].
         lora_B: B, its weight [out, rank].
         active_rank: the prefix sub-rank r forward evaluates; None = the full held rank.
-        lora_core: None (plain LoRA) or a core variant M [r, r] between A and B (:meth:`set_core`;
+        lora_core: None (plain LoRA) or a core variant M [r, r] between A and B (`set_core`;
             then the update is s B M A x at the full rank, and only the core trains).
 
     Raises:
@@ -268,13 +268,13 @@ def target_module_names(
 def inject_lora(
     model: nn.Module, target_modules, rank: int, scaling: float, layers=(), dropout: float = 0.0
 ) -> list[str]:
-    """Replace each target ``nn.Linear`` by a :class:`LoraLinear` of the given rank (B = 0).
+    """Replace each target ``nn.Linear`` by a `LoraLinear` of the given rank (B = 0).
 
     A zero-initialised B leaves the outputs unchanged.
 
     Args:
         model: the model, changed in place.
-        target_modules: as :func:`target_module_names` takes them.
+        target_modules: as `target_module_names` takes them.
         rank: the rank of every layer.
         scaling: s of every layer.
         layers: decoder-layer indices to adapt (negative counts from the top); empty = every layer.
@@ -284,7 +284,7 @@ def inject_lora(
         The adapted module paths.
 
     Raises:
-        ValueError: as :func:`target_module_names` does.
+        ValueError: as `target_module_names` does.
     """
     names = target_module_names(model, target_modules, layers)
     for name in names:
@@ -312,7 +312,7 @@ def set_active_rank(model: nn.Module, r: int | None) -> None:
 
 @contextmanager
 def active_rank(model: nn.Module, r: int | None) -> Iterator[None]:
-    """Evaluate at a prefix sub-rank inside a ``with`` block (:func:`set_active_rank`).
+    """Evaluate at a prefix sub-rank inside a ``with`` block (`set_active_rank`).
 
     Args:
         model: the model with LoRA layers.

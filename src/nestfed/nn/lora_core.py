@@ -1,6 +1,6 @@
 """A trainable core between a LoRA layer's frozen factors: the LoRA variants of Fed-SB and RAVAN.
 
-A plain :class:`~nestfed.nn.lora.LoraLinear` adds ``s B A x`` (A: [r, in], B: [out, r]). A layer
+A plain `nestfed.nn.lora.LoraLinear` adds ``s B A x`` (A: [r, in], B: [out, r]). A layer
 that holds a *core* (its ``lora_core`` submodule, one of the variants below) adds ``s B M A x``
 instead, where M [r, r] is the core's matrix; A and B stay frozen and only the core trains. As in
 PEFT's LoRA variants (DoRA beside plain LoRA), the variant is an object the layer holds, not a flag:
@@ -8,9 +8,9 @@ a layer without a core computes exactly what it computed before this module exis
 
 The variants, each installed by the payload key that carries it (nestfed.nn.keys.lora_core_key):
 
-- :class:`SquareCore` (``lora_core`` [r, r], Fed-SB, arXiv 2502.15436): M = R, one dense r x r
+- `SquareCore` (``lora_core`` [r, r], Fed-SB, arXiv 2502.15436): M = R, one dense r x r
   matrix. The reply is R.
-- :class:`GatedHeads` (``lora_heads`` [r, q], RAVAN, NeurIPS 2025): the heads H_i [q, q] stacked
+- `GatedHeads` (``lora_heads`` [r, q], RAVAN, NeurIPS 2025): the heads H_i [q, q] stacked
   row-wise, H = [H_1; ...; H_h], r = h q; A = [A_1; ...; A_h], B = [B_1, ..., B_h], and
   M = blockdiag(g_1 H_1, ..., g_h H_h), so s B M A = s sum_i g_i B_i H_i A_i. The gates g_i [h] train
   with the heads, start at 1 every round and never travel: the reply is the folded g_i H_i (RAVAN's
@@ -52,7 +52,7 @@ def core_matrix(core: torch.Tensor) -> torch.Tensor:
 
 
 class LoraCore(nn.Module):
-    """What a core variant provides (the protocol :class:`~nestfed.nn.lora.LoraLinear` calls).
+    """What a core variant provides (the protocol `nestfed.nn.lora.LoraLinear` calls).
 
     Args:
         core: [r, q] the heads stacked row-wise (h = r / q heads of [q, q]; r = the layer's rank).

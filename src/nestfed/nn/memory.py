@@ -5,7 +5,7 @@ Source: FedNL, "Federated Nested Learning" (arXiv 2605.16350), sections 3-4 (doc
 gains a linear path that shares its q, k, v projections (frozen weights plus LoRA). The layer is
 built as the reference implementations build theirs (flash-linear-attention's DeltaNet, Yang et al.
 2024; TPTT's LiZAttention, Furfaro 2025; Infini-attention, Munkhdalai et al. 2024; LoLCATs, Zhang
-et al. 2025), every choice an option of :class:`~nestfed.nn.memory_rule.MemorySettings`:
+et al. 2025), every choice an option of `nestfed.nn.memory_rule.MemorySettings`:
 
     q', k', v' = ShortConv_q(q), ShortConv_k(k), ShortConv_v(v)   (causal, kernel 4, per channel)
     q_lin = l2norm(silu(q')), k_lin = l2norm(silu(k')) per head   (before RoPE)        [B, T, H, D]
@@ -56,12 +56,12 @@ Each choice and its source:
   carry (Scheduled Sliding-window Dropout; Benfeghoul et al. 2025, "Paying Attention to Hybrid
   Attention", arXiv 2510.05901, found hybrid conversions bypass their linear branch without it);
   ``knocked_out``: the memory's read removed (alpha = 0), the evaluation that shows whether an
-  answer depends on the memory (:func:`memory_knocked_out`).
+  answer depends on the memory (`memory_knocked_out`).
 
-Mechanics: :func:`install_memory` wraps the chosen layers' attention
+Mechanics: `install_memory` wraps the chosen layers' attention
 (nestfed.nn.bounded_attention.install_bounded_attention, which computes the softmax path) and adds
-a :class:`~nestfed.nn.memory_rule.MemoryRule` (nestfed.nn.memory_rule, which holds the rules and
-their settings) as ``self_attn.memory``, the wrapper's linear path (:meth:`MemoryRule.mix`).
+a `nestfed.nn.memory_rule.MemoryRule` (nestfed.nn.memory_rule, which holds the rules and
+their settings) as ``self_attn.memory``, the wrapper's linear path (`MemoryRule.mix`).
 The rule's parameters travel as ``base_model.model.<layer>.self_attn.memory.<name>`` payload keys,
 which the client trainer loads, trains and returns like any other shipped parameter.
 """
@@ -105,7 +105,7 @@ def resolve_layers(model: nn.Module, layers: tuple[int, ...] | list[int] = (), w
 
 
 def install_memory(model: nn.Module, settings: MemorySettings, layers: tuple[int, ...] | list[int] = ()) -> list[int]:
-    """Give chosen decoder layers a :class:`MemoryRule` (disabled) as their attention's linear path.
+    """Give chosen decoder layers a `MemoryRule` (disabled) as their attention's linear path.
 
     The attention is bounded (nestfed.nn.bounded_attention) with the settings' window and sinks.
     Idempotent per layer (a layer that already has a memory keeps it). The rule's parameters do not
@@ -312,7 +312,7 @@ def sync_memory(model: nn.Module, arrays: dict[str, torch.Tensor]) -> None:
 def fresh_rule_arrays(model: nn.Module, layers: list[int] | tuple[int, ...]) -> dict[str, torch.Tensor]:
     """Build initial memory rules for some layers, payload-keyed.
 
-    The parameters of a newly built :class:`MemoryRule` with each installed layer's settings,
+    The parameters of a newly built `MemoryRule` with each installed layer's settings,
     whatever the installed rules hold now (e.g. after an earlier run on the same model).
 
     Args:

@@ -1,5 +1,5 @@
-"""The trainable rules of one FedNL memory layer: how the layer is built (:class:`MemorySettings`)
-and what it computes beside softmax attention (:class:`MemoryRule`, the attention's linear path).
+"""The trainable rules of one FedNL memory layer: how the layer is built (`MemorySettings`)
+and what it computes beside softmax attention (`MemoryRule`, the attention's linear path).
 
 The equations, each choice and its source are nestfed.nn.memory's (FedNL, arXiv 2605.16350,
 sections 3-4), which installs these rules into a backbone's attention layers.
@@ -92,8 +92,8 @@ def _logit(p: float) -> float:
 class MemoryRule(nn.Module):
     """The trainable memory rules of one attention layer (FedNL's theta besides LoRA).
 
-    The layer's linear path (nestfed.nn.bounded_attention.LinearPath) is :meth:`mix`. Which
-    parameters exist depends on the :class:`MemorySettings`.
+    The layer's linear path (nestfed.nn.bounded_attention.LinearPath) is `mix`. Which
+    parameters exist depends on the `MemorySettings`.
 
     Args:
         hidden: the layer's input width.
@@ -249,7 +249,7 @@ class MemoryRule(nn.Module):
         return None
 
     def alpha_value(self) -> float | None:
-        """Average the gates' current alphas (:meth:`alphas`).
+        """Average the gates' current alphas (`alphas`).
 
         Returns:
             Their mean; None for a dynamic gate.
@@ -320,7 +320,7 @@ class MemoryRule(nn.Module):
         valid: torch.Tensor | None = None,
         state: dict[str, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Prepare what the delta rule reads and writes, through the short convolution and :func:`memory_inputs`.
+        """Prepare what the delta rule reads and writes, through the short convolution and `memory_inputs`.
 
         Args:
             q: [B, T, H, D] the raw query projections.

@@ -6,13 +6,13 @@ on a GPU without bfloat16), or ``float32`` / ``bfloat16`` / ``float16`` / ``floa
 
 - The frozen backbone's weights take that dtype.
 - What trains (LoRA's A and B, FedNL's rules, FedSLM's cores) is kept in float32 whenever the
-  frozen weights are half precision (:func:`trainable_dtype`); AdamW's state follows its parameters.
-- The forward then runs under ``torch.autocast`` in the frozen dtype (:func:`autocast`); losses
+  frozen weights are half precision (`trainable_dtype`); AdamW's state follows its parameters.
+- The forward then runs under ``torch.autocast`` in the frozen dtype (`autocast`); losses
   are taken in float32.
 - On the CPU in float32 nothing changes: no autocast, no cast, the same operations as before.
 
 Data stays in host memory; each batch is moved to the model's device where it is used
-(:func:`to_model`), so one GPU holds one client's step at a time. :func:`release` frees the
+(`to_model`), so one GPU holds one client's step at a time. `release` frees the
 CUDA caching allocator between clients.
 """
 

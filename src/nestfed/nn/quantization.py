@@ -147,7 +147,7 @@ def quantize_linears(
     """Replace the model's linear layers by bitsandbytes layers holding the same weights quantised.
 
     Args:
-        model: the backbone, changed in place (the layers of :func:`quantizable`).
+        model: the backbone, changed in place (the layers of `quantizable`).
         quantization: ``nf4`` (Linear4bit), ``int8`` (Linear8bitLt) or ``none`` (changes nothing).
         compute_dtype: the dtype nf4 layers dequantise to and compute in.
         double_quant: quantise nf4's absmax constants too (QLoRA's double quantisation).

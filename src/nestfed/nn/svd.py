@@ -15,9 +15,9 @@ calibration text, V = L^{-T} Vw (not orthonormal) and a dual basis D = L Vw (D^T
 truncation minimises the layer's output error on the calibration activations. Both keep the
 nested-prefix property, so the strategy's core-space fusion is exact for either (checked against
 nestfed.methods.fedslm.strategy: reconstructions are linear in the cores, and the next round's M[:r, :r] is
-:func:`project` with the dual basis); only :func:`project` needs D.
+`project` with the dual basis); only `project` needs D.
 
-An :class:`SVDLinear` computes x -> ((x V) Sigma^T) U^T (+ bias): two thin matmuls and an
+An `SVDLinear` computes x -> ((x V) Sigma^T) U^T (+ bias): two thin matmuls and an
 r x r one; no [out, in] matrix is formed in forward or backward (tested through the shapes of
 every parameter, buffer and saved tensor).
 """
@@ -153,7 +153,7 @@ class SVDFactors:
     D: torch.Tensor | None = None
 
     def dual(self) -> torch.Tensor:
-        """Give the basis :func:`project` pairs with V.
+        """Give the basis `project` pairs with V.
 
         Returns:
             D [in, R]; V itself when V is orthonormal.
@@ -191,7 +191,7 @@ def compute_bases(
 ) -> dict[str, SVDFactors]:
     """Compute one SVD per selected Linear, truncated to the largest rank any ratio needs (server side, once).
 
-    Cost: a full SVD per layer; cache the result with :func:`save_bases`.
+    Cost: a full SVD per layer; cache the result with `save_bases`.
 
     Args:
         model: the backbone.
@@ -200,10 +200,10 @@ def compute_bases(
         whitening: None for the plain SVD of W (U, V orthonormal, D None; computed in float32:
             float64 took 3-4x longer here, 197 s for SmolLM2's 210 projections on 2 busy cores), or
             ``{module path: C [in, in]}``, the input second moments of every selected Linear on
-            calibration text (:func:`nestfed.nn.whitening.second_moments`), for SVD-LLM's whitened
-            SVD (:func:`nestfed.nn.whitening.whitened_svd`, float64; V not orthonormal, D its dual).
+            calibration text (`nestfed.nn.whitening.second_moments`), for SVD-LLM's whitened
+            SVD (`nestfed.nn.whitening.whitened_svd`, float64; V not orthonormal, D its dual).
         damping: eps of the whitening relative to C's mean diagonal; None =
-            :data:`nestfed.nn.whitening.DAMPING`.
+            `nestfed.nn.whitening.DAMPING`.
 
     Returns:
         ``{module path: SVDFactors}`` with R = rank_for_ratio(out, in, max(ratios)), stored in the
@@ -263,7 +263,7 @@ def derive_compressed(
 ) -> nn.Module:
     """Derive a compressed copy of a model for one compression ratio.
 
-    Each Linear in ``bases`` becomes an :class:`SVDLinear` with U[:, :r], V[:, :r] and its core.
+    Each Linear in ``bases`` becomes an `SVDLinear` with U[:, :r], V[:, :r] and its core.
     Every other parameter and buffer (embeddings, norms, LM head) is shared with ``model``, not
     copied.
 
@@ -419,7 +419,7 @@ def save_bases(bases: dict[str, SVDFactors], path, metadata: dict[str, str] | No
 
 
 def load_bases(path) -> tuple[dict[str, SVDFactors], dict[str, str]]:
-    """Read bases written by :func:`save_bases`.
+    """Read bases written by `save_bases`.
 
     Args:
         path: the file.

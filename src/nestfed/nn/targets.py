@@ -16,10 +16,10 @@ def base_linear(module: nn.Module) -> nn.Linear:
     The SVD is of the pretrained W; a LoRA update on top is ignored.
 
     Args:
-        module: an ``nn.Linear`` or a :class:`LoraLinear`.
+        module: an ``nn.Linear`` or a `LoraLinear`.
 
     Returns:
-        The module itself, or a :class:`LoraLinear`'s ``base_layer``.
+        The module itself, or a `LoraLinear`'s ``base_layer``.
 
     Raises:
         TypeError: for any other module.

@@ -14,8 +14,8 @@ minimises the output error on calibration activations X [N, in] instead:
 and truncating at rank r gives W_r = U[:, :r] diag(S[:r]) V[:, :r]^T with
 ||(W - W_r) L||_F^2 = sum_{j >= r} S_j^2, the least possible over rank-r matrices
 (Eckart-Young in the whitened space); with eps = 0 this is exactly ||(W - W_r) X^T||_F^2 / (N m).
-The layer is still x -> ((x V) Sigma^T) U^T, so :class:`~nestfed.nn.svd.SVDLinear` is
-unchanged. eps > 0 (damping, :data:`DAMPING`) trades a little of that optimum for robustness:
+The layer is still x -> ((x V) Sigma^T) U^T, so `nestfed.nn.svd.SVDLinear` is
+unchanged. eps > 0 (damping, `DAMPING`) trades a little of that optimum for robustness:
 the result minimises ||(W - W_r) X^T||^2 / (N m) + eps ||W - W_r||_F^2, and its output error on X
 is still no larger than plain SVD's at the same rank (plain SVD minimises the second term alone).
 
@@ -69,12 +69,12 @@ def second_moments(
 
     Args:
         model: a Llama/Qwen2-family causal LM (run through
-            :func:`nestfed.nn.frozen_prefix.final_hidden`, no LM head), frozen; LoRA-wrapped layers
+            `nestfed.nn.frozen_prefix.final_hidden`, no LM head), frozen; LoRA-wrapped layers
             are hooked at their ``base_layer`` (the SVD is of the pretrained W, its input is the
             wrapper's input).
         input_ids: [B, T] calibration blocks; every token counts (packed blocks, no padding).
         names: module paths to collect; None = those matching ``pattern``.
-        pattern: a regex over module paths; None = :data:`~nestfed.nn.svd.DEFAULT_TARGET`.
+        pattern: a regex over module paths; None = `nestfed.nn.svd.DEFAULT_TARGET`.
         batch_size: sequences per forward.
 
     Returns:
@@ -124,7 +124,7 @@ def whitening_factor(C: torch.Tensor, damping: float = DAMPING) -> torch.Tensor:
     Source: SVD-LLM (arXiv 2403.07378) section 3.1 (its whitening matrix is this Cholesky factor;
     the normalisation and damping are ours, the damping as in GPTQ). When the Cholesky
     factorisation fails, eps is multiplied by 10 (starting from max(damping, 1e-6)), at most
-    :data:`MAX_RETRIES` times.
+    `MAX_RETRIES` times.
 
     Args:
         C: [in, in] symmetric positive semi-definite second moment (any scale).
@@ -167,15 +167,15 @@ def whitened_svd(
     Args:
         W: [out, in] the weight.
         C: [in, in] its input second moment.
-        damping: eps of :func:`whitening_factor`.
+        damping: eps of `whitening_factor`.
 
     Returns:
         (U [out, k], S [k], V [in, k], D [in, k]) in float64, k = min(out, in), S descending:
         W = U diag(S) V^T exactly at this full rank k (whatever the damping), U orthonormal,
-        V = L^{-T} Vw and the dual basis D = L Vw with D^T V = I (L from :func:`whitening_factor`).
+        V = L^{-T} Vw and the dual basis D = L Vw with D^T V = I (L from `whitening_factor`).
 
     Raises:
-        ValueError: for mismatched shapes, or a C that is not usable (see :func:`whitening_factor`).
+        ValueError: for mismatched shapes, or a C that is not usable (see `whitening_factor`).
     """
     if W.dim() != 2 or tuple(C.shape) != (W.shape[1], W.shape[1]):
         raise ValueError(

@@ -112,7 +112,7 @@ def delta_rule_recurrent(
 
     The loop splits the sequence once with ``unbind`` (indexing ``x[:, t]`` in the loop makes
     backward O(T^2)). Without autograd it holds one state; under autograd it keeps one K x V state
-    per token for backward (T * B * H * K * V elements): use :func:`delta_rule_chunkwise` to train.
+    per token for backward (T * B * H * K * V elements): use `delta_rule_chunkwise` to train.
 
     Args:
         q: [B, T, H, K] queries.
@@ -368,7 +368,7 @@ def delta_rule_chunkwise(
     S_{n+1} = S_n + K_c^T U_n. Everything else is a few large batched matmuls over all chunks.
     The backward is derived by hand (a custom autograd.Function: one reverse sweep over the
     chunks, two batched matmuls per chunk, for dS_n and dU_n; the rest batched) and is checked
-    against autograd through :func:`delta_rule_recurrent` in the tests. Not twice
+    against autograd through `delta_rule_recurrent` in the tests. Not twice
     differentiable.
 
     Works for any T and any ``chunk_size``: the last chunk is padded with q = k = v = 0 and
@@ -438,7 +438,7 @@ def delta_rule(
     flash-linear-attention (``pip install fla-core``) imports, calls its Triton kernel
     ``fla.ops.delta_rule.chunk_delta_rule`` (layout [B, T, H, K], chunk size fixed at 64 by the
     kernel, so ``chunk_size`` is ignored there; fp32 is refused by that kernel). Otherwise (CPU,
-    fp32/fp64, or fla absent) calls :func:`delta_rule_chunkwise`. fla is imported lazily and its
+    fp32/fp64, or fla absent) calls `delta_rule_chunkwise`. fla is imported lazily and its
     absence is never an error.
 
     Args:
