@@ -16,43 +16,15 @@ import statistics
 import time
 
 import torch
+from rule_inputs import smollm2_shapes, strategy
 
-from nestfed import methods
 from nestfed.federation.messages import ClientInfo, Reply
-
-
-def strategy(name: str, ranks: list[int], lora_alpha: float, *overrides: str, initial=None):
-    """The server strategy of ``name`` as its home builds it, for these client ranks."""
-    cfg = methods.load_config(
-        None,
-        [
-            f"strategy.name={name}",
-            f"data.num_clients={len(ranks)}",
-            f"lora.ranks={list(ranks)}",
-            f"lora.lora_alpha={lora_alpha}",
-            *overrides,
-        ],
-    )
-    return methods.get(name).server(cfg, initial or {})
-
-
-def shapes(layers: int) -> dict[str, tuple[int, int]]:
-    out = {}
-    for i in range(layers):
-        for name, (o, n) in {
-            "q_proj": (576, 576),
-            "k_proj": (192, 576),
-            "v_proj": (192, 576),
-            "o_proj": (576, 576),
-        }.items():
-            out[f"model.layers.{i}.self_attn.{name}"] = (o, n)
-    return out
 
 
 def bench(name: str, ranks: list[int], layers: int, repeats: int) -> dict:
     st = strategy(name, ranks, 2.0 * max(ranks), "hetlora.pruning=false")
     clients = [ClientInfo(i, r, 10 + i) for i, r in enumerate(ranks)]
-    state = st.initialize(shapes(layers), clients)
+    state = st.initialize(smollm2_shapes(range(layers)), clients)
     ins = st.configure(1, state, clients)
     g = torch.Generator().manual_seed(0)
     replies = {

@@ -14,43 +14,15 @@ from __future__ import annotations
 import json
 
 import torch
+from rule_inputs import smollm2_shapes, strategy
 
 from nestfed import methods
 from nestfed.config.capabilities import Capability
 from nestfed.federation.messages import ClientInfo, Reply
 from nestfed.federation.payload import payload_stats
 
-
-def strategy(name: str, ranks: list[int], lora_alpha: float, *overrides: str, initial=None):
-    """The server strategy of ``name`` as its home builds it, for these client ranks."""
-    cfg = methods.load_config(
-        None,
-        [
-            f"strategy.name={name}",
-            f"data.num_clients={len(ranks)}",
-            f"lora.ranks={list(ranks)}",
-            f"lora.lora_alpha={lora_alpha}",
-            *overrides,
-        ],
-    )
-    return methods.get(name).server(cfg, initial or {})
-
-
 RANKS = [2, 4, 4, 8, 16]
 FULL_PARAMS = 134_515_008  # SmolLM2-135M (tied embeddings), counted from the loaded model
-
-
-def shapes(layers: list[int]) -> dict[str, tuple[int, int]]:
-    out = {}
-    for i in layers:
-        for name, (o, n) in {
-            "q_proj": (576, 576),
-            "k_proj": (192, 576),
-            "v_proj": (192, 576),
-            "o_proj": (576, 576),
-        }.items():
-            out[f"model.layers.{i}.self_attn.{name}"] = (o, n)
-    return out
 
 
 # Every rule that exchanges LoRA factors (or their cores), in the docs' order; the methods that take
@@ -81,7 +53,7 @@ def method_bytes(name: str, layer_ids: list[int], rounds: int = 3) -> dict:
     ranks = OWN_RANKS.get(name, RANKS) if heterogeneous else [8] * len(RANKS)
     st = strategy(name, ranks, 16.0, "hetlora.pruning=false")
     clients = [ClientInfo(i, r, 24) for i, r in enumerate(ranks)]
-    state = st.initialize(shapes(layer_ids), clients)
+    state = st.initialize(smollm2_shapes(layer_ids), clients)
     per_round = []
     for rnd in range(1, rounds + 1):
         ins = st.configure(rnd, state, clients)

@@ -114,7 +114,7 @@ class AttackConfig:
     value: float = 1e9
 
 
-def check_trust(  # noqa: C901 (one branch per trust setting's check, in order)
+def check_trust(
     v: ValidationConfig,
     r: RobustConfig,
     p: PrivacyConfig,
@@ -124,7 +124,7 @@ def check_trust(  # noqa: C901 (one branch per trust setting's check, in order)
     fraction: float,
     sampling: str,
 ) -> None:
-    """Check the trust sections.
+    """Check the trust sections, in the order validation, robust, privacy, attack.
 
     Args:
         v: ``[validation]``.
@@ -140,6 +140,15 @@ def check_trust(  # noqa: C901 (one branch per trust setting's check, in order)
     Raises:
         ValueError: "<section.key>: <reason>", for the first value at fault.
     """
+    _check_validation(v)
+    if p.noise_multiplier < 0:  # refused whether privacy is on or not: a value that would be wrong if it were
+        raise ValueError(f"privacy.noise_multiplier must be >= 0, got {p.noise_multiplier}")
+    _check_robust(r, sampled)
+    _check_privacy(p, r, fraction, sampling)
+    _check_attack(a, num_clients)
+
+
+def _check_validation(v: ValidationConfig) -> None:
     if v.num_examples not in NUM_EXAMPLES_POLICIES:
         raise ValueError(f"validation.num_examples must be 'reject' or 'cap', got '{v.num_examples}'")
     if v.max_update_norm < 0:
@@ -152,8 +161,9 @@ def check_trust(  # noqa: C901 (one branch per trust setting's check, in order)
         )
     if v.stall_rounds < 0:
         raise ValueError(f"validation.stall_rounds must be >= 0 (0 = never stop), got {v.stall_rounds}")
-    if p.noise_multiplier < 0:  # refused whether privacy is on or not: a value that would be wrong if it were
-        raise ValueError(f"privacy.noise_multiplier must be >= 0, got {p.noise_multiplier}")
+
+
+def _check_robust(r: RobustConfig, sampled: int) -> None:
     if r.rule not in RULES:
         raise ValueError(f"robust.rule: unknown rule '{r.rule}' (known: {', '.join(RULES)})")
     if not 0 <= r.trim_fraction < 0.5:
@@ -169,25 +179,32 @@ def check_trust(  # noqa: C901 (one branch per trust setting's check, in order)
         )
     if r.multi_krum_keep < 0 or r.multi_krum_keep > sampled:
         raise ValueError(f"robust.multi_krum_keep must be in [0, {sampled}] (0 = m - f), got {r.multi_krum_keep}")
+
+
+def _check_privacy(p: PrivacyConfig, r: RobustConfig, fraction: float, sampling: str) -> None:
     if p.mode not in PRIVACY_MODES:
         raise ValueError(f"privacy.mode must be off, central or local, got '{p.mode}'")
     if p.accountant not in ACCOUNTANTS:
         raise ValueError(f"privacy.accountant must be 'pld' or 'rdp', got '{p.accountant}'")
-    if p.mode != "off":
-        if p.clip_norm <= 0:
-            raise ValueError("privacy.clip_norm: differential privacy needs a clip norm C > 0 (the sensitivity)")
-        if not 0 < p.delta < 1:
-            raise ValueError(f"privacy.delta must be in (0, 1), got {p.delta}")
-        if p.mode == "central" and r.rule != "mean":
-            raise ValueError(
-                f"privacy.mode: central DP replaces the aggregation rule by its noisy mean; "
-                f"robust.rule = '{r.rule}' cannot be combined with it"
-            )
-        if p.mode == "central" and fraction < 1 and sampling != "poisson":
-            raise ValueError(
-                "federation.sampling: central DP with federation.fraction < 1 needs "
-                "sampling = 'poisson' (the accountant's subsampling amplification assumes it)"
-            )
+    if p.mode == "off":
+        return
+    if p.clip_norm <= 0:
+        raise ValueError("privacy.clip_norm: differential privacy needs a clip norm C > 0 (the sensitivity)")
+    if not 0 < p.delta < 1:
+        raise ValueError(f"privacy.delta must be in (0, 1), got {p.delta}")
+    if p.mode == "central" and r.rule != "mean":
+        raise ValueError(
+            f"privacy.mode: central DP replaces the aggregation rule by its noisy mean; "
+            f"robust.rule = '{r.rule}' cannot be combined with it"
+        )
+    if p.mode == "central" and fraction < 1 and sampling != "poisson":
+        raise ValueError(
+            "federation.sampling: central DP with federation.fraction < 1 needs "
+            "sampling = 'poisson' (the accountant's subsampling amplification assumes it)"
+        )
+
+
+def _check_attack(a: AttackConfig, num_clients: int) -> None:
     if a.kind not in ATTACKS:
         raise ValueError(f"attack.kind: unknown attack '{a.kind}' (known: {', '.join(ATTACKS)})")
     bad = [c for c in a.clients if not 0 <= c < num_clients]

@@ -162,17 +162,7 @@ def run_method(
     trainer = mr.trainer if isinstance(mr.trainer, ClientTrainer) else None
 
     def summary(state: GlobalState) -> dict[str, Any]:
-        out: dict[str, Any] = {"prepare_time_s": prep.prepare_time_s, "frozen_prefix_layers": prep.frozen_prefix_layers}
-        pool = getattr(prep.data, "stats", None)
-        if pool is not None:
-            out["client_pool"] = dataclasses.asdict(pool)
-        if config.per_client_inline(cfg):
-            out["client_labels"] = {str(c.cid): prep.label(c.cid) for c in prep.clients}
-        if glob is not None and trainer is not None:  # what each client runs, on the global set
-            out["global_by_client"] = {}
-            for cid in loop_panel(cfg, mr):
-                arrays, scale = mr.strategy.deploy(state, cid)
-                out["global_by_client"][str(cid)] = trainer.evaluate_on(cid, arrays, scale, glob)
+        out = _summary_fields(prep, cfg, mr, glob, state)
         if cfg.generation.rows:  # the generated evaluation (nestfed.experiments.generated)
             out["generation"] = generated(prep, cfg, mr, state, run_dir, on_event)
         if report is not None:
@@ -204,6 +194,25 @@ def run_method(
         return RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, config.per_client_inline(cfg))
 
     return run_federation(cfg, fed, open_run_dir, resume, t0)
+
+
+def _summary_fields(
+    prep: Prepared, cfg: ExperimentConfig, mr: MethodRun, glob: Any, state: GlobalState
+) -> dict[str, Any]:
+    """The summary's preparation fields, client labels, and each panel client's model on the global set."""
+    out: dict[str, Any] = {"prepare_time_s": prep.prepare_time_s, "frozen_prefix_layers": prep.frozen_prefix_layers}
+    pool = getattr(prep.data, "stats", None)
+    if pool is not None:
+        out["client_pool"] = dataclasses.asdict(pool)
+    if config.per_client_inline(cfg):
+        out["client_labels"] = {str(c.cid): prep.label(c.cid) for c in prep.clients}
+    trainer = mr.trainer if isinstance(mr.trainer, ClientTrainer) else None
+    if glob is not None and trainer is not None:  # what each client runs, on the global set
+        out["global_by_client"] = {}
+        for cid in loop_panel(cfg, mr):
+            arrays, scale = mr.strategy.deploy(state, cid)
+            out["global_by_client"][str(cid)] = trainer.evaluate_on(cid, arrays, scale, glob)
+    return out
 
 
 def generated(

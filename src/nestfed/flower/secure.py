@@ -494,23 +494,10 @@ def secure_fit(
         out.info[c] = {"node_id": node_of[c], "wire_bytes_down": sum(len(t) for t in fi.parameters.tensors)}
     shim = SumOnly(fitins)
     shares, threshold = sa.shares(k), sa.threshold_for(k)
-    workflow = SurvivingSecAggPlus(
-        shares / k,
-        threshold,
-        max_weight=1.0,
-        clipping_range=sa.clipping_range,
-        quantization_range=sa.quantization_range,
-        modulus_range=MODULUS,
-        timeout=timeout_s,
-    )
     stages = StageGrid(grid, exchange, timeout_s, poll_s)
-    workflow(stages, _legacy_context(rnd, shim))
+    _workflow(sa, k, timeout_s)(stages, _legacy_context(rnd, shim))
     contributors = sorted(cid_of[p.node_id] for p, _ in shim.results) if shim.mean is not None else []
-    for c in cids:
-        if c not in contributors:
-            out.dropped[c] = stages.lost.get(node_of[c]) or (
-                f"node {node_of[c]}: secure aggregation halted (fewer than {threshold} live neighbours for some node)"
-            )
+    _record_dropped(out, [c for c in cids if c not in contributors], node_of, stages, threshold)
     info = {
         "clients": k,
         "shares": shares,
@@ -529,6 +516,29 @@ def secure_fit(
         say(f"round {rnd}: secure aggregation produced no sum")
     out.round_info = {"secure_aggregation": info, "flower": {"exchange_s": time.perf_counter() - t0}}
     return out
+
+
+def _workflow(sa: SecAggSettings, k: int, timeout_s: float) -> SurvivingSecAggPlus:
+    """Flower's SecAgg+ workflow for ``k`` clients under the settings ``sa``."""
+    return SurvivingSecAggPlus(
+        sa.shares(k) / k,
+        sa.threshold_for(k),
+        max_weight=1.0,
+        clipping_range=sa.clipping_range,
+        quantization_range=sa.quantization_range,
+        modulus_range=MODULUS,
+        timeout=timeout_s,
+    )
+
+
+def _record_dropped(
+    out: FitResults, dropped: list[int], node_of: dict[int, int], stages: StageGrid, threshold: int
+) -> None:
+    """Give each client left out of the sum the reason its node was lost (or that the protocol halted)."""
+    for c in dropped:
+        out.dropped[c] = stages.lost.get(node_of[c]) or (
+            f"node {node_of[c]}: secure aggregation halted (fewer than {threshold} live neighbours for some node)"
+        )
 
 
 def _legacy_context(rnd: int, shim: SumOnly) -> LegacyContext:

@@ -251,16 +251,7 @@ def query(
         What the round found.
     """
     t0 = time.perf_counter()
-    msgs = {
-        n: Message(
-            RecordDict({EXPERIMENT: _experiment_record(cfg_text)}),
-            dst_node_id=n,
-            message_type=MessageType.QUERY,
-            group_id="query",
-            ttl=settings.connect_timeout_s + 60,
-        )
-        for n in nodes
-    }
+    msgs = {n: _query_message(n, cfg_text, settings) for n in nodes}
     ex = exchange(grid, msgs, settings.connect_timeout_s, settings.poll_interval_s)
     for n in ex.missing:
         say(f"query: node {n} did not answer within {settings.connect_timeout_s:.0f} s; left out")
@@ -278,35 +269,69 @@ def query(
                 refusal = msg.error.reason.strip().splitlines()[-1]
             continue
         try:
-            rec = dict(msg.content.config_records["node"])
-            cid, rank, n_k = int(rec["partition-id"]), int(rec["rank"]), int(rec["num-examples"])
-            node_shapes = {k: (int(v[0]), int(v[1])) for k, v in json.loads(str(rec["shapes"])).items()}
-        except (KeyError, TypeError, ValueError, IndexError) as exc:
-            say(f"query: node {n} left out: malformed reply ({exc!r})")
+            reply = _read_query_reply(msg)
+            _check_joins(reply, node_of, shapes)
+        except ValueError as exc:
+            say(f"query: node {n} left out: {exc}")
             continue
-        if cid in node_of:
-            say(f"query: node {n} left out: partition {cid} is already served by node {node_of[cid]}")
-            continue
-        if shapes is not None and node_shapes != shapes:
-            say(f"query: node {n} left out: its LoRA layer shapes differ from the other nodes'")
-            continue
-        shapes = node_shapes
+        shapes = reply.shapes
         if INITIAL_ARRAYS in msg.content.array_records and not initial:
             initial = record_to_arrays(msg.content.array_records[INITIAL_ARRAYS])
-        base_model = str(rec.get("base-model", ""))
-        node_of[cid] = n
-        clients.append(ClientInfo(cid, rank, n_k))
-        info[str(cid)] = {
-            "node_id": n,
-            "rank": rank,
-            "num_examples": n_k,
-            "prepare_s": float(rec.get("prepare-s", 0.0)),
-            "process_age_s": float(rec.get("process-age-s", -1.0)),
-            "torch_threads": int(rec.get("torch-threads", 0)),
-            "label": str(rec.get("label", "")),
-        }
+        base_model = str(reply.record.get("base-model", ""))
+        node_of[reply.client.cid] = n
+        clients.append(reply.client)
+        info[str(reply.client.cid)] = _node_info(n, reply)
     clients.sort(key=lambda c: c.cid)
     missing = sorted(set(range(cfg.data.num_clients)) - set(node_of))
     if missing:
         say(f"query: no node serves partitions {missing}; the federation runs without them")
     return QueryResult(clients, node_of, shapes or {}, base_model, info, initial, time.perf_counter() - t0, refusal)
+
+
+@dataclass(frozen=True)
+class _QueryReply:
+    client: ClientInfo
+    shapes: dict[str, tuple[int, int]]
+    record: dict[str, Any]
+
+
+def _query_message(node: int, cfg_text: str, settings: RunSettings) -> Message:
+    return Message(
+        RecordDict({EXPERIMENT: _experiment_record(cfg_text)}),
+        dst_node_id=node,
+        message_type=MessageType.QUERY,
+        group_id="query",
+        ttl=settings.connect_timeout_s + 60,
+    )
+
+
+def _read_query_reply(msg: Message) -> _QueryReply:
+    """A node's QUERY reply; ValueError with the reason when it cannot be read."""
+    try:
+        rec = dict(msg.content.config_records["node"])
+        client = ClientInfo(int(rec["partition-id"]), int(rec["rank"]), int(rec["num-examples"]))
+        node_shapes = {k: (int(v[0]), int(v[1])) for k, v in json.loads(str(rec["shapes"])).items()}
+    except (KeyError, TypeError, ValueError, IndexError) as exc:
+        raise ValueError(f"malformed reply ({exc!r})") from None
+    return _QueryReply(client, node_shapes, rec)
+
+
+def _check_joins(reply: _QueryReply, node_of: dict[int, int], shapes: dict[str, tuple[int, int]] | None) -> None:
+    """ValueError with the reason when a readable reply cannot join the nodes already accepted."""
+    if reply.client.cid in node_of:
+        raise ValueError(f"partition {reply.client.cid} is already served by node {node_of[reply.client.cid]}")
+    if shapes is not None and reply.shapes != shapes:
+        raise ValueError("its LoRA layer shapes differ from the other nodes'")
+
+
+def _node_info(node: int, reply: _QueryReply) -> dict[str, Any]:
+    rec = reply.record
+    return {
+        "node_id": node,
+        "rank": reply.client.rank,
+        "num_examples": reply.client.num_examples,
+        "prepare_s": float(rec.get("prepare-s", 0.0)),
+        "process_age_s": float(rec.get("process-age-s", -1.0)),
+        "torch_threads": int(rec.get("torch-threads", 0)),
+        "label": str(rec.get("label", "")),
+    }
