@@ -3,6 +3,7 @@ bounded whatever the method, a memory never widens it, and a stream never sees p
 
 import pytest
 import torch
+from transformers import DynamicCache
 
 from nestfed.config.schema import ModelConfig
 from nestfed.evaluation.streaming import stream_nll
@@ -73,3 +74,19 @@ def test_a_stream_never_sees_past_the_deployment_window(ids):
     install_bounded_attention(plain.model)
     assert (stream_nll(plain.model, ids, chunk=5, mode="full", window=0) - one_pass).abs().max() > 1e-4
     assert all(b.window == W for b in bounded_layers(windowed.model).values())
+
+
+@pytest.mark.parametrize("sinks", [0, 2])
+@pytest.mark.parametrize("chunks", [(T,), (16, 1, 1, 1, 21), (5, 12, 23)])
+def test_a_hugging_face_cache_keeps_the_deployment_window(ids, sinks, chunks):
+    """Fed through a Hugging Face KV cache in chunks (prefill, one-token decode steps, chunks wider
+    than the window), a bounded model computes what one pass of it does: the window counts the
+    cache's keys, not the call's queries."""
+    windowed = load_backbone(ModelConfig(name="tiny-llama", attention_window=8, attention_sinks=sinks))
+    cache, parts, start = DynamicCache(), [], 0
+    with torch.no_grad():
+        for n in chunks:
+            out = windowed.model(ids[:, start : start + n], past_key_values=cache, use_cache=True)
+            parts.append(out.logits)
+            start += n
+    torch.testing.assert_close(torch.cat(parts, dim=1), logits(windowed, ids), rtol=1e-4, atol=1e-5)

@@ -262,7 +262,7 @@ def bounded_attention_forward(
         cache_keys, keys, values, k_pos, mask = context
     else:
         cache_keys, k_pos = keys, None  # what a stream would carry on: the sinks at their own positions
-        mask = _window_mask(self, bounds.padding, B, T, q_rot, (window, sink, own), attention_mask)
+        mask = _window_mask(self, bounds.padding, keys.shape[2], T, q_rot, (window, sink, own), attention_mask)
     soft, _ = _attention_interface(self)(
         self,
         q_rot,
@@ -347,24 +347,26 @@ def _stream_context(
 def _window_mask(
     self: nn.Module,
     padding: torch.Tensor | None,
-    B: int,
+    C: int,
     T: int,
     q_rot: torch.Tensor,
     spans: tuple[int, int, int],
     attention_mask: torch.Tensor | None,
 ) -> torch.Tensor | None:
     """The mask of a call without a stream: ``attention_mask`` as given unless the window (of
-    ``spans`` = (window, sink, own window)) is narrower than the call's T tokens; then the window's
-    and the sinks' positional mask combined with it, the sinks each row's first real tokens under
-    left ``padding`` [B, T]."""
+    ``spans`` = (window, sink, own window)) is narrower than the call's C keys (its T queries are
+    the last T of them: C = T without a Hugging Face cache); then the window's and the sinks'
+    positional mask combined with it, the sinks each row's first real tokens under left
+    ``padding`` [B, C]."""
     window, sink, _ = spans
-    if not (window > 0 and T > window):
+    if not (window > 0 and C > window):
         return attention_mask
-    pos = torch.arange(T, device=q_rot.device)
-    valid = padding if padding is not None and padding.shape == (B, T) else None
+    pos = torch.arange(C, device=q_rot.device)
+    B = q_rot.shape[0]
+    valid = padding if padding is not None and padding.shape == (B, C) else None
     if sink and valid is not None and not bool(valid.all()):  # the sinks: each row's first real tokens
-        pos = valid.long().cumsum(1) - 1  # [B, T]: real-token positions (pads are masked anyway)
-    return _combine(positional_mask(self.config, pos, pos, q_rot.dtype, *spans), attention_mask)
+        pos = valid.long().cumsum(1) - 1  # [B, C]: real-token positions (pads are masked anyway)
+    return _combine(positional_mask(self.config, pos[..., C - T :], pos, q_rot.dtype, *spans), attention_mask)
 
 
 # ----------------------------------------------------------------------------- install / query
