@@ -5,9 +5,11 @@ each *rank partition* of the clients' updates over the clients that contribute t
 (docs/methods.md section 8).
 
 What the paper says, as far as it could be read here (its abstract, v1 and v2, and its outline:
-sections 3 Preliminaries, 4 Problem Analysis, 5 raFLoRA Method, appendix A "Proof of Rank Collapse
-in Heterogeneous FedLoRA"; the text of sections 3-5, and so its equations and their numbers, could
-not be reached, and no public code was found):
+sections 3 Preliminaries, 4 Problem Analysis, 5 raFLoRA Method, appendices A "Proof of Rank
+Collapse in Heterogeneous FedLoRA", B "A Mean-Field Analysis under General Non-IID Settings" and E
+"Hyperparameter Settings for Main Experiments"; the stored copies of the paper, arxiv.org/html
+v1 and the v2 markdown, hold only its opening, so the text of sections 3-5, its equations and their
+numbers, and Algorithm 1 could not be reached, and no public code was found):
 
 - *Rank collapse*: under SVD-based allocation the energy of the global update concentrates in the
   minimum shared rank. Cause: a mismatch between rank-agnostic aggregation weights and
@@ -15,6 +17,10 @@ not be reached, and no public code was found):
   rate over rounds.
 - *raFLoRA*: decompose the local updates into rank partitions and aggregate each partition
   weighted by its effective client contributions; communication stays FlexLoRA's.
+- A third-party machine reading of the paper (pith.science/p/2602.13486, not the authors') restates
+  the rule as weighting "each rank level separately by the number of clients actually supplying
+  updates at that rank": the holder sets C_j below, renormalised over, as both weightings here do
+  (``uniform`` is exactly 1 / |C_j|).
 
 The rule built here, per LoRA layer and round (notation of docs/methods.md section 5: p_k the
 client weights, s_k client k's scale, s = scale(r_max), B, A the global factors):
