@@ -45,7 +45,7 @@ class PopulationConfig:
         memory_mib: {device memory in MiB: share}: alternatively each client's memory budget is
             drawn from these tiers and its rank is the largest of ``rank_choices`` whose training
             footprint fits the budget (the footprint model of nestfed.nn.footprint, measured on the
-            backbone when the experiment is prepared).
+            backbone when the experiment is prepared), at the precision ``precisions`` chooses.
         rank_choices: the ranks a memory budget chooses from (empty = 1, 2, 4, ... up to
             lora.r_max).
         precisions: the backbone precisions a memory budget chooses from (values of
