@@ -116,6 +116,8 @@ def asked_by(cfg: Any) -> dict[Capability, str]:
         out[Capability.SERVER_OPTIMIZER] = "server_optimizer.name"
     if cfg.model.quantization != "none":
         out[Capability.QUANTIZED_BACKBONE] = "model.quantization"
+    elif any(q != "none" for q in cfg.population.precisions):
+        out[Capability.QUANTIZED_BACKBONE] = "population.precisions"
     return out
 
 

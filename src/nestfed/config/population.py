@@ -11,8 +11,9 @@ exactly.
 
 from __future__ import annotations
 
+import importlib.util
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -24,6 +25,11 @@ Shares = tuple[tuple[int, float], ...]
 
 RANK_DRAWS = ("stratified", "independent")
 ELASTIC = ("none", "uniform", "trace")
+#: the backbone precisions (``model.quantization``'s values), the most precise first: the order in
+#: which a memory budget tries them (`choose_tier`)
+PRECISIONS = ("none", "int8", "nf4")
+#: bytes of a client's training footprint at rank r, one per backbone precision
+Footprints = Mapping[str, Callable[[int], int]]
 
 
 @dataclass(frozen=True)
@@ -39,9 +45,17 @@ class PopulationConfig:
         memory_mib: {device memory in MiB: share}: alternatively each client's memory budget is
             drawn from these tiers and its rank is the largest of ``rank_choices`` whose training
             footprint fits the budget (the footprint model of nestfed.nn.footprint, measured on the
-            backbone when the experiment is prepared).
+            backbone when the experiment is prepared), at the precision ``precisions`` chooses.
         rank_choices: the ranks a memory budget chooses from (empty = 1, 2, 4, ... up to
             lora.r_max).
+        precisions: the backbone precisions a memory budget chooses from (values of
+            ``model.quantization``; empty = ``model.quantization`` alone, every client on the one
+            backbone). With several, each client's tier is the most precise backbone whose
+            footprint holds at least the smallest of ``rank_choices``, then the largest rank that
+            fits at that precision (`choose_tier`; docs/scale.md, device tiers): precision first,
+            since a lower precision costs every rank (nf4 costs the main job 23% held-out
+            perplexity, bench/results/quantization_main_job), where a lower rank only narrows the
+            adapter.
         rank_draw: ``stratified`` (each value's count is its share of data.num_clients, rounded by
             largest remainders, on a seeded permutation of the clients) or ``independent`` (every
             client draws on its own).
@@ -60,6 +74,7 @@ class PopulationConfig:
     rank_shares: Shares = ()
     memory_mib: Shares = ()
     rank_choices: tuple[int, ...] = ()
+    precisions: tuple[str, ...] = ()
     rank_draw: str = "stratified"
     elastic: str = "none"
     elastic_trace: str = ""
@@ -70,6 +85,17 @@ class PopulationConfig:
     def draws_ranks(self) -> bool:
         """Whether the clients' ranks come from this section (shares or memory budgets), not lora.ranks."""
         return bool(self.rank_shares or self.memory_mib)
+
+    def tiers(self, own: str) -> list[str]:
+        """List the backbone precisions the clients may hold, the most precise first.
+
+        Args:
+            own: ``model.quantization``.
+
+        Returns:
+            ``precisions`` in `PRECISIONS`' order, else ``[own]``.
+        """
+        return sorted(set(self.precisions), key=PRECISIONS.index) if self.precisions else [own]
 
     def support(self, r_max_setting: int) -> list[int]:
         """List the ranks a client may be given, sorted.
@@ -134,6 +160,18 @@ def check_population(p: PopulationConfig, lora_ranks: Sequence[int], r_max_setti
         )
     if p.rank_choices and not p.memory_mib:
         raise ValueError("population.rank_choices: only population.memory_mib chooses from it")
+    unknown = [q for q in p.precisions if q not in PRECISIONS]
+    if unknown:
+        raise ValueError(f"population.precisions: unknown {unknown} (known: {', '.join(PRECISIONS)})")
+    if len(set(p.precisions)) != len(p.precisions):
+        raise ValueError(f"population.precisions: a precision is listed twice ({list(p.precisions)})")
+    if p.precisions and not p.memory_mib:
+        raise ValueError("population.precisions: only population.memory_mib chooses from it")
+    if any(q != "none" for q in p.precisions) and importlib.util.find_spec("bitsandbytes") is None:
+        raise ValueError(
+            "population.precisions: int8 and nf4 need bitsandbytes, which is not installed "
+            "(scripts/setup.sh installs it; or pip install bitsandbytes)"
+        )
     if p.rank_draw not in RANK_DRAWS:
         raise ValueError(f"population.rank_draw: '{p.rank_draw}' is not one of {', '.join(RANK_DRAWS)}")
     if p.elastic not in ELASTIC:
@@ -183,19 +221,42 @@ def draw(shares: Shares, n: int, how: str, seed: int, stream: str) -> list[int]:
     return [int(v) for v in out[rng.permutation(n)]]
 
 
-def assign_ranks(
+def choose_tier(mib: int, choices: Sequence[int], sizes: Mapping[str, Mapping[int, int]]) -> tuple[str, int] | None:
+    """Choose a memory budget's tier (docs/scale.md, device tiers).
+
+    The most precise backbone that holds at least the smallest rank choice, then the largest rank
+    that fits at that precision.
+
+    Args:
+        mib: the budget, MiB.
+        choices: the ranks it chooses from.
+        sizes: {precision: {rank: footprint bytes}}, precisions among `PRECISIONS`.
+
+    Returns:
+        (precision, rank); None when no precision holds any rank.
+    """
+    for precision in sorted(sizes, key=PRECISIONS.index):
+        fits = [r for r in choices if sizes[precision][r] <= mib * 2**20]
+        if fits:
+            return precision, max(fits)
+    return None
+
+
+def assign_tiers(
     p: PopulationConfig,
     lora_ranks: Sequence[int],
     r_max_setting: int,
     num_clients: int,
     seed: int,
-    footprint: Callable[[int], int] | None = None,
-) -> tuple[list[int], list[int] | None]:
-    """Assign every client its rank and, for memory budgets, its budget.
+    footprints: Footprints | Callable[[int], int] | None = None,
+    own: str = "none",
+) -> tuple[list[int], list[int] | None, list[str]]:
+    """Assign every client its rank, its backbone precision and, for memory budgets, its budget.
 
     From ``rank_shares`` (`draw`, stream ``population/rank``), from ``memory_mib`` (budgets
-    drawn by stream ``population/memory``; rank = the largest choice whose ``footprint(r)`` bytes
-    fit the budget), else ``lora.ranks`` broadcast.
+    drawn by stream ``population/memory``; the tier, precision and rank, by `choose_tier` among
+    ``p.tiers(own)`` and the rank choices), else ``lora.ranks`` broadcast. Without memory budgets
+    every client holds ``own``.
 
     Args:
         p: the ``[population]`` section.
@@ -203,37 +264,78 @@ def assign_ranks(
         r_max_setting: ``lora.r_max`` as set (0 = unset).
         num_clients: ``data.num_clients``.
         seed: ``data.seed``.
-        footprint: bytes of a client's training footprint at rank r (nestfed.nn.footprint); None
-            before the model is loaded.
+        footprints: {precision: bytes of a client's training footprint at rank r}
+            (nestfed.nn.footprint) for every precision of ``p.tiers(own)``, or one callable for
+            ``own``; None before the model is loaded.
+        own: ``model.quantization``.
+
+    Returns:
+        (rank r_k of every client, every client's memory budget in MiB or None, every client's
+        backbone precision).
+
+    Raises:
+        ValueError: naming ``population.memory_mib`` and the client when a budget fits no tier,
+            or when budgets need a footprint and none is given (the model is not loaded yet).
+    """
+    tiers = p.tiers(own)
+    if p.rank_shares:
+        return draw(p.rank_shares, num_clients, p.rank_draw, seed, "population/rank"), None, [own] * num_clients
+    if p.memory_mib:
+        if footprints is None:
+            raise ValueError(
+                "population.memory_mib: the ranks follow from the backbone's footprint, known once the "
+                "experiment is prepared"
+            )
+        if callable(footprints):
+            footprints = {own: footprints}
+        budgets = draw(p.memory_mib, num_clients, p.rank_draw, seed, "population/memory")
+        choices = p.support(r_max_setting)
+        sizes = {q: {r: footprints[q](r) for r in choices} for q in tiers}
+        ranks, precisions = [], []
+        for cid, mib in enumerate(budgets):
+            tier = choose_tier(mib, choices, sizes)
+            if tier is None:
+                least = tiers[-1]
+                where = f" at any precision of {tiers}" if len(tiers) > 1 else ""
+                at = f" at {least}" if len(tiers) > 1 else ""
+                raise ValueError(
+                    f"population.memory_mib: client {cid}'s budget of {mib} MiB holds no rank of {choices}{where} "
+                    f"(rank {choices[0]}{at} needs {sizes[least][choices[0]] / 2**20:.0f} MiB; nestfed.nn.footprint)"
+                )
+            precisions.append(tier[0])
+            ranks.append(tier[1])
+        return ranks, budgets, precisions
+    ranks = list(lora_ranks)
+    return (ranks * num_clients if len(ranks) == 1 else ranks), None, [own] * num_clients
+
+
+def assign_ranks(
+    p: PopulationConfig,
+    lora_ranks: Sequence[int],
+    r_max_setting: int,
+    num_clients: int,
+    seed: int,
+    footprint: Footprints | Callable[[int], int] | None = None,
+    own: str = "none",
+) -> tuple[list[int], list[int] | None]:
+    """Assign every client its rank and, for memory budgets, its budget.
+
+    `assign_tiers` without the precisions.
+
+    Args:
+        p: the ``[population]`` section.
+        lora_ranks: ``lora.ranks``.
+        r_max_setting: ``lora.r_max`` as set (0 = unset).
+        num_clients: ``data.num_clients``.
+        seed: ``data.seed``.
+        footprint: as `assign_tiers`' ``footprints``.
+        own: ``model.quantization``.
 
     Returns:
         (rank r_k of every client, every client's memory budget in MiB or None).
 
     Raises:
-        ValueError: naming ``population.memory_mib`` when a budget fits no choice, or when budgets
-            need a footprint and none is given (the model is not loaded yet).
+        ValueError: as `assign_tiers`.
     """
-    if p.rank_shares:
-        return draw(p.rank_shares, num_clients, p.rank_draw, seed, "population/rank"), None
-    if p.memory_mib:
-        if footprint is None:
-            raise ValueError(
-                "population.memory_mib: the ranks follow from the backbone's footprint, known once the "
-                "experiment is prepared"
-            )
-        budgets = draw(p.memory_mib, num_clients, p.rank_draw, seed, "population/memory")
-        choices = p.support(r_max_setting)
-        sizes = {r: footprint(r) for r in choices}
-        out = []
-        for cid, mib in enumerate(budgets):
-            fits = [r for r in choices if sizes[r] <= mib * 2**20]
-            if not fits:
-                raise ValueError(
-                    f"population.memory_mib: client {cid}'s budget of {mib} MiB holds no rank of "
-                    f"{choices} (rank {choices[0]} needs {sizes[choices[0]] / 2**20:.0f} MiB; "
-                    "nestfed.nn.footprint)"
-                )
-            out.append(max(fits))
-        return out, budgets
-    ranks = list(lora_ranks)
-    return (ranks * num_clients if len(ranks) == 1 else ranks), None
+    ranks, budgets, _ = assign_tiers(p, lora_ranks, r_max_setting, num_clients, seed, footprint, own)
+    return ranks, budgets

@@ -310,7 +310,8 @@ def client_ranks(cfg: ExperimentConfig, footprint=None) -> list[int]:
 
     Args:
         cfg: the experiment.
-        footprint: ``footprint(r) -> bytes`` for memory budgets; None before the model is loaded.
+        footprint: ``footprint(r) -> bytes`` for memory budgets, or {precision: that} for every
+            precision of ``population.precisions``; None before the model is loaded.
 
     Returns:
         The ranks drawn by ``[population]`` (rank shares, or memory budgets through the footprint,
@@ -319,9 +320,8 @@ def client_ranks(cfg: ExperimentConfig, footprint=None) -> list[int]:
     Raises:
         ValueError: when memory budgets need a footprint and none is given.
     """
-    return assign_ranks(cfg.population, cfg.lora.ranks, cfg.lora.r_max, cfg.data.num_clients, cfg.data.seed, footprint)[
-        0
-    ]
+    p, lo, own = cfg.population, cfg.lora, cfg.model.quantization
+    return assign_ranks(p, lo.ranks, lo.r_max, cfg.data.num_clients, cfg.data.seed, footprint, own)[0]
 
 
 def r_max(cfg: ExperimentConfig) -> int:
@@ -456,6 +456,12 @@ def check_lora(cfg: ExperimentConfig) -> None:
     if lo.r_max < 0:
         raise ValueError("lora.r_max must be >= 0")
     check_population(cfg.population, lo.ranks, lo.r_max)
+    precisions = cfg.population.precisions
+    if precisions and cfg.model.quantization not in precisions:
+        raise ValueError(
+            f"population.precisions: {list(precisions)} leaves out model.quantization = "
+            f"'{cfg.model.quantization}', the server's backbone (its evaluation and export); list it"
+        )
     drawn = cfg.population.support(lo.r_max)
     if lo.r_max and max(drawn or lo.ranks) > lo.r_max:
         field = "population" if drawn else "lora.ranks"

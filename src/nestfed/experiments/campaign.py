@@ -26,7 +26,7 @@ from typing import Any
 from nestfed import config, methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
-from nestfed.experiments import comparison, generation_report, preflight, report, seed_report
+from nestfed.experiments import comparison, generation_report, preflight, report, seed_report, tier_report
 from nestfed.experiments.compressed_comparison import compare as compare_compressed
 from nestfed.experiments.prepare import prepare
 from nestfed.experiments.run import new_run_dir, run_method
@@ -382,6 +382,9 @@ def write_comparison(
     curves, importance = seed_report.truncation_stats(rows), seed_report.importance_stats(rows)
     shown, bars = comparison.table_and_plot(rows, reference)
     show(shown)
+    if tier_report.has_tiers(rows):  # device tiers: each label's tiers against the reference
+        ref = reference or next(iter(groups))
+        show(tier_report.table(tier_report.tier_stats(rows, groups, ref), ref))
     markdown = comparison.markdown(rows, reference)
     answers = generation_report.markdown(rows, reference)
     if answers:  # the generated evaluation's scores (ROUGE-L, accuracy) with their intervals

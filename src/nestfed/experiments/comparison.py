@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from nestfed.experiments import generation_report, group_report, report, seed_report
+from nestfed.experiments import generation_report, group_report, report, seed_report, tier_report
 
 
 def table_and_plot(rows: list[dict[str, Any]], reference: str | None = None) -> tuple[Table, bytes]:
@@ -48,7 +48,8 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
     """comparison.md of the comparison rows.
 
     By rank group with many clients, with 95% intervals and paired differences against the
-    reference over seeds, then the truncation curve, its paired differences and the global
+    reference over seeds, then by device tier where budgets chose the clients' precisions, then
+    the truncation curve, its paired differences and the global
     held-out set's curve where the runs measured them.
 
     Args:
@@ -73,6 +74,12 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
         text = seed_report.seeds_markdown(rows, seed_report.label_stats(rows, reference))
     else:
         text = report.comparison_markdown(rows)
+    if tier_report.has_tiers(rows):
+        text += (
+            "\nFinal held-out perplexity by device tier (precision, rank; each label's own tiers): mean over "
+            f"the tier's clients, mean ± 95% over seeds; against {ref} over the tier's seed x client pairs:\n\n"
+        )
+        text += tier_report.markdown(tier_report.tier_stats(rows, groups, ref), ref)
     curves = seed_report.truncation_stats(rows)
     if curves:
         text += "\nHeld-out perplexity of the final global adapter truncated to rank r (mean over clients):\n\n"

@@ -141,16 +141,17 @@ def _answers(
     their mean scores with the references' perplexity."""
     g = cfg.generation
     d = trainer.data[cid]
+    model = trainer.model_of(cid)  # its tier's backbone (population.precisions)
     prompts, refs, idx = prompts_and_references(d, g.rows, tokenizer)
     if as_sent:
-        apply_arrays(trainer.model, arrays, scale)
+        apply_arrays(model, arrays, scale)
     else:
-        apply_arrays(trainer.model, trainer.hooks.evaluation_arrays(trainer.client_state.get(cid, {}), arrays), scale)
+        apply_arrays(model, trainer.hooks.evaluation_arrays(trainer.client_state.get(cid, {}), arrays), scale)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     decoding = Decoding(g.max_new_tokens, g.temperature, g.top_p, g.seed)
     before = count.done
     outs = generate(
-        trainer.model,
+        model,
         prompts,
         decoding,
         stop_ids(tokenizer),
@@ -166,7 +167,7 @@ def _answers(
         )
     scores = mean_scores([{k: v for k, v in x.items() if k in METRICS} for x in rows])
     sel = torch.tensor(idx, dtype=torch.long)
-    ev = evaluate_lm(trainer.model, d.test_labels[sel], d.test_ids[sel], batch_size=trainer.train.eval_batch_size)
+    ev = evaluate_lm(model, d.test_labels[sel], d.test_ids[sel], batch_size=trainer.train.eval_batch_size)
     scores["ppl"] = ev["ppl"]
     return rows, scores
 

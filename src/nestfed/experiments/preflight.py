@@ -22,13 +22,14 @@ round loop asks of the method and transport is refused when the loop is built
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from nestfed import config, methods
 from nestfed.config import ExperimentConfig
 from nestfed.config.capabilities import Capability
+from nestfed.config.population import Footprints
 from nestfed.errors import ConfigError, NestfedError
 from nestfed.federation import tracking
 from nestfed.federation.messages import ClientInfo
@@ -78,15 +79,19 @@ def check_models(prep: Prepared, cfgs: Iterable[ExperimentConfig]) -> None:
 
 
 def embedded(
-    cfg: ExperimentConfig, clients: Sequence[ClientInfo], footprint: Callable[[int], int] | None = None
+    cfg: ExperimentConfig,
+    clients: Sequence[ClientInfo],
+    footprint: Footprints | Callable[[int], int] | None = None,
+    precisions: Mapping[int, str] | None = None,
 ) -> Population:
     """Check an embedded run's federation: its population, then the tracking store.
 
     Args:
         cfg: the experiment's config.
         clients: the clients.
-        footprint: bytes(r) of the backbone at rank r, for an elastic trace of memory budgets;
-            None for none.
+        footprint: bytes(r) of the backbone at rank r, or {precision: that} for device tiers, for
+            an elastic trace of memory budgets; None for none.
+        precisions: {cid: backbone precision}, with a footprint per precision.
 
     Returns:
         The population's per-round draws over ``clients``, its elastic trace read and checked
@@ -95,7 +100,7 @@ def embedded(
     Raises:
         ConfigError: for a bad elastic trace or a tracking store that cannot be written.
     """
-    out = Population.from_config(cfg, clients, footprint)
+    out = Population.from_config(cfg, clients, footprint, precisions)
     tracking.check_store(cfg.tracking, cfg.output.dir)
     return out
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from nestfed.config import ConfigError, ExperimentConfig, client_ranks, r_max
-from nestfed.config.population import assign_ranks
+from nestfed.config.population import assign_tiers
 from nestfed.config.trust import DATA_ATTACKS
 from nestfed.data import client_cache as client_cache_io
 from nestfed.data.client_pool import ClientPool
@@ -21,7 +21,7 @@ from nestfed.data.poisoning import poison_client
 from nestfed.experiments.pretrained_tiny import ensure_pretrained
 from nestfed.federation.messages import ClientInfo
 from nestfed.federation.population import trace_has_budgets
-from nestfed.federation.prepared import Prepared
+from nestfed.federation.prepared import Prepared, tier_config
 from nestfed.nn.backbone import Backbone, default_cache_dir, load_backbone
 from nestfed.nn.bounded_attention import install_bounded_attention
 from nestfed.nn.checkpointing import enable_activation_checkpointing
@@ -91,19 +91,24 @@ def prepare(
     _adapt(backbone.model, cfg)
     shapes = module_shapes(backbone.model)
     start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
-    footprint = _footprint(backbone.model, cfg, start)
+    own = cfg.model.quantization
+    backbones = {own: backbone}
+    footprints = _footprints(backbones, cfg, start, say)
     try:
-        ranks, budgets = assign_ranks(
+        ranks, budgets, precisions = assign_tiers(
             cfg.population,
             cfg.lora.ranks,
             cfg.lora.r_max,
             cfg.data.num_clients,
             cfg.data.seed,
-            footprint.bytes if footprint is not None else None,
+            None if footprints is None else {q: f.bytes for q, f in footprints.items()},
+            own,
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
-    pool = _client_pool(cfg, backbone, start, client_cache)
+    for q in [q for q in backbones if q != own and q not in precisions]:
+        del backbones[q]  # measured for the choice, held by no client
+    pool = _client_pool(cfg, backbones, precisions, start, client_cache)
     cids = list(range(cfg.data.num_clients)) if only_clients is None else list(only_clients)
     say(f"registering {len(cids)} clients")
     clients = [ClientInfo(cid, ranks[cid], pool.num_examples(cid)) for cid in cids]
@@ -117,7 +122,10 @@ def prepare(
         start=start,
         ranks=ranks,
         budgets=None if budgets is None else {cid: budgets[cid] for cid in cids},
-        footprint=footprint,
+        footprint=None if footprints is None else footprints[own],
+        backbones=backbones,
+        precisions=precisions,
+        footprints=footprints,
     )
 
 
@@ -148,34 +156,53 @@ def _adapt(model: torch.nn.Module, cfg: ExperimentConfig) -> None:
         enable_activation_checkpointing(model)
 
 
-def _footprint(model: torch.nn.Module, cfg: ExperimentConfig, start: int) -> Footprint | None:
-    """The training footprint per rank (nestfed.nn.footprint), measured only when memory budgets
-    draw the ranks (``population.memory_mib``, or an elastic trace with budgets); else None."""
+def _footprints(
+    backbones: dict[str, Backbone], cfg: ExperimentConfig, start: int, say: Callable[[str], None]
+) -> dict[str, Footprint] | None:
+    """The training footprint per rank (nestfed.nn.footprint) of every precision a budget chooses
+    from (``population.precisions``), measured only when memory budgets draw the ranks
+    (``population.memory_mib``, or an elastic trace with budgets); else None. Each other precision's
+    backbone is loaded once, LoRA injected, into ``backbones``."""
     p = cfg.population
     budgets_trace = p.elastic == "trace" and trace_has_budgets(p.elastic_trace)
     if not (p.memory_mib or budgets_trace):
         return None
-    return Footprint.measure(model, cfg.train, cfg.data.block_size, start)
+    out = {}
+    for q in p.tiers(cfg.model.quantization):
+        if q not in backbones:
+            say(f"loading the backbone at {q}")
+            backbones[q] = load_backbone(tier_config(cfg, q).model)
+            _adapt(backbones[q].model, cfg)
+        out[q] = Footprint.measure(backbones[q].model, cfg.train, cfg.data.block_size, start)
+    return out
 
 
-def _client_pool(cfg: ExperimentConfig, backbone: Backbone, start: int, client_cache: str | Path | None) -> ClientPool:
+def _client_pool(
+    cfg: ExperimentConfig,
+    backbones: dict[str, Backbone],
+    precisions: list[str],
+    start: int,
+    client_cache: str | Path | None,
+) -> ClientPool:
     """The pool that builds a client's data when first read: an attacking client's text poisoned
-    (``attack.kind`` a data attack, docs/trust.md), its frozen prefix cached from layer ``start``;
-    kept in the client cache (``client_cache_of``)."""
+    (``attack.kind`` a data attack, docs/trust.md), its frozen prefix cached from layer ``start``
+    by its own tier's backbone (``precisions[cid]``); kept in the client cache (``client_cache_of``)
+    under its tier's config."""
     attackers = set(cfg.attack.clients) if cfg.attack.kind in DATA_ATTACKS else set()
+    backbone = backbones[cfg.model.quantization]
     vocab = backbone.model.config.vocab_size
     bs = cfg.train.eval_batch_size
 
     def finish(cid: int, d: ClientData) -> None:
         if cid in attackers:  # an attacking client trains on its poisoned text (docs/trust.md)
             poison_client(d, cfg.attack.kind, vocab, stream_seed(cfg.federation.seed, 0, cid, "poison"))
-        d.cache_prefix(backbone.model, start, bs)
+        d.cache_prefix(backbones[precisions[cid]].model, start, bs)
 
     return ClientPool(
         ClientSource(cfg, backbone.tokenizer),
         range(cfg.data.num_clients),
         finish,
-        lambda cid: client_cache_io.key(cfg, cid),
+        lambda cid: client_cache_io.key(tier_config(cfg, precisions[cid]), cid),
         client_cache_of(cfg, client_cache),
         cfg.train.client_memory_mb * 2**20,
     )

@@ -17,6 +17,7 @@ from nestfed import methods
 from nestfed.config import INLINE_CLIENTS
 from nestfed.errors import DataError
 from nestfed.federation.plots import png, pyplot
+from nestfed.federation.rank_groups import tier_name
 from nestfed.io.markdown import markdown_table
 
 plt = pyplot()  # matplotlib.pyplot on Agg
@@ -83,6 +84,7 @@ def per_client(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
 
     Returns:
         ``final`` / ``initial`` ({cid: metrics}), ``ranks`` ({cid: r_k}; {} when unknown),
+        ``precisions`` ({cid: backbone precision} where budgets chose it, device tiers; else {}),
         ``labels`` ({cid: label}), ``truncation`` and ``global_by_client`` (or None).
 
     Raises:
@@ -114,11 +116,13 @@ def per_client(run_dir: Path, summary: dict[str, Any]) -> dict[str, Any]:
     else:
         final, initial = summary["final"], summary["initial"]
     ranks = {str(r["cid"]): int(r["rank"]) for r in rows} if rows is not None else {}
+    precisions = {str(r["cid"]): r["precision"] for r in rows or [] if r.get("precision")}
     labels = {str(r["cid"]): r.get("label", "") for r in rows} if rows is not None else summary.get("client_labels", {})
     return {
         "final": final,
         "initial": initial,
         "ranks": ranks,
+        "precisions": summary.get("client_precisions") or precisions,
         "labels": summary.get("client_labels") or labels,
         "truncation": extra.get("truncation"),
         "global_by_client": extra.get("global_by_client"),
@@ -133,7 +137,8 @@ def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
 
     Returns:
         Per run: method, its label (`run_label`, with `differing_fields`), seed (federation.seed),
-        ranks, per-client and mean final perplexity, each client's rank r_k, bytes, time, the
+        ranks, per-client and mean final perplexity, each client's rank r_k and device tier
+        (``client_tiers``: {cid: "<precision> r<rank>"}; ``tiered``: budgets chose the precisions), bytes, time, the
         truncation curve and dimension importance when the run measured them, the global held-out
         set's numbers when it had one, and the generated evaluation.
 
@@ -168,6 +173,11 @@ def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
                 "wall_time_s": s.get("wall_time_s", 0.0),
                 "labels": pc["labels"],
                 "client_ranks": pc["ranks"],
+                "client_tiers": {
+                    c: tier_name(pc["precisions"].get(c, cfg["model"].get("quantization", "none")), r)
+                    for c, r in pc["ranks"].items()
+                },
+                "tiered": bool(pc["precisions"]),
                 "rounds": cfg["federation"]["rounds"],
                 "seed": cfg["federation"]["seed"],
                 "label": run_label(cfg, s["method"]),

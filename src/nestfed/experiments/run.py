@@ -59,12 +59,14 @@ def new_run_dir(cfg: ExperimentConfig, parent: Path | None = None) -> Path:
     return path
 
 
-def global_test_data(prep: Prepared, cfg: ExperimentConfig) -> ClientData | None:
-    """The global held-out set (nestfed.data.global_eval_set), built once per preparation.
+def global_test_data(prep: Prepared, cfg: ExperimentConfig, precision: str | None = None) -> ClientData | None:
+    """The global held-out set (nestfed.data.global_eval_set), built once per preparation and precision.
 
     Args:
         prep: the preparation; the set is cached in it.
         cfg: the run's config (``evaluation.global_test``: its rows).
+        precision: the backbone precision whose frozen prefix it caches (a device tier's,
+            ``population.precisions``); None for the backbone's own.
 
     Returns:
         The set, its frozen prefix cached; None when the config asks for none.
@@ -75,13 +77,16 @@ def global_test_data(prep: Prepared, cfg: ExperimentConfig) -> ClientData | None
     rows = cfg.evaluation.global_test
     if not rows:
         return None
-    key = ("global_test", rows)
+    own = prep.cfg.model.quantization
+    precision = precision or own
+    key = ("global_test", rows) if precision == own else ("global_test", rows, precision)
     if key not in prep.cache:
         source = getattr(prep.data, "source", None)
         if source is None:
             raise ConfigError("evaluation.global_test: this preparation has no client source to draw from")
         d = global_test_set(source, rows, cfg.data.num_clients, cfg.data.seed)
-        d.cache_prefix(prep.backbone.model, prep.frozen_prefix_layers, cfg.train.eval_batch_size)
+        model = prep.backbones.get(precision, prep.backbone).model
+        d.cache_prefix(model, prep.frozen_prefix_layers, cfg.train.eval_batch_size)
         prep.cache[key] = d
     return prep.cache[key]
 
@@ -156,8 +161,11 @@ def run_method(
     mr = method.build(prep, cfg)
     install_stream_modules(prep, cfg)
     glob = global_test_data(prep, cfg)
-    fp = prep.footprint.bytes if prep.footprint is not None else None
-    population = preflight.embedded(cfg, mr.clients, fp)  # an elastic trace, the tracking store
+    fp = {q: f.bytes for q, f in prep.footprints.items()} if prep.footprints else None
+    if fp is None and prep.footprint is not None:
+        fp = prep.footprint.bytes
+    tiers = dict(enumerate(prep.precisions)) if prep.precisions is not None else None
+    population = preflight.embedded(cfg, mr.clients, fp, tiers)  # an elastic trace, the tracking store
     text = config.dumps_toml(cfg)
     trainer = mr.trainer if isinstance(mr.trainer, ClientTrainer) else None
 
@@ -211,7 +219,8 @@ def _summary_fields(
         out["global_by_client"] = {}
         for cid in loop_panel(cfg, mr):
             arrays, scale = mr.strategy.deploy(state, cid)
-            out["global_by_client"][str(cid)] = trainer.evaluate_on(cid, arrays, scale, glob)
+            data = global_test_data(prep, cfg, prep.precision(cid)) if prep.mixed_precision else glob
+            out["global_by_client"][str(cid)] = trainer.evaluate_on(cid, arrays, scale, data)
     return out
 
 

@@ -45,14 +45,13 @@ def client_evaluations(run_dir: str | Path, knocked_out: bool = False, prep: Any
         raise NestfedError(f"{run_dir}: {method.name}'s clients do not run the LoRA client trainer")
     ck = rd.latest_checkpoint(method.keeps_client_state(cfg))
     mr.trainer.client_state = ck.client_state or {}
-    model = mr.trainer.model
-    if knocked_out and not memory_rules(model):
+    if knocked_out and not memory_rules(mr.trainer.model):
         raise NestfedError(f"{run_dir}: {method.name} has no memory to knock out")
     out = {}
     for c in mr.clients:
         arrays, scale = mr.strategy.deploy(ck.state, c.cid)
         if knocked_out:
-            with memory_knocked_out(model):
+            with memory_knocked_out(mr.trainer.model_of(c.cid)):
                 out[str(c.cid)] = mr.trainer.evaluate(c.cid, arrays, scale)
         else:
             out[str(c.cid)] = mr.trainer.evaluate(c.cid, arrays, scale)

@@ -46,6 +46,8 @@ class ClientTrainer:
         client_state: {cid: {group: arrays}} kept between rounds (saved with checkpoints).
         privacy: the ``[privacy]`` section (local DP noises each reply).
         attack: the ``[attack]`` section (which clients attack their update, and how).
+        models: {cid: the model of a client whose tier holds the backbone at another precision
+            (``population.precisions``; LoRA injected alike)}; a client not listed runs ``model``.
     """
 
     model: nn.Module
@@ -55,6 +57,18 @@ class ClientTrainer:
     client_state: dict[int, dict[str, Arrays]] = field(default_factory=dict)
     privacy: PrivacyConfig = field(default_factory=PrivacyConfig)
     attack: AttackConfig = field(default_factory=AttackConfig)
+    models: dict[int, nn.Module] = field(default_factory=dict)
+
+    def model_of(self, cid: int) -> nn.Module:
+        """Give the model a client trains and evaluates on.
+
+        Args:
+            cid: the client's id.
+
+        Returns:
+            Its tier's model (``models``), else ``model``.
+        """
+        return self.models.get(cid, self.model)
 
     def fit(self, cid: int, instruction: Instruction) -> Reply:
         """Train a client from the instruction's arrays.
@@ -77,22 +91,23 @@ class ClientTrainer:
             KeyError: for an unknown client.
         """
         hooks = self.hooks
+        model = self.model_of(cid)
         ctx = FitContext(
-            cid, dict(instruction.config), self.client_state.setdefault(cid, {}), self.model, self.data[cid], self.train
+            cid, dict(instruction.config), self.client_state.setdefault(cid, {}), model, self.data[cid], self.train
         )
         t0 = time.perf_counter()
         arrays = hooks.arrays_to_load(ctx, dict(instruction.arrays))
-        apply_arrays(self.model, arrays, float(ctx.config["scaling"]))
+        apply_arrays(model, arrays, float(ctx.config["scaling"]))
         local_metrics = hooks.after_load(ctx, arrays)
-        params = lora_parameters(self.model, hooks.train_a)
-        extras = extra_parameters(self.model, arrays)  # other shipped parameters train too
+        params = lora_parameters(model, hooks.train_a)
+        extras = extra_parameters(model, arrays)  # other shipped parameters train too
         for p in extras.values():
             p.requires_grad_(True)
         params += list(extras.values())
-        self.model.train()
-        with seeded_steps(stream_seed(ctx.seed, ctx.round, cid, "lora_dropout"), model_device(self.model)):
+        model.train()
+        with seeded_steps(stream_seed(ctx.seed, ctx.round, cid, "lora_dropout"), model_device(model)):
             local_metrics.update(hooks.before_steps(ctx, params))
-            self.model.train()  # the steps train in training mode, whatever before_steps left
+            model.train()  # the steps train in training mode, whatever before_steps left
             opt = torch.optim.AdamW(
                 hooks.param_groups(ctx, params), lr=self.train.lr, weight_decay=self.train.weight_decay
             )
@@ -112,16 +127,16 @@ class ClientTrainer:
                 opt.step()
                 if schedule is not None:
                     schedule.step()
-        self.model.eval()
+        model.eval()
         for p in params:
             p.requires_grad_(False)
         metrics: dict[str, float] = {"train_loss": sum(losses) / max(len(losses), 1), "train_tokens": float(tokens)}
         metrics.update(local_metrics)
         metrics.update(hooks.after_steps(ctx))
         if self.train.eval_local:  # the client's own model before aggregation (the aggregation drop)
-            ev = evaluate_client(self.model, ctx.data, self.train)
+            ev = evaluate_client(model, ctx.data, self.train)
             metrics.update({f"local_{k}": v for k, v in ev.items()})
-        out = lora_arrays(self.model, hooks.train_a)
+        out = lora_arrays(model, hooks.train_a)
         out.update({k: p.detach().clone() for k, p in extras.items()})
         out = hooks.reply_arrays(ctx, out)
         if self.privacy.mode == "local":
@@ -130,11 +145,11 @@ class ClientTrainer:
         if attack is not None:
             g = torch.Generator().manual_seed(stream_seed(ctx.seed, ctx.round, cid, "attack"))
             out = attacked_reply(attack, instruction.arrays, out, self.attack, g)
-        ranks = [m.rank for m in lora_modules(self.model).values()]
+        ranks = [m.rank for m in lora_modules(model).values()]
         metrics["rank"] = float(max(ranks)) if ranks else 0.0
         metrics["train_time_s"] = time.perf_counter() - t0
         del opt, params
-        release(model_device(self.model))  # the next client's peak is its own
+        release(model_device(model))  # the next client's peak is its own
         return Reply(out, ctx.data.num_examples, metrics)
 
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
@@ -171,8 +186,9 @@ class ClientTrainer:
         Raises:
             KeyError: for an unknown client.
         """
-        apply_arrays(self.model, arrays, scaling)
-        return evaluate_client(self.model, self.data[cid], self.train)
+        model = self.model_of(cid)
+        apply_arrays(model, arrays, scaling)
+        return evaluate_client(model, self.data[cid], self.train)
 
     def evaluate_on(self, cid: int, arrays: Arrays, scaling: float, data: ClientData) -> dict[str, float]:
         """Evaluate a client's model on another held-out set (e.g. the global held-out set).
@@ -187,5 +203,6 @@ class ClientTrainer:
             `evaluate`'s metrics.
         """
         arrays = self.hooks.evaluation_arrays(self.client_state.get(cid, {}), arrays)
-        apply_arrays(self.model, arrays, scaling)
-        return evaluate_client(self.model, data, self.train)
+        model = self.model_of(cid)
+        apply_arrays(model, arrays, scaling)
+        return evaluate_client(model, data, self.train)

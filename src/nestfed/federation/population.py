@@ -12,14 +12,14 @@ then what it was without the section).
 from __future__ import annotations
 
 import csv
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 
 from nestfed.config import ExperimentConfig
-from nestfed.config.population import PopulationConfig
+from nestfed.config.population import PRECISIONS, Footprints, PopulationConfig
 from nestfed.errors import ConfigError
 from nestfed.federation.messages import ClientInfo
 from nestfed.seeds import stream_seed
@@ -45,17 +45,22 @@ def trace_has_budgets(path: str | Path) -> bool:
 
 
 def read_trace(
-    path: str | Path, ranks: dict[int, int], footprint: Callable[[int], int] | None = None
+    path: str | Path,
+    ranks: dict[int, int],
+    footprint: Footprints | Callable[[int], int] | None = None,
+    precisions: Mapping[int, str] | None = None,
 ) -> dict[tuple[int, int], int]:
     """Read an elastic trace: the rank each client trains at in each round.
 
     Args:
         path: a CSV file with columns ``round`` (1-based), ``client`` and ``rank``, or
             ``memory_mib`` (the client's memory budget that round, in MiB: its rank is then the
-            largest of the federation's ranks up to its own whose ``footprint(r)`` bytes fit, and
-            0 when none fits: the client sits that round out).
+            largest of the federation's ranks up to its own whose ``footprint(r)`` bytes fit at
+            the client's precision, and 0 when none fits: the client sits that round out).
         ranks: {cid: the client's own rank r_k}.
-        footprint: bytes(r) of the backbone at rank r (nestfed.nn.footprint); needed for budgets.
+        footprint: bytes(r) of the backbone at rank r (nestfed.nn.footprint), or {precision: that}
+            for device tiers (``population.precisions``); needed for budgets.
+        precisions: {cid: the client's backbone precision}, with a footprint per precision.
 
     Returns:
         {(round, client): rank}.
@@ -65,7 +70,9 @@ def read_trace(
             positive integer, an unknown client, a rank above the client's own or not among the
             federation's ranks (the segments of nested methods are cut at those: a rank inside a
             segment would count in one rule and not in its sum form), a (round, client) given
-            twice, or budgets without a footprint.
+            twice, budgets without a footprint, or a budget that holds no rank at the client's
+            precision but would at a lower one (a round at another precision than the client's
+            tier is not built: its data, frozen prefix and kept state live on its tier's backbone).
     """
     federation = sorted(set(ranks.values()))
     p = Path(path)
@@ -86,7 +93,8 @@ def read_trace(
                 f"{p}: memory budgets become ranks through the backbone's footprint, which this server "
                 "does not measure (give ranks, or run embedded)"
             )
-        sizes = {r: footprint(r) for r in federation} if value == "memory_mib" else {}
+        tiers = {"": footprint} if callable(footprint) else dict(footprint or {})
+        sizes = {q: {r: f(r) for r in federation} for q, f in tiers.items()} if value == "memory_mib" else {}
         for line, row in enumerate(reader, 2):
             try:
                 rnd, cid, v = int(row["round"]), int(row["client"]), int(row[value])
@@ -97,7 +105,15 @@ def read_trace(
             if cid not in ranks:
                 raise ConfigError(f"{p}:{line}: client {cid} is not in the federation (0..{len(ranks) - 1})")
             if value == "memory_mib":
-                fits = [r for r in federation if r <= ranks[cid] and sizes[r] <= v * 2**20]
+                q = "" if callable(footprint) else (precisions or {}).get(cid, "none")
+                fits = [r for r in federation if r <= ranks[cid] and sizes[q][r] <= v * 2**20]
+                lower = [t for t in PRECISIONS[PRECISIONS.index(q) + 1 :] if t in sizes] if q else []
+                if not fits and any(sizes[t][min(federation)] <= v * 2**20 for t in lower):
+                    raise ConfigError(
+                        f"{p}:{line}: client {cid}'s budget of {v} MiB holds no rank at its precision {q} but "
+                        f"would at {', '.join(lower)}; a round at a lower precision than the client's tier is "
+                        "not built (its data and state live on its tier's backbone; docs/scale.md, device tiers)"
+                    )
                 if (rnd, cid) in out:
                     raise ConfigError(f"{p}:{line}: round {rnd}, client {cid} is given twice")
                 out[(rnd, cid)] = max(fits, default=0)
@@ -136,15 +152,20 @@ class Population:
 
     @classmethod
     def from_config(
-        cls, cfg: ExperimentConfig, clients: Sequence[ClientInfo], footprint: Callable[[int], int] | None = None
+        cls,
+        cfg: ExperimentConfig,
+        clients: Sequence[ClientInfo],
+        footprint: Footprints | Callable[[int], int] | None = None,
+        precisions: Mapping[int, str] | None = None,
     ) -> Population:
         """Build the population of an experiment's ``[population]``.
 
         Args:
             cfg: the experiment.
             clients: the federation's clients (their ranks r_k).
-            footprint: bytes(r) of the backbone (nestfed.nn.footprint), for a trace of memory
-                budgets.
+            footprint: bytes(r) of the backbone (nestfed.nn.footprint), or {precision: that} for
+                device tiers, for a trace of memory budgets.
+            precisions: {cid: backbone precision}, with a footprint per precision.
 
         Returns:
             The population.
@@ -154,7 +175,7 @@ class Population:
         """
         p: PopulationConfig = cfg.population
         own = {c.cid: c.rank for c in clients}
-        trace = read_trace(p.elastic_trace, own, footprint) if p.elastic == "trace" else {}
+        trace = read_trace(p.elastic_trace, own, footprint, precisions) if p.elastic == "trace" else {}
         return cls(p.availability, p.dropout, p.elastic, sorted({c.rank for c in clients}), trace, cfg.federation.seed)
 
     def online(self, rnd: int, clients: Sequence[ClientInfo]) -> list[ClientInfo]:

@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from nestfed.config import ExperimentConfig
-from nestfed.federation.rank_groups import by_rank, summarise_metrics
+from nestfed.federation.rank_groups import HIGHER_IS_WORSE, by_rank, by_tier, summarise_metrics, tier_key, tier_name
 
 
 def summarise(lines: list[dict[str, Any]], cfg: ExperimentConfig) -> dict[str, Any]:
@@ -145,12 +145,13 @@ def completed_summary(
         run_dir: the run directory, as recorded.
 
     Returns:
-        ``summary``: adapter, the rank groups, ``extra``, the per-client maps, ``method_fields``,
-        ``outcome = "completed"`` and ``run_dir``, in that order.
+        ``summary``: adapter, the rank groups, the device tiers (`tier_fields`), ``extra``, the
+        per-client maps, ``method_fields``, ``outcome = "completed"`` and ``run_dir``, in that order.
     """
     summary["adapter"] = adapter
     if roster:
         summary.update(rank_fields(summary, roster_ranks(roster), cfg.population.draws_ranks))
+        summary.update(tier_fields(summary, roster))
     summary.update(extra)
     if inline:
         summary.update(per_client)
@@ -188,13 +189,58 @@ def roster_table(lines: list[dict[str, Any]], roster: Mapping[str, Mapping[str, 
         One row per client (``client_table``).
     """
     budgets = {c: r["memory_mib"] for c, r in roster.items() if r.get("memory_mib") is not None} or None
+    precisions = {c: r["precision"] for c, r in roster.items() if r.get("precision") is not None} or None
     return client_table(
         lines,
         roster_ranks(roster),
         {c: r.get("label", "") for c, r in roster.items()},
         {c: r.get("num_examples", 0) for c, r in roster.items()},
         budgets,
+        precisions,
     )
+
+
+def tier_fields(summary: Mapping[str, Any], roster: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """The summary's device tiers: the clients grouped by (backbone precision, rank).
+
+    Args:
+        summary: the run's summary (its ``final`` and ``initial``).
+        roster: {cid: {rank, precision, ...}}; a client's ``precision`` where budgets chose it
+            (``population.precisions``).
+
+    Returns:
+        {} without precisions in the roster; else ``client_precisions`` ({cid: precision}),
+        ``tiers`` ({`tier_name`: {precision, rank,
+        clients}}, the most precise first, then by rank) and ``by_tier`` (``final`` and
+        ``initial``: {metric: {tier: stats}}; ``change_pct``: each client's relative perplexity
+        change, 100 (final / initial - 1), by tier), as ``by_rank`` is by rank group.
+    """
+    if not any("precision" in r for r in roster.values()):
+        return {}
+    names = {c: tier_name(r["precision"], int(r["rank"])) for c, r in roster.items()}
+    tiers: dict[str, dict[str, Any]] = {}
+    for c in sorted(names, key=int):
+        t = tiers.setdefault(
+            names[c], {"precision": roster[c]["precision"], "rank": int(roster[c]["rank"]), "clients": []}
+        )
+        t["clients"].append(int(c))
+    out: dict[str, Any] = {
+        "client_precisions": {c: roster[c]["precision"] for c in sorted(names, key=int)},
+        "tiers": dict(sorted(tiers.items(), key=lambda kv: tier_key(kv[0]))),
+    }
+    if "final" in summary:
+        final, initial = summary["final"], summary["initial"]
+        grouped: dict[str, Any] = {}
+        for when, ev in (("final", final), ("initial", initial)):
+            grouped[when] = {}
+            for metric in ("ppl", "loss", "accuracy"):
+                vals = {c: m[metric] for c, m in ev.items() if metric in m}
+                if vals and len(vals) == len(ev):
+                    grouped[when][metric] = by_tier(vals, names, metric in HIGHER_IS_WORSE)
+        change = {c: 100.0 * (final[c]["ppl"] / initial[c]["ppl"] - 1.0) for c in final if c in initial}
+        grouped["change_pct"] = by_tier(change, names)
+        out["by_tier"] = grouped
+    return out
 
 
 def rank_fields(summary: Mapping[str, Any], ranks: Mapping[str, int], draws_ranks: bool) -> dict[str, Any]:
@@ -227,6 +273,7 @@ def client_table(
     labels: Mapping[str, str],
     num_examples: Mapping[str, int],
     budgets: Mapping[str, int] | None = None,
+    precisions: Mapping[str, str] | None = None,
 ) -> list[dict[str, Any]]:
     """The per-client table of a run (clients.csv), a pure function of its joined metrics lines.
 
@@ -236,12 +283,14 @@ def client_table(
         labels: {cid: label}.
         num_examples: {cid: n_k}.
         budgets: {cid: memory budget in MiB} when budgets drew the ranks; None leaves the column out.
+        precisions: {cid: backbone precision} when budgets chose it (device tiers); None leaves the
+            column out.
 
     Returns:
         One row per client (ids ascending): cid, rank, label, num_examples, memory_mib (with
-        ``budgets``), rounds_sampled, rounds_accepted, and its first and last held-out metrics
-        (``initial_<metric>``, ``final_<metric>``: of rounds 0 and R; absent for a client neither
-        evaluated).
+        ``budgets``), precision (with ``precisions``), rounds_sampled, rounds_accepted, and its
+        first and last held-out metrics (``initial_<metric>``, ``final_<metric>``: of rounds 0 and
+        R; absent for a client neither evaluated).
     """
     rounds = [ln for ln in lines if ln["round"] > 0]
     evaluated = [ln for ln in lines if ln.get("eval")]
@@ -263,6 +312,8 @@ def client_table(
         }
         if budgets is not None:
             row["memory_mib"] = budgets.get(cid)
+        if precisions is not None:
+            row["precision"] = precisions.get(cid)
         row.update({"rounds_sampled": sampled.get(cid, 0), "rounds_accepted": accepted.get(cid, 0)})
         for prefix, ev in (("initial", first), ("final", last)):
             for k in ("loss", "ppl", "accuracy"):

@@ -35,9 +35,12 @@ SuperNode itself continues from the state of the round it resumes from (tested).
 
 Messages:
 
-- QUERY -> ``node`` ConfigRecord: partition-id, rank, num-examples, base-model, shapes (JSON
-  ``{module: [out, in]}``), prepare-s, process-age-s; and, for a method whose setup gives them,
-  ``initial-arrays`` (an ArrayRecord the server's strategy starts from: FedNL's fresh memory rules).
+- QUERY -> ``node`` ConfigRecord: partition-id, rank, precision (with ``population.precisions``:
+  the backbone precision its tier holds, chosen from the client's memory budget by the same
+  deterministic draw as the embedded runner; the node trains and evaluates on that backbone),
+  num-examples, base-model, shapes (JSON ``{module: [out, in]}``), prepare-s, process-age-s;
+  and, for a method whose setup gives them, ``initial-arrays`` (an ArrayRecord the server's
+  strategy starts from: FedNL's fresh memory rules).
 - TRAIN (``arrays`` + ``config`` = one nestfed Instruction) -> ``arrays`` + ``metrics``
   (the Reply of ``ClientTrainer.fit``; timings added as metrics).
 - EVALUATE (``arrays`` + ``config`` with ``scaling``) -> ``metrics`` (``ClientTrainer.evaluate``).
@@ -324,6 +327,8 @@ def handle_query(msg: Message, context: Context) -> Message:
             "torch-threads": torch.get_num_threads(),
         }
     )
+    if nc.cfg.population.precisions and nc.host is not None:  # device tiers: the backbone this node holds
+        info["precision"] = nc.host.prep.precision(nc.cid)
     content = RecordDict({"node": info})
     if nc.initial_arrays:
         content[INITIAL_ARRAYS] = arrays_to_record(nc.initial_arrays)

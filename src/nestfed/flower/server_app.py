@@ -140,6 +140,9 @@ class FlowerRun:
         roster = {
             str(c.cid): {"rank": c.rank, "label": labels[str(c.cid)], "num_examples": c.num_examples} for c in q.clients
         }
+        if cfg.population.precisions:  # device tiers: each node's precision, as its QUERY reported it
+            for c in q.clients:
+                roster[str(c.cid)]["precision"] = q.info[str(c.cid)].get("precision") or cfg.model.quantization
 
         def summary(state) -> dict[str, Any]:
             if not config.per_client_inline(cfg):

@@ -334,4 +334,5 @@ def _node_info(node: int, reply: _QueryReply) -> dict[str, Any]:
         "process_age_s": float(rec.get("process-age-s", -1.0)),
         "torch_threads": int(rec.get("torch-threads", 0)),
         "label": str(rec.get("label", "")),
+        **({"precision": str(rec["precision"])} if "precision" in rec else {}),
     }

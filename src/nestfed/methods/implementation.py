@@ -11,7 +11,7 @@ its clients keep state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from nestfed.config import ExperimentConfig, client_ranks, r_max
@@ -19,7 +19,7 @@ from nestfed.federation.client import ClientTrainer
 from nestfed.federation.hooks import ClientHooks
 from nestfed.federation.in_process import Trainer
 from nestfed.federation.messages import Arrays, ClientInfo, GlobalState
-from nestfed.federation.prepared import Prepared
+from nestfed.federation.prepared import Prepared, tier_config
 from nestfed.federation.run_dir import Exports
 from nestfed.federation.strategy import LoraSettings, Strategy
 
@@ -129,12 +129,15 @@ def lora_implementation(
 
     def client(prep: Prepared, cfg: ExperimentConfig) -> ClientSide:
         initial = setup(prep, cfg) if setup is not None else {}
-        return ClientSide(
-            ClientTrainer(
-                prep.backbone.model, prep.data, cfg.train, hooks(cfg), privacy=cfg.privacy, attack=cfg.attack
-            ),
-            initial,
+        own = cfg.model.quantization
+        for q, backbone in prep.backbones.items():  # device tiers: every other precision's model alike
+            if q != own and setup is not None:
+                setup(replace(prep, backbone=backbone), tier_config(cfg, q))
+        models = {cid: prep.backbones[q].model for cid, q in enumerate(prep.precisions or []) if q != own}
+        trainer = ClientTrainer(
+            prep.backbone.model, prep.data, cfg.train, hooks(cfg), privacy=cfg.privacy, attack=cfg.attack, models=models
         )
+        return ClientSide(trainer, initial)
 
     def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
         side = client(prep, cfg)
@@ -146,7 +149,8 @@ def lora_implementation(
 
         # this method's ranks (a comparison may run methods at other ranks); memory budgets through the
         # footprint measured when the experiment was prepared
-        ranks = client_ranks(cfg, prep.footprint.bytes if prep.footprint is not None else None)
+        footprints = {q: f.bytes for q, f in prep.footprints.items()} if prep.footprints else None
+        ranks = client_ranks(cfg, footprints or (prep.footprint.bytes if prep.footprint is not None else None))
         clients = [ClientInfo(c.cid, ranks[c.cid], c.num_examples) for c in prep.clients]
         return MethodRun(st, side.trainer, clients, prep.shapes, side.trainer.hooks.keeps_state, finish)
 
