@@ -161,11 +161,7 @@ def run_method(
     mr = method.build(prep, cfg)
     install_stream_modules(prep, cfg)
     glob = global_test_data(prep, cfg)
-    fp = {q: f.bytes for q, f in prep.footprints.items()} if prep.footprints else None
-    if fp is None and prep.footprint is not None:
-        fp = prep.footprint.bytes
-    tiers = dict(enumerate(prep.precisions)) if prep.precisions is not None else None
-    population = preflight.embedded(cfg, mr.clients, fp, tiers)  # an elastic trace, the tracking store
+    population = preflight.embedded(cfg, mr.clients, *_footprints(prep))  # an elastic trace, the tracking store
     text = config.dumps_toml(cfg)
     trainer = mr.trainer if isinstance(mr.trainer, ClientTrainer) else None
 
@@ -202,6 +198,15 @@ def run_method(
         return RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, config.per_client_inline(cfg))
 
     return run_federation(cfg, fed, open_run_dir, resume, t0)
+
+
+def _footprints(prep: Prepared) -> tuple[Any, dict[int, str] | None]:
+    """(the footprint an elastic budget trace is read with: {precision: bytes(r)} under device
+    tiers, else bytes(r), or None unmeasured; {cid: precision} under device tiers, else None)."""
+    fp = {q: f.bytes for q, f in prep.footprints.items()} if prep.footprints else None
+    if fp is None and prep.footprint is not None:
+        fp = prep.footprint.bytes
+    return fp, (dict(enumerate(prep.precisions)) if prep.precisions is not None else None)
 
 
 def _summary_fields(

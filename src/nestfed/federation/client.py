@@ -111,22 +111,9 @@ class ClientTrainer:
             opt = torch.optim.AdamW(
                 hooks.param_groups(ctx, params), lr=self.train.lr, weight_decay=self.train.weight_decay
             )
-            schedule = client_schedule(opt, self.train, ctx.round, int(ctx.config.get("rounds", 0)))
-            losses, tokens = [], 0
             attack = attacks(self.attack, cid)
             steps = 0 if attack == "free_rider" else self.train.local_steps  # a free rider trains nothing
-            for step, batch in enumerate(ctx.batches(steps, "batches")):
-                hooks.before_step(ctx, step)
-                opt.zero_grad(set_to_none=True)  # micro-batches accumulate one step's gradient
-                losses.append(
-                    sum(hooks.step_loss(ctx, micro) for micro in batch.micro_batches(self.train.micro_batch_size))
-                )
-                tokens += int((batch.labels[:, 1:] != -100).sum())
-                if self.train.max_grad_norm > 0:
-                    torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
-                opt.step()
-                if schedule is not None:
-                    schedule.step()
+            losses, tokens = self._local_steps(ctx, params, opt, steps)
         model.eval()
         for p in params:
             p.requires_grad_(False)
@@ -151,6 +138,28 @@ class ClientTrainer:
         del opt, params
         release(model_device(model))  # the next client's peak is its own
         return Reply(out, ctx.data.num_examples, metrics)
+
+    def _local_steps(
+        self, ctx: FitContext, params: list[torch.nn.Parameter], opt: torch.optim.Optimizer, steps: int
+    ) -> tuple[list[float], int]:
+        """Run ``steps`` optimiser steps (micro-batches accumulate one step's gradient, clipped to
+        ``train.max_grad_norm``, the round's learning-rate schedule stepped after each); return each
+        step's loss (nats/token) and the labelled tokens seen."""
+        schedule = client_schedule(opt, self.train, ctx.round, int(ctx.config.get("rounds", 0)))
+        losses, tokens = [], 0
+        for step, batch in enumerate(ctx.batches(steps, "batches")):
+            self.hooks.before_step(ctx, step)
+            opt.zero_grad(set_to_none=True)
+            losses.append(
+                sum(self.hooks.step_loss(ctx, micro) for micro in batch.micro_batches(self.train.micro_batch_size))
+            )
+            tokens += int((batch.labels[:, 1:] != -100).sum())
+            if self.train.max_grad_norm > 0:
+                torch.nn.utils.clip_grad_norm_(params, self.train.max_grad_norm)
+            opt.step()
+            if schedule is not None:
+                schedule.step()
+        return losses, tokens
 
     def evaluate(self, cid: int, arrays: Arrays, scaling: float) -> dict[str, float]:
         """Evaluate a client's model on its held-out data, as the client runs the arrays.

@@ -96,37 +96,55 @@ def read_trace(
         tiers = {"": footprint} if callable(footprint) else dict(footprint or {})
         sizes = {q: {r: f(r) for r in federation} for q, f in tiers.items()} if value == "memory_mib" else {}
         for line, row in enumerate(reader, 2):
-            try:
-                rnd, cid, v = int(row["round"]), int(row["client"]), int(row[value])
-            except (TypeError, ValueError):
-                raise ConfigError(f"{p}:{line}: round, client and {value} must be integers, got {dict(row)}") from None
-            if rnd < 1 or v < 1:
-                raise ConfigError(f"{p}:{line}: round and {value} must be >= 1")
-            if cid not in ranks:
-                raise ConfigError(f"{p}:{line}: client {cid} is not in the federation (0..{len(ranks) - 1})")
+            rnd, cid, v = _trace_row(f"{p}:{line}", row, value, ranks)
             if value == "memory_mib":
                 q = "" if callable(footprint) else (precisions or {}).get(cid, "none")
-                fits = [r for r in federation if r <= ranks[cid] and sizes[q][r] <= v * 2**20]
-                lower = [t for t in PRECISIONS[PRECISIONS.index(q) + 1 :] if t in sizes] if q else []
-                if not fits and any(sizes[t][min(federation)] <= v * 2**20 for t in lower):
-                    raise ConfigError(
-                        f"{p}:{line}: client {cid}'s budget of {v} MiB holds no rank at its precision {q} but "
-                        f"would at {', '.join(lower)}; a round at a lower precision than the client's tier is "
-                        "not built (its data and state live on its tier's backbone; docs/scale.md, device tiers)"
-                    )
-                if (rnd, cid) in out:
-                    raise ConfigError(f"{p}:{line}: round {rnd}, client {cid} is given twice")
-                out[(rnd, cid)] = max(fits, default=0)
-                continue
-            r = v
-            if r > ranks[cid]:
-                raise ConfigError(f"{p}:{line}: rank {r} is above client {cid}'s own rank {ranks[cid]}")
-            if r not in federation:
-                raise ConfigError(f"{p}:{line}: rank {r} is not one of the federation's ranks {federation}")
+                r = _budget_rank(f"{p}:{line}", cid, v, ranks[cid], federation, sizes, q)
+            else:
+                r = _trace_rank(f"{p}:{line}", cid, v, ranks[cid], federation)
             if (rnd, cid) in out:
                 raise ConfigError(f"{p}:{line}: round {rnd}, client {cid} is given twice")
             out[(rnd, cid)] = r
     return out
+
+
+def _trace_row(where: str, row: dict[str, str], value: str, ranks: dict[int, int]) -> tuple[int, int, int]:
+    """(round, client, rank or budget) of one trace line, checked; ConfigError naming ``where``."""
+    try:
+        rnd, cid, v = int(row["round"]), int(row["client"]), int(row[value])
+    except (TypeError, ValueError):
+        raise ConfigError(f"{where}: round, client and {value} must be integers, got {dict(row)}") from None
+    if rnd < 1 or v < 1:
+        raise ConfigError(f"{where}: round and {value} must be >= 1")
+    if cid not in ranks:
+        raise ConfigError(f"{where}: client {cid} is not in the federation (0..{len(ranks) - 1})")
+    return rnd, cid, v
+
+
+def _trace_rank(where: str, cid: int, r: int, own: int, federation: list[int]) -> int:
+    """A trace's rank, checked against the client's own rank ``own`` and the federation's ranks."""
+    if r > own:
+        raise ConfigError(f"{where}: rank {r} is above client {cid}'s own rank {own}")
+    if r not in federation:
+        raise ConfigError(f"{where}: rank {r} is not one of the federation's ranks {federation}")
+    return r
+
+
+def _budget_rank(
+    where: str, cid: int, mib: int, own: int, federation: list[int], sizes: dict[str, dict[int, int]], q: str
+) -> int:
+    """The largest of the federation's ranks up to ``own`` whose footprint at precision ``q``
+    (``sizes``: {precision: {rank: bytes}}) fits ``mib`` MiB; 0 when none does (the client sits
+    the round out). ConfigError when none fits at ``q`` but one would at a lower precision."""
+    fits = [r for r in federation if r <= own and sizes[q][r] <= mib * 2**20]
+    lower = [t for t in PRECISIONS[PRECISIONS.index(q) + 1 :] if t in sizes] if q else []
+    if not fits and any(sizes[t][min(federation)] <= mib * 2**20 for t in lower):
+        raise ConfigError(
+            f"{where}: client {cid}'s budget of {mib} MiB holds no rank at its precision {q} but "
+            f"would at {', '.join(lower)}; a round at a lower precision than the client's tier is "
+            "not built (its data and state live on its tier's backbone; docs/scale.md, device tiers)"
+        )
+    return max(fits, default=0)
 
 
 @dataclass
