@@ -24,6 +24,7 @@ import argparse
 import importlib.util
 import json
 import re
+import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -115,8 +116,9 @@ def tables_of(markdown: str) -> list[str]:
 
 
 def parse_spec(spec: str) -> tuple[Path, int, dict[str, str]]:
-    """(results path, table index, options) of a marker's ``path key=value ...``."""
-    path, *rest = spec.split()
+    """(results path, table index, options) of a marker's ``path key=value ...`` (a value with spaces
+    in shell quotes: ``reference="all fp32"``)."""
+    path, *rest = shlex.split(spec)
     opts = dict(kv.split("=", 1) for kv in rest)
     return ROOT / path, int(opts.pop("table", "0")), opts
 
@@ -125,9 +127,9 @@ def render(spec: str) -> str:
     """The table a marker's spec names, regenerated from its results file; paths joined by ``+``
     stack their tables' rows under the first one's header. Raises ValueError / FileNotFoundError
     naming the spec."""
-    paths, *rest = spec.split()
+    paths, *rest = shlex.split(spec)
     if "+" in paths:
-        parts = [render(" ".join([p, *rest])).splitlines() for p in paths.split("+")]
+        parts = [render(shlex.join([p, *rest])).splitlines() for p in paths.split("+")]
         return "\n".join(parts[0] + [ln for part in parts[1:] for ln in part[2:]]) + "\n"
     path, index, opts = parse_spec(spec)
     if path.suffix == ".md":
