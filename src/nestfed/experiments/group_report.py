@@ -14,7 +14,6 @@ group, that of what each panel client runs (nestfed.experiments.mechanisms).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -288,13 +287,7 @@ def seed_stats(
 
 
 def _diff_text(d: PairedDifference | None) -> str:
-    if d is None:
-        return "-"
-    i = d.interval
-    if math.isnan(i.half_width):
-        return f"{i.mean:+.2f}%"
-    text = f"{i.mean:+.2f}% [{i.low:+.2f}, {i.high:+.2f}]"
-    return f"**{text}**" if d.significant else text
+    return "-" if d is None else d.text()
 
 
 def seeds_markdown(rows: list[dict[str, Any]], stats: list[GroupStats], reference: str) -> str:

@@ -105,6 +105,22 @@ class PairedDifference:
         i = self.interval
         return not math.isnan(i.half_width) and (i.low > 0 or i.high < 0)
 
+    def text(self, with_p: bool = False) -> str:
+        """Render the difference as a table cell.
+
+        Args:
+            with_p: append the t-test's p-value.
+
+        Returns:
+            ``+1.23% [+0.45, +2.01]`` (and `` p=0.0067``), in bold when significant; the mean alone
+            (``+1.23%``) without an interval.
+        """
+        i = self.interval
+        if math.isnan(i.half_width):
+            return f"{i.mean:+.2f}%"
+        text = f"{i.mean:+.2f}% [{i.low:+.2f}, {i.high:+.2f}]" + (f" p={self.p_value:.2g}" if with_p else "")
+        return f"**{text}**" if self.significant else text
+
 
 def paired_difference(differences: Sequence[float], confidence: float = 0.95) -> PairedDifference:
     """Interval and two-sided one-sample t-test (H0: mean difference 0) of paired differences.

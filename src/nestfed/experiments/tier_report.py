@@ -102,13 +102,7 @@ def _mean_text(i: Interval) -> str:
 def _diff_text(d: PairedDifference | None, reference: bool) -> str:
     if reference:
         return "reference"
-    if d is None:
-        return "-"
-    i = d.interval
-    if math.isnan(i.half_width):
-        return f"{i.mean:+.2f}%"
-    text = f"{i.mean:+.2f}% [{i.low:+.2f}, {i.high:+.2f}] p={d.p_value:.2g}"
-    return f"**{text}**" if d.significant else text
+    return "-" if d is None else d.text(with_p=True)
 
 
 def markdown(stats: list[TierStats], reference: str) -> str:
