@@ -45,7 +45,9 @@ class PopulationConfig:
         memory_mib: {device memory in MiB: share}: alternatively each client's memory budget is
             drawn from these tiers and its rank is the largest of ``rank_choices`` whose training
             footprint fits the budget (the footprint model of nestfed.nn.footprint, measured on the
-            backbone when the experiment is prepared), at the precision ``precisions`` chooses.
+            backbone when the experiment is prepared), at the precision ``precisions`` chooses. A
+            method that chooses what a budget holds itself (FedSLM and FedMKT: a compression ratio
+            from ``compression.ratio_choices``) gets the same budgets and no LoRA tier.
         rank_choices: the ranks a memory budget chooses from (empty = 1, 2, 4, ... up to
             lora.r_max).
         precisions: the backbone precisions a memory budget chooses from (values of
