@@ -69,6 +69,7 @@ BENCH_RENDERERS = {
     "fednl_mqar_capability": ("fednl_mqar_capability", "table"),
     "generation_speed": ("generation_speed", "table"),
     "quantization_memory": ("quantization_memory", "table"),
+    "fedslm_ratio_budgets": ("fedslm_ratio_budgets", "table"),
 }
 
 

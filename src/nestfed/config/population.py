@@ -45,7 +45,9 @@ class PopulationConfig:
         memory_mib: {device memory in MiB: share}: alternatively each client's memory budget is
             drawn from these tiers and its rank is the largest of ``rank_choices`` whose training
             footprint fits the budget (the footprint model of nestfed.nn.footprint, measured on the
-            backbone when the experiment is prepared), at the precision ``precisions`` chooses.
+            backbone when the experiment is prepared), at the precision ``precisions`` chooses. A
+            method that chooses what a budget holds itself (FedSLM and FedMKT: a compression ratio
+            from ``compression.ratio_choices``) gets the same budgets and no LoRA tier.
         rank_choices: the ranks a memory budget chooses from (empty = 1, 2, 4, ... up to
             lora.r_max).
         precisions: the backbone precisions a memory budget chooses from (values of
@@ -221,6 +223,29 @@ def draw(shares: Shares, n: int, how: str, seed: int, stream: str) -> list[int]:
     return [int(v) for v in out[rng.permutation(n)]]
 
 
+def draw_budgets(p: PopulationConfig, num_clients: int, seed: int) -> list[int]:
+    """Draw every client's memory budget from ``population.memory_mib``.
+
+    The one draw of the budgets (stream ``population/memory`` of ``data.seed``), whichever method
+    turns them into what a client trains: every method of a comparison gives each client the same
+    budget.
+
+    Args:
+        p: the ``[population]`` section, with ``memory_mib``.
+        num_clients: ``data.num_clients``.
+        seed: ``data.seed``.
+
+    Returns:
+        Every client's budget, MiB.
+
+    Raises:
+        ValueError: without ``memory_mib``.
+    """
+    if not p.memory_mib:
+        raise ValueError("population.memory_mib: no budgets to draw")
+    return draw(p.memory_mib, num_clients, p.rank_draw, seed, "population/memory")
+
+
 def choose_tier(mib: int, choices: Sequence[int], sizes: Mapping[str, Mapping[int, int]]) -> tuple[str, int] | None:
     """Choose a memory budget's tier (docs/scale.md, device tiers).
 
@@ -250,13 +275,16 @@ def assign_tiers(
     seed: int,
     footprints: Footprints | Callable[[int], int] | None = None,
     own: str = "none",
+    lora_tiers: bool = True,
 ) -> tuple[list[int], list[int] | None, list[str]]:
     """Assign every client its rank, its backbone precision and, for memory budgets, its budget.
 
     From ``rank_shares`` (`draw`, stream ``population/rank``), from ``memory_mib`` (budgets
-    drawn by stream ``population/memory``; the tier, precision and rank, by `choose_tier` among
+    drawn by `draw_budgets`; the tier, precision and rank, by `choose_tier` among
     ``p.tiers(own)`` and the rank choices), else ``lora.ranks`` broadcast. Without memory budgets
-    every client holds ``own``.
+    every client holds ``own``. With ``lora_tiers`` False (a method whose own setup chooses what a
+    budget holds, ``Method.chooses_memory``) the budgets are drawn alike and no tier is chosen:
+    ``lora.ranks`` broadcast, every client at ``own``.
 
     Args:
         p: the ``[population]`` section.
@@ -268,6 +296,8 @@ def assign_tiers(
             (nestfed.nn.footprint) for every precision of ``p.tiers(own)``, or one callable for
             ``own``; None before the model is loaded.
         own: ``model.quantization``.
+        lora_tiers: whether the budgets choose each client's LoRA tier (precision and rank); False
+            draws the budgets only.
 
     Returns:
         (rank r_k of every client, every client's memory budget in MiB or None, every client's
@@ -280,6 +310,9 @@ def assign_tiers(
     tiers = p.tiers(own)
     if p.rank_shares:
         return draw(p.rank_shares, num_clients, p.rank_draw, seed, "population/rank"), None, [own] * num_clients
+    if p.memory_mib and not lora_tiers:
+        ranks = list(lora_ranks) * (num_clients if len(lora_ranks) == 1 else 1)
+        return ranks, draw_budgets(p, num_clients, seed), [own] * num_clients
     if p.memory_mib:
         if footprints is None:
             raise ValueError(
@@ -288,7 +321,7 @@ def assign_tiers(
             )
         if callable(footprints):
             footprints = {own: footprints}
-        budgets = draw(p.memory_mib, num_clients, p.rank_draw, seed, "population/memory")
+        budgets = draw_budgets(p, num_clients, seed)
         choices = p.support(r_max_setting)
         sizes = {q: {r: footprints[q](r) for r in choices} for q in tiers}
         ranks, precisions = [], []

@@ -178,17 +178,30 @@ def compare(
         The directory ``<output.dir>/<name>-<time>``: one run directory per method,
         ``comparison.md`` and ``comparison.json``.
 
+    With memory budgets (``population.memory_mib``) the compressed methods choose each client's
+    ratio from ``compression.ratio_choices``; the LoRA baselines here run at ``lora.ranks``, not
+    at the budgets, so they are refused (run them at the same budgets with ``nestfed run CONFIG
+    --methods <a LoRA method>``: the same budgets are drawn).
+
     Raises:
-        ConfigError: for an unknown method (before any work).
+        ConfigError: for an unknown method, or a LoRA baseline with memory budgets (before any work).
     """
     for m in names:
         if m not in METHODS:
             raise ConfigError(f"--methods: unknown method '{m}' (known here: {', '.join(METHODS)})")
+    lora = [m for m in names if m not in COMPRESSED]
+    if cfg.population.memory_mib and lora:
+        raise ConfigError(
+            f"--methods: with population.memory_mib the comparison of compressed clients runs only "
+            f"{' and '.join(COMPRESSED)} (their budgets choose compression ratios); run {', '.join(lora)} at the "
+            "same budgets on their own (nestfed run CONFIG --methods ...)"
+        )
     cfgs = {m: baseline_config(cfg, m) for m in names}  # validates every method before any work
     say = on_status or (lambda s: None)
-    prep = prepare(cfg, on_status=say)
+    first = next((cfgs[m] for m in names if m in COMPRESSED), cfg)
+    prep = prepare(first, on_status=say)  # a compressed method's: its setup chooses what a budget holds
     if any(m in COMPRESSED for m in names):
-        prepare_compressed(prep, cfg, say)
+        prepare_compressed(prep, first, say)
     parent = new_run_dir(methods.replace_config(cfg, output={"name": cfg.output.name or "fedslm_compare"}))
     backbone = mean_ppl(evaluate_server(prep, cfg, {}, 1.0))
     summaries = {}

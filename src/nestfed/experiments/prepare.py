@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from nestfed import methods
 from nestfed.config import ConfigError, ExperimentConfig, client_ranks, r_max
 from nestfed.config.population import assign_tiers
 from nestfed.config.trust import DATA_ATTACKS
@@ -63,6 +64,10 @@ def prepare(
     ``nestfed.data.client_pool.ClientPool``). It creates no files except the model cache and the
     client cache's.
 
+    Memory budgets (``population.memory_mib``) are drawn for every method alike; they choose each
+    client's LoRA tier (backbone precision and rank) unless the method's own setup chooses what a
+    budget holds (``Method.chooses_memory``: the budgets are then only recorded, ``Prepared.budgets``).
+
     Args:
         cfg: the experiment's config.
         on_status: called with what it is doing; None for silence.
@@ -93,16 +98,13 @@ def prepare(
     start = first_adapted_layer(backbone.model) if cfg.train.cache_frozen_prefix else 0
     own = cfg.model.quantization
     backbones = {own: backbone}
-    footprints = _footprints(backbones, cfg, start, say)
+    lora_tiers = not methods.get(cfg.strategy.name).chooses_memory  # else the method's setup chooses
+    footprints = _footprints(backbones, cfg, start, say, lora_tiers)
+    sizes = None if footprints is None else {q: f.bytes for q, f in footprints.items()}
     try:
+        p, lo = cfg.population, cfg.lora
         ranks, budgets, precisions = assign_tiers(
-            cfg.population,
-            cfg.lora.ranks,
-            cfg.lora.r_max,
-            cfg.data.num_clients,
-            cfg.data.seed,
-            None if footprints is None else {q: f.bytes for q, f in footprints.items()},
-            own,
+            p, lo.ranks, lo.r_max, cfg.data.num_clients, cfg.data.seed, sizes, own, lora_tiers
         )
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
@@ -157,15 +159,16 @@ def _adapt(model: torch.nn.Module, cfg: ExperimentConfig) -> None:
 
 
 def _footprints(
-    backbones: dict[str, Backbone], cfg: ExperimentConfig, start: int, say: Callable[[str], None]
+    backbones: dict[str, Backbone], cfg: ExperimentConfig, start: int, say: Callable[[str], None], lora_tiers: bool
 ) -> dict[str, Footprint] | None:
     """The training footprint per rank (nestfed.nn.footprint) of every precision a budget chooses
     from (``population.precisions``), measured only when memory budgets draw the ranks
-    (``population.memory_mib``, or an elastic trace with budgets); else None. Each other precision's
-    backbone is loaded once, LoRA injected, into ``backbones``."""
+    (``population.memory_mib``, or an elastic trace with budgets) and choose LoRA tiers
+    (``lora_tiers``: not a method that chooses what a budget holds itself); else None. Each other
+    precision's backbone is loaded once, LoRA injected, into ``backbones``."""
     p = cfg.population
     budgets_trace = p.elastic == "trace" and trace_has_budgets(p.elastic_trace)
-    if not (p.memory_mib or budgets_trace):
+    if not lora_tiers or not (p.memory_mib or budgets_trace):
         return None
     out = {}
     for q in p.tiers(cfg.model.quantization):

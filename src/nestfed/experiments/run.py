@@ -185,7 +185,7 @@ def run_method(
         mr.shapes,
         mr.keeps_client_state,
         mr.finish,
-        prep.roster(),
+        _roster(prep, mr),
         population,
         on_event=on_event,
         sinks=tracking.sinks(cfg.tracking, run_dir, cfg.output.dir, cfg.output.name),
@@ -198,6 +198,15 @@ def run_method(
         return RunDir.open(run_dir, text) if resume else RunDir.create(run_dir, text, config.per_client_inline(cfg))
 
     return run_federation(cfg, fed, open_run_dir, resume, t0)
+
+
+def _roster(prep: Prepared, mr: MethodRun) -> dict[str, dict[str, Any]]:
+    """The run's roster: the preparation's, each row with the method's own columns (``MethodRun.client_columns``)."""
+    roster = prep.roster()
+    for cid, columns in mr.client_columns.items():
+        if str(cid) in roster:
+            roster[str(cid)].update(columns)
+    return roster
 
 
 def _footprints(prep: Prepared) -> tuple[Any, dict[int, str] | None]:

@@ -177,19 +177,24 @@ def roster_ranks(roster: Mapping[str, Mapping[str, Any]]) -> dict[str, int]:
     return {c: int(r["rank"]) for c, r in roster.items()}
 
 
+#: the roster's columns every run may have; a method's own columns (a compressed client's ratio) follow them
+ROSTER_KEYS = ("rank", "label", "num_examples", "memory_mib", "precision")
+
+
 def roster_table(lines: list[dict[str, Any]], roster: Mapping[str, Mapping[str, Any]]) -> list[dict[str, Any]]:
     """``client_table`` of the clients of a roster.
 
     Args:
         lines: the metrics lines, per-client numbers included.
-        roster: {cid: {rank, label, num_examples[, memory_mib]}}; memory_mib where budgets drew
-            the ranks.
+        roster: {cid: {rank, label, num_examples[, memory_mib][, precision][, the method's own
+            columns]}}; memory_mib where budgets were drawn.
 
     Returns:
         One row per client (``client_table``).
     """
     budgets = {c: r["memory_mib"] for c, r in roster.items() if r.get("memory_mib") is not None} or None
     precisions = {c: r["precision"] for c, r in roster.items() if r.get("precision") is not None} or None
+    own = [k for k in dict.fromkeys(k for r in roster.values() for k in r) if k not in ROSTER_KEYS]
     return client_table(
         lines,
         roster_ranks(roster),
@@ -197,6 +202,7 @@ def roster_table(lines: list[dict[str, Any]], roster: Mapping[str, Mapping[str, 
         {c: r.get("num_examples", 0) for c, r in roster.items()},
         budgets,
         precisions,
+        {k: {c: r.get(k) for c, r in roster.items()} for k in own} or None,
     )
 
 
@@ -274,6 +280,7 @@ def client_table(
     num_examples: Mapping[str, int],
     budgets: Mapping[str, int] | None = None,
     precisions: Mapping[str, str] | None = None,
+    columns: Mapping[str, Mapping[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
     """The per-client table of a run (clients.csv), a pure function of its joined metrics lines.
 
@@ -285,10 +292,12 @@ def client_table(
         budgets: {cid: memory budget in MiB} when budgets drew the ranks; None leaves the column out.
         precisions: {cid: backbone precision} when budgets chose it (device tiers); None leaves the
             column out.
+        columns: {column: {cid: value}}, a method's own columns (a compressed client's ratio);
+            None for none.
 
     Returns:
         One row per client (ids ascending): cid, rank, label, num_examples, memory_mib (with
-        ``budgets``), precision (with ``precisions``), rounds_sampled, rounds_accepted, and its
+        ``budgets``), precision (with ``precisions``), the ``columns``, rounds_sampled, rounds_accepted, and its
         first and last held-out metrics (``initial_<metric>``, ``final_<metric>``: of rounds 0 and
         R; absent for a client neither evaluated).
     """
@@ -314,6 +323,8 @@ def client_table(
             row["memory_mib"] = budgets.get(cid)
         if precisions is not None:
             row["precision"] = precisions.get(cid)
+        for name, values in (columns or {}).items():
+            row[name] = values.get(cid)
         row.update({"rounds_sampled": sampled.get(cid, 0), "rounds_accepted": accepted.get(cid, 0)})
         for prefix, ev in (("initial", first), ("final", last)):
             for k in ("loss", "ppl", "accuracy"):

@@ -11,7 +11,7 @@ its clients keep state.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nestfed.config import ExperimentConfig, client_ranks, r_max
@@ -35,6 +35,8 @@ class MethodRun:
         shapes: {module: (out, in)} of the LoRA layers.
         keeps_client_state: whether its clients keep state between rounds.
         finish: ``finish(state) -> Exports`` after the last round.
+        client_columns: {cid: {column: value}} the method adds to each client's row of the run's
+            roster (clients.csv), e.g. a compressed client's ratio; {} for none.
     """
 
     strategy: Strategy
@@ -43,6 +45,7 @@ class MethodRun:
     shapes: dict[str, tuple[int, int]]
     keeps_client_state: bool
     finish: Callable[[GlobalState], Exports]
+    client_columns: dict[int, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass

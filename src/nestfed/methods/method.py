@@ -58,6 +58,11 @@ class Method:
             the backbone with a LoRA adapter: nestfed.experiments.comparison) or ``compressed``
             (clients run compressed models: every method is then reported with client and server
             perplexity, client memory and bytes, nestfed.experiments.compressed_comparison).
+        chooses_memory: whether the method's own setup chooses what each client's memory budget
+            (``population.memory_mib``) holds, as FedSLM's and FedMKT's choose a compression ratio;
+            the preparation then draws and records the budgets as for every method
+            (``Prepared.budgets``, the same draw) and skips the LoRA tier choice (backbone
+            precision and LoRA rank, nestfed.config.population.choose_tier).
     """
 
     name: str
@@ -70,6 +75,7 @@ class Method:
     moved: Mapping[str, str] = field(default_factory=dict)
     former: Mapping[str, Mapping[str, Any]] = field(default_factory=dict)
     comparison: str = "lora"
+    chooses_memory: bool = False
 
     def can(self, capability: Capability) -> bool:
         """Whether the method declares a capability.

@@ -78,8 +78,30 @@ def saved_bytes(model: nn.Module, batch: int, tokens: int, start: int, rank: int
     Returns:
         S(rank), in bytes (storages counted once, parameters and buffers excluded).
     """
-    modules = lora_modules(model)
-    params = [p for m in modules.values() for p in (m.lora_A.weight, m.lora_B.weight)]
+    params = [p for m in lora_modules(model).values() for p in (m.lora_A.weight, m.lora_B.weight)]
+    with active_rank(model, rank):
+        return trained_saved_bytes(model, params, batch, tokens, start, seed)
+
+
+def trained_saved_bytes(
+    model: nn.Module, params: list[nn.Parameter], batch: int, tokens: int, start: int, seed: int = 0
+) -> int:
+    """Measure the bytes autograd saves during one training forward of a random batch, ``params`` trained.
+
+    The probe behind `saved_bytes` for any trainable tensors (LoRA factors, a compressed model's
+    SVD cores); the parameters keep their requires_grad flags afterwards.
+
+    Args:
+        model: a causal LM (the backbone, or a model derived from it).
+        params: the parameters that train in the step (set to require grad for the probe).
+        batch: rows of the random batch.
+        tokens: tokens per row.
+        start: the decoder layer the batch enters (random hidden states), or 0 for token ids.
+        seed: the random batch's seed.
+
+    Returns:
+        The saved bytes (storages counted once, parameters and buffers excluded).
+    """
     flags = [p.requires_grad for p in params]
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size
@@ -102,7 +124,7 @@ def saved_bytes(model: nn.Module, batch: int, tokens: int, start: int, rank: int
     try:
         for p in params:
             p.requires_grad_(True)
-        with active_rank(model, rank), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             logits, targets = labelled_logits(
                 model, labels.to(dev), None if ids is None else ids.to(dev), hidden, start
             )
@@ -112,6 +134,62 @@ def saved_bytes(model: nn.Module, batch: int, tokens: int, start: int, rank: int
         for p, f in zip(params, flags):
             p.requires_grad_(f)
     return int(sum(seen.values()))
+
+
+def step_rows(train: TrainConfig) -> int:
+    """Give the rows of one (micro-)batch a training step's backward holds at once.
+
+    Args:
+        train: the step's shape (``batch_size``, ``micro_batch_size``).
+
+    Returns:
+        ``train.micro_batch_size`` when it splits the batch, else ``train.batch_size``.
+    """
+    return train.micro_batch_size if 0 < train.micro_batch_size < train.batch_size else train.batch_size
+
+
+@dataclass(frozen=True)
+class TrainedFootprint:
+    """The training footprint of a model whose trained tensors are fixed (e.g. a compressed model's SVD cores).
+
+    bytes = weights + 16 * trainable + saved, the same accounting as `Footprint` (the module
+    docstring) without a rank to vary.
+
+    Attributes:
+        weights: W, the bytes of the frozen parameters and buffers (the trained tensors excluded).
+        trainable: trainable parameters, 16 bytes each (a float32 value, its gradient, AdamW's two moments).
+        saved: bytes autograd saves for one (micro-)batch's backward (`trained_saved_bytes`).
+    """
+
+    weights: int
+    trainable: int
+    saved: int
+
+    @property
+    def bytes(self) -> int:
+        """W + 16 P + S, in bytes."""
+        return self.weights + 16 * self.trainable + self.saved
+
+    @classmethod
+    def measure(
+        cls, model: nn.Module, params: list[nn.Parameter], train: TrainConfig, block_size: int, start: int
+    ) -> TrainedFootprint:
+        """Measure the footprint of a training step that trains ``params``: one probe forward.
+
+        Args:
+            model: the model (sharing storages with another is fine: each storage counts once).
+            params: the parameters that train (each its own storage).
+            train: the step's shape (``batch_size``, ``micro_batch_size``).
+            block_size: tokens per row (``data.block_size``).
+            start: the decoder layer the batch enters when the frozen prefix is cached, else 0.
+
+        Returns:
+            The footprint.
+        """
+        trained = {p.untyped_storage().data_ptr(): p.untyped_storage().nbytes() for p in params}
+        weights = weight_bytes(model) - sum(trained.values())
+        saved = trained_saved_bytes(model, params, step_rows(train), block_size, start)
+        return cls(weights, sum(p.numel() for p in params), saved)
 
 
 @dataclass(frozen=True)
@@ -153,7 +231,7 @@ class Footprint:
             raise ValueError("the model has no LoRA layers to size")
         per_rank = sum(m.in_features + m.out_features for m in modules.values())
         r_max = min(m.rank for m in modules.values())
-        batch = train.micro_batch_size if 0 < train.micro_batch_size < train.batch_size else train.batch_size
+        batch = step_rows(train)
         lo = saved_bytes(model, batch, block_size, start, 1)
         hi = saved_bytes(model, batch, block_size, start, r_max) if r_max > 1 else lo
         return cls(weight_bytes(model), per_rank, lo, (hi - lo) / (r_max - 1) if r_max > 1 else 0.0)

@@ -74,16 +74,60 @@ def client_memory(setup: CompressedSetup) -> dict[str, Any]:
         setup: the compressed side of the experiment.
 
     Returns:
-        ``full_model_bytes``, ``groups`` ({g: ratio, bytes, ratio_to_full}) and
+        ``full_model_bytes``, ``groups`` ({g: ratio, bytes, ratio_to_full, clients, and with memory
+            budgets ``train_footprint_bytes``, the training footprint the ratio was chosen by}) and
             ``mean_ratio_to_full`` over the clients.
     """
     full = setup.bytes["full"]
+    groups = {}
+    for g, rho in enumerate(setup.ratios):
+        groups[str(g)] = {
+            "ratio": rho,
+            "bytes": setup.bytes[g],
+            "ratio_to_full": setup.bytes[g] / full,
+            "clients": sorted(c for c, h in setup.client_group.items() if h == g),
+        }
+        if rho in setup.footprints:
+            groups[str(g)]["train_footprint_bytes"] = setup.footprints[rho].bytes
     return {
         "full_model_bytes": full,
-        "groups": {
-            str(g): {"ratio": rho, "bytes": setup.bytes[g], "ratio_to_full": setup.bytes[g] / full}
-            for g, rho in enumerate(setup.ratios)
-        },
+        "groups": groups,
         "mean_ratio_to_full": sum(setup.bytes[setup.client_group[c]] for c in setup.client_group)
         / (full * len(setup.client_group)),
     }
+
+
+def client_fields(setup: CompressedSetup) -> dict[str, Any]:
+    """The summary's per-client compression: each client's ratio and, with budgets, its budget.
+
+    Args:
+        setup: the compressed side of the experiment.
+
+    Returns:
+        ``ratios`` (the groups' rho), ``client_ratio`` ({cid: rho}) and, when memory budgets chose
+        the ratios, ``client_memory_mib`` ({cid: budget}) and ``ratio_footprints`` ({rho: {weights,
+        trainable, saved, bytes, mib}} of every ratio choice, chosen or not).
+    """
+    out: dict[str, Any] = {
+        "ratios": setup.ratios,
+        "client_ratio": {str(k): setup.ratios[g] for k, g in sorted(setup.client_group.items())},
+    }
+    if setup.budgets is not None:
+        out["client_memory_mib"] = {str(k): b for k, b in sorted(setup.budgets.items())}
+        out["ratio_footprints"] = {
+            f"{rho:g}": {**dataclasses.asdict(f), "bytes": f.bytes, "mib": f.bytes / 2**20}
+            for rho, f in sorted(setup.footprints.items())
+        }
+    return out
+
+
+def client_columns(setup: CompressedSetup) -> dict[int, dict[str, Any]]:
+    """The columns clients.csv adds for compressed clients: each client's ratio rho.
+
+    Args:
+        setup: the compressed side of the experiment.
+
+    Returns:
+        {cid: {"ratio": rho}}.
+    """
+    return {cid: {"ratio": setup.ratios[g]} for cid, g in setup.client_group.items()}

@@ -30,8 +30,10 @@ from nestfed.data.held_out import load_server_text
 from nestfed.data.tasks import TokenDataset
 from nestfed.federation.messages import Arrays
 from nestfed.federation.prepared import Prepared
+from nestfed.methods.compressed.options import DEFAULT_RATIO
+from nestfed.methods.compressed.ratio_choice import budget_ratios
 from nestfed.nn.backbone import default_cache_dir
-from nestfed.nn.footprint import weight_bytes
+from nestfed.nn.footprint import TrainedFootprint, weight_bytes
 from nestfed.nn.frozen_prefix import CachedText, prefix_features
 from nestfed.nn.keys import layer_of
 from nestfed.nn.placement import resolve_device, resolve_dtype
@@ -71,6 +73,10 @@ class CompressedSetup:
             outputs are shared).
         prepare_time_s: seconds the preparation took.
         extra: what a method adds (e.g. measurements of its own).
+        budgets: {cid: memory budget, MiB} when the budgets chose the ratios
+            (``compression.ratio_choices``); None otherwise.
+        footprints: {rho: training footprint of its compressed client model} of every ratio choice
+            (nestfed.methods.compressed.ratio_choice), chosen or not; {} without budgets.
     """
 
     ratios: list[float]
@@ -87,6 +93,8 @@ class CompressedSetup:
     shared_prefix: bool
     prepare_time_s: float = 0.0
     extra: dict = field(default_factory=dict)
+    budgets: dict[int, int] | None = None
+    footprints: dict[float, TrainedFootprint] = field(default_factory=dict)
 
     def ranks(self, g: int) -> dict[str, int]:
         """The ranks r_gl of group g's trained layers.
@@ -118,10 +126,22 @@ def client_ratios(cfg: ExperimentConfig) -> list[float]:
         cfg: the experiment.
 
     Returns:
-        One ratio per client.
+        One ratio per client (`DEFAULT_RATIO` for every client when ``client_ratios`` is empty).
     """
-    r = list(cfg.section("compression").client_ratios)
+    r = list(cfg.section("compression").client_ratios) or [DEFAULT_RATIO]
     return r * cfg.data.num_clients if len(r) == 1 else r
+
+
+def largest_ratio(cfg: ExperimentConfig) -> float:
+    """The largest rho any client may hold, the rank the bases are computed at.
+
+    Args:
+        cfg: the experiment.
+
+    Returns:
+        The largest of ``compression.ratio_choices``, else of `client_ratios`.
+    """
+    return max(cfg.section("compression").ratio_choices or client_ratios(cfg))
 
 
 def bases_cache_key(source: str, cfg: ExperimentConfig, calibration: torch.Tensor | None = None) -> str:
@@ -145,7 +165,7 @@ def bases_cache_key(source: str, cfg: ExperimentConfig, calibration: torch.Tenso
     """
     c = cfg.section("compression")
     dtype = str(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))).removeprefix("torch.")
-    text = f"{source}|{c.target}|{max(client_ratios(cfg))}|{dtype}"
+    text = f"{source}|{c.target}|{largest_ratio(cfg)}|{dtype}"
     if c.whitening != "none":
         if calibration is None:
             raise ValueError(f"compression.whitening = '{c.whitening}' needs the calibration token ids")
@@ -209,7 +229,7 @@ def cached_bases(
         ConfigError: for a bad target regex or ratio, too little calibration text or a missing one.
     """
     c = cfg.section("compression")
-    top = max(client_ratios(cfg))
+    top = largest_ratio(cfg)
     whiten = c.whitening == "activation"
     if whiten:
         if calibration is None:
@@ -266,30 +286,30 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
         ConfigError: for the target, train_layers, whitening, or too little calibration text.
         DataError: for too little held-out server text.
     """
+    c = cfg.section("compression")
+    budgets = prep.budgets if c.ratio_choices else None
     memo = prep.cache.setdefault("compressed", {})
     key = (
         tuple(client_ratios(cfg)),
-        cfg.section("compression").target,
-        tuple(cfg.section("compression").train_layers),
-        cfg.section("compression").server_blocks,
-        cfg.section("compression").whitening,
+        tuple(c.ratio_choices),
+        None if budgets is None else tuple(sorted(budgets.items())),
     )
+    key += (c.target, tuple(c.train_layers), c.server_blocks, c.whitening)
     if key in memo:
         return memo[key]
     say = say or (lambda s: None)
     t0 = time.perf_counter()
     model = prep.backbone.model
-    per_client = client_ratios(cfg)
-    ratios = sorted(set(per_client))
-    client_group = {cid: ratios.index(per_client[cid]) for cid in prep.data}
     say("loading the server text (held out from every client)")
-    server = load_server_text(cfg, prep.backbone.tokenizer, cfg.section("compression").server_blocks)
+    server = load_server_text(cfg, prep.backbone.tokenizer, c.server_blocks)
     bases = cached_bases(model, cfg, prep.backbone.source, say, server.input_ids)
     trained = _trained_layers(cfg, sorted(bases), model.config.num_hidden_layers)
-    say("deriving the compressed client models")
-    models = {g: derive_compressed(model, bases, rho) for g, rho in enumerate(ratios)}
-    prep_start = prep.frozen_prefix_layers
     start = min(layer_of(n) or 0 for n in trained) if cfg.train.cache_frozen_prefix else 0
+    per_client, derived, footprints = _client_models(prep, cfg, bases, trained, start, say)
+    ratios = sorted(set(per_client.values()))
+    client_group = {cid: ratios.index(per_client[cid]) for cid in prep.data}
+    models = {g: derived[rho] for g, rho in enumerate(ratios)}  # a choice no client holds is let go
+    prep_start = prep.frozen_prefix_layers
     shared = start == prep_start and all((layer_of(n) or 0) >= start for n in bases)
     say("caching the server text and the compressed models' frozen layers")
     bs = cfg.train.eval_batch_size
@@ -321,9 +341,29 @@ def prepare_compressed(prep: Prepared, cfg: ExperimentConfig, say=None) -> Compr
         start,
         shared,
         time.perf_counter() - t0,
+        budgets=None if budgets is None else dict(budgets),
+        footprints=footprints,
     )
     memo[key] = setup
     return setup
+
+
+def _client_models(
+    prep: Prepared, cfg: ExperimentConfig, bases: dict[str, SVDFactors], trained: list[str], start: int, say
+) -> tuple[dict[int, float], dict[float, nn.Module], dict[float, TrainedFootprint]]:
+    """({cid: rho}, {rho: compressed model}, {rho: footprint}): the models derived at every ratio
+    a client may hold; with ``compression.ratio_choices`` each client's budget chooses among them
+    (ratio_choice.py; footprints measured on the group models entering layer ``start``), else
+    ``compression.client_ratios`` (no footprints). Raises ConfigError for a budget that holds no choice."""
+    c = cfg.section("compression")
+    say("deriving the compressed client models")
+    model = prep.backbone.model
+    derived = {rho: derive_compressed(model, bases, rho) for rho in c.ratio_choices or set(client_ratios(cfg))}
+    if not c.ratio_choices:
+        return dict(enumerate(client_ratios(cfg))), derived, {}
+    say(f"measuring the training footprint of compression ratios {sorted(c.ratio_choices)}")
+    per_client, footprints = budget_ratios(prep.budgets, derived, trained, cfg, start)
+    return per_client, derived, footprints
 
 
 def _trained_layers(cfg: ExperimentConfig, compressed: list[str], num_layers: int) -> list[str]:

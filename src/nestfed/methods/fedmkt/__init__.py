@@ -35,6 +35,7 @@ METHOD = Method(
         C.EXPORT_AT_RANK: "its clients run compressed models; no LoRA adapter travels",
     },
     comparison="compressed",
+    chooses_memory=True,  # compression.ratio_choices: a budget chooses the client's ratio (compressed/ratio_choice.py)
 )
 
 __all__ = ["METHOD"]

@@ -9,6 +9,8 @@ from nestfed.federation.messages import GlobalState
 from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import Exports
 from nestfed.methods.compressed.evaluation import (
+    client_columns,
+    client_fields,
     client_memory,
     compressed_clients,
     core_train,
@@ -85,15 +87,15 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
             "server_eval": ev,
             "server_mean_ppl": mean_ppl(ev),
             "client_memory": client_memory(setup),
-            "ratios": setup.ratios,
-            "client_ratio": {str(k): setup.ratios[g] for k, g in setup.client_group.items()},
+            **client_fields(setup),
             "public_blocks": int(labels.shape[0]),
             "server_last_round": state.meta.get("server", {}),
             "round0": "compressed clients",
         }
         return Exports((adapter, s), prep.backbone.source, {}, extra)
 
-    return MethodRun(strategy, GroupedTrainer(trainers, setup.client_group), compressed_clients(prep), {}, True, finish)
+    trainer = GroupedTrainer(trainers, setup.client_group)
+    return MethodRun(strategy, trainer, compressed_clients(prep), {}, True, finish, client_columns(setup))
 
 
 IMPLEMENTATION = Implementation(

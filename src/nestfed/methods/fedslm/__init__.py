@@ -41,6 +41,7 @@ METHOD = Method(
         C.EXPORT_AT_RANK: "its clients run compressed models at nested ranks, not one global LoRA adapter",
     },
     comparison="compressed",
+    chooses_memory=True,  # compression.ratio_choices: a budget chooses the client's ratio (compressed/ratio_choice.py)
 )
 
 __all__ = ["METHOD", "SECTIONS"]

@@ -12,6 +12,8 @@ from nestfed.federation.messages import Arrays, GlobalState
 from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import Exports
 from nestfed.methods.compressed.evaluation import (
+    client_columns,
+    client_fields,
     client_memory,
     compressed_clients,
     core_train,
@@ -134,8 +136,7 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
                 "weak_mean_ppl": mean_ppl(weak_eval),
                 "client_memory": client_memory(setup),
                 "fusion": c.fusion,
-                "ratios": setup.ratios,
-                "client_ratio": {str(k): setup.ratios[g] for k, g in setup.client_group.items()},
+                **client_fields(setup),
                 "trained_layers": len(setup.trained),
                 "server_text_blocks": int(setup.server_text.input_ids.shape[0]),
                 "prefix_shared_with_backbone": setup.shared_prefix,
@@ -150,7 +151,7 @@ def build(prep: Prepared, cfg: ExperimentConfig) -> MethodRun:
             extra,
         )
 
-    return MethodRun(strategy, grouped, compressed_clients(prep), {}, False, finish)
+    return MethodRun(strategy, grouped, compressed_clients(prep), {}, False, finish, client_columns(setup))
 
 
 IMPLEMENTATION = Implementation(
