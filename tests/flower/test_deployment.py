@@ -11,6 +11,7 @@ model built each time), so one exchange costs seconds to tens of seconds here.
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
@@ -80,15 +81,34 @@ def test_two_rounds_of_prelort_on_three_supernodes_match_the_embedded_runner(dep
 def test_a_supernode_killed_mid_run_is_dropped_and_nothing_is_corrupted(deployment, tmp_path):
     d = deployment
     d.start_superlink()
-    nodes = [d.start_supernode({"partition-id": i}) for i in range(3)]
+    victim_workers = d.worker_dir / "victim"  # node 2's worker alone in its folder, to find it
+    nodes = [
+        d.start_supernode({"partition-id": i, **({"worker-dir": str(victim_workers)} if i == 2 else {})})
+        for i in range(3)
+    ]
+    victim = nodes[2]
     run_dir = tmp_path / "run"
     run_id = d.submit(APP_DIR, run_config(run_dir, **{"min-clients": 2}))
     deadline = time.monotonic() + RUN_TIMEOUT_S
-    while not (run_dir / "metrics.jsonl").exists():  # the QUERY round is over: round 1 starts now
-        assert time.monotonic() < deadline, "the QUERY round never finished"
-        assert not d.run_status(run_id)["status"].startswith("finished"), d.logs(run_id)
-        time.sleep(0.2)
-    d.kill(nodes[2])  # SIGKILL, no goodbye: the SuperLink notices by the missing heartbeats (<= 60 s)
+
+    def wait_for(text: str) -> None:
+        while text not in victim.log.read_text(errors="replace"):
+            assert time.monotonic() < deadline, victim.tail()
+            assert not d.run_status(run_id)["status"].startswith("finished"), d.logs(run_id)
+            time.sleep(0.1)
+
+    # once node 2 has answered the QUERY, freeze its worker, so that it cannot answer round 1 however
+    # fast it trains; kill the node (SIGKILL, no goodbye) when round 1's message reaches it: the
+    # SuperLink notices by the missing heartbeats (<= 60 s)
+    wait_for("Sending: query message")
+    worker = subprocess.run(
+        ["pgrep", "-f", f"nestfed.flower.worker --socket {victim_workers}"], capture_output=True, text=True
+    ).stdout.split()
+    assert len(worker) == 1, worker
+    os.kill(int(worker[0]), signal.SIGSTOP)
+    wait_for("Receiving: train message")
+    d.kill(victim)
+    os.kill(int(worker[0]), signal.SIGKILL)
     finish(d, run_id)
     lines = metrics(run_dir)
     assert lines[0]["nodes"]["2"]["rank"] == 8  # node 2 answered the QUERY before it died
