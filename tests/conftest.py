@@ -4,6 +4,7 @@ Builders of a whole tiny federation (any registered method, set up through its h
 ``tiny_federation.py`` beside this file.
 """
 
+import json
 import os
 import sys
 from dataclasses import dataclass
@@ -26,12 +27,63 @@ SHARED = Path(__file__).resolve().parents[2] / "shared"
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# the longest tests' measured seconds (call + setup + teardown), written by a run with
+# NESTFED_STORE_DURATIONS=1; used only to order the tests
+DURATIONS = Path(__file__).with_name("durations.json")
+_measured: dict[str, float] = {}
+
+
 def pytest_collection_modifyitems(config, items):
-    """``flower`` and ``e2e`` tests are ``slow`` too, so ``-m "not slow"`` (the quick loop) leaves
-    them out with the rest of what runs whole federations, processes or real models."""
+    """Mark ``flower`` and ``e2e`` tests ``slow``, and order the tests so that the longest start first.
+
+    ``-m "not slow"`` (the quick loop) so leaves them out with the rest of what runs whole
+    federations, processes or real models. pytest-xdist's work stealing first hands worker i the
+    i-th contiguous share of the collection, then moves the tail of a busy worker's queue to an idle
+    one; so each share starts with its part of the tests of ``tests/durations.json`` (dealt longest
+    first to the least loaded share), then its part of the other slow tests, then quick ones, and
+    the minutes-long Flower deployments never start last.
+    """
     for item in items:
         if item.get_closest_marker("flower") or item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.slow)
+    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = worker_shares(items, known, workers)
+
+
+def worker_shares(items: list, known: dict[str, float], workers: int) -> list:
+    """Order items as ``workers`` contiguous shares of xdist's initial sizes (see above)."""
+    sizes, left = [], len(items)
+    for i in range(workers):
+        sizes.append(left // (workers - i))
+        left -= sizes[-1]
+    shares: list[list] = [[] for _ in sizes]
+    load = [0.0] * workers
+    for item in sorted((it for it in items if it.nodeid in known), key=lambda it: -known[it.nodeid]):
+        w = min((w for w in range(workers) if len(shares[w]) < sizes[w]), key=lambda w: load[w])
+        shares[w].append(item)
+        load[w] += known[item.nodeid]
+    rest = [it for it in items if it.nodeid not in known]
+    rest.sort(key=lambda it: it.get_closest_marker("slow") is None)  # stable: collection order kept
+    w = 0
+    for item in rest:
+        while len(shares[w % workers]) >= sizes[w % workers]:
+            w += 1
+        shares[w % workers].append(item)
+        w += 1
+    return [it for share in shares for it in share]
+
+
+def pytest_runtest_logreport(report):
+    if os.environ.get("NESTFED_STORE_DURATIONS"):
+        _measured[report.nodeid] = _measured.get(report.nodeid, 0.0) + report.duration
+
+
+def pytest_sessionfinish(session):
+    """With NESTFED_STORE_DURATIONS=1, write the 40 longest tests to tests/durations.json."""
+    if os.environ.get("NESTFED_STORE_DURATIONS") and _measured and not hasattr(session.config, "workerinput"):
+        top = sorted(_measured.items(), key=lambda kv: -kv[1])[:40]
+        DURATIONS.write_text(json.dumps({k: round(v, 1) for k, v in top}, indent=1) + "\n")
 
 
 @pytest.fixture(autouse=True)

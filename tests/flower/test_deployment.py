@@ -80,6 +80,7 @@ def test_two_rounds_of_prelort_on_three_supernodes_match_the_embedded_runner(dep
 
 def test_a_supernode_killed_mid_run_is_dropped_and_nothing_is_corrupted(deployment, tmp_path):
     d = deployment
+    d.heartbeat_s = 10  # Flower's shortest: the SuperLink marks the killed node offline within 20 s
     d.start_superlink()
     victim_workers = d.worker_dir / "victim"  # node 2's worker alone in its folder, to find it
     nodes = [
@@ -99,7 +100,7 @@ def test_a_supernode_killed_mid_run_is_dropped_and_nothing_is_corrupted(deployme
 
     # once node 2 has answered the QUERY, freeze its worker, so that it cannot answer round 1 however
     # fast it trains; kill the node (SIGKILL, no goodbye) when round 1's message reaches it: the
-    # SuperLink notices by the missing heartbeats (<= 60 s)
+    # SuperLink notices by the missing heartbeats (<= 2 x 10 s)
     wait_for("Sending: query message")
     worker = subprocess.run(
         ["pgrep", "-f", f"nestfed.flower.worker --socket {victim_workers}"], capture_output=True, text=True
@@ -158,7 +159,8 @@ def test_fednl_rules_only_keeps_each_clients_lora_across_fresh_processes(deploym
 
 def test_the_serverapp_and_the_superlink_killed_mid_round_resume_to_the_uninterrupted_adapter(tmp_path):
     """FedALA (its clients keep state) on a SuperLink with a database: the ServerApp process is
-    SIGKILLed while round 2 is in flight and the run resubmitted with resume = true; then the
+    SIGKILLed while round 2 is in flight, its run stopped (``flwr stop``) and the run resubmitted
+    with resume = true; then the
     SuperLink itself is SIGKILLed while round 3 is in flight, restarted on its port and database
     (the SuperNodes reconnect), and the run resumed again. The final adapter is the embedded
     runner's uninterrupted one bit for bit, every round has one metrics line, and each client
@@ -167,7 +169,7 @@ def test_the_serverapp_and_the_superlink_killed_mid_round_resume_to_the_uninterr
 
     over = OVERRIDES + ("strategy.name=fedala", "lora.ranks=[4]", "federation.rounds=3")
     emb = embedded_run(tmp_path / "embedded", over)
-    d = LocalDeployment(tmp_path / "flower", database=str(tmp_path / "superlink.db"))
+    d = LocalDeployment(tmp_path / "flower", database=str(tmp_path / "superlink.db"), heartbeat_s=10)
     try:
         d.start_superlink()
         for i in range(3):
@@ -187,14 +189,15 @@ def test_the_serverapp_and_the_superlink_killed_mid_round_resume_to_the_uninterr
         apps = d.processes("flwr-serverapp")
         assert len(apps) == 1
         os.kill(apps[0], signal.SIGKILL)
+        # as docs/flower.md says: stop the dead run (else the nodes keep serving its messages until the
+        # SuperLink notices the ServerApp's missing heartbeats, up to a minute), then resume
+        d.flwr("stop", str(first), d.name)
         second = d.submit(APP_DIR, {**rc, "resume": True})
         wait_for_round(2, second)  # round 3 in flight
         d.kill(next(p for p in d.procs if p.name == "superlink"))
         d.start_superlink(same_port=True)
         finish(d, d.submit(APP_DIR, {**rc, "resume": True}))
-        # the killed ServerApp's run never completes: the SuperLink marks it failed once its heartbeat
-        # expires, which a restarted SuperLink re-arms from its database (so it may still read "running")
-        assert d.run_status(first)["status"] in ("finished:failed", "running")
+        assert d.run_status(first)["status"] == "finished:stopped"  # the killed ServerApp's run never completes
         lines = metrics(run_dir)
         assert [ln["round"] for ln in lines] == [0, 1, 2, 3]
         assert {c: v["client_state_round"] for c, v in lines[3]["clients"].items()} == {"0": 2, "1": 2, "2": 2}

@@ -72,6 +72,7 @@ def test_secure_aggregation_on_four_supernodes_equals_the_plain_aggregate(deploy
 
 def test_secure_aggregation_survives_a_supernode_killed_mid_protocol(deployment, tmp_path, keep_threads):
     d = deployment
+    d.heartbeat_s = 10  # Flower's shortest: the SuperLink marks the killed node offline within 20 s
     t0 = time.monotonic()
     d.start_superlink()
     victim_workers = d.worker_dir / "victim"  # client 3's worker alone in its folder, to find it

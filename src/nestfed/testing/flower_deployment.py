@@ -16,7 +16,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import ssl
 import subprocess
 import sys
@@ -27,124 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-BIN = Path(sys.executable).parent
+from nestfed.testing.flower_processes import BIN, Proc, TLSFiles, flwr_env, free_port, toml_value
 
-
-def free_port() -> int:
-    """Find a TCP port on 127.0.0.1.
-
-    Returns:
-        A port that was free a moment ago.
-    """
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def flwr_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
-    """Build the environment for flwr processes: private FLWR_HOME, no telemetry, update check or installs.
-
-    Args:
-        home: the FLWR_HOME folder.
-        extra: further variables, set last.
-
-    Returns:
-        This process's environment with those settings and this interpreter's folder first on PATH.
-    """
-    env = dict(os.environ)
-    env.update(
-        {
-            "FLWR_HOME": str(home),
-            "FLWR_TELEMETRY_ENABLED": "0",
-            "FLWR_DISABLE_UPDATE_CHECK": "1",
-            "FLWR_DISABLE_RUNTIME_DEPENDENCY_INSTALLATION": "1",
-            "PYTHONUNBUFFERED": "1",
-            "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}",
-        }
-    )
-    env.update(extra or {})
-    return env
-
-
-def toml_value(v: Any) -> str:
-    """Write a run-config value as TOML (for ``flwr run --run-config``).
-
-    flwr reads a quoted value up to the next quote of its kind (no escapes), so a string holding
-    double quotes (an override such as ``lora.target_modules=["q_proj","v_proj"]``) travels as a
-    TOML literal string in single quotes.
-
-    Args:
-        v: a bool, number or string (anything else is written as its str).
-
-    Returns:
-        The TOML text.
-
-    Raises:
-        ValueError: for a string holding both kinds of quote, or a double quote and a newline, which
-            that command line cannot carry.
-    """
-    if isinstance(v, bool):
-        return "true" if v else "false"
-    if isinstance(v, (int, float)):
-        return repr(v)
-    s = str(v)
-    if '"' not in s:
-        return json.dumps(s)
-    if "'" in s or "\n" in s:
-        raise ValueError(
-            f"run-config value {s!r}: flwr run --run-config cannot carry a string with both ' and \" "
-            "(or a newline); use the other quote inside it"
-        )
-    return f"'{s}'"
-
-
-@dataclass
-class Proc:
-    """A process this deployment started.
-
-    Attributes:
-        name: its name (also its log's).
-        popen: its Popen handle.
-        log: its log file (stdout and stderr).
-    """
-
-    name: str
-    popen: subprocess.Popen
-    log: Path
-
-    @property
-    def pid(self) -> int:
-        """The process id."""
-        return self.popen.pid
-
-    def tail(self, n: int = 30) -> str:
-        """Read the end of the log.
-
-        Args:
-            n: how many lines.
-
-        Returns:
-            Its last n lines; empty when the log cannot be read.
-        """
-        try:
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-        except OSError:
-            return ""
-
-
-@dataclass
-class TLSFiles:
-    """PEM files of a TLS deployment.
-
-    Attributes:
-        ca_cert: the CA certificate (SuperNodes and the CLI trust it).
-        server_cert: the SuperLink's certificate.
-        server_key: the SuperLink's private key.
-    """
-
-    ca_cert: Path
-    server_cert: Path
-    server_key: Path
+__all__ = ["BIN", "LocalDeployment", "Proc", "TLSFiles", "flwr_env", "free_port", "toml_value"]
 
 
 @dataclass
@@ -162,6 +46,9 @@ class LocalDeployment:
         database: the SuperLink's state: "" (default) in memory (Flower's default), else an SQLite
             file.
         simulation: whether the SuperLink runs Flower's simulation engine (virtual SuperNodes on Ray).
+        heartbeat_s: the SuperNodes' heartbeat interval in seconds (at least 10); None (default):
+            Flower's 30 s. The SuperLink marks a node offline after two intervals without one, so a
+            test that kills a node sets 10 (`nestfed.testing.supernode_heartbeat`).
     """
 
     root: Path
@@ -173,6 +60,7 @@ class LocalDeployment:
     name: str = "local"
     database: str = ""
     simulation: bool = False
+    heartbeat_s: int | None = None
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -308,8 +196,11 @@ class LocalDeployment:
             The SuperNode's process.
         """
         cfg = " ".join(f"{k}={toml_value(v)}" for k, v in node_config.items())
+        launcher = [str(BIN / "flower-supernode")]
+        if self.heartbeat_s is not None:
+            launcher = [sys.executable, "-m", "nestfed.testing.supernode_heartbeat", str(self.heartbeat_s)]
         args = [
-            str(BIN / "flower-supernode"),
+            *launcher,
             "--superlink",
             f"127.0.0.1:{self.port}",
             "--port",
@@ -431,24 +322,44 @@ class LocalDeployment:
         return int(out["run-id"])
 
     def run_status(self, run_id: int) -> dict[str, Any]:
-        """Read a run's record as ``flwr ls --run-id RID --format json`` reports it.
+        """Read a run's status from the SuperLink's Control API, as ``flwr ls --run-id RID`` does.
+
+        Asked in this process (milliseconds), not through the ``flwr`` CLI, whose start-up costs
+        about 1.7 s of CPU a call: the tests poll it.
 
         Args:
             run_id: the run.
 
         Returns:
-            The record (``status``: e.g. finished:completed).
+            ``run-id``, ``status`` (e.g. ``finished:completed``, as ``flwr ls --format json``
+            writes it) and ``status-details``.
 
         Raises:
             RuntimeError: when the SuperLink does not know the run.
         """
-        out = self.flwr_json("ls", self.name, "--run-id", str(run_id))
-        runs = out.get("runs") or []
-        if not runs:
-            raise RuntimeError(f"flwr ls: run {run_id} unknown: {out}")
-        return runs[0]
+        from flwr.common.serde import run_from_proto
+        from flwr.proto.control_pb2 import ListRunsRequest
+        from flwr.supercore.control import ControlHttpClient
 
-    def wait_run(self, run_id: int, timeout_s: float = 600.0, poll_s: float = 2.0) -> dict[str, Any]:
+        root = self.tls.ca_cert.read_bytes() if self.tls is not None else None
+        client = ControlHttpClient.from_server_address(f"127.0.0.1:{self.port}", self.tls is None, root, [])
+        try:
+            res = client.ListRuns(ListRunsRequest(run_id=run_id))
+        except Exception as exc:  # httpx's 404 for a run the SuperLink does not know
+            raise RuntimeError(f"ListRuns: run {run_id} unknown: {exc}") from None
+        finally:
+            client.close()
+        if run_id not in res.run_dict:
+            raise RuntimeError(f"ListRuns: run {run_id} unknown")
+        run = run_from_proto(res.run_dict[run_id])
+        sub = run.status.sub_status
+        return {
+            "run-id": str(run_id),
+            "status": f"{run.status.status}:{sub}" if sub else run.status.status,
+            "status-details": run.status.details,
+        }
+
+    def wait_run(self, run_id: int, timeout_s: float = 600.0, poll_s: float = 0.5) -> dict[str, Any]:
         """Poll until the run finishes (``finished:*``).
 
         Args:
@@ -457,7 +368,7 @@ class LocalDeployment:
             poll_s: seconds between polls.
 
         Returns:
-            Its final ``flwr ls`` record.
+            Its final status record (`run_status`).
 
         Raises:
             TimeoutError: when it has not finished within timeout_s.
