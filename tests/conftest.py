@@ -34,14 +34,16 @@ _measured: dict[str, float] = {}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark ``flower`` and ``e2e`` tests ``slow``, and order the tests so that the longest start first.
+    """Mark ``flower`` and ``e2e`` tests ``slow``, and order the tests for pytest-xdist's workers.
 
     ``-m "not slow"`` (the quick loop) so leaves them out with the rest of what runs whole
-    federations, processes or real models. pytest-xdist's work stealing first hands worker i the
-    i-th contiguous share of the collection, then moves the tail of a busy worker's queue to an idle
-    one; so each share starts with its part of the tests of ``tests/durations.json`` (dealt longest
-    first to the least loaded share), then its part of the other slow tests, then quick ones, and
-    the minutes-long Flower deployments never start last.
+    federations, processes or real models. Work stealing first hands worker i the i-th contiguous
+    share of the collection, then moves the tail of a busy worker's queue to an idle one. The
+    Flower deployments start many processes each and slow each other down several times over when
+    two run at once (measured: 108 s alone, 492 s beside another), so the first share starts with
+    every ``flower`` test, longest first (``tests/durations.json``); the other shares start with
+    the other long tests, dealt longest first to the least loaded share, then the slow ones, and
+    quick tests fill every share's tail.
     """
     for item in items:
         if item.get_closest_marker("flower") or item.get_closest_marker("e2e"):
@@ -58,19 +60,25 @@ def worker_shares(items: list, known: dict[str, float], workers: int) -> list:
         sizes.append(left // (workers - i))
         left -= sizes[-1]
     shares: list[list] = [[] for _ in sizes]
+
+    def longest_first(group: list) -> list:
+        return sorted(group, key=lambda it: (-known.get(it.nodeid, 0.0), it.get_closest_marker("slow") is None))
+
+    flower = [it for it in items if it.get_closest_marker("flower")]
+    rest = longest_first([it for it in items if not it.get_closest_marker("flower")])
+    if workers == 1:
+        return longest_first(flower) + rest
+    shares[0] = longest_first(flower)[: sizes[0]]
+    others = [it for it in items if it.get_closest_marker("flower") and it not in shares[0]] + rest
     load = [0.0] * workers
-    for item in sorted((it for it in items if it.nodeid in known), key=lambda it: -known[it.nodeid]):
-        w = min((w for w in range(workers) if len(shares[w]) < sizes[w]), key=lambda w: load[w])
+    load[0] = float("inf")  # the Flower share takes only quick tests at its tail
+    for item in others:
+        open_ = [w for w in range(workers) if len(shares[w]) < sizes[w]]
+        w = min(open_, key=lambda w: (load[w], len(shares[w])))
         shares[w].append(item)
-        load[w] += known[item.nodeid]
-    rest = [it for it in items if it.nodeid not in known]
-    rest.sort(key=lambda it: it.get_closest_marker("slow") is None)  # stable: collection order kept
-    w = 0
-    for item in rest:
-        while len(shares[w % workers]) >= sizes[w % workers]:
-            w += 1
-        shares[w % workers].append(item)
-        w += 1
+        load[w] += known.get(item.nodeid, 0.0)
+        if w != 0 and item.get_closest_marker("slow") is None:
+            load[w] += 1.0  # quick tests: spread by count
     return [it for share in shares for it in share]
 
 

@@ -5,6 +5,7 @@ command runs, its exit code and output captured); a few run the real command in 
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -459,11 +460,20 @@ def test_seeds_run_every_method_per_seed_and_report_intervals(tmp_path, cli):
     # the two seeds drew different batches and initialisations
     ppl = {(r["label"], r["seed"]): r["mean_ppl"] for r in rows}
     assert ppl[("prelort", 0)] != ppl[("prelort", 1)]
-    # an interrupted seed run resumes inside the parent; compare reads the parent over seeds
+    # a campaign interrupted in seed 1's zeropad run (seed 1's local_only never started) resumes
+    # both from the parent: the one from its directory, the other from the config the campaign
+    # recorded before its first run; compare reads the parent over seeds
+    assert sorted(str(q.relative_to(parent / "campaign")) for q in (parent / "campaign").rglob("*.toml")) == [
+        f"seed{s}/{m}.toml" for s in (0, 1) for m in ("local_only", "prelort", "zeropad")
+    ]
     (parent / "seed1" / "zeropad" / "summary.json").unlink()
+    never_started = parent / "seed1" / "local_only"
+    shutil.rmtree(never_started)
     r = cli("run", "--resume", str(parent), cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     assert (parent / "seed1" / "zeropad" / "summary.json").is_file()
+    assert (never_started / "summary.json").is_file() and "seed = 1" in (never_started / "config.toml").read_text()
+    assert len(json.loads((parent / "comparison.json").read_text())) == 6
     c = cli(
         "compare",
         str(parent),
@@ -487,8 +497,6 @@ def test_compare_of_one_run_twice_is_one_line(tmp_path, cli):
     """Two copies of one run (label, seed and every field alike) cannot be paired by seed: one line
     naming the fix, exit 2, no traceback. Runs that differ in a field are labelled by it instead
     (tests/experiments/test_report_labels.py)."""
-    import shutil
-
     r = cli("run", str(TINY), "--set", f"output.dir={tmp_path / 'r'}", "--set", "federation.rounds=1", cwd=tmp_path)
     assert r.returncode == 0, r.stderr[-2000:]
     a = next((tmp_path / "r").iterdir())

@@ -35,6 +35,7 @@ from nestfed.federation.prepared import Prepared
 from nestfed.federation.run_dir import RunDir
 from nestfed.io import atomic
 
+PLAN = "campaign"  # <parent>/campaign/<key>.toml: every run's config, written before the first run
 Line = Callable[[str], None]  # one plain line for the log
 Show = Callable[[Any], None]  # a rich table, or text to print as it is
 
@@ -131,11 +132,27 @@ class Campaign:
         cfgs = {}
         for name, d in todo.items():
             rd = RunDir(d)
+            if not rd.config_path.is_file():  # never started: it runs from its recorded config
+                cfgs[name] = methods.load_run_config(planned_config(path, name), overrides)
+                continue
             wanted = methods.load_run_config(rd.config_path, overrides)
             for change in preflight.accept_resume(rd, wanted):  # fails here, before any work
                 on_line(f"resume {d}: config.toml now has {change}")
             cfgs[name] = wanted
         return cls(cfgs, todo, parent, resume=True)
+
+    def record_plan(self) -> None:
+        """Write every run's config under ``<parent>/campaign/`` before the first run starts.
+
+        So a campaign interrupted at any instant resumes every run, those never started too
+        (``resumable``). Nothing is written for a single run or a resume.
+        """
+        if self.parent is None or self.resume:
+            return
+        for key, cfg in self.configs.items():
+            path = planned_config(self.parent, key)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            atomic.write_text(path, config.dumps_toml(cfg))
 
     def reported(self) -> list[Path]:
         """The runs the comparison reports once these have run.
@@ -204,12 +221,14 @@ def run_all(c: Campaign, prep: Prepared, start: Start) -> None:
         start: called as ``start(key, total, done)`` (in sampled clients) as each run begins;
             returns where that run's ``Step`` events go.
     """
+    c.record_plan()
     for key, cfg in c.configs.items():
         k = config.sampled_per_round(cfg)
-        found = RunDir(c.dirs[key]).checkpoints() if c.resume else []
+        resume = c.resume and RunDir(c.dirs[key]).config_path.is_file()  # else never started: a new run
+        found = RunDir(c.dirs[key]).checkpoints() if resume else []
         show = start(key, cfg.federation.rounds * k, (found[-1][0] if found else 0) * k)
         on_event = steps(key, cfg.federation.rounds, len(prep.clients), show)
-        run_method(prep, cfg, c.dirs[key], resume=c.resume, on_event=on_event)
+        run_method(prep, cfg, c.dirs[key], resume=resume, on_event=on_event)
 
 
 def steps(name: str, rounds: int, clients: int, show: Callable[[Step], None]) -> OnEvent:
@@ -259,8 +278,9 @@ def resumable(path: Path, overrides: list[str]) -> tuple[dict[str, Path], Path |
 
     Returns:
         ({key: run directory}, the parent whose comparison is rewritten or None for a single run):
-        the unfinished runs, and finished ones asked for more rounds, keyed by their path below
-        the parent (``prelort``, ``seed1/prelort``).
+        the unfinished runs, those the campaign recorded but never started (``planned_config``),
+        and finished ones asked for more rounds, keyed by their path below the parent
+        (``prelort``, ``seed1/prelort``).
 
     Raises:
         NestfedError: when there is none.
@@ -280,12 +300,28 @@ def resumable(path: Path, overrides: list[str]) -> tuple[dict[str, Path], Path |
             raise NestfedError(f"--resume: {path} has finished (summary.json exists){more}")
         return {methods.load_run_config(path / "config.toml").strategy.name: path}, None
     subs = sorted({p.parent for p in [*path.glob("*/config.toml"), *path.glob("*/*/config.toml")]})
+    plan = path / PLAN
+    planned = sorted({path / p.relative_to(plan).with_suffix("") for p in plan.rglob("*.toml")})
+    subs = sorted({*subs, *planned})
     if not subs:
         raise NestfedError(f"--resume: {path} is not a nestfed run directory (no config.toml)")
-    todo = {str(p.relative_to(path)): p for p in subs if wanted(p)}
+    todo = {str(p.relative_to(path)): p for p in subs if not (p / "config.toml").is_file() or wanted(p)}
     if not todo:
         raise NestfedError(f"--resume: every run under {path} has finished{more}")
     return todo, path if len(subs) > 1 else None
+
+
+def planned_config(parent: Path, key: str) -> Path:
+    """Where a campaign records a run's config before it starts (``Campaign.record_plan``).
+
+    Args:
+        parent: the campaign's parent directory.
+        key: the run's key (``prelort``, ``seed1/prelort``).
+
+    Returns:
+        ``<parent>/campaign/<key>.toml``.
+    """
+    return parent / PLAN / f"{key}.toml"
 
 
 def finished_under(parent: Path) -> list[Path]:
