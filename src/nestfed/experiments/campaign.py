@@ -18,6 +18,8 @@ progress as ``Step`` events), so the command line prints it and nothing here pri
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,14 +147,18 @@ class Campaign:
         """Write every run's config under ``<parent>/campaign/`` before the first run starts.
 
         So a campaign interrupted at any instant resumes every run, those never started too
-        (``resumable``). Nothing is written for a single run or a resume.
+        (``resumable``). Written into a staging folder renamed into place, so the record is whole
+        or absent. Nothing is written for a single run or a resume.
         """
         if self.parent is None or self.resume:
             return
+        staging = self.parent / f".{PLAN}.tmp"  # all or none: the folder is renamed into place
+        shutil.rmtree(staging, ignore_errors=True)
         for key, cfg in self.configs.items():
-            path = planned_config(self.parent, key)
+            path = staging / f"{key}.toml"
             path.parent.mkdir(parents=True, exist_ok=True)
             atomic.write_text(path, config.dumps_toml(cfg))
+        os.replace(staging, self.parent / PLAN)
 
     def reported(self) -> list[Path]:
         """The runs the comparison reports once these have run.
