@@ -28,58 +28,22 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 # the longest tests' measured seconds (call + setup + teardown), written by a run with
-# NESTFED_STORE_DURATIONS=1; used only to order the tests
+# NESTFED_STORE_DURATIONS=1 (a record for measurements)
 DURATIONS = Path(__file__).with_name("durations.json")
 _measured: dict[str, float] = {}
 
 
 def pytest_collection_modifyitems(config, items):
-    """Mark ``flower`` and ``e2e`` tests ``slow``, and order the tests for pytest-xdist's workers.
+    """Mark ``flower`` and ``e2e`` tests ``slow``; the tests run in collection order.
 
     ``-m "not slow"`` (the quick loop) so leaves them out with the rest of what runs whole
-    federations, processes or real models. Work stealing first hands worker i the i-th contiguous
-    share of the collection, then moves the tail of a busy worker's queue to an idle one. The
-    Flower deployments start many processes each and slow each other down several times over when
-    two run at once (measured: 108 s alone, 492 s beside another), so the first share starts with
-    every ``flower`` test, longest first (``tests/durations.json``); the other shares start with
-    the other long tests, dealt longest first to the least loaded share, then the slow ones, and
-    quick tests fill every share's tail.
+    federations, processes or real models. (Ordering by tests/durations.json was tried: two Flower
+    deployments side by side slowed each other 4x, and all of them on one worker made a serial
+    critical path; collection order keeps them mostly apart.)
     """
     for item in items:
         if item.get_closest_marker("flower") or item.get_closest_marker("e2e"):
             item.add_marker(pytest.mark.slow)
-    known = json.loads(DURATIONS.read_text()) if DURATIONS.is_file() else {}
-    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    items[:] = worker_shares(items, known, workers)
-
-
-def worker_shares(items: list, known: dict[str, float], workers: int) -> list:
-    """Order items as ``workers`` contiguous shares of xdist's initial sizes (see above)."""
-    sizes, left = [], len(items)
-    for i in range(workers):
-        sizes.append(left // (workers - i))
-        left -= sizes[-1]
-    shares: list[list] = [[] for _ in sizes]
-
-    def longest_first(group: list) -> list:
-        return sorted(group, key=lambda it: (-known.get(it.nodeid, 0.0), it.get_closest_marker("slow") is None))
-
-    flower = [it for it in items if it.get_closest_marker("flower")]
-    rest = longest_first([it for it in items if not it.get_closest_marker("flower")])
-    if workers == 1:
-        return longest_first(flower) + rest
-    shares[0] = longest_first(flower)[: sizes[0]]
-    others = [it for it in items if it.get_closest_marker("flower") and it not in shares[0]] + rest
-    load = [0.0] * workers
-    load[0] = float("inf")  # the Flower share takes only quick tests at its tail
-    for item in others:
-        open_ = [w for w in range(workers) if len(shares[w]) < sizes[w]]
-        w = min(open_, key=lambda w: (load[w], len(shares[w])))
-        shares[w].append(item)
-        load[w] += known.get(item.nodeid, 0.0)
-        if w != 0 and item.get_closest_marker("slow") is None:
-            load[w] += 1.0  # quick tests: spread by count
-    return [it for share in shares for it in share]
 
 
 def pytest_runtest_logreport(report):
