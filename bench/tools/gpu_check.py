@@ -383,7 +383,8 @@ def part_two_rounds(s: Setting, bundle: Path) -> dict:
 def part_cuda_tests(s: Setting) -> dict:
     files = [str(f.relative_to(ROOT)) for f in sorted((ROOT / "tests").rglob("test_*.py"))
              if "mark.cuda" in f.read_text()]
-    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *files],
+    # -n 0: one process (the suite's addopts start two pytest-xdist workers, each importing everything)
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-n", "0", "-m", "cuda", "-p", "no:cacheprovider", *files],
                        capture_output=True, text=True, cwd=ROOT)
     return {"returncode": p.returncode, "files": files, "summary": p.stdout.strip().splitlines()[-1:]}
 

@@ -63,6 +63,16 @@ def nestfed(tmp, *args, kill_at=None):
     return subprocess.run(cmd, cwd=tmp, capture_output=True, text=True, env=env, timeout=600)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """The uninterrupted run's directory, run once for every kill point (it is the same run)."""
+    tmp = tmp_path_factory.mktemp("reference")
+    ref = nestfed(tmp, "run", str(TINY), "--set", f"output.dir={tmp / 'ref'}", *ARGS)
+    assert ref.returncode == 0, ref.stderr[-2000:]
+    (ref_dir,) = list((tmp / "ref").iterdir())
+    return ref_dir
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "kill_at,where",
@@ -72,17 +82,14 @@ def nestfed(tmp, *args, kill_at=None):
         (8, "exporting the adapter after the last round"),
     ],
 )
-def test_a_killed_run_resumes_to_the_same_adapter(tmp_path, kill_at, where):
-    ref = nestfed(tmp_path, "run", str(TINY), "--set", f"output.dir={tmp_path / 'ref'}", *ARGS)
-    assert ref.returncode == 0, ref.stderr[-2000:]
+def test_a_killed_run_resumes_to_the_same_adapter(tmp_path, reference, kill_at, where):
     killed = nestfed(tmp_path, "run", str(TINY), "--set", f"output.dir={tmp_path / 'cut'}", *ARGS, kill_at=kill_at)
     assert killed.returncode == -9, (where, killed.stderr[-2000:])
     (run_dir,) = list((tmp_path / "cut").iterdir())
     assert not (run_dir / "summary.json").exists()
     resumed = nestfed(tmp_path, "run", "--resume", str(run_dir))
     assert resumed.returncode == 0, (where, resumed.stderr[-2000:])
-    (ref_dir,) = list((tmp_path / "ref").iterdir())
     for f in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json"):
-        assert (run_dir / f).read_bytes() == (ref_dir / f).read_bytes(), (where, f)
+        assert (run_dir / f).read_bytes() == (reference / f).read_bytes(), (where, f)
     rounds = [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert rounds == [0, 1, 2], where

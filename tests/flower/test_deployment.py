@@ -1,11 +1,13 @@
 """nestfed on Flower's deployment engine for real: a SuperLink and SuperNodes on 127.0.0.1.
 
-Each test starts its own SuperLink (free port, private FLWR_HOME, telemetry and update checks
-off, runtime dependency installation disabled) and SuperNodes, submits the ``flower_app``
-bundle with ``flwr run``, and reads the outcome with ``flwr ls --format json`` (``flwr run``
-exits 0 even when the run fails). Every process is stopped by its PID in the fixture's
-teardown, on failure too. Flower starts a fresh ClientApp process per message (torch and the
-model built each time), so one exchange costs seconds to tens of seconds here.
+Each test that kills a process starts its own SuperLink (free port, private FLWR_HOME, telemetry
+and update checks off, runtime dependency installation disabled) and SuperNodes; the two that kill
+nothing share one SuperLink and three SuperNodes (``three_nodes``), each submitting its own run.
+A test submits the ``flower_app`` bundle with ``flwr run`` and reads the outcome from the
+SuperLink (``flwr run`` exits 0 even when the run fails). Every process is stopped by its PID in
+the fixture's teardown, on failure too. Flower starts a fresh ClientApp process per message (a
+thin forwarder to the node's long-running worker, which builds torch and the model once), so one
+exchange costs seconds here.
 """
 
 import json
@@ -55,10 +57,26 @@ def metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_two_rounds_of_prelort_on_three_supernodes_match_the_embedded_runner(deployment, tmp_path, embedded_reference):
-    d = deployment
-    d.start_superlink()
-    nodes = [d.start_supernode({"partition-id": i, "num-partitions": 3}) for i in range(3)]
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory):
+    """A SuperLink and three SuperNodes (partitions 0-2, each with its own client-state folder), shared
+    by the tests that kill nothing: each submits its own run to the same nodes, whose workers stay
+    warm between runs (a node serving one experiment after another, as a deployment does)."""
+    root = tmp_path_factory.mktemp("three-nodes")
+    d = LocalDeployment(root / "flower")
+    try:
+        d.start_superlink()
+        nodes = [
+            d.start_supernode({"partition-id": i, "num-partitions": 3, "client-state": str(root / f"state-{i}")})
+            for i in range(3)
+        ]
+        yield d, nodes
+    finally:
+        d.stop()
+
+
+def test_two_rounds_of_prelort_on_three_supernodes_match_the_embedded_runner(three_nodes, tmp_path, embedded_reference):
+    d, nodes = three_nodes
     run_dir = tmp_path / "run"
     status = finish(d, d.submit(APP_DIR, run_config(run_dir)))
     assert status["status"] == "finished:completed"
@@ -76,6 +94,28 @@ def test_two_rounds_of_prelort_on_three_supernodes_match_the_embedded_runner(dep
     assert [ln["bytes_up"] for ln in lines[1:]] == [ln["bytes_up"] for ln in emb[1:]]
     assert all(p.popen.poll() is None for p in nodes)  # every SuperNode still up
     assert json.loads((run_dir / "summary.json").read_text())["engine"] == "flower"
+
+
+def test_fednl_rules_only_keeps_each_clients_lora_across_fresh_processes(three_nodes, tmp_path):
+    """FedNL with only the memory rules travelling: each client's own LoRA lives on its SuperNode's
+    disk between messages (every message meets a fresh ClientApp process), so two rounds evaluate
+    and export exactly as the embedded runner does."""
+    from flower_helpers import embedded_run
+
+    over = OVERRIDES + (
+        "strategy.name=fednl",
+        "fednl.travel=rules",
+        "lora.ranks=[4]",
+        'lora.target_modules=["q_proj","v_proj"]',
+    )
+    emb = embedded_run(tmp_path / "embedded", over)
+    d, _ = three_nodes
+    run_dir = tmp_path / "run"
+    finish(d, d.submit(APP_DIR, run_config(run_dir, overrides=";".join(over), evaluate=True)))
+    assert [ln["eval"] for ln in metrics(run_dir)] == [ln["eval"] for ln in metrics(emb)]
+    ra, rb = (load_file(str(p / "memory_rules.safetensors")) for p in (emb, run_dir))
+    assert sorted(ra) == sorted(rb) and all(torch.equal(ra[k], rb[k]) for k in ra)
+    assert not (run_dir / "adapter").exists()  # rules only: no global LoRA
 
 
 def test_a_supernode_killed_mid_run_is_dropped_and_nothing_is_corrupted(deployment, tmp_path):
@@ -130,31 +170,6 @@ def test_a_supernode_killed_mid_run_is_dropped_and_nothing_is_corrupted(deployme
     assert not list((run_dir / "checkpoints").glob(".*"))
     summary = json.loads((run_dir / "summary.json").read_text())
     assert summary["dropped_updates"] == 2 and nodes[0].popen.poll() is None
-
-
-def test_fednl_rules_only_keeps_each_clients_lora_across_fresh_processes(deployment, tmp_path):
-    """FedNL with only the memory rules travelling: each client's own LoRA lives on its SuperNode's
-    disk between messages (every message meets a fresh ClientApp process), so two rounds evaluate
-    and export exactly as the embedded runner does."""
-    from flower_helpers import embedded_run
-
-    over = OVERRIDES + (
-        "strategy.name=fednl",
-        "fednl.travel=rules",
-        "lora.ranks=[4]",
-        'lora.target_modules=["q_proj","v_proj"]',
-    )
-    emb = embedded_run(tmp_path / "embedded", over)
-    d = deployment
-    d.start_superlink()
-    for i in range(3):
-        d.start_supernode({"partition-id": i, "num-partitions": 3, "client-state": str(tmp_path / f"state-{i}")})
-    run_dir = tmp_path / "run"
-    finish(d, d.submit(APP_DIR, run_config(run_dir, overrides=";".join(over), evaluate=True)))
-    assert [ln["eval"] for ln in metrics(run_dir)] == [ln["eval"] for ln in metrics(emb)]
-    ra, rb = (load_file(str(p / "memory_rules.safetensors")) for p in (emb, run_dir))
-    assert sorted(ra) == sorted(rb) and all(torch.equal(ra[k], rb[k]) for k in ra)
-    assert not (run_dir / "adapter").exists()  # rules only: no global LoRA
 
 
 def test_the_serverapp_and_the_superlink_killed_mid_round_resume_to_the_uninterrupted_adapter(tmp_path):

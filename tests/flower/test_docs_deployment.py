@@ -7,6 +7,9 @@ The only changes are the names of places, as the page states: ``localhost`` for
 for 9092, this test's folder for ``/srv/nestfed`` and ``/path/to``, the run id ``flwr run``
 printed for ``RUN_ID``, ``K=i`` for the five SuperNodes, and a ClientAppIo port per SuperNode. The
 launch blocks of step 5 run in the shell of step 3 (its ``export`` line first), as the page says.
+The machine holds SmolLM2 already converted from its GGUF, as any node that has loaded it once does
+(the suite's converted folder linked into the test's ``HOME``): else the ServerApp and each of the
+five workers would convert it again, 17 s of CPU each.
 
 The smoke test (the main job at a tiny budget on SmolLM2: one round, five nodes over TLS with
 SuperNode authentication) finishes with the embedded runner's run directory; the main job's launch
@@ -24,6 +27,7 @@ import pytest
 
 pytest.importorskip("flwr")
 
+from nestfed.nn.backbone import convert_builtin, default_cache_dir  # noqa: E402
 from nestfed.testing.doc_pages import section_blocks  # noqa: E402
 from nestfed.testing.flower_deployment import LocalDeployment, Proc, TLSFiles, free_port  # noqa: E402
 
@@ -103,6 +107,11 @@ def test_the_deployment_commands_of_docs_flower_run_as_written(tmp_path):
     page = Page(work, port)
     d = LocalDeployment(tmp_path / "flower")  # its FLWR_HOME and worker folder; stop() ends what is left
     env = {**d.env, "PATH": "/usr/bin:/bin", "HOME": str(tmp_path / "home"), "COLUMNS": "200"}
+    env.pop("XDG_CACHE_HOME", None)
+    weights = convert_builtin("smollm2-135m", default_cache_dir())  # once for the whole suite
+    cache = tmp_path / "home" / ".cache" / "nestfed"
+    cache.mkdir(parents=True)
+    (cache / weights.name).symlink_to(weights)
     try:
         run(page.certs, work, env)
         (d.home / "config.toml").write_text(page.toml)

@@ -6,7 +6,8 @@ global state must equal the plain aggregate of the same replies (recomputed here
 checkpoint with the method's own strategy and trainer) within the stated quantisation bound. A
 SuperNode killed after it has shared its keys (on receiving the collect stage's message, its
 long-running worker frozen before so that it cannot answer it) is survived: the unmask stage
-rebuilds its pairwise masks from the 3 survivors' shares (threshold 3).
+rebuilds its pairwise masks from the 3 survivors' shares (threshold 3). The two tests share one
+deployment (``four_nodes``), the plain run first and the killing one last.
 """
 
 import json
@@ -21,6 +22,8 @@ pytest.importorskip("flwr")
 
 from flower_helpers import APP_DIR  # noqa: E402
 from test_secure_in_process import SECURE_OVERRIDES, TINY, assert_within_bound, line  # noqa: E402
+
+from nestfed.testing.flower_deployment import LocalDeployment  # noqa: E402
 
 pytestmark = pytest.mark.flower
 
@@ -48,11 +51,29 @@ def finish(d, run_id):
         pytest.fail(f"run {run_id}: {status['status']} ({status.get('status-details')})\n{d.logs(run_id)}\n{tails}")
 
 
-def test_secure_aggregation_on_four_supernodes_equals_the_plain_aggregate(deployment, tmp_path, keep_threads):
-    d = deployment
+@pytest.fixture(scope="module")
+def four_nodes(tmp_path_factory):
+    """A SuperLink and four SuperNodes with Flower's shortest heartbeat (10 s: the SuperLink marks a
+    killed node offline within 20 s), node 3's worker alone in its folder (to find it), shared by
+    this module's two tests in file order: the plain run first, then the run that kills node 3."""
+    d = LocalDeployment(tmp_path_factory.mktemp("four-nodes") / "flower", heartbeat_s=10)
+    victim_workers = d.worker_dir / "victim"
+    try:
+        d.start_superlink()
+        nodes = [
+            d.start_supernode(
+                {"partition-id": i, "num-partitions": 4, **({"worker-dir": str(victim_workers)} if i == 3 else {})}
+            )
+            for i in range(4)
+        ]
+        yield d, nodes, victim_workers
+    finally:
+        d.stop()
+
+
+def test_secure_aggregation_on_four_supernodes_equals_the_plain_aggregate(four_nodes, tmp_path, keep_threads):
+    d, nodes, _ = four_nodes
     t0 = time.monotonic()
-    d.start_superlink()
-    nodes = [d.start_supernode({"partition-id": i, "num-partitions": 4}) for i in range(4)]
     run_dir = tmp_path / "run"
     finish(d, submit(d, run_dir))
     ln = line(run_dir)
@@ -70,25 +91,19 @@ def test_secure_aggregation_on_four_supernodes_equals_the_plain_aggregate(deploy
     assert all(p.popen.poll() is None for p in nodes)
 
 
-def test_secure_aggregation_survives_a_supernode_killed_mid_protocol(deployment, tmp_path, keep_threads):
-    d = deployment
-    d.heartbeat_s = 10  # Flower's shortest: the SuperLink marks the killed node offline within 20 s
+def test_secure_aggregation_survives_a_supernode_killed_mid_protocol(four_nodes, tmp_path, keep_threads):
+    d, nodes, victim_workers = four_nodes
+    assert all(p.popen.poll() is None for p in nodes), "the shared nodes must all be up: this test kills one"
     t0 = time.monotonic()
-    d.start_superlink()
-    victim_workers = d.worker_dir / "victim"  # client 3's worker alone in its folder, to find it
-    nodes = [
-        d.start_supernode(
-            {"partition-id": i, "num-partitions": 4, **({"worker-dir": str(victim_workers)} if i == 3 else {})}
-        )
-        for i in range(4)
-    ]
     run_dir = tmp_path / "run"
-    run_id = submit(d, run_dir, **{"min-clients": 2})
     victim = nodes[3]  # client 3, rank 8: the only holder of rank rows 4..7
+    seen = victim.log.read_text(errors="replace")
+    before = {t: seen.count(t) for t in ("Sending: train message", "Receiving: train message")}
+    run_id = submit(d, run_dir, **{"min-clients": 2})
     deadline = time.monotonic() + RUN_TIMEOUT_S
 
-    def wait_for(text: str, count: int) -> None:
-        while victim.log.read_text(errors="replace").count(text) < count:
+    def wait_for(text: str, count: int) -> None:  # count lines of this run only (the node served others)
+        while victim.log.read_text(errors="replace").count(text) - before[text] < count:
             assert time.monotonic() < deadline, victim.tail()
             assert not d.run_status(run_id)["status"].startswith("finished"), d.logs(run_id)
             time.sleep(0.1)

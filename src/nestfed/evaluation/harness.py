@@ -459,11 +459,15 @@ def lm_model(backbone_dir: str | Path, adapter_dir: str | Path | None, protocol:
 
 
 def _simple_evaluate(lm_eval, model: dict | object, items, protocol) -> dict:
+    from lm_eval.tasks import TaskManager
+
     as_args = isinstance(model, dict)
     return lm_eval.simple_evaluate(
         model="hf" if as_args else model,
         model_args=model if as_args else None,
         tasks=tasks(items),
+        # the tasks are built here: no index of lm-eval's own (reading its YAML files took 10 s a call)
+        task_manager=TaskManager(include_defaults=False),
         batch_size=protocol.batch_size,
         log_samples=True,
         bootstrap_iters=0,

@@ -13,7 +13,6 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from peft import LoraConfig
 from safetensors.torch import save_file
 
 from nestfed.io import atomic
@@ -83,6 +82,8 @@ def export_peft_adapter(
     if r < 1:
         raise ValueError("the adapter has rank 0 (nothing was aggregated into it); PEFT cannot load it")
     pattern = "^(" + "|".join(re.escape(m) for m in modules) + ")$"
+    from peft import LoraConfig  # here: peft imports bitsandbytes, 1.5 s that every node process would pay
+
     config = LoraConfig(
         r=r,
         lora_alpha=scaling * r,
