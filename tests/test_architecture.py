@@ -186,6 +186,18 @@ def test_the_command_line_answers_without_loading_a_model_library():
         assert "LOADED []" in r.stdout, (args, r.stdout[-500:], r.stderr[-500:])
 
 
+@pytest.mark.slow
+def test_flower_processes_load_peft_only_to_export():
+    """A node's worker and the ServerApp import no peft (which imports bitsandbytes, about 1.4 s in
+    every process): peft loads when a run exports its adapter (nestfed.nn.peft_export)."""
+    probe = (
+        "import sys; import nestfed.flower.worker, nestfed.flower.client_app, nestfed.flower.server_app\n"
+        "print('LOADED', sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))"
+    )
+    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert "LOADED []" in r.stdout, (r.stdout[-500:], r.stderr[-500:])
+
+
 def test_every_declaration_names_an_implementation_that_matches_it():
     """The registry's light declarations agree with what their homes implement: a method declared on
     Flower has both halves; its home module defines IMPLEMENTATION; its sections are plain dataclasses
