@@ -167,14 +167,22 @@ def test_the_docs_the_code_cites_exist_and_are_cited(doc):
     assert not stale, stale
 
 
+def modules_loaded(code: str, watched: tuple[str, ...], args=()) -> tuple[str, subprocess.CompletedProcess]:
+    """Run ``code`` in a fresh interpreter (``sys`` imported, ``args`` as its argv) and return which of
+    ``watched`` it left in ``sys.modules``, printed as a sorted list (``"[]"``: none), with the process."""
+    probe = f"import sys\n{code}\nprint('LOADED', sorted(m for m in {watched!r} if m in sys.modules))"
+    r = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("LOADED ")]
+    return (line[-1].removeprefix("LOADED ") if line else "no LOADED line"), r
+
+
 @pytest.mark.slow
 def test_the_command_line_answers_without_loading_a_model_library():
     """``nestfed --help``, ``nestfed methods`` and a config error import neither torch nor transformers
     (their start time is measured by bench/perf/cli_start.py)."""
-    probe = (
-        "import sys; from nestfed import cli; sys.argv = ['nestfed', *sys.argv[1:]]\n"
-        "try:\n    cli.main()\nexcept SystemExit as e:\n    code = e.code\n"
-        "print('LOADED', sorted(m for m in ('torch', 'transformers', 'peft') if m in sys.modules))"
+    code = (
+        "from nestfed import cli; sys.argv = ['nestfed', *sys.argv[1:]]\n"
+        "try:\n    cli.main()\nexcept SystemExit as e:\n    code = e.code"
     )
     for args in (
         ["--help"],
@@ -182,20 +190,17 @@ def test_the_command_line_answers_without_loading_a_model_library():
         ["run", "configs/tiny.toml", "--set", "lora.rank=3"],
         ["run", "nothere.toml"],
     ):
-        r = subprocess.run([sys.executable, "-c", probe, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
-        assert "LOADED []" in r.stdout, (args, r.stdout[-500:], r.stderr[-500:])
+        loaded, r = modules_loaded(code, ("torch", "transformers", "peft"), args)
+        assert loaded == "[]", (args, r.stdout[-500:], r.stderr[-500:])
 
 
 @pytest.mark.slow
 def test_flower_processes_load_peft_only_to_export():
     """A node's worker and the ServerApp import no peft (which imports bitsandbytes, about 1.4 s in
     every process): peft loads when a run exports its adapter (nestfed.nn.peft_export)."""
-    probe = (
-        "import sys; import nestfed.flower.worker, nestfed.flower.client_app, nestfed.flower.server_app\n"
-        "print('LOADED', sorted(m for m in ('peft', 'bitsandbytes') if m in sys.modules))"
-    )
-    r = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert "LOADED []" in r.stdout, (r.stdout[-500:], r.stderr[-500:])
+    code = "import nestfed.flower.worker, nestfed.flower.client_app, nestfed.flower.server_app"
+    loaded, r = modules_loaded(code, ("peft", "bitsandbytes"))
+    assert loaded == "[]", (r.stdout[-500:], r.stderr[-500:])
 
 
 def test_every_declaration_names_an_implementation_that_matches_it():
