@@ -5,10 +5,11 @@ A capability check for the long cross-device protocol's Fed-PLoRA instability (d
 ||T||_F = 1) that every client wants: client data x ~ N(0, I), loss ||s B A x - T x||^2 averaged
 over a batch. 30 clients at ranks 2/4/8/16 (12/9/6/3, the protocol's 40/30/20/10%), a global
 adapter of R = 16 (A kaiming-uniform-like, B = 0, s = 1), each client running Adam on its own
-trainable part for ``steps`` steps, then one aggregation by nestfed's own strategies:
+trainable part for ``steps`` steps, then one aggregation by nestfed's own strategies (each
+client's payload is its strategy's `configure`, the server's own path):
 
-- ``fed_plora``: the client trains its modules `selection` drew (``random`` or ``prefix``) on top
-  of the others folded (the strategy's `fold_payload`), and `FedPLoRA.aggregate` averages each
+- ``fed_plora``: the client trains the modules its selection drew (``random`` or ``prefix``) on top
+  of the others folded (`FedPLoRA.configure`'s `fold_payload`), and `FedPLoRA.aggregate` averages each
   module over its holders;
 - ``prelort``: the client trains the rank-r_k prefix with the nested objective (the mean over the
   federation's ranks r <= r_k of the loss of the rank-r prefix), `PreLort.aggregate` averages each
@@ -34,10 +35,10 @@ import math
 
 import torch
 
-from nestfed.federation.messages import GlobalState, Reply
+from nestfed.federation.messages import ClientInfo, GlobalState, Reply
 from nestfed.federation.strategy import LoraSettings
 from nestfed.methods.fed_plora import FedPLoRAOptions
-from nestfed.methods.fed_plora.strategy import FedPLoRA, fold_payload, selection
+from nestfed.methods.fed_plora.strategy import FedPLoRA
 from nestfed.methods.prelort.strategy import PreLort
 from nestfed.methods.zeropad.strategy import ZeroPad
 from nestfed.nn.keys import merged_key, peft_key
@@ -96,14 +97,11 @@ def one_round(rule: str, T: torch.Tensor, steps: int, lr: float) -> dict[str, fl
         strategy = FedPLoRA(settings, FedPLoRAOptions(selection=rule.split("_")[-1]))
     else:
         strategy = PreLort(settings) if rule == "prelort" else ZeroPad(settings)
+    instructions = strategy.configure(1, state, [ClientInfo(k, r, 16) for k, r in enumerate(RANKS)])
     replies = {}
     for k, r in enumerate(RANKS):
-        if rule.startswith("fed_plora"):
-            payload = fold_payload(state.arrays, selection(0, 1, k, R, r, rule.split("_")[-1]), 1.0)
-        else:
-            payload = {KEY_A: state.arrays[KEY_A][:r], KEY_B: state.arrays[KEY_B][:, :r]}
         subranks = [p for p in fed if p <= r] if rule == "prelort" else [r]
-        replies[k] = train(payload, subranks, T, steps, lr, seed=1000 + k)
+        replies[k] = train(instructions[k].arrays, subranks, T, steps, lr, seed=1000 + k)
     return measure(strategy.aggregate(1, state, replies).arrays, T)
 
 
@@ -119,14 +117,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, nargs="+", default=[3, 10, 50])
     p.add_argument("--lr", type=float, default=5e-3)
     args = p.parse_args()
-    torch.manual_seed(0)
     T = target()
     rules = ("fed_plora_random", "fed_plora_prefix", "prelort", "zeropad")
-    out = []
     for steps in args.steps:
         row = {"steps": steps, "lr": args.lr, **{rule: one_round(rule, T, steps, args.lr) for rule in rules}}
         row["alone_r2"], row["alone_r16"] = alone(2, T, steps, args.lr), alone(16, T, steps, args.lr)
-        out.append(row)
         print(json.dumps(row), flush=True)
 
 
