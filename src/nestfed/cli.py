@@ -189,10 +189,11 @@ def compare(
 ) -> None:
     """Print a side-by-side table of finished runs and write the comparison plot.
 
-    The plot goes to ./comparison.png by default, the truncation curve and dimension importance
-    beside it when measured. Runs of one method over several seeds are reported with 95% intervals
-    and paired differences. Runs of different experiments (their model or data sections differ)
-    are compared with a warning: the first row is the first run's round 0.
+    The plot goes to ./comparison.png by default, the truncation curve, dimension importance and
+    held-out perplexity by round beside it when measured. Runs of one method over several seeds
+    are reported with 95% intervals and paired differences. Runs of different experiments (their
+    model or data sections differ) are compared with a warning: the first row is the first run's
+    round 0.
     """
     from nestfed.experiments import campaign
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from tiny_federation import tiny_config, tiny_prepared
 
-from nestfed.experiments import group_report
+from nestfed.experiments import group_report, round_report
 from nestfed.experiments.run import run_method
 from nestfed.federation.evaluation_plan import EvalPlan
 from nestfed.federation.rank_groups import by_rank, describe
@@ -81,6 +81,10 @@ def test_a_run_of_many_clients_writes_small_lines_and_its_numbers_by_rank_group(
     stored = json.loads((tmp_path / "run" / "clients.json").read_text())
     assert set(stored["truncation"]["2"]) == {str(c) for c in EvalPlan.from_config(cfg).panel}  # on the panel
     assert {p.name for p in (tmp_path / "run" / "plots").iterdir()} == {"eval_ppl.png", "ppl_ecdf.png", "bytes.png"}
+    t = round_report.trajectory(tmp_path / "run")  # the by-round report keeps the panel, read from clients.jsonl
+    panel = [str(c) for c in EvalPlan.from_config(cfg).panel]
+    assert t["rounds"] == [0, 1, 2, 3] and t["clients"] == 4 and set(t["last_half"]) == set(panel)
+    assert t["panel"] == pytest.approx([np.mean([ln["eval"][c]["ppl"] for c in panel]) for ln in full])
 
 
 def rows_of(label, seed, ppl, ranks):

@@ -28,7 +28,15 @@ from typing import Any
 from nestfed import config, methods
 from nestfed.config import ExperimentConfig
 from nestfed.errors import NestfedError
-from nestfed.experiments import comparison, generation_report, preflight, report, seed_report, tier_report
+from nestfed.experiments import (
+    comparison,
+    generation_report,
+    preflight,
+    report,
+    round_report,
+    seed_report,
+    tier_report,
+)
 from nestfed.experiments.compressed_comparison import compare as compare_compressed
 from nestfed.experiments.prepare import prepare
 from nestfed.experiments.run import new_run_dir, run_method
@@ -401,7 +409,7 @@ def write_comparison(
     Args:
         run_dirs: the finished run directories.
         parent: where comparison.md / .json / .png (and, where the runs measured them,
-            truncation.png and dimension_importance.png) go; None writes none of them.
+            truncation.png, dimension_importance.png and by_round.png) go; None writes none of them.
         show: called with each table or text to show.
         plot: where the plots alone go (the bar chart there, the figures beside it); None for none.
         reference: the label compared against; None for the first label.
@@ -434,6 +442,7 @@ def write_comparison(
     figures = {
         "truncation.png": seed_report.truncation_plot(curves) if curves else None,
         "dimension_importance.png": seed_report.importance_plot(importance) if importance else None,
+        "by_round.png": round_report.plot(rows),
     }
     figures = {name: data for name, data in figures.items() if data is not None}
     if parent is not None:

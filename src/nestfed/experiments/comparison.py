@@ -11,7 +11,7 @@ from typing import Any
 
 from rich.table import Table
 
-from nestfed.experiments import generation_report, group_report, report, seed_report, tier_report
+from nestfed.experiments import generation_report, group_report, report, round_report, seed_report, tier_report
 
 
 def table_and_plot(rows: list[dict[str, Any]], reference: str | None = None) -> tuple[Table, bytes]:
@@ -50,7 +50,8 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
     By rank group with many clients, with 95% intervals and paired differences against the
     reference over seeds, then by device tier where budgets chose the clients' precisions, then
     the truncation curve, its paired differences and the global
-    held-out set's curve where the runs measured them.
+    held-out set's curve where the runs measured them, then the held-out perplexity by round with
+    its last half's mean (nestfed.experiments.round_report).
 
     Args:
         rows: the comparison rows (nestfed.experiments.report.comparison_rows).
@@ -97,4 +98,4 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
             "\nHeld-out perplexity of the final global adapter truncated to rank r on the global held-out set "
             "(mean ± 95% over seeds):\n\n" + seed_report.truncation_markdown(on_global)
         )
-    return text
+    return text + round_report.markdown(rows, reference)

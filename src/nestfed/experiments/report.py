@@ -16,6 +16,7 @@ from rich.table import Table
 from nestfed import methods
 from nestfed.config import INLINE_CLIENTS
 from nestfed.errors import DataError
+from nestfed.experiments import round_report
 from nestfed.federation.plots import png, pyplot
 from nestfed.federation.rank_groups import tier_name
 from nestfed.io.markdown import markdown_table
@@ -187,6 +188,7 @@ def comparison_rows(run_dirs: list[Path]) -> list[dict[str, Any]]:
                 "truncation_global": s.get("truncation_global"),
                 "global_by_client": pc["global_by_client"],
                 "generation": s.get("generation"),
+                "by_round": round_report.trajectory(Path(rd)),
             }
         )
     for row, extra in zip(rows, differing_fields(cfgs, [r["label"] for r in rows])):
