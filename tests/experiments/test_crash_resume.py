@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from nestfed.federation.run_files import RunFiles
+
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny.toml"
 ARGS = [
@@ -87,8 +89,12 @@ def test_a_killed_run_resumes_to_the_same_adapter(tmp_path, reference, kill_at, 
     assert killed.returncode == -9, (where, killed.stderr[-2000:])
     (run_dir,) = list((tmp_path / "cut").iterdir())
     assert not (run_dir / "summary.json").exists()
+    spent = sum(ln.get("time_s", 0.0) for ln in RunFiles(run_dir).read_metrics())  # the committed rounds' time
     resumed = nestfed(tmp_path, "run", "--resume", str(run_dir))
     assert resumed.returncode == 0, (where, resumed.stderr[-2000:])
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["wall_time_before_resume_s"] == pytest.approx(spent) and summary["wall_time_s"] > spent
+    assert (spent > 0) == (kill_at > 4), where  # killed mid-append of round 1: no round committed before
     for f in ("adapter/adapter_model.safetensors", "adapter/adapter_config.json"):
         assert (run_dir / f).read_bytes() == (reference / f).read_bytes(), (where, f)
     rounds = [json.loads(x)["round"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]

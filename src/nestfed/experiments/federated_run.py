@@ -100,6 +100,23 @@ def build_loop(cfg: ExperimentConfig, fed: Federation) -> RoundLoop:
     return RoundLoop.from_config(cfg, fed.strategy, fed.transport, fed.clients, None, fed.keeps_client_state, **kw)
 
 
+def committed_round_time(rd: RunDir) -> float:
+    """Seconds the rounds committed in a run directory took (their lines' ``time_s``).
+
+    Args:
+        rd: the run directory (no metrics.jsonl yet: nothing committed).
+
+    Returns:
+        The sum of ``time_s`` over the committed lines (round 0's line has none).
+
+    Raises:
+        DataError: as nestfed.federation.run_files.RunFiles.read_metrics, for a malformed line.
+    """
+    if not rd.metrics_path.is_file():
+        return 0.0
+    return float(sum(ln.get("time_s", 0.0) for ln in rd.read_metrics()))
+
+
 def run_federation(
     cfg: ExperimentConfig,
     fed: Federation,
@@ -119,8 +136,10 @@ def run_federation(
         t0: the ``time.perf_counter()`` the wall time counts from; None: now.
 
     Returns:
-        The summary; its common fields are ``engine``, ``wall_time_s`` (since ``t0``) and
-        ``rejections``.
+        The summary; its common fields are ``engine``, ``wall_time_s`` (seconds since ``t0``, plus,
+        after a resume, ``wall_time_before_resume_s``: the ``time_s`` of the rounds committed before
+        it, so a resumed run's time counts its earlier rounds; their setup and round 0 are not
+        counted) and ``rejections``.
 
     Raises:
         ConfigError: when the method's capabilities refuse the config (`build_loop`).
@@ -131,9 +150,12 @@ def run_federation(
     loop = build_loop(cfg, fed)
     rd = open_run_dir()
     loop.run_dir = rd
+    before = committed_round_time(rd) if resume else 0.0
 
     def common() -> dict[str, Any]:
-        out = {"engine": fed.engine, "wall_time_s": time.perf_counter() - t0, "rejections": list(loop.log)}
+        out = {"engine": fed.engine, "wall_time_s": before + time.perf_counter() - t0, "rejections": list(loop.log)}
+        if resume:
+            out["wall_time_before_resume_s"] = before
         return out if fed.log is None else {**out, "events": list(fed.log)}
 
     try:
