@@ -4,6 +4,9 @@ Markdown from the JSON its script wrote; bench/tools/tables.py calls them by a m
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from nestfed.federation.run_files import RunFiles
 from nestfed.io.markdown import markdown_table
 
 
@@ -99,3 +102,19 @@ def gpu_delta_rule(d: dict) -> str:
     return _table(
         [f"T ({d['device']}, fla {d.get('fla_version', '?')})", "within tolerance", "largest relative RMS"], rows
     )
+
+
+def panel_by_round(d: dict) -> str:
+    """Short diagnostic runs side by side: each run's panel perplexity (the mean over the clients
+    evaluated that round, ``eval_summary``) after rounds 1..``rounds`` and its global held-out set's
+    perplexity after the last of them it committed, read from the runs' own metrics.jsonl (``runs``:
+    ``[{"label", "metrics": path from the repository root}]``)."""
+    root = Path(__file__).resolve().parents[2]
+    rounds = range(1, d["rounds"] + 1)
+    rows = []
+    for run in d["runs"]:
+        lines = {ln["round"]: ln for ln in RunFiles((root / run["metrics"]).parent).read_metrics()}
+        cells = [f"{lines[t]['eval_summary']['ppl']['all']['mean']:.2f}" if t in lines else "-" for t in rounds]
+        last = max(t for t in rounds if t in lines)
+        rows.append([run["label"], *cells, f"{lines[last]['eval_global']['ppl']:.2f} (round {last})"])
+    return _table([d["title"], *(f"round {t}" for t in rounds), "global set"], rows)
