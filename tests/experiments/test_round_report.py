@@ -42,6 +42,8 @@ def test_a_trajectory_keeps_the_clients_of_every_evaluated_round_and_the_rounds_
     no_global = round_report.trajectory(write_run(tmp_path / "bare", evals))
     assert no_global["global"] is None and no_global["panel"] == t["panel"]
     assert round_report.trajectory(write_run(tmp_path / "one", [{"0": 1.0}, None])) is None
+    (tmp_path / "stored").mkdir()  # a run kept with its summary alone (bench/results/cross_device_neighbours)
+    assert round_report.trajectory(tmp_path / "stored") is None
 
 
 def row(label, seed, panel, on_global, last):

@@ -43,13 +43,17 @@ def trajectory(run_dir: Path) -> dict[str, Any] | None:
     Returns:
         ``{"rounds": [t, ...], "clients": n, "panel": [mean over the n clients evaluated in every
         evaluated round, per round], "global": [the global held-out set's perplexity per round] or
-        None, "last_half": {cid: that client's mean over the rounds t > R / 2}}``; None when fewer
-        than two rounds were evaluated or no client was evaluated in all of them.
+        None, "last_half": {cid: that client's mean over the rounds t > R / 2}}``; None when the
+        directory keeps no metrics.jsonl (a run stored with its summary alone), fewer than two
+        rounds were evaluated or no client was evaluated in all of them.
 
     Raises:
         DataError: as nestfed.federation.run_files.RunFiles.read_rounds.
     """
-    lines = [ln for ln in RunFiles(run_dir).read_rounds() if ln.get("eval")]
+    files = RunFiles(run_dir)
+    if not files.metrics_path.is_file():
+        return None
+    lines = [ln for ln in files.read_rounds() if ln.get("eval")]
     if len(lines) < 2:
         return None
     common = set.intersection(*(set(ln["eval"]) for ln in lines))
