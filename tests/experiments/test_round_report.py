@@ -83,6 +83,7 @@ def test_statistics_over_seeds_and_the_last_half_against_the_reference_by_hand()
         "| fed_plora | 10.00 ± 0.00 | 10.00 ± 12.71 | 8.50 ± 6.35 | 7.95 ± 0.64 | **+22.50% [+2.48, +42.52]** |" in text
     )
     assert text.count("| prelort |") == 2 and "| old |" not in text
+    assert "mean ± 95% over seeds" in text and "one seed" in round_report.markdown(rows[::2], "prelort")
     assert round_report.markdown([{"label": "old", "seed": 0}]) == ""
     assert round_report.plot([{"label": "old", "seed": 0}]) is None
     assert round_report.plot(rows)[:8] == b"\x89PNG\r\n\x1a\n"

@@ -96,6 +96,7 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
     if on_global:
         text += (
             "\nHeld-out perplexity of the final global adapter truncated to rank r on the global held-out set "
-            "(mean ± 95% over seeds):\n\n" + seed_report.truncation_markdown(on_global)
+            f"({'mean ± 95% over seeds' if over_seeds else 'one seed'}):\n\n"
+            + seed_report.truncation_markdown(on_global)
         )
     return text + round_report.markdown(rows, reference)

@@ -183,17 +183,21 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
     ref = reference if reference in panel else next(iter(panel))
     half = last_half(rows, ref)
     n = sorted({r["by_round"]["clients"] for r in rows if r.get("by_round")})
+    over = (
+        "mean ± 95% over seeds"
+        if any(len({r["seed"] for r in g}) > 1 for g in _by_label(rows).values())
+        else "one seed"
+    )
     text = (
         f"\nHeld-out perplexity by round: mean over the {'/'.join(map(str, n))} clients evaluated in every "
-        "evaluated round, mean ± 95% over seeds; last half: the mean over the rounds after the halfway round, "
+        f"evaluated round, {over}; last half: the mean over the rounds after the halfway round, "
         f"paired against {ref} over seed x client pairs (bold: significant):\n\n"
     )
     text += _table(panel, half, ref)
     on_global = round_stats(rows, "global")
     if on_global:
         text += (
-            "\nThe global held-out set's perplexity by round (mean ± 95% over seeds; last half paired against "
-            f"{ref} over seeds):\n\n"
+            f"\nThe global held-out set's perplexity by round ({over}; last half paired against {ref} over seeds):\n\n"
         )
         text += _table(on_global, last_half(rows, ref, "global"), ref)
     return text
