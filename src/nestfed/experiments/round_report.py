@@ -183,11 +183,7 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
     ref = reference if reference in panel else next(iter(panel))
     half = last_half(rows, ref)
     n = sorted({r["by_round"]["clients"] for r in rows if r.get("by_round")})
-    over = (
-        "mean ± 95% over seeds"
-        if any(len({r["seed"] for r in g}) > 1 for g in _by_label(rows).values())
-        else "one seed"
-    )
+    over = _over_seeds(rows)
     text = (
         f"\nHeld-out perplexity by round: mean over the {'/'.join(map(str, n))} clients evaluated in every "
         f"evaluated round, {over}; last half: the mean over the rounds after the halfway round, "
@@ -201,6 +197,12 @@ def markdown(rows: list[dict[str, Any]], reference: str | None = None) -> str:
         )
         text += _table(on_global, last_half(rows, ref, "global"), ref)
     return text
+
+
+def _over_seeds(rows: list[dict[str, Any]]) -> str:
+    """What the figures are over: "mean ± 95% over seeds" when a label ran several, else "one seed"."""
+    several = any(len({r["seed"] for r in g}) > 1 for g in _by_label(rows).values())
+    return "mean ± 95% over seeds" if several else "one seed"
 
 
 def _table(
@@ -243,7 +245,7 @@ def plot(rows: list[dict[str, Any]]) -> bytes | None:
             ax.plot(list(g), [i.mean for i in g.values()], linestyle="--", color=line.get_color(), alpha=0.6)
     ax.set_xlabel("round")
     ax.set_ylabel("held-out perplexity")
-    ax.set_title("by round: clients evaluated every round (dashed: global held-out set), mean ± 95% over seeds")
+    ax.set_title(f"by round: clients evaluated every round (dashed: global held-out set), {_over_seeds(rows)}")
     ax.title.set_fontsize(9)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
