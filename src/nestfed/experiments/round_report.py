@@ -17,6 +17,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from nestfed.experiments import seed_report
 from nestfed.experiments.intervals import (
     Interval,
     PairedDifference,
@@ -73,12 +74,8 @@ def trajectory(run_dir: Path) -> dict[str, Any] | None:
 
 
 def _by_label(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
-    """The rows with a trajectory, by label in first-seen order."""
-    out: dict[str, list[dict[str, Any]]] = {}
-    for r in rows:
-        if r.get("by_round"):
-            out.setdefault(r["label"], []).append(r)
-    return out
+    """seed_report.by_label of the rows that have a trajectory."""
+    return seed_report.by_label([r for r in rows if r.get("by_round")])
 
 
 def round_stats(rows: list[dict[str, Any]], series: str = "panel") -> dict[str, dict[int, Interval]]:
