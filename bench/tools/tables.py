@@ -70,6 +70,7 @@ BENCH_RENDERERS = {
     "generation_speed": ("generation_speed", "table"),
     "quantization_memory": ("quantization_memory", "table"),
     "fedslm_ratio_budgets": ("fedslm_ratio_budgets", "table"),
+    "rank_transfer": ("rank_transfer", "table"),
 }
 
 
