@@ -35,16 +35,17 @@ About 4 minutes on one core (the 100-step settings most of it).
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
-import math
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from nestfed.experiments.intervals import mean_interval
-from nestfed.federation.messages import ClientInfo, GlobalState, Reply
+from nestfed.federation.messages import ClientInfo, GlobalState
 from nestfed.federation.strategy import LoraSettings, LoraStrategy
 from nestfed.io.atomic import write_json
 from nestfed.io.markdown import markdown_row, markdown_table
@@ -52,11 +53,14 @@ from nestfed.methods.fed_plora.strategy import FedPLoRA
 from nestfed.methods.prelort.strategy import PreLort
 from nestfed.methods.raflora.strategy import RaFLoRA
 from nestfed.methods.zeropad.strategy import ZeroPad
-from nestfed.nn.keys import merged_key, peft_key
 
-D, R, HALF = 32, 16, 16
-RANKS = [2] * 12 + [4] * 9 + [8] * 6 + [16] * 3
-KEY_A, KEY_B = peft_key("layer", "lora_A"), peft_key("layer", "lora_B")
+#: bench/studies/shared_shift.py, loaded by its path (bench/ is not a package): the layer, the clients'
+#: ranks, the initial adapter and the local training are its
+_SPEC = importlib.util.spec_from_file_location("bench_shared_shift", Path(__file__).with_name("shared_shift.py"))
+shared_shift = importlib.util.module_from_spec(_SPEC)
+_SPEC.loader.exec_module(shared_shift)
+D, R, RANKS, KEY_A, KEY_B = shared_shift.D, shared_shift.R, shared_shift.RANKS, shared_shift.KEY_A, shared_shift.KEY_B
+HALF = 16
 RULES = {"prelort": PreLort, "zeropad": ZeroPad, "raflora": RaFLoRA, "fed_plora": FedPLoRA}
 
 
@@ -71,13 +75,6 @@ def shifts(seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return out[0], out[1]
 
 
-def initial(seed: int) -> GlobalState:
-    """The global adapter: A [R, D] uniform in +-1/sqrt(D), B [D, R] zero; every client's rank in meta."""
-    g = torch.Generator().manual_seed(2 * seed + 1)
-    A = (torch.rand(R, D, generator=g) * 2 - 1) / math.sqrt(D)
-    return GlobalState({KEY_A: A, KEY_B: torch.zeros(D, R)}, {"ranks": {str(k): r for k, r in enumerate(RANKS)}})
-
-
 def inputs(n: int, sees_skill: bool, g: torch.Generator) -> torch.Tensor:
     """x: [n, D], N(0, I) on the first half; with ``sees_skill`` the second half of the rows on the last half."""
     x = torch.zeros(n, D)
@@ -86,28 +83,6 @@ def inputs(n: int, sees_skill: bool, g: torch.Generator) -> torch.Tensor:
         x[n // 2 :] = 0.0
         x[n // 2 :, HALF:] = torch.randn(n - n // 2, HALF, generator=g)
     return x
-
-
-def train(
-    payload: dict, subranks: list[int], T: torch.Tensor, sees_skill: bool, steps: int, lr: float, seed: int
-) -> Reply:
-    """Adam on the payload's trainable A [r, D], B [D, r] against T, its frozen fold added.
-
-    The loss is the mean over ``subranks`` of the loss of the rank-p prefix (one entry: plain LoRA).
-    """
-    a, b = payload[KEY_A].clone().requires_grad_(), payload[KEY_B].clone().requires_grad_()
-    fold = torch.zeros(D, D)
-    if merged_key("layer", "A") in payload:
-        fold = payload[merged_key("layer", "B")] @ payload[merged_key("layer", "A")]
-    opt = torch.optim.Adam([a, b], lr=lr)
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = inputs(64, sees_skill, g)
-        loss = sum(((x @ (fold + b[:, :p] @ a[:p]).T - x @ T.T) ** 2).mean() for p in subranks) / len(subranks)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-    return Reply({KEY_A: a.detach(), KEY_B: b.detach()}, num_examples=16)
 
 
 def errors(strategy: LoraStrategy, state: GlobalState, cid: int | None, T: torch.Tensor) -> tuple[float, float]:
@@ -121,21 +96,21 @@ def federate(rule: str, seed: int, rounds: int, steps: int, lr: float, skill_ran
     """``rounds`` rounds of ``rule`` over the 30 clients; one record per round (round 0: before training)."""
     strategy = RULES[rule](LoraSettings(r_max=R, lora_alpha=float(R)))
     T = sum(shifts(seed))
-    state = initial(seed)
+    state = shared_shift.initial(2 * seed + 1)
     low = RANKS.index(2)
     records = []
     for rnd in range(rounds + 1):
         if rnd:
             instructions = strategy.configure(rnd, state, [ClientInfo(k, r, 16) for k, r in enumerate(RANKS)])
             replies = {
-                k: train(
+                k: shared_shift.train(
                     ins.arrays,
                     ins.config.get("subranks", [ins.arrays[KEY_A].shape[0]]),
                     T,
-                    RANKS[k] >= skill_rank,
                     steps,
                     lr,
                     seed=100_000 * seed + 1000 * rnd + k,
+                    sample=partial(inputs, 64, RANKS[k] >= skill_rank),
                 )
                 for k, ins in instructions.items()
             }

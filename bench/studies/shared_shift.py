@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -55,17 +56,26 @@ def target() -> torch.Tensor:
     return torch.outer(u, v) / (u.norm() * v.norm())
 
 
-def initial() -> GlobalState:
+def initial(seed: int = 1) -> GlobalState:
     """The global adapter: A [R, D] uniform in +-1/sqrt(D), B [D, R] zero; every client's rank in meta."""
-    g = torch.Generator().manual_seed(1)
+    g = torch.Generator().manual_seed(seed)
     A = (torch.rand(R, D, generator=g) * 2 - 1) / math.sqrt(D)
     return GlobalState({KEY_A: A, KEY_B: torch.zeros(D, R)}, {"ranks": {str(k): r for k, r in enumerate(RANKS)}})
 
 
-def train(payload: dict, subranks: list[int], T: torch.Tensor, steps: int, lr: float, seed: int) -> Reply:
+def train(
+    payload: dict,
+    subranks: list[int],
+    T: torch.Tensor,
+    steps: int,
+    lr: float,
+    seed: int,
+    sample: Callable[[torch.Generator], torch.Tensor] | None = None,
+) -> Reply:
     """Adam on the payload's trainable A [r, D], B [D, r] against T (its frozen fold added).
 
-    The loss is the mean over ``subranks`` of the loss of the rank-p prefix (one entry: plain LoRA).
+    The loss is the mean over ``subranks`` of the loss of the rank-p prefix (one entry: plain LoRA),
+    on a batch x [64, D] a step from ``sample`` (default: N(0, I)).
     """
     a, b = payload[KEY_A].clone().requires_grad_(), payload[KEY_B].clone().requires_grad_()
     fold = torch.zeros(D, D)
@@ -74,7 +84,7 @@ def train(payload: dict, subranks: list[int], T: torch.Tensor, steps: int, lr: f
     opt = torch.optim.Adam([a, b], lr=lr)
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
-        x = torch.randn(64, D, generator=g)
+        x = torch.randn(64, D, generator=g) if sample is None else sample(g)
         loss = sum((((x @ (fold + b[:, :p] @ a[:p]).T) - x @ T.T) ** 2).mean() for p in subranks) / len(subranks)
         opt.zero_grad()
         loss.backward()
