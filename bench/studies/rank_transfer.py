@@ -21,8 +21,8 @@ own `aggregate`. Each payload is the strategy's own `configure` and what a clien
 Reported per rule and round, for what a rank-2 client runs (``deploy(state, cid)``):
 ``skill`` = ||(s B A - T) P_skill||_F / ||T_skill||_F, its error on the skill inputs (1: the
 skill is absent, 0: learned), and ``own`` the same on its own inputs; and ``skill_full`` for the
-full global adapter (``deploy(state)``). A rank-2 client training alone never learns the skill
-(``skill`` stays 1 by construction: its data never reach those coordinates). Each seed draws the
+full global adapter (``deploy(state)``). A rank-2 client training alone never learns the skill:
+its data never reach those inputs, so its error there stays at 1 or above (1.10 after 100 steps). Each seed draws the
 shifts, the initial A and the clients' data afresh; the table gives the mean ± the 95% t half width
 over seeds. Prints one JSON line per (steps, rule, seed) and the table; ``--json`` writes all::
 
@@ -149,6 +149,10 @@ def main() -> None:
     p.add_argument("--rules", nargs="+", default=list(RULES), choices=list(RULES))
     p.add_argument("--json", type=Path, default=None, help="write every run and the settings here")
     args = p.parse_args()
+    if args.skill_rank not in RANKS or args.skill_rank <= 2:
+        p.error(f"--skill-rank must be one of the ranks above 2 ({sorted(set(RANKS) - {2})}), got {args.skill_rank}")
+    if min(args.rounds, *args.steps, args.seeds) < 1:
+        p.error("--rounds, --steps and --seeds must be >= 1")
     torch.set_num_threads(1)
     t0 = time.perf_counter()
     runs = []
